@@ -1,0 +1,39 @@
+# Two commands on a fresh machine:  make train  /  make test
+# Both create and reuse .venv/ in the repo root.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+CONFIG ?= configs/char_gpt.yaml
+ARGS ?=
+
+.PHONY: train test bench clean-venv
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+# Core install: everything `make train` needs (no torch).
+$(VENV)/.core: pyproject.toml | $(VENV)/bin/python
+	$(PIP) install --quiet -e .
+	touch $@
+
+# Test install: the torch bridge, HF conversion and test tools. Torch comes first so that the CPU
+# build is chosen where no GPU is present (an unpinned torch would pull several GB of CUDA packages).
+$(VENV)/.dev: $(VENV)/.core tools/install_torch.sh
+	sh tools/install_torch.sh $(PY)
+	$(PIP) install --quiet -e ".[torch,hf,dev]"
+	touch $@
+
+train: $(VENV)/.core
+	$(VENV)/bin/functrain train $(CONFIG) $(ARGS)
+
+test: $(VENV)/.dev
+	$(PY) -m pytest -n 2 --dist loadfile tests
+
+bench: $(VENV)/.dev
+	for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,19 @@
+"""functrain: a pure-functional training library for JAX/Flax.
+
+The public surface: :class:`TrainState`, :func:`make_train_step`, :func:`make_eval_step`,
+:func:`make_train_call` and :func:`fit`; data order in :mod:`functrain.data`, checkpoints in
+:mod:`functrain.checkpoint`. ``import functrain`` never imports torch.
+"""
+
+from functrain.state import TrainState
+from functrain.step import make_eval_step, make_train_call, make_train_step
+
+
+def fit(config, callbacks=None, **overrides):
+    """Train as ``config`` says (see :func:`functrain.loop.fit`); imported lazily to keep import light."""
+    from functrain.loop import fit as _fit
+    return _fit(config, callbacks=callbacks, **overrides)
+
+
+__all__ = ["TrainState", "fit", "make_eval_step", "make_train_call", "make_train_step"]
+__version__ = "0.1.0"

@@ -1,0 +1,125 @@
+"""The JAX backend: builds the sharded TrainState and the compiled train and eval calls for the loop.
+
+The loop never sees jax directly; it calls this object (or the torch bridge's, with the same methods):
+``init_state``, ``restore_targets``, ``state_to_items``, ``state_from_items``, ``place``, ``train_call``,
+``eval_batch``, ``to_host`` and ``describe``.
+"""
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from functrain import sharding
+from functrain.data import batch_sharding, to_global
+from functrain.errors import ConfigError
+from functrain.optim import make_optimizer
+from functrain.precision import COMPUTE_DTYPES, LOSS_SCALE_INIT
+from functrain.state import TrainState
+from functrain.step import make_eval_step, make_train_call, make_train_step
+from functrain.tasks import Task
+
+# TrainState fields saved in the checkpoint's "state" item (params are an item of their own).
+STATE_FIELDS = ("step", "opt_state", "rng", "model_state", "loss_scale", "good_steps", "skipped_steps")
+
+
+def _with_shardings(abstract: Any, shardings: Any) -> Any:
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+
+
+class JaxBackend:
+    """Everything device-side for one run: mesh, shardings, compiled calls."""
+
+    name = "jax"
+
+    def __init__(self, config: Any, task: Task, total_steps: int) -> None:
+        self.config = config
+        self.task = task
+        self.mesh = sharding.make_mesh(config.mesh)
+        devices = sharding.batch_devices(self.mesh)
+        micro = config.train.micro_batches
+        if config.data.global_batch_size % (micro * devices):
+            raise ConfigError(
+                f"data.global_batch_size={config.data.global_batch_size} is not divisible by train.micro_batches "
+                f"({micro}) x data-parallel devices ({devices}); use a multiple of {micro * devices}")
+        compute_dtype = COMPUTE_DTYPES[config.train.compute_dtype]
+        dynamic_scale = config.train.loss_scale == "dynamic"
+        tx, self.schedule = make_optimizer(config.optimizer, total_steps)
+        self.tx = tx
+        train_step = make_train_step(
+            task.loss_fn, tx, micro_batches=micro, clip_norm=config.train.clip_norm,
+            nonfinite=config.train.nonfinite, compute_dtype=compute_dtype, dynamic_loss_scale=dynamic_scale,
+            learning_rate_fn=self.schedule)
+        eval_step = make_eval_step(task.eval_loss_fn, compute_dtype=compute_dtype)
+
+        def create_state(seed: jax.Array) -> TrainState:
+            init_key, run_key = jax.random.split(jax.random.PRNGKey(seed))
+            return TrainState.create(task.init_params(init_key), tx, run_key,
+                                     loss_scale=LOSS_SCALE_INIT if dynamic_scale else 1.0)
+
+        self.abstract_state = jax.eval_shape(create_state, 0)
+        rules = sharding.logical_rules(config.mesh)
+        self.param_shardings = sharding.param_shardings(
+            task.logical_specs(), self.abstract_state.params, self.mesh, rules,
+            allow_replicated_fallback=config.mesh.allow_replicated_fallback)
+        self.state_shardings = sharding.state_shardings(self.abstract_state, self.param_shardings, self.mesh)
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        self.stacked_batch_sharding = batch_sharding(self.mesh, batch_axis=1)
+        self.batch_sharding = batch_sharding(self.mesh, batch_axis=0)
+        # State goes straight into its shardings: no full copy on one device first.
+        self._create = jax.jit(create_state, static_argnums=0, out_shardings=self.state_shardings)
+        self._train_call = jax.jit(make_train_call(train_step), donate_argnums=0,
+                                   in_shardings=(self.state_shardings, self.stacked_batch_sharding),
+                                   out_shardings=(self.state_shardings, replicated))
+        self._eval_step = jax.jit(eval_step, in_shardings=(self.state_shardings, self.batch_sharding),
+                                  out_shardings=replicated)
+
+    def init_state(self) -> TrainState:
+        """A fresh step-0 state from the config's seed, created in its shardings."""
+        return self._create(self.config.seed)
+
+    def restore_targets(self) -> dict[str, Any]:
+        """Abstract checkpoint items with the current shardings (so a restore lands on this mesh)."""
+        targets = _with_shardings(self.abstract_state, self.state_shardings)
+        return {"params": targets.params, "state": {name: getattr(targets, name) for name in STATE_FIELDS}}
+
+    def state_to_items(self, state: TrainState) -> dict[str, Any]:
+        """The checkpoint items of ``state``."""
+        return {"params": state.params, "state": {name: getattr(state, name) for name in STATE_FIELDS}}
+
+    def state_from_items(self, items: dict[str, Any], fresh: TrainState) -> TrainState:
+        """Rebuild a state from restored items; without a ``state`` item the optimizer starts fresh."""
+        params = items["params"]
+        if items.get("state") is None:
+            with_fresh_optimizer = jax.jit(lambda p, s: s.replace(params=p, opt_state=self.tx.init(p)),
+                                           out_shardings=self.state_shardings)
+            return with_fresh_optimizer(params, fresh)
+        saved = items["state"]
+        return fresh.replace(params=params, **{name: saved[name] for name in STATE_FIELDS if name in saved})
+
+    def place(self, host_batches: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Host batches ``[K, B_local, ...]`` -> global arrays sharded over the batch axes."""
+        return to_global(host_batches, self.stacked_batch_sharding, batch_axis=1)
+
+    def train_call(self, state: TrainState, batches: dict[str, jax.Array]) -> tuple[TrainState, dict]:
+        """Run ``K`` steps (asynchronously dispatched); metrics stay on device."""
+        return self._train_call(state, batches)
+
+    def eval_batch(self, state: TrainState, host_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Metric sums of one evaluation batch ``[B_local, ...]``."""
+        return self._eval_step(state, to_global(host_batch, self.batch_sharding, batch_axis=0))
+
+    @staticmethod
+    def to_host(tree: Any) -> Any:
+        """Materialise device values as numpy (blocks until they are computed)."""
+        return jax.tree.map(np.asarray, jax.device_get(tree))
+
+    @staticmethod
+    def step_of(state: TrainState) -> int:
+        """The state's step as a Python int (blocks)."""
+        return int(jax.device_get(state.step))
+
+    def describe(self) -> str:
+        """Mesh, shardings of the largest parameters and state bytes per device (startup log)."""
+        return sharding.describe(self.abstract_state, self.state_shardings, self.mesh)

@@ -1,0 +1,161 @@
+"""Read committed checkpoints back: meta, shape checks, arrays onto the current mesh, fallback.
+
+Everything here only reads. A step that cannot be read (truncated or missing files, unreadable
+meta) is *damaged*: ``restore_newest`` logs one warning naming it and tries the previous step, once
+per step, so it never loops. A step that reads fine but does not fit the model (shapes, paths) or was
+written by a newer format is *incompatible*: that is a ``CheckpointError`` at once, never a fallback.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Mapping
+
+import jax
+import orbax.checkpoint as ocp
+
+from functrain.checkpoint import compat, layout
+from functrain.checkpoint.meta import check_format_version
+from functrain.errors import CheckpointError
+
+log = logging.getLogger("functrain.checkpoint")
+
+#: ``targets`` maps an item name ("params", "state") to an abstract tree, or to ``None`` for
+#: "whatever was saved, as numpy arrays". Leaves that are ``jax.ShapeDtypeStruct`` with a sharding
+#: restore as ``jax.Array`` on that sharding (any mesh); other leaves restore as ``np.ndarray``.
+Targets = Mapping[str, Any]
+
+
+class DamagedCheckpoint(Exception):
+    """A committed step that cannot be read back; ``reason`` says what broke."""
+
+    def __init__(self, step_path: Path, reason: str):
+        super().__init__(f"{step_path}: {reason}")
+        self.step_path = step_path
+        self.reason = reason
+
+
+def short_reason(error: BaseException) -> str:
+    """One short line describing ``error``."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    text = text if len(text) <= 160 else text[:157] + "..."
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def read_meta(step_path: Path) -> dict:
+    """The JSON meta item of one step; ``DamagedCheckpoint`` if missing or unreadable."""
+    handler = ocp.JsonCheckpointHandler()
+    try:
+        meta = handler.restore(step_path / layout.META, args=ocp.args.JsonRestore())
+    except Exception as error:  # any read / decode failure means the step is not usable
+        raise DamagedCheckpoint(step_path, f"unreadable meta ({short_reason(error)})") from error
+    finally:
+        handler.close()
+    if not isinstance(meta, dict):
+        raise DamagedCheckpoint(step_path, "meta is not a JSON object")
+    return meta
+
+
+def saved_tree_metadata(step_path: Path, item: str) -> Any:
+    """Orbax's metadata tree (shapes, dtypes, saved shardings) of one item; ``DamagedCheckpoint`` if unreadable."""
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+        return handler.metadata(step_path / item).tree
+    except Exception as error:
+        raise DamagedCheckpoint(step_path, f"unreadable {item} metadata ({short_reason(error)})") from error
+    finally:
+        handler.close()
+
+
+def _numpy_target(metadata_tree: Any) -> Any:
+    """An abstract target that restores the saved tree as numpy arrays on this host."""
+    return jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), metadata_tree)
+
+
+def _restore_item(step_path: Path, item: str, target: Any) -> Any:
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+        restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+        return handler.restore(step_path / item,
+                               args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args))
+    except Exception as error:
+        raise DamagedCheckpoint(step_path, f"unreadable {item} ({short_reason(error)})") from error
+    finally:
+        handler.close()
+
+
+def check_compatible(step_path: Path, targets: Targets) -> dict[str, Any]:
+    """Compare saved shapes/dtypes/paths with ``targets``; return the metadata tree of each item to read.
+
+    Items in ``targets`` that the checkpoint lacks are skipped, except "params" (damaged without it).
+    Raises ``CheckpointError`` listing every mismatched path with both shapes; reads no arrays.
+    """
+    trees, problems = {}, []
+    for item, target in targets.items():
+        if not (step_path / item).is_dir():
+            if item == layout.PARAMS:
+                raise DamagedCheckpoint(step_path, "no params item")
+            continue  # e.g. a converted HF model has no optimizer state: start it fresh
+        trees[item] = saved_tree_metadata(step_path, item)
+        if target is not None:
+            problems += compat.mismatches(item, compat.flat_shapes(trees[item]), compat.flat_shapes(target))
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {step_path} does not fit this model ({len(problems)} differences): "
+            f"{compat.summarize(problems)}; use the model config it was trained with, or a new run.dir")
+    return trees
+
+
+def restore_step(step_path: Path, targets: Targets) -> tuple[dict, dict]:
+    """Read one committed step onto ``targets``: ``(items, meta)``.
+
+    Raises ``DamagedCheckpoint`` if it cannot be read, ``CheckpointError`` if it does not fit.
+    """
+    meta = read_meta(step_path)
+    check_format_version(meta, str(step_path))
+    trees = check_compatible(step_path, targets)
+    items = {}
+    for item, saved_tree in trees.items():
+        target = targets[item] if targets[item] is not None else _numpy_target(saved_tree)
+        items[item] = _restore_item(step_path, item, target)
+    return items, meta
+
+
+def restore_newest(ckpt_dir: Path, targets: Targets, step: str | int = "auto"
+                   ) -> tuple[dict, dict, int] | None:
+    """Restore ``step`` ("auto": the newest step that reads cleanly; an int: exactly that step).
+
+    Returns ``(items, meta, step)``, or ``None`` for "never" or when no step was ever committed.
+    """
+    if step == "never":
+        return None
+    steps = layout.committed_steps(ckpt_dir)
+    if isinstance(step, bool) or not (step == "auto" or isinstance(step, int)):
+        raise CheckpointError(f"checkpoint.resume must be 'auto', 'never' or a step number, got {step!r}")
+    if isinstance(step, int):
+        if step not in steps:
+            raise CheckpointError(f"no checkpoint for step {step} in {ckpt_dir} (steps there: "
+                                  f"{_steps_text(steps)}); pick one of them or use checkpoint.resume=auto")
+        try:
+            return (*restore_step(layout.step_dir(ckpt_dir, step), targets), step)
+        except DamagedCheckpoint as damaged:
+            raise CheckpointError(f"checkpoint step {step} in {ckpt_dir} is damaged ({damaged.reason}); "
+                                  f"resume from another step or use checkpoint.resume=auto") from damaged
+    first_damage = None
+    for candidate in reversed(steps):
+        try:
+            return (*restore_step(layout.step_dir(ckpt_dir, candidate), targets), candidate)
+        except DamagedCheckpoint as damaged:
+            first_damage = first_damage or f"step {candidate}: {damaged.reason}"
+            if jax.process_index() == 0:
+                log.warning("checkpoint step %d in %s is damaged (%s); falling back to the previous one",
+                            candidate, ckpt_dir, damaged.reason)
+    if steps:
+        raise CheckpointError(f"all {len(steps)} checkpoints in {ckpt_dir} are damaged (newest {first_damage}); "
+                              f"move them away, or start over with a new run.dir")
+    return None
+
+
+def _steps_text(steps: list[int]) -> str:
+    return ", ".join(str(s) for s in steps) if steps else "none"

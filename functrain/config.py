@@ -1,0 +1,256 @@
+"""Typed run configuration: YAML files, dotted command-line overrides, one-line errors.
+
+``load_config("configs/char_gpt.yaml", ["train.max_steps=100"])`` returns a validated :class:`Config`.
+Unknown keys and wrong types raise :class:`~functrain.errors.ConfigError` naming the key (and, for a
+misspelt key, the nearest valid one). The ``model`` section is checked by the chosen model's own schema.
+"""
+
+import difflib
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import pydantic
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from functrain.errors import ConfigError
+
+
+class Section(BaseModel):
+    """A config section: unknown keys are errors, values are validated on assignment too."""
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(Section):
+    dir: str = "runs/default"
+
+
+class DataConfig(Section):
+    name: str = "char_text"
+    path: str | None = None
+    seq_len: int = Field(128, ge=1)
+    global_batch_size: int = Field(32, ge=1)
+    seed: int | None = None  # None: the run's seed
+    shuffle: bool = True
+    last_batch: Literal["drop", "pad"] = "drop"
+    ignore_skip: bool = False
+    skip_samples: int | None = Field(None, ge=0)
+    prefetch: int = Field(2, ge=0)
+    eval_fraction: float = Field(0.1, ge=0.0, lt=1.0)
+
+
+class OptimizerConfig(Section):
+    name: Literal["adamw", "sgd"] = "adamw"
+    learning_rate: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    momentum: float = 0.0
+    nesterov: bool = False
+    schedule: Literal["constant", "cosine", "linear"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    end_lr_ratio: float = Field(0.0, ge=0)
+
+
+class TrainConfig(Section):
+    max_steps: int | None = Field(None, ge=1)
+    epochs: float | None = Field(None, gt=0)
+    micro_batches: int = Field(1, ge=1)
+    steps_per_call: int = Field(1, ge=1)
+    clip_norm: float | None = Field(None, gt=0)
+    nonfinite: Literal["skip", "stop"] = "skip"
+    compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    loss_scale: Literal["none", "dynamic"] = "none"
+
+
+class CheckpointConfig(Section):
+    every_steps: int = Field(0, ge=0)  # 0: only at the end (and on SIGTERM)
+    keep: int = Field(3, ge=1)
+    keep_best: int = Field(0, ge=0)
+    best_metric: str = "eval/loss"
+    best_mode: Literal["min", "max"] = "min"
+    resume: Literal["auto", "never"] | int = "auto"
+    async_save: bool = True
+    on_error: Literal["stop", "warn"] = "stop"
+
+
+class MeshConfig(Section):
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+    rules: dict[str, str | list[str] | None] | None = None  # None: the defaults in functrain.sharding
+    allow_replicated_fallback: bool = False
+
+
+class LogConfig(Section):
+    every_steps: int = Field(10, ge=1)
+    progress: bool = True
+    tensorboard: bool = True
+
+
+class EvalConfig(Section):
+    every_steps: int = Field(0, ge=0)  # 0: no periodic evaluation (one at the end if there is eval data)
+    max_batches: int | None = Field(None, ge=1)
+    early_stopping_metric: str | None = None  # e.g. "eval/loss"
+    early_stopping_patience: int = Field(3, ge=1)
+    early_stopping_mode: Literal["min", "max"] = "min"
+    early_stopping_min_delta: float = Field(0.0, ge=0)
+
+
+class Config(Section):
+    """The whole run configuration; ``model`` holds the chosen model's own validated config."""
+    seed: int = 0
+    backend: Literal["jax", "torch"] = "jax"
+    run: RunConfig = RunConfig()
+    model: Any = None
+    data: DataConfig = DataConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    train: TrainConfig = TrainConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    mesh: MeshConfig = MeshConfig()
+    log: LogConfig = LogConfig()
+    eval: EvalConfig = EvalConfig()
+
+    @pydantic.field_validator("model", mode="before")
+    @classmethod
+    def _validate_model(cls, value: Any) -> Any:
+        from functrain.models import model_config_class  # the registry imports model code lazily
+        if isinstance(value, BaseModel):
+            return value
+        if not isinstance(value, dict) or "name" not in value:
+            raise ValueError("the model section needs a 'name' (one of the registered models)")
+        return model_config_class(value["name"]).model_validate(value)
+
+    @pydantic.model_validator(mode="after")
+    def _check_intervals(self) -> "Config":
+        k = self.train.steps_per_call
+        for key, every in (("log.every_steps", self.log.every_steps),
+                           ("eval.every_steps", self.eval.every_steps),
+                           ("checkpoint.every_steps", self.checkpoint.every_steps)):
+            if every and every % k:
+                raise ValueError(f"{key}={every} is not a multiple of train.steps_per_call={k}: intervals fall "
+                                 f"on call boundaries; use a multiple of {k} for {key}")
+        if self.data.global_batch_size % self.train.micro_batches:
+            raise ValueError(f"data.global_batch_size={self.data.global_batch_size} is not divisible by "
+                             f"train.micro_batches={self.train.micro_batches}")
+        if self.train.loss_scale == "dynamic" and self.train.compute_dtype != "float16":
+            raise ValueError("train.loss_scale=dynamic is for train.compute_dtype=float16; set one or the other")
+        return self
+
+    def to_dict(self) -> dict:
+        """The resolved config as plain data (what ``config.yaml`` in the run directory holds)."""
+        return self.model_dump(mode="json")
+
+    def digest(self) -> str:
+        """SHA-256 of the resolved config, recorded in checkpoints."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
+
+
+def _all_keys(schema: type[BaseModel], prefix: str = "") -> list[str]:
+    """Every dotted key a schema accepts (for 'did you mean' suggestions)."""
+    keys = []
+    for name, field in schema.model_fields.items():
+        keys.append(prefix + name)
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            keys.extend(_all_keys(annotation, prefix + name + "."))
+    return keys
+
+
+def _suggest(key: str, model_name: str | None) -> str:
+    valid = _all_keys(Config)
+    if model_name:
+        from functrain.models import model_config_class
+        try:
+            valid += _all_keys(model_config_class(model_name), "model.")
+        except ValueError:
+            pass
+    match = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    return f"; did you mean '{match[0]}'?" if match else ""
+
+
+def _format_validation_error(error: pydantic.ValidationError, raw: dict) -> str:
+    """One line for the first problem: the dotted key, what is wrong and the nearest valid key."""
+    first = error.errors()[0]
+    key = ".".join(str(part) for part in first["loc"] if not str(part).startswith("function-"))
+    model_name = raw.get("model", {}).get("name") if isinstance(raw.get("model"), dict) else None
+    if first["type"] == "extra_forbidden":
+        return f"unknown config key '{key}'{_suggest(key, model_name)}"
+    message = first["msg"].removeprefix("Value error, ")
+    if first["type"] in ("value_error", "assertion_error") and not key:
+        return f"invalid config: {message}"
+    given = first.get("input")
+    given_text = "" if isinstance(given, (dict, BaseModel)) else f" (got {given!r})"
+    return f"config key '{key or 'model'}': {message}{given_text}"
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``a.b.c=value`` -> (["a", "b", "c"], value parsed as YAML)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {text!r} is not of the form dotted.key=value")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else None
+    except yaml.YAMLError:
+        parsed = value
+    return key.strip().split("."), parsed
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Apply dotted ``key=value`` overrides to a nested dict (in a copy)."""
+    merged = json.loads(json.dumps(raw))
+    for text in overrides:
+        path, value = parse_override(text)
+        node = merged
+        for part in path[:-1]:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = node[part] = {}
+            node = child
+        node[path[-1]] = value
+    return merged
+
+
+def read_yaml(path: str | Path) -> dict:
+    """Read a YAML mapping; a missing file or malformed YAML is a one-line ConfigError."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist; pass the path of a YAML file "
+                          f"(see configs/)")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or "malformed YAML"
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML{where}: {problem}; fix the file") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys, not {type(raw).__name__}")
+    return raw
+
+
+def validate_config(raw: dict) -> Config:
+    """Validate a nested dict into a :class:`Config`, or raise a one-line ConfigError."""
+    try:
+        return Config.model_validate(raw)
+    except pydantic.ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc, raw)) from None
+    except ValueError as exc:  # the model registry's unknown-name error
+        raise ConfigError(str(exc)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                base: dict | None = None) -> Config:
+    """Load ``path`` (or start from ``base``), apply ``overrides`` and validate."""
+    raw = read_yaml(path) if path is not None else dict(base or {})
+    return validate_config(apply_overrides(raw, list(overrides or [])))
+
+
+def override_list(overrides: dict[str, Any]) -> list[str]:
+    """``{"train.max_steps": 5}`` -> ``["train.max_steps=5"]`` (for ``fit(config, **overrides)``)."""
+    return [f"{key}={json.dumps(value)}" for key, value in overrides.items()]

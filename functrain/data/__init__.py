@@ -1,0 +1,54 @@
+"""Data: a batch is a pure function of ``(seed, position)``.
+
+*Position* is the number of samples consumed from the infinite sample stream. Stream index ``g`` is in epoch
+``g // N`` and maps to a record through a permutation of ``[0, N)`` keyed by ``(seed, epoch)`` (grain's
+O(1)-memory index shuffle). Resuming is arithmetic, never a replay; the global batch sequence is the same for
+any number of processes or devices and continues at the exact sample when the batch size changes.
+
+Public API::
+
+    IndexSampler(num_records, global_batch_size, seed, shuffle=True, last_batch="drop" | "pad")
+        .order(global_index) -> int                  # record at stream index g
+        .record_indices(positions: ndarray) -> ndarray  # vectorised order
+        .batch_at(position) -> (record_indices [B], weights [B] float32, next_position)
+        .batch_positions(position) -> (stream_indices [B], weights [B], next_position)
+        .batch_indices(step) -> record_indices [B]   # research code: fixed batch size from position 0
+        .position_of_step(step) -> int
+        .steps_per_epoch, .epoch_of(position), .batch_start(position), .steps_until_epoch(position, epoch)
+
+    ArraySource({"x": x, "y": y})                    # arrays or memmaps; batched fancy-index gather
+    RecordSource(dataset, keys=None)                 # torch / HF / grain map-style dataset adapter
+    as_source(data, keys=None) -> Source
+
+    transform(record: dict, rng: np.random.Generator) -> dict   # rng = sample_rng(seed, stream_index)
+
+    BatchLoader(source, sampler, process_index=0, process_count=1, transform=None, prefetch=2)
+        .host_batch(position) -> (batch [B/P, ...] with "weight", next_position)
+        .iter_from(position, steps_per_call=K, num_steps=None, place=None)
+            -> closeable iterator of (host_batch [K, B/P, ...], start_position, end_position)
+
+    to_global(host_batch, sharding_or_mesh, batch_axis=1) -> pytree of jax.Array
+    batch_sharding(mesh, batch_axis=1, mesh_axes=None) -> NamedSharding
+
+    check_resume(meta, num_records, seed, ignore_skip, skip_samples=None)   # raises DataError on mismatch
+    resume_position(meta, ignore_skip, skip_samples) -> position
+    data_meta(sampler, position, previous=None) -> dict for the checkpoint meta
+
+Batches never straddle epochs: ``last_batch="drop"`` skips an epoch's tail shorter than a batch (the position
+jumps to the next epoch); ``"pad"`` fills it from the start of that epoch's order with weight 0.
+Bad input raises :class:`functrain.errors.DataError` with one line naming the problem and the fix.
+"""
+
+from functrain.data.global_array import batch_sharding, to_global
+from functrain.data.loader import BatchLoader
+from functrain.data.prefetch import BackgroundIterator
+from functrain.data.resume import check_resume, data_meta, resume_position
+from functrain.data.sampler import IndexSampler
+from functrain.data.sources import ArraySource, RecordSource, Source, as_source, stack_records
+from functrain.data.transforms import Transform, apply_transform, sample_rng
+
+__all__ = [
+    "ArraySource", "BackgroundIterator", "BatchLoader", "IndexSampler", "RecordSource", "Source", "Transform",
+    "apply_transform", "as_source", "batch_sharding", "check_resume", "data_meta", "resume_position",
+    "sample_rng", "stack_records", "to_global",
+]

@@ -1,0 +1,75 @@
+"""Turn each process's slice of a batch into one global ``jax.Array`` sharded along the batch axis.
+
+Each process holds rows ``[p*B/P, (p+1)*B/P)``; ``jax.make_array_from_process_local_data`` places them on the
+process's devices. That is right only when the mesh gives process ``p`` exactly those rows, which holds for
+meshes whose device order is process-major (``jax.make_mesh``, ``mesh_utils.create_device_mesh``); anything
+else is reported instead of silently mixing up samples.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
+
+from functrain.errors import DataError
+
+# Mesh axes the batch is split over when a mesh (not a sharding) is given; FSDP shards the batch too.
+BATCH_MESH_AXES = ("data", "fsdp")
+
+
+def batch_sharding(mesh: Mesh, batch_axis: int = 1, mesh_axes: Sequence[str] | None = None) -> NamedSharding:
+    """The sharding that splits array axis ``batch_axis`` over ``mesh_axes`` (default: those of
+    ``("data", "fsdp")`` in the mesh, or all mesh axes if it has neither) and replicates the rest."""
+    if mesh_axes is None:
+        mesh_axes = tuple(name for name in BATCH_MESH_AXES if name in mesh.axis_names) or tuple(mesh.axis_names)
+    return NamedSharding(mesh, PartitionSpec(*([None] * batch_axis), tuple(mesh_axes)))
+
+
+@functools.lru_cache(maxsize=64)
+def _check_process_rows(sharding: Sharding, global_shape: tuple[int, ...], batch_axis: int) -> None:
+    """Raise unless this process's devices hold exactly its contiguous block of batch rows."""
+    process, processes = jax.process_index(), jax.process_count()
+    rows = set()
+    for index in sharding.addressable_devices_indices_map(global_shape).values():
+        rows.update(range(global_shape[batch_axis])[index[batch_axis]])
+    local = global_shape[batch_axis] // processes
+    expected = set(range(process * local, (process + 1) * local))
+    if rows != expected:
+        raise DataError(
+            f"the batch sharding gives process {process} batch rows {min(rows)}..{max(rows)} ({len(rows)} rows) "
+            f"but its data slice is rows {process * local}..{(process + 1) * local - 1}; shard the batch over "
+            f"a mesh with process-major device order (jax.make_mesh) and split it across all processes")
+
+
+def to_global(host_batch: Any, sharding_or_mesh: Sharding | Mesh, batch_axis: int = 1) -> Any:
+    """Assemble this process's ``host_batch`` (a pytree of numpy arrays) into global ``jax.Array`` s.
+
+    Args:
+      host_batch: this process's rows, e.g. a :class:`BatchLoader` call ``[K, B/P, ...]``.
+      sharding_or_mesh: the sharding for every leaf, or a mesh (then :func:`batch_sharding` is used).
+      batch_axis: the axis holding batch rows: 1 for stacked ``[K, B/P, ...]`` calls, 0 for one batch.
+
+    The global batch axis is ``process_count`` times the local one; with one process this is a plain
+    sharded ``device_put``.
+    """
+    if isinstance(sharding_or_mesh, Mesh):
+        sharding = batch_sharding(sharding_or_mesh, batch_axis)
+    else:
+        sharding = sharding_or_mesh
+    processes = jax.process_count()
+
+    def place(local: Any) -> jax.Array:
+        local = np.asarray(local)
+        global_shape = list(local.shape)
+        global_shape[batch_axis] *= processes
+        global_shape = tuple(global_shape)
+        if processes > 1:
+            _check_process_rows(sharding, global_shape, batch_axis)
+        return jax.make_array_from_process_local_data(sharding, local, global_shape)
+
+    return jax.tree.map(place, host_batch)

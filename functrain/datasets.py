@@ -1,0 +1,104 @@
+"""Bundled and file-backed datasets: nothing to download.
+
+- ``digits``: scikit-learn's bundled 8x8 digits (1797 images, 10 classes), features scaled to [0, 1].
+- ``char_text``: byte-level text from the Python documentation that ships with Python
+  (``pydoc_data.topics``), or any UTF-8 text file given as ``data.path``; records are windows of
+  ``seq_len + 1`` bytes.
+- ``array_file``: a ``.npz`` file with ``x``/``y`` (classification) or ``tokens`` (language modelling).
+
+Each loader returns ``(train, eval)`` as dicts of numpy arrays with a leading record dimension; the
+evaluation split is the last ``data.eval_fraction`` of the records, so it never depends on the seed.
+"""
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from functrain.errors import DataError
+
+Arrays = dict[str, np.ndarray]
+
+
+def _split(arrays: Arrays, eval_fraction: float) -> tuple[Arrays, Arrays]:
+    num_records = len(next(iter(arrays.values())))
+    num_eval = int(round(num_records * eval_fraction))
+    cut = num_records - num_eval
+    return ({k: v[:cut] for k, v in arrays.items()}, {k: v[cut:] for k, v in arrays.items()})
+
+
+def _digits(data_config: Any) -> Arrays:
+    from sklearn.datasets import load_digits
+    digits = load_digits()
+    # The bundled file is ordered by writer; a fixed permutation mixes writers into both splits.
+    order = np.random.default_rng(0).permutation(len(digits.target))
+    return {"x": (digits.data[order] / 16.0).astype(np.float32), "y": digits.target[order].astype(np.int32)}
+
+
+def bundled_text() -> str:
+    """The Python documentation topics that ship with every CPython (about 800 KB of English text)."""
+    from pydoc_data.topics import topics
+    return "\n\n".join(topics[key] for key in sorted(topics))
+
+
+def text_windows(text: str, seq_len: int) -> Arrays:
+    """Non-overlapping windows of ``seq_len + 1`` UTF-8 bytes (inputs plus the shifted targets)."""
+    data = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+    num_records = (len(data) - 1) // seq_len
+    if num_records < 1:
+        raise DataError(f"the text has {len(data)} bytes, fewer than data.seq_len + 1 = {seq_len + 1}; "
+                        f"use a longer text or a smaller data.seq_len")
+    starts = np.arange(num_records) * seq_len
+    tokens = data[starts[:, None] + np.arange(seq_len + 1)[None, :]].astype(np.int32)
+    return {"tokens": tokens}
+
+
+def _existing_path(data_config: Any) -> Path:
+    if not data_config.path:
+        raise DataError(f"data.name={data_config.name} needs data.path; set data.path=FILE")
+    path = Path(data_config.path)
+    if not path.is_file():
+        raise DataError(f"data file {str(path)!r} does not exist; fix data.path or create the file")
+    return path
+
+
+def _char_text(data_config: Any) -> Arrays:
+    if data_config.path:
+        path = _existing_path(data_config)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise DataError(f"data file {str(path)!r} is not UTF-8 text; convert it or use data.name=array_file") from None
+    else:
+        text = bundled_text()
+    return text_windows(text, data_config.seq_len)
+
+
+def _array_file(data_config: Any) -> Arrays:
+    path = _existing_path(data_config)
+    try:
+        with np.load(path) as archive:
+            arrays = {key: archive[key] for key in archive.files}
+    except (OSError, ValueError) as exc:
+        raise DataError(f"data file {str(path)!r} is not a readable .npz archive ({exc}); "
+                        f"write it with numpy.savez") from None
+    lengths = {key: len(value) for key, value in arrays.items()}
+    if len(set(lengths.values())) > 1:
+        raise DataError(f"arrays in {str(path)!r} have different record counts {lengths}; "
+                        f"every array needs the same first dimension")
+    return arrays
+
+
+LOADERS = {"digits": _digits, "char_text": _char_text, "array_file": _array_file}
+
+
+def load_dataset(data_config: Any) -> tuple[Arrays, Arrays]:
+    """The (train, eval) arrays named by a ``data`` config section."""
+    if data_config.name not in LOADERS:
+        raise DataError(f"unknown data.name {data_config.name!r}; choose one of {', '.join(sorted(LOADERS))}")
+    arrays = LOADERS[data_config.name](data_config)
+    train, evaluation = _split(arrays, data_config.eval_fraction)
+    if len(next(iter(train.values()))) == 0:
+        raise DataError(f"data.name={data_config.name} has no training records; add data or lower "
+                        f"data.eval_fraction")
+    return train, evaluation

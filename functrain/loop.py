@@ -1,0 +1,306 @@
+"""The loop: the imperative shell around the pure step.
+
+``fit(config)`` reads the data at a position (samples consumed), runs ``train.steps_per_call`` steps per
+compiled call, reads each call's metrics one call late (so the host never stalls the device queue), fires
+callbacks at call boundaries, evaluates, checkpoints, and stops cleanly on SIGTERM/SIGINT with a save.
+It does not know which framework computes a step: a backend does (``functrain.backend.JaxBackend``, or the
+torch bridge's with ``backend: torch``).
+"""
+
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import yaml
+
+from functrain.callbacks import (Callback, CallbackList, Control, EarlyStopping, EveryNSteps, MetricsWriter,
+                                 ProgressBar, RunView, Throughput)
+from functrain.checkpoint import Checkpointer
+from functrain.config import Config, load_config, override_list
+from functrain.data import BatchLoader, IndexSampler, check_resume, data_meta, resume_position
+from functrain.datasets import load_dataset
+from functrain.errors import ConfigError
+
+log = logging.getLogger("functrain")
+
+
+@dataclass
+class FitResult:
+    """What ``fit`` returns: the final state, where the run stopped and its last metrics."""
+    state: Any
+    step: int
+    samples_consumed: int
+    stop_reason: str
+    metrics: dict[str, dict[str, float]]
+    run_dir: Path
+
+
+def resolve_config(config: Config | dict | str | os.PathLike, overrides: dict[str, Any]) -> Config:
+    """A validated Config from a Config, a dict or a YAML path, with ``{"train.max_steps": 5}`` overrides
+    (``train__max_steps=5`` works too, for keyword arguments)."""
+    dotted = override_list({key.replace("__", "."): value for key, value in overrides.items()})
+    if isinstance(config, Config):
+        return load_config(base=config.to_dict(), overrides=dotted)
+    if isinstance(config, dict):
+        return load_config(base=config, overrides=dotted)
+    return load_config(config, dotted)
+
+
+def total_steps(config: Config, sampler: IndexSampler) -> int:
+    """``train.max_steps``, or ``train.epochs`` worth of steps."""
+    if (config.train.max_steps is None) == (config.train.epochs is None):
+        raise ConfigError("set exactly one of train.max_steps and train.epochs")
+    if config.train.max_steps is not None:
+        return config.train.max_steps
+    return max(1, int(np.ceil(config.train.epochs * sampler.steps_per_epoch)))
+
+
+def make_backend(config: Config, example_batch: dict[str, np.ndarray], max_steps: int) -> Any:
+    """The backend named by ``config.backend`` (the torch bridge is imported only when asked for)."""
+    if config.backend == "torch":
+        try:
+            from torch_bridge.backend import make_backend as make_torch_backend
+        except ImportError as exc:
+            raise ConfigError(f"backend: torch needs PyTorch ({exc}); pip install 'functrain[torch]'") from None
+        return make_torch_backend(config, example_batch, max_steps)
+    from functrain.backend import JaxBackend
+    from functrain.tasks import make_task
+    return JaxBackend(config, make_task(config, example_batch), max_steps)
+
+
+def write_run_config(run_dir: Path, config: Config) -> None:
+    """Write the resolved config atomically; a different earlier config is kept beside it, never lost."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    target = run_dir / "config.yaml"
+    text = yaml.safe_dump(config.to_dict(), sort_keys=False)
+    if target.exists() and target.read_text() != text:
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(target.stat().st_mtime))
+        target.replace(run_dir / f"config.{stamp}.yaml")
+    tmp = run_dir / f".config.yaml.tmp-{os.getpid()}"
+    tmp.write_text(text)
+    tmp.replace(target)
+
+
+class StopSignals:
+    """Turns SIGTERM/SIGINT into a request to save and stop at the next call boundary.
+
+    A second SIGINT interrupts at once (the usual escape hatch when a step hangs).
+    """
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self.previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.received is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.received = signal.Signals(signum).name
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self.previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+
+def _summarise_call(metrics: dict[str, np.ndarray], index: int) -> dict[str, float]:
+    """Host floats of step ``index`` of a materialised call."""
+    return {name: float(values[index]) for name, values in metrics.items()}
+
+
+class _Run:
+    """One run's mutable bookkeeping; ``fit`` drives it. Kept private: the public surface is ``fit``."""
+
+    def __init__(self, config: Config, callbacks: list[Callback]) -> None:
+        self.config = config
+        self.run_dir = Path(config.run.dir)
+        self.is_primary = jax.process_index() == 0
+        self.process_count = jax.process_count()
+        self.signals = StopSignals()
+
+        train_arrays, self.eval_arrays = load_dataset(config.data)
+        self.data_seed = config.seed if config.data.seed is None else config.data.seed
+        num_train = len(next(iter(train_arrays.values())))
+        self.sampler = IndexSampler(num_train, config.data.global_batch_size, self.data_seed,
+                                    shuffle=config.data.shuffle, last_batch=config.data.last_batch)
+        self.loader = BatchLoader(train_arrays, self.sampler, jax.process_index(), self.process_count,
+                                  prefetch=config.data.prefetch)
+        self.max_steps = total_steps(config, self.sampler)
+        example_batch, _ = self.loader.host_batch(0)
+        self.backend = make_backend(config, example_batch, self.max_steps)
+
+        if self.is_primary:
+            write_run_config(self.run_dir, config)
+        self.checkpointer = Checkpointer(
+            self.run_dir, keep=config.checkpoint.keep, keep_best=config.checkpoint.keep_best,
+            best_metric=config.checkpoint.best_metric, best_mode=config.checkpoint.best_mode,
+            async_save=config.checkpoint.async_save, on_error=config.checkpoint.on_error,
+            is_primary=self.is_primary)
+
+        builtins: list[Callback] = [EveryNSteps(config.eval.every_steps, config.checkpoint.every_steps),
+                                    MetricsWriter(tensorboard=config.log.tensorboard)]
+        if config.log.progress:
+            builtins.append(ProgressBar())
+        if config.eval.early_stopping_metric:
+            builtins.append(EarlyStopping(config.eval.early_stopping_metric, config.eval.early_stopping_patience,
+                                          config.eval.early_stopping_mode, config.eval.early_stopping_min_delta))
+        self.callbacks = CallbackList(builtins + list(callbacks))
+        self.view = RunView(config=config, run_dir=self.run_dir, max_steps=self.max_steps,
+                            is_primary=self.is_primary)
+        self.meta: dict[str, Any] | None = None
+        self.last_saved_step = -1
+        self.throughput = Throughput()
+
+    # -- state and position -------------------------------------------------------------------------------
+    def restore_or_init(self) -> tuple[Any, int]:
+        """The starting state and data position: from the newest whole checkpoint, or fresh."""
+        state = self.backend.init_state()
+        restored = self.checkpointer.restore(self.backend.restore_targets(), step=self.config.checkpoint.resume)
+        data = self.config.data
+        if restored is None:
+            return state, resume_position(None, data.ignore_skip, data.skip_samples)
+        items, self.meta, step = restored
+        check_resume(self.meta, self.sampler.num_records, self.data_seed, data.ignore_skip, data.skip_samples)
+        state = self.backend.state_from_items(items, state)
+        self.last_saved_step = step
+        position = resume_position(self.meta, data.ignore_skip, data.skip_samples)
+        log.info("resumed from checkpoint %d (epoch %d, samples consumed %d)", step,
+                 self.sampler.epoch_of(position), position)
+        return state, position
+
+    def update_view(self, step: int, position: int) -> None:
+        self.view.step, self.view.samples_consumed = step, position
+        self.view.epoch = self.sampler.epoch_of(position)
+
+    # -- metrics, evaluation, saving -----------------------------------------------------------------------
+    def record_train(self, call_end_step: int, device_metrics: Any) -> Control:
+        """Materialise a finished call's metrics; log the steps that fall on a log boundary."""
+        metrics = self.backend.to_host(device_metrics)
+        steps = len(next(iter(metrics.values())))
+        control = Control()
+        for index in range(steps):
+            step = call_end_step - steps + 1 + index
+            values = _summarise_call(metrics, index)
+            self.view.last_metrics["train"] = values
+            if values.get("nonfinite") and self.config.train.nonfinite == "stop":
+                self.view.stop_reason = (f"non-finite loss or gradients at step {step} (update skipped, params "
+                                         f"intact); lower optimizer.learning_rate or set train.clip_norm")
+                control = control.merge(Control(should_stop=True))
+            if step % self.config.log.every_steps == 0 or step == self.max_steps:
+                values["steps_per_sec"] = self.throughput.rate(step)
+                control = control.merge(self.callbacks.fire("on_log", self.view, "train", step, values))
+        return control
+
+    def evaluate(self, state: Any) -> Control:
+        """Sum the eval metrics over the evaluation set (every record counted once), divide once."""
+        num_eval = len(next(iter(self.eval_arrays.values())))
+        if num_eval == 0:
+            return Control()
+        sampler = IndexSampler(num_eval, self.config.data.global_batch_size, self.data_seed, shuffle=False,
+                               last_batch="pad")
+        loader = BatchLoader(self.eval_arrays, sampler, jax.process_index(), self.process_count, prefetch=0)
+        batches = sampler.steps_per_epoch
+        if self.config.eval.max_batches:
+            batches = min(batches, self.config.eval.max_batches)
+        totals, position = None, 0
+        for _ in range(batches):
+            host_batch, position = loader.host_batch(position)
+            sums = self.backend.eval_batch(state, host_batch)
+            totals = sums if totals is None else jax.tree.map(lambda a, b: a + b, totals, sums)
+        totals = self.backend.to_host(totals)
+        weight = max(float(totals["weight"]), 1e-12)
+        metrics = {name: float(value) / weight for name, value in totals.items() if name != "weight"}
+        metrics["weight"] = float(totals["weight"])
+        self.view.last_metrics["eval"] = metrics
+        control = self.callbacks.fire("on_evaluate", self.view, metrics)
+        return control.merge(self.callbacks.fire("on_log", self.view, "eval", self.view.step, metrics))
+
+    def save(self, state: Any, step: int, position: int) -> None:
+        if step == self.last_saved_step:
+            return
+        meta = {"step": step, **data_meta(self.sampler, position, self.meta),
+                "config_digest": self.config.digest(), "model": self.config.model.model_dump(mode="json"),
+                "backend": self.config.backend, "metrics": dict(self.view.last_metrics), "time": time.time()}
+        self.checkpointer.save(step, self.backend.state_to_items(state), meta)
+        self.meta, self.last_saved_step = meta, step
+        self.callbacks.fire("on_save", self.view, step)
+
+    # -- the loop ------------------------------------------------------------------------------------------
+    def run(self) -> FitResult:
+        state, position = self.restore_or_init()
+        step = self.backend.step_of(state)
+        self.view.start_step = step
+        self.update_view(step, position)
+        if self.is_primary:
+            log.info("run %s: steps %d -> %d, epoch %d, samples consumed %d, %d training records\n%s",
+                     self.run_dir, step, self.max_steps, self.view.epoch, position, self.sampler.num_records,
+                     self.backend.describe())
+        self.callbacks.fire("on_train_begin", self.view)
+        self.callbacks.fire("on_epoch_begin", self.view)
+        self.throughput.reset(step)
+        pending = None  # (end step, device metrics) of the call whose metrics are not read yet
+        stop_reason = "finished"
+        with self.signals, self.loader.iter_from(position, self.config.train.steps_per_call,
+                                                 num_steps=max(self.max_steps - step, 0),
+                                                 place=self.backend.place) as calls:
+            for batches, _, end_position in calls:
+                state, metrics = self.backend.train_call(state, batches)
+                step += len(next(iter(metrics.values())))
+                epoch_before = self.view.epoch
+                self.update_view(step, end_position)
+                position = end_position
+                # Read the previous call's metrics only now: this call is already queued on the device.
+                control = self.record_train(*pending) if pending else Control()
+                pending = (step, metrics)
+                if self.view.epoch != epoch_before:
+                    control = control.merge(self.callbacks.fire("on_epoch_end", self.view))
+                    control = control.merge(self.callbacks.fire("on_epoch_begin", self.view))
+                control = control.merge(self.callbacks.fire("on_step_end", self.view))
+                if self.signals.received:
+                    self.view.stop_reason = f"{self.signals.received} received: saved and stopped"
+                    control = control.merge(Control(should_stop=True, should_save=True))
+                if control.should_evaluate or control.should_save or control.should_stop:
+                    control = control.merge(self.record_train(*pending))
+                    pending = None
+                if control.should_evaluate:
+                    control = control.merge(self.evaluate(state))
+                if control.should_save:
+                    self.save(state, step, position)
+                if control.should_stop:
+                    stop_reason = self.view.stop_reason or "stopped by a callback"
+                    break
+            if pending:
+                self.record_train(*pending)
+        if stop_reason == "finished" and len(self.eval_arrays) and "eval" not in self.view.last_metrics:
+            self.evaluate(state)
+        self.save(state, step, position)
+        self.checkpointer.wait()
+        self.checkpointer.close()
+        self.callbacks.fire("on_epoch_end", self.view) if stop_reason == "finished" else None
+        self.callbacks.fire("on_train_end", self.view)
+        if self.is_primary:
+            log.info("stopped at step %d (%s)", step, stop_reason)
+        return FitResult(state=state, step=step, samples_consumed=position, stop_reason=stop_reason,
+                         metrics=dict(self.view.last_metrics), run_dir=self.run_dir)
+
+
+def fit(config: Config | dict | str | os.PathLike, callbacks: list[Callback] | None = None,
+        **overrides: Any) -> FitResult:
+    """Train as ``config`` says, resuming from its run directory when a checkpoint is there.
+
+    ``config`` is a :class:`~functrain.config.Config`, a dict or a YAML path; ``overrides`` are dotted keys
+    (``fit("configs/mlp_digits.yaml", **{"train.max_steps": 100})`` or ``train__max_steps=100``).
+    """
+    config = resolve_config(config, overrides)
+    return _Run(config, list(callbacks or [])).run()

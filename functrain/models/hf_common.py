@@ -1,0 +1,124 @@
+"""Pieces shared by the HF-compatible models (GPT-2, Llama): config base, layers, causal attention.
+
+The maths follows the PyTorch reference implementations in `transformers` so that a converted checkpoint
+gives the same logits to float32 precision; see `torch_bridge.hf` for the weight conversion.
+"""
+
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pydantic
+
+from functrain.errors import ConfigError
+
+Array = jax.Array
+
+
+class HFModelConfig(pydantic.BaseModel):
+    """Base for model configs whose fields are named like the keys of an HF ``config.json``."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any], **overrides: Any):
+        """Build from an HF config dict, keeping only the keys this config knows (HF adds many more)."""
+        known = {k: v for k, v in hf.items() if k in cls.model_fields and k != "name" and v is not None}
+        known.update(overrides)
+        try:
+            return cls(**known)
+        except pydantic.ValidationError as err:
+            first = err.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise ConfigError(f"config.json: {where}: {first['msg']}; fix the value in config.json") from None
+
+
+def _gelu_tanh(x: Array) -> Array:
+    return jax.nn.gelu(x, approximate=True)
+
+
+def _gelu_exact(x: Array) -> Array:
+    return jax.nn.gelu(x, approximate=False)
+
+
+# HF activation names (transformers.activations.ACT2FN) that these models support.
+ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
+    "gelu_new": _gelu_tanh,
+    "gelu_pytorch_tanh": _gelu_tanh,
+    "gelu_fast": _gelu_tanh,
+    "gelu": _gelu_exact,
+    "relu": jax.nn.relu,
+    "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
+}
+
+
+def activation(name: str) -> Callable[[Array], Array]:
+    """The activation function HF calls ``name``; ConfigError naming the supported ones otherwise."""
+    if name not in ACTIVATIONS:
+        raise ConfigError(f"activation {name!r} is not supported; use one of {sorted(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
+def dense(features: int, axes: tuple[str, str], *, use_bias: bool, dtype: Any, init_std: float,
+          name: str) -> nn.Dense:
+    """A float32 Dense layer whose kernel (and bias) carry logical axis names for sharding."""
+    return nn.Dense(
+        features,
+        use_bias=use_bias,
+        dtype=dtype,
+        param_dtype=jnp.float32,
+        kernel_init=nn.with_logical_partitioning(nn.initializers.normal(init_std), axes),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (axes[1],)),
+        name=name,
+    )
+
+
+def embed(num: int, features: int, axes: tuple[str, str], *, dtype: Any, init_std: float,
+          name: str) -> nn.Embed:
+    """A float32 embedding table with logical axis names."""
+    return nn.Embed(
+        num, features, dtype=dtype, param_dtype=jnp.float32,
+        embedding_init=nn.with_logical_partitioning(nn.initializers.normal(init_std), axes), name=name)
+
+
+class RMSNorm(nn.Module):
+    """HF's LlamaRMSNorm: normalise in float32, cast back, then multiply by the weight."""
+
+    epsilon: float
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+                           (x.shape[-1],), jnp.float32)
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.epsilon)
+        return jnp.asarray(scale, self.dtype) * x32.astype(self.dtype)
+
+
+def layer_norm(epsilon: float, *, dtype: Any, name: str) -> nn.LayerNorm:
+    """torch-style LayerNorm (two-pass variance) with the epsilon from config.json and logical names."""
+    return nn.LayerNorm(
+        epsilon=epsilon, dtype=dtype, param_dtype=jnp.float32, use_fast_variance=False,
+        scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("norm",)), name=name)
+
+
+def causal_attention(q: Array, k: Array, v: Array, scale: float) -> Array:
+    """Causal softmax attention with grouped-query support.
+
+    q: [B, T, H, D]; k, v: [B, T, KV, D] with H a multiple of KV. Scores and softmax run in float32
+    (as HF does for half precision); the result has q's dtype, shape [B, T, H, D].
+    """
+    batch, length, heads, head_dim = q.shape
+    groups = heads // k.shape[2]
+    # Group query heads under their shared key/value head instead of repeating k and v in memory.
+    q = q.reshape(batch, length, k.shape[2], groups, head_dim)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
+    causal = jnp.tril(jnp.ones((length, length), dtype=bool))
+    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(batch, length, heads, head_dim)

@@ -1,0 +1,224 @@
+"""The Llama family as a Flax module with the maths of HF's ``LlamaForCausalLM``.
+
+RMSNorm with ``rms_norm_eps``, rotary position embeddings with ``rope_theta`` (HF's rotate-half layout,
+optional ``llama3`` frequency scaling), grouped-query attention (``num_key_value_heads``), a SwiGLU MLP,
+optional attention/MLP biases, and a tied or separate LM head. Parameter names mirror HF's.
+"""
+
+import math
+from typing import Any, Literal
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pydantic
+
+from functrain.errors import ConfigError
+from functrain.models.hf_common import (HFModelConfig, RMSNorm, activation, causal_attention, dense,
+                                        embed)
+
+
+class RopeScaling(pydantic.BaseModel):
+    """HF ``rope_parameters``/``rope_scaling`` beyond the plain theta: only ``llama3`` is supported."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+    rope_type: Literal["llama3"] = "llama3"
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+class LlamaConfig(HFModelConfig):
+    """Llama hyper-parameters, named as in HF's config.json."""
+
+    name: Literal["llama"] = "llama"
+    vocab_size: int = pydantic.Field(32000, gt=0)
+    hidden_size: int = pydantic.Field(4096, gt=0)
+    intermediate_size: int = pydantic.Field(11008, gt=0)
+    num_hidden_layers: int = pydantic.Field(32, gt=0)
+    num_attention_heads: int = pydantic.Field(32, gt=0)
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = pydantic.Field(2048, gt=0)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+
+    @pydantic.model_validator(mode="after")
+    def _consistent_heads(self):
+        if self.num_attention_heads % self.kv_heads:
+            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads {self.kv_heads}")
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads")
+        if self.attn_head_dim % 2:
+            raise ValueError(f"head_dim {self.attn_head_dim} must be even for rotary embeddings")
+        activation(self.hidden_act)
+        return self
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads (``num_key_value_heads``, defaulting to one per query head)."""
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def attn_head_dim(self) -> int:
+        """Per-head width: ``head_dim`` or ``hidden_size // num_attention_heads``."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+
+def from_hf_config(hf: dict[str, Any]) -> LlamaConfig:
+    """LlamaConfig from an HF config.json dict, old (``rope_theta``/``rope_scaling``) or v5 (``rope_parameters``)."""
+    hf = dict(hf)
+    parameters, legacy_scaling = hf.pop("rope_parameters", None), hf.pop("rope_scaling", None)
+    rope = dict(parameters or legacy_scaling or {})
+    rope_type = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
+    rope.pop("type", None)
+    if "rope_theta" in rope:
+        hf["rope_theta"] = rope.pop("rope_theta")
+    if rope.pop("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError("config.json: partial_rotary_factor other than 1.0 is not supported for llama")
+    if rope_type not in ("default", "llama3"):
+        raise ConfigError(f"config.json: rope type {rope_type!r} is not supported; use 'default' or 'llama3'")
+    extra = {"rope_scaling": {"rope_type": rope_type, **rope}} if rope_type == "llama3" else {}
+    return LlamaConfig.from_hf_dict(hf, **extra)
+
+
+def to_hf_config(config: LlamaConfig) -> dict[str, Any]:
+    """An HF config.json dict (transformers 5 layout) that loads as LlamaForCausalLM."""
+    hf = config.model_dump(exclude={"name", "rope_theta", "rope_scaling"})
+    hf["num_key_value_heads"] = config.kv_heads
+    hf["head_dim"] = config.attn_head_dim
+    rope = {"rope_theta": config.rope_theta, "rope_type": "default"}
+    if config.rope_scaling is not None:
+        rope.update(config.rope_scaling.model_dump())
+    hf.update(model_type="llama", architectures=["LlamaForCausalLM"], rope_parameters=rope,
+              attention_dropout=0.0, pretraining_tp=1)
+    return hf
+
+
+def rope_inverse_frequencies(config: LlamaConfig) -> np.ndarray:
+    """Float32 inverse frequencies as HF computes them (including llama3 scaling)."""
+    dim = config.attn_head_dim
+    inv_freq = 1.0 / (np.float32(config.rope_theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq.astype(np.float32)
+    # Llama 3.x: slow down low frequencies by `factor`, blend smoothly in the medium band.
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = ((scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor)
+              / (scaling.high_freq_factor - scaling.low_freq_factor))
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate x [B, T, H, D] by position using HF's rotate-half layout (first half pairs with second)."""
+    length = x.shape[1]
+    freqs = jnp.arange(length, dtype=jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    angles = jnp.concatenate([freqs, freqs], axis=-1)[None, :, None, :]
+    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query self-attention with rotary position embeddings."""
+
+    config: LlamaConfig
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.config
+        heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.kv_heads, cfg.attn_head_dim
+        batch, length, _ = x.shape
+        std, bias = cfg.initializer_range, cfg.attention_bias
+        q = dense(heads * head_dim, ("embed", "heads"), use_bias=bias, dtype=self.dtype, init_std=std,
+                  name="q_proj")(x).reshape(batch, length, heads, head_dim)
+        k = dense(kv_heads * head_dim, ("embed", "kv_heads"), use_bias=bias, dtype=self.dtype, init_std=std,
+                  name="k_proj")(x).reshape(batch, length, kv_heads, head_dim)
+        v = dense(kv_heads * head_dim, ("embed", "kv_heads"), use_bias=bias, dtype=self.dtype, init_std=std,
+                  name="v_proj")(x).reshape(batch, length, kv_heads, head_dim)
+        inv_freq = rope_inverse_frequencies(cfg)
+        out = causal_attention(apply_rope(q, inv_freq), apply_rope(k, inv_freq), v, head_dim ** -0.5)
+        return dense(cfg.hidden_size, ("heads", "embed"), use_bias=bias, dtype=self.dtype, init_std=std,
+                     name="o_proj")(out.reshape(batch, length, heads * head_dim))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU: down(act(gate(x)) * up(x))."""
+
+    config: LlamaConfig
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.config
+        std, bias = cfg.initializer_range, cfg.mlp_bias
+        gate = dense(cfg.intermediate_size, ("embed", "mlp"), use_bias=bias, dtype=self.dtype, init_std=std,
+                     name="gate_proj")(x)
+        up = dense(cfg.intermediate_size, ("embed", "mlp"), use_bias=bias, dtype=self.dtype, init_std=std,
+                   name="up_proj")(x)
+        return dense(cfg.hidden_size, ("mlp", "embed"), use_bias=bias, dtype=self.dtype, init_std=std,
+                     name="down_proj")(activation(cfg.hidden_act)(gate) * up)
+
+
+class LlamaBlock(nn.Module):
+    """One pre-RMSNorm decoder layer."""
+
+    config: LlamaConfig
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x):
+        eps = self.config.rms_norm_eps
+        x = x + LlamaAttention(self.config, self.dtype, name="self_attn")(
+            RMSNorm(eps, self.dtype, name="input_layernorm")(x))
+        return x + LlamaMLP(self.config, self.dtype, name="mlp")(
+            RMSNorm(eps, self.dtype, name="post_attention_layernorm")(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama language model: ``apply({"params": p}, input_ids[B, T]) -> float32 logits [B, T, vocab]``."""
+
+    config: LlamaConfig
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, input_ids, deterministic: bool = True):
+        """Logits for ``input_ids``; ``deterministic`` is accepted for the task interface (no dropout here)."""
+        cfg = self.config
+        tokens = embed(cfg.vocab_size, cfg.hidden_size, ("vocab", "embed"), dtype=self.dtype,
+                       init_std=cfg.initializer_range, name="embed_tokens")
+        x = tokens(input_ids)
+        for i in range(cfg.num_hidden_layers):
+            x = LlamaBlock(cfg, self.dtype, name=f"layers_{i}")(x)
+        x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(x)
+        if cfg.tie_word_embeddings:
+            logits = tokens.attend(x)
+        else:
+            logits = dense(cfg.vocab_size, ("embed", "vocab"), use_bias=False, dtype=self.dtype,
+                           init_std=cfg.initializer_range, name="lm_head")(x)
+        return logits.astype(jnp.float32)
+
+
+def build(config: LlamaConfig, dtype: Any = jnp.float32) -> LlamaForCausalLM:
+    """The Flax module for ``config`` computing in ``dtype`` (params stay float32)."""
+    return LlamaForCausalLM(config, dtype=dtype)
+
+
+MODEL_SPEC = dict(config_cls=LlamaConfig, build=build, kind="causal_lm")

@@ -1,0 +1,36 @@
+"""Shared test helpers.
+
+Multi-device and multi-process tests run in a subprocess so XLA_FLAGS (which must be set before jax is
+imported) never leak into the rest of the suite.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_python(code: str, devices: int = 1, env: dict | None = None, timeout: float = 300,
+               check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter with ``devices`` simulated CPU devices; return the process."""
+    full_env = dict(os.environ)
+    full_env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    full_env["JAX_PLATFORMS"] = "cpu"
+    full_env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
+    full_env.update(env or {})
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env=full_env, timeout=timeout, cwd=REPO_ROOT)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"subprocess failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture
+def python_runner():
+    """The ``run_python`` helper as a fixture."""
+    return run_python

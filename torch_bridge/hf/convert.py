@@ -1,0 +1,90 @@
+"""Run-directory conversion behind ``functrain convert``.
+
+``hf_to_run_dir`` turns an HF directory into a step-0 functrain checkpoint (params + meta, no optimizer
+state, so ``functrain train`` starts a fresh optimizer from it) plus a ``config.yaml`` to fine-tune from.
+``run_dir_to_hf`` exports a run's checkpoint back to an HF directory.
+"""
+
+import importlib.metadata
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from functrain.errors import CheckpointError
+
+from torch_bridge.hf import run_store
+from torch_bridge.hf.mappings import ARCHITECTURES
+from torch_bridge.hf.pretrained import read_params, save_pretrained
+
+_VERSIONED = ("functrain", "jax", "flax", "orbax-checkpoint", "torch", "transformers", "safetensors")
+
+
+def _versions() -> dict[str, str]:
+    versions = {}
+    for package in _VERSIONED:
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return versions
+
+
+def _to_float32(path: Any, array: np.ndarray) -> np.ndarray:
+    # Training keeps float32 master params; widening bf16/f16 is exact.
+    return array if array.dtype == np.float32 else array.astype(np.float32)
+
+
+def finetune_config(model: dict[str, Any], run_dir: str) -> dict[str, Any]:
+    """A run config that fine-tunes the converted model in ``run_dir`` (edit data.* for your corpus)."""
+    max_len = model.get("n_positions") or model.get("max_position_embeddings") or 128
+    return {
+        "seed": 0,
+        "run": {"dir": run_dir},
+        "model": model,
+        "data": {"name": "char_text", "seq_len": min(128, int(max_len) - 1), "global_batch_size": 8},
+        "optimizer": {"name": "adamw", "learning_rate": 3e-5, "weight_decay": 0.0, "schedule": "constant",
+                      "warmup_steps": 0},
+        "train": {"max_steps": 100},
+        "checkpoint": {"every_steps": 0, "resume": "auto"},
+    }
+
+
+def hf_to_run_dir(hf_dir: str, run_dir: str) -> int:
+    """Convert HF_DIR into a step-0 checkpoint at RUN_DIR/checkpoints/0 and write RUN_DIR/config.yaml.
+
+    Everything is read and checked before anything is written. Returns the checkpoint step (0).
+    """
+    run = Path(run_dir).resolve()
+    if run_store.has_checkpoints(run):
+        raise CheckpointError(f"{run} already holds checkpoints; convert into a new run directory")
+    if (run / "config.yaml").exists():
+        raise CheckpointError(f"{run / 'config.yaml'} already exists; convert into a new run directory")
+    params, config = read_params(hf_dir, place=_to_float32)
+    model = config.model_dump(mode="json")
+    meta = {
+        "format_version": 1, "step": 0, "epoch": 0, "samples_consumed": 0, "global_batch_size": None,
+        "global_batch_sizes": [], "num_records": None, "data_seed": None, "config_digest": None,
+        "model": model, "metrics": {}, "best_metric": None, "versions": _versions(), "backend": "jax",
+        "time": time.time(), "converted_from": str(Path(hf_dir).resolve()),
+    }
+    run.mkdir(parents=True, exist_ok=True)
+    run_store.save(run, 0, params, meta)
+    config_text = yaml.safe_dump(finetune_config(model, str(run)), sort_keys=False)
+    (run / "config.yaml").write_text(config_text)
+    return 0
+
+
+def run_dir_to_hf(run_dir: str, out_dir: str, step: int | None) -> str:
+    """Export RUN_DIR's checkpoint at ``step`` (default: the latest) to OUT_DIR as an HF directory."""
+    params, meta = run_store.load(Path(run_dir).resolve(), step)
+    model = dict(meta.get("model") or {})
+    arch = ARCHITECTURES.get(model.get("name"))
+    if arch is None:
+        raise CheckpointError(f"{run_dir}: model {model.get('name')!r} cannot be exported to HF; "
+                              f"supported: {', '.join(sorted(ARCHITECTURES))}")
+    config = arch.model.MODEL_SPEC["config_cls"](**model)
+    return save_pretrained(params, config, os.fspath(out_dir))

@@ -1,0 +1,140 @@
+"""Explicit HF ⇄ functrain tensor name tables, one per architecture.
+
+Each `Rule` ties one HF tensor to one or more functrain parameter leaves and names the reshaping between
+them, so reading and writing are the same table run in two directions:
+
+- ``copy``: same layout (embeddings, norms, biases, GPT-2 ``Conv1D`` weights, which are already (in, out)).
+- ``transpose``: a torch ``Linear.weight`` (out, in) is a Flax ``kernel`` (in, out).
+- ``split3``: GPT-2's fused ``c_attn`` (in, 3·out) / (3·out,) is q, k, v along the last axis.
+"""
+
+import dataclasses
+import re
+from types import ModuleType
+from typing import Any, Callable, Literal
+
+import numpy as np
+
+from functrain.models import gpt2, llama
+
+Path = tuple[str, ...]
+Kind = Literal["copy", "transpose", "split3"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One HF tensor and the functrain leaves it becomes."""
+
+    hf_name: str
+    paths: tuple[Path, ...]
+    kind: Kind = "copy"
+
+    def functrain_shapes(self, hf_shape: tuple[int, ...]) -> tuple[tuple[int, ...], ...] | None:
+        """Shapes of the leaves made from an HF tensor of ``hf_shape``, or None if it cannot be split."""
+        if self.kind == "transpose":
+            return (tuple(reversed(hf_shape)),) if len(hf_shape) == 2 else None
+        if self.kind == "split3":
+            if not hf_shape or hf_shape[-1] % 3:
+                return None
+            return (hf_shape[:-1] + (hf_shape[-1] // 3,),) * 3
+        return (tuple(hf_shape),)
+
+    def to_functrain(self, array: np.ndarray) -> tuple[np.ndarray, ...]:
+        """The functrain leaves for one HF tensor (each a fresh C-contiguous array)."""
+        if self.kind == "transpose":
+            return (np.ascontiguousarray(array.T),)
+        if self.kind == "split3":
+            return tuple(np.ascontiguousarray(part) for part in np.split(array, 3, axis=-1))
+        return (array,)
+
+    def to_hf(self, leaves: tuple[np.ndarray, ...]) -> np.ndarray:
+        """The HF tensor made from this rule's functrain leaves."""
+        if self.kind == "transpose":
+            return np.ascontiguousarray(leaves[0].T)
+        if self.kind == "split3":
+            return np.concatenate(leaves, axis=-1)
+        return np.ascontiguousarray(leaves[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+    """Everything needed to convert one HF ``model_type``."""
+
+    model_type: str
+    hf_class: str
+    model: ModuleType  # functrain.models.<name>: from_hf_config, to_hf_config, build
+    rules: Callable[[Any], list[Rule]]
+    canonical_name: Callable[[str], str]  # old exports spell some names differently
+    ignorable: Callable[[str, Any], bool]  # allow-listed HF tensors with no functrain leaf
+
+
+def _linear(hf_prefix: str, path: Path, bias: bool) -> list[Rule]:
+    rules = [Rule(f"{hf_prefix}.weight", (path + ("kernel",),), "transpose")]
+    if bias:
+        rules.append(Rule(f"{hf_prefix}.bias", (path + ("bias",),)))
+    return rules
+
+
+def _gpt2_rules(cfg: gpt2.GPT2Config) -> list[Rule]:
+    rules = [Rule("transformer.wte.weight", (("wte", "embedding"),)),
+             Rule("transformer.wpe.weight", (("wpe", "embedding"),))]
+    for i in range(cfg.n_layer):
+        hf, block = f"transformer.h.{i}", f"h_{i}"
+        attn = (block, "attn")
+        for norm in ("ln_1", "ln_2"):
+            rules += [Rule(f"{hf}.{norm}.weight", ((block, norm, "scale"),)),
+                      Rule(f"{hf}.{norm}.bias", ((block, norm, "bias"),))]
+        for param in ("weight", "bias"):
+            leaf = "kernel" if param == "weight" else "bias"
+            rules.append(Rule(f"{hf}.attn.c_attn.{param}", tuple(attn + (n, leaf) for n in "qkv"), "split3"))
+            for hf_mod, path in (("attn.c_proj", attn + ("c_proj",)), ("mlp.c_fc", (block, "mlp", "c_fc")),
+                                 ("mlp.c_proj", (block, "mlp", "c_proj"))):
+                # Conv1D stores (in, out) already: no transpose.
+                rules.append(Rule(f"{hf}.{hf_mod}.{param}", (path + (leaf,),)))
+    rules += [Rule("transformer.ln_f.weight", (("ln_f", "scale"),)),
+              Rule("transformer.ln_f.bias", (("ln_f", "bias"),))]
+    return rules
+
+
+def _gpt2_canonical(name: str) -> str:
+    # The original OpenAI export (and GPT2Model checkpoints) have no "transformer." prefix.
+    if name.startswith(("transformer.", "lm_head.")):
+        return name
+    return "transformer." + name
+
+
+_GPT2_BUFFERS = re.compile(r"transformer\.h\.\d+\.attn\.(bias|masked_bias)")
+
+
+def _gpt2_ignorable(name: str, cfg: gpt2.GPT2Config) -> bool:
+    return bool(_GPT2_BUFFERS.fullmatch(name)) or name == "lm_head.weight"  # GPT-2's head is always tied
+
+
+def _llama_rules(cfg: llama.LlamaConfig) -> list[Rule]:
+    rules = [Rule("model.embed_tokens.weight", (("embed_tokens", "embedding"),))]
+    for i in range(cfg.num_hidden_layers):
+        hf, layer = f"model.layers.{i}", f"layers_{i}"
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            rules += _linear(f"{hf}.self_attn.{proj}", (layer, "self_attn", proj), cfg.attention_bias)
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            rules += _linear(f"{hf}.mlp.{proj}", (layer, "mlp", proj), cfg.mlp_bias)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            rules.append(Rule(f"{hf}.{norm}.weight", ((layer, norm, "scale"),)))
+    rules.append(Rule("model.norm.weight", (("norm", "scale"),)))
+    if not cfg.tie_word_embeddings:
+        rules += _linear("lm_head", ("lm_head",), bias=False)
+    return rules
+
+
+_LLAMA_BUFFERS = re.compile(r"model\.(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
+
+
+def _llama_ignorable(name: str, cfg: llama.LlamaConfig) -> bool:
+    return bool(_LLAMA_BUFFERS.fullmatch(name)) or (cfg.tie_word_embeddings and name == "lm_head.weight")
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "gpt2": Architecture("gpt2", "GPT2LMHeadModel", gpt2, _gpt2_rules, _gpt2_canonical, _gpt2_ignorable),
+    "llama": Architecture("llama", "LlamaForCausalLM", llama, _llama_rules, lambda name: name,
+                          _llama_ignorable),
+}

@@ -1,0 +1,158 @@
+"""HF checkpoint ⇄ functrain params: `read_params`, `load_pretrained`, `save_pretrained`.
+
+Conversion is strict: every HF tensor must map to a functrain leaf (or be on the architecture's allow-list
+of buffers and tied heads), every leaf must be filled, and every shape must agree with config.json. All of
+that is checked from file headers before any tensor data is read.
+"""
+
+import os
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax.traverse_util import flatten_dict, unflatten_dict
+
+from functrain.errors import CheckpointError
+
+from torch_bridge.hf import reader, writer
+from torch_bridge.hf.mappings import ARCHITECTURES, Architecture, Path, Rule
+
+Place = Callable[[Path, np.ndarray], Any]
+_SUPPORTED_DTYPES = {"F32", "BF16", "F16", "float32", "bfloat16", "float16"}
+
+
+def architecture_for(hf_config: dict[str, Any]) -> Architecture:
+    """The conversion table for config.json's ``model_type``."""
+    model_type = hf_config.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise CheckpointError(f"model_type {model_type!r} is not supported; supported model types: "
+                              f"{', '.join(sorted(ARCHITECTURES))}")
+    return ARCHITECTURES[model_type]
+
+
+def expected_shapes(arch: Architecture, config: Any) -> dict[Path, tuple[int, ...]]:
+    """Shape of every functrain parameter leaf for ``config``, computed abstractly (no memory used)."""
+    module = arch.model.build(config)
+    abstract = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32)))
+    return {path: leaf.shape for path, leaf in flatten_dict(nn.meta.unbox(abstract["params"])).items()}
+
+
+def _summary(names: list[str], limit: int = 5) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _match_tensors(arch: Architecture, config: Any, infos: dict[str, reader.TensorInfo],
+                   where: str) -> dict[str, Rule]:
+    """Map each needed file tensor name to its rule; CheckpointError on missing/unexpected/mis-shaped ones."""
+    rules = {rule.hf_name: rule for rule in arch.rules(config)}
+    by_canonical = {arch.canonical_name(name): name for name in infos}
+    unexpected = sorted(name for canonical, name in by_canonical.items()
+                        if canonical not in rules and not arch.ignorable(canonical, config))
+    missing = sorted(name for name in rules if name not in by_canonical)
+    if missing or unexpected:
+        parts = ([f"missing {_summary(missing)}"] if missing else []) + (
+            [f"unexpected {_summary(unexpected)}"] if unexpected else [])
+        raise CheckpointError(f"{where} does not match a {arch.model_type} model with this config.json: "
+                              f"{'; '.join(parts)}; check config.json or convert a supported checkpoint")
+    shapes = expected_shapes(arch, config)
+    needed = {}
+    for hf_name, rule in rules.items():
+        info = infos[by_canonical[hf_name]]
+        if info.dtype not in _SUPPORTED_DTYPES:
+            raise CheckpointError(f"{info.name} in {info.file.name} has dtype {info.dtype}; "
+                                  "only float32, bfloat16 and float16 weights are supported")
+        got = rule.functrain_shapes(info.shape)
+        want = tuple(shapes[path] for path in rule.paths)
+        if got != want:
+            raise CheckpointError(f"{info.name} has shape {list(info.shape)} but config.json implies "
+                                  f"{[list(s) for s in want]} for {'/'.join(rule.paths[0])}; "
+                                  "config.json does not describe these weights")
+        needed[info.name] = rule
+    return needed
+
+
+def read_params(hf_dir: str | os.PathLike, place: Place | None = None) -> tuple[dict[str, Any], Any]:
+    """Read an HF directory into (functrain params, model config), streaming one tensor at a time.
+
+    ``place(path, array)`` receives each finished leaf (path is a tuple of param keys, array numpy) and
+    returns what to store, e.g. a ``jax.Array`` on its target sharding; by default leaves stay numpy.
+    Dtypes are kept (bf16 stays bf16).
+    """
+    hf_config = reader.read_config(hf_dir)
+    arch = architecture_for(hf_config)
+    config = arch.model.from_hf_config(hf_config)
+    weights = reader.find_weights(hf_dir)
+    needed = _match_tensors(arch, config, reader.catalog(weights), str(hf_dir))
+    flat: dict[Path, Any] = {}
+    for name, array in reader.stream(weights, set(needed)):
+        rule = needed[name]
+        for path, leaf in zip(rule.paths, rule.to_functrain(array)):
+            flat[path] = leaf if place is None else place(path, leaf)
+        del array  # drop the file-order copy before the next read
+    return unflatten_dict(flat), config
+
+
+def place_with_shardings(shardings: Any) -> Place:
+    """A ``place`` callable putting each leaf straight onto its ``jax.sharding.Sharding``.
+
+    ``shardings`` is a nested dict shaped like the params (e.g. from the model's logical specs and a mesh).
+    """
+    by_path = flatten_dict(shardings)
+    return lambda path, array: jax.device_put(array, by_path[path])
+
+
+def load_pretrained(path: str | os.PathLike, *, place: Place | None = None,
+                    dtype: Any = jnp.float32) -> tuple[Callable[[Any, Any], jax.Array], dict[str, Any], Any]:
+    """Load an HF directory as ``(apply_fn, params, config)``; ``apply_fn(params, input_ids) -> logits``.
+
+    ``dtype`` is the compute dtype of the returned model; logits are always float32.
+    """
+    params, config = read_params(path, place)
+    module = ARCHITECTURES[config.name].model.build(config, dtype=dtype)
+
+    @jax.jit
+    def apply_fn(params: Any, input_ids: Any) -> jax.Array:
+        return module.apply({"params": params}, input_ids)
+
+    return apply_fn, params, config
+
+
+def save_pretrained(params: Any, config: Any, out_dir: str | os.PathLike,
+                    max_shard_size: str | int = "5GB") -> str:
+    """Write ``params`` as an HF directory (config.json + safetensors) that transformers can load.
+
+    Shards are ``model-0000i-of-0000N.safetensors`` plus ``model.safetensors.index.json`` when the
+    weights exceed ``max_shard_size``. Returns the output directory path.
+    """
+    arch = ARCHITECTURES.get(getattr(config, "name", None))
+    if arch is None:
+        raise CheckpointError(f"cannot export a {getattr(config, 'name', type(config).__name__)!r} model; "
+                              f"supported: {', '.join(sorted(ARCHITECTURES))}")
+    flat = flatten_dict(nn.meta.unbox(params))
+    shapes = expected_shapes(arch, config)
+    missing = sorted("/".join(p) for p in shapes if p not in flat)
+    unexpected = sorted("/".join(p) for p in flat if p not in shapes)
+    wrong = sorted("/".join(p) for p in shapes if p in flat and tuple(np.shape(flat[p])) != shapes[p])
+    problems = [f"{label} {_summary(paths)}" for label, paths in
+                (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if paths]
+    if problems:
+        raise CheckpointError(f"params do not fit the {arch.model_type} config ({'; '.join(problems)}); "
+                              "pass the params and config of the same model")
+    shard_bytes = writer.parse_size(max_shard_size)
+    rules = {rule.hf_name: rule for rule in arch.rules(config)}
+    sizes = {name: sum(int(np.prod(shapes[p])) * np.dtype(flat[p].dtype).itemsize for p in rule.paths)
+             for name, rule in rules.items()}
+    dtypes = {np.dtype(leaf.dtype).name for leaf in flat.values()}
+    hf_config = arch.model.to_hf_config(config)
+    hf_config["dtype"] = dtypes.pop() if len(dtypes) == 1 else "float32"
+
+    def tensor(name: str) -> np.ndarray:
+        rule = rules[name]
+        return rule.to_hf(tuple(np.asarray(jax.device_get(flat[p])) for p in rule.paths))
+
+    with writer.staged_directory(out_dir) as staging:
+        writer.write_hf_dir(staging, hf_config, list(rules), sizes, tensor, shard_bytes)
+    return str(os.path.abspath(out_dir))

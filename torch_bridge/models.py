@@ -1,0 +1,207 @@
+"""PyTorch twins of functrain's Flax MLP and char GPT, their losses, and weight conversion from Flax.
+
+Module and parameter names follow the Flax models (``dense_0.weight`` is Flax ``dense_0/kernel``
+transposed), so :func:`params_from_flax` is a rename plus a transpose, and a run can start both
+frameworks from the same weights. Layer choices match the Flax code: LayerNorm epsilon 1e-6, tanh-GELU,
+pre-norm blocks, learned positions, untied bias-free head. Dropout draws only from the generator the
+step passes in (``None`` = evaluation: no dropout), never from the global torch RNG.
+"""
+
+import math
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+
+Tensor = torch.Tensor
+LN_EPS = 1e-6  # flax.linen.LayerNorm's default; torch's default is 1e-5
+
+
+def dropout(x: Tensor, rate: float, generator: torch.Generator | None) -> Tensor:
+    """Inverted dropout drawing from ``generator``; the identity when it is None or ``rate`` is 0."""
+    if generator is None or rate == 0.0:
+        return x
+    keep = torch.rand(x.shape, generator=generator, device=x.device, dtype=x.dtype) >= rate
+    return torch.where(keep, x / (1.0 - rate), torch.zeros_like(x))
+
+
+def _lecun_normal_(weight: Tensor, fan_in: int, generator: torch.Generator) -> None:
+    """Flax's lecun_normal: truncated normal (±2 sd) rescaled so the variance is 1 / fan_in."""
+    std = math.sqrt(1.0 / fan_in) / 0.87962566103423978  # sd of a unit normal truncated at ±2
+    nn.init.trunc_normal_(weight, std=std, a=-2 * std, b=2 * std, generator=generator)
+
+
+class MLP(nn.Module):
+    """Linear + ReLU layers, then a linear head (``functrain.models.mlp.MLP``)."""
+
+    def __init__(self, in_features: int, hidden: list[int], num_classes: int) -> None:
+        super().__init__()
+        widths = [in_features, *hidden]
+        self.hidden_names = [f"dense_{i}" for i in range(len(hidden))]
+        for name, fan_in, width in zip(self.hidden_names, widths[:-1], widths[1:]):
+            self.add_module(name, nn.Linear(fan_in, width))
+        self.head = nn.Linear(widths[-1], num_classes)
+
+    def reset_parameters(self, generator: torch.Generator) -> None:
+        """Flax's initialisers: lecun-normal kernels, zero biases."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                _lecun_normal_(module.weight, module.in_features, generator)
+                nn.init.zeros_(module.bias)
+
+    def forward(self, x: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        for name in self.hidden_names:
+            x = F.relu(getattr(self, name)(x))
+        return self.head(x)
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm block: causal self-attention, then a tanh-GELU MLP, each with a residual."""
+
+    def __init__(self, d_model: int, n_heads: int, d_ff: int, dropout_rate: float) -> None:
+        super().__init__()
+        self.n_heads, self.dropout_rate = n_heads, dropout_rate
+        self.ln_attn = nn.LayerNorm(d_model, eps=LN_EPS)
+        self.query, self.key, self.value = (nn.Linear(d_model, d_model) for _ in range(3))
+        self.attn_out = nn.Linear(d_model, d_model)
+        self.ln_mlp = nn.LayerNorm(d_model, eps=LN_EPS)
+        self.mlp_in = nn.Linear(d_model, d_ff)
+        self.mlp_out = nn.Linear(d_ff, d_model)
+
+    def forward(self, x: Tensor, generator: torch.Generator | None) -> Tensor:
+        batch, length, d_model = x.shape
+        h = self.ln_attn(x)
+        heads = [proj(h).view(batch, length, self.n_heads, -1).transpose(1, 2)
+                 for proj in (self.query, self.key, self.value)]
+        attended = F.scaled_dot_product_attention(*heads, is_causal=True)
+        attended = self.attn_out(attended.transpose(1, 2).reshape(batch, length, d_model))
+        x = x + dropout(attended, self.dropout_rate, generator)
+        h = self.mlp_out(F.gelu(self.mlp_in(self.ln_mlp(x)), approximate="tanh"))
+        return x + dropout(h, self.dropout_rate, generator)
+
+
+class GPT(nn.Module):
+    """Token + learned position embeddings, blocks, a final norm, an untied head (``functrain.models.gpt``)."""
+
+    def __init__(self, vocab_size: int, max_len: int, d_model: int, n_layers: int, n_heads: int, d_ff: int,
+                 dropout_rate: float = 0.0) -> None:
+        super().__init__()
+        self.dropout_rate, self.n_layers = dropout_rate, n_layers
+        self.token_embed = nn.Embedding(vocab_size, d_model)
+        self.position_embed = nn.Parameter(torch.zeros(max_len, d_model))
+        self.block_names = [f"block_{i}" for i in range(n_layers)]
+        for name in self.block_names:
+            self.add_module(name, Block(d_model, n_heads, d_ff, dropout_rate))
+        self.ln_final = nn.LayerNorm(d_model, eps=LN_EPS)
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
+
+    def reset_parameters(self, generator: torch.Generator) -> None:
+        """The Flax GPT's initialisers: N(0, 0.02), residual outputs N(0, 0.02 / sqrt(2 n_layers))."""
+        out_std = 0.02 / math.sqrt(2 * self.n_layers)
+        for name, param in self.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if name.endswith(("ln_attn.weight", "ln_mlp.weight", "ln_final.weight")):
+                nn.init.ones_(param)
+            elif leaf == "bias":
+                nn.init.zeros_(param)
+            else:
+                std = out_std if name.endswith(("attn_out.weight", "mlp_out.weight")) else 0.02
+                nn.init.normal_(param, std=std, generator=generator)
+
+    def forward(self, tokens: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        x = self.token_embed(tokens) + self.position_embed[: tokens.shape[1]]
+        x = dropout(x, self.dropout_rate, generator)
+        for name in self.block_names:
+            x = getattr(self, name)(x, generator)
+        return self.head(self.ln_final(x))
+
+
+def build_model(model_config: Any, example_batch: Mapping[str, np.ndarray], seed: int) -> nn.Module:
+    """The torch model for a validated ``model`` config section, initialised from ``seed``.
+
+    ``example_batch`` gives the MLP its input width (the Flax MLP infers it at init the same way).
+    """
+    if model_config.name == "mlp":
+        model = MLP(int(np.shape(example_batch["x"])[-1]), list(model_config.hidden), model_config.num_classes)
+    elif model_config.name == "gpt":
+        c = model_config
+        model = GPT(c.vocab_size, c.max_len, c.d_model, c.n_layers, c.n_heads, c.d_ff, c.dropout)
+    else:
+        from functrain.errors import ConfigError
+        raise ConfigError(f"model.name={model_config.name!r} has no torch twin; use mlp or gpt with backend: torch")
+    model.reset_parameters(torch.Generator().manual_seed(int(seed)))
+    return model
+
+
+# ------------------------------------------------------------------------------------------------- losses
+
+def classifier_loss(model: nn.Module) -> Callable:
+    """``loss_fn(params, buffers, batch, generator)``: weighted softmax cross-entropy; aux: correct count."""
+    def loss_fn(params, buffers, batch, generator):
+        logits = functional_call(model, (params, buffers), (batch["x"],), {"generator": generator})
+        weight = batch["weight"].to(torch.float32)
+        losses = F.cross_entropy(logits, batch["y"].long(), reduction="none")
+        correct = (logits.argmax(-1) == batch["y"]).to(torch.float32)
+        return (losses * weight).sum(), weight.sum(), {"accuracy": (correct * weight).sum()}
+    return loss_fn
+
+
+def causal_lm_loss(model: nn.Module) -> Callable:
+    """Next-token cross-entropy summed over real tokens (``weight`` x optional ``mask``)."""
+    def loss_fn(params, buffers, batch, generator):
+        tokens = batch["tokens"].long()
+        logits = functional_call(model, (params, buffers), (tokens[:, :-1],), {"generator": generator})
+        targets = tokens[:, 1:]
+        mask = batch["weight"].to(torch.float32)[:, None].expand(targets.shape)
+        if "mask" in batch:
+            mask = mask * batch["mask"].to(torch.float32)
+        losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view(targets.shape)
+        correct = (logits.argmax(-1) == targets).to(torch.float32)
+        return (losses * mask).sum(), mask.sum(), {"accuracy": (correct * mask).sum()}
+    return loss_fn
+
+
+def loss_for(model: nn.Module) -> Callable:
+    """The loss of a model built by :func:`build_model`."""
+    return causal_lm_loss(model) if isinstance(model, GPT) else classifier_loss(model)
+
+
+# ------------------------------------------------------------------------------------ Flax weight import
+
+def _flatten(tree: Mapping, prefix: str = "") -> dict[str, np.ndarray]:
+    flat = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, name + "."))
+        else:
+            flat[name] = np.asarray(value)
+    return flat
+
+
+def _convert(name: str, value: np.ndarray) -> tuple[str, np.ndarray]:
+    """One Flax leaf -> (torch name, torch layout)."""
+    path, leaf = name.rsplit(".", 1) if "." in name else ("", name)
+    torch_path = f"{path}." if path else ""
+    if leaf == "kernel":
+        # Dense (in, out); DenseGeneral (in, heads, head_dim) or (heads, head_dim, out): fold the head axes
+        # into the side they belong to, then transpose to torch's (out, in).
+        if path.endswith("attn_out"):
+            value = value.reshape(-1, value.shape[-1])
+        else:
+            value = value.reshape(value.shape[0], -1)
+        return torch_path + "weight", value.T
+    if leaf == "bias":
+        return torch_path + "bias", value.reshape(-1)
+    if leaf in ("scale", "embedding"):
+        return torch_path + "weight", value
+    return name, value
+
+
+def params_from_flax(flax_params: Mapping) -> dict[str, Tensor]:
+    """A Flax MLP/GPT params tree -> the torch twin's state dict (float32 tensors, contiguous)."""
+    return {name: torch.tensor(np.asarray(value, dtype=np.float32))
+            for name, value in (_convert(n, v) for n, v in _flatten(flax_params).items())}
