@@ -7,12 +7,7 @@ The public surface: :class:`TrainState`, :func:`make_train_step`, :func:`make_ev
 
 from functrain.state import TrainState
 from functrain.step import make_eval_step, make_train_call, make_train_step
-
-
-def fit(config, callbacks=None, **overrides):
-    """Train as ``config`` says (see :func:`functrain.loop.fit`); imported lazily to keep import light."""
-    from functrain.loop import fit as _fit
-    return _fit(config, callbacks=callbacks, **overrides)
+from functrain.loop import fit
 
 
 __all__ = ["TrainState", "fit", "make_eval_step", "make_train_call", "make_train_step"]

@@ -122,7 +122,7 @@ class MetricsWriter(Callback):
     def on_log(self, view: RunView, split: str, step: int, metrics: dict[str, float]) -> None:
         if self.jsonl is None:
             return
-        record = {"step": step, "split": split, "epoch": view.epoch, "samples_consumed": view.samples_consumed}
+        record = {"step": step, "split": split}
         record.update({name: _json_safe(value) for name, value in metrics.items()})
         self.jsonl.write(json.dumps(record) + "\n")
         if self.writer is not None:

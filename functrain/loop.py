@@ -184,23 +184,31 @@ class _Run:
         self.view.epoch = self.sampler.epoch_of(position)
 
     # -- metrics, evaluation, saving -----------------------------------------------------------------------
-    def record_train(self, call_end_step: int, device_metrics: Any) -> Control:
-        """Materialise a finished call's metrics; log the steps that fall on a log boundary."""
+    def record_train(self, call_end_step: int, device_metrics: Any, end_position: int) -> Control:
+        """Materialise a finished call's metrics; log its last step if that is a log boundary.
+
+        Intervals are multiples of ``steps_per_call``, so log steps are call ends, where the data position
+        is known exactly.
+        """
         metrics = self.backend.to_host(device_metrics)
         steps = len(next(iter(metrics.values())))
         control = Control()
-        for index in range(steps):
-            step = call_end_step - steps + 1 + index
-            values = _summarise_call(metrics, index)
-            self.view.last_metrics["train"] = values
-            if values.get("nonfinite") and self.config.train.nonfinite == "stop":
-                self.view.stop_reason = (f"non-finite loss or gradients at step {step} (update skipped, params "
-                                         f"intact); lower optimizer.learning_rate or set train.clip_norm")
-                control = control.merge(Control(should_stop=True))
-            if step % self.config.log.every_steps == 0 or step == self.max_steps:
-                values["steps_per_sec"] = self.throughput.rate(step)
-                control = control.merge(self.callbacks.fire("on_log", self.view, "train", step, values))
+        if self.config.train.nonfinite == "stop" and "nonfinite" in metrics and metrics["nonfinite"].any():
+            bad_step = call_end_step - steps + 1 + int(np.argmax(metrics["nonfinite"]))
+            self.view.stop_reason = (f"non-finite loss or gradients at step {bad_step} (update skipped, params "
+                                     f"intact); lower optimizer.learning_rate or set train.clip_norm")
+            control = Control(should_stop=True)
+        values = _summarise_call(metrics, steps - 1)
+        self.view.last_metrics["train"] = values
+        if call_end_step % self.config.log.every_steps == 0 or call_end_step == self.max_steps:
+            values = {**values, "steps_per_sec": self.throughput.rate(call_end_step),
+                      **self.position_fields(end_position)}
+            control = control.merge(self.callbacks.fire("on_log", self.view, "train", call_end_step, values))
         return control
+
+    def position_fields(self, position: int) -> dict[str, int]:
+        """Where the data stood, for log lines."""
+        return {"epoch": self.sampler.epoch_of(position), "samples_consumed": position}
 
     def evaluate(self, state: Any) -> Control:
         """Sum the eval metrics over the evaluation set (every record counted once), divide once."""
@@ -224,7 +232,8 @@ class _Run:
         metrics["weight"] = float(totals["weight"])
         self.view.last_metrics["eval"] = metrics
         control = self.callbacks.fire("on_evaluate", self.view, metrics)
-        return control.merge(self.callbacks.fire("on_log", self.view, "eval", self.view.step, metrics))
+        logged = {**metrics, **self.position_fields(self.view.samples_consumed)}
+        return control.merge(self.callbacks.fire("on_log", self.view, "eval", self.view.step, logged))
 
     def save(self, state: Any, step: int, position: int) -> None:
         if step == self.last_saved_step:
@@ -262,7 +271,7 @@ class _Run:
                 position = end_position
                 # Read the previous call's metrics only now: this call is already queued on the device.
                 control = self.record_train(*pending) if pending else Control()
-                pending = (step, metrics)
+                pending = (step, metrics, end_position)
                 if self.view.epoch != epoch_before:
                     control = control.merge(self.callbacks.fire("on_epoch_end", self.view))
                     control = control.merge(self.callbacks.fire("on_epoch_begin", self.view))

@@ -163,14 +163,15 @@ def _mesh_spec(name: str, logical: PartitionSpec | None, shape: tuple[int, ...],
         axes = tuple(axis for axis in axes if axis not in used and mesh.shape.get(axis, 1) > 1)
         ways = math.prod(mesh.shape[axis] for axis in axes)
         if axes and shape[dim] % ways:
-            axes_text = "x".join(f"{axis}({mesh.shape[axis]})" for axis in axes)
+            named = " x ".join(map(repr, axes))
+            axes_text = f"mesh axis {named} (size {ways})" if len(axes) == 1 else f"mesh axes {named} (size {ways})"
             if not allow_replicated_fallback:
                 raise ConfigError(
                     f"parameter {name!r} dimension {dim} (size {shape[dim]}, logical axis {logical_name!r}) is "
-                    f"not divisible by mesh axis {axes_text}; change the mesh sizes, set "
+                    f"not divisible by {axes_text}; change the mesh sizes, set "
                     f"mesh.rules.{logical_name}=null, or set mesh.allow_replicated_fallback=true")
-            logger.warning("parameter %s dimension %d (size %d, logical axis %r) is not divisible by mesh axis "
-                           "%s; replicating that dimension", name, dim, shape[dim], logical_name, axes_text)
+            logger.warning("parameter %s dimension %d (size %d, logical axis %r) is not divisible by %s; "
+                           "replicating that dimension", name, dim, shape[dim], logical_name, axes_text)
             axes = ()
         used.update(axes)
         spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)

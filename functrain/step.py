@@ -123,7 +123,7 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, *, micr
         denominator = jnp.maximum(weight, 1e-12)
         grads = jax.tree.map(lambda g: g / (scale * denominator), grad_sums)
         loss = loss_sum / denominator
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         if clip_norm is not None:
             grads = _clip_by_global_norm(grads, grad_norm, clip_norm)

@@ -91,10 +91,12 @@ def test_uncommitted_tmp_dir_is_never_listed_or_restored(tmp_path):
     assert layout.committed_steps(ckpt_dir) == [1, 2]
     infos = list_checkpoints(tmp_path, verify=False)
     assert [(i.step, i.whole) for i in infos] == [(1, True), (2, True), (3, False)]
-    ckpt = Checkpointer(tmp_path)  # a new writer cleans up the interrupted save
-    assert not (ckpt_dir / "3.orbax-checkpoint-tmp").exists()
+    ckpt = Checkpointer(tmp_path)
     assert ckpt.restore(targets_for(make_state()))[2] == 2
+    ckpt.save(3, to_items(make_state(3)), {})  # the writer clears the interrupted save before its first save
     ckpt.close()
+    assert not (ckpt_dir / "3.orbax-checkpoint-tmp").exists()
+    assert ckpt.steps() == [1, 2, 3]
 
 
 def test_process_killed_during_async_save_leaves_only_committed_steps(tmp_path, python_runner):

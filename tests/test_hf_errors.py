@@ -78,7 +78,7 @@ def test_shapes_contradicting_config(tmp_path, llama_dir):
     hf = broken_copy(llama_dir, tmp_path / "hf")
     config = json.loads((hf / "config.json").read_text())
     (hf / "config.json").write_text(json.dumps({**config, "intermediate_size": 32}))
-    assert_one_line_error(tmp_path, hf, r"has shape \[24, 16\] but config.json implies \[\[16, 32\]\]")
+    assert_one_line_error(tmp_path, hf, r"gate_proj.weight has shape \[24, 16\] but config.json implies \[32, 16\]")
 
 
 def test_index_naming_a_missing_file(tmp_path, llama_dir):

@@ -40,10 +40,11 @@ def _check_process_rows(sharding: Sharding, global_shape: tuple[int, ...], batch
     local = global_shape[batch_axis] // processes
     expected = set(range(process * local, (process + 1) * local))
     if rows != expected:
+        held = f"rows {min(rows)}..{max(rows)} ({len(rows)} rows)" if rows else "no rows"
         raise DataError(
-            f"the batch sharding gives process {process} batch rows {min(rows)}..{max(rows)} ({len(rows)} rows) "
-            f"but its data slice is rows {process * local}..{(process + 1) * local - 1}; shard the batch over "
-            f"a mesh with process-major device order (jax.make_mesh) and split it across all processes")
+            f"the batch sharding gives process {process} batch {held} but its data slice is rows "
+            f"{process * local}..{(process + 1) * local - 1}; shard the batch over a mesh with process-major "
+            f"device order (jax.make_mesh) and split it across all processes")
 
 
 def to_global(host_batch: Any, sharding_or_mesh: Sharding | Mesh, batch_axis: int = 1) -> Any:

@@ -12,8 +12,8 @@ import flax.linen as nn
 import jax.numpy as jnp
 import pydantic
 
-from functrain.models.hf_common import (HFModelConfig, activation, causal_attention, dense, embed,
-                                        layer_norm)
+from functrain.models.hf_common import (HFModelConfig, activation, causal_attention, check_activation, dense,
+                                        embed, layer_norm)
 
 
 class GPT2Config(HFModelConfig):
@@ -37,7 +37,7 @@ class GPT2Config(HFModelConfig):
     def _heads_divide_width(self):
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd {self.n_embd} is not a multiple of n_head {self.n_head}")
-        activation(self.activation_function)  # fail at config time, naming the supported ones
+        check_activation(self.activation_function)
         return self
 
     @property

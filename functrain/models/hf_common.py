@@ -31,7 +31,9 @@ class HFModelConfig(pydantic.BaseModel):
         except pydantic.ValidationError as err:
             first = err.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
-            raise ConfigError(f"config.json: {where}: {first['msg']}; fix the value in config.json") from None
+            message = first["msg"].removeprefix("Value error, ")
+            where = f"{where}: " if where else ""
+            raise ConfigError(f"config.json: {where}{message}; fix config.json") from None
 
 
 def _gelu_tanh(x: Array) -> Array:
@@ -54,11 +56,16 @@ ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
 }
 
 
-def activation(name: str) -> Callable[[Array], Array]:
-    """The activation function HF calls ``name``; ConfigError naming the supported ones otherwise."""
+def check_activation(name: str) -> str:
+    """``name`` if it is a supported HF activation; a ValueError naming the supported ones otherwise."""
     if name not in ACTIVATIONS:
-        raise ConfigError(f"activation {name!r} is not supported; use one of {sorted(ACTIVATIONS)}")
-    return ACTIVATIONS[name]
+        raise ValueError(f"activation {name!r} is not supported; use one of {', '.join(sorted(ACTIVATIONS))}")
+    return name
+
+
+def activation(name: str) -> Callable[[Array], Array]:
+    """The activation function HF calls ``name``."""
+    return ACTIVATIONS[check_activation(name)]
 
 
 def dense(features: int, axes: tuple[str, str], *, use_bias: bool, dtype: Any, init_std: float,

@@ -15,8 +15,8 @@ import numpy as np
 import pydantic
 
 from functrain.errors import ConfigError
-from functrain.models.hf_common import (HFModelConfig, RMSNorm, activation, causal_attention, dense,
-                                        embed)
+from functrain.models.hf_common import (HFModelConfig, RMSNorm, activation, causal_attention,
+                                        check_activation, dense, embed)
 
 
 class RopeScaling(pydantic.BaseModel):
@@ -61,7 +61,7 @@ class LlamaConfig(HFModelConfig):
             raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads")
         if self.attn_head_dim % 2:
             raise ValueError(f"head_dim {self.attn_head_dim} must be even for rotary embeddings")
-        activation(self.hidden_act)
+        check_activation(self.hidden_act)
         return self
 
     @property

@@ -39,6 +39,14 @@ class Rule:
             return (hf_shape[:-1] + (hf_shape[-1] // 3,),) * 3
         return (tuple(hf_shape),)
 
+    def hf_shape(self, shapes: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
+        """The HF tensor shape that becomes leaves of ``shapes`` (the inverse of `functrain_shapes`)."""
+        if self.kind == "transpose":
+            return tuple(reversed(shapes[0]))
+        if self.kind == "split3":
+            return shapes[0][:-1] + (3 * shapes[0][-1],)
+        return shapes[0]
+
     def to_functrain(self, array: np.ndarray) -> tuple[np.ndarray, ...]:
         """The functrain leaves for one HF tensor (each a fresh C-contiguous array)."""
         if self.kind == "transpose":

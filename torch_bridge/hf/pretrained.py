@@ -68,8 +68,7 @@ def _match_tensors(arch: Architecture, config: Any, infos: dict[str, reader.Tens
         want = tuple(shapes[path] for path in rule.paths)
         if got != want:
             raise CheckpointError(f"{info.name} has shape {list(info.shape)} but config.json implies "
-                                  f"{[list(s) for s in want]} for {'/'.join(rule.paths[0])}; "
-                                  "config.json does not describe these weights")
+                                  f"{list(rule.hf_shape(want))}; config.json does not describe these weights")
         needed[info.name] = rule
     return needed
 

@@ -1,0 +1,88 @@
+"""The report behind ``functrain inspect RUN_DIR [--step N] [--digest]``.
+
+One table row per checkpoint (step, time, size, whole/damaged, best, epoch, samples consumed,
+metrics), an optional SHA-256 of the parameters, and the last lines of metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+from functrain.checkpoint import layout
+from functrain.checkpoint.digest import params_digest
+from functrain.checkpoint.listing import CheckpointInfo, list_checkpoints, load_params
+from functrain.errors import CheckpointError
+
+_TAIL_LINES = 5
+
+
+def _size_text(size: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1024 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TB"
+
+
+def _metrics_text(metrics: Mapping[str, Any], prefix: str = "") -> str:
+    parts = []
+    for name, value in metrics.items():
+        if isinstance(value, Mapping):
+            parts.append(_metrics_text(value, f"{prefix}{name}/"))
+        elif isinstance(value, float):
+            parts.append(f"{prefix}{name}={value:.4g}")
+        else:
+            parts.append(f"{prefix}{name}={value}")
+    return " ".join(p for p in parts if p)
+
+
+def _row(info: CheckpointInfo) -> str:
+    when = datetime.datetime.fromtimestamp(info.time, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S") \
+        if info.time else "-"
+    meta = info.meta or {}
+    status = "whole" if info.whole else ("interrupted" if info.problem.startswith("uncommitted") else "damaged")
+    row = (f"{info.step:<8} {when:<19}  {_size_text(info.size):>9}  {status:<11} {'best' if info.is_best else '':<4} "
+           f"{str(meta.get('epoch', '-')):>5} {str(meta.get('samples_consumed', '-')):>9}  {_metrics_text(info.metrics)}")
+    return row.rstrip() + (f"  [{info.problem}]" if info.problem else "")
+
+
+def _tail(path: Path, count: int) -> list[str]:
+    """The last ``count`` lines of a possibly large text file."""
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        f.seek(max(f.tell() - 256 * 1024, 0))
+        lines = f.read().decode(errors="replace").splitlines()
+    return lines[-count:]
+
+
+def inspect_report(run_dir: str | os.PathLike, step: int | None = None, digest: bool = False) -> str:
+    """A human-readable report of a run's checkpoints; ``digest`` adds the params SHA-256.
+
+    ``step`` limits the table to that step and picks it for the digest (default: newest whole).
+    Raises ``CheckpointError`` if ``run_dir`` holds no checkpoints, or ``step`` is not there / damaged.
+    """
+    ckpt_dir, _ = layout.locate(run_dir)
+    infos = list_checkpoints(ckpt_dir)
+    if step is not None:
+        infos = [i for i in infos if i.step == step]
+        if not infos:
+            raise CheckpointError(f"no checkpoint for step {step} in {ckpt_dir}; run `functrain inspect "
+                                  f"{run_dir}` to see the steps there")
+    whole = [i for i in infos if i.whole]
+    lines = [f"checkpoints: {ckpt_dir} ({len(whole)} whole, {len(infos) - len(whole)} not)",
+             f"{'step':<8} {'time (UTC)':<19}  {'size':>9}  {'status':<11} {'':<4} {'epoch':>5} {'samples':>9}  metrics"]
+    lines += [_row(info) for info in infos]
+    if digest:
+        if not whole:
+            raise CheckpointError(f"no whole checkpoint{'' if step is None else f' at step {step}'} in {ckpt_dir} "
+                                  f"to digest; see the table above for what is damaged")
+        chosen = whole[-1].step
+        lines.append(f"sha256 step {chosen}: {params_digest(load_params(ckpt_dir, step=chosen))}")
+    metrics_file = ckpt_dir.parent / "metrics.jsonl"
+    if metrics_file.is_file():
+        lines.append(f"last lines of {metrics_file.name}:")
+        lines += [f"  {line}" for line in _tail(metrics_file, _TAIL_LINES)]
+    return "\n".join(lines)

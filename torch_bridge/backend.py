@@ -1,0 +1,210 @@
+"""The torch backend of the loop (``backend: torch``): same methods as ``functrain.backend.JaxBackend``.
+
+The loop stays framework-agnostic: it hands this object numpy host batches ``[K, B_local, ...]`` and
+checkpoint items, and gets states and metric tensors back. Checkpoint items use the JAX layout with numpy
+leaves: ``params`` is a nested dict from the torch dotted names split on ".", ``state`` holds step,
+opt_state, rng (``[0, seed]`` as uint32, the raw layout of ``PRNGKey(seed)``), model_state (buffers),
+loss_scale, good_steps and skipped_steps. Tensors live on CUDA when it is available, else on the CPU.
+Data parallelism is torch.distributed (joined from torchrun-style env vars): ``process_index`` and
+``process_count`` tell the loop which rows of each global batch this process loads.
+"""
+
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+import torch
+
+from functrain.errors import CheckpointError, ConfigError
+from torch_bridge import distributed
+from torch_bridge.models import build_model, loss_for
+from torch_bridge.optim import make_optimizer, make_schedule
+from torch_bridge.step import TorchState, make_eval_step, make_train_step
+
+Tensor = torch.Tensor
+
+
+def nest(flat: Mapping[str, Any]) -> dict:
+    """``{"a.b": x}`` -> ``{"a": {"b": x}}`` (torch dotted names to the checkpoint's nested dicts)."""
+    tree: dict = {}
+    for name, value in flat.items():
+        *parents, leaf = name.split(".")
+        node = tree
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return tree
+
+
+def flatten(tree: Mapping, prefix: str = "") -> dict[str, Any]:
+    """The inverse of :func:`nest`."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _map_tree(fn, tree: Any) -> Any:
+    if isinstance(tree, Mapping):
+        return {key: _map_tree(fn, value) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_map_tree(fn, value) for value in tree)
+    return fn(tree)
+
+
+def _to_numpy(value: Any) -> Any:
+    return value.detach().cpu().numpy() if isinstance(value, Tensor) else np.asarray(value)
+
+
+def _check_supported(config: Any) -> None:
+    """Reject the settings the torch step does not implement, naming the key."""
+    if config.train.compute_dtype != "float32":
+        raise ConfigError(f"train.compute_dtype={config.train.compute_dtype} is not supported with backend: torch; "
+                          f"use train.compute_dtype=float32")
+    if config.mesh.fsdp != 1 or config.mesh.tensor != 1:
+        raise ConfigError("backend: torch shards only over data; set mesh.fsdp=1 and mesh.tensor=1")
+    processes = distributed.world_size()
+    divisor = config.train.micro_batches * processes
+    if config.data.global_batch_size % divisor:
+        raise ConfigError(f"data.global_batch_size={config.data.global_batch_size} is not divisible by "
+                          f"train.micro_batches ({config.train.micro_batches}) x processes ({processes}); "
+                          f"use a multiple of {divisor}")
+
+
+class TorchBackend:
+    """Model, optimizer and pure steps of one torch run, behind the loop's backend interface."""
+
+    name = "torch"
+
+    def __init__(self, config: Any, example_batch: Mapping[str, np.ndarray], total_steps: int) -> None:
+        distributed.init_from_env()
+        _check_supported(config)
+        self.config = config
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.process_index, self.process_count = distributed.rank(), distributed.world_size()
+        self.model = build_model(config.model, example_batch, config.seed)
+        opt = config.optimizer
+        schedule = make_schedule(opt.schedule, opt.learning_rate, opt.warmup_steps, total_steps, opt.end_lr_ratio)
+        self.optimizer = make_optimizer(opt.name, schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps,
+                                        weight_decay=opt.weight_decay, momentum=opt.momentum or None,
+                                        nesterov=opt.nesterov)
+        loss_fn = loss_for(self.model)
+        self._step = make_train_step(loss_fn, self.optimizer, micro_batches=config.train.micro_batches,
+                                     clip_norm=config.train.clip_norm, nonfinite=config.train.nonfinite)
+        self._eval_step = make_eval_step(loss_fn)
+
+    # ------------------------------------------------------------------------------------------ state
+
+    def init_state(self) -> TorchState:
+        """A fresh step-0 state: the model's seeded initial weights and a fresh optimizer state."""
+        params = {name: value.detach().to(self.device) for name, value in self.model.named_parameters()}
+        buffers = {name: value.detach().to(self.device) for name, value in self.model.named_buffers()}
+        return TorchState.create(params, self.optimizer, self.config.seed, buffers)
+
+    def _abstract(self, state: TorchState) -> dict[str, Any]:
+        return _map_tree(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.state_to_items(state))
+
+    def restore_targets(self) -> dict[str, Any]:
+        """Checkpoint items as shape/dtype structs without shardings: they restore as numpy arrays."""
+        return self._abstract(self.init_state())
+
+    def state_to_items(self, state: TorchState) -> dict[str, Any]:
+        """The checkpoint items of ``state`` as nested dicts of numpy arrays."""
+        seed = state.seed & 0xFFFFFFFFFFFFFFFF
+        rest = {"step": np.asarray(state.step, np.int32),
+                "opt_state": _map_tree(_to_numpy, self._nest_opt_state(state.opt_state)),
+                "rng": np.asarray([seed >> 32, seed & 0xFFFFFFFF], np.uint32),
+                "model_state": nest({k: _to_numpy(v) for k, v in state.buffers.items()}),
+                "loss_scale": np.asarray(1.0, np.float32), "good_steps": np.asarray(0, np.int32),
+                "skipped_steps": np.asarray(_to_numpy(state.skipped_steps), np.int32)}
+        return {"params": nest({k: _to_numpy(v) for k, v in state.params.items()}), "state": rest}
+
+    @staticmethod
+    def _nest_opt_state(opt_state: dict) -> dict:
+        return {key: nest(value) if isinstance(value, dict) else value for key, value in opt_state.items()}
+
+    def _tensors(self, flat: Mapping[str, Any], expected: Mapping[str, Tensor], what: str) -> dict[str, Tensor]:
+        """numpy leaves -> tensors on this device, with the expected names, shapes and dtypes."""
+        missing, unexpected = sorted(set(expected) - set(flat)), sorted(set(flat) - set(expected))
+        if missing or unexpected:
+            raise CheckpointError(
+                f"checkpoint {what} do not match the torch model: missing {missing[:6]}, unexpected "
+                f"{unexpected[:6]}; restore a checkpoint written for this model (backend: torch) or convert it")
+        tensors = {}
+        for name, reference in expected.items():
+            value = np.asarray(flat[name])
+            if tuple(value.shape) != tuple(reference.shape):
+                raise CheckpointError(f"checkpoint {what} {name!r} has shape {tuple(value.shape)}, the model "
+                                      f"expects {tuple(reference.shape)}; use the model config it was saved with")
+            tensors[name] = torch.tensor(value, dtype=reference.dtype, device=self.device)
+        return tensors
+
+    def state_from_items(self, items: Mapping[str, Any], fresh: TorchState) -> TorchState:
+        """Rebuild a state from restored items; without a ``state`` item the optimizer starts fresh."""
+        params = self._tensors(flatten(items["params"]), fresh.params, "params")
+        saved = items.get("state")
+        if saved is None:
+            return TorchState.create(params, self.optimizer, fresh.seed, fresh.buffers)
+        opt_state = {}
+        for key, value in fresh.opt_state.items():
+            if isinstance(value, dict):
+                opt_state[key] = self._tensors(flatten(saved["opt_state"][key]), value, f"opt_state/{key}")
+            else:
+                opt_state[key] = torch.tensor(np.asarray(saved["opt_state"][key]), dtype=value.dtype,
+                                              device=self.device)
+        buffers = self._tensors(flatten(saved.get("model_state") or {}), fresh.buffers, "model_state")
+        high, low = (int(x) for x in np.asarray(saved["rng"], np.uint64))
+        return TorchState(params=params, buffers=buffers, opt_state=opt_state, step=int(saved["step"]),
+                          seed=(high << 32) | low,
+                          skipped_steps=torch.tensor(int(saved["skipped_steps"]), dtype=torch.int32,
+                                                     device=self.device))
+
+    @staticmethod
+    def step_of(state: TorchState) -> int:
+        """The state's step as a Python int."""
+        return state.step
+
+    # ------------------------------------------------------------------------------------------ steps
+
+    def place(self, host_batches: Mapping[str, np.ndarray]) -> dict[str, Tensor]:
+        """numpy host batches -> tensors on this backend's device (no copy on CPU when possible)."""
+        def to_tensor(array: np.ndarray) -> Tensor:
+            array = np.asarray(array)
+            if not (array.flags.writeable and array.flags.c_contiguous):
+                array = np.array(array)  # torch.from_numpy needs a writable, contiguous buffer
+            return torch.from_numpy(array).to(self.device, non_blocking=True)
+        return {key: to_tensor(value) for key, value in host_batches.items()}
+
+    def train_call(self, state: TorchState, batches: Mapping[str, Any]) -> tuple[TorchState, dict[str, Tensor]]:
+        """Run ``K`` steps on batches ``[K, B_local, ...]`` (numpy or placed); metrics come back ``[K]``."""
+        if any(isinstance(value, np.ndarray) for value in batches.values()):
+            batches = self.place(batches)
+        steps = next(iter(batches.values())).shape[0]
+        per_step = []
+        for index in range(steps):
+            state, metrics = self._step(state, {key: value[index] for key, value in batches.items()})
+            per_step.append(metrics)
+        return state, {key: torch.stack([m[key] for m in per_step]) for key in per_step[0]}
+
+    def eval_batch(self, state: TorchState, host_batch: Mapping[str, np.ndarray]) -> dict[str, Tensor]:
+        """Metric sums (over all processes) of one evaluation batch ``[B_local, ...]``."""
+        return self._eval_step(state, self.place(host_batch))
+
+    @staticmethod
+    def to_host(tree: Any) -> Any:
+        """Tensors -> numpy, anywhere in a tree of dicts, lists and tuples (waits for the device)."""
+        return _map_tree(_to_numpy, tree)
+
+    def describe(self) -> str:
+        """One startup line: torch version, device, parameter count, processes."""
+        count = sum(p.numel() for p in self.model.parameters())
+        return (f"torch {torch.__version__} on {self.device}, {type(self.model).__name__} with {count:,} "
+                f"parameters, {self.process_count} process(es)")
+
+
+def make_backend(config: Any, example_batch: Mapping[str, np.ndarray], total_steps: int) -> TorchBackend:
+    """The loop's entry point for ``backend: torch``."""
+    return TorchBackend(config, example_batch, total_steps)
