@@ -79,11 +79,15 @@ def main() -> None:
 
     # Interleaved rounds, median per variant: the machine is shared, so load drifts between runs.
     rates: dict[str, list[float]] = {"pre-built": [], "prefetch=2": [], "prefetch=0": []}
-    for _ in range(ROUNDS):
-        rates["pre-built"].append(run(iter(prebuilt), mesh))
-        for prefetch in (2, 0):
-            with BatchLoader(source, sampler, prefetch=prefetch).iter_from(0) as calls:
-                rates[f"prefetch={prefetch}"].append(run((call for call, _, _ in calls), mesh))
+    variants = list(rates)
+    for round_index in range(ROUNDS):
+        # Rotate the order so no variant always runs first (or right after another) in a round.
+        for name in variants[round_index % 3:] + variants[:round_index % 3]:
+            if name == "pre-built":
+                rates[name].append(run(iter(prebuilt), mesh))
+                continue
+            with BatchLoader(source, sampler, prefetch=int(name.split("=")[1])).iter_from(0) as calls:
+                rates[name].append(run((call for call, _, _ in calls), mesh))
     baseline, prefetched, synchronous = (statistics.median(rates[name]) for name in rates)
     # Each round's variants ran back to back, so per-round ratios cancel most of the load drift.
     ratio = statistics.median(p / b for p, b in zip(rates["prefetch=2"], rates["pre-built"]))

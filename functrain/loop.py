@@ -54,9 +54,9 @@ def resolve_config(config: Config | dict | str | os.PathLike, overrides: dict[st
 
 
 def total_steps(config: Config, sampler: IndexSampler) -> int:
-    """``train.max_steps``, or ``train.epochs`` worth of steps."""
-    if (config.train.max_steps is None) == (config.train.epochs is None):
-        raise ConfigError("set exactly one of train.max_steps and train.epochs")
+    """``train.max_steps`` when set (it wins over epochs, as in the HF Trainer), else ``train.epochs`` of steps."""
+    if config.train.max_steps is None and config.train.epochs is None:
+        raise ConfigError("the run has no length; set train.max_steps or train.epochs")
     if config.train.max_steps is not None:
         return config.train.max_steps
     return max(1, int(np.ceil(config.train.epochs * sampler.steps_per_epoch)))
