@@ -79,11 +79,12 @@ class TorchBackend:
 
     name = "torch"
 
-    def __init__(self, config: Any, example_batch: Mapping[str, np.ndarray], total_steps: int) -> None:
+    def __init__(self, config: Any, example_batch: Mapping[str, np.ndarray], total_steps: int,
+                 device: str | torch.device | None = None) -> None:
         distributed.init_from_env()
         _check_supported(config)
         self.config = config
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.process_index, self.process_count = distributed.rank(), distributed.world_size()
         self.model = build_model(config.model, example_batch, config.seed)
         opt = config.optimizer
@@ -205,6 +206,7 @@ class TorchBackend:
                 f"parameters, {self.process_count} process(es)")
 
 
-def make_backend(config: Any, example_batch: Mapping[str, np.ndarray], total_steps: int) -> TorchBackend:
-    """The loop's entry point for ``backend: torch``."""
-    return TorchBackend(config, example_batch, total_steps)
+def make_backend(config: Any, example_batch: Mapping[str, np.ndarray], total_steps: int,
+                 device: str | torch.device | None = None) -> TorchBackend:
+    """The loop's entry point for ``backend: torch`` (device: CUDA when available, else CPU)."""
+    return TorchBackend(config, example_batch, total_steps, device)

@@ -1,0 +1,75 @@
+"""A real 2-process run (``functrain train --processes 2``, gloo collectives) against one process.
+
+Two processes with one CPU device each must compute exactly what one process with two devices computes
+(same mesh, same data order; a sum of two partial sums is the same in either order), so the parameter
+digests are equal bit for bit. Only process 0 writes metrics.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import REPO_ROOT
+from functrain.checkpoint import load_params, params_digest
+
+OVERRIDES = ["train.max_steps=4", "train.epochs=null", "train.steps_per_call=2", "log.every_steps=2",
+             "log.tensorboard=false", "log.progress=false", "eval.every_steps=0", "checkpoint.every_steps=0"]
+
+
+def _cli(args: list[str], devices: int = 1) -> subprocess.Popen:
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.Popen([sys.executable, "-m", "functrain", *args], cwd=REPO_ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("multiprocess")
+    two_processes, one_process = root / "two_processes", root / "one_process"
+    procs = [
+        _cli(["train", "configs/mlp_digits.yaml", f"run.dir={two_processes}", *OVERRIDES, "--processes", "2"]),
+        _cli(["train", "configs/mlp_digits.yaml", f"run.dir={one_process}", *OVERRIDES], devices=2),
+    ]
+    outputs = []
+    for proc in procs:
+        output, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, output
+        outputs.append(output)
+    return {"two_processes": two_processes, "one_process": one_process, "output": outputs[0]}
+
+
+def test_two_processes_end_with_the_same_params_as_one(runs):
+    two, one = load_params(runs["two_processes"]), load_params(runs["one_process"])
+    assert params_digest(two) == params_digest(one)
+    assert np.any(two["dense_0"]["kernel"] != 0)
+
+
+def _metric_rows(run_dir) -> list[tuple]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(row["step"], row["split"], row.get("loss")) for row in rows]
+
+
+def test_only_process_zero_writes_metrics(runs):
+    rows = _metric_rows(runs["two_processes"])
+    assert rows == _metric_rows(runs["one_process"])  # each row once, and the same losses
+    assert [step for step, split, _ in rows if split == "train"] == [2, 4]
+    assert runs["output"].count("finished at step 4") == 1  # process 1's output is not streamed
+
+
+def test_port_in_use_is_one_line_and_exit_2(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = _cli(["train", "configs/mlp_digits.yaml", f"run.dir={tmp_path}", "--processes", "2",
+                     "--port", str(port)])
+        output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    assert f"port {port}" in output and "Traceback" not in output
+    assert not (tmp_path / "checkpoints").exists()
