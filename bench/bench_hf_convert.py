@@ -4,7 +4,8 @@ Writes random float32 tensors with numpy in a temporary directory (no network), 
 fresh subprocess so peak RSS is the conversion's own:
 
 - ``safetensors``: reading every tensor of every shard with safetensors alone (the throughput baseline);
-- ``convert``: ``torch_bridge.hf.read_params`` (headers checked, names mapped, Linear weights transposed).
+- ``convert``: ``torch_bridge.hf.read_params`` (headers checked, names mapped, Linear weights transposed);
+- ``to_run_dir``: ``hf_to_run_dir`` (convert plus the Orbax step-0 checkpoint write), for information.
 
 Peak RSS is compared with the budget ``model bytes + 2 × largest tensor + interpreter baseline`` (the
 baseline is the child's RSS after its imports, before any tensor is read).
@@ -47,6 +48,15 @@ seconds = time.perf_counter() - start
 CHILD_CONVERT = """
 start = time.perf_counter()
 kept, config = hf.read_params({path!r})
+seconds = time.perf_counter() - start
+"""
+
+CHILD_RUN_DIR = """
+import tempfile
+start = time.perf_counter()
+with tempfile.TemporaryDirectory(dir={path!r}) as run_dir:
+    hf.hf_to_run_dir({path!r}, run_dir + "/run")
+    kept = {{}}
 seconds = time.perf_counter() - start
 """
 
@@ -129,10 +139,11 @@ def main() -> None:
         model_bytes, largest = write_checkpoint(path, args.layers, args.shard_mb * 10**6)
         shards = len(list(path.glob("*.safetensors")))
         print(f"checkpoint: {model_bytes / 1e9:.3f} GB in {shards} shards, largest tensor {largest / 1e6:.1f} MB")
-        results = {"safetensors": [], "convert": []}
-        for _ in range(args.repeats):  # interleaved so both see the same page-cache state
+        results = {"safetensors": [], "convert": [], "to_run_dir": []}
+        for _ in range(args.repeats):  # interleaved so all see the same page-cache state
             results["safetensors"].append(run_child(CHILD_SAFETENSORS, path))
             results["convert"].append(run_child(CHILD_CONVERT, path))
+        results["to_run_dir"].append(run_child(CHILD_RUN_DIR, path))
     for name, runs in results.items():
         best = min(runs, key=lambda r: r["seconds"])
         budget = model_bytes + 2 * largest + best["baseline_bytes"]
@@ -146,6 +157,7 @@ def main() -> None:
           f"  {'OK' if convert['peak_bytes'] <= budget else 'OVER BUDGET'}")
     print(f"ratio convert peak RSS above baseline / model bytes: "
           f"{(convert['peak_bytes'] - convert['baseline_bytes']) / model_bytes:.3f}")
+    print(f"ratio convert peak RSS / safetensors-alone peak RSS: {convert['peak_bytes'] / baseline['peak_bytes']:.3f}")
     print(f"ratio convert throughput / safetensors-alone throughput: {baseline['seconds'] / convert['seconds']:.3f}")
 
 

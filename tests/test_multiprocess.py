@@ -18,7 +18,7 @@ from conftest import REPO_ROOT
 from functrain.checkpoint import load_params, params_digest
 
 OVERRIDES = ["train.max_steps=4", "train.epochs=null", "train.steps_per_call=2", "log.every_steps=2",
-             "log.tensorboard=false", "log.progress=false", "eval.every_steps=0", "checkpoint.every_steps=0"]
+             "log.tensorboard=false", "log.progress=false", "eval.every_steps=0", "checkpoint.every_steps=0", "data.eval_fraction=0"]
 
 
 def _cli(args: list[str], devices: int = 1) -> subprocess.Popen:

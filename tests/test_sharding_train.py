@@ -26,7 +26,7 @@ def run(run_dir, max_steps, mesh):
     overrides = {"run.dir": run_dir, "train.max_steps": max_steps, "train.epochs": None,
                  "train.steps_per_call": 1, "log.every_steps": 1, "log.tensorboard": False,
                  "log.progress": False, "eval.every_steps": 0, "checkpoint.every_steps": 0,
-                 "checkpoint.async_save": False, **mesh}
+                 "checkpoint.async_save": False, "data.eval_fraction": 0.0, **mesh}
     result = functrain.fit("configs/mlp_digits.yaml", **overrides)
     assert result.step == max_steps, result.step
 
