@@ -1,0 +1,124 @@
+"""The loop: callback events and controls, early stopping, SIGTERM, non-finite stop, resume."""
+
+import json
+import os
+import signal
+
+import numpy as np
+
+from functrain import fit
+from functrain.callbacks import Callback, Control
+from functrain.checkpoint import load_params
+
+BASE = {"config": "configs/mlp_digits.yaml", "model.hidden": [16], "log.progress": False,
+        "log.tensorboard": False, "train.steps_per_call": 4, "log.every_steps": 4, "eval.every_steps": 8,
+        "checkpoint.every_steps": 0, "optimizer.warmup_steps": 0}
+
+
+def run(tmp_path, callbacks=(), **overrides):
+    settings = {**BASE, "run.dir": str(tmp_path / "run"), **overrides}
+    config = settings.pop("config")
+    return fit(config, callbacks=list(callbacks), **settings)
+
+
+class Recorder(Callback):
+    def __init__(self, stop_at=None):
+        self.events, self.stop_at = [], stop_at
+
+    def on_train_begin(self, view):
+        self.events.append(("train_begin", view.step))
+
+    def on_epoch_begin(self, view):
+        self.events.append(("epoch_begin", view.epoch))
+
+    def on_epoch_end(self, view):
+        self.events.append(("epoch_end", view.epoch))
+
+    def on_step_end(self, view):
+        self.events.append(("step_end", view.step))
+        if view.step == self.stop_at:
+            return Control(should_stop=True, should_save=True)
+
+    def on_log(self, view, split, step, metrics):
+        self.events.append(("log", split, step))
+
+    def on_evaluate(self, view, metrics):
+        self.events.append(("evaluate", view.step))
+
+    def on_save(self, view, step):
+        self.events.append(("save", step))
+
+    def on_train_end(self, view):
+        self.events.append(("train_end", view.step))
+
+
+def test_events_fire_at_call_boundaries_in_order(tmp_path):
+    recorder = Recorder()
+    result = run(tmp_path, [recorder], **{"train.max_steps": 32, "data.global_batch_size": 256})
+    events = recorder.events
+    assert events[0] == ("train_begin", 0) and events[-1] == ("train_end", 32)
+    assert [e[1] for e in events if e[0] == "step_end"] == list(range(4, 33, 4))
+    assert [e[2] for e in events if e[0] == "log" and e[1] == "train"] == list(range(4, 33, 4))
+    assert [e[1] for e in events if e[0] == "evaluate"] == [8, 16, 24, 32]
+    assert ("save", 32) in events
+    # 1617 records / 256 = 6 steps per epoch (tail dropped): epochs end along the way.
+    assert sum(1 for e in events if e[0] == "epoch_end") >= 4
+    assert result.step == 32 and result.stop_reason == "finished"
+
+
+def test_a_callback_can_stop_and_save(tmp_path):
+    result = run(tmp_path, [Recorder(stop_at=12)], **{"train.max_steps": 40})
+    assert result.step == 12 and "callback" in result.stop_reason
+    assert sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit()) == [12]
+
+
+def test_early_stopping_on_a_metric_that_does_not_improve(tmp_path):
+    result = run(tmp_path, **{"train.max_steps": 200, "optimizer.learning_rate": 1e-12,
+                              "eval.early_stopping_metric": "eval/loss", "eval.early_stopping_patience": 2,
+                              "eval.early_stopping_min_delta": 0.01})
+    assert result.step == 24  # first eval sets the best, two more without improvement
+    assert "early stopping" in result.stop_reason
+
+
+class SendSignal(Callback):
+    def __init__(self, at_step, signum):
+        self.at_step, self.signum = at_step, signum
+
+    def on_step_end(self, view):
+        if view.step == self.at_step:
+            os.kill(os.getpid(), self.signum)
+
+
+def test_sigterm_saves_at_the_next_call_boundary_and_stops(tmp_path):
+    result = run(tmp_path, [SendSignal(8, signal.SIGTERM)], **{"train.max_steps": 40})
+    assert result.step == 8 and "SIGTERM" in result.stop_reason
+    steps = sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps == [8]
+    # The handler is gone afterwards.
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL or callable(signal.getsignal(signal.SIGTERM))
+
+
+def test_nonfinite_stop_keeps_params_finite(tmp_path):
+    result = run(tmp_path, **{"train.max_steps": 40, "optimizer.learning_rate": 1e25, "train.nonfinite": "stop",
+                              "train.clip_norm": None})
+    assert "non-finite" in result.stop_reason and result.step < 40
+    params = load_params(tmp_path / "run")
+    assert all(np.isfinite(leaf).all() for leaf in _leaves(params))
+
+
+def _leaves(tree):
+    if isinstance(tree, dict):
+        for value in tree.values():
+            yield from _leaves(value)
+    else:
+        yield tree
+
+
+def test_a_second_run_resumes_where_the_first_stopped(tmp_path):
+    first = run(tmp_path, **{"train.max_steps": 16})
+    second = run(tmp_path, **{"train.max_steps": 32})
+    assert first.step == 16 and second.step == 32
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train_steps = [line["step"] for line in lines if line["split"] == "train"]
+    assert train_steps == list(range(4, 33, 4))  # no step trained twice, none missing
+    assert lines[-1]["samples_consumed"] > 16 * 64
