@@ -11,7 +11,7 @@ The bridge and the plain loop run in alternating rounds and the reported ratio i
 per-round ratios, so load from other processes on a shared machine hits both alike. Trainer's rate is its
 steady state (timed from its 10th step by a callback), best of its rounds.
 
-    python bench/bench_torch.py [--rounds 5] [--steps 200] [--device cpu|cuda] [--check]
+    python bench/bench_torch.py [--rounds 5] [--steps 200] [--device cpu|cuda] [--threads 1] [--check]
 
 ``--check`` exits 1 unless bridge/plain >= 0.9 and bridge/Trainer >= 1.2.
 """
@@ -151,8 +151,12 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--trainer-rounds", type=int, default=2)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads for all contenders (1: a tiny model gains nothing from more, "
+                             "and on a shared machine idle-spinning thread pools swamp the measurement)")
     parser.add_argument("--check", action="store_true", help="exit 1 unless the ratios meet the targets")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
 
     x, y = digits()
     rows = batch_rows(args.steps, len(y))

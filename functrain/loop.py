@@ -160,6 +160,7 @@ class _Run:
                             is_primary=self.is_primary)
         self.meta: dict[str, Any] | None = None
         self.last_saved_step = -1
+        self.last_eval_step = -1
         self.throughput = Throughput()
 
     # -- state and position -------------------------------------------------------------------------------
@@ -231,6 +232,7 @@ class _Run:
         metrics = {name: float(value) / weight for name, value in totals.items() if name != "weight"}
         metrics["weight"] = float(totals["weight"])
         self.view.last_metrics["eval"] = metrics
+        self.last_eval_step = self.view.step
         control = self.callbacks.fire("on_evaluate", self.view, metrics)
         logged = {**metrics, **self.position_fields(self.view.samples_consumed)}
         return control.merge(self.callbacks.fire("on_log", self.view, "eval", self.view.step, logged))
@@ -291,7 +293,7 @@ class _Run:
                     break
             if pending:
                 self.record_train(*pending)
-        if stop_reason == "finished" and len(self.eval_arrays) and "eval" not in self.view.last_metrics:
+        if stop_reason == "finished" and self.last_eval_step != step:
             self.evaluate(state)
         self.save(state, step, position)
         self.checkpointer.wait()
