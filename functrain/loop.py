@@ -124,7 +124,7 @@ class _Run:
 
     def __init__(self, config: Config, callbacks: list[Callback]) -> None:
         self.config = config
-        self.run_dir = Path(config.run.dir)
+        self.run_dir = Path(config.run.dir).absolute()  # Orbax needs absolute paths
         self.is_primary = jax.process_index() == 0
         self.process_count = jax.process_count()
         self.signals = StopSignals()
@@ -242,7 +242,8 @@ class _Run:
             return
         meta = {"step": step, **data_meta(self.sampler, position, self.meta),
                 "config_digest": self.config.digest(), "model": self.config.model.model_dump(mode="json"),
-                "backend": self.config.backend, "metrics": dict(self.view.last_metrics), "time": time.time()}
+                "backend": self.config.backend, "metrics": dict(self.view.last_metrics), "time": time.time(),
+                "layout": self.backend.describe(), "processes": self.process_count}
         self.checkpointer.save(step, self.backend.state_to_items(state), meta)
         self.meta, self.last_saved_step = meta, step
         self.callbacks.fire("on_save", self.view, step)

@@ -250,6 +250,25 @@ def batch_sharding(mesh: Mesh, stacked: bool = True) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(*((None,) if stacked else ()), axes))
 
 
+def constrain_batch(x: jax.Array, batch_axis: int = 0) -> jax.Array:
+    """Pin an activation's batch axis to ``("data", "fsdp")``, leaving its other axes to the compiler.
+
+    Models call this on the residual stream (block inputs/outputs, logits). Without it the partitioner may
+    follow the FSDP-sharded ``embed`` axis of the weights into the activations and reshard whole batches
+    instead of gathering the (much smaller) parameters, which is what ZeRO-3 means. Active only while
+    tracing under ``jax.set_mesh(mesh)`` with those axes; elsewhere (a plain ``apply``) it returns ``x``.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    axes = tuple(axis for axis in BATCH_AXES if axis in mesh.axis_names)
+    if not axes or x.shape[batch_axis] % math.prod(mesh.shape[axis] for axis in axes):
+        return x
+    spec = [PartitionSpec.UNCONSTRAINED] * x.ndim
+    spec[batch_axis] = axes
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(*spec))
+
+
 def batch_devices(mesh: Mesh) -> int:
     """How many ways the batch is split: ``data * fsdp``. The global batch must divide by
     ``micro_batches`` times this."""

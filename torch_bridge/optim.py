@@ -9,7 +9,7 @@ it stays on the count's device, so reading the learning rate never waits for the
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -26,7 +26,7 @@ Schedule = Callable[[Tensor], Tensor]
 def _linear(init_value: float, end_value: float, transition_steps: int) -> Schedule:
     """optax.linear_schedule: interpolate over ``transition_steps``, then hold ``end_value``."""
     if transition_steps <= 0:
-        return lambda count: torch.full((), init_value, dtype=torch.float32, device=count.device)
+        return lambda count: torch.full(count.shape, init_value, dtype=torch.float32, device=count.device)
 
     def schedule(count: Tensor) -> Tensor:
         done = torch.clamp(count, 0, transition_steps).to(torch.float32)
@@ -51,6 +51,23 @@ def _join(first: Schedule, second: Schedule, boundary: int) -> Schedule:
     return schedule
 
 
+def _tabulated(schedule: Schedule, length: int) -> Schedule:
+    """``schedule`` precomputed for counts ``[0, length)``; later counts read the last entry.
+
+    Every schedule here is constant after its last transition, so the table is exact, and a lookup is two
+    tensor operations instead of a dozen (that difference shows on small models).
+    """
+    table = schedule(torch.arange(length, dtype=torch.int32))
+    on_device: dict[torch.device, Tensor] = {}
+
+    def lookup(count: Tensor) -> Tensor:
+        values = on_device.get(count.device)
+        if values is None:
+            values = on_device.setdefault(count.device, table.to(count.device))
+        return values[torch.clamp(count, 0, length - 1)]
+    return lookup
+
+
 def make_schedule(name: str, learning_rate: float, warmup_steps: int = 0, max_steps: int = 0,
                   end_lr_ratio: float = 0.0) -> Schedule:
     """The learning-rate schedule ``name`` ("constant", "cosine" or "linear") after a linear warmup from 0.
@@ -64,14 +81,16 @@ def make_schedule(name: str, learning_rate: float, warmup_steps: int = 0, max_st
     warmup = _linear(0.0, learning_rate, warmup_steps)
     if name == "cosine":
         alpha = 0.0 if learning_rate == 0.0 else end_value / learning_rate
-        return _join(warmup, _cosine(learning_rate, decay_steps, alpha), warmup_steps)
-    if name == "linear":
+        body = _cosine(learning_rate, decay_steps, alpha)
+    elif name == "linear":
         body = _linear(learning_rate, end_value, decay_steps)
     elif name == "constant":
-        body = _linear(learning_rate, learning_rate, 0)
+        body, decay_steps = _linear(learning_rate, learning_rate, 0), 0
     else:
         raise ConfigError(f"optimizer.schedule={name!r} is unknown; use constant, cosine or linear")
-    return body if warmup_steps == 0 else _join(warmup, body, warmup_steps)
+    # optax's cosine always joins (even after no warmup); for a zero warmup the join never switches back.
+    schedule = _join(warmup, body, warmup_steps) if warmup_steps or name == "cosine" else body
+    return _tabulated(schedule, warmup_steps + decay_steps + 1)
 
 
 # --------------------------------------------------------------------------------------------- optimizers
@@ -103,17 +122,20 @@ def _count(params: Params) -> Tensor:
     return torch.zeros((), dtype=torch.int32, device=device)
 
 
-def _add_decayed_weights(updates: list[Tensor], params: list[Tensor], mask: list[bool],
-                         weight_decay: float) -> list[Tensor]:
-    """optax.add_decayed_weights: ``u + wd * p`` where the mask says so (a zero decay is skipped)."""
-    if weight_decay == 0.0:
-        return updates
-    return [u + weight_decay * p if decayed else u for u, p, decayed in zip(updates, params, mask)]
+def _add_decayed_weights_(updates: list[Tensor], params: list[Tensor], mask: Iterable[bool],
+                          weight_decay: float) -> None:
+    """optax.add_decayed_weights, in place on freshly computed ``updates``: ``u += wd * p`` where masked."""
+    if weight_decay == 0.0:  # optax skips a zero constant decay too
+        return
+    chosen = [(u, p) for u, p, decayed in zip(updates, params, mask) if decayed]
+    if chosen:
+        torch._foreach_add_([u for u, _ in chosen], [p for _, p in chosen], alpha=weight_decay)
 
 
 def _apply(params: list[Tensor], updates: list[Tensor], learning_rate: Tensor) -> list[Tensor]:
-    """optax.scale_by_learning_rate + apply_updates: ``p + (-lr) * u``."""
-    return torch._foreach_add(params, torch._foreach_mul(updates, -learning_rate))
+    """optax.scale_by_learning_rate + apply_updates: ``p + (-lr) * u`` (``updates`` are scaled in place)."""
+    torch._foreach_mul_(updates, -learning_rate)
+    return torch._foreach_add(params, updates)
 
 
 def adamw(schedule: Schedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
@@ -125,20 +147,22 @@ def adamw(schedule: Schedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1
 
     def update(params: Params, grads: Params, opt_state: OptState) -> tuple[Params, OptState]:
         names = list(params)
-        p = [params[n] for n in names]
-        g = [grads[n] for n in names]
-        mu = torch._foreach_add(torch._foreach_mul(g, 1 - b1), torch._foreach_mul(
-            [opt_state["mu"][n] for n in names], b1))
-        nu = torch._foreach_add(torch._foreach_mul(torch._foreach_mul(g, g), 1 - b2), torch._foreach_mul(
-            [opt_state["nu"][n] for n in names], b2))
+        p, g = [params[n] for n in names], [grads[n] for n in names]
+        # Each result is allocated once and then finished in place: the inputs are never written.
+        mu = torch._foreach_mul([opt_state["mu"][n] for n in names], b1)
+        torch._foreach_add_(mu, g, alpha=1 - b1)                         # b1 * mu + (1 - b1) * g
+        nu = torch._foreach_mul([opt_state["nu"][n] for n in names], b2)
+        torch._foreach_addcmul_(nu, g, g, value=1 - b2)                  # b2 * nu + (1 - b2) * g^2
         count = opt_state["count"]
         next_count = count + 1
         # optax computes decay**count in float32 and divides the moments by (1 - that).
-        mu_hat = torch._foreach_div(mu, 1 - torch.pow(b1, next_count.to(torch.float32)))
-        nu_hat = torch._foreach_div(nu, 1 - torch.pow(b2, next_count.to(torch.float32)))
-        steps = torch._foreach_div(mu_hat, torch._foreach_add(torch._foreach_sqrt(nu_hat), eps))
-        mask = decay_mask(params)
-        steps = _add_decayed_weights(steps, p, [mask[n] for n in names], weight_decay)
+        exponent = next_count.to(torch.float32)
+        denominator = torch._foreach_div(nu, 1 - torch.pow(b2, exponent))
+        torch._foreach_sqrt_(denominator)
+        torch._foreach_add_(denominator, eps)                            # sqrt(nu_hat) + eps
+        steps = torch._foreach_div(mu, 1 - torch.pow(b1, exponent))
+        torch._foreach_div_(steps, denominator)                          # mu_hat / (sqrt(nu_hat) + eps)
+        _add_decayed_weights_(steps, p, decay_mask(params).values(), weight_decay)
         new_p = _apply(p, steps, schedule(count))
         return dict(zip(names, new_p)), {"count": next_count, "mu": dict(zip(names, mu)),
                                           "nu": dict(zip(names, nu))}
@@ -163,14 +187,17 @@ def sgd(schedule: Schedule, momentum: float | None = None, nesterov: bool = Fals
     def update(params: Params, grads: Params, opt_state: OptState) -> tuple[Params, OptState]:
         names = list(params)
         p = [params[n] for n in names]
-        mask = decay_mask(params)
-        steps = _add_decayed_weights([grads[n] for n in names], p, [mask[n] for n in names], weight_decay)
+        steps = [grads[n].clone() for n in names]  # fresh buffers: everything below works in place on them
+        _add_decayed_weights_(steps, p, decay_mask(params).values(), weight_decay)
         new_state = {"count": opt_state["count"] + 1}
         if use_trace:
             # optax.trace: t' = g + m * t; nesterov applies the same rule once more to g and t'.
-            trace = torch._foreach_add(steps, torch._foreach_mul(
-                [opt_state["trace"][n] for n in names], momentum))
-            steps = torch._foreach_add(steps, torch._foreach_mul(trace, momentum)) if nesterov else trace
+            trace = torch._foreach_mul([opt_state["trace"][n] for n in names], momentum)
+            torch._foreach_add_(trace, steps)
+            if nesterov:
+                torch._foreach_add_(steps, torch._foreach_mul(trace, momentum))
+            else:
+                steps = [t.clone() for t in trace]
             new_state["trace"] = dict(zip(names, trace))
         new_p = _apply(p, steps, schedule(opt_state["count"]))
         return dict(zip(names, new_p)), new_state

@@ -132,8 +132,8 @@ def _micro_batch(batch: Batch, index: int, count: int) -> dict[str, Tensor]:
 
 
 def _global_norm(tensors: list[Tensor]) -> Tensor:
-    """optax.tree.norm: sqrt of the sum of squares over every element of every tensor."""
-    return torch.sqrt(sum(torch.sum(t * t) for t in tensors))
+    """optax.tree.norm: the L2 norm of all elements of all tensors (the norm of the per-tensor norms)."""
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors)))
 
 
 def _weight_count(batch: Batch) -> int:
@@ -205,9 +205,9 @@ def make_train_step(loss_fn: LossFn, optimizer: Optimizer, *, micro_batches: int
         grad_norm = _global_norm(grads)
         finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
         if clip_norm is not None:
-            # optax.clip_by_global_norm's rule, written as the JAX step writes it (g * min(1, c / norm)).
-            grads = _choose(grad_norm < clip_norm, lambda: grads,
-                            lambda: torch._foreach_mul(grads, clip_norm / grad_norm))
+            # optax.clip_by_global_norm's rule, written as the JAX step writes it; the gradients are this
+            # step's own fresh tensors, so scaling them in place is invisible outside.
+            torch._foreach_mul_(grads, torch.where(grad_norm < clip_norm, 1.0, clip_norm / grad_norm))
         learning_rate = optimizer.learning_rate(state.opt_state)
 
         def updated() -> tuple[Params, Params, dict]:

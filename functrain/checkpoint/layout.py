@@ -21,7 +21,7 @@ _STEP_NAME = re.compile(r"^(0|[1-9]\d*)$")
 
 def checkpoints_dir(run_dir: str | os.PathLike) -> Path:
     """RUN_DIR/checkpoints."""
-    return Path(run_dir) / CHECKPOINTS_SUBDIR
+    return Path(run_dir).absolute() / CHECKPOINTS_SUBDIR  # Orbax refuses relative paths
 
 
 def step_dir(ckpt_dir: Path, step: int) -> Path:

@@ -95,7 +95,10 @@ class Checkpointer:
                                   f"checkpoints can be written there")
         options = ocp.CheckpointManagerOptions(
             enable_async_checkpointing=self._async, create=True, cleanup_tmp_directories=True,
-            save_root_metadata=False, async_options=ocp.AsyncOptions(timeout_secs=barrier_timeout_s))
+            save_root_metadata=False,
+            # Synchronous directory creation: a full disk or unwritable directory then fails inside
+            # save() at once, instead of leaving background writers waiting for a signal until timeout.
+            async_options=ocp.AsyncOptions(timeout_secs=barrier_timeout_s, create_directories_asynchronously=False))
         try:
             return ocp.CheckpointManager(self.directory, options=options)
         except OSError as error:

@@ -21,6 +21,11 @@ class HFModelConfig(pydantic.BaseModel):
 
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
 
+    # Special tokens are not used by the model but travel with it, so generation works after export.
+    bos_token_id: int | list[int] | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any], **overrides: Any):
         """Build from an HF config dict, keeping only the keys this config knows (HF adds many more)."""

@@ -73,8 +73,11 @@ def hf_to_run_dir(hf_dir: str, run_dir: str) -> int:
     }
     run.mkdir(parents=True, exist_ok=True)
     run_store.save(run, 0, params, meta)
+    header = (f"# Written by `functrain convert hf-to-functrain` from {Path(hf_dir).resolve()}.\n"
+              "# Fine-tune with `functrain train <this file>`. data.name=char_text feeds raw bytes (token ids\n"
+              "# 0-255, needs vocab_size >= 256); for real work tokenise your corpus into an array_file.\n")
     config_text = yaml.safe_dump(finetune_config(model, str(run)), sort_keys=False)
-    (run / "config.yaml").write_text(config_text)
+    (run / "config.yaml").write_text(header + config_text)
     return 0
 
 
