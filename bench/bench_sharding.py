@@ -25,6 +25,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -72,10 +73,14 @@ def _group_size(line: str) -> int:
     return DEVICES
 
 
-def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
-    """Per collective kind: op count and bytes on one device (all-gather: gathered output; reduce-scatter:
-    its full-size input; all-reduce: its operand). Async ``-start`` ops count once, ``-done`` not at all."""
-    stats: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
+def collectives(hlo_text: str) -> dict[tuple[str, int], dict[str, int]]:
+    """Per (collective kind, devices per group): op count and bytes on one device (all-gather: gathered
+    output; reduce-scatter: its full-size input; all-reduce: its operand). Async ``-start`` ops count once.
+
+    On CPU, XLA leaves a gradient reduce-scatter as an all-reduce over the fsdp group followed by a slice
+    (GPU/TPU passes turn that pair into a reduce-scatter), so the group size is what tells them apart.
+    """
+    stats: dict[tuple[str, int], dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
     for line in hlo_text.splitlines():
         match = OP_LINE.search(line)
         if not match:
@@ -85,17 +90,24 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
             sizes = sizes[len(sizes) // 2:]  # an async all-gather's type is (operands, outputs)
         elif match.group("start") and op != "all-reduce":
             sizes = sizes[:len(sizes) // 2] or sizes
-        size = sum(sizes)
-        if op == "reduce-scatter":
-            size *= _group_size(line)
-        stats[op]["count"] += 1
-        stats[op]["bytes"] += size
+        group = _group_size(line)
+        size = sum(sizes) * (group if op == "reduce-scatter" else 1)
+        stats[(op, group)]["count"] += 1
+        stats[(op, group)]["bytes"] += size
     return dict(stats)
 
 
-def compile_step(fsdp: int):
-    """Compile the GPT train step on a data=8/fsdp x fsdp mesh; returns (compiled, state bytes/device,
-    total state bytes, bytes of fsdp-sharded params)."""
+def _pin_block_activations(next_fun, args, kwargs, context):
+    """A Flax method interceptor: batch-constrain each transformer block's input and output."""
+    if context.method_name != "__call__" or type(context.module).__name__ != "Block":
+        return next_fun(*args, **kwargs)
+    x, *rest = args
+    return sharding.constrain_batch(next_fun(sharding.constrain_batch(x), *rest, **kwargs))
+
+
+def compile_step(fsdp: int, pin_activations: bool):
+    """Compile the GPT train step on a (data=8/fsdp, fsdp) mesh; returns (compiled, state bytes/device,
+    total state bytes, bytes of the fsdp-sharded params)."""
     config = load_config(None, [*MODEL, f"mesh.data={DEVICES // fsdp}", f"mesh.fsdp={fsdp}", "mesh.tensor=1",
                                 f"data.global_batch_size={BATCH}", f"data.seq_len={SEQ}"],
                          base={"model": {"name": "gpt"}})
@@ -107,17 +119,23 @@ def compile_step(fsdp: int):
     def create(rng):
         return TrainState.create(task.init_params(rng), tx, rng)
 
+    def loss_fn(params, batch, rng):
+        if not pin_activations:
+            return task.loss_fn(params, batch, rng)
+        with nn.intercept_methods(_pin_block_activations):
+            return task.loss_fn(params, batch, rng)
+
     abstract = jax.eval_shape(create, jax.random.PRNGKey(0))
     params_sh = sharding.param_shardings(task.logical_specs(), abstract.params, mesh,
                                          sharding.logical_rules(config.mesh))
     state_sh = sharding.state_shardings(abstract, params_sh, mesh)
     batch_sh = sharding.batch_sharding(mesh, stacked=False)
-    step = make_train_step(task.loss_fn, tx, learning_rate_fn=schedule)
+    step = make_train_step(loss_fn, tx, learning_rate_fn=schedule)
     abstract_batch = {key: jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=batch_sh)
                       for key, value in example.items()}
     abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                   abstract, state_sh)
-    with jax.set_mesh(mesh):  # lets a model's activation sharding constraints see the mesh
+    with jax.set_mesh(mesh):  # lets activation sharding constraints see the mesh
         compiled = jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None),
                            donate_argnums=0).lower(abstract_state, abstract_batch).compile()
     per_device, total = sharding.state_bytes_per_device(abstract, state_sh)
@@ -127,33 +145,34 @@ def compile_step(fsdp: int):
     return compiled, per_device, total, sharded_params
 
 
+def _collective_text(stats: dict, mib: float) -> str:
+    parts = [f"{op}/{group}: {entry['count']} ops {entry['bytes'] / mib:.2f} MiB"
+             for (op, group), entry in sorted(stats.items())]
+    return "; ".join(parts) or "none"
+
+
 def main() -> None:
     mib = 1024 ** 2
-    print(f"GPT d_model=256 n_layers=4 d_ff=1024, batch {BATCH}x{SEQ}, adamw, {DEVICES} CPU devices, "
-          f"mesh data=8/fsdp x fsdp")
-    print(f"{'fsdp':>4} {'state/dev MiB':>13} {'vs fsdp=1':>9} {'args/dev MiB':>12} {'temp/dev MiB':>12}  "
-          f"{'all-gather n, MiB':>18} {'reduce-scatter n, MiB':>22} {'all-reduce n, MiB':>18}  "
-          f"ZeRO-3 need (sharded params MiB)")
-    baseline = None
-    for fsdp in (1, 2, 4, 8):
-        compiled, per_device, total, sharded_params = compile_step(fsdp)
-        baseline = baseline or per_device
-        memory = compiled.memory_analysis()
-        args = getattr(memory, "argument_size_in_bytes", float("nan")) / mib
-        temp = getattr(memory, "temp_size_in_bytes", float("nan")) / mib
-        stats = collectives(compiled.as_text())
-        cells = []
-        for op in ("all-gather", "reduce-scatter", "all-reduce"):
-            entry = stats.get(op, {"count": 0, "bytes": 0})
-            cells.append(f"{entry['count']:>4}, {entry['bytes'] / mib:8.2f}")
-        print(f"{fsdp:>4} {per_device / mib:13.2f} {per_device / baseline:9.3f} {args:12.2f} {temp:12.2f}  "
-              f"{cells[0]:>18} {cells[1]:>22} {cells[2]:>18}  "
-              f"gather {sharded_params / mib:.2f} (x1-2), reduce-scatter {sharded_params / mib:.2f}")
-        others = {op: value for op, value in stats.items() if op not in ("all-gather", "reduce-scatter",
-                                                                         "all-reduce")}
-        if others:
-            print(f"     other collectives: {others}")
-    print(f"total train state {total / mib:.2f} MiB (params + 2 Adam moments); target state/dev ~ 1/fsdp")
+    print(f"GPT d_model=256 n_layers=4 n_heads=8 d_ff=1024, batch {BATCH}x{SEQ}, adamw, {DEVICES} CPU devices, "
+          f"mesh data=8/fsdp x fsdp; collectives as kind/devices-per-group")
+    for pin in (False, True):
+        print("\n" + ("model as is" if not pin else "with each block's input/output pinned to the batch axes "
+                                                    "(sharding.constrain_batch)"))
+        print(f"{'fsdp':>4} {'state/dev MiB':>13} {'vs fsdp=1':>9} {'args/dev MiB':>12} {'temp/dev MiB':>12}  "
+              f"ZeRO-3 need  collectives per step (per device)")
+        baseline = None
+        for fsdp in (1, 2, 4, 8):
+            compiled, per_device, total, sharded_params = compile_step(fsdp, pin)
+            baseline = baseline or per_device
+            memory = compiled.memory_analysis()
+            args = getattr(memory, "argument_size_in_bytes", float("nan")) / mib
+            temp = getattr(memory, "temp_size_in_bytes", float("nan")) / mib
+            print(f"{fsdp:>4} {per_device / mib:13.2f} {per_device / baseline:9.3f} {args:12.2f} {temp:12.2f}  "
+                  f"{sharded_params / mib:8.2f} MiB  {_collective_text(collectives(compiled.as_text()), mib)}")
+    print(f"\ntotal train state {total / mib:.2f} MiB (params + 2 Adam moments); target: state/dev ~ 1/fsdp.\n"
+          f"ZeRO-3 need = bytes of the fsdp-sharded params: all-gathered once for the forward (at most once more "
+          f"for the backward) and their gradients reduce-scattered over the fsdp group (on CPU: an all-reduce "
+          f"over the fsdp group, then a slice), then all-reduced over the data group at 1/fsdp size.")
 
 
 if __name__ == "__main__":

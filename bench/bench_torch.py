@@ -7,9 +7,9 @@ the numpy dataset every step) with AdamW, weight decay, global-norm clipping at 
 - plain:   ``zero_grad(); loss.backward(); clip_grad_norm_(); opt.step()`` with torch.optim.AdamW;
 - Trainer: ``transformers.Trainer.train()`` with the equivalent TrainingArguments.
 
-The bridge and the plain loop run in alternating rounds and the reported ratio is the median of the
-per-round ratios, so load from other processes on a shared machine hits both alike. Trainer's rate is its
-steady state (timed from its 10th step by a callback), best of its rounds.
+Each round runs all three, one after the other, and each ratio is the median of the per-round ratios, so
+load from other processes on a shared machine hits the contenders alike. Every rate is a steady state:
+timed from the 10th step (Trainer's by a callback, so its start-up is not counted against it).
 
     python bench/bench_torch.py [--rounds 5] [--steps 200] [--device cpu|cuda] [--threads 1] [--check]
 
@@ -18,6 +18,7 @@ steady state (timed from its 10th step by a callback), best of its rounds.
 
 import argparse
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -149,7 +150,6 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--trainer-rounds", type=int, default=2)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads for all contenders (1: a tiny model gains nothing from more, "
@@ -160,23 +160,21 @@ def main() -> int:
 
     x, y = digits()
     rows = batch_rows(args.steps, len(y))
-    bridge, plain = [], []
-    for _ in range(args.rounds):
-        bridge.append(bridge_rate(x, y, rows, args.device))
-        plain.append(plain_rate(x, y, rows, args.device))
-    import tempfile
+    bridge, plain, trainer = [], [], []
     with tempfile.TemporaryDirectory(prefix="bench_torch_") as workdir:
-        trainer = [trainer_rate(x, y, rows, args.device, Path(workdir)) for _ in range(args.trainer_rounds)]
+        for _ in range(args.rounds):  # interleaved, so a burst of outside load hits one round of each
+            bridge.append(bridge_rate(x, y, rows, args.device))
+            plain.append(plain_rate(x, y, rows, args.device))
+            trainer.append(trainer_rate(x, y, rows, args.device, Path(workdir)))
 
     vs_plain = statistics.median(b / p for b, p in zip(bridge, plain))
-    vs_trainer = statistics.median(bridge) / max(trainer)
-    print(f"device {args.device}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+    vs_trainer = statistics.median(b / t for b, t in zip(bridge, trainer))
+    print(f"device {args.device}, torch {torch.__version__}, {torch.get_num_threads()} thread(s), "
           f"{args.rounds} rounds x {args.steps} steps, batch {BATCH}")
-    print(f"bridge  steps/s median {statistics.median(bridge):9.1f}   rounds {[round(r) for r in bridge]}")
-    print(f"plain   steps/s median {statistics.median(plain):9.1f}   rounds {[round(r) for r in plain]}")
-    print(f"Trainer steps/s best   {max(trainer):9.1f}   rounds {[round(r) for r in trainer]}")
-    print(f"bridge / plain   = {vs_plain:.2f}  (target >= 0.90, median of per-round ratios)")
-    print(f"bridge / Trainer = {vs_trainer:.2f}  (target >= 1.20)")
+    for name, rates in (("bridge", bridge), ("plain", plain), ("Trainer", trainer)):
+        print(f"{name:8s} steps/s median {statistics.median(rates):8.1f}   rounds {[round(r) for r in rates]}")
+    print(f"bridge / plain   = {vs_plain:.2f}  (target >= 0.90; median of per-round ratios)")
+    print(f"bridge / Trainer = {vs_trainer:.2f}  (target >= 1.20; median of per-round ratios)")
     if args.check and (vs_plain < 0.9 or vs_trainer < 1.2):
         return 1
     return 0

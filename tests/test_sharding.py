@@ -8,6 +8,7 @@ import sys
 import time
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from conftest import run_python
@@ -131,6 +132,9 @@ out["tp_attn_out"] = str(state_sh.params["block_0"]["attn_out"]["kernel"].spec)
 out["batch_spec"] = str(S.batch_sharding(mesh).spec)
 out["batch_spec_flat"] = str(S.batch_sharding(mesh, stacked=False).spec)
 out["batch_devices"] = S.batch_devices(mesh)
+with jax.set_mesh(mesh):
+    pinned = jax.jit(lambda x: S.constrain_batch(x) * 2)(np.ones((8, 4), np.float32))
+out["constrained_spec"] = str(pinned.sharding.spec)
 
 # An MLP hidden width of 6 cannot be split 4 ways on the tensor axis.
 try:
@@ -178,6 +182,12 @@ def test_tensor_and_batch_shardings(device_results):
     assert device_results["batch_spec"] == "P(None, ('data', 'fsdp'))"
     assert device_results["batch_spec_flat"] == "P(('data', 'fsdp'),)"
     assert device_results["batch_devices"] == 4
+    assert device_results["constrained_spec"].startswith("P(('data', 'fsdp')")
+
+
+def test_constrain_batch_is_identity_without_a_mesh():
+    x = np.ones((8, 4), np.float32)
+    assert sharding.constrain_batch(x) is x
 
 
 def test_non_divisible_dimension_names_param_dim_and_axis(device_results):

@@ -161,11 +161,12 @@ def make_train_step(loss_fn: LossFn, optimizer: Optimizer, *, micro_batches: int
         names = list(state.params)
         buffers = {key: value.clone() for key, value in state.buffers.items()}
         device = next(iter(state.params.values())).device
+        rank = distributed.rank()
         loss_sum = weight_sum = grads = None
         aux_sums: dict[str, Tensor] = {}
         for index in range(micro_batches):
             leaves = {name: value.detach().requires_grad_() for name, value in state.params.items()}
-            generator = step_generator(state.seed, state.step, index, distributed.rank(), device)
+            generator = step_generator(state.seed, state.step, index, rank, device)
             with torch.enable_grad():
                 output = loss_fn(leaves, buffers, _micro_batch(batch, index, micro_batches), generator)
             loss, weight, aux = _check_loss_output(output, loss_fn)
@@ -216,10 +217,10 @@ def make_train_step(loss_fn: LossFn, optimizer: Optimizer, *, micro_batches: int
 
         params, buffers, opt_state = _choose(finite, updated,
                                              lambda: (state.params, state.buffers, state.opt_state))
-        skipped = state.skipped_steps + (~finite).to(torch.int32)
+        nonfinite_step = (~finite).to(torch.int32)
+        skipped = state.skipped_steps + nonfinite_step
         metrics = {"loss": loss, "weight": weight_sum, "grad_norm": grad_norm,
-                   "learning_rate": learning_rate, "skipped_steps": skipped,
-                   "nonfinite": (~finite).to(torch.int32)}
+                   "learning_rate": learning_rate, "skipped_steps": skipped, "nonfinite": nonfinite_step}
         metrics.update({key: value / denominator for key, value in aux_sums.items()})
         new_state = replace(state, params=params, buffers=buffers, opt_state=opt_state, step=state.step + 1,
                             skipped_steps=skipped)

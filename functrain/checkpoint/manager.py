@@ -99,8 +99,14 @@ class Checkpointer:
             # Synchronous directory creation: a full disk or unwritable directory then fails inside
             # save() at once, instead of leaving background writers waiting for a signal until timeout.
             async_options=ocp.AsyncOptions(timeout_secs=barrier_timeout_s, create_directories_asynchronously=False))
+        # Weights barely compress (zstd gains ~10%) but compressing costs the CPU time a background save
+        # should leave to training, so items are written uncompressed; readers handle either.
+        registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+        for item in (layout.PARAMS, layout.STATE):
+            registry.add(item, ocp.args.PyTreeSave, ocp.PyTreeCheckpointHandler(use_compression=False))
+        registry.add(layout.META, ocp.args.JsonSave, ocp.JsonCheckpointHandler())
         try:
-            return ocp.CheckpointManager(self.directory, options=options)
+            return ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
         except OSError as error:
             raise CheckpointError(f"cannot use checkpoint directory {self.directory} "
                                   f"({_save_failure_reason(error)}); fix its permissions or choose another run.dir"
@@ -143,7 +149,7 @@ class Checkpointer:
         if self._best_metric:
             best = {"name": self._best_metric, "mode": self._best_mode, "keep_best": self._keep_best}
         full_meta = complete_meta(meta, step, best)
-        args = {name: ocp.args.StandardSave(tree) for name, tree in items.items() if tree is not None}
+        args = {name: ocp.args.PyTreeSave(tree) for name, tree in items.items() if tree is not None}
         try:
             self._manager.save(step, args=ocp.args.Composite(**args, meta=ocp.args.JsonSave(full_meta)),
                                force=True)

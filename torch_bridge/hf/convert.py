@@ -5,32 +5,19 @@ state, so ``functrain train`` starts a fresh optimizer from it) plus a ``config.
 ``run_dir_to_hf`` exports a run's checkpoint back to an HF directory.
 """
 
-import importlib.metadata
 import os
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import yaml
 
+from functrain.checkpoint.meta import package_versions
 from functrain.errors import CheckpointError
 
 from torch_bridge.hf import run_store
 from torch_bridge.hf.mappings import ARCHITECTURES
 from torch_bridge.hf.pretrained import read_params, save_pretrained
-
-_VERSIONED = ("functrain", "jax", "flax", "orbax-checkpoint", "torch", "transformers", "safetensors")
-
-
-def _versions() -> dict[str, str]:
-    versions = {}
-    for package in _VERSIONED:
-        try:
-            versions[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return versions
 
 
 def _to_float32(path: Any, array: np.ndarray) -> np.ndarray:
@@ -65,11 +52,12 @@ def hf_to_run_dir(hf_dir: str, run_dir: str) -> int:
         raise CheckpointError(f"{run / 'config.yaml'} already exists; convert into a new run directory")
     params, config = read_params(hf_dir, place=_to_float32)
     model = config.model_dump(mode="json")
+    # Checkpointer.save adds format_version, step and time; no data position yet: training starts at 0.
     meta = {
-        "format_version": 1, "step": 0, "epoch": 0, "samples_consumed": 0, "global_batch_size": None,
-        "global_batch_sizes": [], "num_records": None, "data_seed": None, "config_digest": None,
-        "model": model, "metrics": {}, "best_metric": None, "versions": _versions(), "backend": "jax",
-        "time": time.time(), "converted_from": str(Path(hf_dir).resolve()),
+        "epoch": 0, "samples_consumed": 0, "global_batch_size": None, "global_batch_sizes": [],
+        "num_records": None, "data_seed": None, "config_digest": None, "model": model, "metrics": {},
+        "best_metric": None, "versions": package_versions(), "backend": "jax",
+        "converted_from": str(Path(hf_dir).resolve()),
     }
     run.mkdir(parents=True, exist_ok=True)
     run_store.save(run, 0, params, meta)

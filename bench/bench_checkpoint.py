@@ -1,0 +1,181 @@
+"""Checkpoint benchmark: cost of async saves to training, restore speed, save throughput.
+
+All baselines are measured in the same run, on the same disk, with the same bytes:
+
+1. training steps/s while saving every ``--every`` steps (async) vs without saving. Phases with and
+   without saves alternate (ABBA order) so load from other processes hits both alike; a saving
+   phase includes waiting for its last save to commit, so the ratio is a lower bound.
+2. time to restore the state (``Checkpointer.restore`` onto the device) vs ``np.load`` of the same
+   arrays from .npy files.
+3. save throughput (``save`` + ``wait``) as a fraction of a plain sequential write of the same bytes
+   (``np.save`` + ``fsync`` per array).
+
+Usage: python bench/bench_checkpoint.py [--width 2048 --layers 6 --batch 128 --rounds 2 --dir /tmp/x]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from functrain.checkpoint import Checkpointer
+
+
+def build(width: int, layers: int, batch: int):
+    """An MLP regression state (params + AdamW moments) and a jitted, donating train step."""
+    key = jax.random.PRNGKey(0)
+    params = {f"layer{i}": {"kernel": jax.random.normal(jax.random.fold_in(key, i), (width, width)) * width ** -0.5,
+                            "bias": jnp.zeros((width,))} for i in range(layers)}
+    tx = optax.adamw(1e-4)
+    opt_state = tx.init(params)
+    x = jax.random.normal(jax.random.fold_in(key, 1000), (batch, width))
+    y = jax.random.normal(jax.random.fold_in(key, 1001), (batch, width))
+
+    def loss_fn(p):
+        h = x
+        for i in range(layers):
+            h = jnp.tanh(h @ p[f"layer{i}"]["kernel"] + p[f"layer{i}"]["bias"])
+        return jnp.mean((h - y) ** 2)
+
+    def step(p, o):
+        loss, grads = jax.value_and_grad(loss_fn)(p)
+        updates, o = tx.update(grads, o, p)
+        return optax.apply_updates(p, updates), o, loss
+
+    return params, opt_state, jax.jit(step, donate_argnums=(0, 1))
+
+
+def items_of(params, opt_state, step: int) -> dict:
+    return {"params": params, "state": {"opt_state": opt_state, "step": jnp.int32(step)}}
+
+
+def train_phase(params, opt_state, step_fn, steps: int, ckpt: Checkpointer | None, every: int, first_step: int):
+    """Run ``steps`` steps, saving every ``every`` if ``ckpt``; return state, seconds, save() blocking times."""
+    blocking = []
+    start = time.perf_counter()
+    for i in range(1, steps + 1):
+        params, opt_state, loss = step_fn(params, opt_state)
+        if ckpt is not None and i % every == 0:
+            t = time.perf_counter()
+            ckpt.save(first_step + i, items_of(params, opt_state, first_step + i), {"bench": True})
+            blocking.append(time.perf_counter() - t)
+    jax.block_until_ready(loss)
+    if ckpt is not None:
+        ckpt.wait()  # counted: the phase is not done until its last save has committed
+    return params, opt_state, time.perf_counter() - start, blocking
+
+
+def plain_write(host_leaves: list[np.ndarray], directory: Path) -> float:
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+    start = time.perf_counter()
+    for i, leaf in enumerate(host_leaves):
+        with open(directory / f"{i}.npy", "wb") as f:
+            np.save(f, leaf)
+            f.flush()
+            os.fsync(f.fileno())
+    return time.perf_counter() - start
+
+
+def numpy_read(directory: Path, count: int) -> float:
+    start = time.perf_counter()
+    arrays = [np.load(directory / f"{i}.npy") for i in range(count)]
+    assert len(arrays) == count
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--phase-steps", type=int, default=40)
+    parser.add_argument("--every", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3, help="repeats of the save/restore timings (best kept)")
+    parser.add_argument("--dir", default=None, help="scratch directory (default: a new temp dir)")
+    args = parser.parse_args()
+
+    scratch = Path(args.dir or tempfile.mkdtemp(prefix="bench_ckpt_"))
+    params, opt_state, step_fn = build(args.width, args.layers, args.batch)
+    leaves = jax.tree.leaves(items_of(params, opt_state, 0))
+    state_bytes = sum(leaf.nbytes for leaf in leaves)
+    params_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
+    print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}; state {state_bytes / 1e6:.0f} MB "
+          f"(params {params_bytes / 1e6:.0f} MB + AdamW moments); scratch {scratch}")
+
+    params, opt_state, _, _ = train_phase(params, opt_state, step_fn, 3, None, args.every, 0)  # compile
+
+    # 1. training throughput with and without async saves, ABBA-interleaved
+    ckpt = Checkpointer(scratch / "run", keep=2)
+    totals = {"plain": 0.0, "saving": 0.0}
+    blocking: list[float] = []
+    step = 0
+    for round_index in range(args.rounds):
+        order = ("plain", "saving") if round_index % 2 == 0 else ("saving", "plain")
+        for mode in order:
+            params, opt_state, seconds, block = train_phase(
+                params, opt_state, step_fn, args.phase_steps, ckpt if mode == "saving" else None, args.every, step)
+            step += args.phase_steps
+            totals[mode] += seconds
+            blocking += block
+    steps_each = args.rounds * args.phase_steps
+    rate_plain, rate_saving = steps_each / totals["plain"], steps_each / totals["saving"]
+
+    # 2./3. save throughput vs plain write; restore vs np.load (best of N, same bytes, same disk)
+    host_leaves = [np.asarray(leaf) for leaf in jax.tree.leaves(items_of(params, opt_state, step))]
+    save_times, write_times, restore_times, read_times = [], [], [], []
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    targets = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                           items_of(params, opt_state, step))
+    for _ in range(args.repeats):
+        step += 1
+        start = time.perf_counter()
+        ckpt.save(step, items_of(params, opt_state, step), {"bench": True})
+        ckpt.wait()
+        save_times.append(time.perf_counter() - start)
+        write_times.append(plain_write(host_leaves, scratch / "plain"))
+        start = time.perf_counter()
+        restored = ckpt.restore(targets, step=step)
+        jax.block_until_ready(restored[0])
+        restore_times.append(time.perf_counter() - start)
+        read_times.append(numpy_read(scratch / "plain", len(host_leaves)))
+        del restored
+    ckpt.close()
+    shutil.rmtree(scratch, ignore_errors=True)
+
+    save_s, write_s, restore_s, read_s = min(save_times), min(write_times), min(restore_times), min(read_times)
+    results = {
+        "state_mb": round(state_bytes / 1e6, 1),
+        "steps_per_s_no_save": round(rate_plain, 3),
+        "steps_per_s_async_save_every_%d" % args.every: round(rate_saving, 3),
+        "train_rate_ratio": round(rate_saving / rate_plain, 3),
+        "save_blocking_ms_mean": round(1e3 * float(np.mean(blocking)), 1),
+        "save_blocking_ms_max": round(1e3 * float(np.max(blocking)), 1),
+        "save_s": round(save_s, 3), "plain_write_s": round(write_s, 3),
+        "save_throughput_mb_s": round(state_bytes / 1e6 / save_s, 1),
+        "save_vs_plain_write": round(write_s / save_s, 3),
+        "restore_s": round(restore_s, 3), "np_load_s": round(read_s, 3),
+        "restore_vs_np_load": round(restore_s / read_s, 3),
+    }
+    print(f"training: {rate_plain:.3f} steps/s without saves, {rate_saving:.3f} steps/s saving every "
+          f"{args.every} steps -> ratio {rate_saving / rate_plain:.3f} (target >= 0.9); save() blocks "
+          f"{results['save_blocking_ms_mean']:.0f} ms on average")
+    print(f"save: {save_s:.3f} s for {state_bytes / 1e6:.0f} MB ({results['save_throughput_mb_s']} MB/s) vs plain "
+          f"write+fsync {write_s:.3f} s -> {write_s / save_s:.2f} of plain-write throughput")
+    print(f"restore: {restore_s:.3f} s vs np.load {read_s:.3f} s -> {restore_s / read_s:.2f}x the numpy read time")
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""The torch backend: checkpoint items round-trip, train calls, config and checkpoint errors, GPT twin."""
+
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import torch
+from flax import linen as nn
+
+import functrain
+from functrain.checkpoint import Checkpointer
+from functrain.config import load_config
+from functrain.errors import CheckpointError, ConfigError
+from functrain.models.gpt import GPTConfig, build as build_flax_gpt
+from functrain.models.mlp import MLPConfig, build as build_flax_mlp
+from torch_bridge.backend import flatten, make_backend, nest
+from torch_bridge.models import build_model, params_from_flax
+
+REPO = Path(__file__).resolve().parents[1]
+FAST = ["train.epochs=null", "train.max_steps=6", "train.steps_per_call=3", "log.every_steps=3",
+        "eval.every_steps=0", "checkpoint.every_steps=0", "log.progress=false", "log.tensorboard=false",
+        "checkpoint.async_save=false", "data.prefetch=0"]
+
+
+def _config(tmp_path: Path, *overrides: str):
+    return load_config(REPO / "configs" / "mlp_digits_torch.yaml", [f"run.dir={tmp_path / 'run'}", *FAST,
+                                                                    *overrides])
+
+
+def _host_batches(steps: int, rows: int = 64, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"x": rng.random((steps, rows, 64), dtype=np.float32),
+            "y": rng.integers(0, 10, (steps, rows)).astype(np.int32),
+            "weight": np.ones((steps, rows), np.float32)}
+
+
+def _backend(tmp_path: Path, *overrides: str):
+    config = _config(tmp_path, *overrides)
+    return make_backend(config, {k: v[0] for k, v in _host_batches(1).items()}, 6)
+
+
+def test_nest_and_flatten_are_inverse():
+    flat = {"dense_0.weight": 1, "dense_0.bias": 2, "head.weight": 3}
+    assert nest(flat) == {"dense_0": {"weight": 1, "bias": 2}, "head": {"weight": 3}}
+    assert flatten(nest(flat)) == flat
+
+
+def test_train_call_runs_k_steps_and_items_round_trip(tmp_path):
+    backend = _backend(tmp_path, "train.micro_batches=2")
+    fresh = backend.init_state()
+    state, metrics = backend.train_call(fresh, _host_batches(3))
+    host = backend.to_host(metrics)
+    assert state.step == 3 and fresh.step == 0
+    assert set(host) >= {"loss", "weight", "grad_norm", "learning_rate", "skipped_steps", "nonfinite",
+                         "accuracy"}
+    assert all(value.shape == (3,) for value in host.values()) and np.all(host["weight"] == 64)
+
+    items = backend.state_to_items(state)
+    assert set(items["params"]) == {"dense_0", "dense_1", "head"}
+    assert items["state"]["step"] == 3 and items["state"]["opt_state"]["count"] == 3
+    targets = backend.restore_targets()
+    assert jax.tree.structure(targets) == jax.tree.structure(items)
+    restored = backend.state_from_items(items, fresh)
+    assert restored.step == 3 and restored.seed == state.seed
+    for name, value in state.params.items():
+        assert torch.equal(restored.params[name], value)
+        assert torch.equal(restored.opt_state["nu"][name], state.opt_state["nu"][name])
+    # The restored state continues exactly like the original.
+    after_a, metrics_a = backend.train_call(state, _host_batches(1, seed=1))
+    after_b, metrics_b = backend.train_call(restored, _host_batches(1, seed=1))
+    assert torch.equal(metrics_a["loss"], metrics_b["loss"])
+    assert all(torch.equal(after_a.params[k], after_b.params[k]) for k in state.params)
+
+
+def test_params_only_checkpoint_starts_a_fresh_optimizer(tmp_path):
+    backend = _backend(tmp_path)
+    trained, _ = backend.train_call(backend.init_state(), _host_batches(2))
+    state = backend.state_from_items({"params": backend.state_to_items(trained)["params"]}, backend.init_state())
+    assert state.step == 0 and int(state.opt_state["count"]) == 0
+    assert torch.equal(state.params["head.weight"], trained.params["head.weight"])
+
+
+def test_jax_checkpoint_with_flax_names_is_rejected_naming_the_parameters(tmp_path):
+    """A checkpoint written by the JAX backend has Flax names (kernel); the torch model has weight."""
+    config = _config(tmp_path)
+    flax_params = nn.meta.unbox(build_flax_mlp(config.model).init(jax.random.PRNGKey(0), np.zeros((1, 64)))["params"])
+    with Checkpointer(tmp_path / "run", async_save=False) as checkpointer:
+        checkpointer.save(5, {"params": flax_params}, {"step": 5, "backend": "jax"})
+    with pytest.raises(CheckpointError, match=r"params/dense_0/weight: missing from checkpoint") as error:
+        functrain.fit(config)
+    assert "params/dense_0/kernel: in checkpoint but not in model" in str(error.value)
+    backend = _backend(tmp_path)
+    with pytest.raises(CheckpointError, match=r"missing \['dense_0.weight', .*unexpected \['dense_0.kernel'"):
+        backend.state_from_items({"params": flax_params}, backend.init_state())
+
+
+def test_unsupported_settings_name_the_key(tmp_path):
+    with pytest.raises(ConfigError, match="train.compute_dtype=bfloat16"):
+        _backend(tmp_path, "train.compute_dtype=bfloat16")
+    with pytest.raises(ConfigError, match="mesh.fsdp=1"):
+        _backend(tmp_path, "mesh.fsdp=2")
+    with pytest.raises(ConfigError, match="model.name='llama' has no torch twin"):
+        build_model(GPTConfig.model_construct(name="llama"), {}, 0)
+
+
+def test_fit_with_the_torch_backend_trains_and_evaluates(tmp_path):
+    result = functrain.fit(_config(tmp_path, "train.max_steps=9", "optimizer.learning_rate=0.01"))
+    assert result.step == 9 and result.stop_reason == "finished"
+    assert result.metrics["eval"]["accuracy"] > 0.3  # 9 steps from chance (0.1) on digits
+    from functrain.checkpoint import load_params
+    params = load_params(tmp_path / "run")
+    assert params["dense_0"]["weight"].shape == (128, 64)
+
+
+def test_torch_gpt_matches_the_flax_gpt():
+    config = GPTConfig(vocab_size=40, max_len=16, d_model=32, n_layers=2, n_heads=4, d_ff=64)
+    tokens = np.random.default_rng(0).integers(0, 40, (2, 12)).astype(np.int32)
+    flax_model = build_flax_gpt(config)
+    flax_params = nn.meta.unbox(flax_model.init(jax.random.PRNGKey(0), tokens)["params"])
+    model = build_model(config, {}, seed=0)
+    converted = params_from_flax(flax_params)
+    assert set(converted) == set(dict(model.named_parameters()))
+    model.load_state_dict(converted)
+    with torch.no_grad():
+        logits = model(torch.from_numpy(tokens)).numpy()
+    np.testing.assert_allclose(logits, np.asarray(flax_model.apply({"params": flax_params}, tokens)),
+                               rtol=1e-5, atol=1e-5)

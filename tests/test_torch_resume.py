@@ -1,0 +1,106 @@
+"""Command-line runs with ``backend: torch``: a SIGKILLed and resumed run ends bit-identical to an
+uninterrupted one; ``import functrain`` never needs torch."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS, EVERY = 300, 100
+
+
+def _env() -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1",
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("XLA_FLAGS", None)
+    return env
+
+
+def _train(run_dir: Path) -> subprocess.Popen:
+    overrides = [f"run.dir={run_dir}", "train.epochs=null", f"train.max_steps={STEPS}", "train.steps_per_call=1",
+                 f"checkpoint.every_steps={EVERY}", "checkpoint.keep=2", "log.every_steps=20",
+                 "eval.every_steps=0", "log.progress=false", "log.tensorboard=false"]
+    return subprocess.Popen([sys.executable, "-m", "functrain", "train", "configs/mlp_digits_torch.yaml",
+                             *overrides], cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def _committed_steps(run_dir: Path) -> list[int]:
+    directory = run_dir / "checkpoints"
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if directory.is_dir() else []
+
+
+def _digest(run_dir: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "functrain", "inspect", str(run_dir), "--digest"], cwd=REPO,
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _digest_of(proc: subprocess.Popen) -> tuple[int, str]:
+    out, _ = proc.communicate(timeout=120)
+    match = re.search(r"sha256 step (\d+): ([0-9a-f]{64})", out)
+    assert match, out
+    return int(match.group(1)), match.group(2)
+
+
+def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path):
+    reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"
+    reference_run, killed_run = _train(reference), _train(interrupted)
+    deadline = time.monotonic() + 180
+    while not _committed_steps(interrupted) and killed_run.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    killed_run.send_signal(signal.SIGKILL)
+    output, _ = killed_run.communicate(timeout=60)
+    assert killed_run.returncode == -signal.SIGKILL, f"the run ended before it could be killed:\n{output}"
+    assert _committed_steps(interrupted) and STEPS not in _committed_steps(interrupted)
+
+    resumed = _train(interrupted)
+    resumed_out, _ = resumed.communicate(timeout=300)
+    reference_out, _ = reference_run.communicate(timeout=300)
+    assert resumed.returncode == 0, resumed_out
+    assert reference_run.returncode == 0, reference_out
+    assert "resumed from checkpoint" in resumed_out or "resum" in resumed_out.lower()
+
+    digests = [_digest(reference), _digest(interrupted)]
+    assert _digest_of(digests[0]) == _digest_of(digests[1])
+    last = lambda run: [line for line in (run / "metrics.jsonl").read_text().splitlines()  # noqa: E731
+                        if '"split": "train"' in line][-1]
+    assert re.sub(r', "steps_per_sec": [^,}]*', "", last(reference)) == \
+        re.sub(r', "steps_per_sec": [^,}]*', "", last(interrupted))
+
+
+HIDE_TORCH = """
+import sys
+class HideTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ModuleNotFoundError(f"No module named {name!r} (hidden by the test)")
+sys.meta_path.insert(0, HideTorch())
+import functrain, functrain.loop, functrain.config
+assert "torch" not in sys.modules
+try:
+    import torch_bridge
+except ImportError as error:
+    assert "install functrain[torch]" in str(error), error
+else:
+    raise AssertionError("torch_bridge imported without torch")
+config = functrain.config.load_config("configs/mlp_digits_torch.yaml")
+try:
+    functrain.loop.make_backend(config, {}, 1)
+except functrain.errors.ConfigError as error:
+    assert "functrain[torch]" in str(error), error
+else:
+    raise AssertionError("backend: torch worked without torch")
+print("ok")
+"""
+
+
+def test_functrain_imports_without_torch(python_runner):
+    assert "ok" in python_runner(HIDE_TORCH).stdout
+    # With torch installed, importing functrain still does not load it (nor the bridge).
+    check = python_runner("import sys, functrain, functrain.loop; "
+                          "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'torch_bridge')))")
+    assert check.stdout.strip() == "[]"
