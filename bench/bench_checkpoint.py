@@ -2,15 +2,15 @@
 
 All baselines are measured in the same run, on the same disk, with the same bytes:
 
-1. training steps/s while saving every ``--every`` steps (async) vs without saving. Phases with and
-   without saves alternate (ABBA order) so load from other processes hits both alike; a saving
-   phase includes waiting for its last save to commit, so the ratio is a lower bound.
+1. training steps/s while saving every ``--every`` steps (async) vs without saving: windows of
+   ``--every`` steps with and without a save alternate (ABBA order) so load from other processes
+   hits both alike; a saving window ends only when its save has committed (a lower bound).
 2. time to restore the state (``Checkpointer.restore`` onto the device) vs ``np.load`` of the same
    arrays from .npy files.
 3. save throughput (``save`` + ``wait``) as a fraction of a plain sequential write of the same bytes
    (``np.save`` + ``fsync`` per array).
 
-Usage: python bench/bench_checkpoint.py [--width 2048 --layers 6 --batch 128 --rounds 2 --dir /tmp/x]
+Usage: python bench/bench_checkpoint.py [--width 2048 --layers 6 --batch 128 --cycles 8 --dir /tmp/x]
 """
 
 from __future__ import annotations
@@ -59,20 +59,32 @@ def items_of(params, opt_state, step: int) -> dict:
     return {"params": params, "state": {"opt_state": opt_state, "step": jnp.int32(step)}}
 
 
-def train_phase(params, opt_state, step_fn, steps: int, ckpt: Checkpointer | None, every: int, first_step: int):
-    """Run ``steps`` steps, saving every ``every`` if ``ckpt``; return state, seconds, save() blocking times."""
-    blocking = []
-    start = time.perf_counter()
-    for i in range(1, steps + 1):
+def run_steps(params, opt_state, step_fn, steps: int):
+    for _ in range(steps):
         params, opt_state, loss = step_fn(params, opt_state)
-        if ckpt is not None and i % every == 0:
-            t = time.perf_counter()
-            ckpt.save(first_step + i, items_of(params, opt_state, first_step + i), {"bench": True})
-            blocking.append(time.perf_counter() - t)
     jax.block_until_ready(loss)
-    if ckpt is not None:
-        ckpt.wait()  # counted: the phase is not done until its last save has committed
-    return params, opt_state, time.perf_counter() - start, blocking
+    return params, opt_state
+
+
+def compare_training(params, opt_state, step_fn, ckpt: Checkpointer, every: int, cycles: int):
+    """Seconds spent in ``every``-step windows without a save vs windows that start with an async save.
+
+    Windows alternate (ABBA) so that load from other processes hits both alike. A saving window ends
+    only once its save has committed, so its time includes the whole background write.
+    """
+    totals, blocking, step = {"plain": 0.0, "saving": 0.0}, [], 0
+    for cycle in range(cycles):
+        for mode in (("plain", "saving") if cycle % 2 == 0 else ("saving", "plain")):
+            start = time.perf_counter()
+            if mode == "saving":
+                ckpt.save(step, items_of(params, opt_state, step), {"bench": True})
+                blocking.append(time.perf_counter() - start)
+            params, opt_state = run_steps(params, opt_state, step_fn, every)
+            if mode == "saving":
+                ckpt.wait()
+            totals[mode] += time.perf_counter() - start
+            step += every
+    return params, opt_state, totals, blocking, step
 
 
 def plain_write(host_leaves: list[np.ndarray], directory: Path) -> float:
@@ -99,9 +111,8 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--phase-steps", type=int, default=40)
-    parser.add_argument("--every", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--every", type=int, default=10, help="steps between saves")
+    parser.add_argument("--cycles", type=int, default=8, help="pairs of (plain, saving) windows")
     parser.add_argument("--repeats", type=int, default=3, help="repeats of the save/restore timings (best kept)")
     parser.add_argument("--dir", default=None, help="scratch directory (default: a new temp dir)")
     args = parser.parse_args()
@@ -114,22 +125,13 @@ def main() -> None:
     print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}; state {state_bytes / 1e6:.0f} MB "
           f"(params {params_bytes / 1e6:.0f} MB + AdamW moments); scratch {scratch}")
 
-    params, opt_state, _, _ = train_phase(params, opt_state, step_fn, 3, None, args.every, 0)  # compile
+    params, opt_state = run_steps(params, opt_state, step_fn, 3)  # compile and warm up
 
-    # 1. training throughput with and without async saves, ABBA-interleaved
+    # 1. training throughput with and without async saves
     ckpt = Checkpointer(scratch / "run", keep=2)
-    totals = {"plain": 0.0, "saving": 0.0}
-    blocking: list[float] = []
-    step = 0
-    for round_index in range(args.rounds):
-        order = ("plain", "saving") if round_index % 2 == 0 else ("saving", "plain")
-        for mode in order:
-            params, opt_state, seconds, block = train_phase(
-                params, opt_state, step_fn, args.phase_steps, ckpt if mode == "saving" else None, args.every, step)
-            step += args.phase_steps
-            totals[mode] += seconds
-            blocking += block
-    steps_each = args.rounds * args.phase_steps
+    params, opt_state, totals, blocking, step = compare_training(params, opt_state, step_fn, ckpt, args.every,
+                                                                 args.cycles)
+    steps_each = args.cycles * args.every
     rate_plain, rate_saving = steps_each / totals["plain"], steps_each / totals["saving"]
 
     # 2./3. save throughput vs plain write; restore vs np.load (best of N, same bytes, same disk)

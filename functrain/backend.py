@@ -77,7 +77,8 @@ class JaxBackend:
 
     def init_state(self) -> TrainState:
         """A fresh step-0 state from the config's seed, created in its shardings."""
-        return self._create(self.config.seed)
+        with jax.set_mesh(self.mesh):
+            return self._create(self.config.seed)
 
     def restore_targets(self) -> dict[str, Any]:
         """Abstract checkpoint items with the current shardings (so a restore lands on this mesh)."""
@@ -94,7 +95,8 @@ class JaxBackend:
         if items.get("state") is None:
             with_fresh_optimizer = jax.jit(lambda p, s: s.replace(params=p, opt_state=self.tx.init(p)),
                                            out_shardings=self.state_shardings)
-            return with_fresh_optimizer(params, fresh)
+            with jax.set_mesh(self.mesh):
+                return with_fresh_optimizer(params, fresh)
         saved = items["state"]
         return fresh.replace(params=params, **{name: saved[name] for name in STATE_FIELDS if name in saved})
 
@@ -104,11 +106,15 @@ class JaxBackend:
 
     def train_call(self, state: TrainState, batches: dict[str, jax.Array]) -> tuple[TrainState, dict]:
         """Run ``K`` steps (asynchronously dispatched); metrics stay on device."""
-        return self._train_call(state, batches)
+        # The mesh in context lets the models pin activations' batch axis (sharding.constrain_batch).
+        with jax.set_mesh(self.mesh):
+            return self._train_call(state, batches)
 
     def eval_batch(self, state: TrainState, host_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Metric sums of one evaluation batch ``[B_local, ...]``."""
-        return self._eval_step(state, to_global(host_batch, self.batch_sharding, batch_axis=0))
+        batch = to_global(host_batch, self.batch_sharding, batch_axis=0)
+        with jax.set_mesh(self.mesh):
+            return self._eval_step(state, batch)
 
     @staticmethod
     def to_host(tree: Any) -> Any:

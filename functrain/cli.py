@@ -42,7 +42,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _configure_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    run_log = logging.getLogger("functrain")
+    run_log.addHandler(handler)
+    run_log.propagate = False  # absl installs its own root handler; print the run's lines once, plainly
     # Orbax logs every save step through absl at INFO; keep the console for the run's own lines.
     for noisy in ("absl", "jax", "orbax"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -51,6 +55,7 @@ def _configure_logging() -> None:
         absl_logging.set_verbosity(absl_logging.WARNING)
     except ImportError:
         pass
+    run_log.setLevel(logging.INFO)
 
 
 def _train(args: argparse.Namespace, argv: list[str]) -> int:
@@ -91,7 +96,13 @@ def _convert(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``functrain`` console script; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    # `train CFG --processes 2 key=value`: overrides after a flag land in `extra`; anything else is an error.
+    if args.command == "train" and all("=" in item and not item.startswith("-") for item in extra):
+        args.overrides += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     _configure_logging()
     try:
         if args.command == "train":

@@ -87,6 +87,27 @@ def test_initialize_from_env_is_a_no_op_for_a_single_process(monkeypatch):
     assert distributed.is_primary()
 
 
+@pytest.mark.parametrize("env, expected", [
+    ({distributed.ENV_COORDINATOR: "10.0.0.1:1234", distributed.ENV_NUM_PROCESSES: "4",
+      distributed.ENV_PROCESS_ID: "3"}, ("10.0.0.1:1234", 4, 3)),
+    ({"SLURM_NTASKS": "2"}, ()),
+    ({"TPU_WORKER_HOSTNAMES": "host-0,host-1"}, ()),
+])
+def test_initialize_from_env_joins_the_job_it_finds(monkeypatch, env, expected):
+    calls = []
+    monkeypatch.setattr(distributed.jax.distributed, "initialize", lambda *args: calls.append(args))
+    monkeypatch.setattr(distributed.jax.config, "update", lambda *args: calls.append(("config",) + args))
+    monkeypatch.setattr(distributed, "_initialized", False)
+    for name in (distributed.ENV_COORDINATOR, "SLURM_NTASKS", "TPU_WORKER_HOSTNAMES"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert distributed.initialize_from_env() is True
+    assert calls[-1] == expected
+    assert (("config", "jax_cpu_collectives_implementation", "gloo") in calls) == bool(expected)
+    assert distributed.initialize_from_env() is True and len([c for c in calls if c[:1] != ("config",)]) == 1
+
+
 # --------------------------------------------------------------------------------------- 8 CPU devices
 
 DEVICE_CHECKS = r"""

@@ -126,3 +126,34 @@ def test_torch_gpt_matches_the_flax_gpt():
         logits = model(torch.from_numpy(tokens)).numpy()
     np.testing.assert_allclose(logits, np.asarray(flax_model.apply({"params": flax_params}, tokens)),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_torch_gpt_trains_like_the_flax_gpt():
+    """Five AdamW steps with 2 micro-batches and clipping: the causal-LM losses agree."""
+    import optax
+    from functrain import step as jax_step
+    from functrain.state import TrainState
+    from functrain.tasks import causal_lm_loss as flax_lm_loss
+    from torch_bridge import TorchState, make_optimizer, make_schedule, make_train_step
+    from torch_bridge.models import causal_lm_loss
+
+    config = GPTConfig(vocab_size=30, max_len=8, d_model=16, n_layers=1, n_heads=2, d_ff=32)
+    rng = np.random.default_rng(0)
+    batches = [{"tokens": rng.integers(0, 30, (4, 9)).astype(np.int32), "weight": np.ones(4, np.float32),
+                "mask": (rng.random((4, 8)) > 0.2).astype(np.float32)} for _ in range(5)]
+    flax_model = build_flax_gpt(config)
+    flax_params = nn.meta.unbox(flax_model.init(jax.random.PRNGKey(0), batches[0]["tokens"][:, :-1])["params"])
+    # eps well above rounding noise: attention key biases have a zero gradient up to rounding (softmax is
+    # shift-invariant), and Adam with a tiny eps would turn each framework's rounding noise into full steps.
+    tx = optax.adamw(1e-2, eps=1e-4, weight_decay=0.1, mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p))
+    jstep = jax.jit(jax_step.make_train_step(flax_lm_loss(flax_model, True), tx, micro_batches=2, clip_norm=0.3))
+    jstate = TrainState.create(flax_params, tx, jax.random.PRNGKey(0))
+    model = build_model(config, {}, seed=0)
+    optimizer = make_optimizer("adamw", make_schedule("constant", 1e-2), eps=1e-4, weight_decay=0.1)
+    tstep = make_train_step(causal_lm_loss(model), optimizer, micro_batches=2, clip_norm=0.3)
+    tstate = TorchState.create(params_from_flax(flax_params), optimizer, seed=0)
+    for batch in batches:
+        jstate, jm = jstep(jstate, batch)
+        tstate, tm = tstep(tstate, {k: torch.from_numpy(v) for k, v in batch.items()})
+        for key in ("loss", "weight", "grad_norm", "accuracy"):
+            np.testing.assert_allclose(float(tm[key]), float(jm[key]), rtol=1e-5, atol=1e-6, err_msg=key)

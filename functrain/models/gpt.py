@@ -6,6 +6,8 @@ import flax.linen as nn
 import jax.numpy as jnp
 from pydantic import BaseModel, ConfigDict, Field
 
+from functrain.sharding import constrain_batch
+
 
 class GPTConfig(BaseModel):
     """``model.*`` keys of the GPT."""
@@ -73,8 +75,11 @@ class GPT(nn.Module):
         positions = self.param("position_embed", _param(init, ("max_len", "embed")), (cfg.max_len, cfg.d_model))
         x = embed(tokens) + positions[: tokens.shape[1]].astype(self.dtype)
         x = nn.Dropout(cfg.dropout)(x, deterministic=deterministic)
+        # Pinning the residual stream's batch axis makes XLA gather FSDP-sharded weights (ZeRO-3)
+        # instead of resharding activations.
+        x = constrain_batch(x)
         for i in range(cfg.n_layers):
-            x = Block(cfg, self.dtype, name=f"block_{i}")(x, deterministic)
+            x = constrain_batch(Block(cfg, self.dtype, name=f"block_{i}")(x, deterministic))
         x = nn.LayerNorm(dtype=self.dtype, name="ln_final", scale_init=_param(nn.initializers.ones, ("norm",)),
                          bias_init=_param(nn.initializers.zeros, ("norm",)))(x)
         logits = nn.Dense(cfg.vocab_size, dtype=self.dtype, name="head", kernel_init=_param(init, ("embed", "vocab")),

@@ -12,6 +12,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 import pydantic
 
+from functrain.sharding import constrain_batch
 from functrain.models.hf_common import (HFModelConfig, activation, causal_attention, check_activation, dense,
                                         embed, layer_norm)
 
@@ -133,8 +134,9 @@ class GPT2LMHead(nn.Module):
         wpe = embed(cfg.n_positions, cfg.n_embd, (None, "embed"), dtype=self.dtype,
                     init_std=cfg.initializer_range, name="wpe")
         x = wte(input_ids) + wpe(jnp.arange(length))[None]
+        x = constrain_batch(x)  # the batch axis stays put; FSDP weights are gathered (see sharding.py)
         for i in range(cfg.n_layer):
-            x = GPT2Block(cfg, i, self.dtype, name=f"h_{i}")(x)
+            x = constrain_batch(GPT2Block(cfg, i, self.dtype, name=f"h_{i}")(x))
         x = layer_norm(cfg.layer_norm_epsilon, dtype=self.dtype, name="ln_f")(x)
         return wte.attend(x).astype(jnp.float32)  # tied LM head
 

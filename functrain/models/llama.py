@@ -15,6 +15,7 @@ import numpy as np
 import pydantic
 
 from functrain.errors import ConfigError
+from functrain.sharding import constrain_batch
 from functrain.models.hf_common import (HFModelConfig, RMSNorm, activation, causal_attention,
                                         check_activation, dense, embed)
 
@@ -205,8 +206,9 @@ class LlamaForCausalLM(nn.Module):
         tokens = embed(cfg.vocab_size, cfg.hidden_size, ("vocab", "embed"), dtype=self.dtype,
                        init_std=cfg.initializer_range, name="embed_tokens")
         x = tokens(input_ids)
+        x = constrain_batch(x)  # the batch axis stays put; FSDP weights are gathered (see sharding.py)
         for i in range(cfg.num_hidden_layers):
-            x = LlamaBlock(cfg, self.dtype, name=f"layers_{i}")(x)
+            x = constrain_batch(LlamaBlock(cfg, self.dtype, name=f"layers_{i}")(x))
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(x)
         if cfg.tie_word_embeddings:
             logits = tokens.attend(x)

@@ -6,6 +6,8 @@ import flax.linen as nn
 import jax.numpy as jnp
 from pydantic import BaseModel, ConfigDict, Field
 
+from functrain.sharding import constrain_batch
+
 
 class MLPConfig(BaseModel):
     """``model.*`` keys of the MLP."""
@@ -38,7 +40,7 @@ class MLP(nn.Module):
                          kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(),
                                                                   (names[i], names[i + 1])),
                          bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (names[i + 1],)))(x)
-            x = nn.relu(x)
+            x = constrain_batch(nn.relu(x))  # keep the batch split; gather FSDP weights instead
         logits = nn.Dense(self.num_classes, dtype=self.dtype, name="head",
                           kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(),
                                                                    (names[-1], "classes")),
