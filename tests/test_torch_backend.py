@@ -114,22 +114,12 @@ def test_fit_with_the_torch_backend_trains_and_evaluates(tmp_path):
 
 
 def test_torch_gpt_matches_the_flax_gpt():
-    config = GPTConfig(vocab_size=40, max_len=16, d_model=32, n_layers=2, n_heads=4, d_ff=64)
-    tokens = np.random.default_rng(0).integers(0, 40, (2, 12)).astype(np.int32)
-    flax_model = build_flax_gpt(config)
-    flax_params = nn.meta.unbox(flax_model.init(jax.random.PRNGKey(0), tokens)["params"])
-    model = build_model(config, {}, seed=0)
-    converted = params_from_flax(flax_params)
-    assert set(converted) == set(dict(model.named_parameters()))
-    model.load_state_dict(converted)
-    with torch.no_grad():
-        logits = model(torch.from_numpy(tokens)).numpy()
-    np.testing.assert_allclose(logits, np.asarray(flax_model.apply({"params": flax_params}, tokens)),
-                               rtol=1e-5, atol=1e-5)
+    """Same weights, same logits; then three SGD-momentum steps with clipping and a token mask agree.
 
-
-def test_torch_gpt_trains_like_the_flax_gpt():
-    """Five AdamW steps with 2 micro-batches and clipping: the causal-LM losses agree."""
+    SGD rather than Adam: attention's key biases have a zero gradient up to rounding (softmax is shift
+    invariant), and Adam rescales each framework's different rounding noise into steps of full size. The
+    Adam arithmetic and micro-batching are compared on the MLP (tests/test_torch_step.py).
+    """
     import optax
     from functrain import step as jax_step
     from functrain.state import TrainState
@@ -137,21 +127,28 @@ def test_torch_gpt_trains_like_the_flax_gpt():
     from torch_bridge import TorchState, make_optimizer, make_schedule, make_train_step
     from torch_bridge.models import causal_lm_loss
 
-    config = GPTConfig(vocab_size=30, max_len=8, d_model=16, n_layers=1, n_heads=2, d_ff=32)
+    config = GPTConfig(vocab_size=30, max_len=8, d_model=16, n_layers=2, n_heads=2, d_ff=32)
     rng = np.random.default_rng(0)
     batches = [{"tokens": rng.integers(0, 30, (4, 9)).astype(np.int32), "weight": np.ones(4, np.float32),
-                "mask": (rng.random((4, 8)) > 0.2).astype(np.float32)} for _ in range(5)]
+                "mask": (rng.random((4, 8)) > 0.2).astype(np.float32)} for _ in range(3)]
     flax_model = build_flax_gpt(config)
     flax_params = nn.meta.unbox(flax_model.init(jax.random.PRNGKey(0), batches[0]["tokens"][:, :-1])["params"])
-    # eps well above rounding noise: attention key biases have a zero gradient up to rounding (softmax is
-    # shift-invariant), and Adam with a tiny eps would turn each framework's rounding noise into full steps.
-    tx = optax.adamw(1e-2, eps=1e-4, weight_decay=0.1, mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p))
-    jstep = jax.jit(jax_step.make_train_step(flax_lm_loss(flax_model, True), tx, micro_batches=2, clip_norm=0.3))
-    jstate = TrainState.create(flax_params, tx, jax.random.PRNGKey(0))
     model = build_model(config, {}, seed=0)
-    optimizer = make_optimizer("adamw", make_schedule("constant", 1e-2), eps=1e-4, weight_decay=0.1)
-    tstep = make_train_step(causal_lm_loss(model), optimizer, micro_batches=2, clip_norm=0.3)
-    tstate = TorchState.create(params_from_flax(flax_params), optimizer, seed=0)
+    converted = params_from_flax(flax_params)
+    assert set(converted) == set(dict(model.named_parameters()))
+    model.load_state_dict(converted)
+    tokens = batches[0]["tokens"][:, :-1]
+    with torch.no_grad():
+        logits = model(torch.from_numpy(tokens)).numpy()
+    np.testing.assert_allclose(logits, np.asarray(flax_model.apply({"params": flax_params}, tokens)),
+                               rtol=1e-5, atol=1e-5)
+
+    tx = optax.sgd(0.1, momentum=0.9)
+    jstep = jax.jit(jax_step.make_train_step(flax_lm_loss(flax_model, True), tx, clip_norm=0.3))
+    jstate = TrainState.create(flax_params, tx, jax.random.PRNGKey(0))
+    optimizer = make_optimizer("sgd", make_schedule("constant", 0.1), momentum=0.9)
+    tstep = make_train_step(causal_lm_loss(model), optimizer, clip_norm=0.3)
+    tstate = TorchState.create(converted, optimizer, seed=0)
     for batch in batches:
         jstate, jm = jstep(jstate, batch)
         tstate, tm = tstep(tstate, {k: torch.from_numpy(v) for k, v in batch.items()})
