@@ -25,7 +25,6 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -97,15 +96,7 @@ def collectives(hlo_text: str) -> dict[tuple[str, int], dict[str, int]]:
     return dict(stats)
 
 
-def _pin_block_activations(next_fun, args, kwargs, context):
-    """A Flax method interceptor: batch-constrain each transformer block's input and output."""
-    if context.method_name != "__call__" or type(context.module).__name__ != "Block":
-        return next_fun(*args, **kwargs)
-    x, *rest = args
-    return sharding.constrain_batch(next_fun(sharding.constrain_batch(x), *rest, **kwargs))
-
-
-def compile_step(fsdp: int, pin_activations: bool):
+def compile_step(fsdp: int):
     """Compile the GPT train step on a (data=8/fsdp, fsdp) mesh; returns (compiled, state bytes/device,
     total state bytes, bytes of the fsdp-sharded params)."""
     config = load_config(None, [*MODEL, f"mesh.data={DEVICES // fsdp}", f"mesh.fsdp={fsdp}", "mesh.tensor=1",
@@ -119,18 +110,12 @@ def compile_step(fsdp: int, pin_activations: bool):
     def create(rng):
         return TrainState.create(task.init_params(rng), tx, rng)
 
-    def loss_fn(params, batch, rng):
-        if not pin_activations:
-            return task.loss_fn(params, batch, rng)
-        with nn.intercept_methods(_pin_block_activations):
-            return task.loss_fn(params, batch, rng)
-
     abstract = jax.eval_shape(create, jax.random.PRNGKey(0))
     params_sh = sharding.param_shardings(task.logical_specs(), abstract.params, mesh,
                                          sharding.logical_rules(config.mesh))
     state_sh = sharding.state_shardings(abstract, params_sh, mesh)
     batch_sh = sharding.batch_sharding(mesh, stacked=False)
-    step = make_train_step(loss_fn, tx, learning_rate_fn=schedule)
+    step = make_train_step(task.loss_fn, tx, learning_rate_fn=schedule)
     abstract_batch = {key: jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=batch_sh)
                       for key, value in example.items()}
     abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -155,20 +140,17 @@ def main() -> None:
     mib = 1024 ** 2
     print(f"GPT d_model=256 n_layers=4 n_heads=8 d_ff=1024, batch {BATCH}x{SEQ}, adamw, {DEVICES} CPU devices, "
           f"mesh data=8/fsdp x fsdp; collectives as kind/devices-per-group")
-    for pin in (False, True):
-        print("\n" + ("model as is" if not pin else "with each block's input/output pinned to the batch axes "
-                                                    "(sharding.constrain_batch)"))
-        print(f"{'fsdp':>4} {'state/dev MiB':>13} {'vs fsdp=1':>9} {'args/dev MiB':>12} {'temp/dev MiB':>12}  "
-              f"ZeRO-3 need  collectives per step (per device)")
-        baseline = None
-        for fsdp in (1, 2, 4, 8):
-            compiled, per_device, total, sharded_params = compile_step(fsdp, pin)
-            baseline = baseline or per_device
-            memory = compiled.memory_analysis()
-            args = getattr(memory, "argument_size_in_bytes", float("nan")) / mib
-            temp = getattr(memory, "temp_size_in_bytes", float("nan")) / mib
-            print(f"{fsdp:>4} {per_device / mib:13.2f} {per_device / baseline:9.3f} {args:12.2f} {temp:12.2f}  "
-                  f"{sharded_params / mib:8.2f} MiB  {_collective_text(collectives(compiled.as_text()), mib)}")
+    print(f"{'fsdp':>4} {'state/dev MiB':>13} {'vs fsdp=1':>9} {'args/dev MiB':>12} {'temp/dev MiB':>12}  "
+          f"ZeRO-3 need  collectives per step (per device)")
+    baseline = None
+    for fsdp in (1, 2, 4, 8):
+        compiled, per_device, total, sharded_params = compile_step(fsdp)
+        baseline = baseline or per_device
+        memory = compiled.memory_analysis()
+        args = getattr(memory, "argument_size_in_bytes", float("nan")) / mib
+        temp = getattr(memory, "temp_size_in_bytes", float("nan")) / mib
+        print(f"{fsdp:>4} {per_device / mib:13.2f} {per_device / baseline:9.3f} {args:12.2f} {temp:12.2f}  "
+              f"{sharded_params / mib:8.2f} MiB  {_collective_text(collectives(compiled.as_text()), mib)}")
     print(f"\ntotal train state {total / mib:.2f} MiB (params + 2 Adam moments); target: state/dev ~ 1/fsdp.\n"
           f"ZeRO-3 need = bytes of the fsdp-sharded params: all-gathered once for the forward (at most once more "
           f"for the backward) and their gradients reduce-scattered over the fsdp group (on CPU: an all-reduce "
