@@ -10,7 +10,7 @@ All baselines are measured in the same run, on the same disk, with the same byte
 3. save throughput (``save`` + ``wait``) as a fraction of a plain sequential write of the same bytes
    (``np.save`` + ``fsync`` per array).
 
-Usage: python bench/bench_checkpoint.py [--width 2048 --layers 6 --batch 128 --cycles 8 --dir /tmp/x]
+Usage: python bench/bench_checkpoint.py [--width 2048 --layers 6 --batch 512 --cycles 8 --dir /tmp/x]
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--every", type=int, default=10, help="steps between saves")
     parser.add_argument("--cycles", type=int, default=8, help="pairs of (plain, saving) windows")
     parser.add_argument("--repeats", type=int, default=3, help="repeats of the save/restore timings (best kept)")

@@ -7,11 +7,12 @@ the numpy dataset every step) with AdamW, weight decay, global-norm clipping at 
 - plain:   ``zero_grad(); loss.backward(); clip_grad_norm_(); opt.step()`` with torch.optim.AdamW;
 - Trainer: ``transformers.Trainer.train()`` with the equivalent TrainingArguments.
 
-Each round runs all three, one after the other, and each ratio is the median of the per-round ratios, so
-load from other processes on a shared machine hits the contenders alike. Every rate is a steady state:
-timed from the 10th step (Trainer's by a callback, so its start-up is not counted against it).
+Each round runs all three, one after the other (bridge and plain take turns going first), and each ratio
+is the median of the per-round ratios, so load from other processes on a shared machine hits the
+contenders alike. Every rate is a steady state: timed from the 10th step (Trainer's by a callback, so its
+start-up is not counted against it).
 
-    python bench/bench_torch.py [--rounds 5] [--steps 200] [--device cpu|cuda] [--threads 1] [--check]
+    python bench/bench_torch.py [--rounds 5] [--steps 300] [--device cpu|cuda] [--threads 1] [--check]
 
 ``--check`` exits 1 unless bridge/plain >= 0.9 and bridge/Trainer >= 1.2.
 """
@@ -101,7 +102,7 @@ def plain_rate(x, y, rows, device: str) -> float:
 
 def trainer_rate(x, y, rows, device: str, workdir: Path) -> float:
     """Steady-state steps per second of transformers.Trainer on the same batches."""
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 
     class Batches(torch.utils.data.Dataset):
         """The benchmark's batches, flattened into examples in order (Trainer re-batches them)."""
@@ -136,6 +137,7 @@ def trainer_rate(x, y, rows, device: str, workdir: Path) -> float:
         logging_steps=10**9, save_strategy="no", report_to=[], disable_tqdm=True, use_cpu=device == "cpu",
         dataloader_num_workers=0, seed=0)
     trainer = Trainer(model=Classifier(), args=args, train_dataset=Batches(), callbacks=[StepClock()])
+    trainer.remove_callback(PrinterCallback)  # keep the benchmark's output to its own table
     trainer.train()
     clock = StepClock.times
     return (len(clock) - 10) / (clock[-1] - clock[9])
@@ -149,7 +151,7 @@ def _sync(device: str) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads for all contenders (1: a tiny model gains nothing from more, "
@@ -162,9 +164,11 @@ def main() -> int:
     rows = batch_rows(args.steps, len(y))
     bridge, plain, trainer = [], [], []
     with tempfile.TemporaryDirectory(prefix="bench_torch_") as workdir:
-        for _ in range(args.rounds):  # interleaved, so a burst of outside load hits one round of each
-            bridge.append(bridge_rate(x, y, rows, args.device))
-            plain.append(plain_rate(x, y, rows, args.device))
+        for round_index in range(args.rounds):  # interleaved: a burst of outside load hits one round of each
+            first, second = (bridge_rate, plain_rate) if round_index % 2 == 0 else (plain_rate, bridge_rate)
+            rates = {first: first(x, y, rows, args.device), second: second(x, y, rows, args.device)}
+            bridge.append(rates[bridge_rate])
+            plain.append(rates[plain_rate])
             trainer.append(trainer_rate(x, y, rows, args.device, Path(workdir)))
 
     vs_plain = statistics.median(b / p for b, p in zip(bridge, plain))

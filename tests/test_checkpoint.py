@@ -20,6 +20,9 @@ from functrain.checkpoint import layout, retention
 from functrain.errors import CheckpointError
 from functrain.inspect_run import inspect_report
 
+# When a read fails, orbax/tensorstore leave an "Event loop is closed" callback behind: noise, not ours.
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
 
 @flax.struct.dataclass
 class StandInState:
@@ -133,8 +136,6 @@ def _delete_meta(step_dir: Path):
     (step_dir / "meta" / "metadata").unlink()
 
 
-# Orbax/tensorstore leave an "Event loop is closed" callback behind when a read fails: noise, not ours.
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("damage", [_truncate_params_data, _delete_state_data, _corrupt_meta, _delete_meta])
 def test_damaged_latest_falls_back_with_one_warning(tmp_path, caplog, damage):
     save_steps(tmp_path, [1, 2, 3], keep=5)

@@ -127,7 +127,7 @@ def test_torch_gpt_matches_the_flax_gpt():
     from torch_bridge import TorchState, make_optimizer, make_schedule, make_train_step
     from torch_bridge.models import causal_lm_loss
 
-    config = GPTConfig(vocab_size=30, max_len=8, d_model=16, n_layers=2, n_heads=2, d_ff=32)
+    config = GPTConfig(vocab_size=30, max_len=8, d_model=16, n_layers=1, n_heads=2, d_ff=32)
     rng = np.random.default_rng(0)
     batches = [{"tokens": rng.integers(0, 30, (4, 9)).astype(np.int32), "weight": np.ones(4, np.float32),
                 "mask": (rng.random((4, 8)) > 0.2).astype(np.float32)} for _ in range(3)]

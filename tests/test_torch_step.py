@@ -108,6 +108,29 @@ def test_nonfinite_step_is_skipped(policy):
     assert int(metrics["nonfinite"]) == 0 and int(good.opt_state["count"]) == 1 and good.step == 2
 
 
+def test_device_path_selects_like_the_host_path(monkeypatch):
+    """On an accelerator the step never reads a flag on the host: torch.where must give the same states."""
+    import torch_bridge.step as step_module
+    batches = [_torch_batch(b) for b in _digits_batches(3, 16)]
+    batches[1]["x"][0, 0] = float("inf")  # the middle step is skipped
+    runs = []
+    for host_devices in (("cpu",), ()):
+        monkeypatch.setattr(step_module, "HOST_BRANCH_DEVICES", host_devices)
+        _, _, state, step = _small_setup(clip_norm=0.01, micro_batches=2)
+        history = []
+        for batch in batches:
+            state, metrics = step(state, batch)
+            history.append({k: v.clone() for k, v in metrics.items()})
+        runs.append((state, history))
+    (host_state, host_history), (device_state, device_history) = runs
+    assert int(device_state.skipped_steps) == 1 and int(device_state.opt_state["count"]) == 2
+    for name in host_state.params:
+        assert torch.equal(host_state.params[name], device_state.params[name])
+        assert torch.equal(host_state.opt_state["nu"][name], device_state.opt_state["nu"][name])
+    for host, device in zip(host_history, device_history):
+        assert all(torch.equal(host[k], device[k]) or not torch.isfinite(host[k]) for k in host)
+
+
 def test_generator_is_a_function_of_seed_step_and_micro_batch():
     from torch_bridge import step_generator
     draw = lambda *args: torch.rand(4, generator=step_generator(*args))  # noqa: E731
@@ -159,3 +182,26 @@ def test_build_model_matches_the_flax_initialiser_scale():
     model = build_model(MLPConfig(hidden=[256]), {"x": np.zeros((1, 64), np.float32)}, seed=0)
     std = float(model.dense_0.weight.detach().std())
     assert abs(std - 1 / 8) < 0.01  # lecun normal: 1 / sqrt(fan_in)
+
+
+def test_buffers_are_updated_in_the_new_state_only():
+    """A model with running statistics (BatchNorm): the step returns new buffers, the old ones stay."""
+    from torch_bridge.models import stateless
+    model = torch.nn.Sequential(torch.nn.Linear(64, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 10))
+    apply = stateless(model)
+
+    def loss_fn(params, buffers, batch, generator):
+        logits = apply(params, buffers, batch["x"])
+        losses = torch.nn.functional.cross_entropy(logits, batch["y"].long(), reduction="none")
+        return (losses * batch["weight"]).sum(), batch["weight"].sum(), {}
+
+    optimizer = make_optimizer("sgd", make_schedule("constant", 0.1))
+    state = TorchState.create({k: v.detach() for k, v in model.named_parameters()}, optimizer, seed=0,
+                              buffers={k: v.detach() for k, v in model.named_buffers()})
+    before = {k: v.clone() for k, v in state.buffers.items()}
+    step = make_train_step(loss_fn, optimizer, micro_batches=2)
+    new_state, _ = step(state, _torch_batch(_digits_batches(1, 16)[0]))
+    assert all(torch.equal(state.buffers[k], before[k]) for k in before)
+    assert int(new_state.buffers["1.num_batches_tracked"]) == 2  # one update per micro-batch
+    assert not torch.equal(new_state.buffers["1.running_mean"], before["1.running_mean"])
+    assert torch.equal(dict(model.named_buffers())["1.running_mean"], before["1.running_mean"])  # module untouched

@@ -88,8 +88,7 @@ def make_schedule(name: str, learning_rate: float, warmup_steps: int = 0, max_st
         body, decay_steps = _linear(learning_rate, learning_rate, 0), 0
     else:
         raise ConfigError(f"optimizer.schedule={name!r} is unknown; use constant, cosine or linear")
-    # optax's cosine always joins (even after no warmup); for a zero warmup the join never switches back.
-    schedule = _join(warmup, body, warmup_steps) if warmup_steps or name == "cosine" else body
+    schedule = _join(warmup, body, warmup_steps) if warmup_steps else body
     return _tabulated(schedule, warmup_steps + decay_steps + 1)
 
 
@@ -97,14 +96,15 @@ def make_schedule(name: str, learning_rate: float, warmup_steps: int = 0, max_st
 
 @dataclass(frozen=True)
 class Optimizer:
-    """A functional optimizer: ``init(params) -> opt_state``, ``update(params, grads, opt_state) ->
-    (new_params, new_opt_state)`` and ``learning_rate(opt_state)``, the rate the next update will use.
+    """A functional optimizer: ``init(params) -> opt_state``, ``update(params, grads, opt_state,
+    learning_rate=None) -> (new_params, new_opt_state)`` and ``learning_rate(opt_state)``, the rate the next
+    update uses (``update`` computes it when not given; a step that reports it passes it in).
 
     ``opt_state`` is a dict of tensors with an int32 ``count`` of applied updates (the schedule's input).
     """
 
     init: Callable[[Params], OptState]
-    update: Callable[[Params, Params, OptState], tuple[Params, OptState]]
+    update: Callable[..., tuple[Params, OptState]]
     learning_rate: Callable[[OptState], Tensor]
 
 
@@ -145,7 +145,8 @@ def adamw(schedule: Schedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1
     def init(params: Params) -> OptState:
         return {"count": _count(params), "mu": _zeros_like(params), "nu": _zeros_like(params)}
 
-    def update(params: Params, grads: Params, opt_state: OptState) -> tuple[Params, OptState]:
+    def update(params: Params, grads: Params, opt_state: OptState,
+               learning_rate: Tensor | None = None) -> tuple[Params, OptState]:
         names = list(params)
         p, g = [params[n] for n in names], [grads[n] for n in names]
         # Each result is allocated once and then finished in place: the inputs are never written.
@@ -163,7 +164,7 @@ def adamw(schedule: Schedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1
         steps = torch._foreach_div(mu, 1 - torch.pow(b1, exponent))
         torch._foreach_div_(steps, denominator)                          # mu_hat / (sqrt(nu_hat) + eps)
         _add_decayed_weights_(steps, p, decay_mask(params).values(), weight_decay)
-        new_p = _apply(p, steps, schedule(count))
+        new_p = _apply(p, steps, schedule(count) if learning_rate is None else learning_rate)
         return dict(zip(names, new_p)), {"count": next_count, "mu": dict(zip(names, mu)),
                                           "nu": dict(zip(names, nu))}
 
@@ -184,7 +185,8 @@ def sgd(schedule: Schedule, momentum: float | None = None, nesterov: bool = Fals
             state["trace"] = _zeros_like(params)
         return state
 
-    def update(params: Params, grads: Params, opt_state: OptState) -> tuple[Params, OptState]:
+    def update(params: Params, grads: Params, opt_state: OptState,
+               learning_rate: Tensor | None = None) -> tuple[Params, OptState]:
         names = list(params)
         p = [params[n] for n in names]
         steps = [grads[n].clone() for n in names]  # fresh buffers: everything below works in place on them
@@ -199,7 +201,7 @@ def sgd(schedule: Schedule, momentum: float | None = None, nesterov: bool = Fals
             else:
                 steps = [t.clone() for t in trace]
             new_state["trace"] = dict(zip(names, trace))
-        new_p = _apply(p, steps, schedule(opt_state["count"]))
+        new_p = _apply(p, steps, schedule(opt_state["count"]) if learning_rate is None else learning_rate)
         return dict(zip(names, new_p)), new_state
 
     return Optimizer(init=init, update=update, learning_rate=lambda opt_state: schedule(opt_state["count"]))

@@ -14,7 +14,7 @@ Randomness comes from a ``torch.Generator`` seeded from (seed, step, micro-batch
 torch RNG is never used, so a resumed run draws the same numbers as an uninterrupted one.
 """
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import torch
@@ -77,13 +77,17 @@ def step_generator(seed: int, step: int, micro_batch: int = 0, rank: int = 0,
     return torch.Generator(device=device).manual_seed(mixed >> 1)  # manual_seed wants a non-negative int63
 
 
+# Devices whose flags the host reads directly (free on CPU); elsewhere both branches run and torch.where picks.
+HOST_BRANCH_DEVICES = ("cpu",)
+
+
 def _choose(flag: Tensor, if_true: Callable[[], Any], if_false: Callable[[], Any]) -> Any:
     """``if_true()`` where ``flag`` else ``if_false()``, for trees of tensors.
 
     On CPU reading the flag costs nothing, so only the chosen branch runs; on an accelerator both run and
     ``torch.where`` selects, so the host never waits for the device.
     """
-    if flag.device.type == "cpu":
+    if flag.device.type in HOST_BRANCH_DEVICES:
         return if_true() if bool(flag) else if_false()
     return _where_tree(flag, if_true(), if_false())
 
@@ -208,11 +212,13 @@ def make_train_step(loss_fn: LossFn, optimizer: Optimizer, *, micro_batches: int
         if clip_norm is not None:
             # optax.clip_by_global_norm's rule, written as the JAX step writes it; the gradients are this
             # step's own fresh tensors, so scaling them in place is invisible outside.
-            torch._foreach_mul_(grads, torch.where(grad_norm < clip_norm, 1.0, clip_norm / grad_norm))
+            # min(1, c / norm) equals the JAX step's where(norm < c, 1, c / norm), NaN and 0 included.
+            torch._foreach_mul_(grads, torch.clamp(clip_norm / grad_norm, max=1.0))
         learning_rate = optimizer.learning_rate(state.opt_state)
 
         def updated() -> tuple[Params, Params, dict]:
-            new_params, new_opt_state = optimizer.update(state.params, dict(zip(names, grads)), state.opt_state)
+            new_params, new_opt_state = optimizer.update(state.params, dict(zip(names, grads)), state.opt_state,
+                                                         learning_rate)
             return new_params, buffers, new_opt_state
 
         params, buffers, opt_state = _choose(finite, updated,
@@ -222,8 +228,8 @@ def make_train_step(loss_fn: LossFn, optimizer: Optimizer, *, micro_batches: int
         metrics = {"loss": loss, "weight": weight_sum, "grad_norm": grad_norm,
                    "learning_rate": learning_rate, "skipped_steps": skipped, "nonfinite": nonfinite_step}
         metrics.update({key: value / denominator for key, value in aux_sums.items()})
-        new_state = replace(state, params=params, buffers=buffers, opt_state=opt_state, step=state.step + 1,
-                            skipped_steps=skipped)
+        new_state = TorchState(params=params, buffers=buffers, opt_state=opt_state, step=state.step + 1,
+                               seed=state.seed, skipped_steps=skipped)
         return new_state, metrics
 
     return step

@@ -95,7 +95,7 @@ class Checkpointer:
                                   f"checkpoints can be written there")
         options = ocp.CheckpointManagerOptions(
             enable_async_checkpointing=self._async, create=True, cleanup_tmp_directories=True,
-            save_root_metadata=False,
+            save_root_metadata=False, enable_background_delete=True,  # rmtree off the training thread
             # Synchronous directory creation: a full disk or unwritable directory then fails inside
             # save() at once, instead of leaving background writers waiting for a signal until timeout.
             async_options=ocp.AsyncOptions(timeout_secs=barrier_timeout_s, create_directories_asynchronously=False))
@@ -207,7 +207,8 @@ class Checkpointer:
     def _apply_retention(self) -> None:
         # Steps newer than this run's head belong to an abandoned line of history (resume from an
         # older step): not ours to rotate; a save that reaches one of them moves it aside first.
-        steps = [s for s in self.steps() if self._line_head is not None and s <= self._line_head]
+        # Orbax's own list: a step whose deletion is still running in the background is already gone.
+        steps = [s for s in self._manager.all_steps() if self._line_head is not None and s <= self._line_head]
         doomed = retention.steps_to_delete(
             steps, keep=self._keep, keep_best=self._keep_best, metrics=self._metrics, mode=self._best_mode,
             protected=self._protected | {self._line_head})
