@@ -180,19 +180,30 @@ class EarlyStopping(Callback):
 
 
 class Throughput:
-    """Steps per second over a window of call boundaries (for logs)."""
+    """Steps per second between log steps, from the time each call was known to be finished.
+
+    That is when its metrics were read for an asynchronous backend (JAX), and when ``train_call`` returned
+    for a synchronous one (torch on CPU), whose metrics are read one call after it finished.
+    """
 
     def __init__(self) -> None:
-        self.last_time = time.perf_counter()
-        self.last_step = 0
+        self.returned_at: dict[int, float] = {}
+        self.last_logged = 0
 
-    def reset(self, step: int) -> None:
-        """Start measuring from ``step`` now."""
-        self.last_time, self.last_step = time.perf_counter(), step
+    def mark(self, step: int) -> None:
+        """The call ending at ``step`` is finished now (or the run starts at ``step``)."""
+        self.returned_at[step] = time.perf_counter()
+
+    def start(self, step: int) -> None:
+        """Measure from ``step``, now."""
+        self.returned_at = {}
+        self.mark(step)
+        self.last_logged = step
 
     def rate(self, step: int) -> float:
-        """Steps per second since the previous call (and restart the window)."""
-        now = time.perf_counter()
-        rate = (step - self.last_step) / max(now - self.last_time, 1e-9)
-        self.last_time, self.last_step = now, step
+        """Steps per second from the previous log step to ``step``."""
+        elapsed = self.returned_at[step] - self.returned_at[self.last_logged]
+        rate = (step - self.last_logged) / max(elapsed, 1e-9)
+        self.returned_at = {s: t for s, t in self.returned_at.items() if s >= step}
+        self.last_logged = step
         return rate

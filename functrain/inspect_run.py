@@ -30,6 +30,8 @@ def _size_text(size: int) -> str:
 def _metrics_text(metrics: Mapping[str, Any], prefix: str = "") -> str:
     parts = []
     for name, value in metrics.items():
+        if name == "weight":  # the denominator of the means, not a metric
+            continue
         if isinstance(value, Mapping):
             parts.append(_metrics_text(value, f"{prefix}{name}/"))
         elif isinstance(value, float):
@@ -72,7 +74,7 @@ def inspect_report(run_dir: str | os.PathLike, step: int | None = None, digest: 
             raise CheckpointError(f"no checkpoint for step {step} in {ckpt_dir}; run `functrain inspect "
                                   f"{run_dir}` to see the steps there")
     whole = [i for i in infos if i.whole]
-    lines = [f"checkpoints: {ckpt_dir} ({len(whole)} whole, {len(infos) - len(whole)} not)",
+    lines = [f"checkpoints: {ckpt_dir} ({len(whole)} whole, {len(infos) - len(whole)} damaged or interrupted)",
              f"{'step':<8} {'time (UTC)':<19}  {'size':>9}  {'status':<11} {'':<4} {'epoch':>5} {'samples':>9}  metrics"]
     lines += [_row(info) for info in infos]
     if digest:

@@ -125,8 +125,6 @@ class _Run:
     def __init__(self, config: Config, callbacks: list[Callback]) -> None:
         self.config = config
         self.run_dir = Path(config.run.dir).absolute()  # Orbax needs absolute paths
-        self.is_primary = jax.process_index() == 0
-        self.process_count = jax.process_count()
         self.signals = StopSignals()
 
         train_arrays, self.eval_arrays = load_dataset(config.data)
@@ -134,11 +132,18 @@ class _Run:
         num_train = len(next(iter(train_arrays.values())))
         self.sampler = IndexSampler(num_train, config.data.global_batch_size, self.data_seed,
                                     shuffle=config.data.shuffle, last_batch=config.data.last_batch)
-        self.loader = BatchLoader(train_arrays, self.sampler, jax.process_index(), self.process_count,
-                                  prefetch=config.data.prefetch)
         self.max_steps = total_steps(config, self.sampler)
-        example_batch, _ = self.loader.host_batch(0)
+        example_batch, _ = BatchLoader(train_arrays, self.sampler, prefetch=0).host_batch(0)
         self.backend = make_backend(config, example_batch, self.max_steps)
+        # jax.distributed or torch.distributed: the backend knows which process this is.
+        self.process_index = getattr(self.backend, "process_index", jax.process_index())
+        self.process_count = getattr(self.backend, "process_count", jax.process_count())
+        self.is_primary = self.process_index == 0
+        self.synchronous_backend = getattr(self.backend, "synchronous", False)
+        # Orbax writes a checkpoint with every jax process; torch ranks hold replicas, so rank 0 writes alone.
+        self.writes_checkpoints = self.is_primary or jax.process_count() > 1
+        self.loader = BatchLoader(train_arrays, self.sampler, self.process_index, self.process_count,
+                                  prefetch=config.data.prefetch)
 
         if self.is_primary:
             write_run_config(self.run_dir, config)
@@ -192,6 +197,8 @@ class _Run:
         is known exactly.
         """
         metrics = self.backend.to_host(device_metrics)
+        if not self.synchronous_backend:
+            self.throughput.mark(call_end_step)
         steps = len(next(iter(metrics.values())))
         control = Control()
         if self.config.train.nonfinite == "stop" and "nonfinite" in metrics and metrics["nonfinite"].any():
@@ -218,7 +225,7 @@ class _Run:
             return Control()
         sampler = IndexSampler(num_eval, self.config.data.global_batch_size, self.data_seed, shuffle=False,
                                last_batch="pad")
-        loader = BatchLoader(self.eval_arrays, sampler, jax.process_index(), self.process_count, prefetch=0)
+        loader = BatchLoader(self.eval_arrays, sampler, self.process_index, self.process_count, prefetch=0)
         batches = sampler.steps_per_epoch
         if self.config.eval.max_batches:
             batches = min(batches, self.config.eval.max_batches)
@@ -238,7 +245,7 @@ class _Run:
         return control.merge(self.callbacks.fire("on_log", self.view, "eval", self.view.step, logged))
 
     def save(self, state: Any, step: int, position: int) -> None:
-        if step == self.last_saved_step:
+        if step == self.last_saved_step or not self.writes_checkpoints:
             return
         meta = {"step": step, **data_meta(self.sampler, position, self.meta),
                 "config_digest": self.config.digest(), "model": self.config.model.model_dump(mode="json"),
@@ -260,7 +267,7 @@ class _Run:
                      self.backend.describe())
         self.callbacks.fire("on_train_begin", self.view)
         self.callbacks.fire("on_epoch_begin", self.view)
-        self.throughput.reset(step)
+        self.throughput.start(step)
         pending = None  # (end step, device metrics) of the call whose metrics are not read yet
         stop_reason = "finished"
         with self.signals, self.loader.iter_from(position, self.config.train.steps_per_call,
@@ -269,6 +276,8 @@ class _Run:
             for batches, _, end_position in calls:
                 state, metrics = self.backend.train_call(state, batches)
                 step += len(next(iter(metrics.values())))
+                if self.synchronous_backend:
+                    self.throughput.mark(step)
                 epoch_before = self.view.epoch
                 self.update_view(step, end_position)
                 position = end_position

@@ -85,6 +85,8 @@ class TorchBackend:
         _check_supported(config)
         self.config = config
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        # On CPU a call has finished when it returns; on CUDA it is queued until its metrics are read.
+        self.synchronous = self.device.type == "cpu"
         self.process_index, self.process_count = distributed.rank(), distributed.world_size()
         self.model = build_model(config.model, example_batch, config.seed)
         opt = config.optimizer
