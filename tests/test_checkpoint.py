@@ -3,7 +3,6 @@
 import errno
 import json
 import logging
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -82,6 +81,7 @@ def test_roundtrip_restores_values_structure_and_meta(tmp_path):
     items, meta, step = ckpt.restore(targets_for(make_state()))
     ckpt.close()
     assert step == 2 and meta["step"] == 2 and meta["samples_consumed"] == 16 and meta["format_version"] == 1
+    assert meta["versions"]["jax"] == jax.__version__ and meta["time"] > 0
     assert_trees_equal(items, to_items(make_state(2)))
     assert type(items["state"]["opt_state"][0]) is type(make_state().opt_state[0])  # namedtuple restored
     assert Checkpointer(tmp_path).restore(targets_for(make_state()), step="never") is None

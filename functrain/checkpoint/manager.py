@@ -18,7 +18,6 @@ import logging
 import os
 import shutil
 import time
-from pathlib import Path
 from typing import Any, Mapping
 
 import jax

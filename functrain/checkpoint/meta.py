@@ -7,6 +7,7 @@ what every checkpoint needs to be read back safely: ``format_version``, ``step``
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import math
 import time
@@ -23,9 +24,10 @@ FORMAT_VERSION = 1
 _VERSIONED_PACKAGES = ("functrain", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "torch")
 
 
+@functools.lru_cache(maxsize=None)
 def package_versions(packages: tuple[str, ...] = _VERSIONED_PACKAGES) -> dict[str, str]:
     """Installed versions of the packages that shape a checkpoint (absent ones are left out)."""
-    versions = {}
+    versions: dict[str, str] = {}
     for name in packages:
         try:
             versions[name] = importlib.metadata.version(name)
@@ -73,11 +75,12 @@ def metric_value(meta: Mapping[str, Any], name: str) -> float | None:
 
 
 def complete_meta(meta: Mapping[str, Any] | None, step: int, best: Mapping[str, Any] | None) -> dict:
-    """``meta`` plus the fields every checkpoint carries (format version, step, time, best metric)."""
+    """``meta`` plus the fields every checkpoint carries (format version, step, time, versions, best metric)."""
     full = dict(meta or {})
     full["format_version"] = FORMAT_VERSION
     full["step"] = int(step)
     full.setdefault("time", time.time())
+    full.setdefault("versions", dict(package_versions()))
     if best is not None:
         full["best_metric"] = dict(best, value=metric_value(full, best["name"]))
     return jsonable(full)
