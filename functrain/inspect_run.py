@@ -77,6 +77,10 @@ def inspect_report(run_dir: str | os.PathLike, step: int | None = None, digest: 
     lines = [f"checkpoints: {ckpt_dir} ({len(whole)} whole, {len(infos) - len(whole)} damaged or interrupted)",
              f"{'step':<8} {'time (UTC)':<19}  {'size':>9}  {'status':<11} {'':<4} {'epoch':>5} {'samples':>9}  metrics"]
     lines += [_row(info) for info in infos]
+    newest_meta = whole[-1].meta if whole and whole[-1].meta else {}
+    if newest_meta.get("layout"):  # mesh, shardings of the largest params, state bytes per device
+        lines.append(f"layout when step {whole[-1].step} was saved ({newest_meta.get('processes', 1)} process(es)):")
+        lines += [f"  {line}" for line in str(newest_meta["layout"]).splitlines()]
     if digest:
         if not whole:
             raise CheckpointError(f"no whole checkpoint{'' if step is None else f' at step {step}'} in {ckpt_dir} "

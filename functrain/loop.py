@@ -306,9 +306,9 @@ class _Run:
         if stop_reason == "finished" and self.last_eval_step != step:
             self.evaluate(state)
         self.save(state, step, position)
-        self.checkpointer.wait()
-        self.checkpointer.close()
-        self.callbacks.fire("on_epoch_end", self.view) if stop_reason == "finished" else None
+        self.checkpointer.close()  # waits for the last save and surfaces its failure
+        if stop_reason == "finished":
+            self.callbacks.fire("on_epoch_end", self.view)
         self.callbacks.fire("on_train_end", self.view)
         if self.is_primary:
             log.info("stopped at step %d (%s)", step, stop_reason)
@@ -324,4 +324,8 @@ def fit(config: Config | dict | str | os.PathLike, callbacks: list[Callback] | N
     (``fit("configs/mlp_digits.yaml", **{"train.max_steps": 100})`` or ``train__max_steps=100``).
     """
     config = resolve_config(config, overrides)
-    return _Run(config, list(callbacks or [])).run()
+    run = _Run(config, list(callbacks or []))
+    try:
+        return run.run()
+    finally:
+        run.checkpointer.close()  # on an error too: finish (or clean up) a save in flight; idempotent
