@@ -15,16 +15,9 @@ from functrain.checkpoint import layout
 from functrain.checkpoint.digest import params_digest
 from functrain.checkpoint.listing import CheckpointInfo, list_checkpoints, load_params
 from functrain.errors import CheckpointError
+from functrain.sharding import human_bytes
 
 _TAIL_LINES = 5
-
-
-def _size_text(size: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if size < 1024 or unit == "GB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} TB"
 
 
 def _metrics_text(metrics: Mapping[str, Any], prefix: str = "") -> str:
@@ -46,7 +39,7 @@ def _row(info: CheckpointInfo) -> str:
         if info.time else "-"
     meta = info.meta or {}
     status = "whole" if info.whole else ("interrupted" if info.problem.startswith("uncommitted") else "damaged")
-    row = (f"{info.step:<8} {when:<19}  {_size_text(info.size):>9}  {status:<11} {'best' if info.is_best else '':<4} "
+    row = (f"{info.step:<8} {when:<19}  {human_bytes(info.size):>10}  {status:<11} {'best' if info.is_best else '':<4} "
            f"{str(meta.get('epoch', '-')):>5} {str(meta.get('samples_consumed', '-')):>9}  {_metrics_text(info.metrics)}")
     return row.rstrip() + (f"  [{info.problem}]" if info.problem else "")
 
@@ -75,7 +68,7 @@ def inspect_report(run_dir: str | os.PathLike, step: int | None = None, digest: 
                                   f"{run_dir}` to see the steps there")
     whole = [i for i in infos if i.whole]
     lines = [f"checkpoints: {ckpt_dir} ({len(whole)} whole, {len(infos) - len(whole)} damaged or interrupted)",
-             f"{'step':<8} {'time (UTC)':<19}  {'size':>9}  {'status':<11} {'':<4} {'epoch':>5} {'samples':>9}  metrics"]
+             f"{'step':<8} {'time (UTC)':<19}  {'size':>10}  {'status':<11} {'':<4} {'epoch':>5} {'samples':>9}  metrics"]
     lines += [_row(info) for info in infos]
     newest_meta = whole[-1].meta if whole and whole[-1].meta else {}
     if newest_meta.get("layout"):  # mesh, shardings of the largest params, state bytes per device

@@ -287,7 +287,8 @@ def _shard_bytes(leaf: Any, sharding: Any) -> int:
     return int(np.prod(shard, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
 
 
-def _human(num_bytes: float) -> str:
+def human_bytes(num_bytes: float) -> str:
+    """``1536`` -> ``"1.50 KiB"``."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if num_bytes < 1024 or unit == "GiB":
             return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.2f} {unit}"
@@ -321,6 +322,6 @@ def describe(state_or_abstract: Any, shardings: Any, mesh: Mesh, top: int = 5) -
         lines.append(f"  {_path_name(path):<{width}}  {shape:>12} {np.dtype(leaf.dtype).name:<8} "
                      f"{getattr(sharding, 'spec', sharding)}")
     per_device, total = state_bytes_per_device(state_or_abstract, shardings)
-    lines.append(f"state per device: {_human(per_device)} of {_human(total)} total "
+    lines.append(f"state per device: {human_bytes(per_device)} of {human_bytes(total)} total "
                  f"({per_device / max(total, 1):.1%})")
     return "\n".join(lines)
