@@ -5,6 +5,7 @@ import os
 import signal
 
 import numpy as np
+import pytest
 
 from functrain import fit
 from functrain.callbacks import Callback, Control
@@ -89,9 +90,10 @@ class SendSignal(Callback):
             os.kill(os.getpid(), self.signum)
 
 
-def test_sigterm_saves_at_the_next_call_boundary_and_stops(tmp_path):
-    result = run(tmp_path, [SendSignal(8, signal.SIGTERM)], **{"train.max_steps": 40})
-    assert result.step == 8 and "SIGTERM" in result.stop_reason
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_saves_at_the_next_call_boundary_and_stops(tmp_path, signum):
+    result = run(tmp_path, [SendSignal(8, signum)], **{"train.max_steps": 40})
+    assert result.step == 8 and signal.Signals(signum).name in result.stop_reason
     steps = sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit())
     assert steps == [8]
     # The handler is gone afterwards.
@@ -122,3 +124,31 @@ def test_a_second_run_resumes_where_the_first_stopped(tmp_path):
     train_steps = [line["step"] for line in lines if line["split"] == "train"]
     assert train_steps == list(range(4, 33, 4))  # no step trained twice, none missing
     assert lines[-1]["samples_consumed"] > 16 * 64
+
+
+def _train_lines(run_dir):
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [line for line in lines if line["split"] == "train"]
+
+
+def test_ignore_skip_restarts_the_data_but_keeps_the_model(tmp_path):
+    run(tmp_path, **{"train.max_steps": 16})
+    run(tmp_path, **{"train.max_steps": 24, "data.ignore_skip": True})
+    resumed = [line for line in _train_lines(tmp_path / "run") if line["step"] > 16]
+    assert [line["step"] for line in resumed] == [20, 24]
+    assert resumed[0]["samples_consumed"] == 4 * 64  # four batches from position 0, not from 16 * 64
+
+
+def test_skip_samples_sets_the_position(tmp_path):
+    run(tmp_path, **{"train.max_steps": 8})
+    run(tmp_path, **{"train.max_steps": 12, "data.skip_samples": 1000})
+    assert _train_lines(tmp_path / "run")[-1]["samples_consumed"] == 1000 + 4 * 64
+
+
+def test_resuming_onto_a_different_dataset_is_a_clear_error_and_keeps_the_checkpoint(tmp_path):
+    from functrain.errors import DataError
+    run(tmp_path, **{"train.max_steps": 8})
+    before = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    with pytest.raises(DataError, match="ignore_skip"):
+        run(tmp_path, **{"train.max_steps": 16, "data.eval_fraction": 0.2})
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == before
