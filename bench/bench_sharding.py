@@ -30,6 +30,7 @@ import numpy as np  # noqa: E402
 
 from functrain import sharding  # noqa: E402
 from functrain.config import load_config  # noqa: E402
+from functrain.data import batch_sharding  # noqa: E402
 from functrain.optim import make_optimizer  # noqa: E402
 from functrain.state import TrainState  # noqa: E402
 from functrain.step import make_train_step  # noqa: E402
@@ -114,7 +115,7 @@ def compile_step(fsdp: int):
     params_sh = sharding.param_shardings(task.logical_specs(), abstract.params, mesh,
                                          sharding.logical_rules(config.mesh))
     state_sh = sharding.state_shardings(abstract, params_sh, mesh)
-    batch_sh = sharding.batch_sharding(mesh, stacked=False)
+    batch_sh = batch_sharding(mesh, batch_axis=0)
     step = make_train_step(task.loss_fn, tx, learning_rate_fn=schedule)
     abstract_batch = {key: jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=batch_sh)
                       for key, value in example.items()}

@@ -241,15 +241,6 @@ def state_shardings(abstract_state: Any, params_shardings: Any, mesh: Mesh) -> A
 
 # -------------------------------------------------------------------------------------------- batches
 
-def batch_sharding(mesh: Mesh, stacked: bool = True) -> NamedSharding:
-    """Sharding of a host batch: the batch axis split over ``data`` and ``fsdp``, the rest replicated.
-
-    ``stacked``: batches are ``[K, B, ...]`` (``steps_per_call`` steps per call) rather than ``[B, ...]``.
-    """
-    axes = tuple(axis for axis in BATCH_AXES if axis in mesh.axis_names)
-    return NamedSharding(mesh, PartitionSpec(*((None,) if stacked else ()), axes))
-
-
 def constrain_batch(x: jax.Array, batch_axis: int = 0) -> jax.Array:
     """Pin an activation's batch axis to ``("data", "fsdp")``, leaving its other axes to the compiler.
 

@@ -114,6 +114,7 @@ DEVICE_CHECKS = r"""
 import json, logging
 import jax, numpy as np, optax
 from functrain import sharding as S
+from functrain.data import batch_sharding
 from functrain.config import load_config
 from functrain.errors import ConfigError
 from functrain.state import TrainState
@@ -150,8 +151,8 @@ out["describe"] = S.describe(state, state_sh, mesh, top=3)
 
 mesh, _, state_sh, _ = run(["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"])
 out["tp_attn_out"] = str(state_sh.params["block_0"]["attn_out"]["kernel"].spec)
-out["batch_spec"] = str(S.batch_sharding(mesh).spec)
-out["batch_spec_flat"] = str(S.batch_sharding(mesh, stacked=False).spec)
+out["batch_spec"] = str(batch_sharding(mesh, batch_axis=1).spec)
+out["batch_spec_flat"] = str(batch_sharding(mesh, batch_axis=0).spec)
 out["batch_devices"] = S.batch_devices(mesh)
 with jax.set_mesh(mesh):
     pinned = jax.jit(lambda x: S.constrain_batch(x) * 2)(np.ones((8, 4), np.float32))

@@ -17,16 +17,14 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from functrain.errors import DataError
-
-# Mesh axes the batch is split over when a mesh (not a sharding) is given; FSDP shards the batch too.
-BATCH_MESH_AXES = ("data", "fsdp")
+from functrain.sharding import BATCH_AXES
 
 
 def batch_sharding(mesh: Mesh, batch_axis: int = 1, mesh_axes: Sequence[str] | None = None) -> NamedSharding:
     """The sharding that splits array axis ``batch_axis`` over ``mesh_axes`` (default: those of
     ``("data", "fsdp")`` in the mesh, or all mesh axes if it has neither) and replicates the rest."""
     if mesh_axes is None:
-        mesh_axes = tuple(name for name in BATCH_MESH_AXES if name in mesh.axis_names) or tuple(mesh.axis_names)
+        mesh_axes = tuple(name for name in BATCH_AXES if name in mesh.axis_names) or tuple(mesh.axis_names)
     return NamedSharding(mesh, PartitionSpec(*([None] * batch_axis), tuple(mesh_axes)))
 
 
