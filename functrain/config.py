@@ -9,7 +9,7 @@ import difflib
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import pydantic
 import yaml
@@ -72,7 +72,7 @@ class CheckpointConfig(Section):
     keep_best: int = Field(0, ge=0)
     best_metric: str = "eval/loss"
     best_mode: Literal["min", "max"] = "min"
-    resume: Literal["auto", "never"] | int = "auto"
+    resume: Literal["auto", "never"] | Annotated[int, Field(ge=0)] = "auto"
     async_save: bool = True
     on_error: Literal["stop", "warn"] = "stop"
 

@@ -26,7 +26,7 @@ from functrain.checkpoint import Checkpointer
 from functrain.config import Config, load_config, override_list
 from functrain.data import BatchLoader, IndexSampler, check_resume, data_meta, resume_position
 from functrain.datasets import load_dataset
-from functrain.errors import ConfigError
+from functrain.errors import CheckpointError, ConfigError
 
 log = logging.getLogger("functrain")
 
@@ -145,8 +145,6 @@ class _Run:
         self.loader = BatchLoader(train_arrays, self.sampler, self.process_index, self.process_count,
                                   prefetch=config.data.prefetch)
 
-        if self.is_primary:
-            write_run_config(self.run_dir, config)
         self.checkpointer = Checkpointer(
             self.run_dir, keep=config.checkpoint.keep, keep_best=config.checkpoint.keep_best,
             best_metric=config.checkpoint.best_metric, best_mode=config.checkpoint.best_mode,
@@ -177,13 +175,26 @@ class _Run:
         if restored is None:
             return state, resume_position(None, data.ignore_skip, data.skip_samples)
         items, self.meta, step = restored
-        check_resume(self.meta, self.sampler.num_records, self.data_seed, data.ignore_skip, data.skip_samples)
+        saved_backend = self.meta.get("backend", "jax")
+        if saved_backend != self.config.backend:
+            raise CheckpointError(f"checkpoint {step} in {self.run_dir} was written by backend {saved_backend}, "
+                                  f"this run uses {self.config.backend}; set backend={saved_backend} or a new run.dir")
+        # ignore_skip / skip_samples act once: a restart after a checkpoint that already applied them
+        # (the same command rerun after a preemption) continues from that checkpoint's position.
+        ignore_skip, skip_samples = data.ignore_skip, data.skip_samples
+        if self.meta.get("data_override") == self.data_override():
+            ignore_skip, skip_samples = False, None
+        check_resume(self.meta, self.sampler.num_records, self.data_seed, ignore_skip, skip_samples)
         state = self.backend.state_from_items(items, state)
         self.last_saved_step = step
-        position = resume_position(self.meta, data.ignore_skip, data.skip_samples)
+        position = resume_position(self.meta, ignore_skip, skip_samples)
         log.info("resumed from checkpoint %d (epoch %d, samples consumed %d)", step,
                  self.sampler.epoch_of(position), position)
         return state, position
+
+    def data_override(self) -> dict[str, Any]:
+        """The one-time data position settings of this run, recorded in its checkpoints."""
+        return {"ignore_skip": self.config.data.ignore_skip, "skip_samples": self.config.data.skip_samples}
 
     def update_view(self, step: int, position: int) -> None:
         self.view.step, self.view.samples_consumed = step, position
@@ -247,10 +258,15 @@ class _Run:
     def save(self, state: Any, step: int, position: int) -> None:
         if step == self.last_saved_step or not self.writes_checkpoints:
             return
+        metrics = dict(self.view.last_metrics)
+        if self.last_eval_step != step:
+            # Stale eval metrics would let a never-evaluated step outrank the evaluated one (keep-best).
+            metrics.pop("eval", None)
         meta = {"step": step, **data_meta(self.sampler, position, self.meta),
                 "config_digest": self.config.digest(), "model": self.config.model.model_dump(mode="json"),
-                "backend": self.config.backend, "metrics": dict(self.view.last_metrics), "time": time.time(),
-                "layout": self.backend.describe(), "processes": self.process_count}
+                "backend": self.config.backend, "metrics": metrics, "time": time.time(),
+                "layout": self.backend.describe(), "processes": self.process_count,
+                "data_override": self.data_override()}
         self.checkpointer.save(step, self.backend.state_to_items(state), meta)
         self.meta, self.last_saved_step = meta, step
         self.callbacks.fire("on_save", self.view, step)
@@ -258,6 +274,8 @@ class _Run:
     # -- the loop ------------------------------------------------------------------------------------------
     def run(self) -> FitResult:
         state, position = self.restore_or_init()
+        if self.is_primary:  # only now: bad input must not replace the config of an existing run
+            write_run_config(self.run_dir, self.config)
         step = self.backend.step_of(state)
         self.view.start_step = step
         self.update_view(step, position)

@@ -248,3 +248,21 @@ def test_placement_streams_each_tensor_onto_its_sharding(tmp_path, python_runner
         print("OK", len(placed))
     """, devices=4)
     assert "OK" in proc.stdout
+
+
+def test_a_blocking_save_writes_numpy_params_without_a_second_copy(tmp_path):
+    """Orbax's defensive deep copy would hold a second copy of the params during the save."""
+    import tracemalloc
+
+    from torch_bridge.hf import run_store
+    params = {"a": {"kernel": np.ones((1024, 1024), np.float32)}, "b": np.ones((1024, 1024), np.float32)}
+    model_bytes = params["a"]["kernel"].nbytes + params["b"].nbytes
+    tracemalloc.start()
+    try:
+        run_store.save(tmp_path, 0, params, {"model": {"name": "x"}})
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < model_bytes / 2, peak
+    loaded, _ = run_store.load(tmp_path, 0)
+    assert np.array_equal(loaded["b"], params["b"])

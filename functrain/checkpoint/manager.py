@@ -21,6 +21,7 @@ import time
 from typing import Any, Mapping
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from functrain.checkpoint import layout, reader, retention
@@ -46,6 +47,20 @@ def _save_failure_reason(error: BaseException) -> str:
         if problem in text:
             return problem
     return reader.short_reason(error)
+
+
+def _registry_without_host_copies() -> Any:
+    """Orbax's type handlers, except that numpy leaves are written without being copied first.
+
+    Orbax deep-copies host arrays when a save starts, in case the caller changes them during a background
+    write; for a blocking save that copy only doubles peak memory (converting a 1.07 GB model peaked at
+    2.57 GB instead of 1.57 GB).
+    """
+    handlers = ocp.type_handlers
+    return handlers.create_type_handler_registry(*[
+        (kind, handlers.NumpyHandler(deepcopy_host_arrays=False) if kind is np.ndarray
+         else handlers.get_type_handler(kind))
+        for kind in handlers.supported_types()])
 
 
 class Checkpointer:
@@ -101,8 +116,11 @@ class Checkpointer:
         # Weights barely compress (zstd gains ~10%) but compressing costs the CPU time a background save
         # should leave to training, so items are written uncompressed; readers handle either.
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+        # A blocking save cannot race its caller, so it skips Orbax's defensive copy of numpy leaves.
+        handler_options = {} if self._async else {"type_handler_registry": _registry_without_host_copies()}
         for item in (layout.PARAMS, layout.STATE):
-            registry.add(item, ocp.args.PyTreeSave, ocp.PyTreeCheckpointHandler(use_compression=False))
+            registry.add(item, ocp.args.PyTreeSave,
+                         ocp.PyTreeCheckpointHandler(use_compression=False, **handler_options))
         registry.add(layout.META, ocp.args.JsonSave, ocp.JsonCheckpointHandler())
         try:
             return ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)

@@ -57,7 +57,7 @@ def data_meta(sampler: IndexSampler, position: int, previous: Mapping[str, Any] 
     data_seed."""
     previous = previous or {}
     history = list(previous.get("global_batch_sizes") or
-                   ([previous["global_batch_size"]] if "global_batch_size" in previous else []))
+                   ([previous["global_batch_size"]] if previous.get("global_batch_size") is not None else []))
     if not history or history[-1] != sampler.global_batch_size:
         history.append(sampler.global_batch_size)
     return {

@@ -7,6 +7,7 @@ from it; an export reads any run's params back as numpy together with the model 
 from pathlib import Path
 from typing import Any
 
+
 from functrain.checkpoint import Checkpointer, list_checkpoints, load_params
 from functrain.errors import CheckpointError
 
@@ -18,7 +19,10 @@ def has_checkpoints(run_dir: Path) -> bool:
 
 
 def save(run_dir: Path, step: int, params: Any, meta: dict[str, Any]) -> None:
-    """Write params and meta as checkpoint ``step`` and wait for the atomic commit."""
+    """Write params and meta as checkpoint ``step`` and wait for the atomic commit.
+
+    The save blocks, so numpy leaves are written from their own buffers (no second copy of the model).
+    """
     checkpointer = Checkpointer(run_dir, keep=None, async_save=False)
     try:
         checkpointer.save(step, {"params": params}, meta)
