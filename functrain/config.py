@@ -125,6 +125,21 @@ class Config(Section):
         return model_config_class(value["name"]).model_validate(value)
 
     @pydantic.model_validator(mode="after")
+    def _check_model_fits_data(self) -> "Config":
+        if self.model is None:
+            raise ValueError("the config has no model section; add model.name (e.g. model.name=mlp)")
+        context = next((getattr(self.model, key) for key in ("max_len", "n_positions", "max_position_embeddings")
+                        if getattr(self.model, key, None) is not None), None)
+        if context is not None and self.data.seq_len > context:
+            raise ValueError(f"data.seq_len={self.data.seq_len} is longer than the model's context of {context} "
+                             f"positions; lower data.seq_len or raise the model's context length")
+        vocab = getattr(self.model, "vocab_size", None)
+        if self.data.name == "char_text" and vocab is not None and vocab < 256:
+            raise ValueError(f"data.name=char_text feeds bytes (ids 0-255) but the model's vocab_size is {vocab}; "
+                             f"set model.vocab_size to at least 256")
+        return self
+
+    @pydantic.model_validator(mode="after")
     def _check_intervals(self) -> "Config":
         k = self.train.steps_per_call
         for key, every in (("log.every_steps", self.log.every_steps),

@@ -77,7 +77,10 @@ def make_backend(config: Config, example_batch: dict[str, np.ndarray], max_steps
 
 def write_run_config(run_dir: Path, config: Config) -> None:
     """Write the resolved config atomically; a different earlier config is kept beside it, never lost."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot create run.dir {str(run_dir)!r} ({exc.strerror}); choose another run.dir") from None
     target = run_dir / "config.yaml"
     text = yaml.safe_dump(config.to_dict(), sort_keys=False)
     if target.exists() and target.read_text() != text:

@@ -96,3 +96,17 @@ def test_config_digest_changes_with_the_config():
     a = load_config(base=MLP)
     b = load_config(base=MLP, overrides=["seed=1"])
     assert a.digest() != b.digest() and a.digest() == load_config(base=MLP).digest()
+
+
+def test_a_config_without_a_model_section():
+    assert "no model section" in error_of(base={"train": {"max_steps": 3}})
+
+
+def test_sequences_longer_than_the_model_context():
+    message = error_of(base={"model": {"name": "gpt", "max_len": 32}, "data": {"seq_len": 64}})
+    assert "data.seq_len=64" in message and "32" in message
+
+
+def test_byte_text_needs_a_byte_vocabulary():
+    message = error_of(base={"model": {"name": "gpt", "vocab_size": 100}, "data": {"name": "char_text"}})
+    assert "vocab_size" in message and "256" in message
