@@ -291,9 +291,12 @@ class _Run:
         self.throughput.start(step)
         pending = None  # (end step, device metrics) of the call whose metrics are not read yet
         stop_reason = "finished"
-        with self.signals, self.loader.iter_from(position, self.config.train.steps_per_call,
-                                                 num_steps=max(self.max_steps - step, 0),
-                                                 place=self.backend.place) as calls:
+        steps_per_call = self.config.train.steps_per_call
+        # Calls end on multiples of steps_per_call (where log/eval/save intervals fall), also after a resume
+        # from a step that is not one (a SIGTERM save under another steps_per_call, say).
+        with self.signals, self.loader.iter_from(position, steps_per_call, num_steps=max(self.max_steps - step, 0),
+                                                 place=self.backend.place,
+                                                 first_call_steps=(-step) % steps_per_call or None) as calls:
             for batches, _, end_position in calls:
                 state, metrics = self.backend.train_call(state, batches)
                 step += len(next(iter(metrics.values())))

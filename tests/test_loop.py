@@ -152,3 +152,11 @@ def test_resuming_onto_a_different_dataset_is_a_clear_error_and_keeps_the_checkp
     with pytest.raises(DataError, match="ignore_skip"):
         run(tmp_path, **{"train.max_steps": 16, "data.eval_fraction": 0.2})
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == before
+
+
+def test_calls_realign_to_multiples_of_steps_per_call_after_an_unaligned_resume(tmp_path):
+    run(tmp_path, **{"train.max_steps": 6, "train.steps_per_call": 2, "log.every_steps": 2, "eval.every_steps": 2})
+    recorder = Recorder()
+    run(tmp_path, [recorder], **{"train.max_steps": 24})  # steps_per_call 4 from step 6
+    assert [e[1] for e in recorder.events if e[0] == "step_end"] == [8, 12, 16, 20, 24]
+    assert [e[2] for e in recorder.events if e[0] == "log" and e[1] == "train"] == [8, 12, 16, 20, 24]

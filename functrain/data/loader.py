@@ -98,10 +98,12 @@ class BatchLoader:
         return batch, next_position
 
     def _calls(self, position: int, steps_per_call: int, num_steps: int | None,
-               place: Callable[[Batch], Any] | None) -> Iterator[Call]:
+               place: Callable[[Batch], Any] | None, first_call_steps: int | None) -> Iterator[Call]:
         steps_left = num_steps
+        call_steps = first_call_steps or steps_per_call
         while steps_left is None or steps_left > 0:
-            steps = steps_per_call if steps_left is None else min(steps_per_call, steps_left)
+            steps = call_steps if steps_left is None else min(call_steps, steps_left)
+            call_steps = steps_per_call
             start = position
             batches = []
             for _ in range(steps):
@@ -113,19 +115,22 @@ class BatchLoader:
                 steps_left -= steps
 
     def iter_from(self, position: int, steps_per_call: int = 1, num_steps: int | None = None,
-                  place: Callable[[Batch], Any] | None = None) -> BackgroundIterator[Call] | _Synchronous:
+                  place: Callable[[Batch], Any] | None = None, first_call_steps: int | None = None
+                  ) -> BackgroundIterator[Call] | _Synchronous:
         """Yield ``(host_batch, start_position, end_position)`` from ``position`` on.
 
         ``host_batch`` is a dict of arrays ``[K, B/P, ...]`` with ``K = steps_per_call``; ``end_position`` is the
         position to store as ``samples_consumed`` once those K steps are done. With ``num_steps`` the iterator
         stops after that many batches (the last call holds fewer than K if they do not divide); without, it
         never ends. ``place`` (e.g. ``lambda b: to_global(b, mesh)``) runs on each call in the prefetch thread.
+        ``first_call_steps`` makes the first call shorter, e.g. to bring calls back onto multiples of K after a
+        resume from a step that is not one.
         The result is closeable (``close()`` or ``with``), which stops the prefetch thread.
         """
         if steps_per_call < 1:
             raise DataError(f"train.steps_per_call={steps_per_call} must be at least 1")
         self.sampler.batch_start(position)  # validates the position before a thread is started
-        calls = self._calls(int(position), steps_per_call, num_steps, place)
+        calls = self._calls(int(position), steps_per_call, num_steps, place, first_call_steps)
         if self.prefetch == 0:
             return _Synchronous(calls)
         return BackgroundIterator(calls, self.prefetch)
