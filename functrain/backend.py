@@ -9,6 +9,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from functrain import sharding
@@ -120,6 +121,15 @@ class JaxBackend:
     def to_host(tree: Any) -> Any:
         """Materialise device values as numpy (blocks until they are computed)."""
         return jax.tree.map(np.asarray, jax.device_get(tree))
+
+    @staticmethod
+    def any_process(flags: list[bool]) -> list[bool]:
+        """Each flag OR-ed over all processes: a SIGTERM seen by one host stops (and saves on) all of them,
+        instead of one entering the collective save while another starts the next step."""
+        if jax.process_count() == 1:
+            return list(flags)
+        votes = multihost_utils.process_allgather(np.asarray(flags, np.int32))
+        return [bool(vote) for vote in np.asarray(votes).reshape(-1, len(flags)).any(axis=0)]
 
     @staticmethod
     def step_of(state: TrainState) -> int:

@@ -315,6 +315,11 @@ class _Run:
                 if self.signals.received:
                     self.view.stop_reason = f"{self.signals.received} received: saved and stopped"
                     control = control.merge(Control(should_stop=True, should_save=True))
+                if self.process_count > 1:  # every process must take the same (collective) path
+                    control = Control(*self.backend.any_process(
+                        [control.should_stop, control.should_save, control.should_evaluate]))
+                    if control.should_stop and not self.view.stop_reason:
+                        self.view.stop_reason = "another process asked to stop (a signal or a callback)"
                 if control.should_evaluate or control.should_save or control.should_stop:
                     control = control.merge(self.record_train(*pending))
                     pending = None

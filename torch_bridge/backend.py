@@ -84,7 +84,8 @@ class TorchBackend:
         distributed.init_from_env()
         _check_supported(config)
         self.config = config
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = torch.device(device or (f"cuda:{distributed.local_rank()}" if torch.cuda.is_available()
+                                              else "cpu"))
         # On CPU a call has finished when it returns; on CUDA it is queued until its metrics are read.
         self.synchronous = self.device.type == "cpu"
         self.process_index, self.process_count = distributed.rank(), distributed.world_size()
@@ -200,6 +201,11 @@ class TorchBackend:
     def to_host(tree: Any) -> Any:
         """Tensors -> numpy, anywhere in a tree of dicts, lists and tuples (waits for the device)."""
         return _map_tree(_to_numpy, tree)
+
+    @staticmethod
+    def any_process(flags: list[bool]) -> list[bool]:
+        """Each flag OR-ed over the ranks, so all ranks stop or save together."""
+        return distributed.any_process(flags)
 
     def describe(self) -> str:
         """One startup line: torch version, device, parameter count, processes."""

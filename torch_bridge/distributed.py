@@ -29,8 +29,25 @@ def init_from_env() -> bool:
     if world_size() > 1 or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return world_size() > 1
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():  # one GPU per local rank, or NCCL sees every rank on GPU 0
+        torch.cuda.set_device(local_rank())
     dist.init_process_group(backend=backend)
     return True
+
+
+def local_rank() -> int:
+    """This process's rank on its machine (torchrun's LOCAL_RANK; 0 when unset)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def any_process(flags: list[bool]) -> list[bool]:
+    """Each flag OR-ed over all processes (one collective), so every process takes the same decision."""
+    if world_size() == 1:
+        return list(flags)
+    device = torch.device("cuda", local_rank()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    votes = torch.tensor([int(flag) for flag in flags], dtype=torch.int32, device=device)
+    dist.all_reduce(votes, op=dist.ReduceOp.MAX)
+    return [bool(vote) for vote in votes.tolist()]
 
 
 def all_reduce_sum(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
