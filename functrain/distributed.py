@@ -139,6 +139,14 @@ def launch_local(argv: list[str], processes: int, port: int | None = None) -> in
         _check_port(port)
     procs: list[subprocess.Popen] = []
     logs: list[Path | None] = []
+
+    def forward(signum: int, frame: object) -> None:
+        # A preemption notice for the launcher is one for the job: every process saves and exits.
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+    previous_handler = signal.signal(signal.SIGTERM, forward)
     with tempfile.TemporaryDirectory(prefix="functrain-procs-") as log_dir:
         try:
             for process_id in range(processes):
@@ -156,6 +164,7 @@ def launch_local(argv: list[str], processes: int, port: int | None = None) -> in
                     logs.append(log)
             return supervise(procs, logs)
         finally:
+            signal.signal(signal.SIGTERM, previous_handler)
             _stop(procs)
 
 

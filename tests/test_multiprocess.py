@@ -73,3 +73,24 @@ def test_port_in_use_is_one_line_and_exit_2(tmp_path):
     assert proc.returncode == 2
     assert f"port {port}" in output and "Traceback" not in output
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_sigterm_to_the_launcher_saves_on_every_process_and_exits_0(tmp_path):
+    """A preemption notice reaches all processes; they agree on the step, save together and exit cleanly."""
+    import signal
+    import time
+    run_dir = tmp_path / "run"
+    long_run = [o for o in OVERRIDES if not o.startswith("train.max_steps")] + ["train.max_steps=100000"]
+    proc = _cli(["train", "configs/mlp_digits.yaml", f"run.dir={run_dir}", *long_run, "--processes", "2"])
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, output
+    assert "SIGTERM received" in output or "another process asked to stop" in output
+    steps = [int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()]
+    assert len(steps) == 1 and 0 < steps[0] < 100000
+    assert params_digest(load_params(run_dir)) is not None
