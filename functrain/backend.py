@@ -50,7 +50,7 @@ class JaxBackend:
         self.tx = tx
         train_step = make_train_step(
             task.loss_fn, tx, micro_batches=micro, clip_norm=config.train.clip_norm,
-            nonfinite=config.train.nonfinite, compute_dtype=compute_dtype, dynamic_loss_scale=dynamic_scale,
+            compute_dtype=compute_dtype, dynamic_loss_scale=dynamic_scale,
             learning_rate_fn=self.schedule)
         eval_step = make_eval_step(task.eval_loss_fn, compute_dtype=compute_dtype)
 

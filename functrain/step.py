@@ -10,7 +10,7 @@ A model with mutable collections passes ``stateful=True``; its loss function is 
 ``loss_fn(params, model_state, batch, rng) -> (loss_sum, weight_sum, aux, new_model_state)``.
 """
 
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -88,7 +88,7 @@ def _clip_by_global_norm(grads: Any, grad_norm: jax.Array, clip_norm: float) -> 
 
 
 def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, *, micro_batches: int = 1,
-                    clip_norm: float | None = None, nonfinite: Literal["skip", "stop"] = "skip",
+                    clip_norm: float | None = None,
                     compute_dtype: Any = None, dynamic_loss_scale: bool = False,
                     learning_rate_fn: Callable[[jax.Array], jax.Array] | None = None,
                     stateful: bool = False) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
@@ -99,19 +99,19 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, *, micr
       tx: the optax optimizer.
       micro_batches: gradient accumulation inside the step; the batch's leading size must divide by it.
       clip_norm: global-norm clipping threshold, or None.
-      nonfinite: a non-finite loss or gradient never reaches the parameters: the update is skipped and
-        counted in ``skipped_steps``; with ``"stop"`` the ``nonfinite`` metric also tells the loop to stop.
       compute_dtype: dtype the parameters are cast to for the forward/backward pass (params stay float32).
       dynamic_loss_scale: scale the loss for float16 compute, halving the scale on overflow.
       learning_rate_fn: the schedule, reported as the ``learning_rate`` metric.
       stateful: ``loss_fn`` takes and returns ``model_state`` (see the module docstring).
 
+    A non-finite loss or gradient never reaches the parameters: that update is skipped (params, optimizer
+    and model state stay as they were), counted in ``skipped_steps`` and flagged by the ``nonfinite``
+    metric, on which the caller may stop (the loop does with ``train.nonfinite: stop``).
+
     Metrics: ``loss`` (mean over the total weight), ``weight`` (tokens or examples), ``grad_norm`` (before
     clipping), ``learning_rate``, ``skipped_steps``, ``nonfinite`` (this step), ``loss_scale`` when
     dynamic, and every aux sum divided by the total weight.
     """
-    if nonfinite not in ("skip", "stop"):
-        raise ValueError(f"nonfinite must be 'skip' or 'stop', not {nonfinite!r}")
     full_loss = _as_stateful(loss_fn, stateful)
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:

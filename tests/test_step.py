@@ -127,10 +127,9 @@ def nan_on_flag_loss(params, batch, rng):
     return jnp.where(batch["poison"][0] > 0, jnp.nan, loss_sum), weight, aux
 
 
-@pytest.mark.parametrize("policy", ["skip", "stop"])
-def test_nonfinite_loss_never_reaches_params(policy):
+def test_nonfinite_loss_never_reaches_params():
     tx = optax.adam(1e-2)
-    step = jax.jit(make_train_step(nan_on_flag_loss, tx, nonfinite=policy))
+    step = jax.jit(make_train_step(nan_on_flag_loss, tx))
     good = {**ragged_batch(4, 0), "poison": np.zeros(4, np.float32)}
     bad = {**good, "poison": np.ones(4, np.float32)}
     state, _ = step(fresh_state(tx), good)

@@ -97,7 +97,7 @@ class TorchBackend:
                                         nesterov=opt.nesterov)
         loss_fn = loss_for(self.model)
         self._step = make_train_step(loss_fn, self.optimizer, micro_batches=config.train.micro_batches,
-                                     clip_norm=config.train.clip_norm, nonfinite=config.train.nonfinite)
+                                     clip_norm=config.train.clip_norm)
         self._eval_step = make_eval_step(loss_fn)
 
     # ------------------------------------------------------------------------------------------ state

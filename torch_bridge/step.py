@@ -28,7 +28,6 @@ Params = dict[str, Tensor]
 Batch = Mapping[str, Tensor]
 LossOutput = tuple[Tensor, Tensor, dict[str, Tensor]]
 LossFn = Callable[[Params, Params, Batch, "torch.Generator | None"], LossOutput]
-NONFINITE_POLICIES = ("skip", "stop")
 
 
 @dataclass(frozen=True)
@@ -145,20 +144,18 @@ def _weight_count(batch: Batch) -> int:
 
 
 def make_train_step(loss_fn: LossFn, optimizer: Optimizer, *, micro_batches: int = 1,
-                    clip_norm: float | None = None, nonfinite: str = "skip",
+                    clip_norm: float | None = None,
                     ) -> Callable[[TorchState, Batch], tuple[TorchState, dict[str, Tensor]]]:
     """Build ``step(state, batch) -> (new_state, metrics)``.
 
     ``loss_fn(params, buffers, batch, generator) -> (loss_sum, weight_sum, aux)`` where ``aux`` holds scalar
     sums; it may update ``buffers`` in place (they are clones). Metrics (0-dim tensors): loss, weight,
     grad_norm, learning_rate (the rate this update used), skipped_steps, nonfinite (1 when this step's
-    loss or gradient was not finite: the update was skipped; with ``nonfinite="stop"`` the loop stops),
+    loss or gradient was not finite: the update was skipped; with ``train.nonfinite: stop`` the loop stops),
     and each aux entry divided by the total weight.
     """
     if micro_batches < 1:
         raise ConfigError(f"train.micro_batches={micro_batches} must be >= 1")
-    if nonfinite not in NONFINITE_POLICIES:
-        raise ConfigError(f"train.nonfinite={nonfinite!r} is unknown; use skip or stop")
 
     def gradient_sums(state: TorchState, batch: Batch) -> tuple[Tensor, Tensor, dict, list[Tensor], Params]:
         """Loss, weight, aux and gradient summed over the local micro-batches; the updated buffers."""
