@@ -28,6 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("run_dir")
     inspect.add_argument("--step", type=int, default=None)
     inspect.add_argument("--digest", action="store_true", help="print the SHA-256 of the parameters")
+    inspect.add_argument("--verify", action="store_true", help="read every array to find damaged checkpoints")
 
     convert = commands.add_parser("convert", help="HF-style checkpoints <-> functrain run directories")
     directions = convert.add_subparsers(dest="direction", required=True)
@@ -73,7 +74,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
 
 def _inspect(args: argparse.Namespace) -> int:
     from functrain.inspect_run import inspect_report
-    print(inspect_report(args.run_dir, step=args.step, digest=args.digest))
+    print(inspect_report(args.run_dir, step=args.step, digest=args.digest, verify=args.verify))
     return 0
 
 

@@ -53,21 +53,27 @@ def _tail(path: Path, count: int) -> list[str]:
     return lines[-count:]
 
 
-def inspect_report(run_dir: str | os.PathLike, step: int | None = None, digest: bool = False) -> str:
+def inspect_report(run_dir: str | os.PathLike, step: int | None = None, digest: bool = False,
+                   verify: bool = False) -> str:
     """A human-readable report of a run's checkpoints; ``digest`` adds the params SHA-256.
+
+    Without ``verify`` each step's metadata and array metadata are checked (cheap at any size); with it
+    every array is read, which also finds truncated or corrupted array files.
 
     ``step`` limits the table to that step and picks it for the digest (default: newest whole).
     Raises ``CheckpointError`` if ``run_dir`` holds no checkpoints, or ``step`` is not there / damaged.
     """
     ckpt_dir, _ = layout.locate(run_dir)
-    infos = list_checkpoints(ckpt_dir)
+    infos = list_checkpoints(ckpt_dir, verify=verify)
     if step is not None:
         infos = [i for i in infos if i.step == step]
         if not infos:
             raise CheckpointError(f"no checkpoint for step {step} in {ckpt_dir}; run `functrain inspect "
                                   f"{run_dir}` to see the steps there")
     whole = [i for i in infos if i.whole]
-    lines = [f"checkpoints: {ckpt_dir} ({len(whole)} whole, {len(infos) - len(whole)} damaged or interrupted)",
+    checked = "every array read" if verify else "metadata checked; --verify reads every array"
+    lines = [f"checkpoints: {ckpt_dir} ({len(whole)} whole, {len(infos) - len(whole)} damaged or interrupted; "
+             f"{checked})",
              f"{'step':<8} {'time (UTC)':<19}  {'size':>10}  {'status':<11} {'':<4} {'epoch':>5} {'samples':>9}  metrics"]
     lines += [_row(info) for info in infos]
     newest_meta = whole[-1].meta if whole and whole[-1].meta else {}

@@ -1,8 +1,10 @@
 """The torch backend of the loop (``backend: torch``): same methods as ``functrain.backend.JaxBackend``.
 
 The loop stays framework-agnostic: it hands this object numpy host batches ``[K, B_local, ...]`` and
-checkpoint items, and gets states and metric tensors back. Checkpoint items use the JAX layout with numpy
-leaves: ``params`` is a nested dict from the torch dotted names split on ".", ``state`` holds step,
+checkpoint items, and gets states and metric tensors back. Checkpoints have the JAX backend's items and
+run-directory layout with numpy leaves (so ``inspect`` and ``--digest`` work unchanged), but the parameters
+keep the torch module's names and shapes: ``params`` is a nested dict from the torch dotted names split on
+"." (the loop refuses to resume a run written by the other backend). ``state`` holds step,
 opt_state, rng (``[0, seed]`` as uint32, the raw layout of ``PRNGKey(seed)``), model_state (buffers),
 loss_scale, good_steps and skipped_steps. Tensors live on CUDA when it is available, else on the CPU.
 Data parallelism is torch.distributed (joined from torchrun-style env vars): ``process_index`` and
