@@ -24,10 +24,14 @@ class Section(BaseModel):
 
 
 class RunConfig(Section):
+    """``run.*``: where the run directory (config, metrics, TensorBoard, checkpoints) lives."""
     dir: str = "runs/default"
 
 
 class DataConfig(Section):
+    """``data.*``: the dataset and its order. ``last_batch``: drop an epoch's short tail or pad it with
+    weight-0 samples; ``ignore_skip`` restarts the data at sample 0 on resume (model and optimizer kept);
+    ``skip_samples`` sets the position explicitly; ``prefetch`` is calls assembled ahead in a thread."""
     name: str = "char_text"
     path: str | None = None
     seq_len: int = Field(128, ge=1)
@@ -42,6 +46,7 @@ class DataConfig(Section):
 
 
 class OptimizerConfig(Section):
+    """``optimizer.*``: AdamW or SGD, with linear warmup then a constant, cosine or linear schedule."""
     name: Literal["adamw", "sgd"] = "adamw"
     learning_rate: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
@@ -56,6 +61,8 @@ class OptimizerConfig(Section):
 
 
 class TrainConfig(Section):
+    """``train.*``: run length (``max_steps`` wins over ``epochs``), accumulation, steps per compiled
+    call, clipping, the non-finite policy and the compute precision."""
     max_steps: int | None = Field(None, ge=1)
     epochs: float | None = Field(None, gt=0)
     micro_batches: int = Field(1, ge=1)
@@ -67,6 +74,8 @@ class TrainConfig(Section):
 
 
 class CheckpointConfig(Section):
+    """``checkpoint.*``: save interval, retention (latest ``keep`` plus best ``keep_best`` by
+    ``best_metric``), which checkpoint to resume from, async saves and what a failed save does."""
     every_steps: int = Field(0, ge=0)  # 0: only at the end (and on SIGTERM)
     keep: int = Field(3, ge=1)
     keep_best: int = Field(0, ge=0)
@@ -78,6 +87,7 @@ class CheckpointConfig(Section):
 
 
 class MeshConfig(Section):
+    """``mesh.*``: device mesh axes (one may be -1 for the rest) and logical-to-mesh axis rules."""
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
@@ -86,12 +96,14 @@ class MeshConfig(Section):
 
 
 class LogConfig(Section):
+    """``log.*``: metric logging interval, progress bar and TensorBoard event files."""
     every_steps: int = Field(10, ge=1)
     progress: bool = True
     tensorboard: bool = True
 
 
 class EvalConfig(Section):
+    """``eval.*``: evaluation interval and size, and early stopping on a metric like ``eval/loss``."""
     every_steps: int = Field(0, ge=0)  # 0: no periodic evaluation (one at the end if there is eval data)
     max_batches: int | None = Field(None, ge=1)
     early_stopping_metric: str | None = None  # e.g. "eval/loss"

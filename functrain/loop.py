@@ -7,6 +7,7 @@ It does not know which framework computes a step: a backend does (``functrain.ba
 torch bridge's with ``backend: torch``).
 """
 
+import contextlib
 import logging
 import os
 import signal
@@ -356,5 +357,8 @@ def fit(config: Config | dict | str | os.PathLike, callbacks: list[Callback] | N
     run = _Run(config, list(callbacks or []))
     try:
         return run.run()
-    finally:
-        run.checkpointer.close()  # on an error too: finish (or clean up) a save in flight; idempotent
+    except BaseException:
+        # Finish (or clean up) a save in flight, without letting that hide the error being raised.
+        with contextlib.suppress(Exception):
+            run.checkpointer.close()
+        raise

@@ -19,7 +19,7 @@ import torch
 
 from functrain.errors import CheckpointError, ConfigError
 from torch_bridge import distributed
-from torch_bridge.models import build_model, loss_for
+from torch_bridge.models import build_model, flatten, loss_for
 from torch_bridge.optim import make_optimizer, make_schedule
 from torch_bridge.step import TorchState, make_eval_step, make_train_step
 
@@ -36,17 +36,6 @@ def nest(flat: Mapping[str, Any]) -> dict:
             node = node.setdefault(part, {})
         node[leaf] = value
     return tree
-
-
-def flatten(tree: Mapping, prefix: str = "") -> dict[str, Any]:
-    """The inverse of :func:`nest`."""
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, Mapping):
-            flat.update(flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def _map_tree(fn, tree: Any) -> Any:

@@ -205,14 +205,14 @@ def loss_for(model: nn.Module) -> Callable:
 
 # ------------------------------------------------------------------------------------ Flax weight import
 
-def _flatten(tree: Mapping, prefix: str = "") -> dict[str, np.ndarray]:
+def flatten(tree: Mapping, prefix: str = "") -> dict[str, Any]:
+    """A nested dict as ``{"a.b.c": leaf}``: torch's dotted names for a Flax-style parameter tree."""
     flat = {}
     for key, value in tree.items():
-        name = f"{prefix}{key}"
         if isinstance(value, Mapping):
-            flat.update(_flatten(value, name + "."))
+            flat.update(flatten(value, f"{prefix}{key}."))
         else:
-            flat[name] = np.asarray(value)
+            flat[f"{prefix}{key}"] = value
     return flat
 
 
@@ -238,4 +238,4 @@ def _convert(name: str, value: np.ndarray) -> tuple[str, np.ndarray]:
 def params_from_flax(flax_params: Mapping) -> dict[str, Tensor]:
     """A Flax MLP/GPT params tree -> the torch twin's state dict (float32 tensors, contiguous)."""
     return {name: torch.tensor(np.asarray(value, dtype=np.float32))
-            for name, value in (_convert(n, v) for n, v in _flatten(flax_params).items())}
+            for name, value in (_convert(n, np.asarray(v)) for n, v in flatten(flax_params).items())}
