@@ -136,15 +136,7 @@ def _as_axes(target: str | tuple[str, ...] | None) -> tuple[str, ...]:
 
 def _path_name(path: tuple) -> str:
     """``block_0/mlp_in/kernel`` for a pytree key path."""
-    parts = []
-    for key in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(key, attr):
-                parts.append(str(getattr(key, attr)))
-                break
-        else:
-            parts.append(str(key))
-    return "/".join(parts)
+    return jax.tree_util.keystr(path, simple=True, separator="/")
 
 
 def _mesh_spec(name: str, logical: PartitionSpec | None, shape: tuple[int, ...], mesh: Mesh,

@@ -15,17 +15,9 @@ import numpy as np
 _MAX_LISTED = 8
 
 
-def key_name(key: Any) -> str:
-    """One path component as text."""
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
 def path_string(path: tuple) -> str:
     """A jax key path as ``"a/b/0"``."""
-    return "/".join(key_name(k) for k in path)
+    return jax.tree_util.keystr(path, simple=True, separator="/")
 
 
 def flat_shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
