@@ -23,7 +23,7 @@ import yaml
 
 from functrain.callbacks import (Callback, CallbackList, Control, EarlyStopping, EveryNSteps, MetricsWriter,
                                  ProgressBar, RunView, Throughput)
-from functrain.checkpoint import Checkpointer
+from functrain.checkpoint import Checkpointer, list_checkpoints
 from functrain.config import Config, load_config, override_list
 from functrain.data import BatchLoader, IndexSampler, check_resume, data_meta, resume_position
 from functrain.datasets import load_dataset
@@ -174,7 +174,7 @@ class _Run:
     def restore_or_init(self) -> tuple[Any, int]:
         """The starting state and data position: from the newest whole checkpoint, or fresh."""
         state = self.backend.init_state()
-        restored = self.checkpointer.restore(self.backend.restore_targets(), step=self.config.checkpoint.resume)
+        restored = self.checkpointer.restore(self.backend.restore_targets(), step=self.resume_request())
         data = self.config.data
         if restored is None:
             return state, resume_position(None, data.ignore_skip, data.skip_samples)
@@ -195,6 +195,16 @@ class _Run:
         log.info("resumed from checkpoint %d (epoch %d, samples consumed %d)", step,
                  self.sampler.epoch_of(position), position)
         return state, position
+
+    def resume_request(self) -> str | int:
+        """``checkpoint.resume``, except that a step request acts once: when a newer checkpoint was written
+        by a run started from that request (the same command rerun after a preemption), resume ``auto``."""
+        request = self.config.checkpoint.resume
+        if isinstance(request, int):
+            newest = [info for info in list_checkpoints(self.run_dir, verify=False) if info.whole]
+            if newest and newest[-1].step > request and (newest[-1].meta or {}).get("resume_request") == request:
+                return "auto"
+        return request
 
     def data_override(self) -> dict[str, Any]:
         """The one-time data position settings of this run, recorded in its checkpoints."""
@@ -270,7 +280,9 @@ class _Run:
                 "config_digest": self.config.digest(), "model": self.config.model.model_dump(mode="json"),
                 "backend": self.config.backend, "metrics": metrics, "time": time.time(),
                 "layout": self.backend.describe(), "processes": self.process_count,
-                "data_override": self.data_override()}
+                "data_override": self.data_override(),
+                "resume_request": self.config.checkpoint.resume if isinstance(self.config.checkpoint.resume, int)
+                else None}
         self.checkpointer.save(step, self.backend.state_to_items(state), meta)
         self.meta, self.last_saved_step = meta, step
         self.callbacks.fire("on_save", self.view, step)

@@ -160,3 +160,13 @@ def test_calls_realign_to_multiples_of_steps_per_call_after_an_unaligned_resume(
     run(tmp_path, [recorder], **{"train.max_steps": 24})  # steps_per_call 4 from step 6
     assert [e[1] for e in recorder.events if e[0] == "step_end"] == [8, 12, 16, 20, 24]
     assert [e[2] for e in recorder.events if e[0] == "log" and e[1] == "train"] == [8, 12, 16, 20, 24]
+
+
+def test_resume_from_a_step_acts_once(tmp_path):
+    run(tmp_path, **{"train.max_steps": 16, "checkpoint.every_steps": 8})
+    pinned = {"train.max_steps": 24, "checkpoint.every_steps": 8, "checkpoint.resume": 8}
+    first = run(tmp_path, **pinned)  # restarts from step 8, as asked
+    again = run(tmp_path, **{**pinned, "train.max_steps": 32})  # the same command again: continues from 24
+    assert first.step == 24 and again.step == 32
+    resumed_steps = [line["step"] for line in _train_lines(tmp_path / "run")]
+    assert resumed_steps[-2:] == [28, 32] and resumed_steps.count(12) == 2  # 12 retrained once, 28 never twice
