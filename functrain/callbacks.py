@@ -103,6 +103,25 @@ def _json_safe(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
+def set_aside_lines_after(path: Path, step: int) -> None:
+    """Move records of steps after ``step`` (logged by a run that crashed after its last checkpoint) to
+    ``<name>.abandoned.jsonl``, so the file holds one line of history; nothing is deleted."""
+    keep, abandoned = [], []
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            later = json.loads(line)["step"] > step
+        except (ValueError, KeyError, TypeError):
+            later = False
+        (abandoned if later else keep).append(line)
+    if not abandoned:
+        return
+    with open(path.with_suffix(".abandoned.jsonl"), "a") as aside:
+        aside.writelines(abandoned)
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(keep))
+    tmp.replace(path)
+
+
 class MetricsWriter(Callback):
     """Appends every logged and evaluated metric to ``metrics.jsonl`` and TensorBoard event files."""
 
@@ -114,7 +133,10 @@ class MetricsWriter(Callback):
     def on_train_begin(self, view: RunView) -> None:
         if not view.is_primary:
             return
-        self.jsonl = open(view.run_dir / "metrics.jsonl", "a", buffering=1)
+        path = view.run_dir / "metrics.jsonl"
+        if path.exists():
+            set_aside_lines_after(path, view.start_step)
+        self.jsonl = open(path, "a", buffering=1)
         if self.tensorboard:
             from tensorboardX import SummaryWriter
             self.writer = SummaryWriter(str(view.run_dir / "tensorboard"))

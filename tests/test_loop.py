@@ -168,5 +168,16 @@ def test_resume_from_a_step_acts_once(tmp_path):
     first = run(tmp_path, **pinned)  # restarts from step 8, as asked
     again = run(tmp_path, **{**pinned, "train.max_steps": 32})  # the same command again: continues from 24
     assert first.step == 24 and again.step == 32
-    resumed_steps = [line["step"] for line in _train_lines(tmp_path / "run")]
-    assert resumed_steps[-2:] == [28, 32] and resumed_steps.count(12) == 2  # 12 retrained once, 28 never twice
+    assert [line["step"] for line in _train_lines(tmp_path / "run")] == list(range(4, 33, 4))
+    aside = (tmp_path / "run" / "metrics.abandoned.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in aside if json.loads(line)["split"] == "train"] == [12, 16]
+
+
+def test_metrics_after_the_resumed_checkpoint_are_set_aside_not_duplicated(tmp_path):
+    run(tmp_path, **{"train.max_steps": 16, "checkpoint.every_steps": 8})
+    # As if the run had crashed after step 16 was logged but before its checkpoint: resume from step 8.
+    run(tmp_path, **{"train.max_steps": 16, "checkpoint.every_steps": 8, "checkpoint.resume": 8})
+    steps = [line["step"] for line in _train_lines(tmp_path / "run")]
+    assert steps == [4, 8, 12, 16]
+    aside = (tmp_path / "run" / "metrics.abandoned.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in aside if json.loads(line)["split"] == "train"] == [12, 16]
