@@ -89,6 +89,16 @@ def _array_file(data_config: Any) -> Arrays:
     return arrays
 
 
+def check_token_ids(arrays: Arrays, vocab_size: int | None) -> None:
+    """Token ids must index the model's vocabulary: an embedding lookup would silently clamp them."""
+    if vocab_size is None or "tokens" not in arrays or not len(arrays["tokens"]):
+        return
+    largest = int(arrays["tokens"].max())
+    if largest >= vocab_size:
+        raise DataError(f"the data has token id {largest} but model.vocab_size is {vocab_size}; tokenise with "
+                        f"the model's vocabulary or raise model.vocab_size to at least {largest + 1}")
+
+
 LOADERS = {"digits": _digits, "char_text": _char_text, "array_file": _array_file}
 
 

@@ -26,7 +26,7 @@ from functrain.callbacks import (Callback, CallbackList, Control, EarlyStopping,
 from functrain.checkpoint import Checkpointer, list_checkpoints
 from functrain.config import Config, load_config, override_list
 from functrain.data import BatchLoader, IndexSampler, check_resume, data_meta, resume_position
-from functrain.datasets import load_dataset
+from functrain.datasets import check_token_ids, load_dataset
 from functrain.errors import CheckpointError, ConfigError
 
 log = logging.getLogger("functrain")
@@ -132,6 +132,8 @@ class _Run:
         self.signals = StopSignals()
 
         train_arrays, self.eval_arrays = load_dataset(config.data)
+        for arrays in (train_arrays, self.eval_arrays):
+            check_token_ids(arrays, getattr(config.model, "vocab_size", None))
         self.data_seed = config.seed if config.data.seed is None else config.data.seed
         num_train = len(next(iter(train_arrays.values())))
         self.sampler = IndexSampler(num_train, config.data.global_batch_size, self.data_seed,

@@ -28,11 +28,14 @@ def _to_float32(path: Any, array: np.ndarray) -> np.ndarray:
 def finetune_config(model: dict[str, Any], run_dir: str) -> dict[str, Any]:
     """A run config that fine-tunes the converted model in ``run_dir`` (edit data.* for your corpus)."""
     max_len = model.get("n_positions") or model.get("max_position_embeddings") or 128
+    # The bundled byte-level text fits any vocabulary of 256 tokens or more; a smaller one needs the user's
+    # tokenised corpus (training then asks for data.path).
+    data_name = "char_text" if int(model.get("vocab_size", 0)) >= 256 else "array_file"
     return {
         "seed": 0,
         "run": {"dir": run_dir},
         "model": model,
-        "data": {"name": "char_text", "seq_len": min(128, int(max_len) - 1), "global_batch_size": 8},
+        "data": {"name": data_name, "seq_len": min(128, int(max_len) - 1), "global_batch_size": 8},
         "optimizer": {"name": "adamw", "learning_rate": 3e-5, "weight_decay": 0.0, "schedule": "constant",
                       "warmup_steps": 0},
         "train": {"max_steps": 100},
@@ -63,7 +66,8 @@ def hf_to_run_dir(hf_dir: str, run_dir: str) -> int:
     run_store.save(run, 0, params, meta)
     header = (f"# Written by `functrain convert hf-to-functrain` from {Path(hf_dir).resolve()}.\n"
               "# Fine-tune with `functrain train <this file>`. data.name=char_text feeds raw bytes (token ids\n"
-              "# 0-255, needs vocab_size >= 256); for real work tokenise your corpus into an array_file.\n")
+              "# 0-255, needs vocab_size >= 256); for real work tokenise your corpus into an .npz of \"tokens\"\n"
+              "# [records, seq_len + 1] and set data.name=array_file data.path=FILE.\n")
     config_text = yaml.safe_dump(finetune_config(model, str(run)), sort_keys=False)
     (run / "config.yaml").write_text(header + config_text)
     return 0
