@@ -73,3 +73,50 @@ def test_two_process_save_restores_in_two_and_in_one_process(tmp_path):
         print("DIGEST", params_digest(load_params({str(tmp_path)!r})))
     """, devices=1)
     assert {line for line in single.stdout.splitlines() if line.startswith("DIGEST")} == digests
+
+
+# Process 1 alone cannot read step 2 (as if a shard only it reads were damaged): both must resume from 1.
+DAMAGE_SEEN_BY_ONE = """
+import sys
+import jax, numpy as np
+from functrain import distributed
+from functrain.checkpoint import Checkpointer, reader
+assert distributed.initialize_from_env() and jax.process_count() == 2
+run = sys.argv[1]
+params = {"w": np.arange(12, dtype=np.float32)}
+with Checkpointer(run, keep=2) as ckpt:
+    ckpt.save(1, {"params": params}, {})
+    ckpt.save(2, {"params": {"w": params["w"] + 1}}, {})
+if jax.process_index() == 1:
+    real = reader.restore_step
+    def flaky(step_path, targets):
+        if step_path.name == "2":
+            raise reader.DamagedCheckpoint(step_path, "a shard only this process reads is truncated")
+        return real(step_path, targets)
+    reader.restore_step = flaky
+with Checkpointer(run, keep=2) as ckpt:
+    items, meta, step = ckpt.restore({"params": None})
+print("RESTORED", step, float(items["params"]["w"][0]))
+"""
+
+
+def test_processes_agree_on_the_step_to_resume_from(tmp_path):
+    port = _free_port()
+    procs = []
+    for process_id in range(2):
+        env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
+                   FUNCTRAIN_COORDINATOR=f"127.0.0.1:{port}", FUNCTRAIN_NUM_PROCESSES="2",
+                   FUNCTRAIN_PROCESS_ID=str(process_id))
+        env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        procs.append(subprocess.Popen([sys.executable, "-c", textwrap.dedent(DAMAGE_SEEN_BY_ONE), str(tmp_path)],
+                                      env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    restored = []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=240)
+        finally:
+            proc.kill()
+        assert proc.returncode == 0, err[-3000:]
+        restored += [line for line in out.splitlines() if line.startswith("RESTORED")]
+    assert restored == ["RESTORED 1 0.0", "RESTORED 1 0.0"]

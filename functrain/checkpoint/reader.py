@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 import orbax.checkpoint as ocp
 
 from functrain.checkpoint import compat, layout
@@ -122,6 +124,13 @@ def restore_step(step_path: Path, targets: Targets) -> tuple[dict, dict]:
     return items, meta
 
 
+def read_everywhere(ok: bool) -> bool:
+    """True when ``ok`` holds on every process (one all-gather; no collective with one process)."""
+    if jax.process_count() == 1:
+        return ok
+    return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
+
+
 def restore_newest(ckpt_dir: Path, targets: Targets, step: str | int = "auto"
                    ) -> tuple[dict, dict, int] | None:
     """Restore ``step`` ("auto": the newest step that reads cleanly; an int: exactly that step).
@@ -138,19 +147,28 @@ def restore_newest(ckpt_dir: Path, targets: Targets, step: str | int = "auto"
             raise CheckpointError(f"no checkpoint for step {step} in {ckpt_dir} (steps there: "
                                   f"{_steps_text(steps)}); pick one of them or use checkpoint.resume=auto")
         try:
-            return (*restore_step(layout.step_dir(ckpt_dir, step), targets), step)
+            restored, reason = (*restore_step(layout.step_dir(ckpt_dir, step), targets), step), None
         except DamagedCheckpoint as damaged:
-            raise CheckpointError(f"checkpoint step {step} in {ckpt_dir} is damaged ({damaged.reason}); "
-                                  f"resume from another step or use checkpoint.resume=auto") from damaged
+            restored, reason = None, damaged.reason
+        if not read_everywhere(restored is not None):
+            raise CheckpointError(f"checkpoint step {step} in {ckpt_dir} is damaged "
+                                  f"({reason or 'another process could not read it'}); "
+                                  f"resume from another step or use checkpoint.resume=auto")
+        return restored
     first_damage = None
     for candidate in reversed(steps):
         try:
-            return (*restore_step(layout.step_dir(ckpt_dir, candidate), targets), candidate)
+            restored, reason = (*restore_step(layout.step_dir(ckpt_dir, candidate), targets), candidate), None
         except DamagedCheckpoint as damaged:
-            first_damage = first_damage or f"step {candidate}: {damaged.reason}"
-            if jax.process_index() == 0:
-                log.warning("checkpoint step %d in %s is damaged (%s); falling back to the previous one",
-                            candidate, ckpt_dir, damaged.reason)
+            restored, reason = None, damaged.reason
+        # Every process must resume from the same step: one that fails anywhere is damaged everywhere.
+        if read_everywhere(restored is not None):
+            return restored
+        reason = reason or "another process could not read it"
+        first_damage = first_damage or f"step {candidate}: {reason}"
+        if jax.process_index() == 0:
+            log.warning("checkpoint step %d in %s is damaged (%s); falling back to the previous one",
+                        candidate, ckpt_dir, reason)
     if steps:
         raise CheckpointError(f"all {len(steps)} checkpoints in {ckpt_dir} are damaged (newest {first_damage}); "
                               f"move them away, or start over with a new run.dir")
