@@ -54,10 +54,13 @@ class JaxBackend:
             learning_rate_fn=self.schedule)
         eval_step = make_eval_step(task.eval_loss_fn, compute_dtype=compute_dtype)
 
-        def create_state(seed: jax.Array) -> TrainState:
-            init_key, run_key = jax.random.split(jax.random.PRNGKey(seed))
-            return TrainState.create(task.init_params(init_key), tx, run_key,
-                                     loss_scale=LOSS_SCALE_INIT if dynamic_scale else 1.0)
+        def state_for_params(params: Any, seed: int) -> TrainState:
+            _, run_key = jax.random.split(jax.random.PRNGKey(seed))
+            return TrainState.create(params, tx, run_key, loss_scale=LOSS_SCALE_INIT if dynamic_scale else 1.0)
+
+        def create_state(seed: int) -> TrainState:
+            init_key, _ = jax.random.split(jax.random.PRNGKey(seed))
+            return state_for_params(task.init_params(init_key), seed)
 
         self.abstract_state = jax.eval_shape(create_state, 0)
         rules = sharding.logical_rules(config.mesh)
@@ -70,6 +73,7 @@ class JaxBackend:
         self.batch_sharding = batch_sharding(self.mesh, batch_axis=0)
         # State goes straight into its shardings: no full copy on one device first.
         self._create = jax.jit(create_state, static_argnums=0, out_shardings=self.state_shardings)
+        self._state_for_params = jax.jit(state_for_params, static_argnums=1, out_shardings=self.state_shardings)
         self._train_call = jax.jit(make_train_call(train_step), donate_argnums=0,
                                    in_shardings=(self.state_shardings, self.stacked_batch_sharding),
                                    out_shardings=(self.state_shardings, replicated))
@@ -90,16 +94,16 @@ class JaxBackend:
         """The checkpoint items of ``state``."""
         return {"params": state.params, "state": {name: getattr(state, name) for name in STATE_FIELDS}}
 
-    def state_from_items(self, items: dict[str, Any], fresh: TrainState) -> TrainState:
-        """Rebuild a state from restored items; without a ``state`` item the optimizer starts fresh."""
+    def state_from_items(self, items: dict[str, Any]) -> TrainState:
+        """Rebuild a state from restored items (no initial state is built beside it, so a resume needs no
+        more memory than the state); without a ``state`` item the optimizer starts fresh."""
         params = items["params"]
         if items.get("state") is None:
-            with_fresh_optimizer = jax.jit(lambda p, s: s.replace(params=p, opt_state=self.tx.init(p)),
-                                           out_shardings=self.state_shardings)
             with jax.set_mesh(self.mesh):
-                return with_fresh_optimizer(params, fresh)
-        saved = items["state"]
-        return fresh.replace(params=params, **{name: saved[name] for name in STATE_FIELDS if name in saved})
+                return self._state_for_params(params, self.config.seed)
+        saved = dict(items["state"])
+        saved.setdefault("model_state", {})  # an empty collection is not stored
+        return TrainState(params=params, **{name: saved[name] for name in STATE_FIELDS})
 
     def place(self, host_batches: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Host batches ``[K, B_local, ...]`` -> global arrays sharded over the batch axes."""

@@ -175,11 +175,10 @@ class _Run:
     # -- state and position -------------------------------------------------------------------------------
     def restore_or_init(self) -> tuple[Any, int]:
         """The starting state and data position: from the newest whole checkpoint, or fresh."""
-        state = self.backend.init_state()
         restored = self.checkpointer.restore(self.backend.restore_targets(), step=self.resume_request())
         data = self.config.data
         if restored is None:
-            return state, resume_position(None, data.ignore_skip, data.skip_samples)
+            return self.backend.init_state(), resume_position(None, data.ignore_skip, data.skip_samples)
         items, self.meta, step = restored
         saved_backend = self.meta.get("backend", "jax")
         if saved_backend != self.config.backend:
@@ -191,7 +190,7 @@ class _Run:
         if self.meta.get("data_override") == self.data_override():
             ignore_skip, skip_samples = False, None
         check_resume(self.meta, self.sampler.num_records, self.data_seed, ignore_skip, skip_samples)
-        state = self.backend.state_from_items(items, state)
+        state = self.backend.state_from_items(items)
         self.last_saved_step = step
         position = resume_position(self.meta, ignore_skip, skip_samples)
         log.info("resumed from checkpoint %d (epoch %d, samples consumed %d)", step,

@@ -137,8 +137,12 @@ class TorchBackend:
             tensors[name] = torch.tensor(value, dtype=reference.dtype, device=self.device)
         return tensors
 
-    def state_from_items(self, items: Mapping[str, Any], fresh: TorchState) -> TorchState:
-        """Rebuild a state from restored items; without a ``state`` item the optimizer starts fresh."""
+    def state_from_items(self, items: Mapping[str, Any], fresh: TorchState | None = None) -> TorchState:
+        """Rebuild a state from restored items; without a ``state`` item the optimizer starts fresh.
+
+        ``fresh`` (default: a new initial state) gives the dtypes and devices the tensors are placed with.
+        """
+        fresh = fresh if fresh is not None else self.init_state()
         params = self._tensors(flatten(items["params"]), fresh.params, "params")
         saved = items.get("state")
         if saved is None:
