@@ -14,7 +14,7 @@ EXIT_BAD_INPUT = 2
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="functrain", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="functrain", description="functrain: train, inspect, convert.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -97,8 +97,12 @@ def _convert(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``functrain`` console script; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    # --debug may come anywhere (`functrain train cfg.yaml --debug` too).
+    debug = "--debug" in argv
+    argv = [arg for arg in argv if arg != "--debug"]
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
+    args.debug = debug
     # `train CFG --processes 2 key=value`: overrides after a flag land in `extra`; anything else is an error.
     if args.command == "train" and all("=" in item and not item.startswith("-") for item in extra):
         args.overrides += extra
