@@ -3,7 +3,11 @@
 The sample stream is infinite: stream index ``g`` belongs to epoch ``g // N`` and is record
 ``perm_epoch(g % N)``, where ``perm_epoch`` is a permutation of ``[0, N)`` keyed by ``(seed, epoch)``.
 The permutation is grain's index shuffle (a keyed cipher over ``[0, N)``): O(1) memory and O(1) work per
-lookup, so any position can be served without materialising or replaying anything.
+lookup, so any position can be served without materialising or replaying anything. A lookup costs ~25 us
+from Python, which starves fast steps of small datasets, so up to ``MATERIALISE_UP_TO`` records an epoch's
+permutation is instead drawn once with numpy (keyed by the same ``(seed, epoch)``; a few ms, 4 bytes a
+record) and looked up vectorised. Which of the two applies depends on ``N`` alone, so the order is still
+the same for every process, device count and restart.
 
 A *position* is the number of stream samples consumed so far. A batch starting at a position never straddles
 an epoch: with ``last_batch="drop"`` an epoch's leftover samples (fewer than a batch) are skipped; with
@@ -13,6 +17,7 @@ weighted 0, and the next batch starts at the next epoch.
 
 from __future__ import annotations
 
+import threading
 from typing import Literal
 
 import numpy as np
@@ -24,6 +29,8 @@ LastBatch = Literal["drop", "pad"]
 
 # Rounds of grain's cipher; grain's own MapDataset.shuffle uses 4.
 _SHUFFLE_ROUNDS = 4
+# Datasets up to this size materialise each epoch's permutation (16 MiB at most) instead of calling the cipher.
+MATERIALISE_UP_TO = 1 << 22
 
 
 def _epoch_seed(seed: int, epoch: int) -> int:
@@ -64,6 +71,8 @@ class IndexSampler:
         self.seed = int(seed)
         self.shuffle = bool(shuffle)
         self.last_batch: LastBatch = last_batch
+        self._permutations: dict[int, np.ndarray] = {}  # epoch -> permutation, small datasets only
+        self._permutations_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return (f"IndexSampler(num_records={self.num_records}, global_batch_size={self.global_batch_size}, "
@@ -76,7 +85,23 @@ class IndexSampler:
         epoch, offset = divmod(int(global_index), self.num_records)
         if not self.shuffle:
             return offset
+        if self.num_records <= MATERIALISE_UP_TO:
+            return int(self._permutation(epoch)[offset])
         return index_shuffle(offset, self.num_records - 1, _epoch_seed(self.seed, epoch), _SHUFFLE_ROUNDS)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        """Epoch ``epoch``'s permutation of a small dataset; the two newest are kept (a batch spans at most two).
+
+        Locked: the prefetch thread and the caller's thread may both ask.
+        """
+        with self._permutations_lock:
+            permutation = self._permutations.get(epoch)
+            if permutation is None:
+                if len(self._permutations) >= 2:
+                    del self._permutations[min(self._permutations)]
+                rng = np.random.default_rng(_epoch_seed(self.seed, epoch))
+                permutation = self._permutations[epoch] = rng.permutation(self.num_records).astype(np.int32)
+            return permutation
 
     def record_indices(self, positions: np.ndarray) -> np.ndarray:
         """Vectorised :meth:`order`: record indices (int64) for an array of stream indices."""
@@ -89,6 +114,9 @@ class IndexSampler:
         # A batch spans at most two epochs (the pad wrap stays in one), so the key is computed per epoch.
         for epoch in np.unique(epochs):
             where = epochs == epoch
+            if self.num_records <= MATERIALISE_UP_TO:
+                out[where] = self._permutation(int(epoch))[offsets[where]]
+                continue
             key = _epoch_seed(self.seed, int(epoch))
             out[where] = [index_shuffle(int(o), max_index, key, _SHUFFLE_ROUNDS) for o in offsets[where]]
         return out
