@@ -216,11 +216,21 @@ class _Run:
         self.view.epoch = self.sampler.epoch_of(position)
 
     # -- metrics, evaluation, saving -----------------------------------------------------------------------
+    def finish_call(self, call_end_step: int, device_metrics: Any, end_position: int) -> Control:
+        """Wait for a call; read and log its metrics if its end is a log step."""
+        if call_end_step % self.config.log.every_steps == 0 or call_end_step == self.max_steps:
+            return self.record_train(call_end_step, device_metrics, end_position)
+        self.backend.wait(device_metrics)
+        if not self.synchronous_backend:
+            self.throughput.mark(call_end_step)
+        return Control()
+
     def record_train(self, call_end_step: int, device_metrics: Any, end_position: int) -> Control:
         """Materialise a finished call's metrics; log its last step if that is a log boundary.
 
         Intervals are multiples of ``steps_per_call``, so log steps are call ends, where the data position
-        is known exactly.
+        is known exactly. A non-finite step is noticed here: at the next log, save, eval or stop (its update
+        was skipped, so nothing is lost by the wait).
         """
         metrics = self.backend.to_host(device_metrics)
         if not self.synchronous_backend:
@@ -319,8 +329,10 @@ class _Run:
                 epoch_before = self.view.epoch
                 self.update_view(step, end_position)
                 position = end_position
-                # Read the previous call's metrics only now: this call is already queued on the device.
-                control = self.record_train(*pending) if pending else Control()
+                # Look at the previous call only now, while this one is queued on the device: its metrics are
+                # copied to the host when they are logged, otherwise it is only awaited (so the host never
+                # runs more than one call ahead).
+                control = self.finish_call(*pending) if pending else Control()
                 pending = (step, metrics, end_position)
                 if self.view.epoch != epoch_before:
                     control = control.merge(self.callbacks.fire("on_epoch_end", self.view))

@@ -197,6 +197,11 @@ class TorchBackend:
         """Tensors -> numpy, anywhere in a tree of dicts, lists and tuples (waits for the device)."""
         return _map_tree(_to_numpy, tree)
 
+    def wait(self, tree: Any) -> None:
+        """Block until queued work is done (CUDA runs asynchronously; the CPU has finished already)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     @staticmethod
     def any_process(flags: list[bool]) -> list[bool]:
         """Each flag OR-ed over the ranks, so all ranks stop or save together."""
