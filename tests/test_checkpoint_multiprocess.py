@@ -45,15 +45,16 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_two_process_save_restores_in_two_and_in_one_process(tmp_path):
+def _two_processes(script: str, run_dir, devices_each: int) -> list[str]:
+    """Run ``script RUN_DIR`` as a 2-process jax.distributed job (gloo); return each process's stdout."""
     port = _free_port()
     procs = []
     for process_id in range(2):
-        env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
-                   FUNCTRAIN_COORDINATOR=f"127.0.0.1:{port}", FUNCTRAIN_NUM_PROCESSES="2",
+        env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_each}",
+                   JAX_PLATFORMS="cpu", FUNCTRAIN_COORDINATOR=f"127.0.0.1:{port}", FUNCTRAIN_NUM_PROCESSES="2",
                    FUNCTRAIN_PROCESS_ID=str(process_id))
         env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-        procs.append(subprocess.Popen([sys.executable, "-c", textwrap.dedent(SAVE_AND_RESTORE), str(tmp_path)],
+        procs.append(subprocess.Popen([sys.executable, "-c", textwrap.dedent(script), str(run_dir)],
                                       env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))
     outputs = []
@@ -64,6 +65,11 @@ def test_two_process_save_restores_in_two_and_in_one_process(tmp_path):
             proc.kill()
         assert proc.returncode == 0, err[-3000:]
         outputs.append(out)
+    return outputs
+
+
+def test_two_process_save_restores_in_two_and_in_one_process(tmp_path):
+    outputs = _two_processes(SAVE_AND_RESTORE, tmp_path, devices_each=2)
     digests = {line for out in outputs for line in out.splitlines() if line.startswith("DIGEST")}
     assert len(digests) == 1
     ckpt_dir = tmp_path / "checkpoints"
@@ -101,22 +107,6 @@ print("RESTORED", step, float(items["params"]["w"][0]))
 
 
 def test_processes_agree_on_the_step_to_resume_from(tmp_path):
-    port = _free_port()
-    procs = []
-    for process_id in range(2):
-        env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
-                   FUNCTRAIN_COORDINATOR=f"127.0.0.1:{port}", FUNCTRAIN_NUM_PROCESSES="2",
-                   FUNCTRAIN_PROCESS_ID=str(process_id))
-        env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-        procs.append(subprocess.Popen([sys.executable, "-c", textwrap.dedent(DAMAGE_SEEN_BY_ONE), str(tmp_path)],
-                                      env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
-    restored = []
-    for proc in procs:
-        try:
-            out, err = proc.communicate(timeout=240)
-        finally:
-            proc.kill()
-        assert proc.returncode == 0, err[-3000:]
-        restored += [line for line in out.splitlines() if line.startswith("RESTORED")]
+    outputs = _two_processes(DAMAGE_SEEN_BY_ONE, tmp_path, devices_each=1)
+    restored = [line for out in outputs for line in out.splitlines() if line.startswith("RESTORED")]
     assert restored == ["RESTORED 1 0.0", "RESTORED 1 0.0"]
