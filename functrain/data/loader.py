@@ -109,7 +109,10 @@ class BatchLoader:
             for _ in range(steps):
                 batch, position = self.host_batch(position)
                 batches.append(batch)
-            stacked = {name: np.stack([batch[name] for batch in batches]) for name in batches[0]}
+            if len(batches) == 1:  # a view, no copy: one step per call is the latency-bound case
+                stacked = {name: value[None] for name, value in batches[0].items()}
+            else:
+                stacked = {name: np.stack([batch[name] for batch in batches]) for name in batches[0]}
             yield (place(stacked) if place is not None else stacked), start, position
             if steps_left is not None:
                 steps_left -= steps
