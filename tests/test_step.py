@@ -186,3 +186,25 @@ def test_step_keys_depend_only_on_the_step():
     state = fresh_state(optax.sgd(0.1))
     later = state.replace(step=jnp.int32(7))
     np.testing.assert_array_equal(later.step_key(), jax.random.fold_in(state.rng, 7))
+
+
+def counting_loss(params, model_state, batch, rng):
+    """A stateful loss: model_state counts the examples seen (like batch statistics would track them)."""
+    loss_sum, weight, aux = token_loss(params, batch, rng)
+    seen = model_state["seen"] + batch["tokens"].shape[0]
+    return loss_sum, weight, aux, {"seen": seen}
+
+
+def test_model_state_threads_through_micro_batches_and_survives_a_skipped_step():
+    tx = optax.adam(1e-2)
+    state = TrainState.create(init_params(), tx, jax.random.PRNGKey(0), model_state={"seen": jnp.int32(0)})
+    step = jax.jit(make_train_step(counting_loss, tx, micro_batches=4, stateful=True))
+    state, _ = step(state, ragged_batch(8, 0))
+    assert int(state.model_state["seen"]) == 8  # 4 micro-batches of 2, each updating the carried state
+
+    def poisoned(params, model_state, batch, rng):
+        loss_sum, weight, aux, new_state = counting_loss(params, model_state, batch, rng)
+        return loss_sum * jnp.nan, weight, aux, new_state
+
+    skipped, metrics = jax.jit(make_train_step(poisoned, tx, stateful=True))(state, ragged_batch(8, 1))
+    assert int(metrics["nonfinite"]) == 1 and int(skipped.model_state["seen"]) == 8

@@ -82,7 +82,6 @@ class Architecture:
     """Everything needed to convert one HF ``model_type``."""
 
     model_type: str
-    hf_class: str
     model: ModuleType  # functrain.models.<name>: from_hf_config, to_hf_config, build
     rules: Callable[[Any], list[Rule]]
     canonical_name: Callable[[str], str]  # old exports spell some names differently
@@ -155,7 +154,7 @@ def _llama_ignorable(name: str, cfg: llama.LlamaConfig) -> bool:
 
 
 ARCHITECTURES: dict[str, Architecture] = {
-    "gpt2": Architecture("gpt2", "GPT2LMHeadModel", gpt2, _gpt2_rules, _gpt2_canonical, _gpt2_ignorable),
-    "llama": Architecture("llama", "LlamaForCausalLM", llama, _llama_rules, lambda name: name,
+    "gpt2": Architecture("gpt2", gpt2, _gpt2_rules, _gpt2_canonical, _gpt2_ignorable),
+    "llama": Architecture("llama", llama, _llama_rules, lambda name: name,
                           _llama_ignorable),
 }
