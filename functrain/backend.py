@@ -22,7 +22,8 @@ from functrain.step import make_eval_step, make_train_call, make_train_step
 from functrain.tasks import Task
 
 # TrainState fields saved in the checkpoint's "state" item (params are an item of their own).
-STATE_FIELDS = ("step", "opt_state", "rng", "model_state", "loss_scale", "good_steps", "skipped_steps")
+STATE_FIELDS = ("step", "opt_state", "rng", "model_state", "loss_scale", "good_steps", "skipped_steps",
+                "nonfinite_steps")
 
 
 def _with_shardings(abstract: Any, shardings: Any) -> Any:
@@ -151,6 +152,11 @@ class JaxBackend:
     def step_of(state: TrainState) -> int:
         """The state's step as a Python int (blocks)."""
         return int(jax.device_get(state.step))
+
+    @staticmethod
+    def nonfinite_steps_of(state: TrainState) -> int:
+        """How many steps of the state's history were flagged non-finite (blocks)."""
+        return int(jax.device_get(state.nonfinite_steps))
 
     def describe(self) -> str:
         """Mesh, shardings of the largest parameters and state bytes per device (startup log)."""

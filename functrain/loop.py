@@ -1,13 +1,14 @@
 """The loop: the imperative shell around the pure step.
 
 ``fit(config)`` reads the data at a position (samples consumed), runs ``train.steps_per_call`` steps per
-compiled call, reads each call's metrics one call late (so the host never stalls the device queue), fires
+compiled call, reads each call's metrics two calls late (so the host never stalls the device queue), fires
 callbacks at call boundaries, evaluates, checkpoints, and stops cleanly on SIGTERM/SIGINT with a save.
 It does not know which framework computes a step: a backend does (``functrain.backend.JaxBackend``, or the
 torch bridge's with ``backend: torch``).
 """
 
 import contextlib
+from collections import deque
 import logging
 import os
 import signal
@@ -30,6 +31,10 @@ from functrain.datasets import check_token_ids, load_dataset
 from functrain.errors import CheckpointError, ConfigError
 
 log = logging.getLogger("functrain")
+
+# Calls the host may dispatch before it waits for the oldest: enough queued work that the device never waits
+# on a host hiccup (a log write, a callback), few enough that a stop request takes effect promptly.
+CALLS_AHEAD = 2
 
 
 @dataclass
@@ -225,6 +230,16 @@ class _Run:
             self.throughput.mark(call_end_step)
         return Control()
 
+    def finish_all(self, in_flight: deque) -> Control:
+        """Finish every call in flight; the newest one's metrics are read even off a log step, so a save or
+        an evaluation sees the metrics of the step it is at."""
+        control = Control()
+        while len(in_flight) > 1:
+            control = control.merge(self.finish_call(*in_flight.popleft()))
+        if in_flight:
+            control = control.merge(self.record_train(*in_flight.popleft()))
+        return control
+
     def record_train(self, call_end_step: int, device_metrics: Any, end_position: int) -> Control:
         """Materialise a finished call's metrics; log its last step if that is a log boundary.
 
@@ -237,11 +252,16 @@ class _Run:
             self.throughput.mark(call_end_step)
         steps = len(next(iter(metrics.values())))
         control = Control()
-        if self.config.train.nonfinite == "stop" and "nonfinite" in metrics and metrics["nonfinite"].any():
-            bad_step = call_end_step - steps + 1 + int(np.argmax(metrics["nonfinite"]))
-            self.view.stop_reason = (f"non-finite loss or gradients at step {bad_step} (update skipped, params "
-                                     f"intact); lower optimizer.learning_rate or set train.clip_norm")
+        nonfinite_steps = int(metrics["nonfinite_steps"][-1])
+        if self.config.train.nonfinite == "stop" and nonfinite_steps > self.nonfinite_seen:
+            # The cumulative count also catches incidents in calls whose metrics were never copied.
+            flagged = np.flatnonzero(metrics["nonfinite"])
+            where = (f"at step {call_end_step - steps + 1 + int(flagged[0])}" if len(flagged)
+                     else f"between steps {self.nonfinite_checked_at} and {call_end_step - steps}")
+            self.view.stop_reason = (f"non-finite loss or gradients {where} (update skipped, params intact); "
+                                     f"lower optimizer.learning_rate or set train.clip_norm")
             control = Control(should_stop=True)
+        self.nonfinite_seen, self.nonfinite_checked_at = nonfinite_steps, call_end_step
         values = _summarise_call(metrics, steps - 1)
         self.view.last_metrics["train"] = values
         if call_end_step % self.config.log.every_steps == 0 or call_end_step == self.max_steps:
@@ -304,6 +324,7 @@ class _Run:
         if self.is_primary:  # only now: bad input must not replace the config of an existing run
             write_run_config(self.run_dir, self.config)
         step = self.backend.step_of(state)
+        self.nonfinite_seen, self.nonfinite_checked_at = self.backend.nonfinite_steps_of(state), step
         self.view.start_step = step
         self.update_view(step, position)
         if self.is_primary:
@@ -313,7 +334,7 @@ class _Run:
         self.callbacks.fire("on_train_begin", self.view)
         self.callbacks.fire("on_epoch_begin", self.view)
         self.throughput.start(step)
-        pending = None  # (end step, device metrics) of the call whose metrics are not read yet
+        in_flight: deque[tuple[int, Any, int]] = deque()  # (end step, device metrics, end position), unread
         stop_reason = "finished"
         steps_per_call = self.config.train.steps_per_call
         # Calls end on multiples of steps_per_call (where log/eval/save intervals fall), also after a resume
@@ -329,11 +350,13 @@ class _Run:
                 epoch_before = self.view.epoch
                 self.update_view(step, end_position)
                 position = end_position
-                # Look at the previous call only now, while this one is queued on the device: its metrics are
-                # copied to the host when they are logged, otherwise it is only awaited (so the host never
-                # runs more than one call ahead).
-                control = self.finish_call(*pending) if pending else Control()
-                pending = (step, metrics, end_position)
+                # Look at older calls only now, while newer ones are queued on the device: their metrics are
+                # copied to the host when they are logged, otherwise they are only awaited. The host stays at
+                # most CALLS_AHEAD calls ahead, so a slow callback or a log write never idles the device.
+                in_flight.append((step, metrics, end_position))
+                control = Control()
+                while len(in_flight) > CALLS_AHEAD:
+                    control = control.merge(self.finish_call(*in_flight.popleft()))
                 if self.view.epoch != epoch_before:
                     control = control.merge(self.callbacks.fire("on_epoch_end", self.view))
                     control = control.merge(self.callbacks.fire("on_epoch_begin", self.view))
@@ -347,8 +370,7 @@ class _Run:
                     if control.should_stop and not self.view.stop_reason:
                         self.view.stop_reason = "another process asked to stop (a signal or a callback)"
                 if control.should_evaluate or control.should_save or control.should_stop:
-                    control = control.merge(self.record_train(*pending))
-                    pending = None
+                    control = control.merge(self.finish_all(in_flight))
                 if control.should_evaluate:
                     control = control.merge(self.evaluate(state))
                 if control.should_save:
@@ -356,8 +378,7 @@ class _Run:
                 if control.should_stop:
                     stop_reason = self.view.stop_reason or "stopped by a callback"
                     break
-            if pending:
-                self.record_train(*pending)
+            self.finish_all(in_flight)
         if stop_reason == "finished" and self.last_eval_step != step:
             self.evaluate(state)
         self.save(state, step, position)

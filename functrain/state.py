@@ -25,6 +25,10 @@ class TrainState:
       loss_scale: float32 scalar; the dynamic loss scale for float16 training (1.0 when unused).
       good_steps: int32 scalar; finite steps since the loss scale last changed.
       skipped_steps: int32 scalar; updates skipped because the loss or gradients were not finite.
+      nonfinite_steps: int32 scalar; steps flagged non-finite (as ``skipped_steps`` without dynamic loss
+        scaling; with it, only a non-finite loss counts, a routine overflow does not). The loop compares it
+        between the calls it reads, so ``train.nonfinite: stop`` sees every incident, also in calls whose
+        metrics it never copies.
     """
 
     step: jax.Array
@@ -35,6 +39,7 @@ class TrainState:
     loss_scale: jax.Array
     good_steps: jax.Array
     skipped_steps: jax.Array
+    nonfinite_steps: jax.Array
 
     @classmethod
     def create(cls, params: Any, tx: optax.GradientTransformation, rng: jax.Array,
@@ -43,7 +48,7 @@ class TrainState:
         return cls(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
                    rng=jnp.asarray(rng, jnp.uint32), model_state={} if model_state is None else model_state,
                    loss_scale=jnp.asarray(loss_scale, jnp.float32), good_steps=jnp.zeros((), jnp.int32),
-                   skipped_steps=jnp.zeros((), jnp.int32))
+                   skipped_steps=jnp.zeros((), jnp.int32), nonfinite_steps=jnp.zeros((), jnp.int32))
 
     def step_key(self) -> jax.Array:
         """The RNG key of the current step: ``fold_in(rng, step)``."""

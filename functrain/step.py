@@ -109,7 +109,8 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, *, micr
     metric, on which the caller may stop (the loop does with ``train.nonfinite: stop``).
 
     Metrics: ``loss`` (mean over the total weight), ``weight`` (tokens or examples), ``grad_norm`` (before
-    clipping), ``learning_rate``, ``skipped_steps``, ``nonfinite`` (this step), ``loss_scale`` when
+    clipping), ``learning_rate``, ``skipped_steps``, ``nonfinite`` (this step), ``nonfinite_steps`` (all
+    steps so far), ``loss_scale`` when
     dynamic, and every aux sum divided by the total weight.
     """
     full_loss = _as_stateful(loss_fn, stateful)
@@ -137,19 +138,20 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, *, micr
         else:
             loss_scale, good_steps = state.loss_scale, state.good_steps
         skipped = state.skipped_steps + jnp.where(finite, 0, 1).astype(jnp.int32)
+        # With dynamic scaling an overflow is routine; only a non-finite loss is an incident.
+        nonfinite = (~jnp.isfinite(loss) if dynamic_loss_scale else ~finite).astype(jnp.int32)
+        nonfinite_steps = state.nonfinite_steps + nonfinite
         new_state = state.replace(
             step=state.step + 1, params=keep(new_params, state.params),
             opt_state=keep(new_opt_state, state.opt_state),
             model_state=keep(new_model_state, state.model_state),
-            loss_scale=loss_scale, good_steps=good_steps, skipped_steps=skipped)
+            loss_scale=loss_scale, good_steps=good_steps, skipped_steps=skipped, nonfinite_steps=nonfinite_steps)
 
         applied_updates = state.step - state.skipped_steps
         metrics = {"loss": loss, "weight": weight, "grad_norm": grad_norm,
                    "learning_rate": (learning_rate_fn(applied_updates) if learning_rate_fn is not None
                                      else jnp.zeros((), jnp.float32)),
-                   "skipped_steps": skipped,
-                   # With dynamic scaling an overflow is routine; only a non-finite loss is an incident.
-                   "nonfinite": (~jnp.isfinite(loss) if dynamic_loss_scale else ~finite).astype(jnp.int32)}
+                   "skipped_steps": skipped, "nonfinite": nonfinite, "nonfinite_steps": nonfinite_steps}
         if dynamic_loss_scale:
             metrics["loss_scale"] = state.loss_scale
         metrics.update({name: value / denominator for name, value in aux.items()})

@@ -114,7 +114,8 @@ class TorchBackend:
                 "rng": np.asarray([seed >> 32, seed & 0xFFFFFFFF], np.uint32),
                 "model_state": nest({k: _to_numpy(v) for k, v in state.buffers.items()}),
                 "loss_scale": np.asarray(1.0, np.float32), "good_steps": np.asarray(0, np.int32),
-                "skipped_steps": np.asarray(_to_numpy(state.skipped_steps), np.int32)}
+                "skipped_steps": np.asarray(_to_numpy(state.skipped_steps), np.int32),
+                "nonfinite_steps": np.asarray(_to_numpy(state.skipped_steps), np.int32)}
         return {"params": nest({k: _to_numpy(v) for k, v in state.params.items()}), "state": rest}
 
     @staticmethod
@@ -165,6 +166,11 @@ class TorchBackend:
     def step_of(state: TorchState) -> int:
         """The state's step as a Python int."""
         return state.step
+
+    @staticmethod
+    def nonfinite_steps_of(state: TorchState) -> int:
+        """Steps flagged non-finite so far (float32 without loss scaling: every skipped step)."""
+        return int(state.skipped_steps)
 
     # ------------------------------------------------------------------------------------------ steps
 

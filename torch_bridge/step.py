@@ -223,7 +223,8 @@ def make_train_step(loss_fn: LossFn, optimizer: Optimizer, *, micro_batches: int
         nonfinite_step = (~finite).to(torch.int32)
         skipped = state.skipped_steps + nonfinite_step
         metrics = {"loss": loss, "weight": weight_sum, "grad_norm": grad_norm,
-                   "learning_rate": learning_rate, "skipped_steps": skipped, "nonfinite": nonfinite_step}
+                   "learning_rate": learning_rate, "skipped_steps": skipped, "nonfinite": nonfinite_step,
+                   "nonfinite_steps": skipped}  # float32 without loss scaling: every skip is an incident
         metrics.update({key: value / denominator for key, value in aux_sums.items()})
         new_state = TorchState(params=params, buffers=buffers, opt_state=opt_state, step=state.step + 1,
                                seed=state.seed, skipped_steps=skipped)
