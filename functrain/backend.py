@@ -132,7 +132,7 @@ class JaxBackend:
     def wait(tree: Any) -> None:
         """Block until the computation that produced ``tree`` is done, without copying anything to the host
         (its outputs are ready together, so one leaf is enough)."""
-        jax.block_until_ready(jax.tree.leaves(tree)[0])
+        jax.tree.leaves(tree)[0].block_until_ready()
 
     @staticmethod
     def to_host(tree: Any) -> Any:

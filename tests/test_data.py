@@ -80,6 +80,21 @@ def test_drop_skips_epoch_tail_and_pad_wraps_with_weight_zero():
     assert weights.sum() == 3 and position == 3 and sorted(indices[:3]) == [0, 1, 2]
 
 
+def test_batch_rows_fast_path_equals_the_general_one():
+    """The per-step slice of a small dataset's permutation gives exactly the rows the vectorised lookup gives,
+    for every position (mid-epoch, tails, pad wraps), row range and order kind."""
+    for shuffle, last_batch in [(True, "drop"), (True, "pad"), (False, "drop"), (False, "pad")]:
+        sampler = IndexSampler(23, 6, seed=3, shuffle=shuffle, last_batch=last_batch)
+        for position in [0, 5, 17, 18, 20, 22, 23, 45, 1000]:
+            stream, weights, next_position = sampler.batch_positions(position)
+            for first, stop in [(0, 6), (0, 3), (3, 6), (2, 4)]:
+                rows = sampler.batch_rows(position, first, stop)
+                np.testing.assert_array_equal(rows[0], stream[first:stop])
+                np.testing.assert_array_equal(rows[1], sampler.record_indices(stream[first:stop]))
+                np.testing.assert_array_equal(rows[2], weights[first:stop])
+                assert rows[3] == next_position
+
+
 def test_batch_indices_and_steps_until_epoch_agree_with_positions():
     for last_batch in ("drop", "pad"):
         sampler = IndexSampler(23, 5, seed=2, last_batch=last_batch)

@@ -87,10 +87,10 @@ class BatchLoader:
 
     def host_batch(self, position: int) -> tuple[Batch, int]:
         """This process's rows of the batch at ``position`` (with ``"weight"``) and the next position."""
-        stream, weights, next_position = self.sampler.batch_positions(position)
-        rows = slice(self.process_index * self.local_batch_size, (self.process_index + 1) * self.local_batch_size)
-        stream, weights = stream[rows], weights[rows]
-        batch = self.source.gather(self.sampler.record_indices(stream))
+        first = self.process_index * self.local_batch_size
+        stream, records, weights, next_position = self.sampler.batch_rows(position, first,
+                                                                          first + self.local_batch_size)
+        batch = self.source.gather(records)
         if self.transform is not None:
             batch = apply_transform(batch, self.transform, self.transform_seed, stream)
         batch = dict(batch)

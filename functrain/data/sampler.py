@@ -72,6 +72,8 @@ class IndexSampler:
         self.shuffle = bool(shuffle)
         self.last_batch: LastBatch = last_batch
         self._permutations: dict[int, np.ndarray] = {}  # epoch -> permutation, small datasets only
+        self._ones = np.ones(self.global_batch_size, np.float32)  # the weights of a batch without filler
+        self._ones.flags.writeable = False
         self._permutations_lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -155,8 +157,30 @@ class IndexSampler:
 
     def batch_at(self, position: int) -> tuple[np.ndarray, np.ndarray, int]:
         """``(record_indices [B] int64, weights [B] float32, next_position)`` for the batch at ``position``."""
-        stream, weights, next_position = self.batch_positions(position)
-        return self.record_indices(stream), weights, next_position
+        _, records, weights, next_position = self.batch_rows(position, 0, self.global_batch_size)
+        return records.astype(np.int64), weights, next_position
+
+    def batch_rows(self, position: int, first: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """Rows ``[first, stop)`` of the batch at ``position``: ``(stream_indices, record_indices, weights,
+        next_position)``. The arrays may be read-only views; the next position is the whole batch's.
+
+        A batch that does not reach past its epoch's end (all but a padded last one) is a contiguous run of
+        the stream, so a small dataset's rows are a slice of the epoch's permutation: this is the per-step
+        path of fast steps, kept free of per-sample work.
+        """
+        start = self.batch_start(position)
+        offset = start % self.num_records
+        size = self.global_batch_size
+        if offset + size > self.num_records or (self.shuffle and self.num_records > MATERIALISE_UP_TO):
+            stream, weights, next_position = self.batch_positions(position)
+            return (stream[first:stop], self.record_indices(stream[first:stop]), weights[first:stop],
+                    next_position)
+        stream = np.arange(start + first, start + stop, dtype=np.int64)
+        if self.shuffle:
+            records = self._permutation(start // self.num_records)[offset + first:offset + stop]
+        else:
+            records = stream - (start - offset)
+        return stream, records, self._ones[first:stop], start + size
 
     @property
     def steps_per_epoch(self) -> int:
