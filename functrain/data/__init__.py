@@ -12,6 +12,7 @@ Public API::
         .record_indices(positions: ndarray) -> ndarray  # vectorised order
         .batch_at(position) -> (record_indices [B], weights [B] float32, next_position)
         .batch_positions(position) -> (stream_indices [B], weights [B], next_position)
+        .batch_rows(position, first, stop) -> (stream_indices, record_indices, weights, next_position)  # a slice
         .batch_indices(step) -> record_indices [B]   # research code: fixed batch size from position 0
         .position_of_step(step) -> int
         .steps_per_epoch, .epoch_of(position), .batch_start(position), .steps_until_epoch(position, epoch)
