@@ -8,12 +8,12 @@ torch bridge's with ``backend: torch``).
 """
 
 import contextlib
-from collections import deque
 import logging
 import os
 import signal
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any

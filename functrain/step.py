@@ -110,8 +110,7 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, *, micr
 
     Metrics: ``loss`` (mean over the total weight), ``weight`` (tokens or examples), ``grad_norm`` (before
     clipping), ``learning_rate``, ``skipped_steps``, ``nonfinite`` (this step), ``nonfinite_steps`` (all
-    steps so far), ``loss_scale`` when
-    dynamic, and every aux sum divided by the total weight.
+    steps so far), ``loss_scale`` when dynamic, and every aux sum divided by the total weight.
     """
     full_loss = _as_stateful(loss_fn, stateful)
 
