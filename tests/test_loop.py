@@ -111,9 +111,9 @@ def test_nonfinite_stop_keeps_params_finite(tmp_path):
 def test_nonfinite_stop_sees_an_incident_in_a_call_it_never_read(tmp_path):
     """One poisoned record: its step is neither logged nor the last of a call the loop reads, yet the run
     stops at the next log boundary, params finite (the state's cumulative count carries the incident)."""
-    digits_x = np.random.default_rng(0).random((640, 64), np.float32)
-    digits_x[5 * 32 + 3, 0] = np.nan  # the 6th batch of 32, unshuffled: step 6
-    np.savez(tmp_path / "poisoned.npz", x=digits_x, y=np.zeros(640, np.int32))
+    features = np.random.default_rng(0).random((640, 64), np.float32)
+    features[5 * 32 + 3, 0] = np.nan  # the 6th batch of 32, unshuffled: step 6
+    np.savez(tmp_path / "poisoned.npz", x=features, y=np.zeros(640, np.int32))
     result = run(tmp_path, **{"data.name": "array_file", "data.path": str(tmp_path / "poisoned.npz"),
                               "data.shuffle": False, "data.global_batch_size": 32, "data.eval_fraction": 0.0,
                               "train.max_steps": 40, "train.steps_per_call": 1, "log.every_steps": 8,
