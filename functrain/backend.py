@@ -9,10 +9,9 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from functrain import sharding
+from functrain import distributed, sharding
 from functrain.data import batch_sharding, to_global
 from functrain.errors import ConfigError
 from functrain.optim import make_optimizer
@@ -143,10 +142,7 @@ class JaxBackend:
     def any_process(flags: list[bool]) -> list[bool]:
         """Each flag OR-ed over all processes: a SIGTERM seen by one host stops (and saves on) all of them,
         instead of one entering the collective save while another starts the next step."""
-        if jax.process_count() == 1:
-            return list(flags)
-        votes = multihost_utils.process_allgather(np.asarray(flags, np.int32))
-        return [bool(vote) for vote in np.asarray(votes).reshape(-1, len(flags)).any(axis=0)]
+        return distributed.any_process(flags)
 
     @staticmethod
     def step_of(state: TrainState) -> int:

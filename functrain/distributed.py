@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from functrain.errors import ConfigError
 
@@ -73,6 +75,30 @@ def initialize_from_env() -> bool:
 def is_primary() -> bool:
     """True in process 0, the one that writes logs and metrics."""
     return jax.process_index() == 0
+
+
+# Agreement between processes: decisions that lead into collectives (a save, a restore, a stop) must be the
+# same on every process, so each is taken from one collective rather than from each process's own view.
+
+def any_process(flags: list[bool]) -> list[bool]:
+    """Each flag OR-ed over all processes (one all-gather; no collective with one process)."""
+    if jax.process_count() == 1:
+        return list(flags)
+    votes = multihost_utils.process_allgather(np.asarray(flags, np.int32))
+    return [bool(vote) for vote in np.asarray(votes).reshape(-1, len(flags)).any(axis=0)]
+
+
+def every_process(flag: bool) -> bool:
+    """True when ``flag`` holds on every process."""
+    return not any_process([not flag])[0]
+
+
+def primary_view(flag: bool) -> bool:
+    """Process 0's ``flag``, on every process (e.g. what it sees in a directory listing that can race a
+    rename)."""
+    if jax.process_count() == 1:
+        return flag
+    return bool(multihost_utils.broadcast_one_to_all(np.int32(flag)))
 
 
 def _free_port() -> int:

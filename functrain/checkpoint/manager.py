@@ -21,12 +21,12 @@ import time
 from typing import Any, Mapping
 
 import jax
-from jax.experimental import multihost_utils
 import numpy as np
 import orbax.checkpoint as ocp
 
 from functrain.checkpoint import layout, reader, retention
 from functrain.checkpoint.meta import complete_meta, metric_value
+from functrain.distributed import primary_view
 from functrain.errors import CheckpointError, ConfigError
 
 log = logging.getLogger("functrain.checkpoint")
@@ -159,7 +159,7 @@ class Checkpointer:
         if layout.PARAMS not in items or unknown:
             raise ValueError(f"checkpoint items must be 'params' and optionally 'state', got {sorted(items)}")
         self._settle()
-        if self._primary_sees(step in self.steps()):
+        if primary_view(step in self.steps()):
             if step in self._protected or step == self._line_head:
                 return False  # this exact state is already committed (e.g. a final save right after resume)
             self._move_aside(step)
@@ -254,13 +254,6 @@ class Checkpointer:
             return
         raise CheckpointError(f"{message}; free disk space or fix the directory's permissions, "
                               f"or set checkpoint.on_error=warn to keep training without it") from error
-
-    @staticmethod
-    def _primary_sees(fact: bool) -> bool:
-        """Process 0's view of ``fact``, on every process (a directory listing can race a rename)."""
-        if jax.process_count() == 1:
-            return fact
-        return bool(multihost_utils.broadcast_one_to_all(np.int32(fact)))
 
     def _move_aside(self, step: int) -> None:
         """Rename a committed step we are about to save again (damaged, or from an abandoned line)."""

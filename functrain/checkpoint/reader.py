@@ -13,12 +13,11 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import jax
-import numpy as np
-from jax.experimental import multihost_utils
 import orbax.checkpoint as ocp
 
 from functrain.checkpoint import compat, layout
 from functrain.checkpoint.meta import check_format_version
+from functrain.distributed import every_process
 from functrain.errors import CheckpointError
 
 log = logging.getLogger("functrain.checkpoint")
@@ -124,11 +123,19 @@ def restore_step(step_path: Path, targets: Targets) -> tuple[dict, dict]:
     return items, meta
 
 
-def read_everywhere(ok: bool) -> bool:
-    """True when ``ok`` holds on every process (one all-gather; no collective with one process)."""
-    if jax.process_count() == 1:
-        return ok
-    return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
+def _restore_everywhere(ckpt_dir: Path, step: int, targets: Targets
+                        ) -> tuple[tuple[dict, dict, int] | None, str | None]:
+    """``((items, meta, step), None)`` when every process read ``step``, else ``(None, why not)``.
+
+    Every process must resume from the same step: one that fails anywhere counts as damaged everywhere.
+    """
+    try:
+        restored, reason = (*restore_step(layout.step_dir(ckpt_dir, step), targets), step), None
+    except DamagedCheckpoint as damaged:
+        restored, reason = None, damaged.reason
+    if every_process(restored is not None):
+        return restored, None
+    return None, reason or "another process could not read it"
 
 
 def restore_newest(ckpt_dir: Path, targets: Targets, step: str | int = "auto"
@@ -146,25 +153,16 @@ def restore_newest(ckpt_dir: Path, targets: Targets, step: str | int = "auto"
         if step not in steps:
             raise CheckpointError(f"no checkpoint for step {step} in {ckpt_dir} (steps there: "
                                   f"{_steps_text(steps)}); pick one of them or use checkpoint.resume=auto")
-        try:
-            restored, reason = (*restore_step(layout.step_dir(ckpt_dir, step), targets), step), None
-        except DamagedCheckpoint as damaged:
-            restored, reason = None, damaged.reason
-        if not read_everywhere(restored is not None):
-            raise CheckpointError(f"checkpoint step {step} in {ckpt_dir} is damaged "
-                                  f"({reason or 'another process could not read it'}); "
+        restored, reason = _restore_everywhere(ckpt_dir, step, targets)
+        if restored is None:
+            raise CheckpointError(f"checkpoint step {step} in {ckpt_dir} is damaged ({reason}); "
                                   f"resume from another step or use checkpoint.resume=auto")
         return restored
     first_damage = None
     for candidate in reversed(steps):
-        try:
-            restored, reason = (*restore_step(layout.step_dir(ckpt_dir, candidate), targets), candidate), None
-        except DamagedCheckpoint as damaged:
-            restored, reason = None, damaged.reason
-        # Every process must resume from the same step: one that fails anywhere is damaged everywhere.
-        if read_everywhere(restored is not None):
+        restored, reason = _restore_everywhere(ckpt_dir, candidate, targets)
+        if restored is not None:
             return restored
-        reason = reason or "another process could not read it"
         first_damage = first_damage or f"step {candidate}: {reason}"
         if jax.process_index() == 0:
             log.warning("checkpoint step %d in %s is damaged (%s); falling back to the previous one",
