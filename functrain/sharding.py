@@ -134,8 +134,8 @@ def _as_axes(target: str | tuple[str, ...] | None) -> tuple[str, ...]:
     return (target,) if isinstance(target, str) else tuple(target)
 
 
-def _path_name(path: tuple) -> str:
-    """``block_0/mlp_in/kernel`` for a pytree key path."""
+def path_string(path: tuple) -> str:
+    """``block_0/mlp_in/kernel`` for a pytree key path (dict keys, attribute names and indices alike)."""
     return jax.tree_util.keystr(path, simple=True, separator="/")
 
 
@@ -188,7 +188,7 @@ def param_shardings(logical_specs: Any, abstract_params: Any, mesh: Mesh, rules:
     rule_map = {logical: _as_axes(target) for logical, target in rules}
 
     def one(path: tuple, leaf: Any, logical: PartitionSpec | None) -> NamedSharding:
-        spec = _mesh_spec(_path_name(path), logical, tuple(np.shape(leaf)), mesh, rule_map,
+        spec = _mesh_spec(path_string(path), logical, tuple(np.shape(leaf)), mesh, rule_map,
                           allow_replicated_fallback)
         return NamedSharding(mesh, spec)
 
@@ -198,7 +198,7 @@ def param_shardings(logical_specs: Any, abstract_params: Any, mesh: Mesh, rules:
 # ---------------------------------------------------------------------------------------------- state
 
 def _key_names(path: tuple) -> tuple[str, ...]:
-    return tuple(_path_name((key,)) for key in path)
+    return tuple(path_string((key,)) for key in path)
 
 
 def state_shardings(abstract_state: Any, params_shardings: Any, mesh: Mesh) -> Any:
@@ -299,10 +299,10 @@ def describe(state_or_abstract: Any, shardings: Any, mesh: Mesh, top: int = 5) -
     flat.sort(key=lambda item: -_bytes(item[1]))
     count = sum(int(np.prod(np.shape(leaf))) for _, leaf, _ in flat)
     lines.append(f"largest of {len(flat)} parameters ({count:,} values):")
-    width = max((len(_path_name(path)) for path, _, _ in flat[:top]), default=0)
+    width = max((len(path_string(path)) for path, _, _ in flat[:top]), default=0)
     for path, leaf, sharding in flat[:top]:
         shape = "x".join(map(str, np.shape(leaf))) or "scalar"
-        lines.append(f"  {_path_name(path):<{width}}  {shape:>12} {np.dtype(leaf.dtype).name:<8} "
+        lines.append(f"  {path_string(path):<{width}}  {shape:>12} {np.dtype(leaf.dtype).name:<8} "
                      f"{getattr(sharding, 'spec', sharding)}")
     per_device, total = state_bytes_per_device(state_or_abstract, shardings)
     lines.append(f"state per device: {human_bytes(per_device)} of {human_bytes(total)} total "

@@ -12,12 +12,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from functrain.sharding import path_string
+
 _MAX_LISTED = 8
-
-
-def path_string(path: tuple) -> str:
-    """A jax key path as ``"a/b/0"``."""
-    return jax.tree_util.keystr(path, simple=True, separator="/")
 
 
 def flat_shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
