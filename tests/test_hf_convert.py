@@ -16,6 +16,7 @@ import torch
 import transformers
 from safetensors import safe_open
 
+from functrain.checkpoint import load_params_and_meta
 from functrain.models import gpt2, llama
 from torch_bridge.hf import hf_to_run_dir, load_pretrained, read_params, run_dir_to_hf, save_pretrained
 from torch_bridge.hf.reader import find_weights, stream
@@ -174,7 +175,7 @@ def test_run_dir_round_trip_loads_in_transformers(tmp_path, highest_precision):
     # Reference: the bf16 checkpoint loaded in float32 (a bf16 model's .float() would keep bf16-rounded RoPE).
     reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     np.testing.assert_array_equal(hf_logits(exported), hf_logits(reference))
-    with pytest.raises(Exception, match="no checkpoint at step 5"):
+    with pytest.raises(Exception, match="no checkpoint for step 5"):
         run_dir_to_hf(str(tmp_path / "run"), str(tmp_path / "other"), 5)
     assert not (tmp_path / "other").exists()
 
@@ -264,5 +265,5 @@ def test_a_blocking_save_writes_numpy_params_without_a_second_copy(tmp_path):
     finally:
         tracemalloc.stop()
     assert peak < model_bytes / 2, peak
-    loaded, _ = run_store.load(tmp_path, 0)
+    loaded, _ = load_params_and_meta(tmp_path, 0)
     assert np.array_equal(loaded["b"], params["b"])

@@ -27,6 +27,7 @@ sharding=NamedSharding(current_mesh, spec))`` leaves restore as ``jax.Array`` on
 Reading, from research code or the CLI::
 
     params = load_params(run_dir, step=None)     # nested dict of numpy arrays
+    params, meta = load_params_and_meta(run_dir)  # the same, with the checkpoint's meta
     params_digest(params)                        # sha256 hex, identical across meshes and processes
     list_checkpoints(run_dir)                    # [CheckpointInfo(step, time, size, whole, problem, ...)]
 
@@ -37,7 +38,7 @@ is deleted because of them.
 """
 
 from functrain.checkpoint.digest import params_digest
-from functrain.checkpoint.listing import CheckpointInfo, list_checkpoints, load_params
+from functrain.checkpoint.listing import CheckpointInfo, list_checkpoints, load_params, load_params_and_meta
 from functrain.checkpoint.manager import Checkpointer
 from functrain.checkpoint.meta import FORMAT_VERSION, metric_value, package_versions
 
@@ -47,6 +48,7 @@ __all__ = [
     "FORMAT_VERSION",
     "list_checkpoints",
     "load_params",
+    "load_params_and_meta",
     "metric_value",
     "package_versions",
     "params_digest",

@@ -96,9 +96,15 @@ def load_params(run_dir: str | os.PathLike, step: int | None = None) -> dict[str
     ``step=None`` takes the newest checkpoint that reads cleanly (a damaged newer one is skipped
     with a warning).
     """
+    return load_params_and_meta(run_dir, step)[0]
+
+
+def load_params_and_meta(run_dir: str | os.PathLike, step: int | None = None) -> tuple[dict[str, Any], dict]:
+    """:func:`load_params` and the same checkpoint's meta (model config, data position, metrics)."""
     ckpt_dir, step_in_path = layout.locate(run_dir)
     chosen = step if step is not None else step_in_path
     result = reader.restore_newest(ckpt_dir, {layout.PARAMS: None}, "auto" if chosen is None else int(chosen))
     if result is None:
         raise CheckpointError(f"no committed checkpoint in {ckpt_dir}; train first or pass another run.dir")
-    return result[0][layout.PARAMS]
+    items, meta, _ = result
+    return items[layout.PARAMS], meta

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from functrain.checkpoint.meta import package_versions
+from functrain.checkpoint import load_params_and_meta
 from functrain.errors import CheckpointError
 
 from torch_bridge.hf import run_store
@@ -55,11 +55,12 @@ def hf_to_run_dir(hf_dir: str, run_dir: str) -> int:
         raise CheckpointError(f"{run / 'config.yaml'} already exists; convert into a new run directory")
     params, config = read_params(hf_dir, place=_to_float32)
     model = config.model_dump(mode="json")
-    # Checkpointer.save adds format_version, step and time; no data position yet: training starts at 0.
+    # Checkpointer.save adds format_version, step, time and package versions; no data position yet:
+    # training starts at 0.
     meta = {
         "epoch": 0, "samples_consumed": 0, "global_batch_size": None, "global_batch_sizes": [],
         "num_records": None, "data_seed": None, "config_digest": None, "model": model, "metrics": {},
-        "best_metric": None, "versions": package_versions(), "backend": "jax",
+        "best_metric": None, "backend": "jax",
         "converted_from": str(Path(hf_dir).resolve()),
     }
     run.mkdir(parents=True, exist_ok=True)
@@ -75,7 +76,7 @@ def hf_to_run_dir(hf_dir: str, run_dir: str) -> int:
 
 def run_dir_to_hf(run_dir: str, out_dir: str, step: int | None) -> str:
     """Export RUN_DIR's checkpoint at ``step`` (default: the latest) to OUT_DIR as an HF directory."""
-    params, meta = run_store.load(Path(run_dir).resolve(), step)
+    params, meta = load_params_and_meta(Path(run_dir).resolve(), step)
     model = dict(meta.get("model") or {})
     arch = ARCHITECTURES.get(model.get("name"))
     if arch is None:
