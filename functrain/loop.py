@@ -176,6 +176,8 @@ class _Run:
         self.last_saved_step = -1
         self.last_eval_step = -1
         self.throughput = Throughput()
+        # The state's non-finite count when the loop last read a call's metrics (see record_train).
+        self.nonfinite_seen, self.nonfinite_checked_at = 0, 0
 
     # -- state and position -------------------------------------------------------------------------------
     def restore_or_init(self) -> tuple[Any, int]:
@@ -221,9 +223,12 @@ class _Run:
         self.view.epoch = self.sampler.epoch_of(position)
 
     # -- metrics, evaluation, saving -----------------------------------------------------------------------
+    def is_log_step(self, step: int) -> bool:
+        return step % self.config.log.every_steps == 0 or step == self.max_steps
+
     def finish_call(self, call_end_step: int, device_metrics: Any, end_position: int) -> Control:
         """Wait for a call; read and log its metrics if its end is a log step."""
-        if call_end_step % self.config.log.every_steps == 0 or call_end_step == self.max_steps:
+        if self.is_log_step(call_end_step):
             return self.record_train(call_end_step, device_metrics, end_position)
         self.backend.wait(device_metrics)
         if not self.synchronous_backend:
@@ -264,7 +269,7 @@ class _Run:
         self.nonfinite_seen, self.nonfinite_checked_at = nonfinite_steps, call_end_step
         values = _summarise_call(metrics, steps - 1)
         self.view.last_metrics["train"] = values
-        if call_end_step % self.config.log.every_steps == 0 or call_end_step == self.max_steps:
+        if self.is_log_step(call_end_step):
             values = {**values, "steps_per_sec": self.throughput.rate(call_end_step),
                       **self.position_fields(end_position)}
             control = control.merge(self.callbacks.fire("on_log", self.view, "train", call_end_step, values))
