@@ -5,6 +5,7 @@ imported) never leak into the rest of the suite.
 """
 
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -28,6 +29,13 @@ def run_python(code: str, devices: int = 1, env: dict | None = None, timeout: fl
     if check and proc.returncode != 0:
         raise AssertionError(f"subprocess failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now, for a test's process coordinator."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 @pytest.fixture

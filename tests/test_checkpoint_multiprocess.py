@@ -1,12 +1,11 @@
 """Two processes (2 CPU devices each) save one sharded state; it reads back in 2 processes and in 1."""
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 
-from conftest import REPO_ROOT, run_python
+from conftest import REPO_ROOT, free_port, run_python
 
 # Each process holds only its own shards; the checkpoint must still hold the whole arrays.
 SAVE_AND_RESTORE = """
@@ -39,15 +38,9 @@ print("DIGEST", params_digest(full))
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _two_processes(script: str, run_dir, devices_each: int) -> list[str]:
     """Run ``script RUN_DIR`` as a 2-process jax.distributed job (gloo); return each process's stdout."""
-    port = _free_port()
+    port = free_port()
     procs = []
     for process_id in range(2):
         env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_each}",

@@ -3,7 +3,6 @@ assembles the global batch, and the gathered global batches equal the single-pro
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from conftest import REPO_ROOT, free_port
 
 # Shared by the test and the worker processes: the data, the augmentation and the batch digest.
 COMMON = textwrap.dedent("""
@@ -68,12 +67,6 @@ WORKER = COMMON + textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("localhost", 0))
-        return sock.getsockname()[1]
-
-
 def test_two_process_global_batches_equal_single_process_sequence():
     scope: dict = {}
     exec(COMMON, scope)
@@ -84,7 +77,7 @@ def test_two_process_global_batches_equal_single_process_sequence():
             expected_digests.append(scope["digest"](host))
             expected_positions.append([start, end])
 
-    port = _free_port()
+    port = free_port()
     workers = []
     for process_id in range(2):
         env = dict(os.environ, PORT=str(port), PROCESS_ID=str(process_id), JAX_PLATFORMS="cpu",

@@ -1,7 +1,6 @@
 """Two torch.distributed (gloo) processes, each with half of every global batch, train like one process."""
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from conftest import free_port
 from functrain.config import load_config
 from torch_bridge.backend import make_backend
 
@@ -47,14 +47,8 @@ def global_batches() -> dict[str, np.ndarray]:
             "weight": weight}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_two_gloo_processes_match_one_process(tmp_path):
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2",
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2",
                OMP_NUM_THREADS="1", JAX_PLATFORMS="cpu",
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     workers = [subprocess.Popen([sys.executable, "-c", WORKER, str(tmp_path), str(rank)], cwd=REPO,
