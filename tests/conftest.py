@@ -11,6 +11,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -29,6 +31,13 @@ def run_python(code: str, devices: int = 1, env: dict | None = None, timeout: fl
     if check and proc.returncode != 0:
         raise AssertionError(f"subprocess failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def max_abs_diff(a, b) -> float:
+    """The largest |a - b| over the leaves of two pytrees of the same structure (in float64)."""
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 def free_port() -> int:

@@ -4,6 +4,7 @@ import json
 import os
 import signal
 
+import jax
 import numpy as np
 import pytest
 
@@ -105,7 +106,7 @@ def test_nonfinite_stop_keeps_params_finite(tmp_path):
                               "train.clip_norm": None})
     assert "non-finite" in result.stop_reason and result.step < 40
     params = load_params(tmp_path / "run")
-    assert all(np.isfinite(leaf).all() for leaf in _leaves(params))
+    assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(params))
 
 
 def test_nonfinite_stop_sees_an_incident_in_a_call_it_never_read(tmp_path):
@@ -120,18 +121,10 @@ def test_nonfinite_stop_sees_an_incident_in_a_call_it_never_read(tmp_path):
                               "eval.every_steps": 0, "train.nonfinite": "stop"})
     assert "non-finite" in result.stop_reason and "between steps 0 and 7" in result.stop_reason
     assert 8 <= result.step < 16
-    assert all(np.isfinite(leaf).all() for leaf in _leaves(load_params(tmp_path / "run")))
+    assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(load_params(tmp_path / "run")))
     skipped = [line["skipped_steps"] for line in map(json.loads, (tmp_path / "run" / "metrics.jsonl").open())
                if line["split"] == "train"]
     assert skipped[0] == 1  # exactly the poisoned step was skipped
-
-
-def _leaves(tree):
-    if isinstance(tree, dict):
-        for value in tree.values():
-            yield from _leaves(value)
-    else:
-        yield tree
 
 
 def test_a_second_run_resumes_where_the_first_stopped(tmp_path):

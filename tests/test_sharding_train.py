@@ -10,10 +10,9 @@ import subprocess
 import sys
 import textwrap
 
-import numpy as np
 import pytest
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, max_abs_diff
 from functrain.checkpoint import load_params
 
 TOLERANCE = 1e-5  # float32; only the order of cross-device sums differs
@@ -63,30 +62,16 @@ def runs(tmp_path_factory):
     return dirs
 
 
-def _max_difference(a: dict, b: dict) -> float:
-    leaves_a, leaves_b = _leaves(a), _leaves(b)
-    assert leaves_a.keys() == leaves_b.keys()
-    return max(float(np.max(np.abs(leaves_a[key] - leaves_b[key]))) for key in leaves_a)
-
-
-def _leaves(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_leaves(value, f"{prefix}{key}/"))
-        else:
-            out[prefix + key] = np.asarray(value, np.float64)
-    return out
 
 
 @pytest.mark.parametrize("mesh", list(MESHES))
 def test_sharded_training_matches_one_device(runs, mesh):
     reference = load_params(runs["single"], step=4)
     sharded = load_params(runs[mesh], step=4)
-    initial_change = _max_difference(reference, load_params(runs["single"], step=6))
+    initial_change = max_abs_diff(reference, load_params(runs["single"], step=6))
     assert initial_change > 100 * TOLERANCE  # the params really move, so the comparison means something
-    assert _max_difference(reference, sharded) <= TOLERANCE
+    assert max_abs_diff(reference, sharded) <= TOLERANCE
 
 
 def test_checkpoint_from_fsdp_mesh_resumes_on_another_mesh(runs):
-    assert _max_difference(load_params(runs["single"], step=6), load_params(runs["fsdp8"], step=6)) <= TOLERANCE
+    assert max_abs_diff(load_params(runs["single"], step=6), load_params(runs["fsdp8"], step=6)) <= TOLERANCE

@@ -6,6 +6,7 @@ import numpy as np
 import optax
 import pytest
 
+from conftest import max_abs_diff
 from functrain import TrainState, make_eval_step, make_train_call, make_train_step
 from functrain.precision import update_loss_scale
 
@@ -44,10 +45,6 @@ def run_steps(step_fn, state, batches):
     for batch in batches:
         state, metrics = step_fn(state, batch)
     return state, metrics
-
-
-def max_abs_diff(a, b) -> float:
-    return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 def test_step_is_pure_same_inputs_same_outputs_inputs_untouched():
