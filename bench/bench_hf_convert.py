@@ -25,6 +25,9 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from torch_bridge.hf.writer import plan_shards  # noqa: E402
 
 CHILD_PRELUDE = """
 import json, resource, sys, time
@@ -99,14 +102,7 @@ def write_checkpoint(out: Path, layers: int, shard_bytes: int) -> tuple[int, int
     cfg = llama_config(layers)
     (out / "config.json").write_text(json.dumps(cfg))
     shapes = llama_shapes(cfg)
-    groups, size = [[]], 0
-    for name, shape in shapes.items():
-        nbytes = int(np.prod(shape)) * 4
-        if groups[-1] and size + nbytes > shard_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(name)
-        size += nbytes
+    groups = plan_shards({name: int(np.prod(shape)) * 4 for name, shape in shapes.items()}, shard_bytes)
     rng = np.random.default_rng(0)
     weight_map = {}
     for i, group in enumerate(groups, start=1):
