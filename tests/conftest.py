@@ -18,14 +18,22 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+def cli_env(devices: int | None = None, **extra: str) -> dict[str, str]:
+    """The environment of a subprocess that runs this checkout on CPU: ``devices`` simulated CPU devices
+    (None: no XLA_FLAGS, the platform's one device) plus ``extra`` variables."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **extra)
+    env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    if devices is None:
+        env.pop("XLA_FLAGS", None)
+    else:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    return env
+
+
 def run_python(code: str, devices: int = 1, env: dict | None = None, timeout: float = 300,
                check: bool = True) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter with ``devices`` simulated CPU devices; return the process."""
-    full_env = dict(os.environ)
-    full_env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    full_env["JAX_PLATFORMS"] = "cpu"
-    full_env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
-    full_env.update(env or {})
+    full_env = cli_env(devices, **(env or {}))
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
                           env=full_env, timeout=timeout, cwd=REPO_ROOT)
     if check and proc.returncode != 0:

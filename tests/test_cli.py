@@ -2,14 +2,13 @@
 
 import hashlib
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, cli_env
 
 TINY = ["train.max_steps=40", "train.steps_per_call=4", "log.every_steps=4", "eval.every_steps=20",
         "checkpoint.every_steps=20", "log.progress=false", "model.hidden=[32]",
@@ -17,9 +16,8 @@ TINY = ["train.max_steps=40", "train.steps_per_call=4", "log.every_steps=4", "ev
 
 
 def functrain(*args: str, devices: int = 1) -> subprocess.CompletedProcess:
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
     return subprocess.run([sys.executable, "-m", "functrain", *args], capture_output=True, text=True,
-                          cwd=REPO_ROOT, env=env, timeout=300)
+                          cwd=REPO_ROOT, env=cli_env(devices), timeout=300)
 
 
 def snapshot(run_dir: Path) -> dict[str, str]:

@@ -6,7 +6,6 @@ digests are equal bit for bit. Only process 0 writes metrics.
 """
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, cli_env
 from functrain.checkpoint import load_params, params_digest
 
 OVERRIDES = ["train.max_steps=4", "train.epochs=null", "train.steps_per_call=2", "log.every_steps=2",
@@ -22,9 +21,7 @@ OVERRIDES = ["train.max_steps=4", "train.epochs=null", "train.steps_per_call=2",
 
 
 def _cli(args: list[str], devices: int = 1) -> subprocess.Popen:
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
-               PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.Popen([sys.executable, "-m", "functrain", *args], cwd=REPO_ROOT, env=env, text=True,
+    return subprocess.Popen([sys.executable, "-m", "functrain", *args], cwd=REPO_ROOT, env=cli_env(devices), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 

@@ -9,7 +9,6 @@ training loss must equal those of one uninterrupted run.
 """
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, cli_env
 from functrain.inspect_run import inspect_report
 
 OVERRIDES = ["train.max_steps=60", "train.steps_per_call=5", "checkpoint.every_steps=10", "checkpoint.keep=2",
@@ -55,10 +54,7 @@ sys.exit(cli.main(sys.argv[1:]))
 
 
 def _env(kill: str = "none:0") -> dict:
-    env = dict(os.environ, FT_KILL=kill, JAX_PLATFORMS="cpu")
-    env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env.pop("XLA_FLAGS", None)
-    return env
+    return cli_env(FT_KILL=kill)
 
 
 def _train(run_dir: Path, kill: str = "none:0") -> subprocess.CompletedProcess:

@@ -1,7 +1,6 @@
 """Command-line runs with ``backend: torch``: a SIGKILLed and resumed run ends bit-identical to an
 uninterrupted one; ``import functrain`` never needs torch."""
 
-import os
 import re
 import signal
 import subprocess
@@ -9,15 +8,15 @@ import sys
 import time
 from pathlib import Path
 
+from conftest import cli_env
+from functrain.checkpoint.layout import checkpoints_dir, committed_steps
+
 REPO = Path(__file__).resolve().parents[1]
 STEPS, EVERY = 300, 100
 
 
 def _env() -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1",
-               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("XLA_FLAGS", None)
-    return env
+    return cli_env(OMP_NUM_THREADS="1")
 
 
 def _train(run_dir: Path) -> subprocess.Popen:
@@ -27,11 +26,6 @@ def _train(run_dir: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "functrain", "train", "configs/mlp_digits_torch.yaml",
                              *overrides], cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
-
-
-def _committed_steps(run_dir: Path) -> list[int]:
-    directory = run_dir / "checkpoints"
-    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if directory.is_dir() else []
 
 
 def _digest(run_dir: Path) -> subprocess.Popen:
@@ -50,12 +44,12 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path):
     reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"
     reference_run, killed_run = _train(reference), _train(interrupted)
     deadline = time.monotonic() + 180
-    while not _committed_steps(interrupted) and killed_run.poll() is None and time.monotonic() < deadline:
+    while not committed_steps(checkpoints_dir(interrupted)) and killed_run.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
     killed_run.send_signal(signal.SIGKILL)
     output, _ = killed_run.communicate(timeout=60)
     assert killed_run.returncode == -signal.SIGKILL, f"the run ended before it could be killed:\n{output}"
-    saved = _committed_steps(interrupted)
+    saved = committed_steps(checkpoints_dir(interrupted))
     assert saved and STEPS not in saved
 
     resumed = _train(interrupted)
