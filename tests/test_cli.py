@@ -63,6 +63,8 @@ BAD_INPUTS = {
     "unknown_key": (["train", "configs/mlp_digits.yaml", "train.max_step=3"], "did you mean 'train.max_steps'"),
     "wrong_type": (["train", "configs/mlp_digits.yaml", "train.max_steps=many"], "train.max_steps"),
     "intervals": (["train", "configs/mlp_digits.yaml", "train.steps_per_call=3"], "multiple of 3"),
+    "batch_not_divisible": (["train", "configs/mlp_digits.yaml", "data.global_batch_size=6", "train.micro_batches=4"],
+                            "not divisible by train.micro_batches=4"),
     "missing_data_file": (["train", "configs/mlp_digits.yaml", "data.name=array_file", "data.path=/nonexistent.npz"],
                           "does not exist"),
 }
