@@ -59,9 +59,10 @@ def dir_size(path: Path) -> int:
 def locate(path: str | os.PathLike) -> tuple[Path, int | None]:
     """Resolve a run dir, its checkpoints dir, or one step dir to ``(checkpoints_dir, step or None)``.
 
+    The result is absolute (Orbax refuses relative paths), so a path relative to the working directory works.
     Raises ``CheckpointError`` when ``path`` holds no functrain checkpoint at all.
     """
-    path = Path(path)
+    path = Path(path).absolute()
     if not path.exists():
         raise CheckpointError(f"{path} does not exist; pass the run.dir of a training run "
                               f"(the directory that holds checkpoints/)")

@@ -14,7 +14,7 @@ from typing import Any
 from orbax.checkpoint import path as ocp_path
 
 from functrain.checkpoint import layout, reader, retention
-from functrain.checkpoint.meta import check_format_version, metric_value
+from functrain.checkpoint.meta import check_format_version, metric_value, saved_items
 from functrain.errors import CheckpointError
 
 
@@ -34,17 +34,16 @@ class CheckpointInfo:
 
 
 def _check(step_path: Path, verify: bool) -> tuple[dict | None, str | None]:
-    """``(meta, problem)`` for one committed step; ``verify`` reads every array."""
+    """``(meta, problem)`` for one committed step; ``verify`` reads every array and checks its checksums."""
     meta = None
     try:
         meta = reader.read_meta(step_path)
         check_format_version(meta, str(step_path))
-        items = [i for i in (layout.PARAMS, layout.STATE) if (step_path / i).is_dir()]
-        targets = dict.fromkeys(items)
+        targets = dict.fromkeys(saved_items(meta))
         if verify:
             reader.restore_step(step_path, targets)
         else:
-            reader.check_compatible(step_path, targets)
+            reader.check_compatible(step_path, meta, targets)
         return meta, None
     except reader.DamagedCheckpoint as damaged:
         return meta, damaged.reason

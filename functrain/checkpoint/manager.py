@@ -18,13 +18,14 @@ import logging
 import os
 import shutil
 import time
+from pathlib import Path
 from typing import Any, Mapping
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from functrain.checkpoint import layout, reader, retention
+from functrain.checkpoint import checksum, layout, reader, retention
 from functrain.checkpoint.meta import complete_meta, metric_value
 from functrain.distributed import primary_view
 from functrain.errors import CheckpointError, ConfigError
@@ -62,6 +63,14 @@ def _registry_without_host_copies() -> Any:
         (kind, handlers.NumpyHandler(deepcopy_host_arrays=False) if kind is np.ndarray
          else handlers.get_type_handler(kind))
         for kind in handlers.supported_types()])
+
+
+class _ChecksummedPyTreeHandler(ocp.PyTreeCheckpointHandler):
+    """Orbax's pytree handler whose commit also records checksums of the files this process wrote."""
+
+    async def async_save(self, directory: Any, *args: Any, **kwargs: Any) -> list[Any]:
+        writes = await super().async_save(directory, *args, **kwargs) or []
+        return [checksum.RecordAfterWrites(writes, Path(directory), ocp.multihost.process_index())]
 
 
 class Checkpointer:
@@ -121,7 +130,7 @@ class Checkpointer:
         handler_options = {} if self._async else {"type_handler_registry": _registry_without_host_copies()}
         for item in (layout.PARAMS, layout.STATE):
             registry.add(item, ocp.args.PyTreeSave,
-                         ocp.PyTreeCheckpointHandler(use_compression=False, **handler_options))
+                         _ChecksummedPyTreeHandler(use_compression=False, **handler_options))
         registry.add(layout.META, ocp.args.JsonSave, ocp.JsonCheckpointHandler())
         try:
             return ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
@@ -166,8 +175,9 @@ class Checkpointer:
         best = None
         if self._best_metric:
             best = {"name": self._best_metric, "mode": self._best_mode, "keep_best": self._keep_best}
-        full_meta = complete_meta(meta, step, best)
         args = {name: ocp.args.PyTreeSave(tree) for name, tree in items.items() if tree is not None}
+        full_meta = complete_meta(meta, step, best, items=sorted(args),
+                                  checksums=checksum.meta_record(jax.process_count()))
         try:
             self._manager.save(step, args=ocp.args.Composite(**args, meta=ocp.args.JsonSave(full_meta)),
                                force=True)

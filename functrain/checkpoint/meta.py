@@ -74,16 +74,31 @@ def metric_value(meta: Mapping[str, Any], name: str) -> float | None:
     return None
 
 
-def complete_meta(meta: Mapping[str, Any] | None, step: int, best: Mapping[str, Any] | None) -> dict:
-    """``meta`` plus the fields every checkpoint carries (format version, step, time, versions, best metric)."""
+def complete_meta(meta: Mapping[str, Any] | None, step: int, best: Mapping[str, Any] | None,
+                  items: list[str], checksums: Mapping[str, Any]) -> dict:
+    """``meta`` plus the fields every checkpoint carries: format version, step, time, versions, best
+    metric, the items saved and how their checksums were recorded."""
     full = dict(meta or {})
     full["format_version"] = FORMAT_VERSION
     full["step"] = int(step)
+    full["items"] = list(items)
+    full["checksums"] = dict(checksums)
     full.setdefault("time", time.time())
     full.setdefault("versions", dict(package_versions()))
     if best is not None:
         full["best_metric"] = dict(best, value=metric_value(full, best["name"]))
     return jsonable(full)
+
+
+def saved_items(meta: Mapping[str, Any]) -> list[str]:
+    """The items a step was saved with; a step lacking one of them is damaged.
+
+    Steps from before ``items`` was recorded hold params and state, except converted models (params only:
+    their optimizer starts fresh), which record ``converted_from``.
+    """
+    if isinstance(meta.get("items"), list):
+        return [str(item) for item in meta["items"]]
+    return ["params"] if meta.get("converted_from") else ["params", "state"]
 
 
 def check_format_version(meta: Mapping[str, Any], where: str) -> None:

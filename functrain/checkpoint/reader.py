@@ -1,7 +1,7 @@
 """Read committed checkpoints back: meta, shape checks, arrays onto the current mesh, fallback.
 
-Everything here only reads. A step that cannot be read (truncated or missing files, unreadable
-meta) is *damaged*: ``restore_newest`` logs one warning naming it and tries the previous step, once
+Everything here only reads. A step that cannot be read (truncated or missing files, a missing item or
+commit marker, unreadable meta, data files that differ from their checksums) is *damaged*: ``restore_newest`` logs one warning naming it and tries the previous step, once
 per step, so it never loops. A step that reads fine but does not fit the model (shapes, paths) or was
 written by a newer format is *incompatible*: that is a ``CheckpointError`` at once, never a fallback.
 """
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import jax
 import orbax.checkpoint as ocp
 
-from functrain.checkpoint import compat, layout
-from functrain.checkpoint.meta import check_format_version
+from functrain.checkpoint import checksum, compat, layout
+from functrain.checkpoint.meta import check_format_version, saved_items
 from functrain.distributed import every_process
 from functrain.errors import CheckpointError
 
@@ -26,6 +26,8 @@ log = logging.getLogger("functrain.checkpoint")
 #: "whatever was saved, as numpy arrays". Leaves that are ``jax.ShapeDtypeStruct`` with a sharding
 #: restore as ``jax.Array`` on that sharding (any mesh); other leaves restore as ``np.ndarray``.
 Targets = Mapping[str, Any]
+
+_COMMIT_MARKER = "commit_success.txt"  # Orbax writes one per step and per item before the commit rename
 
 
 class DamagedCheckpoint(Exception):
@@ -86,18 +88,48 @@ def _restore_item(step_path: Path, item: str, target: Any) -> Any:
         handler.close()
 
 
-def check_compatible(step_path: Path, targets: Targets) -> dict[str, Any]:
+def check_whole(step_path: Path, meta: dict) -> None:
+    """Raise ``DamagedCheckpoint`` unless every item the step was saved with is there and committed.
+
+    A step missing its state, its params or a commit marker would otherwise restore as a fresh start or
+    read half-written files (a converted model legitimately has params only: its meta says so).
+    """
+    if not (step_path / _COMMIT_MARKER).is_file():
+        raise DamagedCheckpoint(step_path, f"no commit marker ({_COMMIT_MARKER})")
+    for item in saved_items(meta):
+        if not (step_path / item).is_dir():
+            raise DamagedCheckpoint(step_path, f"no {item} item")
+        if not (step_path / item / _COMMIT_MARKER).is_file():
+            raise DamagedCheckpoint(step_path, f"no commit marker in {item}/")
+
+
+def verify_checksums(step_path: Path, meta: dict, items: Iterable[str]) -> None:
+    """Raise ``DamagedCheckpoint`` if the data files of ``items`` differ from the checksums recorded at save.
+
+    Steps saved before checksums were recorded pass unchecked. In a multi-process restore each process
+    hashes a share of the files; the caller agrees on the outcome.
+    """
+    recorded = meta.get("checksums")
+    if not isinstance(recorded, dict):
+        return
+    for item in items:
+        problem = checksum.verify(step_path / item, recorded, jax.process_index(), jax.process_count())
+        if problem:
+            raise DamagedCheckpoint(step_path, problem)
+
+
+def check_compatible(step_path: Path, meta: dict, targets: Targets) -> dict[str, Any]:
     """Compare saved shapes/dtypes/paths with ``targets``; return the metadata tree of each item to read.
 
-    Items in ``targets`` that the checkpoint lacks are skipped, except "params" (damaged without it).
-    Raises ``CheckpointError`` listing every mismatched path with both shapes; reads no arrays.
+    The step must be whole (``check_whole``); items in ``targets`` it was not saved with are skipped (a
+    converted HF model has no optimizer state: it starts fresh). Raises ``CheckpointError`` listing every
+    mismatched path with both shapes; reads no arrays.
     """
+    check_whole(step_path, meta)
     trees, problems = {}, []
     for item, target in targets.items():
-        if not (step_path / item).is_dir():
-            if item == layout.PARAMS:
-                raise DamagedCheckpoint(step_path, "no params item")
-            continue  # e.g. a converted HF model has no optimizer state: start it fresh
+        if item not in saved_items(meta):
+            continue
         trees[item] = saved_tree_metadata(step_path, item)
         if target is not None:
             problems += compat.mismatches(item, compat.flat_shapes(trees[item]), compat.flat_shapes(target))
@@ -111,11 +143,13 @@ def check_compatible(step_path: Path, targets: Targets) -> dict[str, Any]:
 def restore_step(step_path: Path, targets: Targets) -> tuple[dict, dict]:
     """Read one committed step onto ``targets``: ``(items, meta)``.
 
-    Raises ``DamagedCheckpoint`` if it cannot be read, ``CheckpointError`` if it does not fit.
+    Raises ``DamagedCheckpoint`` if it cannot be read or its checksums do not match, ``CheckpointError``
+    if it does not fit.
     """
     meta = read_meta(step_path)
     check_format_version(meta, str(step_path))
-    trees = check_compatible(step_path, targets)
+    trees = check_compatible(step_path, meta, targets)
+    verify_checksums(step_path, meta, trees)
     items = {}
     for item, saved_tree in trees.items():
         target = targets[item] if targets[item] is not None else _numpy_target(saved_tree)

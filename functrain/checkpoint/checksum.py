@@ -1,0 +1,100 @@
+"""Checksums of the bytes each process writes into a checkpoint item, checked when the item is read.
+
+Orbax stores no checksum: an array file zeroed or flipped in place restores as wrong numbers. So every
+process hashes the array data files it wrote itself (``<item>/ocdbt.process_<i>/...``, one or more per
+array) as soon as its writes have finished, in Orbax's background commit (off the training thread, and of
+the bytes on disk, not of a copy), and records them in ``<item>/checksums.process_<i>.json`` before the
+step is committed. The step's meta records the algorithm and how many processes wrote, so a missing record
+is damage as well. xxh3-64 hashes at ~10 GB/s on one core, about 7x sha256 here.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import xxhash
+
+ALGORITHM = "xxh3_64"
+_CHUNK_BYTES = 16 << 20
+_RECORD_PREFIX = "checksums.process_"
+_DATA_PREFIX = "ocdbt.process_"
+
+
+def file_checksum(path: Path) -> str:
+    """The xxh3-64 hex digest of a file's bytes."""
+    digest = xxhash.xxh3_64()
+    buffer = bytearray(_CHUNK_BYTES)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while count := f.readinto(buffer):
+            digest.update(view[:count])
+    return digest.hexdigest()
+
+
+def _data_files(item_dir: Path, process_index: int) -> list[str]:
+    """Files process ``process_index`` wrote under ``item_dir`` (relative, sorted)."""
+    root = item_dir / f"{_DATA_PREFIX}{process_index}"
+    return sorted(str(p.relative_to(item_dir)) for p in root.rglob("*") if p.is_file())
+
+
+def record(item_dir: Path, process_index: int) -> None:
+    """Hash the data files this process wrote and record them beside them (before the step commits)."""
+    sums = {name: file_checksum(item_dir / name) for name in _data_files(item_dir, process_index)}
+    record_file = item_dir / f"{_RECORD_PREFIX}{process_index}.json"
+    record_file.write_text(json.dumps({"algorithm": ALGORITHM, "files": sums}, indent=1, sort_keys=True))
+
+
+class RecordAfterWrites:
+    """An Orbax commit future: waits for an item's writes, then records their checksums (in its own thread)."""
+
+    _pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="functrain-checksum")
+
+    def __init__(self, writes: Sequence[Any], item_dir: Path, process_index: int):
+        self._future = self._pool.submit(self._run, list(writes), Path(item_dir), process_index)
+
+    @staticmethod
+    def _run(writes: list[Any], item_dir: Path, process_index: int) -> None:
+        for write in writes:
+            write.result()
+        record(item_dir, process_index)
+
+    def result(self, timeout: float | None = None) -> None:
+        """Wait until the checksums are on disk; re-raise a failed write or a failed record."""
+        self._future.result(timeout)
+
+    def cancel(self) -> None:
+        """Orbax cancels pending commits when a save is abandoned."""
+        self._future.cancel()
+
+
+def meta_record(process_count: int) -> dict[str, Any]:
+    """What a step's meta says about its checksums."""
+    return {"algorithm": ALGORITHM, "processes": int(process_count)}
+
+
+def verify(item_dir: Path, recorded: Mapping[str, Any], process_index: int = 0, process_count: int = 1
+           ) -> str | None:
+    """The first problem with an item's data files against its records, or ``None`` when all match.
+
+    ``recorded`` is the meta's checksum record; this process checks the records of the writer processes
+    ``p`` with ``p % process_count == process_index``, so a multi-process restore reads every file once.
+    """
+    if recorded.get("algorithm") != ALGORITHM:
+        return f"checksums by unknown algorithm {recorded.get('algorithm')!r}"
+    for writer in range(process_index, int(recorded.get("processes", 1)), process_count):
+        record_file = item_dir / f"{_RECORD_PREFIX}{writer}.json"
+        try:
+            sums = json.loads(record_file.read_text())["files"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return f"missing or unreadable {item_dir.name}/{record_file.name}"
+        on_disk = _data_files(item_dir, writer)
+        if sorted(sums) != on_disk:
+            missing = sorted(set(sums) - set(on_disk)) or sorted(set(on_disk) - set(sums))
+            return f"{item_dir.name}/{missing[0]} is missing or unexpected (written by process {writer})"
+        for name, expected in sums.items():
+            if file_checksum(item_dir / name) != expected:
+                return f"checksum mismatch in {item_dir.name}/{name} (written by process {writer})"
+    return None
