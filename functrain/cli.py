@@ -42,7 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _configure_logging() -> None:
+def _configure_logging(debug: bool) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
     run_log = logging.getLogger("functrain")
@@ -57,6 +57,9 @@ def _configure_logging() -> None:
     except ImportError:
         pass
     run_log.setLevel(logging.INFO)
+    if not debug:  # one line per error: no tracebacks from Orbax's background threads
+        from functrain.checkpoint.noise import silence_background_tracebacks
+        silence_background_tracebacks()
 
 
 def _train(args: argparse.Namespace, argv: list[str]) -> int:
@@ -108,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides += extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    _configure_logging()
+    _configure_logging(args.debug)
     try:
         if args.command == "train":
             return _train(args, argv)

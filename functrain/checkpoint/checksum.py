@@ -91,9 +91,11 @@ def verify(item_dir: Path, recorded: Mapping[str, Any], process_index: int = 0, 
         except (OSError, ValueError, KeyError, TypeError):
             return f"missing or unreadable {item_dir.name}/{record_file.name}"
         on_disk = _data_files(item_dir, writer)
-        if sorted(sums) != on_disk:
-            missing = sorted(set(sums) - set(on_disk)) or sorted(set(on_disk) - set(sums))
-            return f"{item_dir.name}/{missing[0]} is missing or unexpected (written by process {writer})"
+        missing, unexpected = sorted(set(sums) - set(on_disk)), sorted(set(on_disk) - set(sums))
+        if missing:
+            return f"{item_dir.name}/{missing[0]} is missing (written by process {writer})"
+        if unexpected:
+            return f"{item_dir.name}/{unexpected[0]} was not written by the save (no checksum recorded for it)"
         for name, expected in sums.items():
             if file_checksum(item_dir / name) != expected:
                 return f"checksum mismatch in {item_dir.name}/{name} (written by process {writer})"

@@ -117,6 +117,11 @@ class Checkpointer:
         if self.directory.exists() and not self.directory.is_dir():
             raise CheckpointError(f"{self.directory} is a file, not a directory; move it away so "
                                   f"checkpoints can be written there")
+        # A read-only run directory fails here, once, rather than in the middle of the run's first write.
+        existing = next(path for path in (self.directory, *self.directory.parents) if path.exists())
+        if not os.access(existing, os.W_OK):
+            raise CheckpointError(f"cannot write checkpoints to {self.directory}: {existing} is read-only "
+                                  f"(permissions or a read-only file system); fix that or choose another run.dir")
         options = ocp.CheckpointManagerOptions(
             enable_async_checkpointing=self._async, create=True, cleanup_tmp_directories=True,
             save_root_metadata=False, enable_background_delete=True,  # rmtree off the training thread

@@ -1,9 +1,11 @@
 """Read committed checkpoints back: meta, shape checks, arrays onto the current mesh, fallback.
 
 Everything here only reads. A step that cannot be read (truncated or missing files, a missing item or
-commit marker, unreadable meta, data files that differ from their checksums) is *damaged*: ``restore_newest`` logs one warning naming it and tries the previous step, once
-per step, so it never loops. A step that reads fine but does not fit the model (shapes, paths) or was
-written by a newer format is *incompatible*: that is a ``CheckpointError`` at once, never a fallback.
+commit marker, unreadable meta, data files that differ from their checksums) is *damaged*:
+``restore_newest`` tries the previous step, once per step, so it never loops, and logs one warning per
+damaged step naming the step used instead (none when every step is damaged: the error says it all).
+A step that reads fine but does not fit the model (shapes, paths) or was written by a newer format is
+*incompatible*: that is a ``CheckpointError`` at once, never a fallback.
 """
 
 from __future__ import annotations
@@ -192,18 +194,20 @@ def restore_newest(ckpt_dir: Path, targets: Targets, step: str | int = "auto"
             raise CheckpointError(f"checkpoint step {step} in {ckpt_dir} is damaged ({reason}); "
                                   f"resume from another step or use checkpoint.resume=auto")
         return restored
-    first_damage = None
+    damaged: list[tuple[int, str]] = []  # newest first
     for candidate in reversed(steps):
         restored, reason = _restore_everywhere(ckpt_dir, candidate, targets)
-        if restored is not None:
-            return restored
-        first_damage = first_damage or f"step {candidate}: {reason}"
-        if jax.process_index() == 0:
-            log.warning("checkpoint step %d in %s is damaged (%s); falling back to the previous one",
-                        candidate, ckpt_dir, reason)
-    if steps:
-        raise CheckpointError(f"all {len(steps)} checkpoints in {ckpt_dir} are damaged (newest {first_damage}); "
-                              f"move them away, or start over with a new run.dir")
+        if restored is None:
+            damaged.append((candidate, reason))
+            continue
+        if jax.process_index() == 0:  # said only now, when it is known what replaces them
+            for bad_step, bad_reason in damaged:
+                log.warning("checkpoint step %d in %s is damaged (%s); using step %d, the newest whole one",
+                            bad_step, ckpt_dir, bad_reason, candidate)
+        return restored
+    if damaged:
+        raise CheckpointError(f"all {len(steps)} checkpoints in {ckpt_dir} are damaged (newest step {damaged[0][0]}: "
+                              f"{damaged[0][1]}); move them away, or start over with a new run.dir")
     return None
 
 
