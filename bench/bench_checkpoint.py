@@ -9,8 +9,11 @@ All baselines are measured in the same run, on the same disk, with the same byte
    arrays from .npy files.
 3. save throughput (``save`` + ``wait``) as a fraction of a plain sequential write of the same bytes
    (``np.save`` + ``fsync`` per array).
+4. what checksums cost: ``save`` + ``wait`` and ``restore`` of the same state with checksums (recorded at
+   save, verified on restore) vs without, in pairs whose order alternates; the ratio of medians.
 
 Usage: python bench/bench_checkpoint.py [--width 2048 --layers 6 --batch 512 --cycles 8 --dir /tmp/x]
+       python bench/bench_checkpoint.py --only-checksums --pairs 10
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from functrain.checkpoint import Checkpointer
+from functrain.checkpoint import Checkpointer, checksum
 
 
 def build(width: int, layers: int, batch: int):
@@ -106,6 +109,33 @@ def numpy_read(directory: Path, count: int) -> float:
     return time.perf_counter() - start
 
 
+def compare_checksums(items: dict, targets: dict, scratch: Path, pairs: int) -> dict[str, list[float]]:
+    """Save (+ commit) and restore seconds with and without checksums, measured in pairs of alternating order
+    (the two halves of a pair see the same load from other processes)."""
+    checkpointers = {mode: Checkpointer(scratch / mode, keep=1, checksums=(mode == "checksums"))
+                     for mode in ("checksums", "plain")}
+    times = {f"{kind}_{mode}": [] for kind in ("save", "restore") for mode in checkpointers}
+    for pair in range(pairs):
+        for mode in (("checksums", "plain") if pair % 2 == 0 else ("plain", "checksums")):
+            ckpt = checkpointers[mode]
+            start = time.perf_counter()
+            ckpt.save(pair + 1, items, {"bench": True})
+            ckpt.wait()
+            times[f"save_{mode}"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            restored = ckpt.restore(targets, step=pair + 1)
+            jax.block_until_ready(restored[0])
+            times[f"restore_{mode}"].append(time.perf_counter() - start)
+            del restored
+    for ckpt in checkpointers.values():
+        ckpt.close()
+    hashed = sorted((scratch / "checksums").glob("checkpoints/*/*/ocdbt.process_0/**/*"))
+    start = time.perf_counter()
+    hashed_bytes = sum(p.stat().st_size for p in hashed if p.is_file() and checksum.file_checksum(p))
+    times["hash_gb_s"] = [hashed_bytes / 1e9 / (time.perf_counter() - start)]
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=2048)
@@ -114,6 +144,8 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=10, help="steps between saves")
     parser.add_argument("--cycles", type=int, default=8, help="pairs of (plain, saving) windows")
     parser.add_argument("--repeats", type=int, default=3, help="repeats of the save/restore timings (best kept)")
+    parser.add_argument("--pairs", type=int, default=8, help="pairs of saves/restores with and without checksums")
+    parser.add_argument("--only-checksums", action="store_true", help="measure only part 4 (checksum cost)")
     parser.add_argument("--dir", default=None, help="scratch directory (default: a new temp dir)")
     args = parser.parse_args()
 
@@ -126,6 +158,26 @@ def main() -> None:
           f"(params {params_bytes / 1e6:.0f} MB + AdamW moments); scratch {scratch}")
 
     params, opt_state = run_steps(params, opt_state, step_fn, 3)  # compile and warm up
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    targets = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                           items_of(params, opt_state, 0))
+
+    # 4. checksums: save + commit and restore with vs without (paired, alternating order)
+    cost = compare_checksums(items_of(params, opt_state, 0), targets, scratch / "checksums", args.pairs)
+    save_ratio = float(np.median(np.divide(cost["save_plain"], cost["save_checksums"])))
+    restore_ratio = float(np.median(np.divide(cost["restore_checksums"], cost["restore_plain"])))
+    medians = {name: float(np.median(values)) for name, values in cost.items()}
+    print(f"checksums: save {medians['save_checksums']:.3f} s vs {medians['save_plain']:.3f} s without -> "
+          f"{save_ratio:.3f} of the throughput (target >= 0.95); restore {medians['restore_checksums']:.3f} s vs "
+          f"{medians['restore_plain']:.3f} s -> {restore_ratio:.3f}x the time (target <= 1.05); medians over "
+          f"{args.pairs} pairs; xxh3 of the saved files alone: {medians['hash_gb_s']:.1f} GB/s")
+    checksum_results = {"checksum_save_throughput_ratio": round(save_ratio, 3),
+                        "checksum_restore_time_ratio": round(restore_ratio, 3),
+                        **{f"checksum_{name}": round(value, 3) for name, value in medians.items()}}
+    if args.only_checksums:
+        shutil.rmtree(scratch, ignore_errors=True)
+        print(json.dumps(checksum_results))
+        return
 
     # 1. training throughput with and without async saves
     ckpt = Checkpointer(scratch / "run", keep=2)
@@ -138,9 +190,6 @@ def main() -> None:
     # 2./3. save throughput vs plain write; restore vs np.load (best of N, same bytes, same disk)
     host_leaves = [np.asarray(leaf) for leaf in jax.tree.leaves(items_of(params, opt_state, step))]
     save_times, write_times, restore_times, read_times = [], [], [], []
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    targets = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-                           items_of(params, opt_state, step))
     for _ in range(args.repeats):
         step += 1
         start = time.perf_counter()
@@ -171,6 +220,7 @@ def main() -> None:
         "save_vs_plain_write": round(write_s / save_s, 3),
         "restore_s": round(restore_s, 3), "np_load_s": round(read_s, 3),
         "restore_vs_np_load": round(restore_s / read_s, 3),
+        **checksum_results,
     }
     print(f"training: {rate_plain:.3f} steps/s without saves, {rate_saving:.3f} steps/s saving every "
           f"{args.every} steps -> ratio {rate_saving / rate_plain:.3f} (median window: {median_ratio:.3f}; target >= 0.9); "

@@ -12,26 +12,25 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import mmap
+import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import xxhash
 
 ALGORITHM = "xxh3_64"
-_CHUNK_BYTES = 16 << 20
 _RECORD_PREFIX = "checksums.process_"
 _DATA_PREFIX = "ocdbt.process_"
 
 
 def file_checksum(path: Path) -> str:
-    """The xxh3-64 hex digest of a file's bytes."""
-    digest = xxhash.xxh3_64()
-    buffer = bytearray(_CHUNK_BYTES)
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as f:
-        while count := f.readinto(buffer):
-            digest.update(view[:count])
-    return digest.hexdigest()
+    """The xxh3-64 hex digest of a file's bytes (mapped, not copied: the hash runs at memory speed)."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return xxhash.xxh3_64().hexdigest()
+        with mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mapped:
+            return xxhash.xxh3_64(mapped).hexdigest()
 
 
 def _data_files(item_dir: Path, process_index: int) -> list[str]:
@@ -50,7 +49,8 @@ def record(item_dir: Path, process_index: int) -> None:
 class RecordAfterWrites:
     """An Orbax commit future: waits for an item's writes, then records their checksums (in its own thread)."""
 
-    _pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="functrain-checksum")
+    # One thread per item (params, state) hashing at once; xxhash releases the GIL.
+    _pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="functrain-checksum")
 
     def __init__(self, writes: Sequence[Any], item_dir: Path, process_index: int):
         self._future = self._pool.submit(self._run, list(writes), Path(item_dir), process_index)

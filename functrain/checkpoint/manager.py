@@ -86,11 +86,14 @@ class Checkpointer:
       on_error: "stop" (raise ``CheckpointError``) or "warn" (log and keep training) when a save fails.
       is_primary: whether this process does the directory housekeeping (default: process 0).
       barrier_timeout_s: limit for Orbax's cross-process waits during a background save.
+      checksums: record checksums of the written files (see ``checksum``), verified whenever the step is
+        read; off only saves reading the files back once (worth it on slow remote storage).
     """
 
     def __init__(self, run_dir: str | os.PathLike, *, keep: int | None = 3, keep_best: int = 0,
                  best_metric: str | None = None, best_mode: str = "min", async_save: bool = True,
-                 on_error: str = "stop", is_primary: bool | None = None, barrier_timeout_s: int = 1200):
+                 on_error: str = "stop", is_primary: bool | None = None, barrier_timeout_s: int = 1200,
+                 checksums: bool = True):
         if keep is not None and keep < 1:
             raise ConfigError(f"checkpoint.keep must be at least 1 (the newest is always kept), got {keep}")
         if keep_best < 0 or (keep_best and not best_metric):
@@ -105,6 +108,7 @@ class Checkpointer:
         self._keep, self._keep_best, self._best_mode = keep, keep_best, best_mode
         self._best_metric, self._on_error, self._async = best_metric, on_error, async_save
         self._is_primary = jax.process_index() == 0 if is_primary is None else is_primary
+        self._checksums = checksums
         self._manager = self._open_manager(barrier_timeout_s)
         self._protected: set[int] = set()
         self._pending: int | None = None  # step whose background save has not been checked yet
@@ -133,9 +137,9 @@ class Checkpointer:
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
         # A blocking save cannot race its caller, so it skips Orbax's defensive copy of numpy leaves.
         handler_options = {} if self._async else {"type_handler_registry": _registry_without_host_copies()}
+        handler_cls = _ChecksummedPyTreeHandler if self._checksums else ocp.PyTreeCheckpointHandler
         for item in (layout.PARAMS, layout.STATE):
-            registry.add(item, ocp.args.PyTreeSave,
-                         _ChecksummedPyTreeHandler(use_compression=False, **handler_options))
+            registry.add(item, ocp.args.PyTreeSave, handler_cls(use_compression=False, **handler_options))
         registry.add(layout.META, ocp.args.JsonSave, ocp.JsonCheckpointHandler())
         try:
             return ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
@@ -182,7 +186,7 @@ class Checkpointer:
             best = {"name": self._best_metric, "mode": self._best_mode, "keep_best": self._keep_best}
         args = {name: ocp.args.PyTreeSave(tree) for name, tree in items.items() if tree is not None}
         full_meta = complete_meta(meta, step, best, items=sorted(args),
-                                  checksums=checksum.meta_record(jax.process_count()))
+                                  checksums=checksum.meta_record(jax.process_count()) if self._checksums else None)
         try:
             self._manager.save(step, args=ocp.args.Composite(**args, meta=ocp.args.JsonSave(full_meta)),
                                force=True)

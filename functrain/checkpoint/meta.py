@@ -75,14 +75,15 @@ def metric_value(meta: Mapping[str, Any], name: str) -> float | None:
 
 
 def complete_meta(meta: Mapping[str, Any] | None, step: int, best: Mapping[str, Any] | None,
-                  items: list[str], checksums: Mapping[str, Any]) -> dict:
+                  items: list[str], checksums: Mapping[str, Any] | None) -> dict:
     """``meta`` plus the fields every checkpoint carries: format version, step, time, versions, best
     metric, the items saved and how their checksums were recorded."""
     full = dict(meta or {})
     full["format_version"] = FORMAT_VERSION
     full["step"] = int(step)
     full["items"] = list(items)
-    full["checksums"] = dict(checksums)
+    if checksums is not None:
+        full["checksums"] = dict(checksums)
     full.setdefault("time", time.time())
     full.setdefault("versions", dict(package_versions()))
     if best is not None:
