@@ -1,11 +1,13 @@
 """Two processes (2 CPU devices each) save one sharded state; it reads back in 2 processes and in 1."""
 
+import json
 import os
 import subprocess
 import sys
 import textwrap
 
 from conftest import REPO_ROOT, free_port, run_python
+from functrain.checkpoint import list_checkpoints
 
 # Each process holds only its own shards; the checkpoint must still hold the whole arrays.
 SAVE_AND_RESTORE = """
@@ -72,6 +74,15 @@ def test_two_process_save_restores_in_two_and_in_one_process(tmp_path):
         print("DIGEST", params_digest(load_params({str(tmp_path)!r})))
     """, devices=1)
     assert {line for line in single.stdout.splitlines() if line.startswith("DIGEST")} == digests
+    # Each process recorded checksums of the files it wrote itself; damage to either one's files is found.
+    params_dir = ckpt_dir / "2" / "params"
+    for process in (0, 1):
+        files = json.loads((params_dir / f"checksums.process_{process}.json").read_text())["files"]
+        assert files and all(name.startswith(f"ocdbt.process_{process}/") for name in files)
+    data = max(params_dir.glob("ocdbt.process_1/d/*"), key=lambda p: p.stat().st_size)
+    data.write_bytes(bytes(data.stat().st_size))
+    [info] = list_checkpoints(tmp_path, verify=True)
+    assert not info.whole and info.problem.endswith("(written by process 1)")
 
 
 # Process 1 alone cannot read step 2 (as if a shard only it reads were damaged): both must resume from 1.
