@@ -226,8 +226,6 @@ class _Run:
         state = self.backend.state_from_items(items)
         self.last_saved_step = step
         position = resume_position(self.meta, ignore_skip, skip_samples)
-        log.info("resumed from checkpoint %d (epoch %d, samples consumed %d)", step,
-                 self.sampler.epoch_of(position), position)
         return state, position
 
     def check_saved_run_fits(self, request: str | int, meta: dict | None = None, step: int | None = None) -> None:
@@ -346,15 +344,34 @@ class _Run:
         """Where the data stood, for log lines."""
         return {"epoch": self.sampler.epoch_of(position), "samples_consumed": position}
 
+    def eval_loader(self) -> BatchLoader:
+        """The evaluation set in a fixed order, padded so that every record counts once."""
+        sampler = IndexSampler(len(next(iter(self.eval_arrays.values()))), self.config.data.global_batch_size,
+                               self.data_seed, shuffle=False, last_batch="pad")
+        return BatchLoader(self.eval_arrays, sampler, self.process_index, self.process_count, prefetch=0,
+                           check=self.batch_check)
+
+    def check_eval_metric_names(self, state: Any) -> None:
+        """Metrics that early stopping or keep-best read from evaluations must be ones the evaluation gives:
+        found from one evaluation batch before the first step, so a typo costs no training and writes
+        nothing. (Train-split names are checked at the first log.)"""
+        wanted = [(key, metric) for key, metric in (
+            ("eval.early_stopping_metric", self.config.eval.early_stopping_metric),
+            ("checkpoint.best_metric", self.config.checkpoint.best_metric if self.config.checkpoint.keep_best
+             else None)) if metric and metric.startswith("eval/")]
+        if not wanted or not self.has_eval_data():
+            return
+        host_batch, _ = self.eval_loader().host_batch(0)
+        names = dict.fromkeys(self.backend.to_host(self.backend.eval_batch(state, host_batch)), 0.0)
+        for key, metric in wanted:
+            check_metric_logged(key, metric, "eval", names)
+
     def evaluate(self, state: Any) -> Control:
         """Sum the eval metrics over the evaluation set (every record counted once), divide once."""
-        num_eval = len(next(iter(self.eval_arrays.values())))
-        if num_eval == 0:
+        if not self.has_eval_data():
             return Control()
-        sampler = IndexSampler(num_eval, self.config.data.global_batch_size, self.data_seed, shuffle=False,
-                               last_batch="pad")
-        loader = BatchLoader(self.eval_arrays, sampler, self.process_index, self.process_count, prefetch=0,
-                             check=self.batch_check)
+        loader = self.eval_loader()
+        sampler = loader.sampler
         batches = sampler.steps_per_epoch
         if self.config.eval.max_batches:
             batches = min(batches, self.config.eval.max_batches)
@@ -408,11 +425,13 @@ class _Run:
         if self.restored and step >= self.max_steps:
             # Rerunning a finished job leaves its directory as it was: no config, metrics or event files.
             self.stop_kind = ALREADY_FINISHED
-            reason = (f"already finished (train.max_steps={self.max_steps}); raise train.max_steps to train further")
-            if self.is_primary:
-                log.info("run %s: %s", self.run_dir, reason)
+            reason = f"already finished (train.max_steps={self.max_steps}: raise it to train further)"
             return self.result(state, step, position, reason, 0)
+        self.check_eval_metric_names(state)
         if self.is_primary:  # only now: bad input must not replace the config of an existing run
+            if self.restored:
+                log.info("resumed from checkpoint %d (epoch %d, samples consumed %d)", step,
+                         self.sampler.epoch_of(position), position)
             write_run_config(self.run_dir, self.config)
             for warning in likely_mistakes(self.config, self.max_steps, has_eval_data=self.has_eval_data()):
                 log.warning("functrain: warning: %s", warning)
