@@ -92,7 +92,12 @@ class ProgressBar(Callback):
 
     def on_log(self, view: RunView, split: str, step: int, metrics: dict[str, float]) -> None:
         if self.bar is not None and "loss" in metrics:
-            self.bar.set_postfix({f"{split}_loss": f"{metrics['loss']:.4f}", "epoch": view.epoch}, refresh=False)
+            postfix = {f"{split}_loss": f"{metrics['loss']:.4f}", "epoch": view.epoch}
+            if "tokens_per_sec" in metrics:
+                postfix["tok/s"] = f"{metrics['tokens_per_sec']:,.0f}"
+            if "mfu" in metrics:
+                postfix["mfu"] = f"{metrics['mfu']:.1%}"
+            self.bar.set_postfix(postfix, refresh=False)
 
     def on_train_end(self, view: RunView) -> None:
         if self.bar is not None:

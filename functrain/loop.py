@@ -30,6 +30,8 @@ from functrain.data import BatchLoader, IndexSampler, check_resume, data_meta, r
 from functrain.data.validate import check_arrays
 from functrain.datasets import load_dataset
 from functrain.errors import CheckpointError, ConfigError
+from functrain.mfu import speed_report
+from functrain.models import model_spec
 from functrain.outcome import (ALREADY_FINISHED, EARLY_STOPPED, FINISHED, NONFINITE, SIGNAL, FitResult,
                                skipped_report)
 from functrain.run_lock import RunLock
@@ -167,6 +169,8 @@ class _Run:
         self.last_saved_step = -1
         self.last_eval_step = -1
         self.throughput = Throughput()
+        self.speed = speed_report(config.model, model_spec(config.model.name)["kind"], config.data.global_batch_size,
+                                  config.data.seq_len, jax.devices() if config.backend == "jax" else [])
         # The state's non-finite count when the loop last read a call's metrics (see check_nonfinite).
         self.nonfinite_seen, self.nonfinite_checked_at = 0, 0
         self.restored = False
@@ -314,7 +318,8 @@ class _Run:
         values = _summarise_call(metrics, steps - 1)
         self.view.last_metrics["train"] = values
         if self.is_log_step(call_end_step):
-            values = {**values, "steps_per_sec": self.throughput.rate(call_end_step),
+            steps_per_sec = self.throughput.rate(call_end_step)
+            values = {**values, "steps_per_sec": steps_per_sec, **self.speed.fields(steps_per_sec),
                       **self.position_fields(end_position)}
             if self.config.checkpoint.keep_best:
                 check_metric_logged("checkpoint.best_metric", self.config.checkpoint.best_metric, "train", values)
@@ -442,6 +447,8 @@ class _Run:
             log.info("run %s: steps %d -> %d, epoch %d, samples consumed %d, %d training records\n%s",
                      self.run_dir, step, self.max_steps, self.view.epoch, position, self.sampler.num_records,
                      self.backend.describe())
+            if self.speed.flops_per_token:
+                log.info("model FLOPs per token (training, causal attention): %.4g", self.speed.flops_per_token)
         self.callbacks.fire("on_train_begin", self.view)
         self.callbacks.fire("on_epoch_begin", self.view)
         self.throughput.start(step)
