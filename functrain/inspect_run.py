@@ -57,8 +57,9 @@ def inspect_report(run_dir: str | os.PathLike, step: int | None = None, digest: 
                    verify: bool = False) -> str:
     """A human-readable report of a run's checkpoints; ``digest`` adds the params SHA-256.
 
-    Without ``verify`` each step's metadata and array metadata are checked (cheap at any size); with it
-    every array is read, which also finds truncated or corrupted array files.
+    Without ``verify`` each step's items, commit markers, metadata and array metadata are checked (cheap at
+    any size); with it every array is read and its files' checksums verified, which also finds truncated,
+    zeroed or otherwise changed array files.
 
     ``step`` limits the table to that step and picks it for the digest (default: newest whole).
     Raises ``CheckpointError`` if ``run_dir`` holds no checkpoints, or ``step`` is not there / damaged.
@@ -71,7 +72,8 @@ def inspect_report(run_dir: str | os.PathLike, step: int | None = None, digest: 
             raise CheckpointError(f"no checkpoint for step {step} in {ckpt_dir}; run `functrain inspect "
                                   f"{run_dir}` to see the steps there")
     whole = [i for i in infos if i.whole]
-    checked = "every array read" if verify else "metadata checked; --verify reads every array"
+    checked = ("every array read and its checksums verified" if verify
+               else "metadata checked; --verify reads every array and verifies its checksums")
     lines = [f"checkpoints: {ckpt_dir} ({len(whole)} whole, {len(infos) - len(whole)} damaged or interrupted; "
              f"{checked})",
              f"{'step':<8} {'time (UTC)':<19}  {'size':>10}  {'status':<11} {'':<4} {'epoch':>5} {'samples':>9}  metrics"]

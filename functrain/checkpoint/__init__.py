@@ -4,8 +4,13 @@ Layout (Orbax ``CheckpointManager``)::
 
     RUN_DIR/checkpoints/<step>/params   the params pytree                 (always)
                               /state    the rest of the TrainState        (absent for a converted model)
-                              /meta     JSON: format_version, step, time, epoch, samples_consumed, metrics,
-                                        best_metric {name, mode, keep_best, value}, versions, ...
+                              /meta     JSON: format_version, step, time, items, checksums {algorithm,
+                                        processes}, epoch, samples_consumed, metrics, best_metric {name,
+                                        mode, keep_best, value}, versions, ...
+                              /<item>/checksums.process_<i>.json   xxh3 of each file process i wrote
+
+A step is whole when every item its meta lists is there with its commit marker and, when read, its files
+match their checksums; anything else is damaged and restores fall back past it.
 
 A save is written into ``<step>.orbax-checkpoint-tmp*`` and renamed on commit, so a step that is
 listed was committed; an interrupted save is never listed (and is cleaned up by the next writer).
