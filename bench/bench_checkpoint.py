@@ -10,7 +10,7 @@ All baselines are measured in the same run, on the same disk, with the same byte
 3. save throughput (``save`` + ``wait``) as a fraction of a plain sequential write of the same bytes
    (``np.save`` + ``fsync`` per array).
 4. what checksums cost: ``save`` + ``wait`` and ``restore`` of the same state with checksums (recorded at
-   save, verified on restore) vs without, in pairs whose order alternates; the ratio of medians.
+   save, verified on restore) vs without, in pairs whose order alternates; best of N for each.
 
 Usage: python bench/bench_checkpoint.py [--width 2048 --layers 6 --batch 512 --cycles 8 --dir /tmp/x]
        python bench/bench_checkpoint.py --only-checksums --pairs 10
@@ -164,16 +164,18 @@ def main() -> None:
 
     # 4. checksums: save + commit and restore with vs without (paired, alternating order)
     cost = compare_checksums(items_of(params, opt_state, 0), targets, scratch / "checksums", args.pairs)
-    save_ratio = float(np.median(np.divide(cost["save_plain"], cost["save_checksums"])))
-    restore_ratio = float(np.median(np.divide(cost["restore_checksums"], cost["restore_plain"])))
-    medians = {name: float(np.median(values)) for name, values in cost.items()}
-    print(f"checksums: save {medians['save_checksums']:.3f} s vs {medians['save_plain']:.3f} s without -> "
-          f"{save_ratio:.3f} of the throughput (target >= 0.95); restore {medians['restore_checksums']:.3f} s vs "
-          f"{medians['restore_plain']:.3f} s -> {restore_ratio:.3f}x the time (target <= 1.05); medians over "
-          f"{args.pairs} pairs; xxh3 of the saved files alone: {medians['hash_gb_s']:.1f} GB/s")
+    # Best of the pairs, as for the other save/restore timings: on a shared machine the spread of one mode
+    # (2-3x) dwarfs the difference between the modes, and the fastest run is the one least disturbed.
+    best = {name: float(np.min(values)) for name, values in cost.items()}
+    save_ratio = best["save_plain"] / best["save_checksums"]
+    restore_ratio = best["restore_checksums"] / best["restore_plain"]
+    print(f"checksums: save {best['save_checksums']:.3f} s vs {best['save_plain']:.3f} s without -> "
+          f"{save_ratio:.3f} of the throughput (target >= 0.95); restore {best['restore_checksums']:.3f} s vs "
+          f"{best['restore_plain']:.3f} s -> {restore_ratio:.3f}x the time (target <= 1.05); best of "
+          f"{args.pairs} alternating pairs; xxh3 of the saved files alone: {best['hash_gb_s']:.1f} GB/s")
     checksum_results = {"checksum_save_throughput_ratio": round(save_ratio, 3),
                         "checksum_restore_time_ratio": round(restore_ratio, 3),
-                        **{f"checksum_{name}": round(value, 3) for name, value in medians.items()}}
+                        **{f"checksum_{name}": round(value, 3) for name, value in best.items()}}
     if args.only_checksums:
         shutil.rmtree(scratch, ignore_errors=True)
         print(json.dumps(checksum_results))
