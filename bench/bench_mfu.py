@@ -11,7 +11,8 @@ there is no peak, so the run is a smoke check that prints achieved TFLOP/s only.
 
 The step is functrain's own: ``JaxBackend`` (sharded state, ``steps_per_call`` steps per compiled call,
 donated state), timed after compilation, with the loss read back each call so nothing is left queued.
-Usage: ``python bench/bench_mfu.py`` (GPU preset when a GPU is present) or ``--preset cpu``.
+Usage: ``python bench/bench_mfu.py`` (``configs/gpt_350m.yaml`` when a GPU is present, else a small CPU GPT),
+``--preset cpu|gpu`` or ``--config FILE``.
 """
 
 from __future__ import annotations
@@ -27,17 +28,29 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from functrain.backend import JaxBackend  # noqa: E402
-from functrain.config import load_config  # noqa: E402
+from functrain.config import Config, load_config  # noqa: E402
 from functrain.mfu import decoder_shape, peak_tflops, train_flops_per_token  # noqa: E402
 from functrain.tasks import make_task  # noqa: E402
 
+REPO = Path(__file__).resolve().parents[1]
 PRESETS = {
-    # ~200M parameters, 16k tokens per step: big enough that matmuls, not dispatch, set the step time.
-    "gpu": dict(model=dict(vocab_size=32768, max_len=1024, d_model=1024, n_layers=12, n_heads=16, d_ff=4096),
-                batch=16, seq=1024, dtype="bfloat16", steps_per_call=10, calls=5),
+    # ~350M parameters, 16k tokens per step in bf16: big enough that matmuls, not dispatch, set the step time.
+    "gpu": REPO / "configs" / "gpt_350m.yaml",
+    # A smoke check of the same path on a CPU.
     "cpu": dict(model=dict(vocab_size=256, max_len=128, d_model=128, n_layers=2, n_heads=4, d_ff=512),
-                batch=8, seq=128, dtype="float32", steps_per_call=2, calls=3),
+                batch=8, seq=128, dtype="float32", steps_per_call=2),
 }
+
+
+def preset_config(preset: Path | dict) -> Config:
+    """The run config of a preset: a YAML file, or a small GPT described inline."""
+    if isinstance(preset, Path):
+        return load_config(preset, ["mesh.data=-1"])
+    overrides = [f"model.{key}={value}" for key, value in preset["model"].items()] + [
+        f"data.global_batch_size={preset['batch']}", f"data.seq_len={preset['seq']}",
+        f"train.compute_dtype={preset['dtype']}", f"train.steps_per_call={preset['steps_per_call']}",
+        f"log.every_steps={preset['steps_per_call']}", "mesh.data=-1"]
+    return load_config(None, overrides, base={"model": {"name": "gpt"}})
 
 
 def _flops(value: float) -> str:
@@ -47,20 +60,17 @@ def _flops(value: float) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                        help="model size (default: gpu when a GPU/TPU is present, else cpu)")
+                        help="model size (default: gpu, configs/gpt_350m.yaml, when a GPU/TPU is present, else cpu)")
+    parser.add_argument("--config", type=Path, default=None, help="a run config to measure instead of a preset")
     parser.add_argument("--peak-tflops", type=float, default=None, help="override the per-device dense peak")
-    parser.add_argument("--calls", type=int, default=None, help="timed calls (after one warm-up call)")
+    parser.add_argument("--calls", type=int, default=5, help="timed calls (after one warm-up call)")
     args = parser.parse_args()
     device = jax.devices()[0]
-    preset = PRESETS[args.preset or ("cpu" if device.platform == "cpu" else "gpu")]
-    calls = args.calls or preset["calls"]
-    batch, seq, k = preset["batch"], preset["seq"], preset["steps_per_call"]
-    overrides = [f"model.{key}={value}" for key, value in preset["model"].items()] + [
-        f"data.global_batch_size={batch}", f"data.seq_len={seq}", f"train.compute_dtype={preset['dtype']}",
-        f"train.steps_per_call={k}", "log.every_steps=" + str(k), "mesh.data=-1"]
-    config = load_config(None, overrides, base={"model": {"name": "gpt"}})
+    config = preset_config(args.config or PRESETS[args.preset or ("cpu" if device.platform == "cpu" else "gpu")])
+    calls = args.calls
+    batch, seq, k = config.data.global_batch_size, config.data.seq_len, config.train.steps_per_call
     rng = np.random.default_rng(0)
-    host_batches = {"tokens": rng.integers(0, preset["model"]["vocab_size"], (k, batch, seq + 1), np.int32),
+    host_batches = {"tokens": rng.integers(0, config.model.vocab_size, (k, batch, seq + 1), np.int32),
                     "weight": np.ones((k, batch), np.float32)}
     task = make_task(config, {name: value[0] for name, value in host_batches.items()})
     backend = JaxBackend(config, task, total_steps=(calls + 1) * k)
@@ -88,8 +98,9 @@ def main() -> None:
     peak = args.peak_tflops or peak_tflops(device.device_kind)
     print(f"device: {device.device_kind} x{devices} ({device.platform}); dense peak "
           f"{f'{peak:.0f} TFLOP/s' if peak else 'unknown'}")
-    print(f"GPT {preset['model']}, {n_params / 1e6:.1f}M params, batch {batch}x{seq} "
-          f"= {batch * seq} tokens/step, {preset['dtype']} compute, {k} steps per call")
+    print(f"GPT d_model {config.model.d_model} x {config.model.n_layers} layers, {n_params / 1e6:.1f}M params, "
+          f"batch {batch}x{seq} = {batch * seq} tokens/step, {config.train.compute_dtype} compute, "
+          f"{k} steps per call")
     print(f"step {step_s * 1e3:.2f} ms (median of {calls} calls; first call incl. compile {compile_s:.1f} s), "
           f"{batch * seq / step_s:,.0f} tokens/s")
     print(f"model FLOPs/step (functrain.mfu): {_flops(needed)} with causal attention, {_flops(executed)} with full")
