@@ -16,7 +16,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -27,7 +27,7 @@ from functrain.callbacks import (Callback, CallbackList, Control, EarlyStopping,
 from functrain.checkpoint import Checkpointer, list_checkpoints
 from functrain.config import Config, load_config, override_list
 from functrain.data import BatchLoader, IndexSampler, check_resume, data_meta, resume_position
-from functrain.datasets import check_token_ids, load_dataset
+from functrain.build import PYTHON_OBJECT, Parts, build_parts, describe_object, make_backend
 from functrain.errors import CheckpointError, ConfigError
 
 log = logging.getLogger("functrain")
@@ -66,19 +66,6 @@ def total_steps(config: Config, sampler: IndexSampler) -> int:
     if config.train.max_steps is not None:
         return config.train.max_steps
     return max(1, int(np.ceil(config.train.epochs * sampler.steps_per_epoch)))
-
-
-def make_backend(config: Config, example_batch: dict[str, np.ndarray], max_steps: int) -> Any:
-    """The backend named by ``config.backend`` (the torch bridge is imported only when asked for)."""
-    if config.backend == "torch":
-        try:
-            from torch_bridge.backend import make_backend as make_torch_backend
-        except ImportError as exc:
-            raise ConfigError(f"backend: torch needs PyTorch ({exc}); pip install 'functrain[torch]'") from None
-        return make_torch_backend(config, example_batch, max_steps)
-    from functrain.backend import JaxBackend
-    from functrain.tasks import make_task
-    return JaxBackend(config, make_task(config, example_batch), max_steps)
 
 
 def write_run_config(run_dir: Path, config: Config) -> None:
@@ -131,21 +118,18 @@ def _summarise_call(metrics: dict[str, np.ndarray], index: int) -> dict[str, flo
 class _Run:
     """One run's mutable bookkeeping; ``fit`` drives it. Kept private: the public surface is ``fit``."""
 
-    def __init__(self, config: Config, callbacks: list[Callback]) -> None:
+    def __init__(self, config: Config, parts: Parts, callbacks: list[Callback]) -> None:
         self.config = config
         self.run_dir = Path(config.run.dir).absolute()  # Orbax needs absolute paths
         self.signals = StopSignals()
 
-        train_arrays, self.eval_arrays = load_dataset(config.data)
-        for arrays in (train_arrays, self.eval_arrays):
-            check_token_ids(arrays, getattr(config.model, "vocab_size", None))
+        train_data, self.eval_data = parts.train_data, parts.eval_data
         self.data_seed = config.seed if config.data.seed is None else config.data.seed
-        num_train = len(next(iter(train_arrays.values())))
-        self.sampler = IndexSampler(num_train, config.data.global_batch_size, self.data_seed,
+        self.sampler = IndexSampler(len(train_data), config.data.global_batch_size, self.data_seed,
                                     shuffle=config.data.shuffle, last_batch=config.data.last_batch)
         self.max_steps = total_steps(config, self.sampler)
-        example_batch, _ = BatchLoader(train_arrays, self.sampler, prefetch=0).host_batch(0)
-        self.backend = make_backend(config, example_batch, self.max_steps)
+        example_batch, _ = BatchLoader(train_data, self.sampler, prefetch=0).host_batch(0)
+        self.backend = make_backend(config, parts, example_batch, self.max_steps)
         # jax.distributed or torch.distributed: the backend knows which process this is.
         self.process_index = getattr(self.backend, "process_index", jax.process_index())
         self.process_count = getattr(self.backend, "process_count", jax.process_count())
@@ -153,7 +137,7 @@ class _Run:
         self.synchronous_backend = getattr(self.backend, "synchronous", False)
         # Orbax writes a checkpoint with every jax process; torch ranks hold replicas, so rank 0 writes alone.
         self.writes_checkpoints = self.is_primary or jax.process_count() > 1
-        self.loader = BatchLoader(train_arrays, self.sampler, self.process_index, self.process_count,
+        self.loader = BatchLoader(train_data, self.sampler, self.process_index, self.process_count,
                                   prefetch=config.data.prefetch)
 
         self.checkpointer = Checkpointer(
@@ -281,12 +265,12 @@ class _Run:
 
     def evaluate(self, state: Any) -> Control:
         """Sum the eval metrics over the evaluation set (every record counted once), divide once."""
-        num_eval = len(next(iter(self.eval_arrays.values())))
-        if num_eval == 0:
+        if self.eval_data is None:
             return Control()
+        num_eval = len(self.eval_data)
         sampler = IndexSampler(num_eval, self.config.data.global_batch_size, self.data_seed, shuffle=False,
                                last_batch="pad")
-        loader = BatchLoader(self.eval_arrays, sampler, self.process_index, self.process_count, prefetch=0)
+        loader = BatchLoader(self.eval_data, sampler, self.process_index, self.process_count, prefetch=0)
         batches = sampler.steps_per_epoch
         if self.config.eval.max_batches:
             batches = min(batches, self.config.eval.max_batches)
@@ -397,15 +381,36 @@ class _Run:
                          metrics=dict(self.view.last_metrics), run_dir=self.run_dir)
 
 
-def fit(config: Config | dict | str | os.PathLike, callbacks: list[Callback] | None = None,
-        **overrides: Any) -> FitResult:
-    """Train as ``config`` says, resuming from its run directory when a checkpoint is there.
+def fit(config: Config | dict | str | os.PathLike, *, model: Any = None, loss_fn: Callable | None = None,
+        optimizer: Any = None, train_data: Any = None, eval_data: Any = None,
+        callbacks: list[Callback] | None = None, **overrides: Any) -> FitResult:
+    """Train as ``config`` says, with any objects given in place of the config's, resuming from the run
+    directory when a checkpoint is there.
 
     ``config`` is a :class:`~functrain.config.Config`, a dict or a YAML path; ``overrides`` are dotted keys
     (``fit("configs/mlp_digits.yaml", **{"train.max_steps": 100})`` or ``train__max_steps=100``).
+
+    Args:
+      model: a Flax linen module, an NNX module, ``FunctionalModel(init, apply)`` (or with ``backend: torch``
+        an ``nn.Module``) in place of ``model.name`` / ``model.target``.
+      loss_fn: ``loss_fn(params, batch, rng) -> (loss_sum, weight, aux_sums)`` (sums, see
+        :mod:`functrain.step`) in place of the built-in loss for the data's fields.
+      optimizer: an ``optax.GradientTransformation``, or a function of the config's schedule returning one.
+      train_data, eval_data: a dict of arrays or memmaps, an HF ``datasets.Dataset``, a torch ``Dataset``,
+        a Grain data source or ``MapDataset``, or a :class:`~functrain.data.Source`.
+      callbacks: extra :class:`~functrain.callbacks.Callback` objects.
+
+    The resolved config in the run directory records a passed model or data as ``python_object``.
     """
-    config = resolve_config(config, overrides)
-    run = _Run(config, list(callbacks or []))
+    recorded = dict(overrides)
+    if model is not None:
+        recorded["model"] = {PYTHON_OBJECT: describe_object(model)}
+    if train_data is not None:
+        recorded["data.name"] = PYTHON_OBJECT
+    config = resolve_config(config, recorded)
+    parts = build_parts(config, model=model, loss_fn=loss_fn, optimizer=optimizer, train_data=train_data,
+                        eval_data=eval_data)
+    run = _Run(config, parts, list(callbacks or []))
     try:
         return run.run()
     except BaseException:
