@@ -221,7 +221,7 @@ def param_shardings(logical_specs: Any, abstract_params: Any, mesh: Mesh, rules:
     """A ``NamedSharding`` per parameter, from its logical axis names and the rules.
 
     Args:
-      logical_specs: tree of ``PartitionSpec`` of logical names (``Task.logical_specs()``), the same
+      logical_specs: tree of ``PartitionSpec`` of logical names (``Program.logical_specs()``), the same
         structure as the params; a ``None`` spec means replicated.
       abstract_params: the params (arrays or ``jax.ShapeDtypeStruct``), for their shapes.
       mesh: from :func:`make_mesh`.
