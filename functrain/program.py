@@ -108,7 +108,7 @@ def nnx_pieces(module: nnx.Module) -> tuple[Callable, Apply, Callable]:
     """``(init, apply, logical_specs)`` of an NNX module: params are the ``nnx.Param`` variables as a pure
     dict, model state every other variable except RNG streams (reseeded from the step key on each call)."""
     graphdef, params, rng_state, rest = nnx.split(module, nnx.Param, nnx.RngState, ...)
-    initial = (params.to_pure_dict(), rest.to_pure_dict())
+    initial = (nnx.to_pure_dict(params), nnx.to_pure_dict(rest))
 
     def init(rng: jax.Array) -> tuple[Any, Any]:
         return initial  # the module object was initialised by its own constructor
@@ -126,12 +126,12 @@ def nnx_pieces(module: nnx.Module) -> tuple[Callable, Apply, Callable]:
         output = model(inputs)
         if not train:
             return output, model_state
-        return output, nnx.split(model, nnx.Param, nnx.RngState, ...)[3].to_pure_dict()
+        return output, nnx.to_pure_dict(nnx.split(model, nnx.Param, nnx.RngState, ...)[3])
 
     def logical_specs() -> Any:
         specs = nnx.get_partition_spec(params)
         return jax.tree.map(lambda leaf: leaf if isinstance(leaf, PartitionSpec) else PartitionSpec(),
-                            specs.to_pure_dict(), is_leaf=lambda leaf: isinstance(leaf, PartitionSpec))
+                            nnx.to_pure_dict(specs), is_leaf=lambda leaf: isinstance(leaf, PartitionSpec))
 
     return init, apply, logical_specs
 
