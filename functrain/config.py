@@ -2,7 +2,8 @@
 
 ``load_config("configs/char_gpt.yaml", ["train.max_steps=100"])`` returns a validated :class:`Config`.
 Unknown keys and wrong types raise :class:`~functrain.errors.ConfigError` naming the key (and, for a
-misspelt key, the nearest valid one). The ``model`` section is checked by the chosen model's own schema.
+misspelt key, the nearest valid one). The ``model`` section is checked by the chosen model's own schema, or
+names a factory (``model.target``) whose keyword arguments are the section's other keys.
 """
 
 import difflib

@@ -22,12 +22,12 @@ import jax
 import numpy as np
 import yaml
 
+from functrain.build import PYTHON_OBJECT, Parts, build_parts, describe_object, make_backend
 from functrain.callbacks import (Callback, CallbackList, Control, EarlyStopping, EveryNSteps, MetricsWriter,
                                  ProgressBar, RunView, Throughput)
 from functrain.checkpoint import Checkpointer, list_checkpoints
 from functrain.config import Config, load_config, override_list
 from functrain.data import BatchLoader, IndexSampler, check_resume, data_meta, resume_position
-from functrain.build import PYTHON_OBJECT, Parts, build_parts, describe_object, make_backend
 from functrain.errors import CheckpointError, ConfigError
 
 log = logging.getLogger("functrain")

@@ -5,7 +5,7 @@ Names: ``adamw``, ``sgd``, ``adafactor``, ``lion`` and ``muon`` (when the instal
 for adafactor, lion and muon a key left at its config default takes optax's own default instead.
 """
 
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -14,7 +14,6 @@ import sys
 import numpy as np
 import pytest
 
-import functrain
 from conftest import REPO_ROOT, cli_env, max_abs_diff, run_python
 from functrain.checkpoint.layout import checkpoints_dir, committed_steps
 from functrain.inspect_run import inspect_report
