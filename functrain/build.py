@@ -141,13 +141,29 @@ def resolve_data(config: Any, train_data: Any, eval_data: Any) -> tuple[Source, 
 # -------------------------------------------------------------------------------------------- optimizer
 
 def resolve_optimizer(config: Any, optimizer: Any) -> tuple[Any, str] | None:
-    """A user optimizer (passed or from ``optimizer.target``) with its name for errors; None: by name."""
+    """A user optimizer (passed or from ``optimizer.target``) with its name for errors; None: by name.
+
+    A target that takes ``learning_rate`` (``optax:lion``) and is not given one in ``optimizer.kwargs`` is
+    driven by the config's schedule; any other is called with the kwargs and returns a transformation or a
+    function of the schedule."""
     if optimizer is not None:
         return optimizer, "optimizer"
     section = config.optimizer
-    if section.target is not None:
-        return call_target(section.target, section.kwargs, "optimizer.target"), f"optimizer.target={section.target!r}"
-    return None
+    if section.target is None:
+        return None
+    what = f"optimizer.target={section.target!r}"
+    factory = import_target(section.target, "optimizer.target")
+    if _takes_learning_rate(factory) and "learning_rate" not in section.kwargs:
+        # An optax-style constructor (optax:lion): the config's schedule becomes its learning rate.
+        return (lambda schedule: factory(learning_rate=schedule, **section.kwargs)), what
+    return call_target(section.target, section.kwargs, "optimizer.target"), what
+
+
+def _takes_learning_rate(factory: Any) -> bool:
+    try:
+        return "learning_rate" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # no signature to read (a builtin, a class without one)
+        return False
 
 
 def build_parts(config: Any, *, model: Any = None, loss_fn: Callable | None = None, optimizer: Any = None,

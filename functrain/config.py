@@ -66,7 +66,8 @@ class DataConfig(Section):
 class OptimizerConfig(Section):
     """``optimizer.*``: adamw, sgd, adafactor, lion or muon, with linear warmup then a constant, cosine or
     linear schedule. ``target: "pkg.module:make"`` (called with ``kwargs``) replaces ``name``: it returns an
-    optax transformation, or a function of the schedule returning one."""
+    optax transformation, or a function of the schedule returning one; a target taking ``learning_rate``
+    (``"optax:lion"``) gets the schedule as its learning rate."""
     name: str = "adamw"
     target: Target = None
     kwargs: dict[str, Any] = Field(default_factory=dict)

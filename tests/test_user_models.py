@@ -119,7 +119,7 @@ def test_hf_and_torch_datasets_give_the_batches_of_a_dict_of_arrays():
 YAML = """
 model: {target: "examples.linen_hf_dataset:build_model", hidden: 64}
 data: {target: "examples.linen_hf_dataset:load_data", global_batch_size: 32}
-optimizer: {name: adamw, learning_rate: 0.003}
+optimizer: {target: "optax:adamw", kwargs: {weight_decay: 0.0}, learning_rate: 0.003}
 train: {max_steps: 5}
 log: {every_steps: 5, progress: false}
 """
