@@ -87,8 +87,9 @@ def test_unannotated_user_model_on_an_fsdp8_mesh_matches_one_device(tmp_path):
         assert max_abs_diff(sharded, dict(single.state.params)) < 1e-5
 
 
-def test_hf_and_torch_datasets_give_the_batches_of_a_dict_of_arrays():
+def test_hf_torch_and_grain_datasets_give_the_batches_of_a_dict_of_arrays():
     import datasets
+    import grain
     import torch
 
     from functrain.data import BatchLoader, IndexSampler
@@ -103,9 +104,11 @@ def test_hf_and_torch_datasets_give_the_batches_of_a_dict_of_arrays():
             return {"x": torch.from_numpy(arrays["x"][index]), "y": torch.tensor(arrays["y"][index])}
 
     hf = datasets.Dataset.from_dict(arrays).with_format("numpy")
+    grain_records = grain.MapDataset.source([{name: value[i] for name, value in arrays.items()} for i in range(37)])
     sampler = IndexSampler(37, 8, seed=3)
     for process in (0, 1):
-        loaders = [BatchLoader(data, sampler, process, 2, prefetch=0) for data in (arrays, hf, Records())]
+        loaders = [BatchLoader(data, sampler, process, 2, prefetch=0)
+                   for data in (arrays, hf, Records(), grain_records)]
         for position in (0, 24, 40):  # 24 -> 32 drops the tail of epoch 0; 40 is in epoch 1
             expected, _ = loaders[0].host_batch(position)
             for loader in loaders[1:]:
