@@ -18,9 +18,11 @@ from typing import Any, Callable
 import numpy as np
 
 from functrain.data import Source, as_source
-from functrain.datasets import check_token_ids, load_dataset
+from functrain.data.validate import BatchCheck, check_arrays
+from functrain.datasets import load_dataset
 from functrain.errors import ConfigError, DataError
 from functrain.models import build_model, model_spec
+from functrain.tasks import batch_check, infer_task_kind
 
 # Placeholders recorded in the run's config for objects passed to fit (config.model / config.data.name).
 PYTHON_OBJECT = "python_object"
@@ -32,12 +34,13 @@ class Parts:
 
     Attributes:
       model: the model object; None with ``backend: torch`` and a registry model (the bridge builds it).
-      kind: the built-in loss (``classifier`` / ``causal_lm``) when the registry or ``model.kind`` says;
-        None: inferred from the data's fields.
+      kind: the built-in loss (``classifier`` / ``causal_lm``): the registry's, ``model.kind`` or the one the
+        data's fields call for; None with a user ``loss_fn`` (or data that fits no built-in loss).
       loss_fn: a user ``loss_fn(params, batch, rng) -> (loss_sum, weight, aux_sums)``, or None (built-in).
       optimizer: a user optimizer (transformation or function of the schedule) and what to call it in
         errors, or None (``optimizer.name``).
       train_data, eval_data: data sources (``eval_data`` None: no evaluation).
+      batch_check: what the built-in loss reads, checked on every batch (None with a user ``loss_fn``).
     """
     model: Any
     kind: str | None
@@ -45,6 +48,7 @@ class Parts:
     optimizer: tuple[Any, str] | None
     train_data: Source
     eval_data: Source | None
+    batch_check: BatchCheck | None
 
 
 def describe_object(obj: Any) -> str:
@@ -133,8 +137,6 @@ def resolve_data(config: Any, train_data: Any, eval_data: Any) -> tuple[Source, 
         raise ConfigError("data.name=python_object records data passed to fit; pass it again with "
                           "fit(..., train_data=) or set data.name or data.target")
     train, evaluation = load_dataset(section)
-    for arrays in (train, evaluation):
-        check_token_ids(arrays, getattr(config.model, "vocab_size", None))
     return as_source(train), (as_source(evaluation) if len(next(iter(evaluation.values()))) else None)
 
 
@@ -173,8 +175,27 @@ def build_parts(config: Any, *, model: Any = None, loss_fn: Callable | None = No
         raise ConfigError("eval_data= was given without train_data=; pass both, or neither (the config's data)")
     model, kind = resolve_model(config, model)
     train, evaluation = resolve_data(config, train_data, eval_data)
+    check = None
+    if loss_fn is None:
+        kind = kind or infer_task_kind(train.gather(np.arange(1)))
+        where = ("train_data" if train_data is not None else
+                 f"the data ({config.data.path or config.data.target or config.data.name})")
+        check = batch_check(kind, config.model, source=where) if kind else None
     return Parts(model=model, kind=kind, loss_fn=loss_fn, optimizer=resolve_optimizer(config, optimizer),
-                 train_data=train, eval_data=evaluation)
+                 train_data=train, eval_data=evaluation, batch_check=check)
+
+
+def check_data(parts: Parts) -> None:
+    """Check what the built-in loss reads before the first step: whole in-memory arrays at once (fields, dtypes,
+    ranges), other sources by the fields of their first record (their ranges are checked batch by batch)."""
+    if parts.batch_check is None:
+        return
+    for source in (parts.train_data, parts.eval_data):
+        arrays = getattr(source, "arrays", None)
+        if arrays is not None:
+            check_arrays(parts.batch_check, arrays)
+        elif source is not None:
+            parts.batch_check.check_fields(source.gather(np.arange(1)))
 
 
 def make_backend(config: Any, parts: Parts, example_batch: dict[str, np.ndarray], max_steps: int) -> Any:

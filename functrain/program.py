@@ -32,7 +32,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from functrain.errors import ConfigError, DataError
-from functrain.tasks import LOSSES, model_inputs
+from functrain.tasks import LOSSES, infer_task_kind, model_inputs
 
 Batch = dict[str, Any]
 # apply(params, model_state, inputs, train, rng) -> (output, model_state)
@@ -165,16 +165,6 @@ def model_kind_of(model: Any) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- losses
-
-def infer_task_kind(batch: Batch) -> str | None:
-    """The built-in loss the data's fields call for: ``causal_lm`` for ``tokens``, ``classifier`` for x/y,
-    None for neither."""
-    if "tokens" in batch:
-        return "causal_lm"
-    if "x" in batch and "y" in batch:
-        return "classifier"
-    return None
-
 
 def _fields(batch: Batch) -> list[str]:
     return sorted(name for name in batch if name != "weight")

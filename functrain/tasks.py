@@ -12,6 +12,8 @@ import flax.linen as nn
 import jax.numpy as jnp
 import optax
 
+from functrain.data.validate import BatchCheck, FieldRule
+
 
 def model_inputs(kind: str, batch: dict) -> Any:
     """The model's input array for a batch of this task kind."""
@@ -56,3 +58,25 @@ def classifier_loss(model: nn.Module, deterministic: bool) -> Callable:
 def causal_lm_loss(model: nn.Module, deterministic: bool) -> Callable:
     """``loss_fn(params, batch, rng)`` of :func:`causal_lm_sums` on a linen LM's logits."""
     return _bound_loss("causal_lm", model, deterministic)
+
+
+def infer_task_kind(batch: dict) -> str | None:
+    """The built-in loss the data's fields call for: ``causal_lm`` for ``tokens``, ``classifier`` for x/y,
+    None for neither."""
+    if "tokens" in batch:
+        return "causal_lm"
+    if "x" in batch and "y" in batch:
+        return "classifier"
+    return None
+
+
+def batch_check(kind: str, model_config: Any, source: str = "the data") -> BatchCheck:
+    """What the built-in loss of ``kind`` reads from a batch, with the bounds ``model_config`` gives (if any)."""
+    if kind == "classifier":
+        rules = [FieldRule("x", integer=False, what="input"),
+                 FieldRule("y", upper=getattr(model_config, "num_classes", None), bound_key="model.num_classes",
+                           what="label")]
+    else:
+        rules = [FieldRule("tokens", upper=getattr(model_config, "vocab_size", None), bound_key="model.vocab_size",
+                           what="token id")]
+    return BatchCheck(rules, source)
