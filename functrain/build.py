@@ -17,15 +17,13 @@ from typing import Any, Callable
 
 import numpy as np
 
+from functrain.config import PYTHON_OBJECT
 from functrain.data import Source, as_source
 from functrain.data.validate import BatchCheck, check_arrays
 from functrain.datasets import load_dataset
 from functrain.errors import ConfigError, DataError
 from functrain.models import build_model, model_spec
 from functrain.tasks import batch_check, infer_task_kind
-
-# Placeholders recorded in the run's config for objects passed to fit (config.model / config.data.name).
-PYTHON_OBJECT = "python_object"
 
 
 @dataclass(frozen=True)

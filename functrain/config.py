@@ -7,9 +7,9 @@ names a factory (``model.target``) whose keyword arguments are the section's oth
 """
 
 import difflib
-import re
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -39,6 +39,10 @@ class Section(BaseModel):
 class RunConfig(Section):
     """``run.*``: where the run directory (config, metrics, TensorBoard, checkpoints) lives."""
     dir: str = "runs/default"
+
+
+# What the run's config records for an object passed to fit (model, data name, optimizer name).
+PYTHON_OBJECT = "python_object"
 
 
 def check_target(value: str | None) -> str | None:
@@ -96,7 +100,7 @@ class OptimizerConfig(Section):
     @pydantic.model_validator(mode="after")
     def _check_keys(self) -> "OptimizerConfig":
         from functrain.optim import OPTIMIZER_KEYS  # imports optax; only when an optimizer is configured
-        if self.target is not None:
+        if self.target is not None or self.name == PYTHON_OBJECT:
             return self
         if self.name not in OPTIMIZER_KEYS:
             raise ValueError(f"unknown optimizer.name {self.name!r}; choose one of {', '.join(OPTIMIZER_KEYS)}")
@@ -204,7 +208,7 @@ class TargetModelConfig(BaseModel):
 
 class PythonModelConfig(Section):
     """Recorded in place of a model section when ``fit`` is given a model object: its type, for the record."""
-    python_object: str
+    python_object: str  # the name is PYTHON_OBJECT
 
 
 class Config(Section):
@@ -231,7 +235,7 @@ class Config(Section):
             if "name" in value:
                 raise ValueError("the model section has both 'name' and 'target'; keep one")
             return TargetModelConfig.model_validate(value)
-        if isinstance(value, dict) and set(value) == {"python_object"}:
+        if isinstance(value, dict) and set(value) == {PYTHON_OBJECT}:
             return PythonModelConfig.model_validate(value)
         if not isinstance(value, dict) or "name" not in value:
             raise ValueError("the model section needs a 'name' (one of the registered models) or a 'target' "

@@ -21,11 +21,11 @@ import jax
 import numpy as np
 import yaml
 
-from functrain.build import PYTHON_OBJECT, Parts, build_parts, check_data, describe_object, make_backend
+from functrain.build import Parts, build_parts, check_data, describe_object, make_backend
 from functrain.callbacks import (Callback, CallbackList, Control, EarlyStopping, EveryNSteps, MetricsWriter,
                                  ProgressBar, RunView, Throughput)
 from functrain.checkpoint import Checkpointer, list_checkpoints
-from functrain.config import Config, load_config, override_list
+from functrain.config import PYTHON_OBJECT, Config, load_config, override_list
 from functrain.config_checks import check_metric_logged, likely_mistakes
 from functrain.data import BatchLoader, IndexSampler, check_resume, data_meta, resume_position
 from functrain.errors import CheckpointError, ConfigError
@@ -521,13 +521,15 @@ def fit(config: Config | dict | str | os.PathLike, *, model: Any = None, loss_fn
         a Grain data source or ``MapDataset``, or a :class:`~functrain.data.Source`.
       callbacks: extra :class:`~functrain.callbacks.Callback` objects.
 
-    The resolved config in the run directory records a passed model or data as ``python_object``.
+    The resolved config in the run directory records a passed model, data or optimizer as ``python_object``.
     """
     recorded = dict(overrides)
     if model is not None:
         recorded["model"] = {PYTHON_OBJECT: describe_object(model)}
     if train_data is not None:
         recorded["data.name"] = PYTHON_OBJECT
+    if optimizer is not None:
+        recorded["optimizer.name"] = PYTHON_OBJECT
     config = resolve_config(config, recorded)
     parts = build_parts(config, model=model, loss_fn=loss_fn, optimizer=optimizer, train_data=train_data,
                         eval_data=eval_data)

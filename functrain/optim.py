@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from functrain.config import PYTHON_OBJECT
 from functrain.errors import ConfigError
 
 
@@ -75,6 +76,9 @@ def named_optimizer(config: Any, schedule: optax.Schedule) -> optax.GradientTran
     if name == "muon" and name in OPTIMIZER_KEYS:
         return optax.contrib.muon(schedule, weight_decay=decay, weight_decay_mask=decay_mask,
                                   **_set_keys(config, name))
+    if name == PYTHON_OBJECT:
+        raise ConfigError("optimizer.name=python_object records an optimizer passed to fit; pass it again with "
+                          "fit(..., optimizer=) or set optimizer.name or optimizer.target")
     raise ConfigError(f"unknown optimizer.name {name!r}; choose one of {', '.join(sorted(OPTIMIZER_KEYS))}")
 
 
