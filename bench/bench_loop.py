@@ -32,7 +32,8 @@ from functrain.config import load_config  # noqa: E402
 from functrain.data import IndexSampler  # noqa: E402
 from functrain.datasets import load_dataset  # noqa: E402
 from functrain.optim import make_optimizer  # noqa: E402
-from functrain.tasks import make_task  # noqa: E402
+from functrain.models import build_model  # noqa: E402
+from functrain.program import as_program  # noqa: E402
 
 WARMUP_STEPS = 160  # excludes compilation and the first calls from every measurement
 
@@ -77,11 +78,11 @@ def bench_hand_written(config, steps: int) -> float:
     train, _ = load_dataset(config.data)
     sampler = IndexSampler(len(train["y"]), config.data.global_batch_size, config.seed)
     weight = np.ones(config.data.global_batch_size, np.float32)
-    task = make_task(config, {"x": train["x"][:2], "y": train["y"][:2], "weight": weight[:2]})
+    program = as_program(build_model(config.model), {"x": train["x"][:2], "y": train["y"][:2], "weight": weight[:2]})
     tx, schedule = make_optimizer(config.optimizer, steps)
-    step = jax.jit(make_train_step(task.loss_fn, tx, clip_norm=config.train.clip_norm, learning_rate_fn=schedule),
-                   donate_argnums=0)
-    state = TrainState.create(task.init_params(jax.random.PRNGKey(0)), tx, jax.random.PRNGKey(1))
+    step = jax.jit(make_train_step(program.loss_fn, tx, clip_norm=config.train.clip_norm, learning_rate_fn=schedule,
+                                   stateful=True), donate_argnums=0)
+    state = TrainState.create(program.init(jax.random.PRNGKey(0))[0], tx, jax.random.PRNGKey(1))
     for i in range(steps):
         if i == WARMUP_STEPS:
             jax.block_until_ready(state)

@@ -30,7 +30,10 @@ import numpy as np  # noqa: E402
 from functrain.backend import JaxBackend  # noqa: E402
 from functrain.config import Config, load_config  # noqa: E402
 from functrain.mfu import decoder_shape, peak_tflops, train_flops_per_token  # noqa: E402
-from functrain.tasks import make_task  # noqa: E402
+from functrain.models import build_model  # noqa: E402
+from functrain.optim import make_optimizer  # noqa: E402
+from functrain.precision import COMPUTE_DTYPES  # noqa: E402
+from functrain.program import as_program  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PRESETS = {
@@ -72,8 +75,10 @@ def main() -> None:
     rng = np.random.default_rng(0)
     host_batches = {"tokens": rng.integers(0, config.model.vocab_size, (k, batch, seq + 1), np.int32),
                     "weight": np.ones((k, batch), np.float32)}
-    task = make_task(config, {name: value[0] for name, value in host_batches.items()})
-    backend = JaxBackend(config, task, total_steps=(calls + 1) * k)
+    program = as_program(build_model(config.model, COMPUTE_DTYPES[config.train.compute_dtype]),
+                         {name: value[0] for name, value in host_batches.items()})
+    tx, schedule = make_optimizer(config.optimizer, (calls + 1) * k)
+    backend = JaxBackend(config, program, tx, schedule, total_steps=(calls + 1) * k)
     state = backend.init_state()
     batches = backend.place(host_batches)
 

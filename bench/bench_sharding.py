@@ -34,7 +34,8 @@ from functrain.data import batch_sharding  # noqa: E402
 from functrain.optim import make_optimizer  # noqa: E402
 from functrain.state import TrainState  # noqa: E402
 from functrain.step import make_train_step  # noqa: E402
-from functrain.tasks import make_task  # noqa: E402
+from functrain.models import build_model  # noqa: E402
+from functrain.program import as_program  # noqa: E402
 
 MODEL = ["model.name=gpt", "model.vocab_size=256", "model.max_len=128", "model.d_model=256",
          "model.n_layers=4", "model.n_heads=8", "model.d_ff=1024"]
@@ -104,19 +105,19 @@ def compile_step(fsdp: int):
                                 f"data.global_batch_size={BATCH}", f"data.seq_len={SEQ}"],
                          base={"model": {"name": "gpt"}})
     example = {"tokens": np.zeros((BATCH, SEQ + 1), np.int32), "weight": np.ones(BATCH, np.float32)}
-    task = make_task(config, example)
+    program = as_program(build_model(config.model), example)
     tx, schedule = make_optimizer(config.optimizer, total_steps=1000)
     mesh = sharding.make_mesh(config.mesh)
 
     def create(rng):
-        return TrainState.create(task.init_params(rng), tx, rng)
+        return TrainState.create(program.init(rng)[0], tx, rng)
 
     abstract = jax.eval_shape(create, jax.random.PRNGKey(0))
-    params_sh = sharding.param_shardings(task.logical_specs(), abstract.params, mesh,
+    params_sh = sharding.param_shardings(program.logical_specs(), abstract.params, mesh,
                                          sharding.logical_rules(config.mesh))
     state_sh = sharding.state_shardings(abstract, params_sh, mesh)
     batch_sh = batch_sharding(mesh, batch_axis=0)
-    step = make_train_step(task.loss_fn, tx, learning_rate_fn=schedule)
+    step = make_train_step(program.loss_fn, tx, learning_rate_fn=schedule, stateful=True)
     abstract_batch = {key: jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=batch_sh)
                       for key, value in example.items()}
     abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),

@@ -20,12 +20,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench_loop import LogClock  # noqa: E402
 
-import functrain.loop  # noqa: E402
+import functrain.build  # noqa: E402
 from functrain import fit  # noqa: E402
 from functrain.config import load_config  # noqa: E402
 from functrain.data import BatchLoader, IndexSampler  # noqa: E402
 from functrain.data.validate import BatchCheck  # noqa: E402
 from functrain.datasets import load_dataset  # noqa: E402
+from functrain.models import model_spec  # noqa: E402
 from functrain.tasks import batch_check  # noqa: E402
 
 JOBS = {  # config, steps, steps per call, first timed step (a multiple of the log interval, 20)
@@ -35,7 +36,7 @@ JOBS = {  # config, steps, steps per call, first timed step (a multiple of the l
 
 
 def run_fit(config_path: str, steps: int, steps_per_call: int, warmup: int, checked: bool) -> float:
-    functrain.loop.batch_check = batch_check if checked else (lambda model_config, source="": BatchCheck([]))
+    functrain.build.batch_check = batch_check if checked else (lambda kind, model_config, source="": BatchCheck([]))
     clock = LogClock(warmup, steps)
     with tempfile.TemporaryDirectory() as run_dir:
         fit(config_path, callbacks=[clock], **{
@@ -53,7 +54,7 @@ def check_time_per_batch(config_path: str, batches: int = 2000) -> float:
     loader = BatchLoader(train, IndexSampler(len(next(iter(train.values()))), config.data.global_batch_size, 0),
                          prefetch=0)
     batch, _ = loader.host_batch(0)
-    check = batch_check(config.model)
+    check = batch_check(model_spec(config.model.name)["kind"], config.model)
     start = time.perf_counter()
     for _ in range(batches):
         check(batch, None)

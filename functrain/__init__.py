@@ -1,14 +1,16 @@
 """functrain: a pure-functional training library for JAX/Flax.
 
 The public surface: :class:`TrainState`, :func:`make_train_step`, :func:`make_eval_step`,
-:func:`make_train_call` and :func:`fit`; data order in :mod:`functrain.data`, checkpoints in
+:func:`make_train_call`, :func:`fit` and the model wrappers :class:`FunctionalModel` / :class:`Program`; data order in :mod:`functrain.data`, checkpoints in
 :mod:`functrain.checkpoint`. ``import functrain`` never imports torch.
 """
 
 from functrain.state import TrainState
 from functrain.step import make_eval_step, make_train_call, make_train_step
 from functrain.loop import fit
+from functrain.program import FunctionalModel, Program
 
 
-__all__ = ["TrainState", "fit", "make_eval_step", "make_train_call", "make_train_step"]
+__all__ = ["FunctionalModel", "Program", "TrainState", "fit", "make_eval_step", "make_train_call",
+           "make_train_step"]
 __version__ = "0.1.0"

@@ -9,16 +9,16 @@ from typing import Any
 
 import jax
 import numpy as np
+import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from functrain import distributed, sharding
 from functrain.data import batch_sharding, to_global
 from functrain.errors import ConfigError
-from functrain.optim import make_optimizer
 from functrain.precision import COMPUTE_DTYPES, LOSS_SCALE_INIT
 from functrain.state import TrainState
 from functrain.step import make_eval_step, make_train_call, make_train_step
-from functrain.tasks import Task
+from functrain.program import Program
 
 # TrainState fields saved in the checkpoint's "state" item (params are an item of their own).
 STATE_FIELDS = ("step", "opt_state", "rng", "model_state", "loss_scale", "good_steps", "skipped_steps",
@@ -34,9 +34,11 @@ class JaxBackend:
 
     name = "jax"
 
-    def __init__(self, config: Any, task: Task, total_steps: int) -> None:
+    def __init__(self, config: Any, program: Program, tx: optax.GradientTransformation,
+                 schedule: optax.Schedule | None, total_steps: int) -> None:
+        """``schedule`` is reported as the ``learning_rate`` metric (None: not reported)."""
         self.config = config
-        self.task = task
+        self.program = program
         self.mesh = sharding.make_mesh(config.mesh)
         devices = sharding.batch_devices(self.mesh)
         micro = config.train.micro_batches
@@ -46,27 +48,31 @@ class JaxBackend:
                 f"({micro}) x data-parallel devices ({devices}); use a multiple of {micro * devices}")
         compute_dtype = COMPUTE_DTYPES[config.train.compute_dtype]
         dynamic_scale = config.train.loss_scale == "dynamic"
-        tx, self.schedule = make_optimizer(config.optimizer, total_steps)
-        self.tx = tx
+        self.tx, self.schedule = tx, schedule
         train_step = make_train_step(
-            task.loss_fn, tx, micro_batches=micro, clip_norm=config.train.clip_norm,
+            program.loss_fn, tx, micro_batches=micro, clip_norm=config.train.clip_norm,
             compute_dtype=compute_dtype, dynamic_loss_scale=dynamic_scale,
-            learning_rate_fn=self.schedule)
-        eval_step = make_eval_step(task.eval_loss_fn, compute_dtype=compute_dtype)
+            learning_rate_fn=schedule, stateful=True)
+        eval_step = make_eval_step(program.eval_loss_fn, compute_dtype=compute_dtype, stateful=True)
+
+        def fresh_state(params: Any, model_state: Any, run_key: jax.Array) -> TrainState:
+            return TrainState.create(params, tx, run_key, model_state=model_state,
+                                     loss_scale=LOSS_SCALE_INIT if dynamic_scale else 1.0)
 
         def state_for_params(params: Any, seed: int) -> TrainState:
-            _, run_key = jax.random.split(jax.random.PRNGKey(seed))
-            return TrainState.create(params, tx, run_key, loss_scale=LOSS_SCALE_INIT if dynamic_scale else 1.0)
+            init_key, run_key = jax.random.split(jax.random.PRNGKey(seed))
+            _, model_state = program.init(init_key)  # the initial params are unused (and compiled away)
+            return fresh_state(params, model_state, run_key)
 
         def create_state(seed: int) -> TrainState:
-            init_key, _ = jax.random.split(jax.random.PRNGKey(seed))
-            return state_for_params(task.init_params(init_key), seed)
+            init_key, run_key = jax.random.split(jax.random.PRNGKey(seed))
+            return fresh_state(*program.init(init_key), run_key)
 
         self.abstract_state = jax.eval_shape(create_state, 0)
         rules = sharding.logical_rules(config.mesh)
         self.param_shardings = sharding.param_shardings(
-            task.logical_specs(), self.abstract_state.params, self.mesh, rules,
-            allow_replicated_fallback=config.mesh.allow_replicated_fallback)
+            program.logical_specs(), self.abstract_state.params, self.mesh, rules,
+            allow_replicated_fallback=config.mesh.allow_replicated_fallback, param_rules=config.mesh.param_rules)
         self.state_shardings = sharding.state_shardings(self.abstract_state, self.param_shardings, self.mesh)
         replicated = NamedSharding(self.mesh, PartitionSpec())
         self.stacked_batch_sharding = batch_sharding(self.mesh, batch_axis=1)

@@ -2,12 +2,14 @@
 
 ``load_config("configs/char_gpt.yaml", ["train.max_steps=100"])`` returns a validated :class:`Config`.
 Unknown keys and wrong types raise :class:`~functrain.errors.ConfigError` naming the key (and, for a
-misspelt key, the nearest valid one). The ``model`` section is checked by the chosen model's own schema.
+misspelt key, the nearest valid one). The ``model`` section is checked by the chosen model's own schema, or
+names a factory (``model.target``) whose keyword arguments are the section's other keys.
 """
 
 import difflib
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -39,11 +41,31 @@ class RunConfig(Section):
     dir: str = "runs/default"
 
 
+# What the run's config records for an object passed to fit (model, data name, optimizer name).
+PYTHON_OBJECT = "python_object"
+
+
+def check_target(value: str | None) -> str | None:
+    """An import path ``"package.module:attribute"`` (checked for form here, imported by the builder)."""
+    if value is not None:
+        module, sep, attribute = value.partition(":")
+        if not sep or not module or not attribute:
+            raise ValueError(f"{value!r} is not an import path; write it as 'package.module:factory'")
+    return value
+
+
+Target = Annotated[str | None, pydantic.AfterValidator(check_target)]
+
+
 class DataConfig(Section):
     """``data.*``: the dataset and its order. ``last_batch``: drop an epoch's short tail or pad it with
     weight-0 samples; ``ignore_skip`` restarts the data at sample 0 on resume (model and optimizer kept);
-    ``skip_samples`` sets the position explicitly; ``prefetch`` is calls assembled ahead in a thread."""
+    ``skip_samples`` sets the position explicitly; ``prefetch`` is calls assembled ahead in a thread.
+    ``target: "pkg.module:load"`` (called with ``kwargs``) replaces ``name``: it returns the training data
+    (a dict of arrays, a map-style dataset) or a ``(train, eval)`` pair."""
     name: str = "char_text"
+    target: Target = None
+    kwargs: dict[str, Any] = Field(default_factory=dict)
     path: str | None = None
     seq_len: int = Field(128, ge=1)
     global_batch_size: int = Field(32, ge=1)
@@ -57,8 +79,13 @@ class DataConfig(Section):
 
 
 class OptimizerConfig(Section):
-    """``optimizer.*``: AdamW or SGD, with linear warmup then a constant, cosine or linear schedule."""
-    name: Literal["adamw", "sgd"] = "adamw"
+    """``optimizer.*``: adamw, sgd, adafactor, lion or muon, with linear warmup then a constant, cosine or
+    linear schedule. ``target: "pkg.module:make"`` (called with ``kwargs``) replaces ``name``: it returns an
+    optax transformation, or a function of the schedule returning one; a target taking ``learning_rate``
+    (``"optax:lion"``) gets the schedule as its learning rate."""
+    name: str = "adamw"
+    target: Target = None
+    kwargs: dict[str, Any] = Field(default_factory=dict)
     learning_rate: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     b1: float = 0.9
@@ -69,6 +96,20 @@ class OptimizerConfig(Section):
     schedule: Literal["constant", "cosine", "linear"] = "constant"
     warmup_steps: int = Field(0, ge=0)
     end_lr_ratio: float = Field(0.0, ge=0)
+
+    @pydantic.model_validator(mode="after")
+    def _check_keys(self) -> "OptimizerConfig":
+        from functrain.optim import OPTIMIZER_KEYS  # imports optax; only when an optimizer is configured
+        if self.target is not None or self.name == PYTHON_OBJECT:
+            return self
+        if self.name not in OPTIMIZER_KEYS:
+            raise ValueError(f"unknown optimizer.name {self.name!r}; choose one of {', '.join(OPTIMIZER_KEYS)}")
+        for key in ("b1", "b2", "eps", "momentum", "nesterov"):
+            if key not in OPTIMIZER_KEYS[self.name] and getattr(self, key) != type(self).model_fields[key].default:
+                users = [name for name, keys in OPTIMIZER_KEYS.items() if key in keys]
+                raise ValueError(f"optimizer.{key} is not used by optimizer.name={self.name} (only by "
+                                 f"{', '.join(users)}); remove it or choose one of those")
+        return self
 
 
 class TrainConfig(Section):
@@ -107,12 +148,31 @@ class CheckpointConfig(Section):
         raise ValueError("must be 'auto', 'never' or a checkpoint step (an integer >= 0)")
 
 
+class ParamRule(Section):
+    """One ``mesh.param_rules`` entry: parameters whose path (``block_0/dense/kernel``) matches the regular
+    expression ``pattern`` (``re.search``) get ``spec``, one mesh axis (or list of axes, or null) per dimension."""
+    pattern: str
+    spec: list[str | list[str] | None]
+
+    @pydantic.field_validator("pattern")
+    @classmethod
+    def _compiles(cls, value: str) -> str:
+        try:
+            re.compile(value)
+        except re.error as exc:
+            raise ValueError(f"pattern {value!r} is not a regular expression ({exc})") from None
+        return value
+
+
 class MeshConfig(Section):
-    """``mesh.*``: device mesh axes (one may be -1 for the rest) and logical-to-mesh axis rules."""
+    """``mesh.*``: device mesh axes (one may be -1 for the rest), logical-to-mesh axis rules, and rules by
+    parameter path for parameters without logical axes (``param_rules``, first match wins; see
+    :mod:`functrain.sharding` for the default rule)."""
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
     rules: dict[str, str | list[str] | None] | None = None  # None: the defaults in functrain.sharding
+    param_rules: list[ParamRule] = Field(default_factory=list)
     allow_replicated_fallback: bool = False
 
 
@@ -131,6 +191,24 @@ class EvalConfig(Section):
     early_stopping_patience: int = Field(3, ge=1)
     early_stopping_mode: Literal["min", "max"] = "min"
     early_stopping_min_delta: float = Field(0.0, ge=0)
+
+
+class TargetModelConfig(BaseModel):
+    """``model.target: "pkg.module:factory"``: the factory is called with the section's other keys (except
+    ``kind``, the built-in loss when the data's fields do not say: ``classifier`` or ``causal_lm``) and
+    returns the model (linen, NNX, ``FunctionalModel`` or, with ``backend: torch``, an ``nn.Module``)."""
+    model_config = ConfigDict(extra="allow")
+    target: Annotated[str, pydantic.AfterValidator(check_target)]
+    kind: Literal["classifier", "causal_lm"] | None = None
+
+    def factory_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments for the factory."""
+        return dict(self.model_extra or {})
+
+
+class PythonModelConfig(Section):
+    """Recorded in place of a model section when ``fit`` is given a model object: its type, for the record."""
+    python_object: str  # the name is PYTHON_OBJECT
 
 
 class Config(Section):
@@ -153,21 +231,29 @@ class Config(Section):
         from functrain.models import model_config_class  # the registry imports model code lazily
         if isinstance(value, BaseModel):
             return value
+        if isinstance(value, dict) and "target" in value:
+            if "name" in value:
+                raise ValueError("the model section has both 'name' and 'target'; keep one")
+            return TargetModelConfig.model_validate(value)
+        if isinstance(value, dict) and set(value) == {PYTHON_OBJECT}:
+            return PythonModelConfig.model_validate(value)
         if not isinstance(value, dict) or "name" not in value:
-            raise ValueError("the model section needs a 'name' (one of the registered models)")
+            raise ValueError("the model section needs a 'name' (one of the registered models) or a 'target' "
+                             "('package.module:factory')")
         return model_config_class(value["name"]).model_validate(value)
 
     @pydantic.model_validator(mode="after")
     def _check_model_fits_data(self) -> "Config":
         if self.model is None:
-            raise ValueError("the config has no model section; add model.name (e.g. model.name=mlp)")
+            raise ValueError("the config has no model section; add model.name (e.g. model.name=mlp) or "
+                             "model.target, or pass model= to fit")
         context = next((getattr(self.model, key) for key in ("max_len", "n_positions", "max_position_embeddings")
                         if getattr(self.model, key, None) is not None), None)
         if context is not None and self.data.seq_len > context:
             raise ValueError(f"data.seq_len={self.data.seq_len} is longer than the model's context of {context} "
                              f"positions; lower data.seq_len or raise the model's context length")
         vocab = getattr(self.model, "vocab_size", None)
-        if self.data.name == "char_text" and vocab is not None and vocab < 256:
+        if self.data.target is None and self.data.name == "char_text" and vocab is not None and vocab < 256:
             raise ValueError(f"data.name=char_text feeds bytes (ids 0-255) but the model's vocab_size is {vocab}; "
                              f"set model.vocab_size to at least 256")
         return self

@@ -15,27 +15,24 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
 import yaml
 
+from functrain.build import Parts, build_parts, check_data, describe_object, make_backend
 from functrain.callbacks import (Callback, CallbackList, Control, EarlyStopping, EveryNSteps, MetricsWriter,
                                  ProgressBar, RunView, Throughput)
 from functrain.checkpoint import Checkpointer, list_checkpoints
-from functrain.config import Config, load_config, override_list
+from functrain.config import PYTHON_OBJECT, Config, load_config, override_list
 from functrain.config_checks import check_metric_logged, likely_mistakes
 from functrain.data import BatchLoader, IndexSampler, check_resume, data_meta, resume_position
-from functrain.data.validate import check_arrays
-from functrain.datasets import load_dataset
 from functrain.errors import CheckpointError, ConfigError
 from functrain.mfu import speed_report
-from functrain.models import model_spec
 from functrain.outcome import (ALREADY_FINISHED, EARLY_STOPPED, FINISHED, NONFINITE, SIGNAL, FitResult,
                                skipped_report)
 from functrain.run_lock import RunLock
-from functrain.tasks import batch_check
 
 log = logging.getLogger("functrain")
 
@@ -62,19 +59,6 @@ def total_steps(config: Config, sampler: IndexSampler) -> int:
     if config.train.max_steps is not None:
         return config.train.max_steps
     return max(1, int(np.ceil(config.train.epochs * sampler.steps_per_epoch)))
-
-
-def make_backend(config: Config, example_batch: dict[str, np.ndarray], max_steps: int) -> Any:
-    """The backend named by ``config.backend`` (the torch bridge is imported only when asked for)."""
-    if config.backend == "torch":
-        try:
-            from torch_bridge.backend import make_backend as make_torch_backend
-        except ImportError as exc:
-            raise ConfigError(f"backend: torch needs PyTorch ({exc}); pip install 'functrain[torch]'") from None
-        return make_torch_backend(config, example_batch, max_steps)
-    from functrain.backend import JaxBackend
-    from functrain.tasks import make_task
-    return JaxBackend(config, make_task(config, example_batch), max_steps)
 
 
 def write_run_config(run_dir: Path, config: Config) -> None:
@@ -127,23 +111,21 @@ def _summarise_call(metrics: dict[str, np.ndarray], index: int) -> dict[str, flo
 class _Run:
     """One run's mutable bookkeeping; ``fit`` drives it. Kept private: the public surface is ``fit``."""
 
-    def __init__(self, config: Config, callbacks: list[Callback]) -> None:
+    def __init__(self, config: Config, parts: Parts, callbacks: list[Callback]) -> None:
         self.config = config
         self.run_dir = Path(config.run.dir).absolute()  # Orbax needs absolute paths
         self.signals = StopSignals()
 
-        train_arrays, self.eval_arrays = load_dataset(config.data)
+        train_data, self.eval_data = parts.train_data, parts.eval_data
         # What the model reads is checked before the first step, and again on every batch as it is built.
-        self.batch_check = batch_check(config.model, source=f"the data ({config.data.path or config.data.name})")
-        for arrays in (train_arrays, self.eval_arrays):
-            check_arrays(self.batch_check, arrays)
+        self.batch_check = parts.batch_check
+        check_data(parts)
         self.data_seed = config.seed if config.data.seed is None else config.data.seed
-        num_train = len(next(iter(train_arrays.values())))
-        self.sampler = IndexSampler(num_train, config.data.global_batch_size, self.data_seed,
+        self.sampler = IndexSampler(len(train_data), config.data.global_batch_size, self.data_seed,
                                     shuffle=config.data.shuffle, last_batch=config.data.last_batch)
         self.max_steps = total_steps(config, self.sampler)
-        example_batch, _ = BatchLoader(train_arrays, self.sampler, prefetch=0).host_batch(0)
-        self.backend = make_backend(config, example_batch, self.max_steps)
+        example_batch, _ = BatchLoader(train_data, self.sampler, prefetch=0).host_batch(0)
+        self.backend = make_backend(config, parts, example_batch, self.max_steps)
         # jax.distributed or torch.distributed: the backend knows which process this is.
         self.process_index = getattr(self.backend, "process_index", jax.process_index())
         self.process_count = getattr(self.backend, "process_count", jax.process_count())
@@ -151,7 +133,7 @@ class _Run:
         self.synchronous_backend = getattr(self.backend, "synchronous", False)
         # Orbax writes a checkpoint with every jax process; torch ranks hold replicas, so rank 0 writes alone.
         self.writes_checkpoints = self.is_primary or jax.process_count() > 1
-        self.loader = BatchLoader(train_arrays, self.sampler, self.process_index, self.process_count,
+        self.loader = BatchLoader(train_data, self.sampler, self.process_index, self.process_count,
                                   prefetch=config.data.prefetch, check=self.batch_check)
         self.checkpointer: Checkpointer | None = None  # opened once the run directory is ours (owning_run_dir)
 
@@ -169,8 +151,8 @@ class _Run:
         self.last_saved_step = -1
         self.last_eval_step = -1
         self.throughput = Throughput()
-        self.speed = speed_report(config.model, model_spec(config.model.name)["kind"], config.data.global_batch_size,
-                                  config.data.seq_len, jax.devices() if config.backend == "jax" else [])
+        self.speed = speed_report(config.model, parts.kind, config.data.global_batch_size, config.data.seq_len,
+                                  jax.devices() if config.backend == "jax" else [])
         # The state's non-finite count when the loop last read a call's metrics (see check_nonfinite).
         self.nonfinite_seen, self.nonfinite_checked_at = 0, 0
         self.restored = False
@@ -351,9 +333,9 @@ class _Run:
 
     def eval_loader(self) -> BatchLoader:
         """The evaluation set in a fixed order, padded so that every record counts once."""
-        sampler = IndexSampler(len(next(iter(self.eval_arrays.values()))), self.config.data.global_batch_size,
+        sampler = IndexSampler(len(self.eval_data), self.config.data.global_batch_size,
                                self.data_seed, shuffle=False, last_batch="pad")
-        return BatchLoader(self.eval_arrays, sampler, self.process_index, self.process_count, prefetch=0,
+        return BatchLoader(self.eval_data, sampler, self.process_index, self.process_count, prefetch=0,
                            check=self.batch_check)
 
     def check_eval_metric_names(self, state: Any) -> None:
@@ -518,16 +500,39 @@ class _Run:
         return result
 
     def has_eval_data(self) -> bool:
-        return len(next(iter(self.eval_arrays.values()), ())) > 0
+        return self.eval_data is not None
 
-def fit(config: Config | dict | str | os.PathLike, callbacks: list[Callback] | None = None,
-        **overrides: Any) -> FitResult:
-    """Train as ``config`` says, resuming from its run directory when a checkpoint is there.
+def fit(config: Config | dict | str | os.PathLike, *, model: Any = None, loss_fn: Callable | None = None,
+        optimizer: Any = None, train_data: Any = None, eval_data: Any = None,
+        callbacks: list[Callback] | None = None, **overrides: Any) -> FitResult:
+    """Train as ``config`` says, with any objects given in place of the config's, resuming from the run
+    directory when a checkpoint is there.
 
     ``config`` is a :class:`~functrain.config.Config`, a dict or a YAML path; ``overrides`` are dotted keys
     (``fit("configs/mlp_digits.yaml", **{"train.max_steps": 100})`` or ``train__max_steps=100``).
+
+    Args:
+      model: a Flax linen module, an NNX module, ``FunctionalModel(init, apply)`` (or with ``backend: torch``
+        an ``nn.Module``) in place of ``model.name`` / ``model.target``.
+      loss_fn: ``loss_fn(params, batch, rng) -> (loss_sum, weight, aux_sums)`` (sums, see
+        :mod:`functrain.step`) in place of the built-in loss for the data's fields.
+      optimizer: an ``optax.GradientTransformation``, or a function of the config's schedule returning one.
+      train_data, eval_data: a dict of arrays or memmaps, an HF ``datasets.Dataset``, a torch ``Dataset``,
+        a Grain data source or ``MapDataset``, or a :class:`~functrain.data.Source`.
+      callbacks: extra :class:`~functrain.callbacks.Callback` objects.
+
+    The resolved config in the run directory records a passed model, data or optimizer as ``python_object``.
     """
-    config = resolve_config(config, overrides)
-    run = _Run(config, list(callbacks or []))
+    recorded = dict(overrides)
+    if model is not None:
+        recorded["model"] = {PYTHON_OBJECT: describe_object(model)}
+    if train_data is not None:
+        recorded["data.name"] = PYTHON_OBJECT
+    if optimizer is not None:
+        recorded["optimizer.name"] = PYTHON_OBJECT
+    config = resolve_config(config, recorded)
+    parts = build_parts(config, model=model, loss_fn=loss_fn, optimizer=optimizer, train_data=train_data,
+                        eval_data=eval_data)
+    run = _Run(config, parts, list(callbacks or []))
     with run.owning_run_dir():
         return run.run()

@@ -11,12 +11,22 @@ logical name to mesh axes of a ``("data", "fsdp", "tensor")`` mesh, so one model
 
 Batches are split over ``data`` and ``fsdp`` together (FSDP is data parallelism whose parameters are
 gathered on use), whatever the rules say.
+
+Parameters without logical axis names (user models that do not annotate them) follow, in order:
+
+1. ``mesh.param_rules``: the first ``{pattern, spec}`` whose regular expression matches the parameter's path
+   (``re.search`` on ``block_0/dense/kernel``) gives its mesh spec (one entry per dimension); these rules win
+   over logical names too.
+2. The default rule: FSDP over the parameter's largest dimension that the ``fsdp`` axis size divides
+   (the first such on a tie); replicated when none does (logged once with the parameters' names), and
+   replicated on a mesh without an ``fsdp`` axis larger than 1.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -172,27 +182,83 @@ def _mesh_spec(name: str, logical: PartitionSpec | None, shape: tuple[int, ...],
     return PartitionSpec(*spec)
 
 
+def default_spec(shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec | None:
+    """The default rule for an unannotated parameter: FSDP over its largest dimension the ``fsdp`` axis
+    divides; ``PartitionSpec()`` without an fsdp axis; None when no dimension divides (replicated)."""
+    ways = mesh.shape.get("fsdp", 1)
+    if ways == 1 or not shape:
+        return PartitionSpec()
+    fitting = [dim for dim in range(len(shape)) if shape[dim] % ways == 0]
+    if not fitting:
+        return None
+    dim = max(fitting, key=lambda d: (shape[d], -d))
+    return PartitionSpec(*([None] * dim + ["fsdp"]))
+
+
+def pattern_spec(name: str, shape: tuple[int, ...], rule: Any, index: int, mesh: Mesh) -> PartitionSpec:
+    """The spec ``mesh.param_rules[index]`` gives parameter ``name``, checked against its shape and the mesh."""
+    where = f"mesh.param_rules[{index}] (pattern {rule.pattern!r})"
+    if len(rule.spec) > len(shape):
+        raise ConfigError(f"{where} gives {len(rule.spec)} axes to parameter {name!r} of shape {list(shape)}; "
+                          f"give at most {len(shape)} or narrow the pattern")
+    spec = []
+    for dim, target in enumerate(rule.spec):
+        axes = _as_axes(tuple(target) if isinstance(target, list) else target)
+        for axis in axes:
+            if axis not in MESH_AXES:
+                raise ConfigError(f"{where} names unknown mesh axis {axis!r}; use one of {', '.join(MESH_AXES)} "
+                                  f"or null (replicated)")
+        ways = math.prod(mesh.shape[axis] for axis in axes)
+        if shape[dim] % ways:
+            raise ConfigError(f"{where}: parameter {name!r} dimension {dim} (size {shape[dim]}) is not divisible "
+                              f"by {' x '.join(axes)} (size {ways}); change the rule's spec or the mesh sizes")
+        spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return PartitionSpec(*spec)
+
+
 def param_shardings(logical_specs: Any, abstract_params: Any, mesh: Mesh, rules: Rules,
-                    allow_replicated_fallback: bool = False) -> Any:
+                    allow_replicated_fallback: bool = False, param_rules: Any = ()) -> Any:
     """A ``NamedSharding`` per parameter, from its logical axis names and the rules.
 
     Args:
-      logical_specs: tree of ``PartitionSpec`` of logical names (``Task.logical_specs()``), the same
+      logical_specs: tree of ``PartitionSpec`` of logical names (``Program.logical_specs()``), the same
         structure as the params; a ``None`` spec means replicated.
       abstract_params: the params (arrays or ``jax.ShapeDtypeStruct``), for their shapes.
       mesh: from :func:`make_mesh`.
       rules: from :func:`logical_rules`.
       allow_replicated_fallback: replicate (with a warning) a dimension its mesh axes do not divide,
         instead of raising a ConfigError naming the parameter, dimension and mesh axis.
+      param_rules: ``mesh.param_rules`` entries (``.pattern``, ``.spec``), tried first (module docstring);
+        a rule that matches no parameter is a ConfigError.
     """
     rule_map = {logical: _as_axes(target) for logical, target in rules}
+    param_rules = list(param_rules)
+    matched: set[int] = set()
+    replicated: list[str] = []
 
     def one(path: tuple, leaf: Any, logical: PartitionSpec | None) -> NamedSharding:
-        spec = _mesh_spec(path_string(path), logical, tuple(np.shape(leaf)), mesh, rule_map,
-                          allow_replicated_fallback)
-        return NamedSharding(mesh, spec)
+        name, shape = path_string(path), tuple(np.shape(leaf))
+        index = next((i for i, rule in enumerate(param_rules) if re.search(rule.pattern, name)), None)
+        if index is not None:
+            matched.add(index)
+            return NamedSharding(mesh, pattern_spec(name, shape, param_rules[index], index, mesh))
+        if not logical and shape:  # no logical axis names: the default rule
+            spec = default_spec(shape, mesh)
+            if spec is None:
+                replicated.append(name)
+            return NamedSharding(mesh, spec or PartitionSpec())
+        return NamedSharding(mesh, _mesh_spec(name, logical, shape, mesh, rule_map, allow_replicated_fallback))
 
-    return jax.tree_util.tree_map_with_path(one, abstract_params, logical_specs)
+    shardings = jax.tree_util.tree_map_with_path(one, abstract_params, logical_specs)
+    unused = [i for i in range(len(param_rules)) if i not in matched]
+    if unused:
+        raise ConfigError(f"mesh.param_rules[{unused[0]}] (pattern {param_rules[unused[0]].pattern!r}) matches no "
+                          f"parameter; fix the pattern (paths look like "
+                          f"{path_string(jax.tree_util.tree_flatten_with_path(abstract_params)[0][0][0])!r})")
+    if replicated:
+        logger.warning("%d parameter(s) without logical axes have no dimension divisible by mesh.fsdp=%d and are "
+                       "replicated: %s", len(replicated), mesh.shape.get("fsdp", 1), ", ".join(replicated[:8]))
+    return shardings
 
 
 # ---------------------------------------------------------------------------------------------- state

@@ -101,7 +101,7 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, *, micr
       clip_norm: global-norm clipping threshold, or None.
       compute_dtype: dtype the parameters are cast to for the forward/backward pass (params stay float32).
       dynamic_loss_scale: scale the loss for float16 compute, halving the scale on overflow.
-      learning_rate_fn: the schedule, reported as the ``learning_rate`` metric.
+      learning_rate_fn: the schedule, reported as the ``learning_rate`` metric (None: no such metric).
       stateful: ``loss_fn`` takes and returns ``model_state`` (see the module docstring).
 
     A non-finite loss or gradient never reaches the parameters: that update is skipped (params, optimizer
@@ -109,8 +109,8 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, *, micr
     metric, on which the caller may stop (the loop does with ``train.nonfinite: stop``).
 
     Metrics: ``loss`` (mean over the total weight), ``weight`` (tokens or examples), ``grad_norm`` (before
-    clipping), ``learning_rate``, ``skipped_steps``, ``nonfinite`` (this step), ``nonfinite_steps`` (all
-    steps so far), ``loss_scale`` when dynamic, and every aux sum divided by the total weight.
+    clipping), ``learning_rate`` (with ``learning_rate_fn``), ``skipped_steps``, ``nonfinite`` (this step),
+    ``nonfinite_steps`` (all steps so far), ``loss_scale`` when dynamic, and every aux sum divided by the total weight.
     """
     full_loss = _as_stateful(loss_fn, stateful)
 
@@ -148,9 +148,9 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, *, micr
 
         applied_updates = state.step - state.skipped_steps
         metrics = {"loss": loss, "weight": weight, "grad_norm": grad_norm,
-                   "learning_rate": (learning_rate_fn(applied_updates) if learning_rate_fn is not None
-                                     else jnp.zeros((), jnp.float32)),
                    "skipped_steps": skipped, "nonfinite": nonfinite, "nonfinite_steps": nonfinite_steps}
+        if learning_rate_fn is not None:
+            metrics["learning_rate"] = learning_rate_fn(applied_updates)
         if dynamic_loss_scale:
             metrics["loss_scale"] = state.loss_scale
         metrics.update({name: value / denominator for name, value in aux.items()})

@@ -23,11 +23,10 @@ from functrain.inspect_run import inspect_report
 OVERRIDES = ["train.max_steps=60", "train.steps_per_call=5", "checkpoint.every_steps=10", "checkpoint.keep=2",
              "log.every_steps=5", "eval.every_steps=20", "log.progress=false"]
 
-# Runs the real CLI; FT_KILL="save:N" / "call:N" / "term:N" sends SIGKILL after the N-th save() returns /
-# SIGKILL or SIGTERM to itself right after the N-th train call is dispatched (while it runs).
-DRIVER = """
+# FT_KILL="save:N" / "call:N" / "term:N" sends SIGKILL after the N-th save() returns / SIGKILL or SIGTERM to
+# itself right after the N-th train call is dispatched (while it runs). Other tests put their run after it.
+KILL_HOOKS = """
 import os, signal, sys
-from functrain import cli
 from functrain import backend as backend_module
 from functrain.checkpoint import Checkpointer
 kind, _, count = os.environ.get("FT_KILL", "none:0").partition(":")
@@ -49,6 +48,10 @@ def train_call(self, state, batches):
         os.kill(os.getpid(), signal.SIGKILL if kind == "call" else signal.SIGTERM)
     return result
 backend_module.JaxBackend.train_call = train_call
+"""
+# Runs the real CLI under the hooks.
+DRIVER = KILL_HOOKS + """
+from functrain import cli
 sys.exit(cli.main(sys.argv[1:]))
 """
 

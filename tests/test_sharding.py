@@ -118,19 +118,20 @@ from functrain.data import batch_sharding
 from functrain.config import load_config
 from functrain.errors import ConfigError
 from functrain.state import TrainState
-from functrain.tasks import make_task
+from functrain.models import build_model
+from functrain.program import as_program
 
 out = {}
 def run(overrides, model="gpt"):
     cfg = load_config(None, overrides, base={"model": {"name": model}})
     batch = ({"tokens": np.zeros((8, 9), np.int32), "weight": np.ones(8, np.float32)} if model == "gpt" else
              {"x": np.zeros((8, 64), np.float32), "y": np.zeros(8, np.int32), "weight": np.ones(8, np.float32)})
-    task = make_task(cfg, batch)
+    program = as_program(build_model(cfg.model), batch)
     mesh = S.make_mesh(cfg.mesh)
     tx = optax.adamw(1e-3)
-    init = lambda rng: TrainState.create(task.init_params(rng), tx, rng)
+    init = lambda rng: TrainState.create(program.init(rng)[0], tx, rng)
     abstract = jax.eval_shape(init, jax.random.PRNGKey(0))
-    params_sh = S.param_shardings(task.logical_specs(), abstract.params, mesh, S.logical_rules(cfg.mesh),
+    params_sh = S.param_shardings(program.logical_specs(), abstract.params, mesh, S.logical_rules(cfg.mesh),
                                   cfg.mesh.allow_replicated_fallback)
     state_sh = S.state_shardings(abstract, params_sh, mesh)
     return mesh, abstract, state_sh, init

@@ -115,7 +115,15 @@ def stack_records(records: Sequence[Mapping[str, Any]]) -> Batch:
         if list(record) != names:
             raise DataError(f"records have different fields ({names} vs {list(record)}); make every record "
                             f"return the same keys")
-    return {name: np.stack([np.asarray(record[name]) for record in records]) for name in names}
+    stacked = {}
+    for name in names:
+        values = [np.asarray(record[name]) for record in records]
+        shapes = {value.shape for value in values}
+        if len(shapes) > 1:
+            raise DataError(f"records have field {name!r} of different shapes {sorted(shapes)[:4]}; pad or crop "
+                            f"every record to one shape (e.g. to data.seq_len) before training")
+        stacked[name] = np.stack(values)
+    return stacked
 
 
 def as_source(data: Any, keys: Sequence[str] | None = None) -> Source:

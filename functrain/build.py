@@ -1,0 +1,222 @@
+"""Build a run's parts: every name -> object lookup lives here, for the CLI, ``fit(path)`` and ``fit(config,
+model=..., ...)`` alike.
+
+An object passed to ``fit`` wins; otherwise the config names it: ``model.name`` (the registry in
+:mod:`functrain.models`) or ``model.target``; ``data.name`` (:mod:`functrain.datasets`) or ``data.target``;
+``optimizer.name`` (:mod:`functrain.optim`) or ``optimizer.target``. Import paths are
+``"package.module:attribute"``; one that does not resolve or gives the wrong kind of object is a one-line
+ConfigError naming it. :func:`make_backend` then turns the parts into the backend the loop drives.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from functrain.config import PYTHON_OBJECT
+from functrain.data import Source, as_source
+from functrain.data.validate import BatchCheck, check_arrays
+from functrain.datasets import load_dataset
+from functrain.errors import ConfigError, DataError
+from functrain.models import build_model, model_spec
+from functrain.tasks import batch_check, infer_task_kind
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What a run is built from.
+
+    Attributes:
+      model: the model object; None with ``backend: torch`` and a registry model (the bridge builds it).
+      kind: the built-in loss (``classifier`` / ``causal_lm``): the registry's, ``model.kind`` or the one the
+        data's fields call for; None with a user ``loss_fn`` (or data that fits no built-in loss).
+      loss_fn: a user ``loss_fn(params, batch, rng) -> (loss_sum, weight, aux_sums)``, or None (built-in).
+      optimizer: a user optimizer (transformation or function of the schedule) and what to call it in
+        errors, or None (``optimizer.name``).
+      train_data, eval_data: data sources (``eval_data`` None: no evaluation).
+      batch_check: what the built-in loss reads, checked on every batch (None with a user ``loss_fn``).
+    """
+    model: Any
+    kind: str | None
+    loss_fn: Callable | None
+    optimizer: tuple[Any, str] | None
+    train_data: Source
+    eval_data: Source | None
+    batch_check: BatchCheck | None
+
+
+def describe_object(obj: Any) -> str:
+    """``package.module.Name`` of an object's type (of a function pair: of its ``init``), for the record."""
+    if isinstance(obj, tuple) and obj and callable(obj[0]):
+        obj = obj[0]
+    named = obj if inspect.isfunction(obj) or isinstance(obj, type) else type(obj)
+    return f"{named.__module__}.{named.__qualname__}"
+
+
+def import_target(path: str, what: str) -> Any:
+    """The object at ``"package.module:attribute"``; a path that does not resolve is a ConfigError naming it."""
+    module_name, _, attribute = path.partition(":")
+    fix = "fix the import path (package.module:attribute, importable from the working directory or PYTHONPATH)"
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"{what}={path!r} does not resolve: cannot import {module_name!r} ({exc}); {fix}") from None
+    obj = module
+    for part in attribute.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"{what}={path!r} does not resolve: {module_name!r} has no attribute {attribute!r}; "
+                              f"{fix}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def call_target(path: str, kwargs: dict[str, Any], what: str) -> Any:
+    """Import ``path`` and call it with ``kwargs``; a wrong signature is a ConfigError naming it."""
+    factory = import_target(path, what)
+    if not callable(factory):
+        raise ConfigError(f"{what}={path!r} is a {type(factory).__name__}, not a callable; point it at a function")
+    try:
+        return factory(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"{what}={path!r} cannot be called with {sorted(kwargs)} ({exc}); fix the keys given "
+                          f"with it in the config") from None
+
+
+# ------------------------------------------------------------------------------------------------ model
+
+def resolve_model(config: Any, model: Any) -> tuple[Any, str | None]:
+    """The model object and the built-in loss kind its config names (None: inferred from the data)."""
+    if model is not None:
+        return model, None
+    section = config.model
+    if hasattr(section, "target"):
+        built = call_target(section.target, section.factory_kwargs(), "model.target")
+        if config.backend == "jax":
+            from functrain.program import model_kind_of
+            try:
+                model_kind_of(built)
+            except ConfigError as exc:
+                raise ConfigError(f"model.target={section.target!r} returned: {exc}") from None
+        return built, section.kind
+    if hasattr(section, PYTHON_OBJECT):
+        raise ConfigError(f"model.python_object={getattr(section, PYTHON_OBJECT)!r} records a model passed to fit; "
+                          f"pass it again with fit(..., model=) or set model.name or model.target")
+    kind = model_spec(section.name)["kind"]
+    if config.backend == "torch":
+        return None, kind  # the bridge builds its own registry models
+    from functrain.precision import COMPUTE_DTYPES
+    return build_model(section, COMPUTE_DTYPES[config.train.compute_dtype]), kind
+
+
+# ------------------------------------------------------------------------------------------------- data
+
+def _source(data: Any, what: str) -> Source:
+    try:
+        return as_source(data)
+    except DataError as exc:
+        raise DataError(f"{what}: {exc}") from None
+
+
+def resolve_data(config: Any, train_data: Any, eval_data: Any) -> tuple[Source, Source | None]:
+    """The training and evaluation sources: passed, from ``data.target`` or from ``data.name``."""
+    if train_data is not None:
+        return _source(train_data, "train_data"), None if eval_data is None else _source(eval_data, "eval_data")
+    section = config.data
+    if section.target is not None:
+        loaded = call_target(section.target, section.kwargs, "data.target")
+        train, evaluation = loaded if isinstance(loaded, tuple) and len(loaded) == 2 else (loaded, None)
+        what = f"data.target={section.target!r} returned"
+        return _source(train, what), None if evaluation is None else _source(evaluation, what)
+    if section.name == PYTHON_OBJECT:
+        raise ConfigError("data.name=python_object records data passed to fit; pass it again with "
+                          "fit(..., train_data=) or set data.name or data.target")
+    train, evaluation = load_dataset(section)
+    return as_source(train), (as_source(evaluation) if len(next(iter(evaluation.values()))) else None)
+
+
+# -------------------------------------------------------------------------------------------- optimizer
+
+def resolve_optimizer(config: Any, optimizer: Any) -> tuple[Any, str] | None:
+    """A user optimizer (passed or from ``optimizer.target``) with its name for errors; None: by name.
+
+    A target that takes ``learning_rate`` (``optax:lion``) and is not given one in ``optimizer.kwargs`` is
+    driven by the config's schedule; any other is called with the kwargs and returns a transformation or a
+    function of the schedule."""
+    if optimizer is not None:
+        return optimizer, "optimizer"
+    section = config.optimizer
+    if section.target is None:
+        return None
+    what = f"optimizer.target={section.target!r}"
+    factory = import_target(section.target, "optimizer.target")
+    if _takes_learning_rate(factory) and "learning_rate" not in section.kwargs:
+        # An optax-style constructor (optax:lion): the config's schedule becomes its learning rate.
+        return (lambda schedule: factory(learning_rate=schedule, **section.kwargs)), what
+    return call_target(section.target, section.kwargs, "optimizer.target"), what
+
+
+def _takes_learning_rate(factory: Any) -> bool:
+    try:
+        return "learning_rate" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # no signature to read (a builtin, a class without one)
+        return False
+
+
+def build_parts(config: Any, *, model: Any = None, loss_fn: Callable | None = None, optimizer: Any = None,
+                train_data: Any = None, eval_data: Any = None) -> Parts:
+    """Every part of a run, from the objects given and the config for the rest."""
+    if eval_data is not None and train_data is None:
+        raise ConfigError("eval_data= was given without train_data=; pass both, or neither (the config's data)")
+    model, kind = resolve_model(config, model)
+    train, evaluation = resolve_data(config, train_data, eval_data)
+    check = None
+    if loss_fn is None:
+        kind = kind or infer_task_kind(train.gather(np.arange(1)))
+        where = ("train_data" if train_data is not None else
+                 f"the data ({config.data.path or config.data.target or config.data.name})")
+        check = batch_check(kind, config.model, source=where) if kind else None
+    return Parts(model=model, kind=kind, loss_fn=loss_fn, optimizer=resolve_optimizer(config, optimizer),
+                 train_data=train, eval_data=evaluation, batch_check=check)
+
+
+def check_data(parts: Parts) -> None:
+    """Check what the built-in loss reads before the first step: whole in-memory arrays at once (fields, dtypes,
+    ranges), other sources by the fields of their first record (their ranges are checked batch by batch)."""
+    if parts.batch_check is None:
+        return
+    for source in (parts.train_data, parts.eval_data):
+        arrays = getattr(source, "arrays", None)
+        if arrays is not None:
+            check_arrays(parts.batch_check, arrays)
+        elif source is not None:
+            parts.batch_check.check_fields(source.gather(np.arange(1)))
+
+
+def make_backend(config: Any, parts: Parts, example_batch: dict[str, np.ndarray], max_steps: int) -> Any:
+    """The backend of ``config.backend`` for these parts (the torch bridge is imported only when asked for)."""
+    if config.backend == "torch":
+        try:
+            from torch_bridge.backend import make_backend as make_torch_backend
+        except ImportError as exc:
+            raise ConfigError(f"backend: torch needs PyTorch ({exc}); pip install 'functrain[torch]'") from None
+        if parts.optimizer is not None:
+            raise ConfigError(f"{parts.optimizer[1]} is an optax optimizer, which backend: torch does not run; "
+                              f"use optimizer.name")
+        given = {name: value for name, value in (("model", parts.model), ("loss_fn", parts.loss_fn))
+                 if value is not None}
+        return make_torch_backend(config, example_batch, max_steps, **given)
+    from functrain.backend import JaxBackend
+    from functrain.optim import config_schedule, named_optimizer, resolve_optimizer as as_transformation
+    from functrain.program import as_program
+    program = as_program(parts.model, example_batch, kind=parts.kind, loss_fn=parts.loss_fn)
+    schedule = config_schedule(config.optimizer, max_steps)
+    if parts.optimizer is None:
+        tx, reported = named_optimizer(config.optimizer, schedule), schedule
+    else:
+        tx, reported = as_transformation(parts.optimizer[0], schedule, parts.optimizer[1])
+    return JaxBackend(config, program, tx, reported, max_steps)
+

@@ -1,0 +1,94 @@
+"""Bad user code and data through ``fit``: one line naming the thing and the fix, nothing on disk touched."""
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import functrain
+from examples import plain_functions
+from functrain import cli
+from functrain.errors import CheckpointError, ConfigError, DataError
+
+MODEL = functrain.FunctionalModel(plain_functions.init, plain_functions.apply)
+DATA = {"x": np.random.default_rng(0).random((64, 64), dtype=np.float32), "y": np.arange(64, dtype=np.int32) % 10}
+
+
+def fit_error(tmp_path, error, **kwargs) -> str:
+    """The one-line message of ``error`` raised by a fit into a fresh run directory, which stays absent."""
+    run_dir = tmp_path / "run"
+    kwargs = {"model": MODEL, "train_data": DATA, **kwargs}
+    with pytest.raises(error) as info:
+        functrain.fit(plain_functions.CONFIG, **kwargs, **{"run.dir": str(run_dir), "train.max_steps": 2})
+    assert not run_dir.exists()
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def mean_loss(params, batch, rng):
+    logits = plain_functions.apply(params, batch["x"])
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])), 1.0, {}
+
+
+def test_a_loss_returning_a_mean_or_the_wrong_structure(tmp_path):
+    assert "looks like a mean" in fit_error(tmp_path, ConfigError, loss_fn=mean_loss)
+    single = lambda p, b, r: mean_loss(p, b, r)[0]  # noqa: E731
+    assert "(loss_sum, weight, aux_sums)" in fit_error(tmp_path, ConfigError, loss_fn=single)
+    vector = lambda p, b, r: (jnp.zeros(3), 1.0, {})  # noqa: E731
+    assert "loss_sum of shape (3,)" in fit_error(tmp_path, ConfigError, loss_fn=vector)
+
+
+def test_model_output_that_does_not_fit_the_builtin_loss(tmp_path):
+    model = functrain.FunctionalModel(plain_functions.init, lambda p, x: plain_functions.apply(p, x)[:, :, None])
+    message = fit_error(tmp_path, ConfigError, model=model)
+    assert "float32[32, 10, 1]" in message and "[batch, classes]" in message and "loss_fn=" in message
+
+
+def test_data_missing_a_field_or_with_unequal_records(tmp_path):
+    reads_label = lambda p, b, r: (jnp.sum(b["label"]), jnp.sum(b["weight"]), {})  # noqa: E731
+    assert "'label'" in fit_error(tmp_path, DataError, loss_fn=reads_label)
+    assert "fit no built-in loss" in fit_error(tmp_path, DataError, train_data={"x": DATA["x"]})
+    ragged = [{"x": np.zeros(64 if i % 2 else 63, np.float32), "y": np.int32(1)} for i in range(64)]
+    assert "field 'x' of different shapes" in fit_error(tmp_path, DataError, train_data=ragged)
+
+
+def test_an_optimizer_that_is_not_a_gradient_transformation(tmp_path):
+    assert "not an optax.GradientTransformation" in fit_error(tmp_path, ConfigError, optimizer="adam")
+    assert "returned int from the schedule" in fit_error(tmp_path, ConfigError, optimizer=lambda lr: 3)
+
+
+@pytest.mark.parametrize("target, expected", [
+    ("no_such_package.models:build", "cannot import 'no_such_package.models'"),
+    ("examples.plain_functions:build_model", "has no attribute 'build_model'"),
+    ("examples.plain_functions:load_data", "returned: model dict is not"),
+])
+def test_bad_import_paths_exit_2_from_the_cli(tmp_path, capsys, target, expected):
+    config = tmp_path / "bad.yaml"
+    config.write_text(f"model: {{target: '{target}'}}\ndata: {{name: digits}}\ntrain: {{max_steps: 2}}\n")
+    assert cli.main(["train", str(config), f"run.dir={tmp_path / 'run'}"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and f"model.target={target!r}" in lines[0] and expected in lines[0]
+    assert not (tmp_path / "run").exists()
+
+
+def _snapshot(run_dir):
+    return {str(path.relative_to(run_dir)): (path.stat().st_size, path.stat().st_mtime_ns)
+            for path in sorted(run_dir.rglob("*"))}
+
+
+def test_resuming_with_a_different_user_model_names_the_parameter(tmp_path):
+    run_dir = tmp_path / "run"
+    settings = {"run.dir": str(run_dir), "train.max_steps": 2, "log.every_steps": 1}
+    functrain.fit(plain_functions.CONFIG, model=MODEL, loss_fn=plain_functions.loss_fn, train_data=DATA, **settings)
+    before = _snapshot(run_dir)
+
+    def narrower(rng, batch):
+        return {**plain_functions.init(rng, batch), "w1": jnp.zeros((64, 32)), "b1": jnp.zeros(32),
+                "w2": jnp.zeros((32, 10))}
+    with pytest.raises(CheckpointError) as info:
+        functrain.fit(plain_functions.CONFIG, model=functrain.FunctionalModel(narrower, plain_functions.apply),
+                      loss_fn=plain_functions.loss_fn, train_data=DATA, **{**settings, "train.max_steps": 4})
+    assert "w1: checkpoint float32[64,64] vs model float32[64,32]" in str(info.value)
+    assert "\n" not in str(info.value)
+    assert _snapshot(run_dir) == before
