@@ -68,14 +68,21 @@ def total_steps(config: Config, sampler: IndexSampler) -> int:
     return max(1, int(np.ceil(config.train.epochs * sampler.steps_per_epoch)))
 
 
-def make_backend(config: Config, example_batch: dict[str, np.ndarray], max_steps: int) -> Any:
-    """The backend named by ``config.backend`` (the torch bridge is imported only when asked for)."""
+def make_backend(config: Config, example_batch: dict[str, np.ndarray], max_steps: int, model: Any = None,
+                 loss_fn: Any = None) -> Any:
+    """The backend named by ``config.backend`` (the torch bridge is imported only when asked for).
+
+    ``model`` / ``loss_fn``: user code that wins over the config (with ``backend: torch``, an ``nn.Module``
+    and a ``loss_fn(model, batch, generator)``, see :mod:`torch_bridge.user_model`).
+    """
     if config.backend == "torch":
         try:
             from torch_bridge.backend import make_backend as make_torch_backend
         except ImportError as exc:
             raise ConfigError(f"backend: torch needs PyTorch ({exc}); pip install 'functrain[torch]'") from None
-        return make_torch_backend(config, example_batch, max_steps)
+        return make_torch_backend(config, example_batch, max_steps, model=model, loss_fn=loss_fn)
+    if model is not None or loss_fn is not None:
+        raise ConfigError("fit(model=..., loss_fn=...) takes a torch.nn.Module with backend: torch; set backend=torch")
     from functrain.backend import JaxBackend
     from functrain.tasks import make_task
     return JaxBackend(config, make_task(config, example_batch), max_steps)
@@ -131,7 +138,7 @@ def _summarise_call(metrics: dict[str, np.ndarray], index: int) -> dict[str, flo
 class _Run:
     """One run's mutable bookkeeping; ``fit`` drives it. Kept private: the public surface is ``fit``."""
 
-    def __init__(self, config: Config, callbacks: list[Callback]) -> None:
+    def __init__(self, config: Config, callbacks: list[Callback], model: Any = None, loss_fn: Any = None) -> None:
         self.config = config
         self.run_dir = Path(config.run.dir).absolute()  # Orbax needs absolute paths
         self.signals = StopSignals()
@@ -145,7 +152,7 @@ class _Run:
                                     shuffle=config.data.shuffle, last_batch=config.data.last_batch)
         self.max_steps = total_steps(config, self.sampler)
         example_batch, _ = BatchLoader(train_arrays, self.sampler, prefetch=0).host_batch(0)
-        self.backend = make_backend(config, example_batch, self.max_steps)
+        self.backend = make_backend(config, example_batch, self.max_steps, model, loss_fn)
         # jax.distributed or torch.distributed: the backend knows which process this is.
         self.process_index = getattr(self.backend, "process_index", jax.process_index())
         self.process_count = getattr(self.backend, "process_count", jax.process_count())
@@ -397,15 +404,16 @@ class _Run:
                          metrics=dict(self.view.last_metrics), run_dir=self.run_dir)
 
 
-def fit(config: Config | dict | str | os.PathLike, callbacks: list[Callback] | None = None,
-        **overrides: Any) -> FitResult:
+def fit(config: Config | dict | str | os.PathLike, callbacks: list[Callback] | None = None, *,
+        model: Any = None, loss_fn: Any = None, **overrides: Any) -> FitResult:
     """Train as ``config`` says, resuming from its run directory when a checkpoint is there.
 
     ``config`` is a :class:`~functrain.config.Config`, a dict or a YAML path; ``overrides`` are dotted keys
     (``fit("configs/mlp_digits.yaml", **{"train.max_steps": 100})`` or ``train__max_steps=100``).
+    ``model`` and ``loss_fn`` are user code used instead of the config's model and built-in loss.
     """
     config = resolve_config(config, overrides)
-    run = _Run(config, list(callbacks or []))
+    run = _Run(config, list(callbacks or []), model, loss_fn)
     try:
         return run.run()
     except BaseException:

@@ -96,8 +96,8 @@ def test_jax_checkpoint_with_flax_names_is_rejected_naming_the_parameters(tmp_pa
 
 
 def test_unsupported_settings_name_the_key(tmp_path):
-    with pytest.raises(ConfigError, match="train.compute_dtype=bfloat16"):
-        _backend(tmp_path, "train.compute_dtype=bfloat16")
+    with pytest.raises(ConfigError, match="train.compute_dtype=float16 .* use train.compute_dtype=bfloat16"):
+        _backend(tmp_path, "train.compute_dtype=float16")
     with pytest.raises(ConfigError, match="mesh.fsdp=1"):
         _backend(tmp_path, "mesh.fsdp=2")
     with pytest.raises(ConfigError, match="model.name='llama' has no torch twin"):
