@@ -24,6 +24,7 @@ Randomness inside a module (dropout) draws from torch's global generator, which 
 ``(seed, step, micro-batch, rank)`` before each call, so a resumed run draws what an uninterrupted one does.
 """
 
+import functools
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -69,7 +70,7 @@ def logits_of(output: Any, model: nn.Module) -> Tensor:
 def _check_shape(logits: Tensor, expected: tuple[int, ...], what: str, model: nn.Module) -> None:
     if logits.ndim != len(expected) + 1 or tuple(logits.shape[:-1]) != expected:
         raise ConfigError(f"{type(model).__name__} returned logits of shape {tuple(logits.shape)}; the built-in "
-                          f"{what} loss needs {list(expected) + ['classes']} for this batch: return such logits "
+                          f"{what} loss needs [{', '.join(map(str, expected))}, classes] for this batch: return such logits "
                           f"or pass loss_fn=")
 
 
@@ -114,6 +115,7 @@ def module_loss(model: nn.Module, loss_fn: UserLoss) -> LossFn:
     """
     bind = binder(model)
 
+    @functools.wraps(loss_fn)  # errors about the loss name the user's function
     def loss(params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], batch: Mapping[str, Tensor],
              generator: torch.Generator | None) -> LossOutput:
         training = generator is not None
