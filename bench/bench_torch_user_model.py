@@ -154,7 +154,8 @@ def main() -> int:
           f"batch {args.batch} x {args.seq_len} tokens")
     for name, rates in (("bridge", bridge), ("Trainer", trainer)):
         print(f"{name:8s} steps/s median {statistics.median(rates):7.1f}   rounds {[round(r, 1) for r in rates]}")
-    print(f"bridge / Trainer = {ratio:.2f}  (target >= 1.20; median of per-round ratios {[round(r, 2) for r in ratios]})")
+    print(f"bridge / Trainer = {ratio:.2f}  (target >= 1.20; median of the per-round ratios "
+          f"{[round(r, 2) for r in ratios]})")
     return 1 if args.check and ratio < 1.2 else 0
 
 

@@ -69,12 +69,13 @@ def logits_of(output: Any, model: nn.Module) -> Tensor:
 
 def _check_shape(logits: Tensor, expected: tuple[int, ...], what: str, model: nn.Module) -> None:
     if logits.ndim != len(expected) + 1 or tuple(logits.shape[:-1]) != expected:
+        needed = ", ".join([*map(str, expected), "classes"])
         raise ConfigError(f"{type(model).__name__} returned logits of shape {tuple(logits.shape)}; the built-in "
-                          f"{what} loss needs [{', '.join(map(str, expected))}, classes] for this batch: return such logits "
-                          f"or pass loss_fn=")
+                          f"{what} loss needs [{needed}] for this batch: return such logits or pass loss_fn=")
 
 
-def default_causal_lm_loss(model: nn.Module, batch: Mapping[str, Tensor], generator: torch.Generator | None) -> LossOutput:
+def default_causal_lm_loss(model: nn.Module, batch: Mapping[str, Tensor],
+                           generator: torch.Generator | None) -> LossOutput:
     """The built-in loss for ``tokens`` batches: next-token cross-entropy of ``model(tokens[:, :-1])``."""
     inputs = batch["tokens"].long()[:, :-1]
     logits = logits_of(model(inputs), model)
@@ -82,7 +83,8 @@ def default_causal_lm_loss(model: nn.Module, batch: Mapping[str, Tensor], genera
     return causal_lm_sums(logits, batch)
 
 
-def default_classifier_loss(model: nn.Module, batch: Mapping[str, Tensor], generator: torch.Generator | None) -> LossOutput:
+def default_classifier_loss(model: nn.Module, batch: Mapping[str, Tensor],
+                            generator: torch.Generator | None) -> LossOutput:
     """The built-in loss for ``x``/``y`` batches: softmax cross-entropy of ``model(x)``."""
     logits = logits_of(model(batch["x"]), model)
     _check_shape(logits, (batch["x"].shape[0],), "classifier", model)
