@@ -178,3 +178,21 @@ def test_bad_user_modules_fail_in_one_line_and_keep_the_run(tmp_path):
     with pytest.raises(CheckpointError, match="params/classifier/weight"):
         functrain.fit(_digits_config(run_dir, "train.max_steps=12"), model=Renamed())
     assert _files(run_dir) == before
+
+
+def test_accumulation_4x8_equals_32_with_a_user_loss(tmp_path):
+    def weighted_cross_entropy(model, batch, generator):
+        losses = F.cross_entropy(model(batch["x"]), batch["y"].long(), reduction="none")
+        return (losses * batch["weight"]).sum(), batch["weight"].sum(), {}
+
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.random((32, 64), dtype=np.float32), "y": rng.integers(0, 10, 32).astype(np.int32),
+             "weight": rng.random(32).astype(np.float32)}  # unequal weights: a mean of means would differ
+    params = {}
+    for micro in (1, 4):
+        config = _digits_config(tmp_path, f"train.micro_batches={micro}", "data.global_batch_size=32")
+        model = build_module(lambda: nn.Sequential(nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 10)), seed=0)
+        backend = make_backend(config, batch, 12, model=model, loss_fn=weighted_cross_entropy)
+        state, _ = backend.train_call(backend.init_state(), {k: np.stack([v] * 2) for k, v in batch.items()})
+        params[micro] = state.params
+    assert all(torch.allclose(params[1][k], params[4][k], atol=1e-6) for k in params[1])
