@@ -116,7 +116,7 @@ def steady_rate(clock: list[float]) -> float:
 
     The median, not the mean, so a burst of load from other processes on a shared machine, which lands on
     a few steps of one contender, does not decide the ratio."""
-    return 1.0 / statistics.median(np.diff(clock[WARMUP - 1:]))
+    return float(1.0 / statistics.median(np.diff(clock[WARMUP - 1:])))
 
 
 def _sync(device: str) -> None:
@@ -159,9 +159,9 @@ def main() -> int:
           f"{args.rounds} rounds x {args.steps} steps, GPT-2 {args.layers} layers x {args.width}, "
           f"batch {args.batch} x {args.seq_len} tokens")
     for name, rates in (("bridge", bridge), ("Trainer", trainer)):
-        print(f"{name:8s} steps/s median {statistics.median(rates):7.1f}   rounds {[round(float(r), 1) for r in rates]}")
+        print(f"{name:8s} steps/s median {statistics.median(rates):7.1f}   rounds {[round(r, 1) for r in rates]}")
     print(f"bridge / Trainer = {ratio:.2f}  (target >= 1.20; median of the per-round ratios "
-          f"{[round(float(r), 2) for r in ratios]})")
+          f"{[round(r, 2) for r in ratios]})")
     return 1 if args.check and ratio < 1.2 else 0
 
 
