@@ -90,7 +90,8 @@ def test_batchnorm_cnn_updates_its_buffers_and_resumes_bitwise(tmp_path):
 
     fresh = build_module(DigitsCNN, seed=0)
     whole = functrain.fit(_digits_config(tmp_path / "whole"), model=build_module(DigitsCNN, seed=0))
-    first = functrain.fit(_digits_config(tmp_path / "parts"), [StopAt()], model=build_module(DigitsCNN, seed=0))
+    first = functrain.fit(_digits_config(tmp_path / "parts"), callbacks=[StopAt()],
+                          model=build_module(DigitsCNN, seed=0))
     assert first.step == 6
     resumed = functrain.fit(_digits_config(tmp_path / "parts"), model=build_module(DigitsCNN, seed=1))
     assert resumed.step == 12 and committed_steps(checkpoints_dir(tmp_path / "parts")) == [6, 12]
