@@ -151,7 +151,10 @@ class _Run:
         self.last_saved_step = -1
         self.last_eval_step = -1
         self.throughput = Throughput()
-        self.speed = speed_report(config.model, parts.kind, config.data.global_batch_size, config.data.seq_len,
+        # A torch user model's shape is its own (a transformers model's config), not the config's model section.
+        shape_source = getattr(parts.model, "config", None) if config.backend == "torch" and parts.model is not None \
+            else config.model
+        self.speed = speed_report(shape_source, parts.kind, config.data.global_batch_size, config.data.seq_len,
                                   jax.devices() if config.backend == "jax" else [])
         # The state's non-finite count when the loop last read a call's metrics (see check_nonfinite).
         self.nonfinite_seen, self.nonfinite_checked_at = 0, 0

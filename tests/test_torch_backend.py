@@ -87,8 +87,13 @@ def test_jax_checkpoint_with_flax_names_is_rejected_naming_the_parameters(tmp_pa
     flax_params = nn.meta.unbox(build_flax_mlp(config.model).init(jax.random.PRNGKey(0), np.zeros((1, 64)))["params"])
     with Checkpointer(tmp_path / "run", async_save=False) as checkpointer:
         checkpointer.save(5, {"params": flax_params}, {"step": 5, "backend": "jax"})
-    with pytest.raises(CheckpointError, match=r"params/dense_0/weight: missing from checkpoint") as error:
+    with pytest.raises(CheckpointError, match=r"written by backend jax, this run uses backend torch"):
         functrain.fit(config)
+    # The same parameters in a checkpoint that claims to be torch's: the names that differ are listed.
+    with Checkpointer(tmp_path / "claims_torch", async_save=False) as checkpointer:
+        checkpointer.save(5, {"params": flax_params}, {"step": 5, "backend": "torch"})
+    with pytest.raises(CheckpointError, match=r"params/dense_0/weight: missing from checkpoint") as error:
+        functrain.fit(_config(tmp_path, f"run.dir={tmp_path / 'claims_torch'}"))
     assert "params/dense_0/kernel: in checkpoint but not in model" in str(error.value)
     backend = _backend(tmp_path)
     with pytest.raises(CheckpointError, match=r"missing \['dense_0.weight', .*unexpected \['dense_0.kernel'"):
@@ -96,8 +101,8 @@ def test_jax_checkpoint_with_flax_names_is_rejected_naming_the_parameters(tmp_pa
 
 
 def test_unsupported_settings_name_the_key(tmp_path):
-    with pytest.raises(ConfigError, match="train.compute_dtype=bfloat16"):
-        _backend(tmp_path, "train.compute_dtype=bfloat16")
+    with pytest.raises(ConfigError, match="train.compute_dtype=float16 .* use train.compute_dtype=bfloat16"):
+        _backend(tmp_path, "train.compute_dtype=float16")
     with pytest.raises(ConfigError, match="mesh.fsdp=1"):
         _backend(tmp_path, "mesh.fsdp=2")
     with pytest.raises(ConfigError, match="model.name='llama' has no torch twin"):

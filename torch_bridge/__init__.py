@@ -2,8 +2,9 @@
 
 The step is pure (:func:`make_train_step`): detached parameter views in, new tensors out, with the JAX
 step's micro-batching, clipping, non-finite policy and optax optimizer arithmetic. ``backend: torch`` in a
-run config makes the loop use :mod:`torch_bridge.backend`. HF-style checkpoint conversion lives in
-:mod:`torch_bridge.hf` and is imported only when asked for.
+run config makes the loop use :mod:`torch_bridge.backend`, which trains the config's model or any
+``nn.Module`` passed to ``fit(config, model=..., loss_fn=...)`` (:mod:`torch_bridge.user_model`). HF-style
+checkpoint conversion lives in :mod:`torch_bridge.hf` and is imported only when asked for.
 """
 
 try:

@@ -9,6 +9,11 @@ opt_state, rng (``[0, seed]`` as uint32, the raw layout of ``PRNGKey(seed)``), m
 loss_scale, good_steps and skipped_steps. Tensors live on CUDA when it is available, else on the CPU.
 Data parallelism is torch.distributed (joined from torchrun-style env vars): ``process_index`` and
 ``process_count`` tell the loop which rows of each global batch this process loads.
+
+The model is the config's torch twin (``model.name`` mlp or gpt) or any ``nn.Module`` passed in, trained
+with its own parameter and buffer names and a user loss or the built-in loss that fits the data (see
+:mod:`torch_bridge.user_model`). ``train.compute_dtype: bfloat16`` runs the forward under autocast with
+float32 master parameters.
 """
 
 from typing import Any, Mapping
@@ -21,7 +26,8 @@ from functrain.errors import CheckpointError, ConfigError
 from torch_bridge import distributed
 from torch_bridge.models import build_model, flatten, loss_for
 from torch_bridge.optim import make_optimizer, make_schedule
-from torch_bridge.step import TorchState, make_eval_step, make_train_step
+from torch_bridge.step import LossFn, TorchState, make_eval_step, make_train_step
+from torch_bridge.user_model import UserLoss, default_loss, module_loss, prepare
 
 Tensor = torch.Tensor
 
@@ -50,11 +56,16 @@ def _to_numpy(value: Any) -> Any:
     return value.detach().cpu().numpy() if isinstance(value, Tensor) else np.asarray(value)
 
 
+# train.compute_dtype -> the autocast dtype (float16 would need loss scaling, which the torch step lacks).
+COMPUTE_DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
+PROBE_ROWS = 2  # rows of the example batch the loss is tried on before training starts
+
+
 def _check_supported(config: Any) -> None:
     """Reject the settings the torch step does not implement, naming the key."""
-    if config.train.compute_dtype != "float32":
+    if config.train.compute_dtype not in COMPUTE_DTYPES:
         raise ConfigError(f"train.compute_dtype={config.train.compute_dtype} is not supported with backend: torch; "
-                          f"use train.compute_dtype=float32")
+                          f"use train.compute_dtype=bfloat16 or float32")
     if config.mesh.fsdp != 1 or config.mesh.tensor != 1:
         raise ConfigError("backend: torch shards only over data; set mesh.fsdp=1 and mesh.tensor=1")
     processes = distributed.world_size()
@@ -71,7 +82,8 @@ class TorchBackend:
     name = "torch"
 
     def __init__(self, config: Any, example_batch: Mapping[str, np.ndarray], total_steps: int,
-                 device: str | torch.device | None = None) -> None:
+                 device: str | torch.device | None = None, *, model: torch.nn.Module | None = None,
+                 loss_fn: UserLoss | None = None) -> None:
         distributed.init_from_env()
         _check_supported(config)
         self.config = config
@@ -80,22 +92,34 @@ class TorchBackend:
         # On CPU a call has finished when it returns; on CUDA it is queued until its metrics are read.
         self.synchronous = self.device.type == "cpu"
         self.process_index, self.process_count = distributed.rank(), distributed.world_size()
-        self.model = build_model(config.model, example_batch, config.seed)
+        self.model = (build_model(config.model, example_batch, config.seed) if model is None
+                      else prepare(_checked_module(model))).to(self.device)
         opt = config.optimizer
         schedule = make_schedule(opt.schedule, opt.learning_rate, opt.warmup_steps, total_steps, opt.end_lr_ratio)
         self.optimizer = make_optimizer(opt.name, schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps,
                                         weight_decay=opt.weight_decay, momentum=opt.momentum or None,
                                         nesterov=opt.nesterov)
-        loss_fn = loss_for(self.model)
-        self._step = make_train_step(loss_fn, self.optimizer, micro_batches=config.train.micro_batches,
-                                     clip_norm=config.train.clip_norm)
-        self._eval_step = make_eval_step(loss_fn)
+        step_loss = self._step_loss(model is None, loss_fn, example_batch)
+        compute_dtype = COMPUTE_DTYPES[config.train.compute_dtype]
+        self._step = make_train_step(step_loss, self.optimizer, micro_batches=config.train.micro_batches,
+                                     clip_norm=config.train.clip_norm, compute_dtype=compute_dtype)
+        self._eval_step = make_eval_step(step_loss, compute_dtype)
+        if model is not None or loss_fn is not None:
+            # User code fails here, in one line, before a run directory is touched, not at step 1.
+            self._eval_step(self.init_state(), self.place({k: v[:PROBE_ROWS] for k, v in example_batch.items()}))
+
+    def _step_loss(self, builtin_model: bool, loss_fn: UserLoss | None,
+                   example_batch: Mapping[str, np.ndarray]) -> LossFn:
+        """The step's loss: the twin's own, or ``loss_fn`` (default: the one fitting the data) on the module."""
+        if builtin_model and loss_fn is None:
+            return loss_for(self.model)
+        return module_loss(self.model, loss_fn if loss_fn is not None else default_loss(example_batch))
 
     # ------------------------------------------------------------------------------------------ state
 
     def init_state(self) -> TorchState:
-        """A fresh step-0 state: the model's seeded initial weights and a fresh optimizer state."""
-        params = {name: value.detach().to(self.device) for name, value in self.model.named_parameters()}
+        """A fresh step-0 state: the model's initial weights (as float32 masters) and a fresh optimizer state."""
+        params = {name: value.detach().to(self.device, torch.float32) for name, value in self.model.named_parameters()}
         buffers = {name: value.detach().to(self.device) for name, value in self.model.named_buffers()}
         return TorchState.create(params, self.optimizer, self.config.seed, buffers)
 
@@ -220,7 +244,22 @@ class TorchBackend:
                 f"parameters, {self.process_count} process(es)")
 
 
+def _checked_module(model: Any) -> torch.nn.Module:
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"model= is a {type(model).__name__}; backend: torch takes a torch.nn.Module "
+                          f"(build it first, e.g. with torch_bridge.user_model.build_module)")
+    if not any(True for _ in model.parameters()):
+        raise ConfigError(f"model {type(model).__name__} has no parameters to train; pass a module with parameters")
+    return model
+
+
 def make_backend(config: Any, example_batch: Mapping[str, np.ndarray], total_steps: int,
-                 device: str | torch.device | None = None) -> TorchBackend:
-    """The loop's entry point for ``backend: torch`` (device: CUDA when available, else CPU)."""
-    return TorchBackend(config, example_batch, total_steps, device)
+                 device: str | torch.device | None = None, *, model: torch.nn.Module | None = None,
+                 loss_fn: UserLoss | None = None) -> TorchBackend:
+    """The loop's entry point for ``backend: torch`` (device: CUDA when available, else CPU).
+
+    ``model``: a user ``nn.Module`` to train instead of the config's twin (its parameters as they are now are
+    step 0's). ``loss_fn(model, batch, generator) -> (loss_sum, weight_sum, aux_sums)``: a user loss (see
+    :mod:`torch_bridge.user_model`); without one, the built-in loss that fits the data's fields.
+    """
+    return TorchBackend(config, example_batch, total_steps, device, model=model, loss_fn=loss_fn)

@@ -7,8 +7,9 @@ pre-norm blocks, learned positions, untied bias-free head. Dropout draws only fr
 step passes in (``None`` = evaluation: no dropout), never from the global torch RNG.
 """
 
+import contextlib
 import math
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -140,61 +141,85 @@ def build_model(model_config: Any, example_batch: Mapping[str, np.ndarray], seed
 def stateless(model: nn.Module) -> Callable[..., Any]:
     """``apply(params, buffers, *args, **kwargs)``: run ``model`` with the given tensors in place of its own.
 
-    The semantics of ``torch.func.functional_call(model, (params, buffers), args, kwargs)`` for a fixed
-    module, at a fraction of the per-call cost (which dominates small models): the owning submodule of
-    every name is looked up once, and a call only swaps dictionary entries and swaps them back.
-    Names absent from ``params``/``buffers`` keep the module's own tensors.
+    The semantics of ``torch.func.functional_call(model, (params, buffers), args, kwargs, tie_weights=True)``
+    for a fixed module, at a fraction of the per-call cost (which dominates small models): the owning
+    submodule of every name is looked up once, and a call only swaps dictionary entries and swaps them back.
+    Tied tensors stay tied: a tensor reachable under several names (GPT-2's ``lm_head.weight`` is
+    ``transformer.wte.weight``) is given once, under the name ``named_parameters()`` lists, and every alias
+    receives it. Names absent from ``params``/``buffers`` keep the module's own tensors.
     """
-    slots = []
-    for kind, named in (("_parameters", model.named_parameters()), ("_buffers", model.named_buffers())):
-        for name, _ in named:
-            owner_name, _, attr = name.rpartition(".")
-            slots.append((name, getattr(model.get_submodule(owner_name), kind), attr))
+    bind = binder(model)
 
     def apply(params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], *args: Any, **kwargs: Any) -> Any:
+        with bind(params, buffers):
+            return model(*args, **kwargs)
+    return apply
+
+
+def binder(model: nn.Module) -> Callable[[Mapping[str, Tensor], Mapping[str, Tensor]], Any]:
+    """``bind(params, buffers)``: a context in which ``model`` holds the given tensors (see :func:`stateless`)."""
+    slots = []  # (owner's table, attribute, canonical name): every name a tensor is reachable under
+    canonical: dict[int, str] = {}
+    for kind, named in (("_parameters", model.named_parameters(remove_duplicate=False)),
+                        ("_buffers", model.named_buffers(remove_duplicate=False))):
+        for name, tensor in named:
+            owner_name, _, attr = name.rpartition(".")
+            # The first name of a tensor is the one named_parameters()/named_buffers() list (their de-duplication).
+            slots.append((getattr(model.get_submodule(owner_name), kind), attr, canonical.setdefault(id(tensor), name)))
+
+    @contextlib.contextmanager
+    def bind(params: Mapping[str, Tensor], buffers: Mapping[str, Tensor]) -> Iterator[None]:
         saved = []
         try:
-            for name, table, attr in slots:
+            for table, attr, name in slots:
                 value = params.get(name, buffers.get(name))
                 if value is not None:
                     saved.append((table, attr, table[attr]))
                     table[attr] = value
-            return model(*args, **kwargs)
+            yield
         finally:
-            for table, attr, original in saved:
+            for table, attr, original in reversed(saved):
                 table[attr] = original
-    return apply
+    return bind
 
 
 # ------------------------------------------------------------------------------------------------- losses
 
+def classifier_sums(logits: Tensor, batch: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """Weighted softmax cross-entropy of ``logits [B, classes]`` against ``batch["y"]``; aux: correct count."""
+    weight = batch["weight"].to(torch.float32)
+    losses = F.cross_entropy(logits, batch["y"].long(), reduction="none")
+    correct = (logits.argmax(-1) == batch["y"]).to(torch.float32)
+    return (losses * weight).sum(), weight.sum(), {"accuracy": (correct * weight).sum()}
+
+
+def causal_lm_sums(logits: Tensor, batch: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """Next-token cross-entropy of ``logits [B, T-1, vocab]`` (the model's output for ``tokens[:, :-1]``)
+    summed over real tokens (``weight`` x optional ``mask``); aux: correct count."""
+    targets = batch["tokens"][:, 1:].long()
+    mask = batch["weight"].to(torch.float32)[:, None].expand(targets.shape)
+    if "mask" in batch:
+        mask = mask * batch["mask"].to(torch.float32)
+    losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view(targets.shape)
+    correct = (logits.argmax(-1) == targets).to(torch.float32)
+    return (losses * mask).sum(), mask.sum(), {"accuracy": (correct * mask).sum()}
+
+
 def classifier_loss(model: nn.Module) -> Callable:
-    """``loss_fn(params, buffers, batch, generator)``: weighted softmax cross-entropy; aux: correct count."""
+    """``loss_fn(params, buffers, batch, generator)``: :func:`classifier_sums` of the model's logits."""
     apply = stateless(model)
 
     def loss_fn(params, buffers, batch, generator):
-        logits = apply(params, buffers, batch["x"], generator=generator)
-        weight = batch["weight"].to(torch.float32)
-        losses = F.cross_entropy(logits, batch["y"].long(), reduction="none")
-        correct = (logits.argmax(-1) == batch["y"]).to(torch.float32)
-        return (losses * weight).sum(), weight.sum(), {"accuracy": (correct * weight).sum()}
+        return classifier_sums(apply(params, buffers, batch["x"], generator=generator), batch)
     return loss_fn
 
 
 def causal_lm_loss(model: nn.Module) -> Callable:
-    """Next-token cross-entropy summed over real tokens (``weight`` x optional ``mask``)."""
+    """``loss_fn(params, buffers, batch, generator)``: :func:`causal_lm_sums` of the model's logits."""
     apply = stateless(model)
 
     def loss_fn(params, buffers, batch, generator):
-        tokens = batch["tokens"].long()
-        logits = apply(params, buffers, tokens[:, :-1], generator=generator)
-        targets = tokens[:, 1:]
-        mask = batch["weight"].to(torch.float32)[:, None].expand(targets.shape)
-        if "mask" in batch:
-            mask = mask * batch["mask"].to(torch.float32)
-        losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view(targets.shape)
-        correct = (logits.argmax(-1) == targets).to(torch.float32)
-        return (losses * mask).sum(), mask.sum(), {"accuracy": (correct * mask).sum()}
+        return causal_lm_sums(apply(params, buffers, batch["tokens"].long()[:, :-1], generator=generator), batch)
     return loss_fn
 
 

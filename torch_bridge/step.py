@@ -14,6 +14,7 @@ Randomness comes from a ``torch.Generator`` seeded from (seed, step, micro-batch
 torch RNG is never used, so a resumed run draws the same numbers as an uninterrupted one.
 """
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -143,13 +144,25 @@ def _weight_count(batch: Batch) -> int:
     return next(iter(batch.values())).shape[0]
 
 
+def autocast(compute_dtype: torch.dtype | None, device: torch.device) -> contextlib.AbstractContextManager:
+    """The forward's precision context: ``torch.autocast`` to ``compute_dtype`` (None: float32, no autocast).
+
+    Parameters, gradients and the optimizer stay float32 (the master weights); autocast runs matmuls and
+    convolutions in ``compute_dtype`` and keeps reductions such as the cross-entropy in float32.
+    """
+    if compute_dtype is None or compute_dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=compute_dtype)
+
+
 def make_train_step(loss_fn: LossFn, optimizer: Optimizer, *, micro_batches: int = 1,
-                    clip_norm: float | None = None,
+                    clip_norm: float | None = None, compute_dtype: torch.dtype | None = None,
                     ) -> Callable[[TorchState, Batch], tuple[TorchState, dict[str, Tensor]]]:
     """Build ``step(state, batch) -> (new_state, metrics)``.
 
     ``loss_fn(params, buffers, batch, generator) -> (loss_sum, weight_sum, aux)`` where ``aux`` holds scalar
-    sums; it may update ``buffers`` in place (they are clones). Metrics (0-dim tensors): loss, weight,
+    sums; it may update ``buffers`` in place (they are clones). ``compute_dtype`` (e.g. ``torch.bfloat16``)
+    runs the loss under :func:`autocast`; parameters stay float32. Metrics (0-dim tensors): loss, weight,
     grad_norm, learning_rate (the rate this update used), skipped_steps, nonfinite (1 when this step's
     loss or gradient was not finite: the update was skipped; with ``train.nonfinite: stop`` the loop stops),
     and each aux entry divided by the total weight.
@@ -168,7 +181,7 @@ def make_train_step(loss_fn: LossFn, optimizer: Optimizer, *, micro_batches: int
         for index in range(micro_batches):
             leaves = {name: value.detach().requires_grad_() for name, value in state.params.items()}
             generator = step_generator(state.seed, state.step, index, rank, device)
-            with torch.enable_grad():
+            with torch.enable_grad(), autocast(compute_dtype, device):
                 output = loss_fn(leaves, buffers, _micro_batch(batch, index, micro_batches), generator)
             loss, weight, aux = _check_loss_output(output, loss_fn)
             leaf_list = [leaves[name] for name in names]
@@ -233,14 +246,17 @@ def make_train_step(loss_fn: LossFn, optimizer: Optimizer, *, micro_batches: int
     return step
 
 
-def make_eval_step(loss_fn: LossFn) -> Callable[[TorchState, Batch], dict[str, Tensor]]:
+def make_eval_step(loss_fn: LossFn, compute_dtype: torch.dtype | None = None,
+                   ) -> Callable[[TorchState, Batch], dict[str, Tensor]]:
     """Build ``eval_step(state, batch) -> {"loss": sum, "weight": sum, **aux sums}`` over all processes.
 
-    The loss function gets ``generator=None``: no randomness (e.g. no dropout) in evaluation.
+    The loss function gets ``generator=None``: no randomness (e.g. no dropout) in evaluation. It runs under
+    :func:`autocast` to ``compute_dtype`` as the training step does.
     """
     def eval_step(state: TorchState, batch: Batch) -> dict[str, Tensor]:
         buffers = {key: value.clone() for key, value in state.buffers.items()}
-        with torch.no_grad():
+        device = next(iter(state.params.values())).device
+        with torch.no_grad(), autocast(compute_dtype, device):
             loss_sum, weight_sum, aux = _check_loss_output(loss_fn(state.params, buffers, dict(batch), None),
                                                            loss_fn)
         sums = {"loss": loss_sum, "weight": weight_sum, **aux}

@@ -1,0 +1,134 @@
+"""Any ``torch.nn.Module`` as the pure step's loss: user models, user losses, the built-in losses.
+
+A user module trains with its own parameters and buffers (``named_parameters()`` / ``named_buffers()``,
+checkpointed under those names; tied weights stay tied, see :func:`torch_bridge.models.stateless`).
+Buffers a module updates in place (BatchNorm's running statistics) are model state: the step hands the
+module clones and keeps the updated clones.
+
+The loss contract mirrors the JAX one, ``loss_fn(params, batch, rng) -> (loss_sum, weight, aux_sums)``,
+with the module in place of ``params`` and a ``torch.Generator`` in place of ``rng``::
+
+    def loss_fn(model: nn.Module, batch: dict[str, Tensor], generator: torch.Generator | None
+                ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        logits = model(batch["x"])                           # the step's parameters are bound to `model`
+        losses = F.cross_entropy(logits, batch["y"].long(), reduction="none")
+        return (losses * batch["weight"]).sum(), batch["weight"].sum(), {}
+
+Sums, never means: the step divides once by the total weight over micro-batches and processes, so
+accumulation is exact. ``generator`` is None in evaluation (the module is then in ``eval()`` mode, in
+``train()`` mode for training steps). Without a ``loss_fn`` the loss follows the data: batches with
+``tokens`` get the causal-LM loss of ``model(tokens[:, :-1])``, batches with ``x`` and ``y`` the
+classifier loss of ``model(x)``; the output may be logits or an object with ``.logits`` (transformers).
+
+Randomness inside a module (dropout) draws from torch's global generator, which the step seeds from
+``(seed, step, micro-batch, rank)`` before each call, so a resumed run draws what an uninterrupted one does.
+"""
+
+import functools
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import torch
+from torch import nn
+
+from functrain.errors import ConfigError
+from torch_bridge.models import binder, causal_lm_sums, classifier_sums
+from torch_bridge.step import LossFn, LossOutput
+
+Tensor = torch.Tensor
+UserLoss = Callable[[nn.Module, Mapping[str, Tensor], "torch.Generator | None"], LossOutput]
+
+# Decorrelates the global generator's stream from the step generator's (both derive from one seed).
+GLOBAL_RNG_SALT = 0x2545F4914F6CDD1D
+
+
+def build_module(factory: Callable[..., Any], seed: int, **kwargs: Any) -> nn.Module:
+    """``factory(**kwargs)`` under torch's global RNG seeded with ``seed``, checked to be an ``nn.Module``.
+
+    The seed makes a factory's random initialisation (e.g. ``GPT2LMHeadModel(config)``) the same in every
+    run of a config, so two runs of it start from the same weights; the caller's RNG state is restored.
+    """
+    name = getattr(factory, "__qualname__", repr(factory))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        module = factory(**kwargs)
+    if not isinstance(module, nn.Module):
+        raise ConfigError(f"model factory {name} returned {type(module).__name__}, not a torch.nn.Module; "
+                          f"return the module (backend: torch)")
+    return module
+
+
+def logits_of(output: Any, model: nn.Module) -> Tensor:
+    """The logits of a module's output: a tensor, ``.logits`` (transformers) or ``["logits"]``."""
+    logits = output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", output)
+    if not isinstance(logits, Tensor):
+        raise ConfigError(f"{type(model).__name__} returned {type(output).__name__}, not logits; the built-in "
+                          f"losses need a tensor or an output with .logits: return logits or pass loss_fn=")
+    return logits
+
+
+def _check_shape(logits: Tensor, expected: tuple[int, ...], what: str, model: nn.Module) -> None:
+    if logits.ndim != len(expected) + 1 or tuple(logits.shape[:-1]) != expected:
+        needed = ", ".join([*map(str, expected), "classes"])
+        raise ConfigError(f"{type(model).__name__} returned logits of shape {tuple(logits.shape)}; the built-in "
+                          f"{what} loss needs [{needed}] for this batch: return such logits or pass loss_fn=")
+
+
+def default_causal_lm_loss(model: nn.Module, batch: Mapping[str, Tensor],
+                           generator: torch.Generator | None) -> LossOutput:
+    """The built-in loss for ``tokens`` batches: next-token cross-entropy of ``model(tokens[:, :-1])``."""
+    inputs = batch["tokens"].long()[:, :-1]
+    logits = logits_of(model(inputs), model)
+    _check_shape(logits, tuple(inputs.shape), "causal-LM", model)
+    return causal_lm_sums(logits, batch)
+
+
+def default_classifier_loss(model: nn.Module, batch: Mapping[str, Tensor],
+                            generator: torch.Generator | None) -> LossOutput:
+    """The built-in loss for ``x``/``y`` batches: softmax cross-entropy of ``model(x)``."""
+    logits = logits_of(model(batch["x"]), model)
+    _check_shape(logits, (batch["x"].shape[0],), "classifier", model)
+    return classifier_sums(logits, batch)
+
+
+def default_loss(example_batch: Mapping[str, np.ndarray]) -> UserLoss:
+    """The built-in loss that fits the data's fields (``tokens``: causal LM; ``x`` and ``y``: classifier)."""
+    if "tokens" in example_batch:
+        return default_causal_lm_loss
+    if "x" in example_batch and "y" in example_batch:
+        return default_classifier_loss
+    raise ConfigError(f"no built-in loss fits batches with fields {sorted(example_batch)} (it needs tokens, or x "
+                      f"and y); pass loss_fn=(model, batch, generator) -> (loss_sum, weight, aux_sums) to fit")
+
+
+def prepare(model: nn.Module) -> nn.Module:
+    """Switch off what training never uses: a transformers model's key/value cache."""
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        config.use_cache = False
+    return model
+
+
+def module_loss(model: nn.Module, loss_fn: UserLoss) -> LossFn:
+    """The pure step's ``loss(params, buffers, batch, generator)`` for a module and a user-contract loss.
+
+    During the call ``model`` holds ``params`` and ``buffers`` (restored afterwards), is in train mode when
+    ``generator`` is given and eval mode when it is None, and torch's global RNG is seeded from ``generator``.
+    """
+    bind = binder(model)
+
+    @functools.wraps(loss_fn)  # errors about the loss name the user's function
+    def loss(params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], batch: Mapping[str, Tensor],
+             generator: torch.Generator | None) -> LossOutput:
+        training = generator is not None
+        if model.training != training:
+            model.train(training)
+        if training:
+            seed = generator.initial_seed() ^ GLOBAL_RNG_SALT
+            if generator.device.type == "cuda":
+                torch.cuda.manual_seed(seed)
+            else:
+                torch.default_generator.manual_seed(seed)
+        with bind(params, buffers):
+            return loss_fn(model, batch, generator)
+    return loss
