@@ -14,7 +14,8 @@ EXIT_BAD_INPUT = 2
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="functrain", description="functrain: train, inspect, convert.")
+    parser = argparse.ArgumentParser(prog="functrain",
+                                     description="functrain: train, inspect, convert, plot, generate.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -39,6 +40,21 @@ def _parser() -> argparse.ArgumentParser:
     to_hf.add_argument("run_dir")
     to_hf.add_argument("out_dir")
     to_hf.add_argument("--step", type=int, default=None)
+
+    plot = commands.add_parser("plot", help="loss, learning rate, grad norm, throughput of runs in one PNG")
+    plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    plot.add_argument("-o", "--output", default=None, help="PNG path (default RUN_DIR/plot.png for one run, "
+                                                             "./plot.png for several)")
+
+    generate = commands.add_parser("generate", help="continue a prompt with a language-model run")
+    generate.add_argument("run_dir")
+    generate.add_argument("--prompt", required=True)
+    generate.add_argument("--max-new-tokens", type=int, default=200)
+    generate.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    generate.add_argument("--top-k", type=int, default=None)
+    generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
+    generate.add_argument("--tokenizer", default=None, help="HF tokenizer directory (default: UTF-8 bytes)")
     return parser
 
 
@@ -78,6 +94,21 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plot(args: argparse.Namespace) -> int:
+    from functrain.plot import default_output, plot_runs
+    print(f"functrain: wrote {plot_runs(args.run_dirs, args.output or default_output(args.run_dirs))}")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from functrain.generate import Sampling, load_language_model, load_tokenizer, sample_text
+    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
+    model, params, _ = load_language_model(args.run_dir, args.step)
+    sampling = Sampling(args.max_new_tokens, args.temperature, args.top_k, args.seed)
+    print(args.prompt + sample_text(model, params, args.prompt, sampling, tokenizer))
+    return 0
+
+
 def _convert(args: argparse.Namespace) -> int:
     try:
         from torch_bridge.hf import convert
@@ -112,9 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _train(args, argv)
-        if args.command == "inspect":
-            return _inspect(args)
-        return _convert(args)
+        commands = {"inspect": _inspect, "convert": _convert, "plot": _plot, "generate": _generate}
+        return commands[args.command](args)
     except FunctrainError as exc:
         if args.debug:
             raise

@@ -178,11 +178,17 @@ def load_language_model(run_dir: str | os.PathLike, step: int | None = None) -> 
     return build_model(model_config), params, int(meta.get("step", step or 0))
 
 
+def prepare_prompt(ids: np.ndarray, model_config: Any, max_new_tokens: int) -> np.ndarray:
+    """``ids`` checked against the model's context: prompt plus new tokens must fit in it."""
+    limit = context_length(model_config)
+    if limit is not None and len(ids) + max_new_tokens - 1 > limit:
+        raise ConfigError(f"the prompt ({len(ids)} tokens) plus {max_new_tokens} new tokens exceeds the "
+                          f"model's context of {limit} positions; shorten the prompt or ask for fewer tokens")
+    return ids
+
+
 def sample_text(model: Any, params: Any, prompt: str, sampling: Sampling, tokenizer: Any = None) -> str:
     """The continuation of ``prompt`` as text."""
-    ids = encode_prompt(prompt, model.config.vocab_size, tokenizer)
-    limit = context_length(model.config)
-    if limit is not None and len(ids) + sampling.max_new_tokens - 1 > limit:
-        raise ConfigError(f"the prompt ({len(ids)} tokens) plus {sampling.max_new_tokens} new tokens exceeds the "
-                          f"model's context of {limit} positions; shorten the prompt or lower --max-new-tokens")
+    ids = prepare_prompt(encode_prompt(prompt, model.config.vocab_size, tokenizer), model.config,
+                         sampling.max_new_tokens)
     return decode_tokens(generate_tokens(model, params, ids[None], sampling)[0], tokenizer)

@@ -29,6 +29,10 @@ from functrain.config import Config, load_config, override_list
 from functrain.data import BatchLoader, IndexSampler, check_resume, data_meta, resume_position
 from functrain.datasets import check_token_ids, load_dataset
 from functrain.errors import CheckpointError, ConfigError
+from functrain.events import RunEvents
+from functrain.samples import SampleWriter
+from functrain.summary import RunSummary
+from functrain.trackers import make_trackers
 
 log = logging.getLogger("functrain")
 
@@ -133,6 +137,7 @@ class _Run:
 
     def __init__(self, config: Config, callbacks: list[Callback]) -> None:
         self.config = config
+        trackers = make_trackers(config.log.trackers)  # before anything is read or written: a missing package
         self.run_dir = Path(config.run.dir).absolute()  # Orbax needs absolute paths
         self.signals = StopSignals()
 
@@ -162,14 +167,18 @@ class _Run:
             async_save=config.checkpoint.async_save, on_error=config.checkpoint.on_error,
             is_primary=self.is_primary)
 
+        tensorboard = config.log.tensorboard and "tensorboard" in config.log.trackers
         builtins: list[Callback] = [EveryNSteps(config.eval.every_steps, config.checkpoint.every_steps),
-                                    MetricsWriter(tensorboard=config.log.tensorboard)]
+                                    MetricsWriter(tensorboard=tensorboard), RunEvents(), *trackers]
+        if config.eval.samples.count:
+            builtins.append(SampleWriter(config))
         if config.log.progress:
             builtins.append(ProgressBar())
         if config.eval.early_stopping_metric:
             builtins.append(EarlyStopping(config.eval.early_stopping_metric, config.eval.early_stopping_patience,
                                           config.eval.early_stopping_mode, config.eval.early_stopping_min_delta))
-        self.callbacks = CallbackList(builtins + list(callbacks))
+        # The summary comes last: it reads what the other callbacks wrote and closed.
+        self.callbacks = CallbackList(builtins + list(callbacks) + [RunSummary()])
         self.view = RunView(config=config, run_dir=self.run_dir, max_steps=self.max_steps,
                             is_primary=self.is_primary)
         self.meta: dict[str, Any] | None = None
@@ -301,7 +310,9 @@ class _Run:
         metrics["weight"] = float(totals["weight"])
         self.view.last_metrics["eval"] = metrics
         self.last_eval_step = self.view.step
+        self.view.state = state
         control = self.callbacks.fire("on_evaluate", self.view, metrics)
+        self.view.state = None  # donated by the next call
         logged = {**metrics, **self.position_fields(self.view.samples_consumed)}
         return control.merge(self.callbacks.fire("on_log", self.view, "eval", self.view.step, logged))
 
