@@ -4,7 +4,7 @@ Each tracker logs the resolved config once, every logged metric (``train/loss``,
 step, and each checkpoint step (``checkpoint/step``). The tracker's run id is kept in
 ``RUN_DIR/trackers.json``, so a resumed run continues the same W&B / MLflow run. W&B follows its own
 settings (``WANDB_MODE=offline`` writes under ``RUN_DIR/wandb`` with no account); MLflow logs to
-``MLFLOW_TRACKING_URI`` when set, else to a file store in ``RUN_DIR/mlruns``. Only the primary process logs.
+``MLFLOW_TRACKING_URI`` when set, else to a file store in ``RUN_DIR/mlruns`` (no server, no database). Only the primary process logs.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import json
 import math
 import os
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +70,7 @@ class WandbTracker(Callback):
     def on_train_begin(self, view: RunView) -> None:
         if not view.is_primary:
             return
-        run_id = saved_run_id(view.run_dir, "wandb") or self.wandb.util.generate_id()
+        run_id = saved_run_id(view.run_dir, "wandb") or uuid.uuid4().hex[:12]
         self.run = self.wandb.init(project=EXPERIMENT, name=view.run_dir.name, id=run_id, resume="allow",
                                    dir=str(view.run_dir), config=view.config.to_dict(),
                                    settings=self.wandb.Settings(silent=True, console="off"))
@@ -104,7 +105,11 @@ class MlflowTracker(Callback):
             return
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
-        uri = os.environ.get("MLFLOW_TRACKING_URI") or (view.run_dir / "mlruns").absolute().as_uri()
+        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        if not uri:
+            uri = (view.run_dir / "mlruns").absolute().as_uri()
+            # MLflow 3 keeps the file store behind an opt-in; it is the store that needs no server or database.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = MlflowClient(tracking_uri=uri)
         self.run_id = saved_run_id(view.run_dir, "mlflow")
         if self.run_id is None:
