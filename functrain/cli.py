@@ -55,6 +55,12 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=0)
     generate.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
     generate.add_argument("--tokenizer", default=None, help="HF tokenizer directory (default: UTF-8 bytes)")
+
+    rewind = commands.add_parser("rewind", help="resume from checkpoint STEP skipping the next K samples")
+    rewind.add_argument("run_dir")
+    rewind.add_argument("--to", type=int, required=True, metavar="STEP", help="checkpoint step to go back to")
+    rewind.add_argument("--skip-samples", type=int, required=True, metavar="K", help="samples to step over")
+    rewind.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
     return parser
 
 
@@ -109,6 +115,14 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rewind(args: argparse.Namespace) -> int:
+    from functrain.rewind import rewind
+    result = rewind(args.run_dir, args.to, args.skip_samples, args.overrides)
+    print(f"functrain: rewound to step {args.to}, skipped {args.skip_samples} samples; {result.stop_reason} at "
+          f"step {result.step}; run directory {result.run_dir}")
+    return 0
+
+
 def _convert(args: argparse.Namespace) -> int:
     try:
         from torch_bridge.hf import convert
@@ -143,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _train(args, argv)
-        commands = {"inspect": _inspect, "convert": _convert, "plot": _plot, "generate": _generate}
+        commands = {"inspect": _inspect, "convert": _convert, "plot": _plot, "generate": _generate,
+                    "rewind": _rewind}
         return commands[args.command](args)
     except FunctrainError as exc:
         if args.debug:

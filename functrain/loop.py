@@ -182,6 +182,7 @@ class _Run:
         self.view = RunView(config=config, run_dir=self.run_dir, max_steps=self.max_steps,
                             is_primary=self.is_primary)
         self.meta: dict[str, Any] | None = None
+        self.position_jump: dict[str, int] | None = None  # where skip_samples/ignore_skip moved the data
         self.last_saved_step = -1
         self.last_eval_step = -1
         self.throughput = Throughput()
@@ -209,6 +210,9 @@ class _Run:
         state = self.backend.state_from_items(items)
         self.last_saved_step = step
         position = resume_position(self.meta, ignore_skip, skip_samples)
+        saved_position = int(self.meta.get("samples_consumed", 0))
+        if position != saved_position:
+            self.position_jump = {"step": step, "from": saved_position, "to": position}
         log.info("resumed from checkpoint %d (epoch %d, samples consumed %d)", step,
                  self.sampler.epoch_of(position), position)
         return state, position
@@ -323,7 +327,7 @@ class _Run:
         if self.last_eval_step != step:
             # Stale eval metrics would let a never-evaluated step outrank the evaluated one (keep-best).
             metrics.pop("eval", None)
-        meta = {"step": step, **data_meta(self.sampler, position, self.meta),
+        meta = {"step": step, **data_meta(self.sampler, position, self.meta, self.position_jump),
                 "config_digest": self.config.digest(), "model": self.config.model.model_dump(mode="json"),
                 "backend": self.config.backend, "metrics": metrics, "time": time.time(),
                 "layout": self.backend.describe(), "processes": self.process_count,
