@@ -61,6 +61,13 @@ def _parser() -> argparse.ArgumentParser:
     rewind.add_argument("--to", type=int, required=True, metavar="STEP", help="checkpoint step to go back to")
     rewind.add_argument("--skip-samples", type=int, required=True, metavar="K", help="samples to step over")
     rewind.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+
+    verify = commands.add_parser("verify-resume", help="kill + resume == uninterrupted? (PASS/FAIL)")
+    verify.add_argument("config")
+    verify.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+    verify.add_argument("--steps", type=int, default=None, help="steps to train (default 8 calls)")
+    verify.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                        help="import MODULE in the training processes first (registers models or datasets)")
     return parser
 
 
@@ -123,6 +130,13 @@ def _rewind(args: argparse.Namespace) -> int:
     return 0
 
 
+def _verify_resume(args: argparse.Namespace) -> int:
+    from functrain.verify_resume import verify_resume
+    verdict = verify_resume(args.config, args.steps, args.overrides, args.imports)
+    print(verdict.report())
+    return 0 if verdict.passed else 1
+
+
 def _convert(args: argparse.Namespace) -> int:
     try:
         from torch_bridge.hf import convert
@@ -149,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     args.debug = debug
     # `train CFG --processes 2 key=value`: overrides after a flag land in `extra`; anything else is an error.
-    if args.command == "train" and all("=" in item and not item.startswith("-") for item in extra):
+    takes_overrides = args.command in ("train", "rewind", "verify-resume")
+    if takes_overrides and all("=" in item and not item.startswith("-") for item in extra):
         args.overrides += extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -158,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             return _train(args, argv)
         commands = {"inspect": _inspect, "convert": _convert, "plot": _plot, "generate": _generate,
-                    "rewind": _rewind}
+                    "rewind": _rewind, "verify-resume": _verify_resume}
         return commands[args.command](args)
     except FunctrainError as exc:
         if args.debug:
