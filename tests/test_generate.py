@@ -7,9 +7,11 @@ import numpy as np
 import pytest
 import torch
 
+from functrain.cli import main
 from functrain.generate import Generator, Sampling, load_language_model
 from functrain.models import build_model
 from functrain.models.gpt import GPTConfig
+from test_cli import snapshot
 from test_hf_convert import build_hf_model
 from torch_bridge.hf import hf_to_run_dir
 
@@ -52,3 +54,21 @@ def test_converted_hf_model_generates_what_transformers_generates(arch, tmp_path
     got = generator(params, PROMPT, Sampling(new_tokens))
     np.testing.assert_array_equal(got, expected)
     np.testing.assert_array_equal(generator(params, PROMPT, Sampling(new_tokens), use_cache=False), expected)
+
+
+def test_generate_cli_prints_a_continuation_and_refuses_bad_prompts(tmp_path, capsys):
+    build_hf_model("gpt2", {}).save_pretrained(tmp_path / "hf")  # vocabulary of 96 ids, 32 positions
+    run_dir = tmp_path / "run"
+    hf_to_run_dir(str(tmp_path / "hf"), str(run_dir))
+    assert main(["generate", str(run_dir), "--prompt", "AB", "--max-new-tokens", "5", "--top-k", "3"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("AB") and len(printed.rstrip("\n").encode("utf-8", "replace")) >= 2
+
+    before = snapshot(run_dir)
+    bad = {("--prompt", "caf\u00e9"): "outside the model's vocabulary of 96 ids",
+           ("--prompt", "A", "--step", "7"): "no checkpoint for step 7",
+           ("--prompt", "A", "--max-new-tokens", "40"): "exceeds the model's context of 32 positions"}
+    for args, message in bad.items():
+        assert main(["generate", str(run_dir), *args]) == 2
+        assert message in capsys.readouterr().err
+    assert snapshot(run_dir) == before
