@@ -4,7 +4,9 @@ Each tracker logs the resolved config once, every logged metric (``train/loss``,
 step, and each checkpoint step (``checkpoint/step``). The tracker's run id is kept in
 ``RUN_DIR/trackers.json``, so a resumed run continues the same W&B / MLflow run. W&B follows its own
 settings (``WANDB_MODE=offline`` writes under ``RUN_DIR/wandb`` with no account); MLflow logs to
-``MLFLOW_TRACKING_URI`` when set, else to a file store in ``RUN_DIR/mlruns`` (no server, no database). Only the primary process logs.
+``MLFLOW_TRACKING_URI`` when set, else to a file store in ``RUN_DIR/mlruns`` (no server, no database).
+Only the primary process logs. W&B keeps steps increasing: after a crash past the last checkpoint, the
+resumed run's first steps (already logged once) are dropped by W&B; metrics.jsonl sets them aside.
 """
 
 from __future__ import annotations
