@@ -81,11 +81,12 @@ def _generate_cached(model: Any, params: Any, prompt: jax.Array, key: jax.Array,
 def _generate_uncached(model: Any, params: Any, prompt: jax.Array, key: jax.Array, *, max_new_tokens: int,
                        temperature: float, top_k: int | None) -> jax.Array:
     batch, prompt_len = prompt.shape
-    # A fixed-size buffer keeps one compiled step; causal attention never looks at the zeros ahead.
+    # A fixed-size buffer keeps one compiled step; causal attention never looks at the zeros ahead. The last
+    # slot is never fed to the model (the context holds prompt + new tokens - 1, as with the cache).
     tokens = jnp.zeros((batch, prompt_len + max_new_tokens), jnp.int32).at[:, :prompt_len].set(prompt)
 
     def one_token(index: jax.Array, tokens: jax.Array) -> jax.Array:
-        logits = model.apply({"params": params}, tokens)
+        logits = model.apply({"params": params}, tokens[:, :-1])
         current = prompt_len + index
         last = jax.lax.dynamic_index_in_dim(logits, current - 1, axis=1, keepdims=False)
         picked = _pick(last, jax.random.fold_in(key, index), temperature, top_k)
@@ -171,6 +172,9 @@ def load_language_model(run_dir: str | os.PathLike, step: int | None = None) -> 
     if not isinstance(raw_model, dict) or "name" not in raw_model:
         raise ConfigError(f"the checkpoint in {run_dir} does not record its model; it was not written by "
                           f"functrain train or convert")
+    if meta.get("backend", "jax") != "jax":
+        raise ConfigError(f"{run_dir} was trained with backend {meta['backend']}; generate reads JAX runs (and "
+                          f"converted HF checkpoints)")
     if model_spec(raw_model["name"])["kind"] != "causal_lm":
         raise ConfigError(f"model {raw_model['name']!r} of {run_dir} is not a language model; generate needs "
                           f"gpt, gpt2 or llama")

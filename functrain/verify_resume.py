@@ -1,7 +1,9 @@
 """``functrain verify-resume CONFIG [--steps N]``: prove that a run killed and resumed equals one that never was.
 
 Trains ``N`` steps twice in temporary run directories, each in its own process: once uninterrupted, once
-killed with SIGKILL at a random step after its first checkpoint and then resumed (``functrain train`` again).
+killed with SIGKILL at a random step after its first checkpoint (the process kills itself at that call
+boundary, so the kill lands where asked however fast the steps are, possibly with a save in flight) and then
+resumed by a fresh process.
 Then it compares the final parameters (SHA-256 of the params) and every logged training metric step by step,
 and prints PASS, or FAIL with the first step that differs. Both runs log every call and checkpoint a few
 times; trackers, plots and samples are off. ``--import MODULE`` imports modules in the training processes
@@ -17,15 +19,14 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from functrain.callbacks import Callback, RunView
 from functrain.errors import FunctrainError
 
 # Metrics that are functions of the computation; throughput and positions are left out.
 COMPARED = ("loss", "grad_norm", "learning_rate", "accuracy", "nonfinite_steps")
-POLL_SECONDS = 0.05
 
 
 @dataclass
@@ -52,12 +53,36 @@ class Verdict:
         return "\n".join(lines)
 
 
-def _train_command(config: str, run_dir: Path, overrides: list[str], imports: list[str]) -> list[str]:
-    code = ("import importlib, sys\n"
+def _train_command(config: str, run_dir: Path, overrides: list[str], imports: list[str],
+                   kill_step: int | None = None) -> list[str]:
+    code = ("import importlib\n"
             f"for name in {imports!r}: importlib.import_module(name)\n"
-            "from functrain.cli import main\n"
-            f"sys.exit(main(['train', {config!r}, *{overrides!r}, 'run.dir={run_dir}']))")
+            "from functrain.verify_resume import train_worker\n"
+            f"train_worker({config!r}, {[*overrides, f'run.dir={run_dir}']!r}, {kill_step!r})")
     return [sys.executable, "-c", code]
+
+
+class KillAt(Callback):
+    """SIGKILLs its own process at the first call boundary at or after ``step`` once a checkpoint is
+    committed (a save may still be in flight): the kill lands exactly where asked, however fast the steps."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, view: RunView) -> None:
+        if view.step >= self.step and _committed(view.run_dir):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def train_worker(config: str, overrides: list[str], kill_step: int | None) -> None:
+    """One training process of the check (``kill_step``: die there); bad input exits 2 with one line."""
+    from functrain.config import load_config
+    from functrain.loop import fit
+    try:
+        fit(load_config(config, overrides), callbacks=[KillAt(kill_step)] if kill_step is not None else [])
+    except FunctrainError as exc:
+        print(f"functrain: error: {exc}", file=sys.stderr)
+        sys.exit(2)
 
 
 def _environment() -> dict[str, str]:
@@ -90,27 +115,14 @@ def _committed(run_dir: Path) -> list[int]:
     return layout.committed_steps(layout.checkpoints_dir(run_dir))
 
 
-def _kill_at(command: list[str], run_dir: Path, kill_step: int) -> int:
-    """Start training, SIGKILL it once it has logged ``kill_step`` and committed a checkpoint; the step it
-    reached. A run that ends first is an error (nothing was interrupted)."""
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env=_environment())
-    try:
-        while proc.poll() is None:
-            logged = _logged(run_dir)
-            if logged and max(logged) >= kill_step and _committed(run_dir):
-                proc.send_signal(signal.SIGKILL)
-                proc.wait()
-                return max(logged)
-            time.sleep(POLL_SECONDS)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    if proc.returncode != 0:
-        last = (proc.stderr.read().strip().splitlines() or ["(no output)"])[-1]
-        raise FunctrainError(f"the interrupted training run failed before the kill (exit {proc.returncode}): {last}")
-    raise FunctrainError(f"the run finished before step {kill_step} could be interrupted; raise --steps")
+def _kill_at(command: list[str], run_dir: Path) -> int:
+    """Run training that kills itself (see :class:`KillAt`); the last step it logged."""
+    proc = subprocess.run(command, capture_output=True, text=True, env=_environment())
+    if proc.returncode != -signal.SIGKILL:
+        last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise FunctrainError(f"the interrupted training run ended with exit {proc.returncode} instead of being "
+                             f"killed: {last}")
+    return max(_logged(run_dir), default=0)
 
 
 def _first_difference(reference: dict[int, dict], resumed: dict[int, dict]) -> str | None:
@@ -144,7 +156,7 @@ def verify_resume(config: str | os.PathLike, steps: int | None = None, overrides
     with tempfile.TemporaryDirectory(prefix="verify-resume-", dir=workdir) as tmp:
         uninterrupted, interrupted = Path(tmp) / "uninterrupted", Path(tmp) / "interrupted"
         _run(_train_command(str(config), uninterrupted, fixed, imports), "uninterrupted")
-        killed_at = _kill_at(_train_command(str(config), interrupted, fixed, imports), interrupted, kill_step)
+        killed_at = _kill_at(_train_command(str(config), interrupted, fixed, imports, kill_step), interrupted)
         resumed_from = max(_committed(interrupted))
         reference = _logged(uninterrupted)
         before_kill = {step: line for step, line in _logged(interrupted).items() if step <= resumed_from}

@@ -19,7 +19,8 @@ PROMPT = np.array([[5, 17, 42, 8, 3], [60, 2, 9, 33, 71]])
 
 
 def tiny_gpt():
-    model = build_model(GPTConfig(max_len=40, d_model=32, n_layers=2, n_heads=4, d_ff=64))
+    """A GPT whose context (34) holds exactly the 5-token prompt and 30 new tokens (the last is never fed)."""
+    model = build_model(GPTConfig(max_len=34, d_model=32, n_layers=2, n_heads=4, d_ff=64))
     params = nn.meta.unbox(model.init(jax.random.PRNGKey(1), np.zeros((1, 8), np.int32))["params"])
     return model, params
 
@@ -46,7 +47,7 @@ def test_converted_hf_model_generates_what_transformers_generates(arch, tmp_path
     hf_to_run_dir(str(tmp_path / "hf"), str(tmp_path / "run"))
     model, params, step = load_language_model(tmp_path / "run")
     assert step == 0
-    new_tokens = 16
+    new_tokens = 28  # prompt + new tokens - 1 == n_positions: the whole context
     with torch.no_grad():
         expected = hf_model.generate(torch.tensor(PROMPT), max_new_tokens=new_tokens, do_sample=False)
     expected = expected.numpy()[:, PROMPT.shape[1]:]
