@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from functrain.config_checks import check_metric_logged
+
 
 @dataclass
 class Control:
@@ -91,7 +93,12 @@ class ProgressBar(Callback):
 
     def on_log(self, view: RunView, split: str, step: int, metrics: dict[str, float]) -> None:
         if self.bar is not None and "loss" in metrics:
-            self.bar.set_postfix({f"{split}_loss": f"{metrics['loss']:.4f}", "epoch": view.epoch}, refresh=False)
+            postfix = {f"{split}_loss": f"{metrics['loss']:.4f}", "epoch": view.epoch}
+            if "tokens_per_sec" in metrics:
+                postfix["tok/s"] = f"{metrics['tokens_per_sec']:,.0f}"
+            if "mfu" in metrics:
+                postfix["mfu"] = f"{metrics['mfu']:.1%}"
+            self.bar.set_postfix(postfix, refresh=False)
 
     def on_train_end(self, view: RunView) -> None:
         if self.bar is not None:
@@ -177,6 +184,7 @@ class EarlyStopping(Callback):
     """Stops when ``metric`` (``"eval/loss"`` style) has not improved by ``min_delta`` for ``patience`` evals."""
 
     def __init__(self, metric: str, patience: int = 3, mode: str = "min", min_delta: float = 0.0) -> None:
+        self.metric = metric
         self.split, _, self.name = metric.partition("/")
         self.patience, self.mode, self.min_delta = patience, mode, min_delta
         self.best = math.inf if mode == "min" else -math.inf
@@ -188,7 +196,9 @@ class EarlyStopping(Callback):
         return value > self.best + self.min_delta
 
     def on_log(self, view: RunView, split: str, step: int, metrics: dict[str, float]) -> Control | None:
-        if split != self.split or self.name not in metrics:
+        # A metric its split never logs would never stop the run: say so at the first log of that split.
+        check_metric_logged("eval.early_stopping_metric", self.metric, split, metrics)
+        if split != self.split:
             return None
         value = metrics[self.name]
         if np.isfinite(value) and self._improved(value):

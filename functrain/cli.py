@@ -1,7 +1,8 @@
 """The ``functrain`` command line: train, inspect, convert.
 
 Bad input (configs, data, checkpoints, HF directories) prints one line naming the problem and the fix and
-exits with status 2; ``--debug`` shows the traceback instead.
+exits with status 2; ``--debug`` shows the traceback instead. ``train`` exits 0 when the run finished, and
+with the statuses listed in :mod:`functrain.outcome` when it stopped early or barely trained.
 """
 
 import argparse
@@ -9,8 +10,7 @@ import logging
 import sys
 
 from functrain.errors import FunctrainError
-
-EXIT_BAD_INPUT = 2
+from functrain.outcome import EXIT_BAD_INPUT
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -98,7 +98,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
     result = fit(load_config(args.config, args.overrides))
     if distributed.is_primary():
         print(f"functrain: {result.stop_reason} at step {result.step}; run directory {result.run_dir}")
-    return 0
+    return result.exit_code
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -127,7 +127,7 @@ def _rewind(args: argparse.Namespace) -> int:
     result = rewind(args.run_dir, args.to, args.skip_samples, args.overrides)
     print(f"functrain: rewound to step {args.to}, skipped {args.skip_samples} samples; {result.stop_reason} at "
           f"step {result.step}; run directory {result.run_dir}")
-    return 0
+    return result.exit_code
 
 
 def _verify_resume(args: argparse.Namespace) -> int:

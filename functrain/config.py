@@ -17,6 +17,17 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from functrain.errors import ConfigError
 
+METRIC_SPLITS = ("train", "eval")  # the "split" of metrics.jsonl lines, and of metric names like "eval/loss"
+
+
+def _split_and_name(value: str) -> str:
+    if value.partition("/")[0] not in METRIC_SPLITS or not value.partition("/")[2]:
+        raise ValueError("must be 'split/name' with split train or eval, like 'eval/loss'")
+    return value
+
+
+MetricName = Annotated[str, pydantic.AfterValidator(_split_and_name)]
+
 
 class Section(BaseModel):
     """A config section: unknown keys are errors, values are validated on assignment too."""
@@ -69,6 +80,8 @@ class TrainConfig(Section):
     steps_per_call: int = Field(1, ge=1)
     clip_norm: float | None = Field(None, gt=0)
     nonfinite: Literal["skip", "stop"] = "skip"
+    # A finished run that skipped a larger share of its steps as non-finite exits with status 4.
+    max_skipped_fraction: float = Field(0.5, ge=0.0, le=1.0)
     compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     loss_scale: Literal["none", "dynamic"] = "none"
 
@@ -79,11 +92,19 @@ class CheckpointConfig(Section):
     every_steps: int = Field(0, ge=0)  # 0: only at the end (and on SIGTERM)
     keep: int = Field(3, ge=1)
     keep_best: int = Field(0, ge=0)
-    best_metric: str = "eval/loss"
+    best_metric: MetricName = "eval/loss"
     best_mode: Literal["min", "max"] = "min"
     resume: Literal["auto", "never"] | Annotated[int, Field(ge=0)] = "auto"
     async_save: bool = True
     on_error: Literal["stop", "warn"] = "stop"
+
+    @pydantic.field_validator("resume", mode="before")
+    @classmethod
+    def _resume_request(cls, value: Any) -> Any:
+        # One message for the union (pydantic would name its internal member, 'literal[...]').
+        if value in ("auto", "never") or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            return value
+        raise ValueError("must be 'auto', 'never' or a checkpoint step (an integer >= 0)")
 
 
 class MeshConfig(Section):
@@ -122,7 +143,7 @@ class EvalConfig(Section):
     """``eval.*``: evaluation interval and size, and early stopping on a metric like ``eval/loss``."""
     every_steps: int = Field(0, ge=0)  # 0: no periodic evaluation (one at the end if there is eval data)
     max_batches: int | None = Field(None, ge=1)
-    early_stopping_metric: str | None = None  # e.g. "eval/loss"
+    early_stopping_metric: MetricName | None = None  # e.g. "eval/loss"
     early_stopping_patience: int = Field(3, ge=1)
     early_stopping_mode: Literal["min", "max"] = "min"
     early_stopping_min_delta: float = Field(0.0, ge=0)
@@ -224,7 +245,7 @@ def _format_validation_error(error: pydantic.ValidationError, raw: dict) -> str:
     if first["type"] == "extra_forbidden":
         return f"unknown config key '{key}'{_suggest(key, model_name)}"
     message = first["msg"].removeprefix("Value error, ")
-    if first["type"] in ("value_error", "assertion_error") and not key:
+    if first["type"] in ("value_error", "assertion_error") and (not key or message.startswith(f"{key}.")):
         return f"invalid config: {message}"
     given = first.get("input")
     given_text = "" if isinstance(given, (dict, BaseModel)) else f" (got {given!r})"

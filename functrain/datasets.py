@@ -10,6 +10,7 @@ Each loader returns ``(train, eval)`` as dicts of numpy arrays with a leading re
 evaluation split is the last ``data.eval_fraction`` of the records, so it never depends on the seed.
 """
 
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -76,27 +77,23 @@ def _char_text(data_config: Any) -> Arrays:
 
 def _array_file(data_config: Any) -> Arrays:
     path = _existing_path(data_config)
+    how = "write it with numpy.savez(path, tokens=...) or numpy.savez(path, x=..., y=...)"
     try:
-        with np.load(path) as archive:
+        archive = np.load(path)
+        if not isinstance(archive, np.lib.npyio.NpzFile):  # a .npy file: one unnamed array
+            raise DataError(f"data file {str(path)!r} holds one unnamed array, not an .npz archive; {how}")
+        with archive:
             arrays = {key: archive[key] for key in archive.files}
-    except (OSError, ValueError) as exc:
-        raise DataError(f"data file {str(path)!r} is not a readable .npz archive ({exc}); "
-                        f"write it with numpy.savez") from None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        reason = "the file is empty" if path.stat().st_size == 0 else (str(exc) or type(exc).__name__)
+        raise DataError(f"data file {str(path)!r} is not a readable .npz archive ({reason}); {how}") from None
+    if not arrays:
+        raise DataError(f"data file {str(path)!r} holds no arrays; {how}")
     lengths = {key: len(value) for key, value in arrays.items()}
     if len(set(lengths.values())) > 1:
         raise DataError(f"arrays in {str(path)!r} have different record counts {lengths}; "
                         f"every array needs the same first dimension")
     return arrays
-
-
-def check_token_ids(arrays: Arrays, vocab_size: int | None) -> None:
-    """Token ids must index the model's vocabulary: an embedding lookup would silently clamp them."""
-    if vocab_size is None or "tokens" not in arrays or not len(arrays["tokens"]):
-        return
-    largest = int(arrays["tokens"].max())
-    if largest >= vocab_size:
-        raise DataError(f"the data has token id {largest} but model.vocab_size is {vocab_size}; tokenise with "
-                        f"the model's vocabulary or raise model.vocab_size to at least {largest + 1}")
 
 
 LOADERS = {"digits": _digits, "char_text": _char_text, "array_file": _array_file}

@@ -28,6 +28,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from functrain.errors import ConfigError
+from functrain.outcome import PLANNED_EXITS
 
 ENV_COORDINATOR = "FUNCTRAIN_COORDINATOR"
 ENV_NUM_PROCESSES = "FUNCTRAIN_NUM_PROCESSES"
@@ -207,7 +208,7 @@ def supervise(procs: list[subprocess.Popen], logs: list[Path | None]) -> int:
             if code is None or index in finished:
                 continue
             finished[index] = code
-            if code != 0:
+            if code not in PLANNED_EXITS:  # a crash: the others would wait for it in a collective
                 if logs[index] is not None:
                     print(f"--- process {index} exited with status {code}; its last output:\n"
                           f"{_tail(logs[index])}", file=sys.stderr)

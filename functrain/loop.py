@@ -14,7 +14,6 @@ import signal
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +25,20 @@ from functrain.callbacks import (Callback, CallbackList, Control, EarlyStopping,
                                  ProgressBar, RunView, Throughput)
 from functrain.checkpoint import Checkpointer, list_checkpoints
 from functrain.config import Config, load_config, override_list
+from functrain.config_checks import check_metric_logged, likely_mistakes
 from functrain.data import BatchLoader, IndexSampler, check_resume, data_meta, resume_position
-from functrain.datasets import check_token_ids, load_dataset
+from functrain.data.validate import check_arrays
+from functrain.datasets import load_dataset
 from functrain.errors import CheckpointError, ConfigError
 from functrain.events import RunEvents
+from functrain.mfu import speed_report
+from functrain.models import model_spec
+from functrain.outcome import (ALREADY_FINISHED, EARLY_STOPPED, FINISHED, NONFINITE, SIGNAL, FitResult,
+                               skipped_report)
+from functrain.run_lock import RunLock
 from functrain.samples import SampleWriter
 from functrain.summary import RunSummary
+from functrain.tasks import batch_check
 from functrain.trackers import make_trackers
 
 log = logging.getLogger("functrain")
@@ -39,17 +46,6 @@ log = logging.getLogger("functrain")
 # Calls the host may dispatch before it waits for the oldest: enough queued work that the device never waits
 # on a host hiccup (a log write, a callback), few enough that a stop request takes effect promptly.
 CALLS_AHEAD = 2
-
-
-@dataclass
-class FitResult:
-    """What ``fit`` returns: the final state, where the run stopped and its last metrics."""
-    state: Any
-    step: int
-    samples_consumed: int
-    stop_reason: str
-    metrics: dict[str, dict[str, float]]
-    run_dir: Path
 
 
 def resolve_config(config: Config | dict | str | os.PathLike, overrides: dict[str, Any]) -> Config:
@@ -142,8 +138,10 @@ class _Run:
         self.signals = StopSignals()
 
         train_arrays, self.eval_arrays = load_dataset(config.data)
+        # What the model reads is checked before the first step, and again on every batch as it is built.
+        self.batch_check = batch_check(config.model, source=f"the data ({config.data.path or config.data.name})")
         for arrays in (train_arrays, self.eval_arrays):
-            check_token_ids(arrays, getattr(config.model, "vocab_size", None))
+            check_arrays(self.batch_check, arrays)
         self.data_seed = config.seed if config.data.seed is None else config.data.seed
         num_train = len(next(iter(train_arrays.values())))
         self.sampler = IndexSampler(num_train, config.data.global_batch_size, self.data_seed,
@@ -159,13 +157,8 @@ class _Run:
         # Orbax writes a checkpoint with every jax process; torch ranks hold replicas, so rank 0 writes alone.
         self.writes_checkpoints = self.is_primary or jax.process_count() > 1
         self.loader = BatchLoader(train_arrays, self.sampler, self.process_index, self.process_count,
-                                  prefetch=config.data.prefetch)
-
-        self.checkpointer = Checkpointer(
-            self.run_dir, keep=config.checkpoint.keep, keep_best=config.checkpoint.keep_best,
-            best_metric=config.checkpoint.best_metric, best_mode=config.checkpoint.best_mode,
-            async_save=config.checkpoint.async_save, on_error=config.checkpoint.on_error,
-            is_primary=self.is_primary)
+                                  prefetch=config.data.prefetch, check=self.batch_check)
+        self.checkpointer: Checkpointer | None = None  # opened once the run directory is ours (owning_run_dir)
 
         tensorboard = config.log.tensorboard and "tensorboard" in config.log.trackers
         builtins: list[Callback] = [EveryNSteps(config.eval.every_steps, config.checkpoint.every_steps),
@@ -186,21 +179,58 @@ class _Run:
         self.last_saved_step = -1
         self.last_eval_step = -1
         self.throughput = Throughput()
-        # The state's non-finite count when the loop last read a call's metrics (see record_train).
+        self.speed = speed_report(config.model, model_spec(config.model.name)["kind"], config.data.global_batch_size,
+                                  config.data.seq_len, jax.devices() if config.backend == "jax" else [])
+        # The state's non-finite count when the loop last read a call's metrics (see check_nonfinite).
         self.nonfinite_seen, self.nonfinite_checked_at = 0, 0
+        self.restored = False
+        self.stop_kind = FINISHED
+
+    # -- the run directory ----------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def owning_run_dir(self) -> Any:
+        """Hold the run directory's lock (process 0, for the whole job) while the run uses it; open the
+        checkpointer only then, since opening one tidies the directory another job may be writing."""
+        lock, failure = RunLock(self.run_dir) if self.is_primary else None, None
+        if lock is not None:
+            try:
+                lock.acquire()
+            except ConfigError as exc:
+                failure = exc
+        try:
+            if self.process_count > 1 and self.backend.any_process([failure is not None])[0] and failure is None:
+                raise ConfigError(f"process 0 could not take the lock of run directory {self.run_dir}; "
+                                  f"see its message")
+            if failure is not None:
+                raise failure
+            config = self.config
+            self.checkpointer = Checkpointer(
+                self.run_dir, keep=config.checkpoint.keep, keep_best=config.checkpoint.keep_best,
+                best_metric=config.checkpoint.best_metric, best_mode=config.checkpoint.best_mode,
+                async_save=config.checkpoint.async_save, on_error=config.checkpoint.on_error,
+                is_primary=self.is_primary)
+            yield self
+        finally:
+            if self.checkpointer is not None:
+                # Finish (or clean up) a save in flight before the directory is let go, without letting
+                # that hide an error being raised.
+                with contextlib.suppress(Exception):
+                    self.checkpointer.close()
+            if lock is not None:
+                lock.release()
 
     # -- state and position -------------------------------------------------------------------------------
     def restore_or_init(self) -> tuple[Any, int]:
         """The starting state and data position: from the newest whole checkpoint, or fresh."""
-        restored = self.checkpointer.restore(self.backend.restore_targets(), step=self.resume_request())
+        request = self.resume_request()
+        self.check_saved_run_fits(request)
+        restored = self.checkpointer.restore(self.backend.restore_targets(), step=request)
         data = self.config.data
         if restored is None:
             return self.backend.init_state(), resume_position(None, data.ignore_skip, data.skip_samples)
         items, self.meta, step = restored
-        saved_backend = self.meta.get("backend", "jax")
-        if saved_backend != self.config.backend:
-            raise CheckpointError(f"checkpoint {step} in {self.run_dir} was written by backend {saved_backend}, "
-                                  f"this run uses {self.config.backend}; set backend={saved_backend} or a new run.dir")
+        self.restored = True
+        self.check_saved_run_fits(request, self.meta, step)
         # ignore_skip / skip_samples act once: a restart after a checkpoint that already applied them
         # (the same command rerun after a preemption) continues from that checkpoint's position.
         ignore_skip, skip_samples = data.ignore_skip, data.skip_samples
@@ -213,9 +243,31 @@ class _Run:
         saved_position = int(self.meta.get("samples_consumed", 0))
         if position != saved_position:
             self.position_jump = {"step": step, "from": saved_position, "to": position}
-        log.info("resumed from checkpoint %d (epoch %d, samples consumed %d)", step,
-                 self.sampler.epoch_of(position), position)
         return state, position
+
+    def check_saved_run_fits(self, request: str | int, meta: dict | None = None, step: int | None = None) -> None:
+        """Name what changed when the checkpoint to resume from was written by another backend or optimizer
+        (their states do not carry over), before a restore would fail on mismatched structures.
+        ``meta``/``step``: of the checkpoint restored; None: of the one the request points at."""
+        if meta is None:
+            if request == "never":
+                return
+            candidates = [info for info in list_checkpoints(self.run_dir, verify=False)
+                          if info.whole and info.meta and (request == "auto" or info.step == request)]
+            if not candidates:
+                return
+            meta, step = candidates[-1].meta, candidates[-1].step
+        where = f"checkpoint {step} in {self.run_dir}"
+        saved_backend = meta.get("backend", "jax")
+        if saved_backend != self.config.backend:
+            raise CheckpointError(f"{where} was written by backend {saved_backend}, this run uses backend "
+                                  f"{self.config.backend} (their states differ); set backend={saved_backend} or "
+                                  f"use a new run.dir")
+        saved_optimizer = (meta.get("optimizer") or {}).get("name")
+        if saved_optimizer is not None and saved_optimizer != self.config.optimizer.name:
+            raise CheckpointError(f"{where} holds {saved_optimizer} optimizer state but this run sets "
+                                  f"optimizer.name={self.config.optimizer.name} (the optimizer state does not carry "
+                                  f"over); set optimizer.name={saved_optimizer} or use a new run.dir")
 
     def resume_request(self) -> str | int:
         """``checkpoint.resume``, except that a step request acts once: when a newer checkpoint was written
@@ -240,13 +292,19 @@ class _Run:
         return step % self.config.log.every_steps == 0 or step == self.max_steps
 
     def finish_call(self, call_end_step: int, device_metrics: Any, end_position: int) -> Control:
-        """Wait for a call; read and log its metrics if its end is a log step."""
+        """Wait for a call; read and log its metrics if its end is a log step. With ``train.nonfinite:
+        stop`` every call's per-step flags are read (a few bytes), so the run stops at the first bad step."""
         if self.is_log_step(call_end_step):
             return self.record_train(call_end_step, device_metrics, end_position)
-        self.backend.wait(device_metrics)
+        control = Control()
+        if self.config.train.nonfinite == "stop":
+            flags = self.backend.to_host({name: device_metrics[name] for name in ("nonfinite", "nonfinite_steps")})
+            control = self.check_nonfinite(call_end_step, flags)
+        else:
+            self.backend.wait(device_metrics)
         if not self.synchronous_backend:
             self.throughput.mark(call_end_step)
-        return Control()
+        return control
 
     def finish_all(self, in_flight: deque) -> Control:
         """Finish every call in flight; the newest one's metrics are read even off a log step, so a save or
@@ -269,37 +327,69 @@ class _Run:
         if not self.synchronous_backend:
             self.throughput.mark(call_end_step)
         steps = len(next(iter(metrics.values())))
-        control = Control()
+        control = self.check_nonfinite(call_end_step, metrics)
+        values = _summarise_call(metrics, steps - 1)
+        self.view.last_metrics["train"] = values
+        if self.is_log_step(call_end_step):
+            steps_per_sec = self.throughput.rate(call_end_step)
+            values = {**values, "steps_per_sec": steps_per_sec, **self.speed.fields(steps_per_sec),
+                      **self.position_fields(end_position)}
+            if self.config.checkpoint.keep_best:
+                check_metric_logged("checkpoint.best_metric", self.config.checkpoint.best_metric, "train", values)
+            control = control.merge(self.callbacks.fire("on_log", self.view, "train", call_end_step, values))
+        return control
+
+    def check_nonfinite(self, call_end_step: int, metrics: dict[str, np.ndarray]) -> Control:
+        """With ``train.nonfinite: stop``, a stop request naming the first non-finite step of a finished call
+        (its per-step ``nonfinite`` flags and the state's cumulative ``nonfinite_steps``)."""
+        steps = len(metrics["nonfinite"])
         nonfinite_steps = int(metrics["nonfinite_steps"][-1])
-        if self.config.train.nonfinite == "stop" and nonfinite_steps > self.nonfinite_seen:
-            # The cumulative count also catches incidents in calls whose metrics were never copied.
+        control = Control()
+        if (self.config.train.nonfinite == "stop" and nonfinite_steps > self.nonfinite_seen
+                and self.stop_kind != NONFINITE):  # the first incident is the one to name
+            # The cumulative count also catches incidents in calls whose flags were never read.
             flagged = np.flatnonzero(metrics["nonfinite"])
             where = (f"at step {call_end_step - steps + 1 + int(flagged[0])}" if len(flagged)
                      else f"between steps {self.nonfinite_checked_at} and {call_end_step - steps}")
             self.view.stop_reason = (f"non-finite loss or gradients {where} (update skipped, params intact); "
                                      f"lower optimizer.learning_rate or set train.clip_norm")
+            self.stop_kind = NONFINITE
             control = Control(should_stop=True)
         self.nonfinite_seen, self.nonfinite_checked_at = nonfinite_steps, call_end_step
-        values = _summarise_call(metrics, steps - 1)
-        self.view.last_metrics["train"] = values
-        if self.is_log_step(call_end_step):
-            values = {**values, "steps_per_sec": self.throughput.rate(call_end_step),
-                      **self.position_fields(end_position)}
-            control = control.merge(self.callbacks.fire("on_log", self.view, "train", call_end_step, values))
         return control
 
     def position_fields(self, position: int) -> dict[str, int]:
         """Where the data stood, for log lines."""
         return {"epoch": self.sampler.epoch_of(position), "samples_consumed": position}
 
+    def eval_loader(self) -> BatchLoader:
+        """The evaluation set in a fixed order, padded so that every record counts once."""
+        sampler = IndexSampler(len(next(iter(self.eval_arrays.values()))), self.config.data.global_batch_size,
+                               self.data_seed, shuffle=False, last_batch="pad")
+        return BatchLoader(self.eval_arrays, sampler, self.process_index, self.process_count, prefetch=0,
+                           check=self.batch_check)
+
+    def check_eval_metric_names(self, state: Any) -> None:
+        """Metrics that early stopping or keep-best read from evaluations must be ones the evaluation gives:
+        found from one evaluation batch before the first step, so a typo costs no training and writes
+        nothing. (Train-split names are checked at the first log.)"""
+        wanted = [(key, metric) for key, metric in (
+            ("eval.early_stopping_metric", self.config.eval.early_stopping_metric),
+            ("checkpoint.best_metric", self.config.checkpoint.best_metric if self.config.checkpoint.keep_best
+             else None)) if metric and metric.startswith("eval/")]
+        if not wanted or not self.has_eval_data():
+            return
+        host_batch, _ = self.eval_loader().host_batch(0)
+        names = dict.fromkeys(self.backend.to_host(self.backend.eval_batch(state, host_batch)), 0.0)
+        for key, metric in wanted:
+            check_metric_logged(key, metric, "eval", names)
+
     def evaluate(self, state: Any) -> Control:
         """Sum the eval metrics over the evaluation set (every record counted once), divide once."""
-        num_eval = len(next(iter(self.eval_arrays.values())))
-        if num_eval == 0:
+        if not self.has_eval_data():
             return Control()
-        sampler = IndexSampler(num_eval, self.config.data.global_batch_size, self.data_seed, shuffle=False,
-                               last_batch="pad")
-        loader = BatchLoader(self.eval_arrays, sampler, self.process_index, self.process_count, prefetch=0)
+        loader = self.eval_loader()
+        sampler = loader.sampler
         batches = sampler.steps_per_epoch
         if self.config.eval.max_batches:
             batches = min(batches, self.config.eval.max_batches)
@@ -312,6 +402,8 @@ class _Run:
         weight = max(float(totals["weight"]), 1e-12)
         metrics = {name: float(value) / weight for name, value in totals.items() if name != "weight"}
         metrics["weight"] = float(totals["weight"])
+        if self.config.checkpoint.keep_best:
+            check_metric_logged("checkpoint.best_metric", self.config.checkpoint.best_metric, "eval", metrics)
         self.view.last_metrics["eval"] = metrics
         self.last_eval_step = self.view.step
         self.view.state = state
@@ -329,7 +421,8 @@ class _Run:
             metrics.pop("eval", None)
         meta = {"step": step, **data_meta(self.sampler, position, self.meta, self.position_jump),
                 "config_digest": self.config.digest(), "model": self.config.model.model_dump(mode="json"),
-                "backend": self.config.backend, "metrics": metrics, "time": time.time(),
+                "backend": self.config.backend, "optimizer": self.config.optimizer.model_dump(mode="json"),
+                "metrics": metrics, "time": time.time(),
                 "layout": self.backend.describe(), "processes": self.process_count,
                 "data_override": self.data_override(),
                 "resume_request": self.config.checkpoint.resume if isinstance(self.config.checkpoint.resume, int)
@@ -339,18 +432,38 @@ class _Run:
         self.callbacks.fire("on_save", self.view, step)
 
     # -- the loop ------------------------------------------------------------------------------------------
+    def result(self, state: Any, step: int, position: int, stop_reason: str, skipped_steps: int) -> FitResult:
+        return FitResult(state=state, step=step, samples_consumed=position, stop_reason=stop_reason,
+                         metrics=dict(self.view.last_metrics), run_dir=self.run_dir, stop_kind=self.stop_kind,
+                         steps_run=step - self.view.start_step, skipped_steps=skipped_steps,
+                         max_skipped_fraction=self.config.train.max_skipped_fraction)
+
     def run(self) -> FitResult:
         state, position = self.restore_or_init()
-        if self.is_primary:  # only now: bad input must not replace the config of an existing run
-            write_run_config(self.run_dir, self.config)
         step = self.backend.step_of(state)
-        self.nonfinite_seen, self.nonfinite_checked_at = self.backend.nonfinite_steps_of(state), step
         self.view.start_step = step
+        if self.restored and step >= self.max_steps:
+            # Rerunning a finished job leaves its directory as it was: no config, metrics or event files.
+            self.stop_kind = ALREADY_FINISHED
+            reason = f"already finished (train.max_steps={self.max_steps}: raise it to train further)"
+            return self.result(state, step, position, reason, 0)
+        self.check_eval_metric_names(state)
+        if self.is_primary:  # only now: bad input must not replace the config of an existing run
+            if self.restored:
+                log.info("resumed from checkpoint %d (epoch %d, samples consumed %d)", step,
+                         self.sampler.epoch_of(position), position)
+            write_run_config(self.run_dir, self.config)
+            for warning in likely_mistakes(self.config, self.max_steps, has_eval_data=self.has_eval_data()):
+                log.warning("functrain: warning: %s", warning)
+        nonfinite_at_start = self.backend.nonfinite_steps_of(state)
+        self.nonfinite_seen, self.nonfinite_checked_at = nonfinite_at_start, step
         self.update_view(step, position)
         if self.is_primary:
             log.info("run %s: steps %d -> %d, epoch %d, samples consumed %d, %d training records\n%s",
                      self.run_dir, step, self.max_steps, self.view.epoch, position, self.sampler.num_records,
                      self.backend.describe())
+            if self.speed.flops_per_token:
+                log.info("model FLOPs per token (training, causal attention): %.4g", self.speed.flops_per_token)
         self.callbacks.fire("on_train_begin", self.view)
         self.callbacks.fire("on_epoch_begin", self.view)
         self.throughput.start(step)
@@ -382,7 +495,9 @@ class _Run:
                     control = control.merge(self.callbacks.fire("on_epoch_begin", self.view))
                 control = control.merge(self.callbacks.fire("on_step_end", self.view))
                 if self.signals.received:
-                    self.view.stop_reason = f"{self.signals.received} received: saved and stopped"
+                    self.view.stop_reason = (f"{self.signals.received} received: saved and stopped; run the same "
+                                             f"command again to resume")
+                    self.stop_kind = SIGNAL
                     control = control.merge(Control(should_stop=True, should_save=True))
                 if self.process_count > 1:  # every process must take the same (collective) path
                     control = Control(*self.backend.any_process(
@@ -397,6 +512,8 @@ class _Run:
                     self.save(state, step, position)
                 if control.should_stop:
                     stop_reason = self.view.stop_reason or "stopped by a callback"
+                    if self.stop_kind == FINISHED:
+                        self.stop_kind = EARLY_STOPPED
                     break
             self.finish_all(in_flight)
         if stop_reason == "finished" and self.last_eval_step != step:
@@ -406,11 +523,17 @@ class _Run:
         if stop_reason == "finished":
             self.callbacks.fire("on_epoch_end", self.view)
         self.callbacks.fire("on_train_end", self.view)
+        result = self.result(state, step, position, stop_reason,
+                             self.backend.nonfinite_steps_of(state) - nonfinite_at_start)
         if self.is_primary:
             log.info("stopped at step %d (%s)", step, stop_reason)
-        return FitResult(state=state, step=step, samples_consumed=position, stop_reason=stop_reason,
-                         metrics=dict(self.view.last_metrics), run_dir=self.run_dir)
+            report = skipped_report(result)
+            if report:
+                log.warning("functrain: warning: %s", report)
+        return result
 
+    def has_eval_data(self) -> bool:
+        return len(next(iter(self.eval_arrays.values()), ())) > 0
 
 def fit(config: Config | dict | str | os.PathLike, callbacks: list[Callback] | None = None,
         **overrides: Any) -> FitResult:
@@ -421,10 +544,5 @@ def fit(config: Config | dict | str | os.PathLike, callbacks: list[Callback] | N
     """
     config = resolve_config(config, overrides)
     run = _Run(config, list(callbacks or []))
-    try:
+    with run.owning_run_dir():
         return run.run()
-    except BaseException:
-        # Finish (or clean up) a save in flight, without letting that hide the error being raised.
-        with contextlib.suppress(Exception):
-            run.checkpointer.close()
-        raise

@@ -17,6 +17,7 @@ from typing import Any
 
 from functrain.checkpoint import layout, list_checkpoints
 from functrain.errors import CheckpointError, ConfigError
+from functrain.run_lock import RunLock
 
 ABANDONED_CHECKPOINTS = "checkpoints.abandoned"
 
@@ -65,6 +66,7 @@ def rewind(run_dir: str | os.PathLike, step: int, skip_samples: int, overrides: 
     position, later = plan_rewind(run_dir, step, skip_samples)
     config = load_config(run_dir / "config.yaml", [*(overrides or []), f"run.dir={run_dir}",
                                                     f"checkpoint.resume={step}", f"data.skip_samples={position}"])
-    set_aside_checkpoints(run_dir, later)
-    append_event(run_dir, "rewind", step, skip_samples=skip_samples, position=position)
+    with RunLock(run_dir):  # not while another job trains in this directory
+        set_aside_checkpoints(run_dir, later)
+        append_event(run_dir, "rewind", step, skip_samples=skip_samples, position=position)
     return fit(config)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from functrain.data.validate import BatchCheck, FieldRule
 from functrain.models import build_model, model_spec
 from functrain.precision import COMPUTE_DTYPES
 
@@ -74,6 +75,19 @@ def causal_lm_loss(model: nn.Module, deterministic: bool) -> Callable:
 
 
 LOSSES = {"classifier": classifier_loss, "causal_lm": causal_lm_loss}
+
+
+def batch_check(model_config: Any, source: str = "the data") -> BatchCheck:
+    """What the built-in loss of ``model_config``'s task kind reads from a batch, with the model's bounds."""
+    kind = model_spec(model_config.name)["kind"]
+    if kind == "classifier":
+        rules = [FieldRule("x", integer=False, what="input"),
+                 FieldRule("y", upper=getattr(model_config, "num_classes", None), bound_key="model.num_classes",
+                           what="label")]
+    else:
+        rules = [FieldRule("tokens", upper=getattr(model_config, "vocab_size", None), bound_key="model.vocab_size",
+                           what="token id")]
+    return BatchCheck(rules, source)
 
 
 def make_task(config: Any, example_batch: dict[str, np.ndarray]) -> Task:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from functrain.callbacks import Callback, RunView
 from functrain.errors import FunctrainError
+from functrain.outcome import EXIT_BAD_INPUT
 
 # Metrics that are functions of the computation; throughput and positions are left out.
 COMPARED = ("loss", "grad_norm", "learning_rate", "accuracy", "nonfinite_steps")
@@ -79,10 +80,13 @@ def train_worker(config: str, overrides: list[str], kill_step: int | None) -> No
     from functrain.config import load_config
     from functrain.loop import fit
     try:
-        fit(load_config(config, overrides), callbacks=[KillAt(kill_step)] if kill_step is not None else [])
+        result = fit(load_config(config, overrides), callbacks=[KillAt(kill_step)] if kill_step is not None else [])
     except FunctrainError as exc:
         print(f"functrain: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(EXIT_BAD_INPUT)
+    if result.exit_code:
+        print(f"functrain: {result.stop_reason}", file=sys.stderr)
+    sys.exit(result.exit_code)
 
 
 def _environment() -> dict[str, str]:

@@ -110,8 +110,8 @@ def test_nonfinite_stop_keeps_params_finite(tmp_path):
 
 
 def test_nonfinite_stop_sees_an_incident_in_a_call_it_never_read(tmp_path):
-    """One poisoned record: its step is neither logged nor the last of a call the loop reads, yet the run
-    stops at the next log boundary, params finite (the state's cumulative count carries the incident)."""
+    """One poisoned record at a step that is not logged: the run stops within the calls in flight, names
+    that exact step, exits with the non-finite status and keeps params finite."""
     features = np.random.default_rng(0).random((640, 64), np.float32)
     features[5 * 32 + 3, 0] = np.nan  # the 6th batch of 32, unshuffled: step 6
     np.savez(tmp_path / "poisoned.npz", x=features, y=np.zeros(640, np.int32))
@@ -119,8 +119,8 @@ def test_nonfinite_stop_sees_an_incident_in_a_call_it_never_read(tmp_path):
                               "data.shuffle": False, "data.global_batch_size": 32, "data.eval_fraction": 0.0,
                               "train.max_steps": 40, "train.steps_per_call": 1, "log.every_steps": 8,
                               "eval.every_steps": 0, "train.nonfinite": "stop"})
-    assert "non-finite" in result.stop_reason and "between steps 0 and 7" in result.stop_reason
-    assert 8 <= result.step < 16
+    assert "non-finite" in result.stop_reason and "at step 6 " in result.stop_reason
+    assert 6 <= result.step <= 8 and result.exit_code == 3 and result.skipped_steps == 1
     assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(load_params(tmp_path / "run")))
     skipped = [line["skipped_steps"] for line in map(json.loads, (tmp_path / "run" / "metrics.jsonl").open())
                if line["split"] == "train"]

@@ -72,8 +72,9 @@ def test_port_in_use_is_one_line_and_exit_2(tmp_path):
     assert not (tmp_path / "checkpoints").exists()
 
 
-def test_sigterm_to_the_launcher_saves_on_every_process_and_exits_0(tmp_path):
-    """A preemption notice reaches all processes; they agree on the step, save together and exit cleanly."""
+def test_sigterm_to_the_launcher_saves_on_every_process_and_exits_for_a_rerun(tmp_path):
+    """A preemption notice reaches all processes; they agree on the step, save together and exit with the
+    'stopped by a signal, rerun to resume' status (75)."""
     import signal
     import time
     run_dir = tmp_path / "run"
@@ -86,7 +87,7 @@ def test_sigterm_to_the_launcher_saves_on_every_process_and_exits_0(tmp_path):
         time.sleep(0.5)
     proc.send_signal(signal.SIGTERM)
     output, _ = proc.communicate(timeout=240)
-    assert proc.returncode == 0, output
+    assert proc.returncode == 75, output
     assert "SIGTERM received" in output or "another process asked to stop" in output
     steps = [int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()]
     assert len(steps) == 1 and 0 < steps[0] < 100000

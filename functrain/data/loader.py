@@ -16,6 +16,7 @@ from functrain.data.prefetch import BackgroundIterator
 from functrain.data.sampler import IndexSampler
 from functrain.data.sources import Batch, as_source
 from functrain.data.transforms import Transform, apply_transform
+from functrain.data.validate import BatchCheck
 from functrain.errors import DataError
 
 # (host batch [K, B/P, ...], start position, end position)
@@ -57,6 +58,8 @@ class BatchLoader:
       prefetch: calls assembled ahead in a background thread; 0 assembles in the caller's thread.
       transform_seed: seed for the transform RNGs; defaults to ``sampler.seed``.
       keys: field names for tuple records of a map-style dataset (e.g. ``("x", "y")``).
+      check: validates each batch as it is assembled (what the model reads, in range); see
+        :mod:`functrain.data.validate`.
 
     Every batch gets ``"weight"``: float32 [B/P], 1 for real samples and 0 for "pad" filler (multiplied into a
     ``"weight"`` field the source already has).
@@ -64,8 +67,9 @@ class BatchLoader:
 
     def __init__(self, source: Any, sampler: IndexSampler, process_index: int = 0, process_count: int = 1,
                  transform: Transform | None = None, prefetch: int = 2, transform_seed: int | None = None,
-                 keys: tuple[str, ...] | None = None) -> None:
+                 keys: tuple[str, ...] | None = None, check: BatchCheck | None = None) -> None:
         self.source = as_source(source, keys=keys)
+        self.check = check
         self.sampler = sampler
         if len(self.source) != sampler.num_records:
             raise DataError(f"the data source has {len(self.source)} records but the sampler was built for "
@@ -93,6 +97,8 @@ class BatchLoader:
         batch = self.source.gather(records)
         if self.transform is not None:
             batch = apply_transform(batch, self.transform, self.transform_seed, stream)
+        if self.check is not None:
+            self.check(batch, records)
         batch = dict(batch)
         batch["weight"] = weights * batch["weight"].astype(np.float32) if "weight" in batch else weights
         return batch, next_position

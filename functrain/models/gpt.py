@@ -4,7 +4,7 @@ from typing import Any, Literal
 
 import flax.linen as nn
 import jax.numpy as jnp
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from functrain.models.kv_cache import causal_mask, extend_cache, next_positions
 from functrain.sharding import constrain_batch
@@ -21,6 +21,13 @@ class GPTConfig(BaseModel):
     n_heads: int = Field(4, ge=1)
     d_ff: int = Field(512, ge=1)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> "GPTConfig":
+        if self.d_model % self.n_heads:
+            raise ValueError(f"model.n_heads={self.n_heads} does not divide model.d_model={self.d_model}; "
+                             f"choose n_heads so that d_model / n_heads is a whole head width")
+        return self
 
 
 def _param(init: Any, names: tuple[str, ...]) -> Any:
