@@ -1,10 +1,10 @@
 """``functrain plot RUN_DIR [RUN_DIR ...] [-o FILE.png]``: the curves of one or several runs in one PNG.
 
 Panels against step: train and eval loss (log scale when it spans more than a decade), learning rate,
-gradient norm, throughput (steps/s), and MFU and accuracy when a run logs them. Each run has one colour; a
-smoothed line (TensorBoard's debiased moving average) is drawn over the faint raw values. Steps whose update
-was skipped for a non-finite loss or gradient are red crosses; resumes (from ``events.jsonl``) are dashed
-vertical lines. matplotlib renders headless (Agg).
+gradient norm, throughput (tokens/s, else samples/s, else steps/s), and MFU and accuracy when a run logs
+them. Each run has one colour; a smoothed line (TensorBoard's debiased moving average) is drawn over the faint
+raw values. Steps whose update was skipped for a non-finite loss or gradient are red crosses; resumes (from
+``events.jsonl``) are dotted vertical lines. matplotlib renders headless (Agg).
 """
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ from functrain.errors import DataError
 from functrain.events import read_events
 
 SMOOTHING = 0.6  # weight of the past in the moving average (TensorBoard's default)
-# (panel title, y label, train metric, whether eval values are drawn too, whether it is noisy: smoothed)
+# (panel title, y label, train metric, whether eval values are drawn too, whether it is noisy: smoothed);
+# throughput is the first of tokens/s, samples/s, steps/s that a run logs.
 PANELS = [("loss", "mean loss", "loss", True, True),
           ("learning rate", "learning rate", "learning_rate", False, False),
           ("gradient norm", "global grad norm", "grad_norm", False, True),
-          ("throughput", "steps / s", "steps_per_sec", False, True),
+          ("throughput", None, ("tokens_per_sec", "samples_per_sec", "steps_per_sec"), False, True),
           ("MFU", "model FLOPs utilisation", "mfu", False, True),
           ("accuracy", "accuracy", "accuracy", True, True)]
 ALWAYS_SHOWN = 4  # the first four panels; MFU and accuracy only when some run logs them
@@ -144,6 +145,15 @@ def _draw_panel(ax: Any, runs: list[RunCurves], colours: list[Any], metric: str,
         ax.text(0.5, 0.5, "not logged", transform=ax.transAxes, ha="center", va="center", color="grey")
 
 
+def _resolve(panel: tuple, runs: list[RunCurves]) -> tuple:
+    """A panel with one metric: the first alternative any run logs (the last when none does)."""
+    title, ylabel, metric, with_eval, noisy = panel
+    if isinstance(metric, str):
+        return panel
+    chosen = next((m for m in metric if any(run.series("train", m) is not None for run in runs)), metric[-1])
+    return title, ylabel or chosen.removesuffix("_per_sec").replace("_", " ") + " / s", chosen, with_eval, noisy
+
+
 def plot_runs(run_dirs: list[str | os.PathLike], out: str | os.PathLike) -> Path:
     """Write the PNG of the runs' curves to ``out`` and return its path (runs are read before anything is
     written, so a bad run directory leaves no file behind)."""
@@ -155,7 +165,8 @@ def plot_runs(run_dirs: list[str | os.PathLike], out: str | os.PathLike) -> Path
     if len(set(names)) < len(names):  # same leaf name: tell them apart by their full paths
         names = [str(d) for d in run_dirs]
     runs = [read_run(d, n) for d, n in zip(run_dirs, names)]
-    panels = PANELS[:ALWAYS_SHOWN] + [p for p in PANELS[ALWAYS_SHOWN:]
+    panels = [_resolve(panel, runs) for panel in PANELS]
+    panels = panels[:ALWAYS_SHOWN] + [p for p in panels[ALWAYS_SHOWN:]
                                       if any(run.series("train", p[2]) is not None for run in runs)]
     columns = 3
     rows = -(-len(panels) // columns)
