@@ -46,6 +46,7 @@ class RunView:
     start_step: int = 0
     stop_reason: str | None = None
     last_metrics: dict[str, dict[str, float]] = field(default_factory=dict)
+    state: Any = None  # the train state during on_evaluate (e.g. to draw samples), else None
 
 
 class Callback:

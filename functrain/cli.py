@@ -14,7 +14,8 @@ from functrain.outcome import EXIT_BAD_INPUT
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="functrain", description="functrain: train, inspect, convert.")
+    parser = argparse.ArgumentParser(prog="functrain",
+                                     description="functrain: train, inspect, convert, plot, generate.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -39,6 +40,34 @@ def _parser() -> argparse.ArgumentParser:
     to_hf.add_argument("run_dir")
     to_hf.add_argument("out_dir")
     to_hf.add_argument("--step", type=int, default=None)
+
+    plot = commands.add_parser("plot", help="loss, learning rate, grad norm, throughput of runs in one PNG")
+    plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    plot.add_argument("-o", "--output", default=None, help="PNG path (default RUN_DIR/plot.png for one run, "
+                                                             "./plot.png for several)")
+
+    generate = commands.add_parser("generate", help="continue a prompt with a language-model run")
+    generate.add_argument("run_dir")
+    generate.add_argument("--prompt", required=True)
+    generate.add_argument("--max-new-tokens", type=int, default=200)
+    generate.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    generate.add_argument("--top-k", type=int, default=None)
+    generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
+    generate.add_argument("--tokenizer", default=None, help="HF tokenizer directory (default: UTF-8 bytes)")
+
+    rewind = commands.add_parser("rewind", help="resume from checkpoint STEP skipping the next K samples")
+    rewind.add_argument("run_dir")
+    rewind.add_argument("--to", type=int, required=True, metavar="STEP", help="checkpoint step to go back to")
+    rewind.add_argument("--skip-samples", type=int, required=True, metavar="K", help="samples to step over")
+    rewind.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+
+    verify = commands.add_parser("verify-resume", help="kill + resume == uninterrupted? (PASS/FAIL)")
+    verify.add_argument("config")
+    verify.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+    verify.add_argument("--steps", type=int, default=None, help="steps to train (default 8 calls)")
+    verify.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                        help="import MODULE in the training processes first (registers models or datasets)")
     return parser
 
 
@@ -81,6 +110,36 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plot(args: argparse.Namespace) -> int:
+    from functrain.plot import default_output, plot_runs
+    print(f"functrain: wrote {plot_runs(args.run_dirs, args.output or default_output(args.run_dirs))}")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from functrain.generate import Sampling, load_language_model, load_tokenizer, sample_text
+    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
+    model, params, _ = load_language_model(args.run_dir, args.step)
+    sampling = Sampling(args.max_new_tokens, args.temperature, args.top_k, args.seed)
+    print(args.prompt + sample_text(model, params, args.prompt, sampling, tokenizer))
+    return 0
+
+
+def _rewind(args: argparse.Namespace) -> int:
+    from functrain.rewind import rewind
+    result = rewind(args.run_dir, args.to, args.skip_samples, args.overrides)
+    print(f"functrain: rewound to step {args.to}, skipped {args.skip_samples} samples; {result.stop_reason} at "
+          f"step {result.step}; run directory {result.run_dir}")
+    return result.exit_code
+
+
+def _verify_resume(args: argparse.Namespace) -> int:
+    from functrain.verify_resume import verify_resume
+    verdict = verify_resume(args.config, args.steps, args.overrides, args.imports)
+    print(verdict.report())
+    return 0 if verdict.passed else 1
+
+
 def _convert(args: argparse.Namespace) -> int:
     try:
         from torch_bridge.hf import convert
@@ -107,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     args.debug = debug
     # `train CFG --processes 2 key=value`: overrides after a flag land in `extra`; anything else is an error.
-    if args.command == "train" and all("=" in item and not item.startswith("-") for item in extra):
+    takes_overrides = args.command in ("train", "rewind", "verify-resume")
+    if takes_overrides and all("=" in item and not item.startswith("-") for item in extra):
         args.overrides += extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -115,9 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _train(args, argv)
-        if args.command == "inspect":
-            return _inspect(args)
-        return _convert(args)
+        commands = {"inspect": _inspect, "convert": _convert, "plot": _plot, "generate": _generate,
+                    "rewind": _rewind, "verify-resume": _verify_resume}
+        return commands[args.command](args)
     except FunctrainError as exc:
         if args.debug:
             raise

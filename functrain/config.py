@@ -177,10 +177,26 @@ class MeshConfig(Section):
 
 
 class LogConfig(Section):
-    """``log.*``: metric logging interval, progress bar and TensorBoard event files."""
+    """``log.*``: metric logging interval, progress bar, TensorBoard event files, experiment trackers
+    (``jsonl`` is metrics.jsonl, always written; ``wandb`` and ``mlflow`` need their extras) and the PNG of
+    the run's curves written at its end (``RUN_DIR/plot.png``)."""
     every_steps: int = Field(10, ge=1)
     progress: bool = True
     tensorboard: bool = True
+    trackers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = ["jsonl", "tensorboard"]
+    plot: bool = False  # the shipped char_gpt job (make train) turns it on
+
+
+class SamplesConfig(Section):
+    """``eval.samples.*``: ``count`` continuations of ``prompt`` written to ``RUN_DIR/samples.jsonl`` and
+    TensorBoard at each evaluation of a language model (0: none); ``tokenizer``: an HF tokenizer directory
+    (default: UTF-8 bytes, as ``data.name=char_text`` feeds them)."""
+    count: int = Field(0, ge=0)
+    prompt: str = "\n"
+    max_new_tokens: int = Field(64, ge=1)
+    temperature: float = Field(0.8, ge=0.0)
+    top_k: int | None = Field(None, ge=1)
+    tokenizer: str | None = None
 
 
 class EvalConfig(Section):
@@ -191,6 +207,7 @@ class EvalConfig(Section):
     early_stopping_patience: int = Field(3, ge=1)
     early_stopping_mode: Literal["min", "max"] = "min"
     early_stopping_min_delta: float = Field(0.0, ge=0)
+    samples: SamplesConfig = SamplesConfig()
 
 
 class TargetModelConfig(BaseModel):

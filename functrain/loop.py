@@ -29,10 +29,14 @@ from functrain.config import PYTHON_OBJECT, Config, load_config, override_list
 from functrain.config_checks import check_metric_logged, likely_mistakes
 from functrain.data import BatchLoader, IndexSampler, check_resume, data_meta, resume_position
 from functrain.errors import CheckpointError, ConfigError
+from functrain.events import RunEvents
 from functrain.mfu import speed_report
 from functrain.outcome import (ALREADY_FINISHED, EARLY_STOPPED, FINISHED, NONFINITE, SIGNAL, FitResult,
                                skipped_report)
 from functrain.run_lock import RunLock
+from functrain.samples import SampleWriter
+from functrain.summary import RunSummary
+from functrain.trackers import make_trackers
 
 log = logging.getLogger("functrain")
 
@@ -113,6 +117,7 @@ class _Run:
 
     def __init__(self, config: Config, parts: Parts, callbacks: list[Callback]) -> None:
         self.config = config
+        trackers = make_trackers(config.log.trackers)  # before anything is read or written: a missing package
         self.run_dir = Path(config.run.dir).absolute()  # Orbax needs absolute paths
         self.signals = StopSignals()
 
@@ -137,17 +142,22 @@ class _Run:
                                   prefetch=config.data.prefetch, check=self.batch_check)
         self.checkpointer: Checkpointer | None = None  # opened once the run directory is ours (owning_run_dir)
 
+        tensorboard = config.log.tensorboard and "tensorboard" in config.log.trackers
         builtins: list[Callback] = [EveryNSteps(config.eval.every_steps, config.checkpoint.every_steps),
-                                    MetricsWriter(tensorboard=config.log.tensorboard)]
+                                    MetricsWriter(tensorboard=tensorboard), RunEvents(), *trackers]
+        if config.eval.samples.count:
+            builtins.append(SampleWriter(config))
         if config.log.progress:
             builtins.append(ProgressBar())
         if config.eval.early_stopping_metric:
             builtins.append(EarlyStopping(config.eval.early_stopping_metric, config.eval.early_stopping_patience,
                                           config.eval.early_stopping_mode, config.eval.early_stopping_min_delta))
-        self.callbacks = CallbackList(builtins + list(callbacks))
+        # The summary comes last: it reads what the other callbacks wrote and closed.
+        self.callbacks = CallbackList(builtins + list(callbacks) + [RunSummary()])
         self.view = RunView(config=config, run_dir=self.run_dir, max_steps=self.max_steps,
                             is_primary=self.is_primary)
         self.meta: dict[str, Any] | None = None
+        self.position_jump: dict[str, int] | None = None  # where skip_samples/ignore_skip moved the data
         self.last_saved_step = -1
         self.last_eval_step = -1
         self.throughput = Throughput()
@@ -215,6 +225,9 @@ class _Run:
         state = self.backend.state_from_items(items)
         self.last_saved_step = step
         position = resume_position(self.meta, ignore_skip, skip_samples)
+        saved_position = int(self.meta.get("samples_consumed", 0))
+        if position != saved_position:
+            self.position_jump = {"step": step, "from": saved_position, "to": position}
         return state, position
 
     def check_saved_run_fits(self, request: str | int, meta: dict | None = None, step: int | None = None) -> None:
@@ -378,7 +391,9 @@ class _Run:
             check_metric_logged("checkpoint.best_metric", self.config.checkpoint.best_metric, "eval", metrics)
         self.view.last_metrics["eval"] = metrics
         self.last_eval_step = self.view.step
+        self.view.state = state
         control = self.callbacks.fire("on_evaluate", self.view, metrics)
+        self.view.state = None  # donated by the next call
         logged = {**metrics, **self.position_fields(self.view.samples_consumed)}
         return control.merge(self.callbacks.fire("on_log", self.view, "eval", self.view.step, logged))
 
@@ -389,7 +404,7 @@ class _Run:
         if self.last_eval_step != step:
             # Stale eval metrics would let a never-evaluated step outrank the evaluated one (keep-best).
             metrics.pop("eval", None)
-        meta = {"step": step, **data_meta(self.sampler, position, self.meta),
+        meta = {"step": step, **data_meta(self.sampler, position, self.meta, self.position_jump),
                 "config_digest": self.config.digest(), "model": self.config.model.model_dump(mode="json"),
                 "backend": self.config.backend, "optimizer": self.config.optimizer.model_dump(mode="json"),
                 "metrics": metrics, "time": time.time(),

@@ -51,15 +51,20 @@ def resume_position(meta: Mapping[str, Any] | None, ignore_skip: bool, skip_samp
     return int(meta.get("samples_consumed", 0))
 
 
-def data_meta(sampler: IndexSampler, position: int, previous: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def data_meta(sampler: IndexSampler, position: int, previous: Mapping[str, Any] | None = None,
+              jump: Mapping[str, int] | None = None) -> dict[str, Any]:
     """The data fields of a checkpoint meta at ``position``: samples_consumed, epoch, global_batch_size,
-    global_batch_sizes (history, extended when the size changed since ``previous`` meta), num_records and
-    data_seed."""
+    global_batch_sizes (history, extended when the size changed since ``previous`` meta), num_records,
+    data_seed and position_jumps (history of ``data.skip_samples`` moves, ``jump`` = ``{"step", "from",
+    "to"}`` of this run's, so a rewind past a loss spike stays on record in every later checkpoint)."""
     previous = previous or {}
     history = list(previous.get("global_batch_sizes") or
                    ([previous["global_batch_size"]] if previous.get("global_batch_size") is not None else []))
     if not history or history[-1] != sampler.global_batch_size:
         history.append(sampler.global_batch_size)
+    jumps = list(previous.get("position_jumps") or [])
+    if jump is not None and dict(jump) not in jumps:
+        jumps.append(dict(jump))
     return {
         "samples_consumed": int(position),
         "epoch": sampler.epoch_of(position),
@@ -67,4 +72,5 @@ def data_meta(sampler: IndexSampler, position: int, previous: Mapping[str, Any] 
         "global_batch_sizes": history,
         "num_records": sampler.num_records,
         "data_seed": sampler.seed,
+        "position_jumps": jumps,
     }

@@ -6,6 +6,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from functrain.models.kv_cache import causal_mask, extend_cache, next_positions
 from functrain.sharding import constrain_batch
 
 
@@ -53,8 +54,11 @@ class Block(nn.Module):
                                kernel_init=_param(init, ("embed", "heads", "head_dim")),
                                bias_init=_param(nn.initializers.zeros, ("heads", "head_dim")))(h)
                for name in ("query", "key", "value")]
-        causal = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.bool_))
-        attended = nn.dot_product_attention(*qkv, mask=causal, dtype=self.dtype)
+        query, key, value = qkv
+        positions = next_positions(self, x.shape[1])
+        key, value = extend_cache(self, key, value, positions)
+        causal = causal_mask(positions, key.shape[1])[None, None]
+        attended = nn.dot_product_attention(query, key, value, mask=causal, dtype=self.dtype)
         attended = nn.DenseGeneral(cfg.d_model, axis=(-2, -1), dtype=self.dtype, name="attn_out",
                                    kernel_init=_param(out_init, ("heads", "head_dim", "embed")),
                                    bias_init=_param(nn.initializers.zeros, ("embed",)))(attended)
@@ -80,7 +84,7 @@ class GPT(nn.Module):
         embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=self.dtype, name="token_embed",
                          embedding_init=_param(init, ("vocab", "embed")))
         positions = self.param("position_embed", _param(init, ("max_len", "embed")), (cfg.max_len, cfg.d_model))
-        x = embed(tokens) + positions[: tokens.shape[1]].astype(self.dtype)
+        x = embed(tokens) + positions[next_positions(self, tokens.shape[1])].astype(self.dtype)
         x = nn.Dropout(cfg.dropout)(x, deterministic=deterministic)
         # Pinning the residual stream's batch axis makes XLA gather FSDP-sharded weights (ZeRO-3)
         # instead of resharding activations.

@@ -15,6 +15,7 @@ import pydantic
 from functrain.sharding import constrain_batch
 from functrain.models.hf_common import (HFModelConfig, activation, causal_attention, check_activation, dense,
                                         embed, layer_norm)
+from functrain.models.kv_cache import extend_cache, next_positions
 
 
 class GPT2Config(HFModelConfig):
@@ -75,12 +76,14 @@ class GPT2Attention(nn.Module):
         q, k, v = (dense(cfg.n_embd, ("embed", "heads"), use_bias=True, dtype=self.dtype,
                          init_std=cfg.initializer_range, name=n)(x).reshape(batch, length, heads, head_dim)
                    for n in ("q", "k", "v"))
+        positions = next_positions(self, length)
+        k, v = extend_cache(self, k, v, positions)
         scale = 1.0
         if cfg.scale_attn_weights:
             scale /= head_dim ** 0.5
         if cfg.scale_attn_by_inverse_layer_idx:
             scale /= float(self.layer_idx + 1)
-        out = causal_attention(q, k, v, scale).reshape(batch, length, cfg.n_embd)
+        out = causal_attention(q, k, v, scale, positions).reshape(batch, length, cfg.n_embd)
         return dense(cfg.n_embd, ("heads", "embed"), use_bias=True, dtype=self.dtype,
                      init_std=cfg.initializer_range, name="c_proj")(out)
 
@@ -129,11 +132,12 @@ class GPT2LMHead(nn.Module):
         length = input_ids.shape[1]
         if length > cfg.n_positions:
             raise ValueError(f"sequence length {length} exceeds n_positions {cfg.n_positions}")
+        positions = next_positions(self, length)
         wte = embed(cfg.vocab_size, cfg.n_embd, ("vocab", "embed"), dtype=self.dtype,
                     init_std=cfg.initializer_range, name="wte")
         wpe = embed(cfg.n_positions, cfg.n_embd, (None, "embed"), dtype=self.dtype,
                     init_std=cfg.initializer_range, name="wpe")
-        x = wte(input_ids) + wpe(jnp.arange(length))[None]
+        x = wte(input_ids) + wpe(positions)[None]
         x = constrain_batch(x)  # the batch axis stays put; FSDP weights are gathered (see sharding.py)
         for i in range(cfg.n_layer):
             x = constrain_batch(GPT2Block(cfg, i, self.dtype, name=f"h_{i}")(x))

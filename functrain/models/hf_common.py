@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import pydantic
 
 from functrain.errors import ConfigError
+from functrain.models.kv_cache import causal_mask
 
 Array = jax.Array
 
@@ -118,18 +119,19 @@ def layer_norm(epsilon: float, *, dtype: Any, name: str) -> nn.LayerNorm:
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("norm",)), name=name)
 
 
-def causal_attention(q: Array, k: Array, v: Array, scale: float) -> Array:
+def causal_attention(q: Array, k: Array, v: Array, scale: float, positions: Array | None = None) -> Array:
     """Causal softmax attention with grouped-query support.
 
-    q: [B, T, H, D]; k, v: [B, T, KV, D] with H a multiple of KV. Scores and softmax run in float32
-    (as HF does for half precision); the result has q's dtype, shape [B, T, H, D].
+    q: [B, T, H, D]; k, v: [B, S, KV, D] with H a multiple of KV; ``positions`` [T] are the queries'
+    positions among the S keys (default ``0..T-1`` with S == T; later ones when decoding with a KV cache).
+    Scores and softmax run in float32 (as HF does for half precision); the result has q's dtype, [B, T, H, D].
     """
     batch, length, heads, head_dim = q.shape
     groups = heads // k.shape[2]
     # Group query heads under their shared key/value head instead of repeating k and v in memory.
     q = q.reshape(batch, length, k.shape[2], groups, head_dim)
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
-    causal = jnp.tril(jnp.ones((length, length), dtype=bool))
+    causal = causal_mask(jnp.arange(length, dtype=jnp.int32) if positions is None else positions, k.shape[1])
     scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v)

@@ -18,6 +18,7 @@ from functrain.errors import ConfigError
 from functrain.sharding import constrain_batch
 from functrain.models.hf_common import (HFModelConfig, RMSNorm, activation, causal_attention,
                                         check_activation, dense, embed)
+from functrain.models.kv_cache import extend_cache, next_positions
 
 
 class RopeScaling(pydantic.BaseModel):
@@ -125,10 +126,11 @@ def rope_inverse_frequencies(config: LlamaConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def apply_rope(x: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate x [B, T, H, D] by position using HF's rotate-half layout (first half pairs with second)."""
-    length = x.shape[1]
-    freqs = jnp.arange(length, dtype=jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+def apply_rope(x: jax.Array, inv_freq: np.ndarray, positions: jax.Array | None = None) -> jax.Array:
+    """Rotate x [B, T, H, D] by position (default ``0..T-1``) using HF's rotate-half layout (first half pairs
+    with second)."""
+    positions = jnp.arange(x.shape[1]) if positions is None else positions
+    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
     angles = jnp.concatenate([freqs, freqs], axis=-1)[None, :, None, :]
     cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
     half = x.shape[-1] // 2
@@ -155,7 +157,9 @@ class LlamaAttention(nn.Module):
         v = dense(kv_heads * head_dim, ("embed", "kv_heads"), use_bias=bias, dtype=self.dtype, init_std=std,
                   name="v_proj")(x).reshape(batch, length, kv_heads, head_dim)
         inv_freq = rope_inverse_frequencies(cfg)
-        out = causal_attention(apply_rope(q, inv_freq), apply_rope(k, inv_freq), v, head_dim ** -0.5)
+        positions = next_positions(self, length)
+        k, v = extend_cache(self, apply_rope(k, inv_freq, positions), v, positions)
+        out = causal_attention(apply_rope(q, inv_freq, positions), k, v, head_dim ** -0.5, positions)
         return dense(cfg.hidden_size, ("heads", "embed"), use_bias=bias, dtype=self.dtype, init_std=std,
                      name="o_proj")(out.reshape(batch, length, heads * head_dim))
 

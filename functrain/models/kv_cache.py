@@ -1,0 +1,64 @@
+"""A key/value cache for autoregressive decoding, kept in Flax's ``"cache"`` collection.
+
+Decoding is on when a model is applied with ``mutable=["cache"]`` and its params frozen (training and
+``init`` never are, so the models' training path is unchanged). ``functrain.generate`` first takes the
+cache's shapes from one apply on a ``[batch, cache_len]`` input, fills them with zeros, then feeds the prompt
+and one token at a time: each attention layer writes its new keys/values at their positions and attends
+over the whole cache with a mask, so a new token costs one position, not the whole sequence again.
+"""
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+def decoding(module: nn.Module) -> bool:
+    """True when ``module`` is applied to decode with a cache (``mutable=["cache"]``, params frozen)."""
+    return module.is_mutable_collection("cache") and not module.is_mutable_collection("params")
+
+
+def next_positions(module: nn.Module, length: int) -> Array:
+    """The positions of ``length`` new tokens: ``0..length-1``, or after those already cached when decoding
+    (the module keeps its own count, which advances by ``length``)."""
+    positions = jnp.arange(length, dtype=jnp.int32)
+    if not decoding(module):
+        return positions
+    primed = module.has_variable("cache", "cache_index")
+    index = module.variable("cache", "cache_index", lambda: jnp.zeros((), jnp.int32))
+    if not primed:  # the shape-taking apply: the cache starts empty
+        return positions
+    start = index.value
+    index.value = start + length
+    return start + positions
+
+
+def extend_cache(module: nn.Module, key: Array, value: Array, positions: Array) -> tuple[Array, Array]:
+    """Keys and values ``[B, T, KV, D]`` of the new tokens at ``positions`` -> those of the whole cache
+    ``[B, S, KV, D]`` (the new ones written in); unchanged when not decoding."""
+    if not decoding(module):
+        return key, value
+    primed = module.has_variable("cache", "cached_key")
+    cached_key = module.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
+    cached_value = module.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
+    if not primed:
+        return key, value
+    start = (0, positions[0], 0, 0)
+    cached_key.value = jax.lax.dynamic_update_slice(cached_key.value, key.astype(cached_key.value.dtype), start)
+    cached_value.value = jax.lax.dynamic_update_slice(cached_value.value, value.astype(cached_value.value.dtype),
+                                                      start)
+    return cached_key.value, cached_value.value
+
+
+def causal_mask(positions: Array, kv_length: int) -> Array:
+    """``[T, S]``: query at ``positions[t]`` sees keys at positions ``<= positions[t]`` (a lower triangle when
+    the queries are the whole sequence; later cache slots, still empty, are masked when decoding)."""
+    return positions[:, None] >= jnp.arange(kv_length, dtype=jnp.int32)[None, :]
+
+
+def zeros_like_shapes(shapes: Any) -> Any:
+    """A cache of zeros from the ``jax.ShapeDtypeStruct`` tree of a shape-taking apply."""
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
