@@ -153,7 +153,8 @@ class _Run:
             builtins.append(EarlyStopping(config.eval.early_stopping_metric, config.eval.early_stopping_patience,
                                           config.eval.early_stopping_mode, config.eval.early_stopping_min_delta))
         # The summary comes last: it reads what the other callbacks wrote and closed.
-        self.callbacks = CallbackList(builtins + list(callbacks) + [RunSummary()])
+        summary = RunSummary(tokens_per_sample=config.data.seq_len if parts.kind == "causal_lm" else None)
+        self.callbacks = CallbackList(builtins + list(callbacks) + [summary])
         self.view = RunView(config=config, run_dir=self.run_dir, max_steps=self.max_steps,
                             is_primary=self.is_primary)
         self.meta: dict[str, Any] | None = None

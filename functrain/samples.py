@@ -39,9 +39,10 @@ class SampleWriter(Callback):
     def __init__(self, config: Any) -> None:
         from functrain.generate import Generator, load_tokenizer
         from functrain.models import build_model, model_spec
-        if model_spec(config.model.name)["kind"] != "causal_lm":
-            raise ConfigError(f"eval.samples needs a language model, not model.name={config.model.name}; "
-                              f"set eval.samples.count=0")
+        name = getattr(config.model, "name", None)
+        if name is None or model_spec(name)["kind"] != "causal_lm":
+            raise ConfigError(f"eval.samples needs a built-in language model (model.name gpt, gpt2 or llama), not "
+                              f"{name or 'a user model'}; set eval.samples.count=0")
         if config.backend != "jax":
             raise ConfigError("eval.samples works with backend: jax; set eval.samples.count=0")
         self.settings = config.eval.samples

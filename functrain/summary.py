@@ -25,14 +25,6 @@ def _duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m{seconds:02d}s" if hours else f"{minutes}m{seconds:02d}s"
 
 
-def _tokens_per_sample(config: Any) -> int | None:
-    from functrain.models import model_spec
-    try:
-        return config.data.seq_len if model_spec(config.model.name)["kind"] == "causal_lm" else None
-    except ValueError:  # a model outside the registry (torch bridge): samples only
-        return None
-
-
 def eval_lines(run_dir: Path) -> list[str]:
     """``eval <metric>: last .. at step .., best .. at step ..`` for loss and accuracy, from metrics.jsonl."""
     from functrain.plot import read_run
@@ -54,13 +46,15 @@ def eval_lines(run_dir: Path) -> list[str]:
     return lines
 
 
-def summary_lines(view: RunView, wall_seconds: float, plot_path: Path | None) -> list[str]:
-    """The summary of a finished (or stopped) run, one fact per line."""
+def summary_lines(view: RunView, wall_seconds: float, plot_path: Path | None,
+                  tokens_per_sample: int | None = None) -> list[str]:
+    """The summary of a finished (or stopped) run, one fact per line (``tokens_per_sample``: a language
+    model's sequence length, for the tokens seen)."""
     from functrain.checkpoint import layout
     from functrain.samples import SAMPLES_FILE, last_samples
     reason = view.stop_reason or "finished"
     seen = f"{view.samples_consumed:,} samples"
-    tokens = _tokens_per_sample(view.config)
+    tokens = tokens_per_sample
     if tokens:
         seen += f" ({view.samples_consumed * tokens:,} tokens)"
     lines = [f"summary of {view.run_dir}:",
@@ -81,7 +75,8 @@ def summary_lines(view: RunView, wall_seconds: float, plot_path: Path | None) ->
 class RunSummary(Callback):
     """Writes the plot and logs the summary when training ends (primary process only)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tokens_per_sample: int | None = None) -> None:
+        self.tokens_per_sample = tokens_per_sample
         self.started = time.perf_counter()
         self.plot_path: Path | None = None
 
@@ -99,4 +94,5 @@ class RunSummary(Callback):
                 self.plot_path = None
             except ImportError:
                 log.warning("log.plot needs matplotlib; pip install matplotlib (or set log.plot=false)")
-        log.info("\n".join(summary_lines(view, time.perf_counter() - self.started, self.plot_path)))
+        log.info("\n".join(summary_lines(view, time.perf_counter() - self.started, self.plot_path,
+                                           self.tokens_per_sample)))

@@ -193,7 +193,7 @@ def test_the_cli_reads_and_converts_relative_paths_and_errors_are_one_line(train
 _LIMITED_CLI = """
 import resource, runpy, signal, sys
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as on a full disk
-resource.setrlimit(resource.RLIMIT_FSIZE, (16000, 16000))
+resource.setrlimit(resource.RLIMIT_FSIZE, (8000, 8000))
 sys.argv = ["functrain", *sys.argv[1:]]
 runpy.run_module("functrain", run_name="__main__")
 """

@@ -74,7 +74,7 @@ class HideTorch:
         if name == "torch" or name.startswith("torch."):
             raise ModuleNotFoundError(f"No module named {name!r} (hidden by the test)")
 sys.meta_path.insert(0, HideTorch())
-import functrain, functrain.loop, functrain.config
+import functrain, functrain.build, functrain.config
 assert "torch" not in sys.modules
 try:
     import torch_bridge
@@ -84,7 +84,7 @@ else:
     raise AssertionError("torch_bridge imported without torch")
 config = functrain.config.load_config("configs/mlp_digits_torch.yaml")
 try:
-    functrain.loop.make_backend(config, {}, 1)
+    functrain.build.make_backend(config, functrain.build.build_parts(config), {}, 1)
 except functrain.errors.ConfigError as error:
     assert "functrain[torch]" in str(error), error
 else:

@@ -31,7 +31,7 @@ class _DropErrors(logging.Filter):
 
 def _raised_in_checkpoint_io(traceback: TracebackType | None) -> bool:
     """Whether a traceback passes through Orbax, tensorstore or asyncio (anything else is still shown)."""
-    return any(any(part in frame.filename for part in _BACKGROUND_PACKAGES)
+    return any(any(part in frame.f_code.co_filename for part in _BACKGROUND_PACKAGES)
                for frame, _ in walk_tb(traceback))
 
 
