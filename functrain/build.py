@@ -2,10 +2,11 @@
 model=..., ...)`` alike.
 
 An object passed to ``fit`` wins; otherwise the config names it: ``model.name`` (the registry in
-:mod:`functrain.models`) or ``model.target``; ``data.name`` (:mod:`functrain.datasets`) or ``data.target``;
-``optimizer.name`` (:mod:`functrain.optim`) or ``optimizer.target``. Import paths are
-``"package.module:attribute"``; one that does not resolve or gives the wrong kind of object is a one-line
-ConfigError naming it. :func:`make_backend` then turns the parts into the backend the loop drives.
+:mod:`functrain.models`) or ``model.target``; ``data.name`` (:mod:`functrain.datasets`; ``tokens``: a token
+store, :mod:`functrain.data.token_windows`) or ``data.target``; ``optimizer.name`` (:mod:`functrain.optim`) or
+``optimizer.target``. Import paths are ``"package.module:attribute"``; one that does not resolve or gives the
+wrong kind of object is a one-line ConfigError naming it. :func:`make_backend` then turns the parts into the
+backend the loop drives.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 
 from functrain.config import PYTHON_OBJECT
 from functrain.data import Source, as_source
+from functrain.data.token_windows import token_splits
 from functrain.data.validate import BatchCheck, check_arrays
 from functrain.datasets import load_dataset
 from functrain.errors import ConfigError, DataError
@@ -134,6 +136,11 @@ def resolve_data(config: Any, train_data: Any, eval_data: Any) -> tuple[Source, 
     if section.name == PYTHON_OBJECT:
         raise ConfigError("data.name=python_object records data passed to fit; pass it again with "
                           "fit(..., train_data=) or set data.name or data.target")
+    if section.name == "tokens":
+        if not section.path:
+            raise DataError("data.name=tokens needs data.path; set data.path=STORE (written by functrain tokenize)")
+        return token_splits(section.path, section.seq_len, section.packing, section.eval_fraction,
+                            getattr(config.model, "vocab_size", None))
     train, evaluation = load_dataset(section)
     return as_source(train), (as_source(evaluation) if len(next(iter(evaluation.values()))) else None)
 

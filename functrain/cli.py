@@ -1,4 +1,4 @@
-"""The ``functrain`` command line: train, inspect, convert.
+"""The ``functrain`` command line: train, inspect, convert, plot, generate, rewind, verify-resume, tokenize.
 
 Bad input (configs, data, checkpoints, HF directories) prints one line naming the problem and the fix and
 exits with status 2; ``--debug`` shows the traceback instead. ``train`` exits 0 when the run finished, and
@@ -15,7 +15,7 @@ from functrain.outcome import EXIT_BAD_INPUT
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="functrain",
-                                     description="functrain: train, inspect, convert, plot, generate.")
+                                     description="functrain: train, inspect, convert, plot, generate, tokenize.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -68,6 +68,13 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--steps", type=int, default=None, help="steps to train (default 8 calls)")
     verify.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                         help="import MODULE in the training processes first (registers models or datasets)")
+    tokenize = commands.add_parser("tokenize", help="text / jsonl / parquet / HF dataset -> a token store")
+    tokenize.add_argument("inputs", nargs="+", metavar="INPUT", help="files (or saved HF datasets) to tokenize")
+    tokenize.add_argument("out", metavar="OUT_STORE", help="the store directory to create")
+    tokenize.add_argument("--tokenizer", default=None,
+                          help="tokenizer.json or transformers tokenizer directory (default: UTF-8 bytes)")
+    tokenize.add_argument("--workers", type=int, default=None, help="encoding processes (default: all cores)")
+    tokenize.add_argument("--field", default="text", help="JSON field / column holding the text (default: text)")
     return parser
 
 
@@ -140,6 +147,16 @@ def _verify_resume(args: argparse.Namespace) -> int:
     return 0 if verdict.passed else 1
 
 
+def _tokenize(args: argparse.Namespace) -> int:
+    from functrain.tokenize_job import tokenize_files
+    if args.workers is not None and args.workers < 1:
+        raise FunctrainError(f"--workers {args.workers} must be at least 1")
+    manifest = tokenize_files(args.inputs, args.out, args.tokenizer, args.workers, args.field)
+    print(f"functrain: wrote {args.out}: {manifest['num_docs']} documents, {manifest['num_tokens']} tokens "
+          f"({manifest['dtype']}, vocab {manifest['vocab_size']}, tokenizer {manifest['tokenizer']['name']})")
+    return 0
+
+
 def _convert(args: argparse.Namespace) -> int:
     try:
         from torch_bridge.hf import convert
@@ -176,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             return _train(args, argv)
         commands = {"inspect": _inspect, "convert": _convert, "plot": _plot, "generate": _generate,
-                    "rewind": _rewind, "verify-resume": _verify_resume}
+                    "rewind": _rewind, "verify-resume": _verify_resume, "tokenize": _tokenize}
         return commands[args.command](args)
     except FunctrainError as exc:
         if args.debug:

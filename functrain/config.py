@@ -62,7 +62,8 @@ class DataConfig(Section):
     weight-0 samples; ``ignore_skip`` restarts the data at sample 0 on resume (model and optimizer kept);
     ``skip_samples`` sets the position explicitly; ``prefetch`` is calls assembled ahead in a thread.
     ``target: "pkg.module:load"`` (called with ``kwargs``) replaces ``name``: it returns the training data
-    (a dict of arrays, a map-style dataset) or a ``(train, eval)`` pair."""
+    (a dict of arrays, a map-style dataset) or a ``(train, eval)`` pair. ``packing`` (``name: tokens`` only)
+    adds segment ids, positions and a loss mask so that documents never see one another."""
     name: str = "char_text"
     target: Target = None
     kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -76,6 +77,14 @@ class DataConfig(Section):
     skip_samples: int | None = Field(None, ge=0)
     prefetch: int = Field(2, ge=0)
     eval_fraction: float = Field(0.1, ge=0.0, lt=1.0)
+    packing: bool = False
+
+    @pydantic.model_validator(mode="after")
+    def _packing_needs_tokens(self) -> "DataConfig":
+        if self.packing and (self.name != "tokens" or self.target is not None):
+            raise ValueError("data.packing=true needs data.name=tokens (a store written by functrain tokenize); "
+                             "remove data.packing or set data.name=tokens")
+        return self
 
 
 class OptimizerConfig(Section):

@@ -1,0 +1,83 @@
+"""``functrain tokenize``: input documents -> a token store, on every available core, atomically.
+
+The parent process reads the inputs in batches of documents (:mod:`functrain.text_inputs`), worker processes
+encode them (:mod:`functrain.text_tokenizer`, one tokenizer each) and the parent writes the results in input
+order into the store (:class:`functrain.data.token_store.StoreWriter`), so the store does not depend on the
+number of workers. The store appears only when every document is written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import multiprocessing
+import os
+import signal
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from functrain.data.token_store import DEFAULT_SHARD_TOKENS, StoreWriter
+from functrain.text_inputs import check_inputs, document_batches
+from functrain.text_tokenizer import TextTokenizer, TokenizerSpec, tokenizer_spec
+
+_worker_tokenizer: TextTokenizer | None = None
+
+
+def _start_worker(spec: TokenizerSpec) -> None:
+    global _worker_tokenizer
+    if sys.platform.startswith("linux"):  # die with the parent (a SIGKILLed job leaves no orphans)
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker: the workers are the parallelism
+    _worker_tokenizer = TextTokenizer(spec)
+
+
+def _encode_in_worker(texts: list[str]) -> list[np.ndarray]:
+    return _worker_tokenizer.encode_batch(texts)
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def tokenize_files(inputs: list[str], out: str, tokenizer: str | None = None, workers: int | None = None,
+                   field: str = "text", shard_tokens: int = DEFAULT_SHARD_TOKENS,
+                   progress: bool | None = None) -> dict[str, Any]:
+    """Tokenize ``inputs`` into a new store at ``out`` and return its manifest.
+
+    Args:
+      inputs: text, JSON Lines or parquet files, or HF datasets saved on disk (see :mod:`functrain.text_inputs`).
+      out: the store directory to create (must not exist).
+      tokenizer: a ``tokenizer.json`` or transformers tokenizer directory; None: UTF-8 bytes.
+      workers: encoding processes (None: the available cores; 1: encode in this process).
+      field: the JSON field / column holding the text.
+      shard_tokens: tokens per shard file.
+      progress: show a progress bar (None: when stderr is a terminal).
+    """
+    paths = check_inputs(inputs)
+    spec = tokenizer_spec(tokenizer)
+    text_tokenizer = TextTokenizer(spec)  # loads it here first: a bad file fails before anything is written
+    workers = workers or available_cores()
+    # The pool forks before the progress bar starts its monitor thread (a fork copies no other thread).
+    with StoreWriter(out, text_tokenizer.vocab_size, text_tokenizer.describe(), shard_tokens) as writer, \
+            _encoder(text_tokenizer, workers) as encode, \
+            tqdm(desc="tokenize", unit=" docs", disable=None if progress is None else not progress) as bar:
+        for encoded in encode(document_batches(paths, field)):
+            writer.add(encoded)
+            bar.update(len(encoded))
+    return writer.manifest
+
+
+@contextlib.contextmanager
+def _encoder(text_tokenizer: TextTokenizer, workers: int) -> Iterator[Callable]:
+    """A function from document batches to their encodings in order: in this process, or on a pool."""
+    if workers == 1:
+        yield lambda batches: map(text_tokenizer.encode_batch, batches)
+        return
+    # fork: workers start in milliseconds and inherit the imported modules.
+    with multiprocessing.get_context("fork").Pool(workers, _start_worker, (text_tokenizer.spec,)) as pool:
+        yield lambda batches: pool.imap(_encode_in_worker, batches)
