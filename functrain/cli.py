@@ -75,6 +75,7 @@ def _parser() -> argparse.ArgumentParser:
                           help="tokenizer.json or transformers tokenizer directory (default: UTF-8 bytes)")
     tokenize.add_argument("--workers", type=int, default=None, help="encoding processes (default: all cores)")
     tokenize.add_argument("--field", default="text", help="JSON field / column holding the text (default: text)")
+    tokenize.add_argument("--shard-tokens", type=int, default=None, help="tokens per shard file (default 2^30)")
     return parser
 
 
@@ -148,10 +149,13 @@ def _verify_resume(args: argparse.Namespace) -> int:
 
 
 def _tokenize(args: argparse.Namespace) -> int:
+    from functrain.data.token_store import DEFAULT_SHARD_TOKENS
     from functrain.tokenize_job import tokenize_files
-    if args.workers is not None and args.workers < 1:
-        raise FunctrainError(f"--workers {args.workers} must be at least 1")
-    manifest = tokenize_files(args.inputs, args.out, args.tokenizer, args.workers, args.field)
+    for flag, value in (("--workers", args.workers), ("--shard-tokens", args.shard_tokens)):
+        if value is not None and value < 1:
+            raise FunctrainError(f"{flag} {value} must be at least 1")
+    manifest = tokenize_files(args.inputs, args.out, args.tokenizer, args.workers, args.field,
+                              args.shard_tokens or DEFAULT_SHARD_TOKENS)
     print(f"functrain: wrote {args.out}: {manifest['num_docs']} documents, {manifest['num_tokens']} tokens "
           f"({manifest['dtype']}, vocab {manifest['vocab_size']}, tokenizer {manifest['tokenizer']['name']})")
     return 0
