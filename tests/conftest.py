@@ -4,6 +4,7 @@ Multi-device and multi-process tests run in a subprocess so XLA_FLAGS (which mus
 imported) never leak into the rest of the suite.
 """
 
+import json
 import os
 import socket
 import subprocess
@@ -53,6 +54,31 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def run_jax_processes(code: str, processes: int = 2, devices: int = 2, env: dict | None = None,
+                      timeout: float = 180) -> list[dict]:
+    """Run ``code`` in ``processes`` fresh interpreters of ``devices`` CPU devices each, with ``PORT`` (a free
+    coordinator port) and ``PROCESS_ID`` in their environment for ``jax.distributed.initialize``; return the
+    JSON object each printed on a line starting with ``RESULT``."""
+    port = free_port()
+    workers = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO_ROOT, text=True,
+                                env=cli_env(devices, PORT=str(port), PROCESS_ID=str(process_id), **(env or {})),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+               for process_id in range(processes)]
+    results = []
+    try:
+        for worker in workers:
+            stdout, stderr = worker.communicate(timeout=timeout)
+            assert worker.returncode == 0, f"worker failed:\n{stdout}\n{stderr}"
+            results.append(json.loads(next(line for line in stdout.splitlines()
+                                           if line.startswith("RESULT"))[len("RESULT "):]))
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait()
+    return results
 
 
 @pytest.fixture

@@ -1,15 +1,11 @@
 """A real two-process jax.distributed run (gloo on CPU): each process builds only its slice, ``to_global``
 assembles the global batch, and the gathered global batches equal the single-process sequence."""
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 
-from conftest import REPO_ROOT, free_port
+from conftest import run_jax_processes
 
 # Shared by the test and the worker processes: the data, the augmentation and the batch digest.
 COMMON = textwrap.dedent("""
@@ -76,26 +72,7 @@ def test_two_process_global_batches_equal_single_process_sequence():
             expected_digests.append(scope["digest"](host))
             expected_positions.append([start, end])
 
-    port = free_port()
-    workers = []
-    for process_id in range(2):
-        env = dict(os.environ, PORT=str(port), PROCESS_ID=str(process_id), JAX_PLATFORMS="cpu",
-                   XLA_FLAGS="--xla_force_host_platform_device_count=2",
-                   PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        workers.append(subprocess.Popen([sys.executable, "-c", WORKER], env=env, cwd=REPO_ROOT, text=True,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    outputs = []
-    try:
-        for worker in workers:
-            stdout, stderr = worker.communicate(timeout=180)
-            assert worker.returncode == 0, f"worker failed:\n{stdout}\n{stderr}"
-            outputs.append(json.loads(next(line for line in stdout.splitlines()
-                                           if line.startswith("RESULT"))[len("RESULT "):]))
-    finally:
-        for worker in workers:
-            if worker.poll() is None:
-                worker.kill()
-                worker.wait()
+    outputs = run_jax_processes(WORKER)
 
     assert len(expected_digests) == 3  # calls of 2, 2 and 1 steps
     for output in outputs:
