@@ -29,3 +29,18 @@ def test_unpacked_windows_carry_only_tokens(tmp_path):
     windows = TokenWindows(_store(tmp_path), seq_len=6)
     assert len(windows) == 3 and set(windows.gather(np.array([2]))) == {"tokens"}
     assert windows.gather(np.array([2]))["tokens"].dtype == np.int32
+
+
+def test_packing_fields_match_a_token_by_token_reference(tmp_path):
+    """Random document lengths (empty documents included) and windows anywhere in the stream."""
+    rng = np.random.default_rng(0)
+    store = _store(tmp_path, rng.integers(0, 12, 300).tolist())
+    windows = TokenWindows(store, seq_len=16, packing=True)
+    indices = rng.permutation(len(windows))[:40]
+    batch = windows.gather(indices)
+    for row, index in enumerate(indices):
+        offsets = index * 16 + np.arange(17)
+        document = np.searchsorted(store.doc_starts, offsets, side="right") - 1
+        assert np.array_equal(batch["segment_ids"][row], np.unique(document, return_inverse=True)[1] + 1)
+        segment_start = np.maximum(np.asarray(store.doc_starts)[document], offsets[0])
+        assert np.array_equal(batch["positions"][row], offsets - segment_start)

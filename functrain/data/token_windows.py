@@ -50,12 +50,20 @@ class TokenWindows:
 
 def packing_fields(doc_starts: np.ndarray, starts: np.ndarray, length: int) -> dict[str, np.ndarray]:
     """``segment_ids``, ``positions`` ([B, length] int32) and ``mask`` ([B, length - 1] int32) of the windows
-    ``[start, start + length)``, from the document start offsets (binary searches touch a few index pages)."""
-    token_offsets = starts[:, None] + np.arange(length, dtype=np.int64)
-    document = np.searchsorted(doc_starts, token_offsets, side="right") - 1
-    segment_ids = (document - document[:, :1] + 1).astype(np.int32)
-    segment_start = np.maximum(np.asarray(doc_starts[document]), starts[:, None])
-    positions = (token_offsets - segment_start).astype(np.int32)
+    ``[start, start + length)``, from the document start offsets. Two binary searches per window find the
+    document starts inside it; only those index entries are read."""
+    first_doc = np.searchsorted(doc_starts, starts, side="right") - 1
+    last_doc = np.searchsorted(doc_starts, starts + length - 1, side="right") - 1
+    # The starts of documents 2.. of each window, as (row, offset in the window) pairs.
+    counts = last_doc - first_doc
+    rows = np.repeat(np.arange(len(starts)), counts)
+    entries = np.repeat(first_doc + 1 - np.cumsum(counts) + counts, counts) + np.arange(counts.sum())
+    offsets = np.asarray(doc_starts[entries]) - starts[rows]
+    is_start = np.zeros((len(starts), length), bool)
+    is_start[rows, offsets] = True
+    segment_ids = (1 + np.cumsum(is_start, axis=1)).astype(np.int32)
+    index = np.arange(length)
+    positions = (index - np.maximum.accumulate(np.where(is_start, index, 0), axis=1)).astype(np.int32)
     mask = (segment_ids[:, 1:] == segment_ids[:, :-1]).astype(np.int32)
     return {"segment_ids": segment_ids, "positions": positions, "mask": mask}
 
