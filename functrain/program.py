@@ -16,7 +16,8 @@ Adapters turn user code into one (:func:`as_program`):
   ``apply(params, inputs) -> logits``.
 
 A model's output (logits, or an object with ``.logits``) feeds the built-in loss of its kind (see
-:mod:`functrain.tasks`); a user ``loss_fn(params, batch, rng) -> (loss_sum, weight, aux_sums)`` replaces it.
+:mod:`functrain.tasks`; a packed LM batch's ``segment_ids`` / ``positions`` reach the model as keyword
+arguments); a user ``loss_fn(params, batch, rng) -> (loss_sum, weight, aux_sums)`` replaces it.
 """
 
 from __future__ import annotations
@@ -32,10 +33,10 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from functrain.errors import ConfigError, DataError
-from functrain.tasks import LOSSES, infer_task_kind, model_inputs
+from functrain.tasks import LOSSES, infer_task_kind, model_inputs, model_keywords
 
 Batch = dict[str, Any]
-# apply(params, model_state, inputs, train, rng) -> (output, model_state)
+# apply(params, model_state, inputs, train, rng, **keywords) -> (output, model_state)
 Apply = Callable[[Any, Any, Any, bool, jax.Array], tuple[Any, Any]]
 
 
@@ -84,13 +85,15 @@ def linen_pieces(module: nn.Module, example_inputs: Any) -> tuple[Callable, Appl
         params = variables.pop("params", {})
         return params, variables
 
-    def apply(params: Any, model_state: Any, inputs: Any, train: bool, rng: jax.Array) -> tuple[Any, Any]:
+    def apply(params: Any, model_state: Any, inputs: Any, train: bool, rng: jax.Array,
+              **keywords: Any) -> tuple[Any, Any]:
         variables = {"params": params, **model_state}
         if train and model_state:
             output, updates = module.apply(variables, inputs, rngs={"dropout": rng}, mutable=list(model_state),
-                                           **_mode_kwargs(module, True))
+                                           **_mode_kwargs(module, True), **keywords)
             return output, {**model_state, **updates}
-        return module.apply(variables, inputs, rngs={"dropout": rng}, **_mode_kwargs(module, train)), model_state
+        output = module.apply(variables, inputs, rngs={"dropout": rng}, **_mode_kwargs(module, train), **keywords)
+        return output, model_state
 
     def logical_specs() -> Any:
         return nn.get_partition_spec(jax.eval_shape(init_variables, jax.random.PRNGKey(0)).get("params", {}))
@@ -119,11 +122,12 @@ def nnx_pieces(module: nnx.Module) -> tuple[Callable, Apply, Callable]:
             leaf.dtype, jax.dtypes.prng_key) else leaf for index, leaf in enumerate(leaves)]
         return jax.tree.unflatten(jax.tree.structure(rng_state), keys)
 
-    def apply(params_pure: Any, model_state: Any, inputs: Any, train: bool, rng: jax.Array) -> tuple[Any, Any]:
+    def apply(params_pure: Any, model_state: Any, inputs: Any, train: bool, rng: jax.Array,
+              **keywords: Any) -> tuple[Any, Any]:
         model = nnx.merge(graphdef, _nnx_rebuild(params, params_pure), fresh_streams(rng),
                           _nnx_rebuild(rest, model_state))
         model.train() if train else model.eval()
-        output = model(inputs)
+        output = model(inputs, **keywords)
         if not train:
             return output, model_state
         return output, nnx.to_pure_dict(nnx.split(model, nnx.Param, nnx.RngState, ...)[3])
@@ -143,8 +147,9 @@ def functional_pieces(model: FunctionalModel, example_batch: Batch) -> tuple[Cal
     def init(rng: jax.Array) -> tuple[Any, Any]:
         return init_fn(rng, example_batch), {}
 
-    def apply(params: Any, model_state: Any, inputs: Any, train: bool, rng: jax.Array) -> tuple[Any, Any]:
-        return apply_fn(params, inputs), model_state
+    def apply(params: Any, model_state: Any, inputs: Any, train: bool, rng: jax.Array,
+              **keywords: Any) -> tuple[Any, Any]:
+        return apply_fn(params, inputs, **keywords), model_state
 
     def logical_specs() -> Any:
         return jax.tree.map(lambda _: PartitionSpec(), jax.eval_shape(init, jax.random.PRNGKey(0))[0])
@@ -175,7 +180,8 @@ def builtin_loss(apply: Apply, kind: str, train: bool) -> Callable:
     sums = LOSSES[kind]
 
     def loss_fn(params, model_state, batch, rng):
-        output, new_state = apply(params, model_state, model_inputs(kind, batch), train, rng)
+        output, new_state = apply(params, model_state, model_inputs(kind, batch), train, rng,
+                                  **model_keywords(kind, batch))
         return (*sums(logits_of(output), batch), new_state)
     return loss_fn
 
@@ -189,8 +195,8 @@ def user_loss(loss_fn: Callable) -> Callable:
 
 def check_logits(apply: Apply, kind: str, params: Any, model_state: Any, batch: Batch) -> None:
     """The model's output must be the logits the built-in loss of ``kind`` reads (shapes only)."""
-    output = jax.eval_shape(lambda p, s, b: logits_of(apply(p, s, model_inputs(kind, b), False,
-                                                             jax.random.PRNGKey(0))[0]), params, model_state, batch)
+    output = jax.eval_shape(lambda p, s, b: logits_of(apply(p, s, model_inputs(kind, b), False, jax.random.PRNGKey(0),
+                                                            **model_keywords(kind, b))[0]), params, model_state, batch)
     rows = len(batch["weight"])
     wanted = ((rows,) if kind == "classifier" else np.shape(batch["tokens"][:, 1:]))
     shape = tuple(getattr(output, "shape", ()))

@@ -2,6 +2,11 @@
 
 Each is a function of the model's logits and the batch returning sums (see :mod:`functrain.step`); every
 batch carries a per-example ``weight`` that is 0 for padding, and an LM batch may carry a per-token ``mask``.
+
+Packed LM batches may also carry ``segment_ids`` and ``positions``, int32 ``[B, L]`` aligned with ``tokens``
+(``positions`` restart at 0 per document): :func:`model_keywords` passes their first ``L - 1`` columns to the
+model as keyword arguments (the built-in GPT, GPT-2 and Llama accept them), and :func:`causal_lm_sums` does
+not count a target that starts a new segment (it is not predictable from the previous document).
 :func:`classifier_loss` and :func:`causal_lm_loss` bind one to a linen module as
 ``loss_fn(params, batch, rng)``, for research code that calls :func:`functrain.make_train_step` directly.
 """
@@ -15,9 +20,21 @@ import optax
 from functrain.data.validate import BatchCheck, FieldRule
 
 
+# Per-token fields of a packed LM batch that the model takes as keyword arguments.
+SEQUENCE_FIELDS = ("segment_ids", "positions")
+
+
 def model_inputs(kind: str, batch: dict) -> Any:
     """The model's input array for a batch of this task kind."""
     return batch["x"] if kind == "classifier" else batch["tokens"][:, :-1]
+
+
+def model_keywords(kind: str, batch: dict) -> dict[str, Any]:
+    """The model's keyword inputs: a causal LM's ``segment_ids`` / ``positions`` of its input tokens, those
+    the batch has; ``{}`` otherwise."""
+    if kind != "causal_lm":
+        return {}
+    return {name: batch[name][:, :-1] for name in SEQUENCE_FIELDS if name in batch}
 
 
 def classifier_sums(logits: Any, batch: dict) -> tuple[Any, Any, dict]:
@@ -29,11 +46,15 @@ def classifier_sums(logits: Any, batch: dict) -> tuple[Any, Any, dict]:
 
 
 def causal_lm_sums(logits: Any, batch: dict) -> tuple[Any, Any, dict]:
-    """Next-token cross-entropy summed over real tokens (``weight`` x optional ``mask``)."""
+    """Next-token cross-entropy summed over real tokens (``weight`` x optional ``mask``, and within a segment
+    when the batch has ``segment_ids``)."""
     targets = batch["tokens"][:, 1:]
     mask = batch["weight"].astype(jnp.float32)[:, None] * jnp.ones(targets.shape, jnp.float32)
     if "mask" in batch:
         mask = mask * batch["mask"].astype(jnp.float32)
+    if "segment_ids" in batch:
+        segments = batch["segment_ids"]
+        mask = mask * (segments[:, 1:] == segments[:, :-1]).astype(jnp.float32)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     correct = (jnp.argmax(logits, -1) == targets).astype(jnp.float32)
     return jnp.sum(losses * mask), jnp.sum(mask), {"accuracy": jnp.sum(correct * mask)}
@@ -45,7 +66,7 @@ LOSSES = {"classifier": classifier_sums, "causal_lm": causal_lm_sums}
 def _bound_loss(kind: str, model: nn.Module, deterministic: bool) -> Callable:
     def loss_fn(params, batch, rng):
         logits = model.apply({"params": params}, model_inputs(kind, batch), deterministic=deterministic,
-                             rngs={"dropout": rng})
+                             rngs={"dropout": rng}, **model_keywords(kind, batch))
         return LOSSES[kind](logits, batch)
     return loss_fn
 

@@ -1,16 +1,26 @@
-"""A small GPT (decoder-only causal language model) with logical axis names for sharding."""
+"""A small GPT (decoder-only causal language model) with logical axis names for sharding.
+
+``GPT(config)(tokens[B, T], deterministic, segment_ids=None, positions=None) -> float32 logits [B, T, vocab]``.
+For packed sequences, ``segment_ids`` [B, T] int32 keep attention within each document and ``positions``
+[B, T] int32 (restarting at 0 per document) index the position embeddings; without them the sequence is one
+document at positions ``0..T-1``. ``model.attention`` and ``model.remat`` choose the attention kernel and
+what the backward pass recomputes (:mod:`functrain.models.options`).
+"""
 
 from typing import Any, Literal
 
 import flax.linen as nn
 import jax.numpy as jnp
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
-from functrain.models.kv_cache import causal_mask, extend_cache, next_positions
+from functrain.models.attention import attend, attention_kernel
+from functrain.models.kv_cache import decoding, extend_cache, next_positions
+from functrain.models.options import RuntimeOptions
+from functrain.models.remat import check_remat, remat_block
 from functrain.sharding import constrain_batch
 
 
-class GPTConfig(BaseModel):
+class GPTConfig(RuntimeOptions):
     """``model.*`` keys of the GPT."""
     model_config = ConfigDict(extra="forbid")
     name: Literal["gpt"] = "gpt"
@@ -40,7 +50,7 @@ class Block(nn.Module):
     dtype: Any
 
     @nn.compact
-    def __call__(self, x: jnp.ndarray, deterministic: bool) -> jnp.ndarray:
+    def __call__(self, x: jnp.ndarray, deterministic: bool, segment_ids: jnp.ndarray | None = None) -> jnp.ndarray:
         cfg = self.config
         head_dim = cfg.d_model // cfg.n_heads
         init = nn.initializers.normal(0.02)
@@ -55,10 +65,11 @@ class Block(nn.Module):
                                bias_init=_param(nn.initializers.zeros, ("heads", "head_dim")))(h)
                for name in ("query", "key", "value")]
         query, key, value = qkv
-        positions = next_positions(self, x.shape[1])
-        key, value = extend_cache(self, key, value, positions)
-        causal = causal_mask(positions, key.shape[1])[None, None]
-        attended = nn.dot_product_attention(query, key, value, mask=causal, dtype=self.dtype)
+        slots = next_positions(self, x.shape[1])
+        key, value = extend_cache(self, key, value, slots)
+        attended = attend(query, key, value, scale=head_dim ** -0.5, segment_ids=segment_ids,
+                          kernel=attention_kernel(cfg.attention, self.dtype, head_dim),
+                          query_slots=slots if decoding(self) else None)
         attended = nn.DenseGeneral(cfg.d_model, axis=(-2, -1), dtype=self.dtype, name="attn_out",
                                    kernel_init=_param(out_init, ("heads", "head_dim", "embed")),
                                    bias_init=_param(nn.initializers.zeros, ("embed",)))(attended)
@@ -78,19 +89,23 @@ class GPT(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, tokens: jnp.ndarray, deterministic: bool = True) -> jnp.ndarray:
+    def __call__(self, tokens: jnp.ndarray, deterministic: bool = True, *, segment_ids: jnp.ndarray | None = None,
+                 positions: jnp.ndarray | None = None) -> jnp.ndarray:
+        """Logits for ``tokens``; see the module docstring for ``segment_ids`` and ``positions``."""
         cfg = self.config
         init = nn.initializers.normal(0.02)
         embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=self.dtype, name="token_embed",
                          embedding_init=_param(init, ("vocab", "embed")))
-        positions = self.param("position_embed", _param(init, ("max_len", "embed")), (cfg.max_len, cfg.d_model))
-        x = embed(tokens) + positions[next_positions(self, tokens.shape[1])].astype(self.dtype)
+        position_table = self.param("position_embed", _param(init, ("max_len", "embed")), (cfg.max_len, cfg.d_model))
+        slots = next_positions(self, tokens.shape[1])
+        x = embed(tokens) + position_table[slots if positions is None else positions].astype(self.dtype)
         x = nn.Dropout(cfg.dropout)(x, deterministic=deterministic)
         # Pinning the residual stream's batch axis makes XLA gather FSDP-sharded weights (ZeRO-3)
         # instead of resharding activations.
         x = constrain_batch(x)
+        block = remat_block(Block, cfg.remat, static_argnums=(2,))  # deterministic is a Python bool
         for i in range(cfg.n_layers):
-            x = constrain_batch(Block(cfg, self.dtype, name=f"block_{i}")(x, deterministic))
+            x = constrain_batch(block(cfg, self.dtype, name=f"block_{i}")(x, deterministic, segment_ids))
         x = nn.LayerNorm(dtype=self.dtype, name="ln_final", scale_init=_param(nn.initializers.ones, ("norm",)),
                          bias_init=_param(nn.initializers.zeros, ("norm",)))(x)
         logits = nn.Dense(cfg.vocab_size, dtype=self.dtype, name="head", kernel_init=_param(init, ("embed", "vocab")),
@@ -99,7 +114,10 @@ class GPT(nn.Module):
 
 
 def build(config: GPTConfig, dtype: Any = jnp.float32) -> GPT:
-    """The GPT module for ``config``, computing in ``dtype``."""
+    """The GPT module for ``config``, computing in ``dtype``; a ConfigError if its attention kernel or remat
+    policy cannot run here."""
+    attention_kernel(config.attention, dtype, config.d_model // config.n_heads)
+    check_remat(config.remat)
     return GPT(config, dtype=dtype)
 
 

@@ -1,7 +1,9 @@
-"""Pieces shared by the HF-compatible models (GPT-2, Llama): config base, layers, causal attention.
+"""Pieces shared by the HF-compatible models (GPT-2, Llama): config base, layers, position handling.
 
 The maths follows the PyTorch reference implementations in `transformers` so that a converted checkpoint
-gives the same logits to float32 precision; see `torch_bridge.hf` for the weight conversion.
+gives the same logits to float32 precision; see `torch_bridge.hf` for the weight conversion. Attention is
+:func:`functrain.models.attention.attend`; both models take optional ``segment_ids`` and ``positions``
+[B, T] int32 for packed sequences (see :func:`token_positions`).
 """
 
 from typing import Any, Callable
@@ -12,13 +14,14 @@ import jax.numpy as jnp
 import pydantic
 
 from functrain.errors import ConfigError
-from functrain.models.kv_cache import causal_mask
+from functrain.models.options import RUNTIME_KEYS, RuntimeOptions
 
 Array = jax.Array
 
 
-class HFModelConfig(pydantic.BaseModel):
-    """Base for model configs whose fields are named like the keys of an HF ``config.json``."""
+class HFModelConfig(RuntimeOptions):
+    """Base for model configs whose fields are named like the keys of an HF ``config.json`` (plus the
+    runtime options ``attention`` and ``remat``, which an HF config never sets)."""
 
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
 
@@ -30,7 +33,8 @@ class HFModelConfig(pydantic.BaseModel):
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any], **overrides: Any):
         """Build from an HF config dict, keeping only the keys this config knows (HF adds many more)."""
-        known = {k: v for k, v in hf.items() if k in cls.model_fields and k != "name" and v is not None}
+        known = {k: v for k, v in hf.items()
+                 if k in cls.model_fields and k != "name" and k not in RUNTIME_KEYS and v is not None}
         known.update(overrides)
         try:
             return cls(**known)
@@ -119,20 +123,12 @@ def layer_norm(epsilon: float, *, dtype: Any, name: str) -> nn.LayerNorm:
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("norm",)), name=name)
 
 
-def causal_attention(q: Array, k: Array, v: Array, scale: float, positions: Array | None = None) -> Array:
-    """Causal softmax attention with grouped-query support.
+def hf_config_dict(config: HFModelConfig) -> dict[str, Any]:
+    """The config's HF keys as a dict (without ``name`` and the runtime options)."""
+    return config.model_dump(exclude={"name", *RUNTIME_KEYS})
 
-    q: [B, T, H, D]; k, v: [B, S, KV, D] with H a multiple of KV; ``positions`` [T] are the queries'
-    positions among the S keys (default ``0..T-1`` with S == T; later ones when decoding with a KV cache).
-    Scores and softmax run in float32 (as HF does for half precision); the result has q's dtype, [B, T, H, D].
-    """
-    batch, length, heads, head_dim = q.shape
-    groups = heads // k.shape[2]
-    # Group query heads under their shared key/value head instead of repeating k and v in memory.
-    q = q.reshape(batch, length, k.shape[2], groups, head_dim)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
-    causal = causal_mask(jnp.arange(length, dtype=jnp.int32) if positions is None else positions, k.shape[1])
-    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-    return out.reshape(batch, length, heads, head_dim)
+
+def token_positions(slots: Array, positions: Array | None, batch: int) -> Array:
+    """``[B, T]`` positions for position embeddings / RoPE: the given ``positions`` (packed documents restart
+    at 0), else the tokens' ``slots`` [T] (``0..T-1``, or their cache slots when decoding) for every row."""
+    return jnp.broadcast_to(slots if positions is None else positions, (batch, slots.shape[0]))

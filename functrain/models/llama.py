@@ -3,6 +3,10 @@
 RMSNorm with ``rms_norm_eps``, rotary position embeddings with ``rope_theta`` (HF's rotate-half layout,
 optional ``llama3`` frequency scaling), grouped-query attention (``num_key_value_heads``), a SwiGLU MLP,
 optional attention/MLP biases, and a tied or separate LM head. Parameter names mirror HF's.
+
+``LlamaForCausalLM(config)(input_ids[B, T], segment_ids=None, positions=None)``: for packed sequences,
+``segment_ids`` [B, T] int32 keep attention within each document and ``positions`` [B, T] int32 (restarting
+at 0 per document) drive RoPE. ``model.attention`` / ``model.remat``: :mod:`functrain.models.options`.
 """
 
 import math
@@ -16,9 +20,11 @@ import pydantic
 
 from functrain.errors import ConfigError
 from functrain.sharding import constrain_batch
-from functrain.models.hf_common import (HFModelConfig, RMSNorm, activation, causal_attention,
-                                        check_activation, dense, embed)
-from functrain.models.kv_cache import extend_cache, next_positions
+from functrain.models.attention import attend, attention_kernel
+from functrain.models.hf_common import (HFModelConfig, RMSNorm, activation, check_activation, dense, embed,
+                                        hf_config_dict, token_positions)
+from functrain.models.kv_cache import decoding, extend_cache, next_positions
+from functrain.models.remat import check_remat, remat_block
 
 
 class RopeScaling(pydantic.BaseModel):
@@ -96,7 +102,8 @@ def from_hf_config(hf: dict[str, Any]) -> LlamaConfig:
 
 def to_hf_config(config: LlamaConfig) -> dict[str, Any]:
     """An HF config.json dict (transformers 5 layout) that loads as LlamaForCausalLM."""
-    hf = config.model_dump(exclude={"name", "rope_theta", "rope_scaling"})
+    hf = hf_config_dict(config)
+    del hf["rope_theta"], hf["rope_scaling"]
     hf["num_key_value_heads"] = config.kv_heads
     hf["head_dim"] = config.attn_head_dim
     rope = {"rope_theta": config.rope_theta, "rope_type": "default"}
@@ -127,11 +134,12 @@ def rope_inverse_frequencies(config: LlamaConfig) -> np.ndarray:
 
 
 def apply_rope(x: jax.Array, inv_freq: np.ndarray, positions: jax.Array | None = None) -> jax.Array:
-    """Rotate x [B, T, H, D] by position (default ``0..T-1``) using HF's rotate-half layout (first half pairs
-    with second)."""
+    """Rotate x [B, T, H, D] by position (``[B, T]`` or ``[T]``, default ``0..T-1``) using HF's rotate-half
+    layout (first half pairs with second)."""
     positions = jnp.arange(x.shape[1]) if positions is None else positions
-    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
-    angles = jnp.concatenate([freqs, freqs], axis=-1)[None, :, None, :]
+    positions = jnp.broadcast_to(positions, x.shape[:2])
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    angles = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
     cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
@@ -145,7 +153,7 @@ class LlamaAttention(nn.Module):
     dtype: Any
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, segment_ids=None, positions=None):
         cfg = self.config
         heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.kv_heads, cfg.attn_head_dim
         batch, length, _ = x.shape
@@ -157,9 +165,12 @@ class LlamaAttention(nn.Module):
         v = dense(kv_heads * head_dim, ("embed", "kv_heads"), use_bias=bias, dtype=self.dtype, init_std=std,
                   name="v_proj")(x).reshape(batch, length, kv_heads, head_dim)
         inv_freq = rope_inverse_frequencies(cfg)
-        positions = next_positions(self, length)
-        k, v = extend_cache(self, apply_rope(k, inv_freq, positions), v, positions)
-        out = causal_attention(apply_rope(q, inv_freq, positions), k, v, head_dim ** -0.5, positions)
+        slots = next_positions(self, length)
+        rope_positions = token_positions(slots, positions, batch)
+        k, v = extend_cache(self, apply_rope(k, inv_freq, rope_positions), v, slots)
+        out = attend(apply_rope(q, inv_freq, rope_positions), k, v, scale=head_dim ** -0.5,
+                     kernel=attention_kernel(cfg.attention, self.dtype, head_dim), segment_ids=segment_ids,
+                     query_slots=slots if decoding(self) else None)
         return dense(cfg.hidden_size, ("heads", "embed"), use_bias=bias, dtype=self.dtype, init_std=std,
                      name="o_proj")(out.reshape(batch, length, heads * head_dim))
 
@@ -189,10 +200,10 @@ class LlamaBlock(nn.Module):
     dtype: Any
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, segment_ids=None, positions=None):
         eps = self.config.rms_norm_eps
         x = x + LlamaAttention(self.config, self.dtype, name="self_attn")(
-            RMSNorm(eps, self.dtype, name="input_layernorm")(x))
+            RMSNorm(eps, self.dtype, name="input_layernorm")(x), segment_ids, positions)
         return x + LlamaMLP(self.config, self.dtype, name="mlp")(
             RMSNorm(eps, self.dtype, name="post_attention_layernorm")(x))
 
@@ -204,15 +215,17 @@ class LlamaForCausalLM(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, input_ids, deterministic: bool = True):
-        """Logits for ``input_ids``; ``deterministic`` is accepted for the task interface (no dropout here)."""
+    def __call__(self, input_ids, deterministic: bool = True, *, segment_ids=None, positions=None):
+        """Logits for ``input_ids``; ``deterministic`` is accepted for the task interface (no dropout here);
+        ``segment_ids`` / ``positions``: see the module docstring."""
         cfg = self.config
         tokens = embed(cfg.vocab_size, cfg.hidden_size, ("vocab", "embed"), dtype=self.dtype,
                        init_std=cfg.initializer_range, name="embed_tokens")
         x = tokens(input_ids)
         x = constrain_batch(x)  # the batch axis stays put; FSDP weights are gathered (see sharding.py)
+        block = remat_block(LlamaBlock, cfg.remat)
         for i in range(cfg.num_hidden_layers):
-            x = constrain_batch(LlamaBlock(cfg, self.dtype, name=f"layers_{i}")(x))
+            x = constrain_batch(block(cfg, self.dtype, name=f"layers_{i}")(x, segment_ids, positions))
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(x)
         if cfg.tie_word_embeddings:
             logits = tokens.attend(x)
@@ -223,7 +236,10 @@ class LlamaForCausalLM(nn.Module):
 
 
 def build(config: LlamaConfig, dtype: Any = jnp.float32) -> LlamaForCausalLM:
-    """The Flax module for ``config`` computing in ``dtype`` (params stay float32)."""
+    """The Flax module for ``config`` computing in ``dtype`` (params stay float32); a ConfigError if its
+    attention kernel or remat policy cannot run here."""
+    attention_kernel(config.attention, dtype, config.attn_head_dim)
+    check_remat(config.remat)
     return LlamaForCausalLM(config, dtype=dtype)
 
 

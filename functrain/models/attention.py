@@ -1,0 +1,88 @@
+"""Fused attention for the built-in models (GPT, GPT-2, Llama): one call to ``jax.nn.dot_product_attention``.
+
+``model.attention`` picks the kernel:
+
+- ``xla``: any platform; scores and softmax in float32, the output in the compute dtype;
+- ``cudnn``: cuDNN flash attention (NVIDIA GPU of compute capability 8.0+, bfloat16/float16 compute, a head
+  width that is a multiple of 8 up to 256); asking for it elsewhere is a one-line ConfigError;
+- ``auto``: ``cudnn`` where it can run, else ``xla``.
+
+Masks: always causal; with ``segment_ids`` [B, T] (packed sequences) a token also attends only to tokens of
+its own segment. Grouped-query heads (fewer key/value heads than query heads) are grouped under their shared
+key/value head by the kernel; keys and values are never repeated in memory. When decoding with a KV cache
+(:mod:`functrain.models.kv_cache`) the queries sit at given slots of a longer cache, so the mask is written
+out and the XLA kernel runs (one new token gains nothing from a flash kernel).
+"""
+
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+
+from functrain.errors import ConfigError
+from functrain.memory import platform_name
+from functrain.models.kv_cache import causal_mask
+
+Array = jax.Array
+AttentionChoice = Literal["auto", "xla", "cudnn"]
+CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def cudnn_available() -> bool:
+    """True when the default devices are NVIDIA GPUs that run cuDNN flash attention (Ampere or newer)."""
+    device = jax.devices()[0]
+    capability = getattr(device, "compute_capability", None)
+    return device.platform in ("gpu", "cuda") and capability is not None and float(capability) >= 8.0
+
+
+def _cudnn_fits(dtype: Any, head_dim: int) -> bool:
+    return any(jnp.dtype(dtype) == jnp.dtype(d) for d in CUDNN_DTYPES) and head_dim % 8 == 0 and head_dim <= 256
+
+
+def attention_kernel(choice: AttentionChoice, dtype: Any, head_dim: int) -> Literal["xla", "cudnn"]:
+    """The kernel ``model.attention=choice`` runs for ``dtype`` compute and ``head_dim``-wide heads.
+
+    Raises ConfigError (one line) when ``cudnn`` is asked for where it cannot run.
+    """
+    if choice == "xla":
+        return "xla"
+    available, fits = cudnn_available(), _cudnn_fits(dtype, head_dim)
+    if choice == "auto":
+        return "cudnn" if available and fits else "xla"
+    if not available:
+        raise ConfigError(f"model.attention=cudnn needs an NVIDIA GPU (compute capability 8.0+) and this run's "
+                          f"devices are {platform_name()}; set model.attention=auto or model.attention=xla")
+    if not fits:
+        raise ConfigError(f"model.attention=cudnn needs train.compute_dtype bfloat16 or float16 and a head width "
+                          f"that is a multiple of 8 up to 256 (got {jnp.dtype(dtype).name}, {head_dim}); change "
+                          f"those or set model.attention=auto")
+    return "cudnn"
+
+
+def segment_mask(segment_ids: Array) -> Array:
+    """``[B, 1, T, T]``: True where query and key tokens belong to the same segment."""
+    return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+
+
+def attend(query: Array, key: Array, value: Array, *, scale: float, kernel: str,
+           segment_ids: Array | None = None, query_slots: Array | None = None) -> Array:
+    """Causal softmax attention.
+
+    Args:
+      query: ``[B, T, H, D]``; key, value: ``[B, S, KV, D]`` with H a multiple of KV, all of one dtype.
+      scale: multiplies the scores.
+      kernel: ``xla`` or ``cudnn`` (see :func:`attention_kernel`).
+      segment_ids: optional ``[B, T]`` int: tokens attend only within their segment (whole sequences only).
+      query_slots: when decoding with a cache, the queries' ``[T]`` slots among the S cached keys (keys at
+        later slots are masked); None for a whole sequence (S == T).
+
+    Returns ``[B, T, H, D]`` in the query's dtype.
+    """
+    if query_slots is not None:
+        if segment_ids is not None:
+            raise ValueError("segment_ids are for whole sequences, not for decoding with a KV cache")
+        mask = causal_mask(query_slots, key.shape[1])[None, None]
+        return jax.nn.dot_product_attention(query, key, value, mask=mask, scale=scale, implementation="xla")
+    mask = None if segment_ids is None else segment_mask(segment_ids)
+    return jax.nn.dot_product_attention(query, key, value, mask=mask, scale=scale, is_causal=True,
+                                        implementation=kernel)

@@ -1,0 +1,19 @@
+"""Model options that change how a built-in model computes, never what: ``model.attention`` (the attention
+kernel, :mod:`functrain.models.attention`) and ``model.remat`` (:mod:`functrain.models.remat`).
+
+They are config keys of every built-in model but no part of an HF config.json (see ``RUNTIME_KEYS``).
+"""
+
+import pydantic
+
+from functrain.models.attention import AttentionChoice
+from functrain.models.remat import RematPolicy
+
+RUNTIME_KEYS = frozenset({"attention", "remat"})
+
+
+class RuntimeOptions(pydantic.BaseModel):
+    """``model.attention: auto|xla|cudnn`` and ``model.remat: none|full|dots_saveable|offload``."""
+
+    attention: AttentionChoice = "auto"
+    remat: RematPolicy = "none"

@@ -1,0 +1,101 @@
+"""Fused attention (``jax.nn.dot_product_attention``) against the explicit softmax the models used before,
+packed sequences through the three built-in LMs, and ``model.attention`` choices that cannot run here."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from functrain.errors import ConfigError
+from functrain.models import build_model
+from functrain.models.attention import attend, attention_kernel
+from functrain.models.gpt import GPTConfig
+from functrain.models.gpt2 import GPT2Config
+from functrain.models.llama import LlamaConfig
+from functrain.tasks import causal_lm_sums, model_keywords
+
+
+def reference_attention(q, k, v, scale, segment_ids=None):
+    """The models' former attention: float32 scores over the full matrix, query heads grouped under their
+    key/value head, a causal (and same-segment) mask, softmax, weighted values."""
+    batch, length, heads, head_dim = q.shape
+    groups = heads // k.shape[2]
+    q = q.reshape(batch, length, k.shape[2], groups, head_dim)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
+    allowed = jnp.tril(jnp.ones((length, length), bool))[None, None, None]
+    if segment_ids is not None:
+        allowed = allowed & (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None, None]
+    scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(batch, length, heads, head_dim)
+
+
+SEGMENTS = np.array([[0, 0, 0, 1, 1, 2, 2, 2, 2, 2], [5, 5, 5, 5, 5, 5, 7, 7, 7, 7]], np.int32)
+
+
+# (key/value heads, segment ids): multi-head causal, grouped-query and multi-query over packed segments.
+CASES = [(4, False), (2, True), (1, True)]
+
+
+@pytest.mark.parametrize("kv_heads,segments", CASES)
+def test_fused_attention_matches_the_explicit_softmax(kv_heads, segments):
+    keys = jax.random.split(jax.random.PRNGKey(kv_heads), 3)
+    q = jax.random.normal(keys[0], (2, 10, 4, 8))
+    k, v = (jax.random.normal(key, (2, 10, kv_heads, 8)) for key in keys[1:])
+    segment_ids = jnp.asarray(SEGMENTS) if segments else None
+
+    @jax.jit
+    def both(q, k, v):
+        return (attend(q, k, v, scale=0.3, kernel="xla", segment_ids=segment_ids),
+                reference_attention(q, k, v, 0.3, segment_ids))
+
+    fused, reference = both(q, k, v)
+    assert fused.shape == q.shape and fused.dtype == jnp.float32
+    np.testing.assert_allclose(fused, reference, atol=1e-5, rtol=1e-5)
+
+
+TINY_MODELS = {
+    "gpt": GPTConfig(vocab_size=64, max_len=16, d_model=32, n_layers=1, n_heads=4, d_ff=64),
+    "gpt2": GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=4),
+    "llama": LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TINY_MODELS))
+def test_a_packed_row_gives_each_document_its_own_logits(name):
+    """Two documents packed into one row with segment ids and restarting positions get the logits each gets
+    alone: attention stays inside a document and position embeddings / RoPE restart."""
+    model = build_model(TINY_MODELS[name])
+    documents = jnp.stack([jnp.arange(1, 6), jnp.arange(20, 25)])
+    packed = documents.reshape(1, 10)
+    segment_ids = jnp.asarray([[1] * 5 + [2] * 5], jnp.int32)
+    positions = jnp.asarray([list(range(5)) * 2], jnp.int32)
+
+    @jax.jit
+    def packed_and_alone(rng):
+        params = model.init(rng, packed)["params"]
+        return (model.apply({"params": params}, packed, segment_ids=segment_ids, positions=positions),
+                model.apply({"params": params}, documents))
+
+    logits, alone = packed_and_alone(jax.random.PRNGKey(0))
+    np.testing.assert_allclose(logits, alone.reshape(1, 10, -1), atol=1e-5, rtol=1e-5)
+
+
+def test_the_lm_loss_passes_segments_to_the_model_and_skips_targets_across_documents():
+    batch = {"tokens": np.arange(12, dtype=np.int32).reshape(2, 6), "weight": np.ones(2, np.float32),
+             "segment_ids": np.array([[1, 1, 1, 2, 2, 2], [1, 1, 1, 1, 1, 1]], np.int32),
+             "positions": np.array([[0, 1, 2, 0, 1, 2], [0, 1, 2, 3, 4, 5]], np.int32)}
+    keywords = model_keywords("causal_lm", batch)
+    assert sorted(keywords) == ["positions", "segment_ids"]
+    assert keywords["segment_ids"].shape == (2, 5) and model_keywords("classifier", batch) == {}
+    _, weight, _ = causal_lm_sums(jnp.zeros((2, 5, 16)), batch)
+    assert float(weight) == 9.0  # 10 targets, one starts the second document of row 0
+
+
+def test_attention_choices_on_this_platform():
+    assert attention_kernel("auto", jnp.bfloat16, 64) == "xla"  # no cuDNN on a CPU
+    assert attention_kernel("xla", jnp.float32, 12) == "xla"
+    with pytest.raises(ConfigError, match=r"model.attention=cudnn needs an NVIDIA GPU .* devices are cpu; set "
+                                          r"model.attention=auto"):
+        attention_kernel("cudnn", jnp.bfloat16, 64)
