@@ -1,6 +1,13 @@
-"""Packed token windows: segment ids, positions and the loss mask follow the store's document boundaries."""
+"""Packed token windows: segment ids and positions follow the store's document boundaries, and a model
+trained on them never attends or predicts across documents."""
 
+import jax
 import numpy as np
+
+from functrain.models import build_model
+from functrain.models.gpt import GPTConfig
+from functrain.program import as_program
+from functrain.tasks import model_inputs, model_keywords
 
 from functrain.data.token_store import StoreWriter, TokenStore
 from functrain.data.token_windows import TokenWindows
@@ -21,8 +28,6 @@ def test_packing_fields_follow_document_boundaries(tmp_path):
     assert batch["segment_ids"].tolist() == [[1, 1, 1, 2, 2, 2, 2], [1, 1, 2, 2, 3, 3, 3]]
     # The window that starts inside document 1 counts its positions from the window's start.
     assert batch["positions"].tolist() == [[0, 1, 2, 0, 1, 2, 3], [0, 1, 0, 1, 0, 1, 2]]
-    # No token predicts the first token of the next document.
-    assert batch["mask"].tolist() == [[1, 1, 0, 1, 1, 1], [1, 0, 1, 0, 1, 1]]
 
 
 def test_unpacked_windows_carry_only_tokens(tmp_path):
@@ -44,3 +49,34 @@ def test_packing_fields_match_a_token_by_token_reference(tmp_path):
         assert np.array_equal(batch["segment_ids"][row], np.unique(document, return_inverse=True)[1] + 1)
         segment_start = np.maximum(np.asarray(store.doc_starts)[document], offsets[0])
         assert np.array_equal(batch["positions"][row], offsets - segment_start)
+
+
+def test_packed_windows_never_attend_or_predict_across_documents(tmp_path):
+    """A window packing three documents through the training loss (model keywords from the batch, built-in
+    causal-LM loss): each document's logits equal those of the document run alone, and the loss sums to the
+    documents' own losses. Ignoring the segment ids or positions anywhere breaks both."""
+    jax.config.update("jax_default_matmul_precision", "highest")
+    lengths, seq_len = [5, 7, 4], 15
+    rng = np.random.default_rng(0)
+    with StoreWriter(tmp_path / "store", 64, {"name": "test", "xxh64": None, "eos_id": None}) as writer:
+        writer.add([rng.integers(0, 64, length) for length in lengths])
+    packed = TokenWindows(TokenStore.open(tmp_path / "store"), seq_len, packing=True).gather(np.array([0]))
+    packed["weight"] = np.ones(1, np.float32)
+    model = build_model(GPTConfig(name="gpt", vocab_size=64, max_len=16, d_model=32, n_layers=2, n_heads=2,
+                                  d_ff=64, dropout=0.0))
+    program = as_program(model, packed)
+    params, model_state = program.init(jax.random.PRNGKey(0))
+    key = jax.random.PRNGKey(1)
+
+    loss_sum, weight, _, _ = program.eval_loss_fn(params, model_state, packed, key)
+    packed_logits = model.apply({"params": params}, model_inputs("causal_lm", packed),
+                                **model_keywords("causal_lm", packed))
+    expected_sum, expected_weight, start = 0.0, 0.0, 0
+    for length in lengths:
+        alone = {"tokens": packed["tokens"][:, start:start + length], "weight": np.ones(1, np.float32)}
+        alone_sum, alone_weight, _, _ = program.eval_loss_fn(params, model_state, alone, key)
+        alone_logits = model.apply({"params": params}, alone["tokens"][:, :-1])
+        np.testing.assert_allclose(packed_logits[0, start:start + length - 1], alone_logits[0], atol=1e-5)
+        expected_sum, expected_weight, start = expected_sum + alone_sum, expected_weight + alone_weight, start + length
+    assert float(weight) == expected_weight == sum(lengths) - len(lengths)
+    np.testing.assert_allclose(float(loss_sum), float(expected_sum), rtol=1e-5)

@@ -9,10 +9,11 @@ With ``packing=True`` each record also carries, per token of the window:
 
 - ``segment_ids``: which document the token belongs to, numbered from 1 within the window;
 - ``positions``: the token's offset in its document, counted from the window's start for the document the
-  window begins inside (so positions stay below ``seq_len`` and never exceed the model's context);
-- ``mask`` (``seq_len`` long, one per target): 0 where the target is the first token of the next document, so
-  the loss never asks a document to predict another. Models that honour ``segment_ids``/``positions`` keep
-  attention inside each document.
+  window begins inside (so positions stay below ``seq_len`` and never exceed the model's context).
+
+The models (GPT, GPT-2, Llama) take both as keyword arguments and attend only within a segment; the causal-LM
+loss does not count a target that starts a new segment (see :mod:`functrain.tasks`), so no document predicts
+another.
 
 The evaluation split is the documents after the cut at ``1 - eval_fraction`` of the stream (moved forward to
 the next document start), so no document is in both splits and the split never depends on the seed.
@@ -49,8 +50,7 @@ class TokenWindows:
 
 
 def packing_fields(doc_starts: np.ndarray, starts: np.ndarray, length: int) -> dict[str, np.ndarray]:
-    """``segment_ids``, ``positions`` ([B, length] int32) and ``mask`` ([B, length - 1] int32) of the windows
-    ``[start, start + length)``, from the document start offsets. Two binary searches per window find the
+    """``segment_ids`` and ``positions`` ([B, length] int32) of the windows ``[start, start + length)``, from the document start offsets. Two binary searches per window find the
     document starts inside it; only those index entries are read."""
     first_doc = np.searchsorted(doc_starts, starts, side="right") - 1
     last_doc = np.searchsorted(doc_starts, starts + length - 1, side="right") - 1
@@ -64,8 +64,7 @@ def packing_fields(doc_starts: np.ndarray, starts: np.ndarray, length: int) -> d
     segment_ids = (1 + np.cumsum(is_start, axis=1)).astype(np.int32)
     index = np.arange(length)
     positions = (index - np.maximum.accumulate(np.where(is_start, index, 0), axis=1)).astype(np.int32)
-    mask = (segment_ids[:, 1:] == segment_ids[:, :-1]).astype(np.int32)
-    return {"segment_ids": segment_ids, "positions": positions, "mask": mask}
+    return {"segment_ids": segment_ids, "positions": positions}
 
 
 def token_splits(path: str, seq_len: int, packing: bool, eval_fraction: float,
