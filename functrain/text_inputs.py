@@ -1,5 +1,8 @@
 """The documents of ``functrain tokenize``'s inputs, read lazily in batches.
 
+A batch is a list of document texts, or :class:`JsonLines` not yet parsed (parsing is left to the worker
+process that encodes them, so the reading process only moves bytes); :func:`texts_of` gives its texts.
+
 What a document is, by input kind:
 
 - ``.jsonl`` / ``.json`` (JSON Lines): one document per line, the string in ``field`` (default ``text``);
@@ -12,7 +15,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Union
 
 from functrain.errors import ConfigError, DataError
 
@@ -33,27 +38,79 @@ def check_inputs(inputs: list[str]) -> list[Path]:
     return paths
 
 
-def document_batches(paths: list[Path], field: str = "text") -> Iterator[list[str]]:
-    """Lists of documents, in input order, about :data:`BATCH_DOCS` documents or :data:`BATCH_CHARS`
+@dataclass(frozen=True)
+class JsonLines:
+    """Lines of a JSON Lines file starting at line ``first_line``, each an object with the text in ``field``."""
+    path: str
+    first_line: int
+    lines: list[str]
+    field: str
+
+    def texts(self) -> list[str]:
+        """The documents, parsed; a line that is not an object with a string ``field`` is a DataError."""
+        texts = []
+        for number, line in enumerate(self.lines, self.first_line):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                raise DataError(f"{self.path}:{number} is not a JSON object; write one JSON object per line") from None
+            text = record.get(self.field) if isinstance(record, dict) else None
+            if not isinstance(text, str):
+                raise DataError(f"{self.path}:{number} has no string field {self.field!r}; pass --field NAME for "
+                                f"the field that holds the text")
+            texts.append(text)
+        return texts
+
+
+Batch = Union[list[str], JsonLines]
+
+
+def texts_of(batch: Batch) -> list[str]:
+    """The document texts of a batch."""
+    return batch.texts() if isinstance(batch, JsonLines) else batch
+
+
+def document_batches(paths: list[Path], field: str = "text") -> Iterator[Batch]:
+    """Batches of documents in input order, about :data:`BATCH_DOCS` documents or :data:`BATCH_CHARS`
     characters each."""
-    batch: list[str] = []
+    texts: list[str] = []
     size = 0
     for path in paths:
+        if path.suffix in (".jsonl", ".json") and not path.is_dir():
+            if texts:
+                yield texts
+                texts, size = [], 0
+            yield from _json_line_batches(path, field)
+            continue
         for document in _documents(path, field):
-            batch.append(document)
+            texts.append(document)
             size += len(document)
-            if len(batch) == BATCH_DOCS or size >= BATCH_CHARS:
-                yield batch
-                batch, size = [], 0
-    if batch:
-        yield batch
+            if len(texts) == BATCH_DOCS or size >= BATCH_CHARS:
+                yield texts
+                texts, size = [], 0
+    if texts:
+        yield texts
+
+
+def _json_line_batches(path: Path, field: str) -> Iterator[JsonLines]:
+    with open(path, encoding="utf-8") as handle:
+        lines: list[str] = []
+        first_line, size = 1, 0
+        for number, line in enumerate(handle, 1):
+            lines.append(line)
+            size += len(line)
+            if len(lines) == BATCH_DOCS or size >= BATCH_CHARS:
+                yield JsonLines(str(path), first_line, lines, field)
+                lines, first_line, size = [], number + 1, 0
+        if lines:
+            yield JsonLines(str(path), first_line, lines, field)
 
 
 def _documents(path: Path, field: str) -> Iterator[str]:
     if path.is_dir():
         yield from _hf_dataset(path, field)
-    elif path.suffix in (".jsonl", ".json"):
-        yield from _json_lines(path, field)
     elif path.suffix == ".parquet":
         yield from _parquet(path, field)
     else:
@@ -61,22 +118,6 @@ def _documents(path: Path, field: str) -> Iterator[str]:
             yield path.read_text(encoding="utf-8")
         except UnicodeDecodeError:
             raise DataError(f"input {str(path)!r} is not UTF-8 text; convert it, or give .jsonl/.parquet") from None
-
-
-def _json_lines(path: Path, field: str) -> Iterator[str]:
-    with open(path, encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError:
-                raise DataError(f"{path}:{number} is not a JSON object; write one JSON object per line") from None
-            text = record.get(field) if isinstance(record, dict) else None
-            if not isinstance(text, str):
-                raise DataError(f"{path}:{number} has no string field {field!r}; pass --field NAME for the field "
-                                f"that holds the text")
-            yield text
 
 
 def _check_column(path: Path, field: str, columns: list[str]) -> None:

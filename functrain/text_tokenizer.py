@@ -17,6 +17,7 @@ A tokenizer is named by a picklable :class:`TokenizerSpec` so that worker proces
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from dataclasses import dataclass
@@ -80,12 +81,18 @@ class TextTokenizer:
         name = path.parent.name if path.name == "tokenizer.json" and path.parent.name else path.name
         return {"name": name, "xxh64": xxhash.xxh64(path.read_bytes()).hexdigest(), "eos_id": self.eos_id}
 
-    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        """Token ids of each text, EOS appended (integer arrays)."""
+    def encode_batch(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """The texts' token ids end to end, each followed by EOS, and each text's token count (EOS included):
+        one flat array rather than one per document, so handing a batch between processes stays cheap."""
         eos = [] if self.eos_id is None else [self.eos_id]
         if self._hf is None:
-            return [np.frombuffer(text.encode("utf-8") + bytes(eos), np.uint8) for text in texts]
-        return [np.array(encoding.ids + eos, np.int64) for encoding in self._hf.encode_batch_fast(texts)]
+            encoded = [text.encode("utf-8") for text in texts]
+            tokens = np.frombuffer(bytes(eos).join(encoded) + bytes(eos), np.uint8) if encoded else np.empty(0, np.uint8)
+            return tokens, np.array([len(item) + len(eos) for item in encoded], np.int64)
+        ids = [encoding.ids for encoding in self._hf.encode_batch_fast(texts)]
+        lengths = np.array([len(item) + len(eos) for item in ids], np.int64)
+        flat = itertools.chain.from_iterable(itertools.chain.from_iterable((item, eos) for item in ids))
+        return np.fromiter(flat, np.int64, count=int(lengths.sum())), lengths
 
 
 def _load_hf(file: str) -> Any:

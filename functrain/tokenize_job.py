@@ -1,7 +1,7 @@
 """``functrain tokenize``: input documents -> a token store, on every available core, atomically.
 
 The parent process reads the inputs in batches of documents (:mod:`functrain.text_inputs`), worker processes
-encode them (:mod:`functrain.text_tokenizer`, one tokenizer each) and the parent writes the results in input
+parse and encode them (:mod:`functrain.text_tokenizer`, one tokenizer each) and the parent writes the results in input
 order into the store (:class:`functrain.data.token_store.StoreWriter`), so the store does not depend on the
 number of workers. The store appears only when every document is written.
 """
@@ -21,7 +21,7 @@ import numpy as np
 from tqdm import tqdm
 
 from functrain.data.token_store import DEFAULT_SHARD_TOKENS, StoreWriter
-from functrain.text_inputs import check_inputs, document_batches
+from functrain.text_inputs import Batch, check_inputs, document_batches, texts_of
 from functrain.text_tokenizer import TextTokenizer, TokenizerSpec, tokenizer_spec
 
 _worker_tokenizer: TextTokenizer | None = None
@@ -35,8 +35,8 @@ def _start_worker(spec: TokenizerSpec) -> None:
     _worker_tokenizer = TextTokenizer(spec)
 
 
-def _encode_in_worker(texts: list[str]) -> list[np.ndarray]:
-    return _worker_tokenizer.encode_batch(texts)
+def _encode_in_worker(batch: Batch) -> tuple[np.ndarray, np.ndarray]:
+    return _worker_tokenizer.encode_batch(texts_of(batch))
 
 
 def available_cores() -> int:
@@ -66,9 +66,9 @@ def tokenize_files(inputs: list[str], out: str, tokenizer: str | None = None, wo
     with StoreWriter(out, text_tokenizer.vocab_size, text_tokenizer.describe(), shard_tokens) as writer, \
             _encoder(text_tokenizer, workers) as encode, \
             tqdm(desc="tokenize", unit=" docs", disable=None if progress is None else not progress) as bar:
-        for encoded in encode(document_batches(paths, field)):
-            writer.add(encoded)
-            bar.update(len(encoded))
+        for tokens, lengths in encode(document_batches(paths, field)):
+            writer.add(tokens, lengths)
+            bar.update(len(lengths))
     return writer.manifest
 
 
@@ -76,7 +76,7 @@ def tokenize_files(inputs: list[str], out: str, tokenizer: str | None = None, wo
 def _encoder(text_tokenizer: TextTokenizer, workers: int) -> Iterator[Callable]:
     """A function from document batches to their encodings in order: in this process, or on a pool."""
     if workers == 1:
-        yield lambda batches: map(text_tokenizer.encode_batch, batches)
+        yield lambda batches: (text_tokenizer.encode_batch(texts_of(batch)) for batch in batches)
         return
     # fork: workers start in milliseconds and inherit the imported modules.
     with multiprocessing.get_context("fork").Pool(workers, _start_worker, (text_tokenizer.spec,)) as pool:

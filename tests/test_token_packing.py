@@ -17,7 +17,7 @@ LENGTHS = [3, 5, 2, 7, 4]  # documents of the stream [0, 3), [3, 8), [8, 10), [1
 
 def _store(tmp_path, lengths=LENGTHS):
     with StoreWriter(tmp_path / "store", 256, {"name": "test", "xxh64": None, "eos_id": None}) as writer:
-        writer.add([np.full(length, 10 + doc) for doc, length in enumerate(lengths)])
+        writer.add(np.repeat(10 + np.arange(len(lengths)), lengths), lengths)
     return TokenStore.open(tmp_path / "store")
 
 
@@ -59,7 +59,7 @@ def test_packed_windows_never_attend_or_predict_across_documents(tmp_path):
     lengths, seq_len = [5, 7, 4], 15
     rng = np.random.default_rng(0)
     with StoreWriter(tmp_path / "store", 64, {"name": "test", "xxh64": None, "eos_id": None}) as writer:
-        writer.add([rng.integers(0, 64, length) for length in lengths])
+        writer.add(rng.integers(0, 64, sum(lengths)), lengths)
     packed = TokenWindows(TokenStore.open(tmp_path / "store"), seq_len, packing=True).gather(np.array([0]))
     packed["weight"] = np.ones(1, np.float32)
     model = build_model(GPTConfig(name="gpt", vocab_size=64, max_len=16, d_model=32, n_layers=2, n_heads=2,

@@ -205,3 +205,11 @@ def test_an_existing_output_is_never_overwritten(tmp_path, capsys, byte_store):
     before = _snapshot(byte_store)
     message = _one_error_line(capsys, ["tokenize", str(tmp_path / "in" / "doc0.txt"), str(byte_store)])
     assert "already exists" in message and _snapshot(byte_store) == before
+
+
+def test_a_bad_json_line_names_the_line_and_leaves_nothing(tmp_path, capsys):
+    (tmp_path / "in.jsonl").write_text('{"text": "fine"}\n\n{"txt": "no text field"}\n')
+    message = _one_error_line(capsys, ["tokenize", str(tmp_path / "in.jsonl"), str(tmp_path / "store"),
+                                       "--workers", "1"])
+    assert f"{tmp_path / 'in.jsonl'}:3 has no string field 'text'" in message and "--field" in message
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["in.jsonl"]

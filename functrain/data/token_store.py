@@ -52,7 +52,7 @@ def _file_digest(path: Path) -> str:
 class StoreWriter:
     """Writes documents' tokens into a new store, atomically.
 
-    ``with StoreWriter(out, vocab_size, tokenizer_info) as writer: writer.add(tokens_of_each_document)``; the
+    ``with StoreWriter(out, vocab_size, tokenizer_info) as writer: writer.add(tokens, lengths)``; the
     store appears at ``out`` when the block exits cleanly (``writer.manifest`` then holds its manifest), and
     nothing does if it raises or the process dies.
     """
@@ -72,10 +72,10 @@ class StoreWriter:
         self._digest = xxhash.xxh64()
         self._in_shard = 0
 
-    def add(self, documents: list[np.ndarray]) -> None:
-        """Append documents (each a 1-D array of token ids) to the stream."""
-        self.doc_lengths.append(np.array([len(doc) for doc in documents], np.int64))
-        stream = np.concatenate(documents).astype(self.dtype, copy=False) if documents else np.empty(0, self.dtype)
+    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        """Append documents to the stream: their tokens end to end and each one's token count."""
+        self.doc_lengths.append(np.asarray(lengths, np.int64))
+        stream = np.asarray(tokens).astype(self.dtype, copy=False)
         while len(stream):
             if self._handle is None or self._in_shard == self.shard_tokens:
                 self._open_shard()
