@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 CONFIG ?= configs/char_gpt.yaml
 ARGS ?=
 
-.PHONY: train test bench clean-venv
+.PHONY: train train-tokens test bench clean-venv
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,13 @@ $(VENV)/.dev: $(VENV)/.core tools/install_torch.sh
 
 train: $(VENV)/.core
 	$(VENV)/bin/functrain train $(CONFIG) $(ARGS)
+
+# A packed GPT on a token store of Python's own standard-library sources (tokenized once, UTF-8 bytes).
+runs/stdlib_tokens: | $(VENV)/.core
+	$(VENV)/bin/functrain tokenize $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')/*.py $@
+
+train-tokens: runs/stdlib_tokens
+	$(VENV)/bin/functrain train configs/gpt_tokens.yaml $(ARGS)
 
 test: $(VENV)/.dev
 	$(PY) -m pytest -n 2 --dist loadfile tests

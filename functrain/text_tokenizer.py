@@ -86,9 +86,8 @@ class TextTokenizer:
         one flat array rather than one per document, so handing a batch between processes stays cheap."""
         eos = [] if self.eos_id is None else [self.eos_id]
         if self._hf is None:
-            encoded = [text.encode("utf-8") for text in texts]
-            tokens = np.frombuffer(bytes(eos).join(encoded) + bytes(eos), np.uint8) if encoded else np.empty(0, np.uint8)
-            return tokens, np.array([len(item) + len(eos) for item in encoded], np.int64)
+            encoded = [text.encode("utf-8") + bytes(eos) for text in texts]
+            return np.frombuffer(b"".join(encoded), np.uint8), np.array([len(item) for item in encoded], np.int64)
         ids = [encoding.ids for encoding in self._hf.encode_batch_fast(texts)]
         lengths = np.array([len(item) + len(eos) for item in ids], np.int64)
         flat = itertools.chain.from_iterable(itertools.chain.from_iterable((item, eos) for item in ids))

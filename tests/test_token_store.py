@@ -19,8 +19,8 @@ from functrain.errors import DataError
 from functrain.text_tokenizer import TextTokenizer, TokenizerSpec
 from functrain.tokenize_job import tokenize_files
 
-DOCUMENTS = [f"document {i}: " + " ".join(["the quick brown fox", "jumps over", "the lazy dog"][: 1 + i % 3]) * (i % 5 + 1)
-             for i in range(60)] + ["", "naïve café ünïcode"]
+PHRASES = ["the quick brown fox", "jumps over", "the lazy dog"]
+DOCUMENTS = [f"document {i}: " + " ".join(PHRASES[: 1 + i % 3]) * (i % 5 + 1) for i in range(60)] + ["", "naïve café"]
 
 
 def _write_inputs(directory):

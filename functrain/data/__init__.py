@@ -18,6 +18,12 @@ Public API::
         .steps_per_epoch, .epoch_of(position), .batch_start(position), .steps_until_epoch(position, epoch)
 
     ArraySource({"x": x, "y": y})                    # arrays or memmaps; batched fancy-index gather
+    TokenStore.open(path)                            # a store written by `functrain tokenize` (memory maps)
+        .read(starts, length) -> int32 [len(starts), length]; .doc_starts; .num_tokens; .vocab_size
+    StoreWriter(out, vocab_size, tokenizer_info)     # context manager: .add(tokens, lengths); atomic rename
+    TokenWindows(store, seq_len, packing=False, first=0, stop=None)   # data.name: tokens; records are
+        seq_len + 1 token windows ("tokens"), plus "segment_ids" and "positions" when packing
+    token_splits(path, seq_len, packing, eval_fraction, vocab_size) -> (train TokenWindows, eval or None)
     RecordSource(dataset, keys=None)                 # torch / HF / grain map-style dataset adapter
     as_source(data, keys=None) -> Source
 
@@ -46,10 +52,12 @@ from functrain.data.prefetch import BackgroundIterator
 from functrain.data.resume import check_resume, data_meta, resume_position
 from functrain.data.sampler import IndexSampler
 from functrain.data.sources import ArraySource, RecordSource, Source, as_source, stack_records
+from functrain.data.token_store import StoreWriter, TokenStore
+from functrain.data.token_windows import TokenWindows, token_splits
 from functrain.data.transforms import Transform, apply_transform, sample_rng
 
 __all__ = [
-    "ArraySource", "BackgroundIterator", "BatchLoader", "IndexSampler", "RecordSource", "Source", "Transform",
-    "apply_transform", "as_source", "batch_sharding", "check_resume", "data_meta", "resume_position",
-    "sample_rng", "stack_records", "to_global",
+    "ArraySource", "BackgroundIterator", "BatchLoader", "IndexSampler", "RecordSource", "Source", "StoreWriter",
+    "TokenStore", "TokenWindows", "Transform", "apply_transform", "as_source", "batch_sharding", "check_resume",
+    "data_meta", "resume_position", "sample_rng", "stack_records", "to_global", "token_splits",
 ]

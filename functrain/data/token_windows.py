@@ -50,8 +50,9 @@ class TokenWindows:
 
 
 def packing_fields(doc_starts: np.ndarray, starts: np.ndarray, length: int) -> dict[str, np.ndarray]:
-    """``segment_ids`` and ``positions`` ([B, length] int32) of the windows ``[start, start + length)``, from the document start offsets. Two binary searches per window find the
-    document starts inside it; only those index entries are read."""
+    """``segment_ids`` and ``positions`` ([B, length] int32) of the windows ``[start, start + length)``, from
+    the document start offsets. Two binary searches per window find the document starts inside it; only those
+    index entries are read."""
     first_doc = np.searchsorted(doc_starts, starts, side="right") - 1
     last_doc = np.searchsorted(doc_starts, starts + length - 1, side="right") - 1
     # The starts of documents 2.. of each window, as (row, offset in the window) pairs.
