@@ -55,28 +55,34 @@ def test_packed_windows_never_attend_or_predict_across_documents(tmp_path):
     """A window packing three documents through the training loss (model keywords from the batch, built-in
     causal-LM loss): each document's logits equal those of the document run alone, and the loss sums to the
     documents' own losses. Ignoring the segment ids or positions anywhere breaks both."""
-    jax.config.update("jax_default_matmul_precision", "highest")
     lengths, seq_len = [5, 7, 4], 15
     rng = np.random.default_rng(0)
     with StoreWriter(tmp_path / "store", 64, {"name": "test", "xxh64": None, "eos_id": None}) as writer:
         writer.add(rng.integers(0, 64, sum(lengths)), lengths)
     packed = TokenWindows(TokenStore.open(tmp_path / "store"), seq_len, packing=True).gather(np.array([0]))
     packed["weight"] = np.ones(1, np.float32)
-    model = build_model(GPTConfig(name="gpt", vocab_size=64, max_len=16, d_model=32, n_layers=2, n_heads=2,
+    model = build_model(GPTConfig(name="gpt", vocab_size=64, max_len=16, d_model=32, n_layers=1, n_heads=2,
                                   d_ff=64, dropout=0.0))
     program = as_program(model, packed)
-    params, model_state = program.init(jax.random.PRNGKey(0))
-    key = jax.random.PRNGKey(1)
+    params, model_state = jax.jit(program.init)(jax.random.PRNGKey(0))
 
-    loss_sum, weight, _, _ = program.eval_loss_fn(params, model_state, packed, key)
-    packed_logits = model.apply({"params": params}, model_inputs("causal_lm", packed),
-                                **model_keywords("causal_lm", packed))
-    expected_sum, expected_weight, start = 0.0, 0.0, 0
-    for length in lengths:
-        alone = {"tokens": packed["tokens"][:, start:start + length], "weight": np.ones(1, np.float32)}
-        alone_sum, alone_weight, _, _ = program.eval_loss_fn(params, model_state, alone, key)
-        alone_logits = model.apply({"params": params}, alone["tokens"][:, :-1])
-        np.testing.assert_allclose(packed_logits[0, start:start + length - 1], alone_logits[0], atol=1e-5)
-        expected_sum, expected_weight, start = expected_sum + alone_sum, expected_weight + alone_weight, start + length
-    assert float(weight) == expected_weight == sum(lengths) - len(lengths)
-    np.testing.assert_allclose(float(loss_sum), float(expected_sum), rtol=1e-5)
+    @jax.jit
+    def loss_and_logits(batch):
+        loss_sum, weight, _, _ = program.eval_loss_fn(params, model_state, batch, jax.random.PRNGKey(1))
+        logits = model.apply({"params": params}, model_inputs("causal_lm", batch), **model_keywords("causal_lm", batch))
+        return loss_sum, weight, logits
+
+    # The documents alone: one per row, padded at the end (causal: padding changes no earlier logit) and
+    # masked out of the loss.
+    starts = np.cumsum([0] + lengths[:-1])
+    alone = {"tokens": np.zeros((len(lengths), max(lengths)), np.int32), "weight": np.ones(len(lengths), np.float32),
+             "mask": np.arange(max(lengths) - 1)[None, :] < np.array(lengths)[:, None] - 1}
+    for row, (start, length) in enumerate(zip(starts, lengths)):
+        alone["tokens"][row, :length] = packed["tokens"][0, start:start + length]
+    packed_sum, packed_weight, packed_logits = loss_and_logits(packed)
+    alone_sum, alone_weight, alone_logits = loss_and_logits(alone)
+    for row, (start, length) in enumerate(zip(starts, lengths)):
+        np.testing.assert_allclose(packed_logits[0, start:start + length - 1], alone_logits[row, :length - 1],
+                                   atol=1e-5)
+    assert float(packed_weight) == float(alone_weight) == sum(lengths) - len(lengths)
+    np.testing.assert_allclose(float(packed_sum), float(alone_sum), rtol=1e-5)

@@ -213,3 +213,9 @@ def test_a_bad_json_line_names_the_line_and_leaves_nothing(tmp_path, capsys):
                                        "--workers", "1"])
     assert f"{tmp_path / 'in.jsonl'}:3 has no string field 'text'" in message and "--field" in message
     assert sorted(path.name for path in tmp_path.iterdir()) == ["in.jsonl"]
+
+
+def test_packing_needs_a_token_store(tmp_path, capsys):
+    message = _one_error_line(capsys, ["train", str(REPO_ROOT / "configs/char_gpt.yaml"), "data.packing=true",
+                                       f"run.dir={tmp_path / 'run'}"])
+    assert "data.packing=true needs data.name=tokens" in message and not (tmp_path / "run").exists()
