@@ -47,7 +47,10 @@ def tokenizer_spec(path: str | os.PathLike | None) -> TokenizerSpec:
     path = Path(path)
     if path.is_dir():
         config_path = path / "tokenizer_config.json"
-        eos = json.loads(config_path.read_text()).get("eos_token") if config_path.is_file() else None
+        try:
+            eos = json.loads(config_path.read_text()).get("eos_token") if config_path.is_file() else None
+        except (OSError, ValueError, AttributeError) as exc:
+            raise ConfigError(f"{config_path} is not a readable tokenizer config ({exc}); fix or remove it") from None
         if isinstance(eos, dict):  # older transformers write {"content": "</s>", ...}
             eos = eos.get("content")
         path = path / "tokenizer.json"

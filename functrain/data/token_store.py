@@ -33,6 +33,7 @@ FORMAT = "functrain-token-store"
 VERSION = 1
 MANIFEST = "manifest.json"
 DOC_INDEX = "docs.npy"
+MANIFEST_KEYS = ("tokenizer", "vocab_size", "dtype", "num_docs", "num_tokens", "shards", "doc_index")
 DEFAULT_SHARD_TOKENS = 1 << 30  # 2 GiB shards at uint16: large enough to be few, small enough to copy
 
 
@@ -174,6 +175,9 @@ class TokenStore:
             raise DataError(f"{manifest_path} is not readable JSON ({exc}); {rerun}") from None
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
             raise DataError(f"{manifest_path} is not a {FORMAT} manifest of version {VERSION}; {rerun}")
+        missing = sorted(set(MANIFEST_KEYS) - set(manifest))
+        if missing:
+            raise DataError(f"{manifest_path} lacks {', '.join(missing)}; {rerun}")
         dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
         shards = []
         for shard in manifest["shards"]:
