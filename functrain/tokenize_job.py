@@ -57,6 +57,9 @@ def tokenize_files(inputs: list[str], out: str, tokenizer: str | None = None, wo
       field: the JSON field / column holding the text.
       shard_tokens: tokens per shard file.
       progress: show a progress bar (None: when stderr is a terminal).
+
+    Workers are forked: call it with ``workers > 1`` from a process that has not run JAX computations yet (as
+    the ``functrain tokenize`` command is), since JAX's threads do not survive a fork.
     """
     paths = check_inputs(inputs)
     spec = tokenizer_spec(tokenizer)
