@@ -1,9 +1,9 @@
 """``functrain tokenize``: input documents -> a token store, on every available core, atomically.
 
 The parent process reads the inputs in batches of documents (:mod:`functrain.text_inputs`), worker processes
-parse and encode them (:mod:`functrain.text_tokenizer`, one tokenizer each) and the parent writes the results in input
-order into the store (:class:`functrain.data.token_store.StoreWriter`), so the store does not depend on the
-number of workers. The store appears only when every document is written.
+parse and encode them (:mod:`functrain.text_tokenizer`, one tokenizer each) and the parent writes the results
+in input order into the store (:class:`functrain.data.token_store.StoreWriter`), so the store does not depend
+on the number of workers. The store appears only when every document is written.
 """
 
 from __future__ import annotations
