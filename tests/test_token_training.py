@@ -1,10 +1,8 @@
 """The token job end to end with nothing to download: Python's own standard-library sources are tokenized to
-a byte store through the CLI; ``configs/gpt_tokens.yaml`` (packed documents) trains on it through the CLI; and
+a byte store through the CLI; ``configs/gpt_tokens.yaml`` (packed documents) trains on it through the CLI (in this process); and
 two ``jax.distributed`` processes assemble the same packed global batches from the store as one process."""
 
 import json
-import subprocess
-import sys
 import sysconfig
 import textwrap
 from pathlib import Path
@@ -12,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import REPO_ROOT, cli_env, run_jax_processes
+from conftest import REPO_ROOT, run_jax_processes
 from functrain import cli
 
 TINY = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.d_ff=64", "model.max_len=32",
@@ -68,10 +66,8 @@ def store(tmp_path_factory):
 
 def test_the_token_job_trains_on_stdlib_sources_through_the_cli(store, tmp_path):
     assert json.loads((store / "manifest.json").read_text())["num_docs"] == 40
-    proc = subprocess.run([sys.executable, "-m", "functrain", "train", "configs/gpt_tokens.yaml",
-                           f"run.dir={tmp_path}", f"data.path={store}", *TINY], cwd=REPO_ROOT, env=cli_env(),
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert cli.main(["train", str(REPO_ROOT / "configs/gpt_tokens.yaml"), f"run.dir={tmp_path}",
+                     f"data.path={store}", *TINY]) == 0
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     losses = [row["loss"] for row in rows if row["split"] == "train"]
     assert len(losses) == 2 and np.all(np.isfinite(losses)) and losses[0] < np.log(256) + 0.5
