@@ -1,6 +1,7 @@
 """The token job end to end with nothing to download: Python's own standard-library sources are tokenized to
-a byte store through the CLI; ``configs/gpt_tokens.yaml`` (packed documents) trains on it through the CLI (in this process); and
-two ``jax.distributed`` processes assemble the same packed global batches from the store as one process."""
+a byte store through the CLI; ``configs/gpt_tokens.yaml`` (packed documents) trains on it through the CLI
+(``cli.main`` in this process); and two ``jax.distributed`` processes assemble the same packed global batches
+from the store as one process."""
 
 import json
 import sysconfig
