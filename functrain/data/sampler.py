@@ -212,6 +212,13 @@ class IndexSampler:
         epoch, step_in_epoch = divmod(int(step), self.steps_per_epoch)
         return epoch * self.num_records + step_in_epoch * self.global_batch_size
 
+    def extra_meta(self, position: int) -> dict:
+        """Checkpoint meta fields beyond the position: none, ``(seed, num_records, batch size)`` fix the order."""
+        return {}
+
+    def restore(self, meta: object, position: int) -> None:
+        """Nothing to restore: the order is a function of the position alone (cf. a mixture's schedule)."""
+
     def batch_indices(self, step: int) -> np.ndarray:
         """Record indices [B] of batch ``step`` for research code that keeps one batch size from position 0.
 
