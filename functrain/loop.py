@@ -449,8 +449,10 @@ class _Run:
         self.nonfinite_seen, self.nonfinite_checked_at = nonfinite_at_start, step
         self.update_view(step, position)
         if self.is_primary:
-            log.info("run %s: steps %d -> %d, epoch %d, samples consumed %d, training records: %s\n%s",
-                     self.run_dir, step, self.max_steps, self.view.epoch, position, self.sampler.num_records,
+            records = self.sampler.num_records
+            log.info("run %s: steps %d -> %d, epoch %d, samples consumed %d, %s\n%s",
+                     self.run_dir, step, self.max_steps, self.view.epoch, position,
+                     "streamed training data" if records is None else f"{records} training records",
                      self.backend.describe())
             if self.speed.flops_per_token:
                 log.info("model FLOPs per token (training, causal attention): %.4g", self.speed.flops_per_token)

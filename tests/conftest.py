@@ -59,3 +59,19 @@ def free_port() -> int:
 def python_runner():
     """The ``run_python`` helper as a fixture."""
     return run_python
+
+
+@pytest.fixture
+def compilation_cache(tmp_path_factory):
+    """A persistent XLA compilation cache shared by this process and the subprocesses given the returned
+    environment variables, so a test that runs one program in several processes compiles it once. The
+    executables are the same ones, so results stay bitwise equal. The process's settings are restored after."""
+    directory = str(tmp_path_factory.mktemp("xla_cache"))
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    saved = {name: getattr(jax.config, name) for name in names}
+    for name, value in zip(names, (directory, 0.0, 0)):
+        jax.config.update(name, value)
+    yield {name.upper(): str(value) for name, value in zip(names, (directory, 0, 0))}
+    for name, value in saved.items():
+        jax.config.update(name, value)

@@ -8,8 +8,8 @@ number shared by all; the price is that each process reads all ``B`` records of 
 
 Resume. The checkpoint meta records the position and, for an object with ``state_dict()`` /
 ``load_state_dict()`` (HF ``IterableDataset``: shard and offset within it), its state after exactly that
-many records, so a restart continues at the next record without reading the earlier ones. A function of the
-record offset (``def records(start): ...``) is called with the position: O(1) too. Anything else (a function
+many records, so a restart continues at the next record without reading the earlier ones. A function with a
+``start`` parameter (``def records(start=0): ...``) is called with the position: O(1) too. Anything else (a function
 of nothing, a list, a torch ``IterableDataset``) is read from its start and the records before the position
 are skipped (read and dropped, never trained on).
 
@@ -55,8 +55,8 @@ class Stream:
     """A streaming source: ``Stream(data, keys=None)``.
 
     ``data`` is an object with ``state_dict()``/``load_state_dict()`` and ``__iter__`` (HF
-    ``IterableDataset``), a function returning an iterator (of the start offset, ``f(start)``, or of nothing),
-    or a re-iterable object. Records are dicts of array-likes (or tuples named by ``keys``).
+    ``IterableDataset``), a function returning an iterator (called as ``f(start=offset)`` when it has a
+    ``start`` parameter, else ``f()``), or a re-iterable object. Records are dicts of array-likes (or tuples named by ``keys``).
     """
 
     def __init__(self, data: Any, keys: Sequence[str] | None = None) -> None:
@@ -66,7 +66,7 @@ class Stream:
         self.data = data
         self.keys = tuple(keys) if keys is not None else None
         self.stateful = hasattr(data, "state_dict") and hasattr(data, "load_state_dict") and hasattr(data, "__iter__")
-        self.takes_start = (not hasattr(data, "__iter__") and callable(data) and _takes_an_argument(data))
+        self.takes_start = not hasattr(data, "__iter__") and callable(data) and _takes_start(data)
         self.name = getattr(data, "__qualname__", type(data).__name__)
 
     def open(self, start: int, state: Any = None) -> StreamReader:
@@ -77,7 +77,7 @@ class Stream:
             self.data.load_state_dict(state)
             iterator, skip = iter(self.data), (0 if state is not None else start)
         elif self.takes_start:
-            iterator, skip = self.data(start), 0
+            iterator, skip = self.data(start=start), 0
         elif hasattr(self.data, "__iter__"):
             iterator, skip = iter(self.data), start
         else:
@@ -99,12 +99,11 @@ class Stream:
         return stack_records([record_dict(records[i], self.keys, f"a record of {self.name}") for i in indices])
 
 
-def _takes_an_argument(factory: Callable) -> bool:
+def _takes_start(factory: Callable) -> bool:
     try:
-        parameters = inspect.signature(factory).parameters.values()
+        return "start" in inspect.signature(factory).parameters
     except (TypeError, ValueError):  # no signature to read
         return False
-    return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty for p in parameters)
 
 
 class StreamReader:
