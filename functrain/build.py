@@ -207,8 +207,8 @@ def build_parts(config: Any, *, model: Any = None, loss_fn: Callable | None = No
     check = None
     if loss_fn is None:
         kind = kind or infer_task_kind(train.gather(np.arange(1)))
-        where = ("train_data" if train_data is not None else
-                 f"the data ({config.data.path or config.data.target or config.data.name})")
+        named = config.data.path or config.data.target or ("data.sources" if config.data.sources else config.data.name)
+        where = "train_data" if train_data is not None else f"the data ({named})"
         check = batch_check(kind, config.model, source=where) if kind else None
     return Parts(model=model, kind=kind, loss_fn=loss_fn, optimizer=resolve_optimizer(config, optimizer),
                  train_data=train, eval_data=evaluation, batch_check=check)

@@ -300,7 +300,8 @@ class Config(Section):
             raise ValueError(f"data.seq_len={self.data.seq_len} is longer than the model's context of {context} "
                              f"positions; lower data.seq_len or raise the model's context length")
         vocab = getattr(self.model, "vocab_size", None)
-        if self.data.target is None and self.data.name == "char_text" and vocab is not None and vocab < 256:
+        if (self.data.target is None and self.data.sources is None and self.data.name == "char_text"
+                and vocab is not None and vocab < 256):
             raise ValueError(f"data.name=char_text feeds bytes (ids 0-255) but the model's vocab_size is {vocab}; "
                              f"set model.vocab_size to at least 256")
         return self
