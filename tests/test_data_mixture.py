@@ -89,7 +89,7 @@ def _fit_mixture(run_dir: Path, weights: tuple, max_steps: int, sources: list) -
     batches trained on (with prefetch 0 the training batches are the loader's last gathers)."""
     mixture = RecordedMixture(list(zip(sources, weights)), block_size=32)
     result = functrain.fit(RUN, train_data=mixture, **{"run.dir": str(run_dir), "train.max_steps": max_steps,
-                                                      "checkpoint.every_steps": 2})
+                                                      "checkpoint.every_steps": 0})
     return [pair for call in mixture.calls[len(mixture.calls) - result.steps_run:] for pair in call]
 
 
