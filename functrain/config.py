@@ -381,18 +381,35 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.strip().split("."), parsed
 
 
+def _list_item(node: Any, part: str, text: str) -> bool:
+    """Whether ``part`` indexes an item of list ``node`` (``data.sources.0.weight``); any other key of a list is
+    a ConfigError."""
+    if not isinstance(node, list):
+        return False
+    if part.isdigit() and int(part) < len(node):
+        return True
+    raise ConfigError(f"override {text!r}: {part!r} is not an item of a list of {len(node)}; index it with a "
+                      f"number from 0 to {len(node) - 1} (e.g. data.sources.0.weight=2)")
+
+
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
-    """Apply dotted ``key=value`` overrides to a nested dict (in a copy)."""
+    """Apply dotted ``key=value`` overrides to a nested dict (in a copy); a number after a list key indexes it."""
     merged = json.loads(json.dumps(raw))
     for text in overrides:
         path, value = parse_override(text)
         node = merged
         for part in path[:-1]:
+            if _list_item(node, part, text):
+                node = node[int(part)]
+                continue
             child = node.get(part)
-            if not isinstance(child, dict):
+            if not isinstance(child, (dict, list)):
                 child = node[part] = {}
             node = child
-        node[path[-1]] = value
+        if _list_item(node, path[-1], text):
+            node[int(path[-1])] = value
+        else:
+            node[path[-1]] = value
     return merged
 
 

@@ -183,5 +183,28 @@ def test_mixture_python_errors():
     sampler = MixtureSampler(Mixture([(_records(0, 5), 1.0), (_records(1, 5), 1.0)]), 4, 0)
     meta = sampler.extra_meta(8)
     other = MixtureSampler(Mixture([(_records(0, 5), 1.0), (_records(1, 6), 1.0)]), 4, 0)
-    with pytest.raises(DataError, match="keep the same sources"):
+    with pytest.raises(DataError, match="keep those sources first and in order"):
         other.restore(meta, 8)
+
+
+def test_a_source_added_at_resume_starts_fresh_and_the_others_continue():
+    two = [(_records(0, 50), 1.0), (_records(1, 80), 1.0)]
+    before = MixtureSampler(Mixture(two, block_size=16), 8, seed=3)
+    after = MixtureSampler(Mixture(two + [(_records(2, 30), 2.0)], block_size=16), 8, seed=3)
+    after.restore(before.extra_meta(40), 40)
+    early = np.arange(40)
+    for got, want in zip(after.sources_and_records(early), before.sources_and_records(early)):
+        np.testing.assert_array_equal(got, want)  # the recorded past is unchanged
+    sources, items = after.locate(np.arange(40, 40 + 16 * 3))
+    for k, start in enumerate(before.consumed(40) + (0,)):
+        np.testing.assert_array_equal(np.sort(items[sources == k]), start + np.arange((sources == k).sum()))
+    assert (sources == 2).sum() == 24  # half of each block of 16 from position 40 on
+
+
+def test_a_source_weight_is_overridden_by_its_index(tmp_path):
+    from functrain.config import load_config
+    from functrain.errors import ConfigError
+    config = _config(tmp_path, [{"path": "a.npz", "weight": 1.0}, {"path": "b.npz", "weight": 2.0}])
+    assert load_config(config, ["data.sources.1.weight=4"]).data.sources[1].weight == 4.0
+    with pytest.raises(ConfigError, match="index it with a number from 0 to 1"):
+        load_config(config, ["data.sources.2.weight=4"])

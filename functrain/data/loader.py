@@ -46,6 +46,10 @@ class _Synchronous:
         self.close()
 
 
+# What iter_from returns: calls assembled in a thread, or in the caller's (prefetch=0); closeable either way.
+Calls = BackgroundIterator[Call] | _Synchronous
+
+
 class BatchLoader:
     """Builds this process's part of the global batches chosen by ``sampler`` from ``source``.
 
@@ -105,7 +109,7 @@ class BatchLoader:
 
     def iter_from(self, position: int, steps_per_call: int = 1, num_steps: int | None = None,
                   place: Callable[[Batch], Any] | None = None, first_call_steps: int | None = None
-                  ) -> BackgroundIterator[Call] | _Synchronous:
+                  ) -> Calls:
         """Yield ``(host_batch, start_position, end_position)`` from ``position`` on.
 
         ``host_batch`` is a dict of arrays ``[K, B/P, ...]`` with ``K = steps_per_call``; ``end_position`` is the
@@ -158,7 +162,7 @@ def stacked_calls(host_batch: Callable[[int], tuple[Batch, int]], position: int,
 
 def start_calls(host_batch: Callable[[int], tuple[Batch, int]], position: int, steps_per_call: int,
                 num_steps: int | None, place: Callable[[Batch], Any] | None, first_call_steps: int | None,
-                prefetch: int) -> BackgroundIterator[Call] | _Synchronous:
+                prefetch: int) -> Calls:
     """:func:`stacked_calls`, run ``prefetch`` calls ahead in a thread (0: in the caller's thread)."""
     if steps_per_call < 1:
         raise DataError(f"train.steps_per_call={steps_per_call} must be at least 1")

@@ -17,6 +17,7 @@ source had served by then, so every source continues where it stopped and nothin
 from __future__ import annotations
 
 import functools
+import numbers
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -70,6 +71,8 @@ class ConcatSource:
         """Records ``indices`` (global), one gather per source, in the order asked."""
         which, local = self.locate(indices)
         parts = {k: self.sources[k].gather(local[which == k]) for k in np.unique(which)}
+        if not parts:
+            return {name: value[:0] for name, value in self.sources[0].gather(np.arange(1)).items()}
         names = next(iter(parts.values())).keys()
         out = {}
         for name in names:
@@ -103,7 +106,7 @@ class Mixture(ConcatSource):
                 raise DataError(f"mixture {name} is a {type(component).__name__}, not a (source, weight) pair; "
                                 f"write Mixture([(source, weight), ...])")
             weight = component[1]
-            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+            if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not weight > 0:
                 raise DataError(f"mixture {name} has weight {weight!r}; weights must be numbers > 0 (their "
                                 f"ratios are the proportions): give it a positive weight or remove the source")
         if block_size < len(components):
@@ -164,10 +167,9 @@ class MixtureSampler:
     loop use), with record indices in the mixture's concatenated index space.
 
     There are no mixture epochs: ``epoch_of`` counts passes of ``len(mixture)`` samples, for logs and
-    ``train.epochs``; each source reshuffles on its own passes.
+    ``train.epochs``; each source reshuffles on its own passes (``shuffle=False``: each source in record order,
+    the slots of a block still scattered).
     """
-
-    last_batch = "drop"
 
     def __init__(self, mixture: Mixture, global_batch_size: int, seed: int, shuffle: bool = True) -> None:
         if global_batch_size <= 0:
@@ -280,21 +282,25 @@ class MixtureSampler:
 
     def restore(self, meta: Mapping[str, Any] | None, position: int) -> None:
         """Continue the schedule a checkpoint recorded: its segments up to ``position``, then (when the weights
-        changed) a new segment at ``position`` that starts each source where it stopped. Without a recorded
-        mixture (``meta`` None, or a checkpoint of other data) the order starts fresh with these weights."""
+        changed) a new segment at ``position`` that starts each source where it stopped. Sources added after the
+        recorded ones start at their beginning. Without a recorded mixture (``meta`` None, or a checkpoint of
+        other data) the order starts fresh with these weights."""
         saved = (meta or {}).get("mixture")
         if not saved:
             return
-        sources = len(self.mixture.sizes)
+        sizes = [int(n) for n in self.mixture.sizes]
+        saved_sizes = [int(n) for n in saved["sizes"]]
         how = "or set data.ignore_skip=true to restart the data (model and optimizer are kept)"
-        if len(saved["sizes"]) != sources or [int(n) for n in saved["sizes"]] != list(map(int, self.mixture.sizes)):
-            raise DataError(f"the checkpoint mixed {len(saved['sizes'])} sources of {saved['sizes']} records, the "
-                            f"mixture now has {sources} of {list(map(int, self.mixture.sizes))}; keep the same "
-                            f"sources (change only their weights) {how}")
+        if sizes[:len(saved_sizes)] != saved_sizes:
+            raise DataError(f"the checkpoint mixed sources of {saved_sizes} records, the mixture now has {sizes}; "
+                            f"keep those sources first and in order (change their weights, add new ones after) "
+                            f"{how}")
         if int(saved["block_size"]) != self.block_size:
             raise DataError(f"the checkpoint's mixture used block_size={saved['block_size']}, now "
                             f"{self.block_size}; keep block_size={saved['block_size']} {how}")
-        segments = [Segment(int(s["start"]), tuple(s["quota"]), tuple(s["offsets"]), tuple(s["weights"]))
+        added = (0,) * (len(sizes) - len(saved_sizes))  # a new source has no slots in earlier segments
+        segments = [Segment(int(s["start"]), tuple(s["quota"]) + added, tuple(s["offsets"]) + added,
+                            tuple(s["weights"]) + (0.0,) * len(added))
                     for s in saved["segments"] if int(s["start"]) <= position]
         with self._lock:
             self.segments = segments

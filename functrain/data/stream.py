@@ -33,8 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from functrain.data.loader import StreamEnded, start_calls
-from functrain.data.prefetch import BackgroundIterator
+from functrain.data.loader import Calls, StreamEnded, start_calls
 from functrain.data.sources import Batch, record_dict, stack_records
 from functrain.data.validate import BatchCheck
 from functrain.errors import DataError
@@ -130,7 +129,6 @@ class StreamOrder:
     """
 
     num_records = None
-    shuffle = False
 
     def __init__(self, global_batch_size: int, seed: int) -> None:
         if global_batch_size <= 0:
@@ -229,8 +227,7 @@ class StreamLoader:
         return batch, self._position
 
     def iter_from(self, position: int, steps_per_call: int = 1, num_steps: int | None = None,
-                  place: Callable[[Batch], Any] | None = None, first_call_steps: int | None = None
-                  ) -> BackgroundIterator | Any:
+                  place: Callable[[Batch], Any] | None = None, first_call_steps: int | None = None) -> Calls:
         """As :meth:`BatchLoader.iter_from <functrain.data.loader.BatchLoader.iter_from>`; the calls end early
         when the stream does."""
         self.order.batch_start(position)
