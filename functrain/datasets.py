@@ -117,8 +117,9 @@ def open_source(path: str, name: str | None, data_config: Any) -> tuple[Any, Any
         raise DataError(f"data.sources path {path!r} does not exist; fix the path or remove the entry")
     kind = name or source_kind(where)
     if kind not in SOURCE_OPENERS:
-        raise DataError(f"data.sources path {path!r}: no loader for it ({'name ' + repr(name) if name else 'its suffix'}); "
-                        f"give 'name' one of {', '.join(sorted(SOURCE_OPENERS))} (.npz files are array_file)")
+        what = f"name {name!r}" if name else f"suffix {where.suffix!r}"
+        raise DataError(f"data.sources path {path!r}: no loader for its {what}; give the entry a 'name', one of "
+                        f"{', '.join(sorted(SOURCE_OPENERS))} (.npz files are array_file)")
     opened = SOURCE_OPENERS[kind](data_config.model_copy(update={"path": str(where), "sources": None}))
     if isinstance(opened, dict):
         train, evaluation = _split(opened, data_config.eval_fraction)

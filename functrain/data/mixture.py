@@ -184,7 +184,7 @@ class MixtureSampler:
             IndexSampler(int(size), 1, int(np.random.SeedSequence([self.seed % 2**63, k]).generate_state(1)[0]),
                          shuffle=shuffle) for k, size in enumerate(mixture.sizes)]
         self.segments = [self._segment(0, (0,) * len(mixture.sizes))]
-        self._lock = threading.Lock()  # restore() may run while nothing reads, but keep readers consistent
+        self._lock = threading.Lock()  # restore() replaces the segments; readers (prefetch thread) copy them
 
     def _segment(self, start: int, offsets: tuple[int, ...]) -> Segment:
         return Segment(int(start), tuple(int(q) for q in quotas(self.mixture.weights, self.block_size)),

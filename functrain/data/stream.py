@@ -55,7 +55,8 @@ class Stream:
 
     ``data`` is an object with ``state_dict()``/``load_state_dict()`` and ``__iter__`` (HF
     ``IterableDataset``), a function returning an iterator (called as ``f(start=offset)`` when it has a
-    ``start`` parameter, else ``f()``), or a re-iterable object. Records are dicts of array-likes (or tuples named by ``keys``).
+    ``start`` parameter, else ``f()``), or a re-iterable object. Records are dicts of array-likes (or tuples
+    named by ``keys``).
     """
 
     def __init__(self, data: Any, keys: Sequence[str] | None = None) -> None:
@@ -66,7 +67,8 @@ class Stream:
         self.keys = tuple(keys) if keys is not None else None
         self.stateful = hasattr(data, "state_dict") and hasattr(data, "load_state_dict") and hasattr(data, "__iter__")
         self.takes_start = not hasattr(data, "__iter__") and callable(data) and _takes_start(data)
-        self.name = getattr(data, "__qualname__", type(data).__name__)
+        named = getattr(data, "func", data)  # a functools.partial (data.target with kwargs): its function
+        self.name = getattr(named, "__qualname__", type(data).__name__)
 
     def open(self, start: int, state: Any = None) -> StreamReader:
         """A reader at record ``start``: from ``state`` (the stream's state after ``start`` records) when given,
