@@ -18,7 +18,8 @@ weighted 0, and the next batch starts at the next epoch.
 from __future__ import annotations
 
 import threading
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import numpy as np
 from grain.experimental import index_shuffle
@@ -212,11 +213,11 @@ class IndexSampler:
         epoch, step_in_epoch = divmod(int(step), self.steps_per_epoch)
         return epoch * self.num_records + step_in_epoch * self.global_batch_size
 
-    def extra_meta(self, position: int) -> dict:
+    def extra_meta(self, position: int) -> dict[str, Any]:
         """Checkpoint meta fields beyond the position: none, ``(seed, num_records, batch size)`` fix the order."""
         return {}
 
-    def restore(self, meta: object, position: int) -> None:
+    def restore(self, meta: Mapping[str, Any] | None, position: int) -> None:
         """Nothing to restore: the order is a function of the position alone (cf. a mixture's schedule)."""
 
     def batch_indices(self, step: int) -> np.ndarray:
