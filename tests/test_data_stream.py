@@ -64,11 +64,10 @@ def test_stream_resumes_at_the_exact_record_after_sigkill(tmp_path, monkeypatch,
                   **compilation_cache)
     proc = subprocess.run([sys.executable, "-c", DRIVER, "train", str(config), f"run.dir={run_dir}", *ARGS],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == -9, proc.stderr[-3000:]  # SIGKILL with save 8 in flight, batches read ahead
+    assert proc.returncode == -9, proc.stderr[-3000:]  # SIGKILL with save 8 in flight, batches prefetched
     saved = [info for info in list_checkpoints(run_dir) if info.whole][-1]
     offset = saved.meta["samples_consumed"]
     assert 0 < saved.step < 16 and offset == saved.step * 8 == saved.meta["stream"]["records_consumed"]
-    assert max(_reads(tmp_path / "killed.log")[-1][1]) >= offset  # it had read past the checkpoint
 
     monkeypatch.setenv("FT_STREAM_LOG", str(tmp_path / "resumed.log"))
     assert cli.main(["train", str(config), f"run.dir={run_dir}", *ARGS]) == 0
