@@ -133,10 +133,11 @@ def _eval_source(data: Any, what: str) -> Source:
     return _source(data, what)
 
 
-def mixture_from_config(section: Any) -> tuple[Mixture, Source | None]:
+def mixture_from_config(section: Any, vocab_size: int | None) -> tuple[Mixture, Source | None]:
     """``data.sources`` as a :class:`Mixture` of each entry's training part, and the evaluation parts one after
-    the other (each evaluation record counted once), or None when no entry has any."""
-    opened = [open_source(entry.path, entry.name, section) for entry in section.sources]
+    the other (each evaluation record counted once), or None when no entry has any. ``vocab_size``: the
+    model's, for sources that check their token ids against it."""
+    opened = [open_source(entry.path, entry.name, section, vocab_size) for entry in section.sources]
     names = [f"data.sources[{k}] ({entry.path})" for k, entry in enumerate(section.sources)]
     mixture = Mixture([(train, entry.weight) for (train, _), entry in zip(opened, section.sources)],
                       block_size=section.mixture_block_size, names=names)
@@ -161,7 +162,7 @@ def resolve_data(config: Any, train_data: Any, eval_data: Any) -> tuple[Source |
         what = f"data.target={section.target!r} returned"
         return _source(train, what), None if evaluation is None else _eval_source(evaluation, what)
     if section.sources is not None:
-        return mixture_from_config(section)
+        return mixture_from_config(section, getattr(config.model, "vocab_size", None))
     if section.name == PYTHON_OBJECT:
         raise ConfigError("data.name=python_object records data passed to fit; pass it again with "
                           "fit(..., train_data=) or set data.name or data.target")
