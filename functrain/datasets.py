@@ -11,6 +11,7 @@ evaluation split is the last ``data.eval_fraction`` of the records, so it never 
 """
 
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,40 @@ def _array_file(data_config: Any) -> Arrays:
 
 
 LOADERS = {"digits": _digits, "char_text": _char_text, "array_file": _array_file}
+
+# Loaders of one file or store each, by name, for the entries of data.sources: ``opener(data_config with .path
+# set, the model's vocab_size or None)`` returns a dict of arrays (split by data.eval_fraction here) or a
+# (train, eval or None) pair of sources. A new kind of store (a token store) adds its opener here and its
+# suffix or marker to source_kind.
+SOURCE_OPENERS: dict[str, Callable[[Any, int | None], Any]] = {
+    "array_file": lambda data_config, vocab_size: _array_file(data_config),
+}
+
+
+def source_kind(path: Path) -> str | None:
+    """The opener for a path without an explicit ``name``: ``.npz`` files are array files."""
+    return "array_file" if path.suffix == ".npz" else None
+
+
+def open_source(path: str, name: str | None, data_config: Any, vocab_size: int | None = None) -> tuple[Any, Any]:
+    """The (train, eval) parts of one ``data.sources`` entry, split like ``data.name`` data (the last
+    ``data.eval_fraction`` of its records evaluate); a missing path or unknown kind is a one-line DataError."""
+    where = Path(path)
+    if not where.exists():
+        raise DataError(f"data.sources path {path!r} does not exist; fix the path or remove the entry")
+    kind = name or source_kind(where)
+    if kind not in SOURCE_OPENERS:
+        what = f"name {name!r}" if name else f"suffix {where.suffix!r}"
+        raise DataError(f"data.sources path {path!r}: no loader for its {what}; give the entry a 'name', one of "
+                        f"{', '.join(sorted(SOURCE_OPENERS))} (.npz files are array_file)")
+    opened = SOURCE_OPENERS[kind](data_config.model_copy(update={"path": str(where), "sources": None}), vocab_size)
+    if isinstance(opened, dict):
+        train, evaluation = _split(opened, data_config.eval_fraction)
+        if len(next(iter(train.values()))) == 0:
+            raise DataError(f"data.sources path {path!r} has no training records; add data or lower "
+                            f"data.eval_fraction")
+        return train, (evaluation if len(next(iter(evaluation.values()))) else None)
+    return opened
 
 
 def load_dataset(data_config: Any) -> tuple[Arrays, Arrays]:
