@@ -11,6 +11,7 @@ backend the loop drives.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from dataclasses import dataclass
@@ -19,10 +20,10 @@ from typing import Any, Callable
 import numpy as np
 
 from functrain.config import PYTHON_OBJECT
-from functrain.data import Source, as_source
-from functrain.data.token_windows import token_splits
+from functrain.data import ConcatSource, Mixture, Source, Stream, as_data, as_source
+from functrain.data.stream import is_stream
 from functrain.data.validate import BatchCheck, check_arrays
-from functrain.datasets import load_dataset
+from functrain.datasets import load_dataset, open_source, token_store
 from functrain.errors import ConfigError, DataError
 from functrain.models import build_model, model_spec
 from functrain.tasks import batch_check, infer_task_kind
@@ -39,14 +40,15 @@ class Parts:
       loss_fn: a user ``loss_fn(params, batch, rng) -> (loss_sum, weight, aux_sums)``, or None (built-in).
       optimizer: a user optimizer (transformation or function of the schedule) and what to call it in
         errors, or None (``optimizer.name``).
-      train_data, eval_data: data sources (``eval_data`` None: no evaluation).
+      train_data, eval_data: data sources (a :class:`Mixture` or, for training, a :class:`Stream` too;
+        ``eval_data`` None: no evaluation).
       batch_check: what the built-in loss reads, checked on every batch (None with a user ``loss_fn``).
     """
     model: Any
     kind: str | None
     loss_fn: Callable | None
     optimizer: tuple[Any, str] | None
-    train_data: Source
+    train_data: Source | Stream
     eval_data: Source | None
     batch_check: BatchCheck | None
 
@@ -116,31 +118,57 @@ def resolve_model(config: Any, model: Any) -> tuple[Any, str | None]:
 
 # ------------------------------------------------------------------------------------------------- data
 
-def _source(data: Any, what: str) -> Source:
+def _source(data: Any, what: str) -> Source | Stream:
+    """Training data as a source, a :class:`Mixture` or a :class:`Stream`."""
     try:
-        return as_source(data)
+        return as_data(data)
     except DataError as exc:
         raise DataError(f"{what}: {exc}") from None
 
 
-def resolve_data(config: Any, train_data: Any, eval_data: Any) -> tuple[Source, Source | None]:
-    """The training and evaluation sources: passed, from ``data.target`` or from ``data.name``."""
+def _eval_source(data: Any, what: str) -> Source:
+    if is_stream(data):
+        raise DataError(f"{what}: evaluation data is read whole, in order, every evaluation, so it must be random "
+                        f"access (len and getitem: a dict of arrays, a datasets.Dataset); materialise it (e.g. "
+                        f"datasets.Dataset.from_list(list(stream.take(n))))")
+    return _source(data, what)
+
+
+def mixture_from_config(section: Any, vocab_size: int | None) -> tuple[Mixture, Source | None]:
+    """``data.sources`` as a :class:`Mixture` of each entry's training part, and the evaluation parts one after
+    the other (each evaluation record counted once), or None when no entry has any. ``vocab_size``: the
+    model's, for sources that check their token ids against it."""
+    opened = [open_source(entry.path, entry.name, section, vocab_size) for entry in section.sources]
+    names = [f"data.sources[{k}] ({entry.path})" for k, entry in enumerate(section.sources)]
+    mixture = Mixture([(train, entry.weight) for (train, _), entry in zip(opened, section.sources)],
+                      block_size=section.mixture_block_size, names=names)
+    evaluation = [(part, name) for (_, part), name in zip(opened, names) if part is not None]
+    if not evaluation:
+        return mixture, None
+    return mixture, ConcatSource([part for part, _ in evaluation], names=[name for _, name in evaluation])
+
+
+def resolve_data(config: Any, train_data: Any, eval_data: Any) -> tuple[Source | Stream, Source | None]:
+    """The training and evaluation data: passed, from ``data.target``, ``data.sources`` or ``data.name``."""
     if train_data is not None:
-        return _source(train_data, "train_data"), None if eval_data is None else _source(eval_data, "eval_data")
+        return (_source(train_data, "train_data"),
+                None if eval_data is None else _eval_source(eval_data, "eval_data"))
     section = config.data
     if section.target is not None:
+        factory = import_target(section.target, "data.target")
+        if inspect.isgeneratorfunction(factory):  # the function itself is the stream (reopened on resume)
+            return _source(functools.partial(factory, **section.kwargs), f"data.target={section.target!r}"), None
         loaded = call_target(section.target, section.kwargs, "data.target")
         train, evaluation = loaded if isinstance(loaded, tuple) and len(loaded) == 2 else (loaded, None)
         what = f"data.target={section.target!r} returned"
-        return _source(train, what), None if evaluation is None else _source(evaluation, what)
+        return _source(train, what), None if evaluation is None else _eval_source(evaluation, what)
+    if section.sources is not None:
+        return mixture_from_config(section, getattr(config.model, "vocab_size", None))
     if section.name == PYTHON_OBJECT:
         raise ConfigError("data.name=python_object records data passed to fit; pass it again with "
                           "fit(..., train_data=) or set data.name or data.target")
     if section.name == "tokens":
-        if not section.path:
-            raise DataError("data.name=tokens needs data.path; set data.path=STORE (written by functrain tokenize)")
-        return token_splits(section.path, section.seq_len, section.packing, section.eval_fraction,
-                            getattr(config.model, "vocab_size", None))
+        return token_store(section, getattr(config.model, "vocab_size", None))
     train, evaluation = load_dataset(section)
     return as_source(train), (as_source(evaluation) if len(next(iter(evaluation.values()))) else None)
 
@@ -183,8 +211,8 @@ def build_parts(config: Any, *, model: Any = None, loss_fn: Callable | None = No
     check = None
     if loss_fn is None:
         kind = kind or infer_task_kind(train.gather(np.arange(1)))
-        where = ("train_data" if train_data is not None else
-                 f"the data ({config.data.path or config.data.target or config.data.name})")
+        named = config.data.path or config.data.target or ("data.sources" if config.data.sources else config.data.name)
+        where = "train_data" if train_data is not None else f"the data ({named})"
         check = batch_check(kind, config.model, source=where) if kind else None
     return Parts(model=model, kind=kind, loss_fn=loss_fn, optimizer=resolve_optimizer(config, optimizer),
                  train_data=train, eval_data=evaluation, batch_check=check)

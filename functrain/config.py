@@ -57,13 +57,32 @@ def check_target(value: str | None) -> str | None:
 Target = Annotated[str | None, pydantic.AfterValidator(check_target)]
 
 
+class MixtureSourceConfig(Section):
+    """One ``data.sources`` entry: a file or store at ``path`` drawn with relative ``weight``; ``name`` is its
+    loader (default: from the path, see :func:`functrain.datasets.open_source`)."""
+    path: str
+    weight: float
+    name: str | None = None
+
+    @pydantic.field_validator("weight")
+    @classmethod
+    def _positive(cls, value: float) -> float:
+        if not value > 0:
+            raise ValueError(f"weight {value} must be > 0 (the weights' ratios are the mixture's proportions); "
+                             f"give the source a positive weight or remove it")
+        return value
+
+
 class DataConfig(Section):
     """``data.*``: the dataset and its order. ``last_batch``: drop an epoch's short tail or pad it with
     weight-0 samples; ``ignore_skip`` restarts the data at sample 0 on resume (model and optimizer kept);
     ``skip_samples`` sets the position explicitly; ``prefetch`` is calls assembled ahead in a thread.
     ``target: "pkg.module:load"`` (called with ``kwargs``) replaces ``name``: it returns the training data
-    (a dict of arrays, a map-style dataset) or a ``(train, eval)`` pair. ``packing`` (``name: tokens`` only)
-    adds segment ids, positions and a loss mask so that documents never see one another."""
+    (a dict of arrays, a map-style dataset, an iterable to stream) or a ``(train, eval)`` pair; a generator
+    function is streamed as it is (called with the start offset on resume when it takes one).
+    ``sources: [{path, weight}, ...]`` replaces ``name`` and ``path``: a mixture of those files. ``packing``
+    (token stores: ``name: tokens`` or token-store entries of ``sources``) adds segment ids and positions so
+    that documents never see one another."""
     name: str = "char_text"
     target: Target = None
     kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -78,10 +97,18 @@ class DataConfig(Section):
     prefetch: int = Field(2, ge=0)
     eval_fraction: float = Field(0.1, ge=0.0, lt=1.0)
     packing: bool = False
+    sources: list[MixtureSourceConfig] | None = None
+    mixture_block_size: int = Field(1024, ge=1)
 
     @pydantic.model_validator(mode="after")
-    def _packing_needs_tokens(self) -> "DataConfig":
-        if self.packing and (self.name != "tokens" or self.target is not None):
+    def _one_kind_of_data(self) -> "DataConfig":
+        if self.sources is not None:
+            if not self.sources:
+                raise ValueError("data.sources is empty; list at least one {path, weight} or remove the key")
+            given = [key for key in ("path", "target") if getattr(self, key) is not None]
+            if given:
+                raise ValueError(f"data.sources replaces data.{given[0]}; keep one of them")
+        elif self.packing and (self.name != "tokens" or self.target is not None):
             raise ValueError("data.packing=true needs data.name=tokens (a store written by functrain tokenize); "
                              "remove data.packing or set data.name=tokens")
         return self
@@ -279,7 +306,8 @@ class Config(Section):
             raise ValueError(f"data.seq_len={self.data.seq_len} is longer than the model's context of {context} "
                              f"positions; lower data.seq_len or raise the model's context length")
         vocab = getattr(self.model, "vocab_size", None)
-        if self.data.target is None and self.data.name == "char_text" and vocab is not None and vocab < 256:
+        if (self.data.target is None and self.data.sources is None and self.data.name == "char_text"
+                and vocab is not None and vocab < 256):
             raise ValueError(f"data.name=char_text feeds bytes (ids 0-255) but the model's vocab_size is {vocab}; "
                              f"set model.vocab_size to at least 256")
         return self
@@ -359,18 +387,35 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.strip().split("."), parsed
 
 
+def _list_item(node: Any, part: str, text: str) -> bool:
+    """Whether ``part`` indexes an item of list ``node`` (``data.sources.0.weight``); any other key of a list is
+    a ConfigError."""
+    if not isinstance(node, list):
+        return False
+    if part.isdigit() and int(part) < len(node):
+        return True
+    raise ConfigError(f"override {text!r}: {part!r} is not an item of a list of {len(node)}; index it with a "
+                      f"number from 0 to {len(node) - 1} (e.g. data.sources.0.weight=2)")
+
+
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
-    """Apply dotted ``key=value`` overrides to a nested dict (in a copy)."""
+    """Apply dotted ``key=value`` overrides to a nested dict (in a copy); a number after a list key indexes it."""
     merged = json.loads(json.dumps(raw))
     for text in overrides:
         path, value = parse_override(text)
         node = merged
         for part in path[:-1]:
+            if _list_item(node, part, text):
+                node = node[int(part)]
+                continue
             child = node.get(part)
-            if not isinstance(child, dict):
+            if not isinstance(child, (dict, list)):
                 child = node[part] = {}
             node = child
-        node[path[-1]] = value
+        if _list_item(node, path[-1], text):
+            node[int(path[-1])] = value
+        else:
+            node[path[-1]] = value
     return merged
 
 

@@ -5,17 +5,21 @@
   (``pydoc_data.topics``), or any UTF-8 text file given as ``data.path``; records are windows of
   ``seq_len + 1`` bytes.
 - ``array_file``: a ``.npz`` file with ``x``/``y`` (classification) or ``tokens`` (language modelling).
+- ``tokens``: a token store written by ``functrain tokenize`` (see :mod:`functrain.data.token_windows`; it is
+  opened as sources, not loaded as arrays).
 
 Each loader returns ``(train, eval)`` as dicts of numpy arrays with a leading record dimension; the
 evaluation split is the last ``data.eval_fraction`` of the records, so it never depends on the seed.
 """
 
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from functrain.data.token_windows import token_splits
 from functrain.errors import DataError
 
 Arrays = dict[str, np.ndarray]
@@ -97,6 +101,50 @@ def _array_file(data_config: Any) -> Arrays:
 
 
 LOADERS = {"digits": _digits, "char_text": _char_text, "array_file": _array_file}
+
+# Loaders of one file or store each, by name, for the entries of data.sources: ``opener(data_config with .path
+# set, the model's vocab_size or None)`` returns a dict of arrays (split by data.eval_fraction here) or a
+# (train, eval or None) pair of sources. A new kind of store (a token store) adds its opener here and its
+# suffix or marker to source_kind.
+def token_store(data_config: Any, vocab_size: int | None) -> tuple[Any, Any]:
+    """``data.name: tokens``: the (train, eval or None) windows of the token store at ``data.path``."""
+    if not data_config.path:
+        raise DataError("data.name=tokens needs data.path; set data.path=STORE (written by functrain tokenize)")
+    return token_splits(data_config.path, data_config.seq_len, data_config.packing, data_config.eval_fraction,
+                        vocab_size)
+
+
+SOURCE_OPENERS: dict[str, Callable[[Any, int | None], Any]] = {
+    "array_file": lambda data_config, vocab_size: _array_file(data_config),
+    "tokens": token_store,
+}
+
+
+def source_kind(path: Path) -> str | None:
+    """The opener for a path without an explicit ``name``: ``.npz`` files are array files, directories token
+    stores."""
+    return "array_file" if path.suffix == ".npz" else "tokens" if path.is_dir() else None
+
+
+def open_source(path: str, name: str | None, data_config: Any, vocab_size: int | None = None) -> tuple[Any, Any]:
+    """The (train, eval) parts of one ``data.sources`` entry, split like ``data.name`` data (the last
+    ``data.eval_fraction`` of its records evaluate); a missing path or unknown kind is a one-line DataError."""
+    where = Path(path)
+    if not where.exists():
+        raise DataError(f"data.sources path {path!r} does not exist; fix the path or remove the entry")
+    kind = name or source_kind(where)
+    if kind not in SOURCE_OPENERS:
+        what = f"name {name!r}" if name else f"suffix {where.suffix!r}"
+        raise DataError(f"data.sources path {path!r}: no loader for its {what}; give the entry a 'name', one of "
+                        f"{', '.join(sorted(SOURCE_OPENERS))} (.npz files are array_file)")
+    opened = SOURCE_OPENERS[kind](data_config.model_copy(update={"path": str(where), "sources": None}), vocab_size)
+    if isinstance(opened, dict):
+        train, evaluation = _split(opened, data_config.eval_fraction)
+        if len(next(iter(train.values()))) == 0:
+            raise DataError(f"data.sources path {path!r} has no training records; add data or lower "
+                            f"data.eval_fraction")
+        return train, (evaluation if len(next(iter(evaluation.values()))) else None)
+    return opened
 
 
 def load_dataset(data_config: Any) -> tuple[Arrays, Arrays]:

@@ -27,7 +27,8 @@ from functrain.callbacks import (Callback, CallbackList, Control, EarlyStopping,
 from functrain.checkpoint import Checkpointer, list_checkpoints
 from functrain.config import PYTHON_OBJECT, Config, load_config, override_list
 from functrain.config_checks import check_metric_logged, likely_mistakes
-from functrain.data import BatchLoader, IndexSampler, check_resume, data_meta, resume_position
+from functrain.data import BatchLoader, IndexSampler, check_resume, data_meta, loader_for, order_for, resume_position
+from functrain.data.kinds import Order
 from functrain.errors import CheckpointError, ConfigError
 from functrain.events import RunEvents
 from functrain.mfu import speed_report
@@ -56,7 +57,7 @@ def resolve_config(config: Config | dict | str | os.PathLike, overrides: dict[st
     return load_config(config, dotted)
 
 
-def total_steps(config: Config, sampler: IndexSampler) -> int:
+def total_steps(config: Config, sampler: Order) -> int:
     """``train.max_steps`` when set (it wins over epochs, as in the HF Trainer), else ``train.epochs`` of steps."""
     if config.train.max_steps is None and config.train.epochs is None:
         raise ConfigError("the run has no length; set train.max_steps or train.epochs")
@@ -126,10 +127,11 @@ class _Run:
         self.batch_check = parts.batch_check
         check_data(parts)
         self.data_seed = config.seed if config.data.seed is None else config.data.seed
-        self.sampler = IndexSampler(len(train_data), config.data.global_batch_size, self.data_seed,
-                                    shuffle=config.data.shuffle, last_batch=config.data.last_batch)
+        # The order of the training data: an IndexSampler, a mixture's or a stream's (functrain.data.kinds).
+        self.sampler = order_for(train_data, config.data.global_batch_size, self.data_seed,
+                                 shuffle=config.data.shuffle, last_batch=config.data.last_batch)
         self.max_steps = total_steps(config, self.sampler)
-        example_batch, _ = BatchLoader(train_data, self.sampler, prefetch=0).host_batch(0)
+        example_batch, _ = loader_for(train_data, self.sampler, prefetch=0).host_batch(0)
         self.backend = make_backend(config, parts, example_batch, self.max_steps)
         # jax.distributed or torch.distributed: the backend knows which process this is.
         self.process_index = getattr(self.backend, "process_index", jax.process_index())
@@ -138,8 +140,8 @@ class _Run:
         self.synchronous_backend = getattr(self.backend, "synchronous", False)
         # Orbax writes a checkpoint with every jax process; torch ranks hold replicas, so rank 0 writes alone.
         self.writes_checkpoints = self.is_primary or jax.process_count() > 1
-        self.loader = BatchLoader(train_data, self.sampler, self.process_index, self.process_count,
-                                  prefetch=config.data.prefetch, check=self.batch_check)
+        self.loader = loader_for(train_data, self.sampler, self.process_index, self.process_count,
+                                 prefetch=config.data.prefetch, check=self.batch_check)
         self.checkpointer: Checkpointer | None = None  # opened once the run directory is ours (owning_run_dir)
 
         tensorboard = config.log.tensorboard and "tensorboard" in config.log.trackers
@@ -226,6 +228,8 @@ class _Run:
         state = self.backend.state_from_items(items)
         self.last_saved_step = step
         position = resume_position(self.meta, ignore_skip, skip_samples)
+        # A mixture continues its data schedule, a stream its saved state (no-ops for plain data).
+        self.sampler.restore(None if ignore_skip else self.meta, position)
         saved_position = int(self.meta.get("samples_consumed", 0))
         if position != saved_position:
             self.position_jump = {"step": step, "from": saved_position, "to": position}
@@ -445,8 +449,10 @@ class _Run:
         self.nonfinite_seen, self.nonfinite_checked_at = nonfinite_at_start, step
         self.update_view(step, position)
         if self.is_primary:
-            log.info("run %s: steps %d -> %d, epoch %d, samples consumed %d, %d training records\n%s",
-                     self.run_dir, step, self.max_steps, self.view.epoch, position, self.sampler.num_records,
+            records = self.sampler.num_records
+            log.info("run %s: steps %d -> %d, epoch %d, samples consumed %d, %s\n%s",
+                     self.run_dir, step, self.max_steps, self.view.epoch, position,
+                     "streamed training data" if records is None else f"{records} training records",
                      self.backend.describe())
             if self.speed.flops_per_token:
                 log.info("model FLOPs per token (training, causal attention): %.4g", self.speed.flops_per_token)
@@ -508,6 +514,9 @@ class _Run:
         self.checkpointer.close()  # waits for the last save and surfaces its failure
         if stop_reason == "finished":
             self.callbacks.fire("on_epoch_end", self.view)
+        if stop_reason == "finished" and step < self.max_steps:  # only a stream ends before max_steps
+            stop_reason = (f"the training data stream ended after {position} samples, before "
+                           f"train.max_steps={self.max_steps}")
         self.callbacks.fire("on_train_end", self.view)
         result = self.result(state, step, position, stop_reason,
                              self.backend.nonfinite_steps_of(state) - nonfinite_at_start)

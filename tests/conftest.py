@@ -85,3 +85,28 @@ def run_jax_processes(code: str, processes: int = 2, devices: int = 2, env: dict
 def python_runner():
     """The ``run_python`` helper as a fixture."""
     return run_python
+
+
+@pytest.fixture(scope="session")
+def _compilation_cache_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("xla_cache"))
+
+
+@pytest.fixture
+def compilation_cache(_compilation_cache_dir):
+    """A persistent XLA compilation cache (one per session) used by this test's process and by subprocesses
+    given the returned environment variables, so a program run in several processes, or by several tests, is
+    compiled once. The executables are the same ones, so results stay bitwise equal. The process's settings are
+    restored afterwards (jax decides once whether to use a cache: ``reset_cache`` makes it decide again)."""
+    from jax.experimental.compilation_cache import compilation_cache as jax_cache
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    values = (_compilation_cache_dir, 0.0, 0)
+    saved = {name: getattr(jax.config, name) for name in names}
+    for name, value in zip(names, values):
+        jax.config.update(name, value)
+    jax_cache.reset_cache()
+    yield {name.upper(): str(value) for name, value in zip(names, values)}
+    for name, value in saved.items():
+        jax.config.update(name, value)
+    jax_cache.reset_cache()

@@ -219,3 +219,12 @@ def test_packing_needs_a_token_store(tmp_path, capsys):
     message = _one_error_line(capsys, ["train", str(REPO_ROOT / "configs/char_gpt.yaml"), "data.packing=true",
                                        f"run.dir={tmp_path / 'run'}"])
     assert "data.packing=true needs data.name=tokens" in message and not (tmp_path / "run").exists()
+
+
+def test_a_token_store_is_a_data_sources_entry(byte_store):
+    from functrain.config import load_config
+    from functrain.datasets import open_source
+    config = load_config(REPO_ROOT / "configs/gpt_tokens.yaml", ["data.eval_fraction=0.2"])
+    train, evaluation = open_source(str(byte_store), None, config.data, 256)
+    assert isinstance(train, TokenWindows) and train.packing and len(evaluation) > 0
+    assert set(train.gather(np.arange(2))) == {"tokens", "segment_ids", "positions"}

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any, Mapping
@@ -112,6 +113,7 @@ class Checkpointer:
         self._manager = self._open_manager(barrier_timeout_s)
         self._protected: set[int] = set()
         self._pending: int | None = None  # step whose background save has not been checked yet
+        self._threads_before_save: set[threading.Thread] = set()
         self._line_head: int | None = None  # newest committed step of this run's line of history
         self._resumed_from: int | None = None
         self._closed = False
@@ -187,6 +189,7 @@ class Checkpointer:
         args = {name: ocp.args.PyTreeSave(tree) for name, tree in items.items() if tree is not None}
         full_meta = complete_meta(meta, step, best, items=sorted(args),
                                   checksums=checksum.meta_record(jax.process_count()) if self._checksums else None)
+        self._threads_before_save = set(threading.enumerate())
         try:
             self._manager.save(step, args=ocp.args.Composite(**args, meta=ocp.args.JsonSave(full_meta)),
                                force=True)
@@ -259,6 +262,7 @@ class Checkpointer:
 
     def _failed(self, step: int, error: BaseException) -> None:
         """A save did not commit: clean its temporary dir, then warn or raise per ``on_error``."""
+        self._join_writers()
         if self._is_primary:
             for tmp in layout.uncommitted_dirs(self.directory):
                 if ocp.path.step.step_from_checkpoint_name(tmp.name) == step:
@@ -273,6 +277,18 @@ class Checkpointer:
             return
         raise CheckpointError(f"{message}; free disk space or fix the directory's permissions, "
                               f"or set checkpoint.on_error=warn to keep training without it") from error
+
+    def _join_writers(self, timeout_s: float = 60.0) -> None:
+        """Wait for the writer threads the failed save started. Orbax raises the first item's failure while
+        the other items' writers still run; one finishing after the cleanup would leave files behind."""
+        deadline = time.monotonic() + timeout_s
+        for thread in set(threading.enumerate()) - self._threads_before_save:
+            # Orbax's own thread classes are one-shot (a writer, a finaliser); anything else may be long-lived.
+            if thread is not threading.current_thread() and type(thread).__module__.startswith("orbax"):
+                try:
+                    thread.join(max(0.0, deadline - time.monotonic()))
+                except Exception:  # noqa: BLE001 - Orbax's threads re-raise on join the failure being handled here
+                    pass
 
     def _move_aside(self, step: int) -> None:
         """Rename a committed step we are about to save again (damaged, or from an abandoned line)."""

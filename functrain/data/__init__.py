@@ -41,23 +41,44 @@ Public API::
     resume_position(meta, ignore_skip, skip_samples) -> position
     data_meta(sampler, position, previous=None) -> dict for the checkpoint meta
 
+    Mixture([(source, weight), ...], block_size=1024, names=None)   # a Source: sources drawn by weight
+    MixtureSampler(mixture, global_batch_size, seed, shuffle=True)  # its order (IndexSampler's interface)
+        .sources_and_records(positions) -> (source numbers, record indices in each source)
+        .consumed(position) -> items each source served before position
+    ConcatSource(sources, names=None)                # sources one after the other in one index space
+
+    Stream(iterable_or_factory, keys=None)           # HF IterableDataset, f(start) / f() -> iterator, iterable
+    StreamOrder(global_batch_size, seed), StreamLoader(stream, order, process_index, process_count, ...)
+
+    order_for(data, global_batch_size, seed, shuffle, last_batch) -> IndexSampler | MixtureSampler | StreamOrder
+    loader_for(data, order, process_index, process_count, prefetch, check) -> BatchLoader | StreamLoader
+    as_data(data) -> Source | Stream                 # what fit(train_data=...) does with its argument
+    order.extra_meta(position) -> dict               # the order's checkpoint fields (schedule, stream state)
+    order.restore(meta, position)                    # continue what a checkpoint recorded
+
+Mixtures and data schedules: :mod:`functrain.data.mixture`; streaming guarantees: :mod:`functrain.data.stream`.
+
 Batches never straddle epochs: ``last_batch="drop"`` skips an epoch's tail shorter than a batch (the position
 jumps to the next epoch); ``"pad"`` fills it from the start of that epoch's order with weight 0.
 Bad input raises :class:`functrain.errors.DataError` with one line naming the problem and the fix.
 """
 
 from functrain.data.global_array import batch_sharding, to_global
+from functrain.data.kinds import as_data, loader_for, order_for
 from functrain.data.loader import BatchLoader
+from functrain.data.mixture import ConcatSource, Mixture, MixtureSampler
 from functrain.data.prefetch import BackgroundIterator
 from functrain.data.resume import check_resume, data_meta, resume_position
 from functrain.data.sampler import IndexSampler
 from functrain.data.sources import ArraySource, RecordSource, Source, as_source, stack_records
+from functrain.data.stream import Stream, StreamLoader, StreamOrder
 from functrain.data.token_store import StoreWriter, TokenStore
 from functrain.data.token_windows import TokenWindows, token_splits
 from functrain.data.transforms import Transform, apply_transform, sample_rng
 
 __all__ = [
-    "ArraySource", "BackgroundIterator", "BatchLoader", "IndexSampler", "RecordSource", "Source", "StoreWriter",
-    "TokenStore", "TokenWindows", "Transform", "apply_transform", "as_source", "batch_sharding", "check_resume",
-    "data_meta", "resume_position", "sample_rng", "stack_records", "to_global", "token_splits",
+    "ArraySource", "BackgroundIterator", "BatchLoader", "ConcatSource", "IndexSampler", "Mixture", "MixtureSampler",
+    "RecordSource", "Source", "StoreWriter", "Stream", "StreamLoader", "StreamOrder", "TokenStore", "TokenWindows",
+    "Transform", "apply_transform", "as_data", "as_source", "batch_sharding", "check_resume", "data_meta",
+    "loader_for", "order_for", "resume_position", "sample_rng", "stack_records", "to_global", "token_splits",
 ]

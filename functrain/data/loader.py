@@ -46,6 +46,10 @@ class _Synchronous:
         self.close()
 
 
+# What iter_from returns: calls assembled in a thread, or in the caller's (prefetch=0); closeable either way.
+Calls = BackgroundIterator[Call] | _Synchronous
+
+
 class BatchLoader:
     """Builds this process's part of the global batches chosen by ``sampler`` from ``source``.
 
@@ -103,29 +107,9 @@ class BatchLoader:
         batch["weight"] = weights * batch["weight"].astype(np.float32) if "weight" in batch else weights
         return batch, next_position
 
-    def _calls(self, position: int, steps_per_call: int, num_steps: int | None,
-               place: Callable[[Batch], Any] | None, first_call_steps: int | None) -> Iterator[Call]:
-        steps_left = num_steps
-        call_steps = first_call_steps or steps_per_call
-        while steps_left is None or steps_left > 0:
-            steps = call_steps if steps_left is None else min(call_steps, steps_left)
-            call_steps = steps_per_call
-            start = position
-            batches = []
-            for _ in range(steps):
-                batch, position = self.host_batch(position)
-                batches.append(batch)
-            if len(batches) == 1:  # a view, no copy: one step per call is the latency-bound case
-                stacked = {name: value[None] for name, value in batches[0].items()}
-            else:
-                stacked = {name: np.stack([batch[name] for batch in batches]) for name in batches[0]}
-            yield (place(stacked) if place is not None else stacked), start, position
-            if steps_left is not None:
-                steps_left -= steps
-
     def iter_from(self, position: int, steps_per_call: int = 1, num_steps: int | None = None,
                   place: Callable[[Batch], Any] | None = None, first_call_steps: int | None = None
-                  ) -> BackgroundIterator[Call] | _Synchronous:
+                  ) -> Calls:
         """Yield ``(host_batch, start_position, end_position)`` from ``position`` on.
 
         ``host_batch`` is a dict of arrays ``[K, B/P, ...]`` with ``K = steps_per_call``; ``end_position`` is the
@@ -136,10 +120,53 @@ class BatchLoader:
         resume from a step that is not one.
         The result is closeable (``close()`` or ``with``), which stops the prefetch thread.
         """
-        if steps_per_call < 1:
-            raise DataError(f"train.steps_per_call={steps_per_call} must be at least 1")
         self.sampler.batch_start(position)  # validates the position before a thread is started
-        calls = self._calls(int(position), steps_per_call, num_steps, place, first_call_steps)
-        if self.prefetch == 0:
-            return _Synchronous(calls)
-        return BackgroundIterator(calls, self.prefetch)
+        return start_calls(self.host_batch, int(position), steps_per_call, num_steps, place, first_call_steps,
+                           self.prefetch)
+
+
+class StreamEnded(Exception):
+    """Raised by a loader's ``host_batch`` when its source has no whole batch left (a finite stream)."""
+
+
+def stacked_calls(host_batch: Callable[[int], tuple[Batch, int]], position: int, steps_per_call: int,
+                  num_steps: int | None, place: Callable[[Batch], Any] | None,
+                  first_call_steps: int | None) -> Iterator[Call]:
+    """Calls of ``steps_per_call`` batches from ``host_batch``, stacked on a new leading axis; a source that
+    ends (:class:`StreamEnded`) ends the calls after its last whole batch."""
+    steps_left = num_steps
+    call_steps = first_call_steps or steps_per_call
+    while steps_left is None or steps_left > 0:
+        steps = call_steps if steps_left is None else min(call_steps, steps_left)
+        call_steps = steps_per_call
+        start = position
+        batches, ended = [], False
+        try:
+            for _ in range(steps):
+                batch, position = host_batch(position)
+                batches.append(batch)
+        except StreamEnded:
+            ended = True
+        if not batches:
+            return
+        if len(batches) == 1:  # a view, no copy: one step per call is the latency-bound case
+            stacked = {name: value[None] for name, value in batches[0].items()}
+        else:
+            stacked = {name: np.stack([batch[name] for batch in batches]) for name in batches[0]}
+        yield (place(stacked) if place is not None else stacked), start, position
+        if ended:
+            return
+        if steps_left is not None:
+            steps_left -= steps
+
+
+def start_calls(host_batch: Callable[[int], tuple[Batch, int]], position: int, steps_per_call: int,
+                num_steps: int | None, place: Callable[[Batch], Any] | None, first_call_steps: int | None,
+                prefetch: int) -> Calls:
+    """:func:`stacked_calls`, run ``prefetch`` calls ahead in a thread (0: in the caller's thread)."""
+    if steps_per_call < 1:
+        raise DataError(f"train.steps_per_call={steps_per_call} must be at least 1")
+    calls = stacked_calls(host_batch, position, steps_per_call, num_steps, place, first_call_steps)
+    if prefetch == 0:
+        return _Synchronous(calls)
+    return BackgroundIterator(calls, prefetch)

@@ -9,10 +9,11 @@ different data is caught instead of silently continuing a different order.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
-
-from functrain.data.sampler import IndexSampler
+from typing import TYPE_CHECKING, Any
 from functrain.errors import DataError
+
+if TYPE_CHECKING:
+    from functrain.data.kinds import Order
 
 
 def check_resume(meta: Mapping[str, Any] | None, num_records: int, seed: int, ignore_skip: bool,
@@ -51,12 +52,13 @@ def resume_position(meta: Mapping[str, Any] | None, ignore_skip: bool, skip_samp
     return int(meta.get("samples_consumed", 0))
 
 
-def data_meta(sampler: IndexSampler, position: int, previous: Mapping[str, Any] | None = None,
+def data_meta(sampler: Order, position: int, previous: Mapping[str, Any] | None = None,
               jump: Mapping[str, int] | None = None) -> dict[str, Any]:
     """The data fields of a checkpoint meta at ``position``: samples_consumed, epoch, global_batch_size,
     global_batch_sizes (history, extended when the size changed since ``previous`` meta), num_records,
-    data_seed and position_jumps (history of ``data.skip_samples`` moves, ``jump`` = ``{"step", "from",
-    "to"}`` of this run's, so a rewind past a loss spike stays on record in every later checkpoint)."""
+    data_seed, position_jumps (history of ``data.skip_samples`` moves, ``jump`` = ``{"step", "from",
+    "to"}`` of this run's, so a rewind past a loss spike stays on record in every later checkpoint) and the
+    order's own fields (``sampler.extra_meta``: a mixture's schedule, a stream's state)."""
     previous = previous or {}
     history = list(previous.get("global_batch_sizes") or
                    ([previous["global_batch_size"]] if previous.get("global_batch_size") is not None else []))
@@ -73,4 +75,5 @@ def data_meta(sampler: IndexSampler, position: int, previous: Mapping[str, Any] 
         "num_records": sampler.num_records,
         "data_seed": sampler.seed,
         "position_jumps": jumps,
+        **sampler.extra_meta(position),
     }

@@ -18,7 +18,8 @@ weighted 0, and the next batch starts at the next epoch.
 from __future__ import annotations
 
 import threading
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import numpy as np
 from grain.experimental import index_shuffle
@@ -211,6 +212,13 @@ class IndexSampler:
         """The position of batch ``step`` for a run that started at position 0 with this batch size."""
         epoch, step_in_epoch = divmod(int(step), self.steps_per_epoch)
         return epoch * self.num_records + step_in_epoch * self.global_batch_size
+
+    def extra_meta(self, position: int) -> dict[str, Any]:
+        """Checkpoint meta fields beyond the position: none, ``(seed, num_records, batch size)`` fix the order."""
+        return {}
+
+    def restore(self, meta: Mapping[str, Any] | None, position: int) -> None:
+        """Nothing to restore: the order is a function of the position alone (cf. a mixture's schedule)."""
 
     def batch_indices(self, step: int) -> np.ndarray:
         """Record indices [B] of batch ``step`` for research code that keeps one batch size from position 0.

@@ -98,14 +98,19 @@ class RecordSource:
         return stack_records([self._as_dict(record) for record in raw])
 
     def _as_dict(self, record: Any) -> Batch:
-        if isinstance(record, Mapping):
-            return {name: np.asarray(value) for name, value in record.items()}
-        if self.keys is not None and isinstance(record, (tuple, list)) and len(record) == len(self.keys):
-            return {name: np.asarray(value) for name, value in zip(self.keys, record)}
-        if self.keys is not None and len(self.keys) == 1:  # a bare value, e.g. grain's RangeDataSource
-            return {self.keys[0]: np.asarray(record)}
-        raise DataError(f"a record of {type(self.records).__name__} is a {type(record).__name__}, not a dict; "
-                        f"return a dict from __getitem__ or pass keys=('x', 'y') to name tuple fields")
+        return record_dict(record, self.keys, f"a record of {type(self.records).__name__}")
+
+
+def record_dict(record: Any, keys: Sequence[str] | None, what: str) -> Batch:
+    """A record as a dict of arrays: a dict as is, a tuple named by ``keys``, a bare value as ``keys[0]``."""
+    if isinstance(record, Mapping):
+        return {name: np.asarray(value) for name, value in record.items()}
+    if keys is not None and isinstance(record, (tuple, list)) and len(record) == len(keys):
+        return {name: np.asarray(value) for name, value in zip(keys, record)}
+    if keys is not None and len(keys) == 1:  # a bare value, e.g. grain's RangeDataSource
+        return {keys[0]: np.asarray(record)}
+    raise DataError(f"{what} is a {type(record).__name__}, not a dict; return dicts of arrays or pass "
+                    f"keys=('x', 'y') to name tuple fields")
 
 
 def stack_records(records: Sequence[Mapping[str, Any]]) -> Batch:
