@@ -3,7 +3,7 @@
 Record ``i`` of a :class:`TokenWindows` is the ``seq_len + 1`` tokens at ``first + i * seq_len`` of the store's
 stream (windows overlap by the one token that is both the last target of a window and the first input of the
 next). Documents lie end to end in the stream (with the tokenizer's EOS after each, see
-:mod:`functrain.tokenize`), so a window may hold the end of one document and the start of the next.
+:mod:`functrain.text_tokenizer`), so a window may hold the end of one document and the start of the next.
 
 With ``packing=True`` each record also carries, per token of the window:
 
