@@ -135,6 +135,12 @@ class JaxBackend:
         with jax.set_mesh(self.mesh):
             return self._train_call(state, batches)
 
+    def compile_train_call(self, state: TrainState, batches: dict[str, jax.Array]) -> jax.stages.Compiled:
+        """The train call compiled for these arguments, for XLA's analyses (``memory_analysis``,
+        ``cost_analysis``); running the call goes through :meth:`train_call`."""
+        with jax.set_mesh(self.mesh):
+            return self._train_call.lower(state, batches).compile()
+
     def eval_batch(self, state: TrainState, host_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Metric sums of one evaluation batch ``[B_local, ...]``."""
         batch = to_global(host_batch, self.batch_sharding, batch_axis=0)
