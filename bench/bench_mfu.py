@@ -32,6 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -43,7 +44,7 @@ from functrain.mfu import decoder_shape, peak_tflops, train_flops_per_token  # n
 from functrain.models import build_model  # noqa: E402
 from functrain.memory import host_offload_available  # noqa: E402
 from functrain.optim import decay_mask, make_optimizer  # noqa: E402
-from functrain.precision import COMPUTE_DTYPES, cast_floating  # noqa: E402
+from functrain.precision import COMPUTE_DTYPES, PARAM_DTYPES, cast_floating  # noqa: E402
 from functrain.program import as_program  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,12 +107,11 @@ class HandWritten:
         opt = config.optimizer
         # A constant rate: the schedule's value does not change the step's cost.
         tx = optax.chain(optax.clip_by_global_norm(config.train.clip_norm or float("inf")),
-                         optax.adamw(opt.learning_rate, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay,
-                                     mask=decay_mask))
+                         optax.adamw(opt.learning_rate, b1=opt.b1, b2=opt.b2, eps=opt.eps,
+                                     weight_decay=opt.weight_decay, mask=decay_mask))
         tokens = jnp.asarray(host_batches["tokens"])
         params = jax.jit(model.init)(jax.random.PRNGKey(0), tokens[0, :, :-1])["params"]
-        self.params = jax.tree.map(lambda x: getattr(x, "value", x), params,
-                                   is_leaf=lambda x: hasattr(x, "value"))
+        self.params = cast_floating(nn.meta.unbox(params), PARAM_DTYPES[config.train.param_dtype])
         self.opt_state = tx.init(self.params)
         self.tokens = tokens
 
