@@ -13,6 +13,7 @@ from functrain.models.attention import attend, attention_kernel
 from functrain.models.gpt import GPTConfig
 from functrain.models.gpt2 import GPT2Config
 from functrain.models.llama import LlamaConfig
+from functrain.program import FunctionalModel, as_program
 from functrain.tasks import causal_lm_sums, model_keywords
 
 
@@ -102,6 +103,20 @@ def test_the_lm_loss_passes_segments_to_the_model_and_skips_targets_across_docum
     assert keywords["segment_ids"].shape == (2, 5) and model_keywords("classifier", batch) == {}
     _, weight, _ = causal_lm_sums(jnp.zeros((2, 5, 16)), batch)
     assert float(weight) == 9.0  # 10 targets, one starts the second document of row 0
+
+
+def test_packed_fields_reach_the_model_through_the_program():
+    seen = {}
+
+    def apply(params, tokens, **keywords):
+        seen.update({name: value.shape for name, value in keywords.items()})
+        return jnp.zeros((*tokens.shape, 16)) + params["bias"]
+
+    batch = {"tokens": np.zeros((2, 6), np.int32), "weight": np.ones(2, np.float32),
+             "segment_ids": np.zeros((2, 6), np.int32), "positions": np.zeros((2, 6), np.int32)}
+    program = as_program(FunctionalModel(lambda rng, batch: {"bias": jnp.zeros(16)}, apply), batch)
+    jax.eval_shape(program.loss_fn, {"bias": jnp.zeros(16)}, {}, batch, jax.random.PRNGKey(0))
+    assert seen == {"segment_ids": (2, 5), "positions": (2, 5)}
 
 
 def test_attention_choices_on_this_platform():
