@@ -11,8 +11,16 @@ there is no peak, so the run is a smoke check that prints achieved TFLOP/s only.
 
 The step is functrain's own: ``JaxBackend`` (sharded state, ``steps_per_call`` steps per compiled call,
 donated state), timed after compilation, with the loss read back each call so nothing is left queued.
-Usage: ``python bench/bench_mfu.py`` (``configs/gpt_350m.yaml`` when a GPU is present, else a small CPU GPT),
-``--preset cpu|gpu`` or ``--config FILE``.
+Measured in the same run, calls interleaved round by round (the ratios are the point, not the times):
+
+- ``hand-written``: the same model in plain Flax + optax (value_and_grad, clip + AdamW, ``lax.scan`` over the
+  same K steps, donated params and optimizer state): functrain's step should cost nothing beside it;
+- ``remat=full`` / ``remat=dots_saveable``: functrain with ``model.remat`` (tokens/s and memory vs none);
+- ``offload_optimizer``: functrain with the optimizer state in pinned host memory (GPU/TPU only).
+
+Memory: XLA's compiled memory analysis of each train call (device arguments + temporaries), so one process
+measures every variant. Usage: ``python bench/bench_mfu.py`` (``configs/gpt_350m.yaml`` when a GPU is present,
+else a small CPU GPT), ``--preset cpu|gpu``, ``--config FILE``, ``--only functrain`` (skip the comparisons).
 """
 
 from __future__ import annotations
@@ -24,15 +32,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 
 from functrain.backend import JaxBackend  # noqa: E402
 from functrain.config import Config, load_config  # noqa: E402
 from functrain.mfu import decoder_shape, peak_tflops, train_flops_per_token  # noqa: E402
 from functrain.models import build_model  # noqa: E402
-from functrain.optim import make_optimizer  # noqa: E402
-from functrain.precision import COMPUTE_DTYPES  # noqa: E402
+from functrain.memory import host_offload_available  # noqa: E402
+from functrain.optim import decay_mask, make_optimizer  # noqa: E402
+from functrain.precision import COMPUTE_DTYPES, PARAM_DTYPES, cast_floating  # noqa: E402
 from functrain.program import as_program  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,13 +72,98 @@ def _flops(value: float) -> str:
     return f"{value / 1e12:.3f} TFLOP" if value >= 1e11 else f"{value / 1e9:.3f} GFLOP"
 
 
+def _device_bytes(compiled) -> int:
+    """Device memory of a compiled call: its arguments and temporaries (XLA's memory analysis)."""
+    stats = compiled.memory_analysis()
+    return int(stats.argument_size_in_bytes + stats.temp_size_in_bytes) if stats else 0
+
+
+class Functrain:
+    """functrain's compiled train call for ``config``; ``call()`` runs K steps and waits for the loss."""
+
+    def __init__(self, config: Config, host_batches: dict, total_steps: int) -> None:
+        self.program = as_program(build_model(config.model, COMPUTE_DTYPES[config.train.compute_dtype]),
+                                  {name: value[0] for name, value in host_batches.items()})
+        tx, schedule = make_optimizer(config.optimizer, total_steps)
+        self.backend = JaxBackend(config, self.program, tx, schedule, total_steps=total_steps)
+        self.state = self.backend.init_state()
+        self.batches = self.backend.place(host_batches)
+
+    def call(self) -> None:
+        self.state, metrics = self.backend.train_call(self.state, self.batches)
+        self.backend.to_host(metrics["loss"])  # the call is done only when its outputs are
+
+    def compiled(self):
+        """The train call compiled again for XLA's analyses."""
+        return self.backend.compile_train_call(self.state, self.batches)
+
+
+class HandWritten:
+    """The same GPT and AdamW + clipping in plain Flax + optax, K steps per call under ``lax.scan``."""
+
+    def __init__(self, config: Config, host_batches: dict, total_steps: int) -> None:
+        dtype = COMPUTE_DTYPES[config.train.compute_dtype]
+        model = build_model(config.model, dtype)
+        opt = config.optimizer
+        # A constant rate: the schedule's value does not change the step's cost.
+        tx = optax.chain(optax.clip_by_global_norm(config.train.clip_norm or float("inf")),
+                         optax.adamw(opt.learning_rate, b1=opt.b1, b2=opt.b2, eps=opt.eps,
+                                     weight_decay=opt.weight_decay, mask=decay_mask))
+        tokens = jnp.asarray(host_batches["tokens"])
+        params = jax.jit(model.init)(jax.random.PRNGKey(0), tokens[0, :, :-1])["params"]
+        self.params = cast_floating(nn.meta.unbox(params), PARAM_DTYPES[config.train.param_dtype])
+        self.opt_state = tx.init(self.params)
+        self.tokens = tokens
+
+        def one_step(carry, batch_tokens):
+            params, opt_state = carry
+
+            def loss_fn(p):
+                logits = model.apply({"params": cast_floating(p, dtype)}, batch_tokens[:, :-1])
+                return optax.softmax_cross_entropy_with_integer_labels(logits, batch_tokens[:, 1:]).mean()
+
+            loss, grads = jax.value_and_grad(loss_fn)(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return (optax.apply_updates(params, updates), opt_state), loss
+
+        def steps(params, opt_state, tokens):
+            (params, opt_state), losses = jax.lax.scan(one_step, (params, opt_state), tokens)
+            return params, opt_state, losses
+
+        self.steps = jax.jit(steps, donate_argnums=(0, 1))
+
+    def call(self) -> None:
+        self.params, self.opt_state, losses = self.steps(self.params, self.opt_state, self.tokens)
+        np.asarray(losses)
+
+    def compiled(self):
+        """The K-step call compiled again for XLA's analyses."""
+        return self.steps.lower(self.params, self.opt_state, self.tokens).compile()
+
+
+def variants(config: Config, only_functrain: bool) -> dict[str, tuple[type, Config]]:
+    """The measured variants: name -> (runner, config)."""
+    chosen = {"functrain": (Functrain, config)}
+    if only_functrain:
+        return chosen
+    chosen["hand-written"] = (HandWritten, config)
+    for policy in ("full", "dots_saveable"):
+        chosen[f"remat={policy}"] = (Functrain, config.model_copy(
+            update={"model": config.model.model_copy(update={"remat": policy})}))
+    if host_offload_available():
+        chosen["offload_optimizer"] = (Functrain, config.model_copy(
+            update={"train": config.train.model_copy(update={"offload_optimizer": True})}))
+    return chosen
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
                         help="model size (default: gpu, configs/gpt_350m.yaml, when a GPU/TPU is present, else cpu)")
     parser.add_argument("--config", type=Path, default=None, help="a run config to measure instead of a preset")
     parser.add_argument("--peak-tflops", type=float, default=None, help="override the per-device dense peak")
-    parser.add_argument("--calls", type=int, default=5, help="timed calls (after one warm-up call)")
+    parser.add_argument("--calls", type=int, default=5, help="timed calls per variant (after one warm-up call)")
+    parser.add_argument("--only", choices=["functrain"], default=None, help="measure functrain alone")
     args = parser.parse_args()
     device = jax.devices()[0]
     config = preset_config(args.config or PRESETS[args.preset or ("cpu" if device.platform == "cpu" else "gpu")])
@@ -75,25 +172,23 @@ def main() -> None:
     rng = np.random.default_rng(0)
     host_batches = {"tokens": rng.integers(0, config.model.vocab_size, (k, batch, seq + 1), np.int32),
                     "weight": np.ones((k, batch), np.float32)}
-    program = as_program(build_model(config.model, COMPUTE_DTYPES[config.train.compute_dtype]),
-                         {name: value[0] for name, value in host_batches.items()})
-    tx, schedule = make_optimizer(config.optimizer, (calls + 1) * k)
-    backend = JaxBackend(config, program, tx, schedule, total_steps=(calls + 1) * k)
-    state = backend.init_state()
-    batches = backend.place(host_batches)
-
-    start = time.perf_counter()
-    state, metrics = backend.train_call(state, batches)
-    backend.to_host(metrics["loss"])
-    compile_s = time.perf_counter() - start
-    times = []
-    for _ in range(calls):
+    total_steps = (calls + 1) * k
+    runners = {}
+    for name, (runner, variant_config) in variants(config, args.only is not None).items():
         start = time.perf_counter()
-        state, metrics = backend.train_call(state, batches)
-        backend.to_host(metrics["loss"])  # the call is done only when its outputs are
-        times.append((time.perf_counter() - start) / k)
-    step_s = float(np.median(times))
-
+        runners[name] = runner(variant_config, host_batches, total_steps)
+        runners[name].call()
+        print(f"{name}: first call incl. compile {time.perf_counter() - start:.1f} s", flush=True)
+    times = {name: [] for name in runners}
+    for _ in range(calls):  # interleaved, so a slow spell of a shared machine hits every variant alike
+        for name, runner in runners.items():
+            start = time.perf_counter()
+            runner.call()
+            times[name].append((time.perf_counter() - start) / k)
+    step_s = {name: float(np.median(values)) for name, values in times.items()}
+    compiled = {name: runner.compiled() for name, runner in runners.items()}
+    state = runners["functrain"].state
+    step_time = step_s["functrain"]
     shape = decoder_shape(config.model)
     tokens = batch * seq
     devices = jax.device_count()
@@ -106,13 +201,17 @@ def main() -> None:
     print(f"GPT d_model {config.model.d_model} x {config.model.n_layers} layers, {n_params / 1e6:.1f}M params, "
           f"batch {batch}x{seq} = {batch * seq} tokens/step, {config.train.compute_dtype} compute, "
           f"{k} steps per call")
-    print(f"step {step_s * 1e3:.2f} ms (median of {calls} calls; first call incl. compile {compile_s:.1f} s), "
-          f"{batch * seq / step_s:,.0f} tokens/s")
+    for name, seconds in step_s.items():
+        print(f"{name:>19}: step {seconds * 1e3:8.2f} ms (median of {calls} calls), "
+              f"{batch * seq / seconds:12,.0f} tokens/s, {step_time / seconds:5.2f}x functrain's tokens/s, "
+              f"device memory {_device_bytes(compiled[name]) / 2**30:.3f} GiB")
+    if "hand-written" in step_s:
+        print(f"functrain / hand-written Flax + optax tokens/s: {step_s['hand-written'] / step_time:.3f}")
     print(f"model FLOPs/step (functrain.mfu): {_flops(needed)} with causal attention, {_flops(executed)} with full")
-    achieved = needed / step_s / devices / 1e12
-    achieved_full = executed / step_s / devices / 1e12
+    achieved = needed / step_time / devices / 1e12
+    achieved_full = executed / step_time / devices / 1e12
     if peak:
-        print(f"MFU {achieved / peak:.1%} (causal attention halved; {achieved:.1f} TFLOP/s per device); "
+        print(f"functrain MFU {achieved / peak:.1%} (causal attention halved; {achieved:.1f} TFLOP/s per device); "
               f"{achieved_full / peak:.1%} counting full attention ({achieved_full:.1f} TFLOP/s)")
     else:
         print(f"achieved {achieved:.3f} TFLOP/s per device (causal halved), {achieved_full:.3f} counting full "
@@ -120,7 +219,7 @@ def main() -> None:
     # XLA's own count of the compiled call, as a cross-check of the formula (not every backend has it). It
     # counts a while loop's body once, so the scan over K steps reports one step.
     try:
-        cost = jax.jit(backend.train_call).lower(state, batches).compile().cost_analysis()
+        cost = compiled["functrain"].cost_analysis()
         cost = cost[0] if isinstance(cost, (list, tuple)) else cost
         if cost and cost.get("flops"):
             print(f"XLA cost analysis: {_flops(cost['flops'])}/step incl. elementwise and optimizer ops "

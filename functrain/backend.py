@@ -15,7 +15,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from functrain import distributed, sharding
 from functrain.data import batch_sharding, to_global
 from functrain.errors import ConfigError
-from functrain.precision import COMPUTE_DTYPES, LOSS_SCALE_INIT
+from functrain.offload import check_offload, offload_opt_state, streaming_optimizer
+from functrain.precision import COMPUTE_DTYPES, LOSS_SCALE_INIT, PARAM_DTYPES, cast_floating
 from functrain.state import TrainState
 from functrain.step import make_eval_step, make_train_call, make_train_step
 from functrain.program import Program
@@ -46,7 +47,10 @@ class JaxBackend:
             raise ConfigError(
                 f"data.global_batch_size={config.data.global_batch_size} is not divisible by train.micro_batches "
                 f"({micro}) x data-parallel devices ({devices}); use a multiple of {micro * devices}")
+        if config.train.offload_optimizer:
+            check_offload()
         compute_dtype = COMPUTE_DTYPES[config.train.compute_dtype]
+        param_dtype = PARAM_DTYPES[config.train.param_dtype]
         dynamic_scale = config.train.loss_scale == "dynamic"
         self.tx, self.schedule = tx, schedule
         train_step = make_train_step(
@@ -56,6 +60,7 @@ class JaxBackend:
         eval_step = make_eval_step(program.eval_loss_fn, compute_dtype=compute_dtype, stateful=True)
 
         def fresh_state(params: Any, model_state: Any, run_key: jax.Array) -> TrainState:
+            params = cast_floating(params, param_dtype)  # train.param_dtype: the stored (master) weights
             return TrainState.create(params, tx, run_key, model_state=model_state,
                                      loss_scale=LOSS_SCALE_INIT if dynamic_scale else 1.0)
 
@@ -74,6 +79,9 @@ class JaxBackend:
             program.logical_specs(), self.abstract_state.params, self.mesh, rules,
             allow_replicated_fallback=config.mesh.allow_replicated_fallback, param_rules=config.mesh.param_rules)
         self.state_shardings = sharding.state_shardings(self.abstract_state, self.param_shardings, self.mesh)
+        if config.train.offload_optimizer:
+            train_step = streaming_optimizer(train_step, self.state_shardings.opt_state)
+            self.state_shardings = offload_opt_state(self.state_shardings)
         replicated = NamedSharding(self.mesh, PartitionSpec())
         self.stacked_batch_sharding = batch_sharding(self.mesh, batch_axis=1)
         self.batch_sharding = batch_sharding(self.mesh, batch_axis=0)
@@ -126,6 +134,12 @@ class JaxBackend:
         # The mesh in context lets the models pin activations' batch axis (sharding.constrain_batch).
         with jax.set_mesh(self.mesh):
             return self._train_call(state, batches)
+
+    def compile_train_call(self, state: TrainState, batches: dict[str, jax.Array]) -> jax.stages.Compiled:
+        """The train call compiled for these arguments, for XLA's analyses (``memory_analysis``,
+        ``cost_analysis``); running the call goes through :meth:`train_call`."""
+        with jax.set_mesh(self.mesh):
+            return self._train_call.lower(state, batches).compile()
 
     def eval_batch(self, state: TrainState, host_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Metric sums of one evaluation batch ``[B_local, ...]``."""

@@ -132,6 +132,8 @@ class OptimizerConfig(Section):
     schedule: Literal["constant", "cosine", "linear"] = "constant"
     warmup_steps: int = Field(0, ge=0)
     end_lr_ratio: float = Field(0.0, ge=0)
+    # dtype of the first moment / momentum (None: the parameters' dtype, or optax's default).
+    mu_dtype: Literal["float32", "bfloat16"] | None = None
 
     @pydantic.model_validator(mode="after")
     def _check_keys(self) -> "OptimizerConfig":
@@ -140,7 +142,7 @@ class OptimizerConfig(Section):
             return self
         if self.name not in OPTIMIZER_KEYS:
             raise ValueError(f"unknown optimizer.name {self.name!r}; choose one of {', '.join(OPTIMIZER_KEYS)}")
-        for key in ("b1", "b2", "eps", "momentum", "nesterov"):
+        for key in ("b1", "b2", "eps", "momentum", "nesterov", "mu_dtype"):
             if key not in OPTIMIZER_KEYS[self.name] and getattr(self, key) != type(self).model_fields[key].default:
                 users = [name for name, keys in OPTIMIZER_KEYS.items() if key in keys]
                 raise ValueError(f"optimizer.{key} is not used by optimizer.name={self.name} (only by "
@@ -150,7 +152,9 @@ class OptimizerConfig(Section):
 
 class TrainConfig(Section):
     """``train.*``: run length (``max_steps`` wins over ``epochs``), accumulation, steps per compiled
-    call, clipping, the non-finite policy and the compute precision."""
+    call, clipping, the non-finite policy, the precision (``compute_dtype`` for the forward/backward pass,
+    ``param_dtype`` for the stored parameters) and ``offload_optimizer`` (optimizer state in pinned host
+    memory, streamed to the device for each update; GPU/TPU only)."""
     max_steps: int | None = Field(None, ge=1)
     epochs: float | None = Field(None, gt=0)
     micro_batches: int = Field(1, ge=1)
@@ -160,7 +164,9 @@ class TrainConfig(Section):
     # A finished run that skipped a larger share of its steps as non-finite exits with status 4.
     max_skipped_fraction: float = Field(0.5, ge=0.0, le=1.0)
     compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
     loss_scale: Literal["none", "dynamic"] = "none"
+    offload_optimizer: bool = False
 
 
 class CheckpointConfig(Section):
@@ -326,6 +332,11 @@ class Config(Section):
                              f"train.micro_batches={self.train.micro_batches}")
         if self.train.loss_scale == "dynamic" and self.train.compute_dtype != "float16":
             raise ValueError("train.loss_scale=dynamic is for train.compute_dtype=float16; set one or the other")
+        if self.backend == "torch":
+            for key, value in (("param_dtype", self.train.param_dtype != "float32"),
+                               ("offload_optimizer", self.train.offload_optimizer)):
+                if value:
+                    raise ValueError(f"train.{key} is for backend: jax; remove it or set backend=jax")
         return self
 
     def to_dict(self) -> dict:

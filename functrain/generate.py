@@ -23,6 +23,7 @@ import numpy as np
 
 from functrain.errors import ConfigError, DataError
 from functrain.models import build_model, model_config_class, model_spec
+from functrain.models.options import for_sampling
 from functrain.models.kv_cache import zeros_like_shapes
 
 
@@ -179,7 +180,7 @@ def load_language_model(run_dir: str | os.PathLike, step: int | None = None) -> 
         raise ConfigError(f"model {raw_model['name']!r} of {run_dir} is not a language model; generate needs "
                           f"gpt, gpt2 or llama")
     model_config = model_config_class(raw_model["name"]).model_validate(raw_model)
-    return build_model(model_config), params, int(meta.get("step", step or 0))
+    return build_model(for_sampling(model_config)), params, int(meta.get("step", step or 0))
 
 
 def prepare_prompt(ids: np.ndarray, model_config: Any, max_new_tokens: int) -> np.ndarray:

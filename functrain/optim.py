@@ -1,7 +1,8 @@
 """Optimizers and learning-rate schedules from the ``optimizer`` config section, and user optimizers.
 
 Names: ``adamw``, ``sgd``, ``adafactor``, ``lion`` and ``muon`` (when the installed optax has
-``optax.contrib.muon``). Each reads the keys in :data:`OPTIMIZER_KEYS` (mapped to optax's argument names);
+``optax.contrib.muon``). Each reads the keys in :data:`OPTIMIZER_KEYS` (mapped to optax's argument names;
+``mu_dtype`` is the dtype of the first moment / momentum buffer, e.g. float32 beside bfloat16 parameters);
 for adafactor, lion and muon a key left at its config default takes optax's own default instead.
 """
 
@@ -42,11 +43,12 @@ def decay_mask(params: Any) -> Any:
 
 # Optimizer name -> {config key: optax argument}; weight_decay (masked to matrices) applies to all.
 OPTIMIZER_KEYS: dict[str, dict[str, str]] = {
-    "adamw": {"b1": "b1", "b2": "b2", "eps": "eps"},
-    "sgd": {"momentum": "momentum", "nesterov": "nesterov"},
-    "adafactor": {"momentum": "momentum", "eps": "eps"},
-    "lion": {"b1": "b1", "b2": "b2"},
-    "muon": {"momentum": "beta", "nesterov": "nesterov", "eps": "eps", "b1": "adam_b1", "b2": "adam_b2"},
+    "adamw": {"b1": "b1", "b2": "b2", "eps": "eps", "mu_dtype": "mu_dtype"},
+    "sgd": {"momentum": "momentum", "nesterov": "nesterov", "mu_dtype": "accumulator_dtype"},
+    "adafactor": {"momentum": "momentum", "eps": "eps", "mu_dtype": "dtype_momentum"},
+    "lion": {"b1": "b1", "b2": "b2", "mu_dtype": "mu_dtype"},
+    "muon": {"momentum": "beta", "nesterov": "nesterov", "eps": "eps", "b1": "adam_b1", "b2": "adam_b2",
+             "mu_dtype": "mu_dtype"},
 }
 if not hasattr(optax.contrib, "muon"):  # older optax
     del OPTIMIZER_KEYS["muon"]
@@ -55,19 +57,26 @@ if not hasattr(optax.contrib, "muon"):  # older optax
 def _set_keys(config: Any, name: str) -> dict[str, Any]:
     """The optax keyword arguments of ``name`` whose config value differs from the field's default."""
     fields = type(config).model_fields
-    return {argument: getattr(config, key) for key, argument in OPTIMIZER_KEYS[name].items()
+    return {argument: _optax_value(key, getattr(config, key)) for key, argument in OPTIMIZER_KEYS[name].items()
             if getattr(config, key) != fields[key].default}
+
+
+def _optax_value(key: str, value: Any) -> Any:
+    """A config value as optax takes it: dtype names as dtypes."""
+    return jnp.dtype(value) if key == "mu_dtype" and value is not None else value
 
 
 def named_optimizer(config: Any, schedule: optax.Schedule) -> optax.GradientTransformation:
     """The optax transformation named by ``config.name``, driven by ``schedule``."""
     name, decay = config.name, config.weight_decay
+    mu_dtype = _optax_value("mu_dtype", config.mu_dtype)
     if name == "adamw":
         return optax.adamw(schedule, b1=config.b1, b2=config.b2, eps=config.eps, weight_decay=decay,
-                           mask=decay_mask)
+                           mask=decay_mask, mu_dtype=mu_dtype)
     if name == "sgd":
         return optax.chain(optax.add_decayed_weights(decay, mask=decay_mask),
-                           optax.sgd(schedule, momentum=config.momentum or None, nesterov=config.nesterov))
+                           optax.sgd(schedule, momentum=config.momentum or None, nesterov=config.nesterov,
+                                     accumulator_dtype=mu_dtype))
     if name == "adafactor":
         return optax.adafactor(schedule, weight_decay_rate=decay or None, weight_decay_mask=decay_mask,
                                **_set_keys(config, name))

@@ -1,4 +1,5 @@
-"""Precision policy: float32 parameters, a configurable compute dtype, dynamic loss scaling for float16."""
+"""Precision policy: parameters stored in ``train.param_dtype`` (float32 master weights, or bfloat16), the
+forward/backward pass in ``train.compute_dtype``, dynamic loss scaling for float16."""
 
 from typing import Any
 
@@ -6,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+PARAM_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 # Dynamic loss scaling as in mixed-precision practice: halve on overflow, double after a run of good steps.
 LOSS_SCALE_INIT = 2.0 ** 15
@@ -18,6 +20,11 @@ def cast_floating(tree: Any, dtype: Any) -> Any:
     if dtype is None:
         return tree
     return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def cast_like(tree: Any, reference: Any) -> Any:
+    """``tree``'s leaves in the dtypes of ``reference``'s (gradients -> the parameters' dtype)."""
+    return jax.tree.map(lambda x, ref: x.astype(ref.dtype), tree, reference)
 
 
 def update_loss_scale(scale: jax.Array, good_steps: jax.Array, grads_finite: jax.Array

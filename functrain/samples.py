@@ -39,6 +39,7 @@ class SampleWriter(Callback):
     def __init__(self, config: Any) -> None:
         from functrain.generate import Generator, load_tokenizer
         from functrain.models import build_model, model_spec
+        from functrain.models.options import for_sampling
         name = getattr(config.model, "name", None)
         if name is None or model_spec(name)["kind"] != "causal_lm":
             raise ConfigError(f"eval.samples needs a built-in language model (model.name gpt, gpt2 or llama), not "
@@ -47,7 +48,7 @@ class SampleWriter(Callback):
             raise ConfigError("eval.samples works with backend: jax; set eval.samples.count=0")
         self.settings = config.eval.samples
         self.tokenizer = load_tokenizer(self.settings.tokenizer) if self.settings.tokenizer else None
-        self.model = build_model(config.model)
+        self.model = build_model(for_sampling(config.model))
         self.generator = Generator(self.model)
         self.writer = None
 

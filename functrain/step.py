@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from functrain.precision import cast_floating, update_loss_scale
+from functrain.precision import cast_floating, cast_like, update_loss_scale
 from functrain.state import TrainState
 
 Batch = dict[str, jax.Array]
@@ -99,7 +99,8 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, *, micr
       tx: the optax optimizer.
       micro_batches: gradient accumulation inside the step; the batch's leading size must divide by it.
       clip_norm: global-norm clipping threshold, or None.
-      compute_dtype: dtype the parameters are cast to for the forward/backward pass (params stay float32).
+      compute_dtype: dtype the parameters are cast to for the forward/backward pass (the stored parameters
+        keep their own dtype; gradients are reduced and clipped in float32, then cast to it for the update).
       dynamic_loss_scale: scale the loss for float16 compute, halving the scale on overflow.
       learning_rate_fn: the schedule, reported as the ``learning_rate`` metric (None: no such metric).
       stateful: ``loss_fn`` takes and returns ``model_state`` (see the module docstring).
@@ -128,7 +129,8 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, *, micr
         if clip_norm is not None:
             grads = _clip_by_global_norm(grads, grad_norm, clip_norm)
 
-        updates, new_opt_state = tx.update(grads, state.opt_state, state.params)
+        # The optimizer sees gradients in the parameters' dtype, so its state keeps its dtypes step after step.
+        updates, new_opt_state = tx.update(cast_like(grads, state.params), state.opt_state, state.params)
         new_params = optax.apply_updates(state.params, updates)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
 

@@ -1,6 +1,7 @@
 """Fused attention (``jax.nn.dot_product_attention``) against the explicit softmax the models used before,
 packed sequences through the three built-in LMs, and ``model.attention`` choices that cannot run here."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +13,7 @@ from functrain.models.attention import attend, attention_kernel
 from functrain.models.gpt import GPTConfig
 from functrain.models.gpt2 import GPT2Config
 from functrain.models.llama import LlamaConfig
+from functrain.program import FunctionalModel, as_program
 from functrain.tasks import causal_lm_sums, model_keywords
 
 
@@ -37,21 +39,32 @@ SEGMENTS = np.array([[0, 0, 0, 1, 1, 2, 2, 2, 2, 2], [5, 5, 5, 5, 5, 5, 7, 7, 7,
 CASES = [(4, False), (2, True), (1, True)]
 
 
-@pytest.mark.parametrize("kv_heads,segments", CASES)
-def test_fused_attention_matches_the_explicit_softmax(kv_heads, segments):
-    keys = jax.random.split(jax.random.PRNGKey(kv_heads), 3)
-    q = jax.random.normal(keys[0], (2, 10, 4, 8))
-    k, v = (jax.random.normal(key, (2, 10, kv_heads, 8)) for key in keys[1:])
-    segment_ids = jnp.asarray(SEGMENTS) if segments else None
+def random_params(model, tokens, seed=0):
+    """Parameters of the model's shapes drawn with numpy: compiling jax.random's threefry for every
+    initializer would cost a CPU test more than everything it checks."""
+    rng = np.random.default_rng(seed)
+    shapes = nn.meta.unbox(jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens)["params"])
+    return jax.tree.map(lambda leaf: jnp.asarray(rng.normal(0, 0.3, leaf.shape), leaf.dtype), shapes)
 
-    @jax.jit
-    def both(q, k, v):
-        return (attend(q, k, v, scale=0.3, kernel="xla", segment_ids=segment_ids),
-                reference_attention(q, k, v, 0.3, segment_ids))
 
-    fused, reference = both(q, k, v)
-    assert fused.shape == q.shape and fused.dtype == jnp.float32
-    np.testing.assert_allclose(fused, reference, atol=1e-5, rtol=1e-5)
+def test_fused_attention_matches_the_explicit_softmax():
+    rng = np.random.default_rng(0)
+    inputs = [(rng.normal(size=(2, 10, 4, 8)), *rng.normal(size=(2, 2, 10, kv_heads, 8))) for kv_heads, _ in CASES]
+
+    @jax.jit  # every case in one compile: XLA's compile time dominates this test on a CPU
+    def fused_and_reference(inputs):
+        results = []
+        for (q, k, v), (_, segments) in zip(inputs, CASES):
+            segment_ids = jnp.asarray(SEGMENTS) if segments else None
+            results.append((attend(q, k, v, scale=0.3, kernel="xla", segment_ids=segment_ids),
+                            reference_attention(q, k, v, 0.3, segment_ids)))
+        return results
+
+    inputs = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), inputs)
+    for (kv_heads, segments), (fused, reference) in zip(CASES, fused_and_reference(inputs)):
+        assert fused.shape == (2, 10, 4, 8) and fused.dtype == jnp.float32
+        np.testing.assert_allclose(fused, reference, atol=1e-5, rtol=1e-5,
+                                   err_msg=f"{kv_heads} key/value heads, segment ids: {segments}")
 
 
 TINY_MODELS = {
@@ -62,24 +75,23 @@ TINY_MODELS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(TINY_MODELS))
-def test_a_packed_row_gives_each_document_its_own_logits(name):
+def test_a_packed_row_gives_each_document_its_own_logits():
     """Two documents packed into one row with segment ids and restarting positions get the logits each gets
-    alone: attention stays inside a document and position embeddings / RoPE restart."""
-    model = build_model(TINY_MODELS[name])
+    alone, in GPT, GPT-2 and Llama: attention stays inside a document and position embeddings / RoPE restart."""
+    models = {name: build_model(config) for name, config in TINY_MODELS.items()}
     documents = jnp.stack([jnp.arange(1, 6), jnp.arange(20, 25)])
     packed = documents.reshape(1, 10)
     segment_ids = jnp.asarray([[1] * 5 + [2] * 5], jnp.int32)
     positions = jnp.asarray([list(range(5)) * 2], jnp.int32)
 
-    @jax.jit
-    def packed_and_alone(rng):
-        params = model.init(rng, packed)["params"]
-        return (model.apply({"params": params}, packed, segment_ids=segment_ids, positions=positions),
-                model.apply({"params": params}, documents))
+    @jax.jit  # all three models in one compile
+    def packed_and_alone(params):
+        return {name: (model.apply({"params": params[name]}, packed, segment_ids=segment_ids, positions=positions),
+                       model.apply({"params": params[name]}, documents)) for name, model in models.items()}
 
-    logits, alone = packed_and_alone(jax.random.PRNGKey(0))
-    np.testing.assert_allclose(logits, alone.reshape(1, 10, -1), atol=1e-5, rtol=1e-5)
+    params = {name: random_params(model, packed) for name, model in models.items()}
+    for name, (logits, alone) in packed_and_alone(params).items():
+        np.testing.assert_allclose(logits, alone.reshape(1, 10, -1), atol=1e-5, rtol=1e-5, err_msg=name)
 
 
 def test_the_lm_loss_passes_segments_to_the_model_and_skips_targets_across_documents():
@@ -91,6 +103,20 @@ def test_the_lm_loss_passes_segments_to_the_model_and_skips_targets_across_docum
     assert keywords["segment_ids"].shape == (2, 5) and model_keywords("classifier", batch) == {}
     _, weight, _ = causal_lm_sums(jnp.zeros((2, 5, 16)), batch)
     assert float(weight) == 9.0  # 10 targets, one starts the second document of row 0
+
+
+def test_packed_fields_reach_the_model_through_the_program():
+    seen = {}
+
+    def apply(params, tokens, **keywords):
+        seen.update({name: value.shape for name, value in keywords.items()})
+        return jnp.zeros((*tokens.shape, 16)) + params["bias"]
+
+    batch = {"tokens": np.zeros((2, 6), np.int32), "weight": np.ones(2, np.float32),
+             "segment_ids": np.zeros((2, 6), np.int32), "positions": np.zeros((2, 6), np.int32)}
+    program = as_program(FunctionalModel(lambda rng, batch: {"bias": jnp.zeros(16)}, apply), batch)
+    jax.eval_shape(program.loss_fn, {"bias": jnp.zeros(16)}, {}, batch, jax.random.PRNGKey(0))
+    assert seen == {"segment_ids": (2, 5), "positions": (2, 5)}
 
 
 def test_attention_choices_on_this_platform():

@@ -17,3 +17,9 @@ class RuntimeOptions(pydantic.BaseModel):
 
     attention: AttentionChoice = "auto"
     remat: RematPolicy = "none"
+
+
+def for_sampling(model_config: RuntimeOptions) -> RuntimeOptions:
+    """``model_config`` with the default kernel choices: sampling (no backward pass, one token at a time) then
+    runs wherever the weights load, whatever the training machine could use (cudnn, host offload)."""
+    return model_config.model_copy(update={"attention": "auto", "remat": "none"})
