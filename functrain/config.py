@@ -144,7 +144,7 @@ class OptimizerConfig(Section):
 
 class TrainConfig(Section):
     """``train.*``: run length (``max_steps`` wins over ``epochs``), accumulation, steps per compiled
-    call, clipping, the non-finite policy and the compute precision."""
+    call, clipping, the non-finite policy, the compute precision and (torch) ``torch.compile``."""
     max_steps: int | None = Field(None, ge=1)
     epochs: float | None = Field(None, gt=0)
     micro_batches: int = Field(1, ge=1)
@@ -155,6 +155,8 @@ class TrainConfig(Section):
     max_skipped_fraction: float = Field(0.5, ge=0.0, le=1.0)
     compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     loss_scale: Literal["none", "dynamic"] = "none"
+    # backend: torch only: the module's training forward through torch.compile (minutes to compile on CPU).
+    torch_compile: bool = False
 
 
 class CheckpointConfig(Section):
@@ -320,6 +322,9 @@ class Config(Section):
                              f"train.micro_batches={self.train.micro_batches}")
         if self.train.loss_scale == "dynamic" and self.train.compute_dtype != "float16":
             raise ValueError("train.loss_scale=dynamic is for train.compute_dtype=float16; set one or the other")
+        if self.train.torch_compile and self.backend != "torch":
+            raise ValueError(f"train.torch_compile=true is for backend: torch (backend is {self.backend}; the jax "
+                             f"step is always compiled); remove it or set backend=torch")
         return self
 
     def to_dict(self) -> dict:
