@@ -153,8 +153,8 @@ class OptimizerConfig(Section):
 class TrainConfig(Section):
     """``train.*``: run length (``max_steps`` wins over ``epochs``), accumulation, steps per compiled
     call, clipping, the non-finite policy, the precision (``compute_dtype`` for the forward/backward pass,
-    ``param_dtype`` for the stored parameters) and ``offload_optimizer`` (optimizer state in pinned host
-    memory, streamed to the device for each update; GPU/TPU only)."""
+    ``param_dtype`` for the stored parameters), ``offload_optimizer`` (optimizer state in pinned host
+    memory, streamed to the device for each update; GPU/TPU only) and (torch) ``torch.compile``."""
     max_steps: int | None = Field(None, ge=1)
     epochs: float | None = Field(None, gt=0)
     micro_batches: int = Field(1, ge=1)
@@ -167,6 +167,8 @@ class TrainConfig(Section):
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     loss_scale: Literal["none", "dynamic"] = "none"
     offload_optimizer: bool = False
+    # backend: torch only: the module's training forward through torch.compile (minutes to compile on CPU).
+    torch_compile: bool = False
 
 
 class CheckpointConfig(Section):
@@ -337,6 +339,9 @@ class Config(Section):
                                ("offload_optimizer", self.train.offload_optimizer)):
                 if value:
                     raise ValueError(f"train.{key} is for backend: jax; remove it or set backend=jax")
+        if self.train.torch_compile and self.backend != "torch":
+            raise ValueError(f"train.torch_compile=true is for backend: torch (backend is {self.backend}; the jax "
+                             f"step is always compiled); remove it or set backend=torch")
         return self
 
     def to_dict(self) -> dict:

@@ -13,7 +13,8 @@ Data parallelism is torch.distributed (joined from torchrun-style env vars): ``p
 The model is the config's torch twin (``model.name`` mlp or gpt) or any ``nn.Module`` passed in, trained
 with its own parameter and buffer names and a user loss or the built-in loss that fits the data (see
 :mod:`torch_bridge.user_model`). ``train.compute_dtype: bfloat16`` runs the forward under autocast with
-float32 master parameters.
+float32 master parameters; ``train.torch_compile: true`` runs a user module's training forward through
+``torch.compile`` (see :func:`torch_bridge.user_model.compiled`).
 """
 
 from typing import Any, Mapping
@@ -27,7 +28,7 @@ from torch_bridge import distributed
 from torch_bridge.models import build_model, flatten, loss_for
 from torch_bridge.optim import make_optimizer, make_schedule
 from torch_bridge.step import LossFn, TorchState, make_eval_step, make_train_step
-from torch_bridge.user_model import UserLoss, default_loss, module_loss, prepare
+from torch_bridge.user_model import UserLoss, compiled, default_loss, module_loss, prepare
 
 Tensor = torch.Tensor
 
@@ -112,8 +113,13 @@ class TorchBackend:
                    example_batch: Mapping[str, np.ndarray]) -> LossFn:
         """The step's loss: the twin's own, or ``loss_fn`` (default: the one fitting the data) on the module."""
         if builtin_model and loss_fn is None:
+            if self.config.train.torch_compile:
+                raise ConfigError(f"train.torch_compile=true compiles a user nn.Module (fit(..., model=) or "
+                                  f"model.target); the built-in {self.config.model.name} twin runs eagerly: "
+                                  f"remove train.torch_compile")
             return loss_for(self.model)
-        return module_loss(self.model, loss_fn if loss_fn is not None else default_loss(example_batch))
+        return module_loss(self.model, loss_fn if loss_fn is not None else default_loss(example_batch),
+                           compiled(self.model) if self.config.train.torch_compile else None)
 
     # ------------------------------------------------------------------------------------------ state
 

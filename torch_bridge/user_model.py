@@ -109,11 +109,25 @@ def prepare(model: nn.Module) -> nn.Module:
     return model
 
 
-def module_loss(model: nn.Module, loss_fn: UserLoss) -> LossFn:
+def compiled(model: nn.Module) -> nn.Module:
+    """``model`` behind ``torch.compile`` (``train.torch_compile``), for the training step's forward.
+
+    Inductor's ``fallback_random`` makes dropout draw from torch's global generator as eager code does, so
+    the compiled step sees the same masks as the uncompiled one (equal within float rounding) and a resumed
+    run the same numbers as an uninterrupted one. The wrapper shares the module's parameter tables, so
+    :func:`torch_bridge.models.binder` binds the step's tensors for it too; they are graph inputs, so new
+    tensors every step do not recompile.
+    """
+    return torch.compile(model, options={"fallback_random": True})
+
+
+def module_loss(model: nn.Module, loss_fn: UserLoss, compiled_model: nn.Module | None = None) -> LossFn:
     """The pure step's ``loss(params, buffers, batch, generator)`` for a module and a user-contract loss.
 
     During the call ``model`` holds ``params`` and ``buffers`` (restored afterwards), is in train mode when
     ``generator`` is given and eval mode when it is None, and torch's global RNG is seeded from ``generator``.
+    ``compiled_model`` (see :func:`compiled`), when given, is what ``loss_fn`` gets in training calls;
+    evaluation stays eager (a second compilation for a few evaluation batches would not pay for itself).
     """
     bind = binder(model)
 
@@ -130,5 +144,5 @@ def module_loss(model: nn.Module, loss_fn: UserLoss) -> LossFn:
             else:
                 torch.default_generator.manual_seed(seed)
         with bind(params, buffers):
-            return loss_fn(model, batch, generator)
+            return loss_fn(compiled_model if training and compiled_model is not None else model, batch, generator)
     return loss
