@@ -13,6 +13,9 @@ MODEL_MODULES = {
     "gpt": "functrain.models.gpt",
     "gpt2": "functrain.models.gpt2",
     "llama": "functrain.models.llama",
+    "mistral": "functrain.models.mistral",
+    "qwen2": "functrain.models.qwen2",
+    "qwen3": "functrain.models.qwen3",
 }
 
 

@@ -15,7 +15,7 @@ from typing import Any, Callable, Literal
 
 import numpy as np
 
-from functrain.models import gpt2, llama
+from functrain.models import gpt2, llama, mistral, qwen2, qwen3
 
 Path = tuple[str, ...]
 Kind = Literal["copy", "transpose", "split3"]
@@ -131,11 +131,16 @@ def _gpt2_ignorable(name: str, cfg: gpt2.GPT2Config) -> bool:
 
 
 def _llama_rules(cfg: llama.LlamaConfig) -> list[Rule]:
+    """Llama and the families sharing its module (Qwen2/3, Mistral): biases and q/k norms as the config says."""
     rules = [Rule("model.embed_tokens.weight", (("embed_tokens", "embedding"),))]
     for i in range(cfg.num_hidden_layers):
         hf, layer = f"model.layers.{i}", f"layers_{i}"
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            rules += _linear(f"{hf}.self_attn.{proj}", (layer, "self_attn", proj), cfg.attention_bias)
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            rules += _linear(f"{hf}.self_attn.{proj}", (layer, "self_attn", proj), cfg.qkv_bias)
+        rules += _linear(f"{hf}.self_attn.o_proj", (layer, "self_attn", "o_proj"), cfg.o_bias)
+        if cfg.qk_norm:
+            rules += [Rule(f"{hf}.self_attn.{norm}.weight", ((layer, "self_attn", norm, "scale"),))
+                      for norm in ("q_norm", "k_norm")]
         for proj in ("gate_proj", "up_proj", "down_proj"):
             rules += _linear(f"{hf}.mlp.{proj}", (layer, "mlp", proj), cfg.mlp_bias)
         for norm in ("input_layernorm", "post_attention_layernorm"):
@@ -155,6 +160,7 @@ def _llama_ignorable(name: str, cfg: llama.LlamaConfig) -> bool:
 
 ARCHITECTURES: dict[str, Architecture] = {
     "gpt2": Architecture("gpt2", gpt2, _gpt2_rules, _gpt2_canonical, _gpt2_ignorable),
-    "llama": Architecture("llama", llama, _llama_rules, lambda name: name,
-                          _llama_ignorable),
+    # model_type == model.name for the families that share Llama's module and tensor names.
+    **{name: Architecture(name, module, _llama_rules, lambda name: name, _llama_ignorable)
+       for name, module in (("llama", llama), ("mistral", mistral), ("qwen2", qwen2), ("qwen3", qwen3))},
 }
