@@ -55,7 +55,7 @@ def from_hf_config(hf: dict[str, Any]) -> GPT2Config:
 
 def to_hf_config(config: GPT2Config) -> dict[str, Any]:
     """An HF config.json dict that ``transformers.AutoModelForCausalLM`` loads as GPT2LMHeadModel."""
-    hf = config.model_dump(exclude={"name"})
+    hf = config.model_dump(exclude={"name", "lora"})
     hf.update(model_type="gpt2", architectures=["GPT2LMHeadModel"],
               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     return hf

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import pydantic
 
 from functrain.errors import ConfigError
+from functrain.lora import LoraConfig
 from functrain.models.kv_cache import causal_mask
 
 Array = jax.Array
@@ -26,6 +27,8 @@ class HFModelConfig(pydantic.BaseModel):
     bos_token_id: int | list[int] | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
+    # Fine-tuning with low-rank adapters (functrain.lora); not part of the HF config.
+    lora: LoraConfig | None = None
 
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any], **overrides: Any):

@@ -97,7 +97,7 @@ def config_from_hf(cls: type[LlamaConfig], hf: dict[str, Any], **overrides: Any)
 def config_to_hf(config: LlamaConfig, model_type: str, architecture: str, exclude: set[str] = frozenset(),
                  **extra: Any) -> dict[str, Any]:
     """An HF config.json dict (transformers 5 layout) for ``config``'s family (``exclude``: fields HF lacks)."""
-    hf = config.model_dump(exclude={"name", "rope_theta", "rope_scaling", *exclude})
+    hf = config.model_dump(exclude={"name", "rope_theta", "rope_scaling", "lora", *exclude})
     hf["num_key_value_heads"] = config.kv_heads
     hf["head_dim"] = config.attn_head_dim
     hf.update(model_type=model_type, architectures=[architecture], rope_parameters=hf_rope_parameters(config),
