@@ -1,0 +1,125 @@
+"""LoRA: exact trainable parameter count, frozen base weights, merged and PEFT exports equal to the adapter
+model, bitwise kill/resume, and one-line errors for bad targets."""
+
+import json
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+import peft
+import pytest
+import torch
+import transformers
+from flax.traverse_util import flatten_dict
+
+import functrain
+from functrain.checkpoint import load_params_and_meta
+from functrain.cli import main
+from functrain.errors import ConfigError
+from functrain.lora import LoraConfig, adapter_interceptor, lora_program
+from functrain.models import llama
+from functrain.step import trainable_only
+from test_hf_finetune import IDS, QUIET, tiny_llama_dir
+
+LORA = {"rank": 4, "alpha": 8.0, "dropout": 0.1, "targets": ["q_proj", "v_proj", "layers_1/mlp/*"]}
+
+
+def test_trainable_parameter_count_is_exact():
+    config = llama.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2)
+    rank, batch = 3, {"tokens": np.zeros((2, 9), np.int32), "weight": np.ones(2, np.float32)}
+    program = lora_program(llama.build(config), batch, "causal_lm", LoraConfig(rank=rank, targets=("q_proj", "v_proj")))
+    params, _ = program.init(jax.random.PRNGKey(0))
+    mask = program.trainable(params)
+    trainable = sum(leaf.size for leaf, m in zip(jax.tree.leaves(params), jax.tree.leaves(mask)) if m)
+    per_layer = (32 * rank + rank * 4 * 8) + (32 * rank + rank * 2 * 8)  # q: 4 heads x 8, v: 2 kv heads x 8
+    assert trainable == 2 * per_layer
+    opt_state = trainable_only(optax.adamw(1e-3), mask).init(params)
+    assert sum(leaf.size for leaf in jax.tree.leaves(opt_state)) == 2 * trainable + 1  # mu, nu and the count
+
+
+def adapter_logits(run_dir, step):
+    """Logits of the functrain model with its adapters, from the run's checkpoint."""
+    params, meta = load_params_and_meta(run_dir, step)
+    config = llama.LlamaConfig(**meta["model"])
+    with jax.default_matmul_precision("highest"), nn.intercept_methods(
+            adapter_interceptor(config.lora, False, jax.random.PRNGKey(0))):
+        return np.asarray(llama.build(config).apply({"params": params}, IDS))
+
+
+def hf_logits(model):
+    with torch.no_grad():
+        return model(torch.tensor(IDS)).logits.numpy()
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """A converted tiny Llama fine-tuned 3 steps with LoRA (checkpoints at 0 and 3)."""
+    tmp = tmp_path_factory.mktemp("lora")
+    tiny_llama_dir(tmp / "hf")
+    assert main(["convert", "hf-to-functrain", str(tmp / "hf"), str(tmp / "run")]) == 0
+    result = functrain.fit(str(tmp / "run" / "config.yaml"), **QUIET, **{
+        "train.max_steps": 3, "optimizer.learning_rate": 3e-2, "model.lora": LORA})
+    assert result.step == 3
+    return tmp
+
+
+def test_base_weights_stay_bit_identical_and_adapters_train(lora_run):
+    base, _ = load_params_and_meta(lora_run / "run", 0)
+    trained, _ = load_params_and_meta(lora_run / "run", 3)
+    base, trained = flatten_dict(base), flatten_dict(trained)
+    for path, leaf in base.items():
+        assert np.array_equal(trained[path], leaf), path
+    adapters = {path: leaf for path, leaf in trained.items() if path not in base}
+    assert len(adapters) == 2 * (2 * 2 + 3)  # q, v on both layers and the 3 MLP projections of layer 1
+    assert all(np.any(leaf != 0) for path, leaf in adapters.items() if path[-1] == "lora_b")
+
+
+def test_merged_export_and_peft_adapter_give_the_adapter_models_logits(lora_run, capsys):
+    expected = adapter_logits(lora_run / "run", 3)
+    assert main(["convert", "functrain-to-hf", str(lora_run / "run"), str(lora_run / "merged"), "--merge-lora"]) == 0
+    merged = transformers.AutoModelForCausalLM.from_pretrained(lora_run / "merged").eval()
+    np.testing.assert_allclose(hf_logits(merged), expected, atol=1e-5, rtol=0)
+
+    assert main(["convert", "functrain-to-hf", str(lora_run / "run"), str(lora_run / "adapter")]) == 0
+    adapter_config = json.loads((lora_run / "adapter" / "adapter_config.json").read_text())
+    assert adapter_config["r"] == 4 and adapter_config["lora_alpha"] == 8.0
+    base = transformers.AutoModelForCausalLM.from_pretrained(lora_run / "hf").eval()
+    with_adapter = peft.PeftModel.from_pretrained(base, lora_run / "adapter").eval()
+    np.testing.assert_allclose(hf_logits(with_adapter), expected, atol=1e-5, rtol=0)
+    assert np.abs(expected - hf_logits(transformers.AutoModelForCausalLM.from_pretrained(lora_run / "hf"))).max() > 1e-3
+
+
+def test_lora_run_resumes_bitwise(lora_run, capsys):
+    status = main(["verify-resume", str(lora_run / "run" / "config.yaml"), "--steps", "2",
+                   "train.steps_per_call=1", "data.seq_len=16", "data.global_batch_size=4", "data.eval_fraction=0",
+                   "model.lora={rank: 2, alpha: 4, dropout: 0.1, targets: [q_proj, down_proj]}"])
+    out = capsys.readouterr().out
+    assert status == 0 and out.startswith("PASS"), out
+
+
+def test_a_target_matching_nothing_is_one_line_exit_2(lora_run, capsys):
+    before = sorted(p.name for p in (lora_run / "run" / "checkpoints").iterdir())
+    status = main(["train", str(lora_run / "run" / "config.yaml"), "model.lora={rank: 2, targets: [q_proj, qkv]}"])
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and "\n" not in err and "'qkv' matches no projection" in err, err
+    assert sorted(p.name for p in (lora_run / "run" / "checkpoints").iterdir()) == before
+
+
+def test_merge_lora_without_adapters_is_an_error(tmp_path, capsys):
+    tiny_llama_dir(tmp_path / "hf")
+    assert main(["convert", "hf-to-functrain", str(tmp_path / "hf"), str(tmp_path / "run")]) == 0
+    assert main(["convert", "functrain-to-hf", str(tmp_path / "run"), str(tmp_path / "out"), "--merge-lora"]) == 2
+    assert "has no LoRA adapters" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_lora_settings_are_checked():
+    with pytest.raises(ValueError, match="rank"):
+        LoraConfig(rank=0)
+    with pytest.raises(ConfigError, match="'nothing' matches no projection"):
+        lora_program(llama.build(llama.LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8,
+                                                   num_hidden_layers=1, num_attention_heads=2)),
+                     {"tokens": np.zeros((1, 3), np.int32), "weight": np.ones(1)}, "causal_lm",
+                     LoraConfig(targets=("nothing",)))
