@@ -1,4 +1,4 @@
-"""Qwen2/2.5, Qwen3 and Mistral (and the RoPE scaling types they use): logits parity with transformers in both
+"""Qwen2/2.5, Qwen3, Mistral and Phi-3 (and the RoPE scaling types they use): logits parity with transformers in both
 directions, bit-exact bf16 round trips, and strict config checks.
 
 Each case is a tiny random transformers model whose window, head size or RoPE scaling actually changes the
@@ -23,6 +23,7 @@ FAMILIES = {
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
 }
 CASES = {
     "qwen2_sliding_upper_layers": ("qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1)),
@@ -33,6 +34,9 @@ CASES = {
                                            rope_scaling=dict(rope_type="linear", factor=2.0))),
     "mistral_window_headdim": ("mistral", dict(sliding_window=5, head_dim=12)),
     "llama_dynamic": ("llama", dict(max_position_embeddings=8, rope_scaling=dict(rope_type="dynamic", factor=2.0))),
+    "phi3_fused_window": ("phi3", dict(sliding_window=5)),
+    "phi3_longrope": ("phi3", dict(max_position_embeddings=32, original_max_position_embeddings=8, rope_scaling=dict(
+        rope_type="longrope", short_factor=[1.0, 1.1, 1.2, 1.3], long_factor=[1.5, 2.0, 3.0, 4.0]))),
 }
 
 
@@ -58,6 +62,7 @@ def highest_precision():
     ("qwen2_sliding_upper_layers", "safetensors_sharded"), ("qwen2_yarn_tied", "bin"),
     ("qwen3_bias_headdim", "bin_sharded"), ("qwen3_sliding_linear", "safetensors"),
     ("mistral_window_headdim", "safetensors"), ("llama_dynamic", "safetensors"),
+    ("phi3_fused_window", "bin_sharded"), ("phi3_longrope", "safetensors"),
 ])
 def test_logits_match_transformers_both_ways(tmp_path, highest_precision, case, layout):
     model = build_family_model(case)
@@ -87,7 +92,8 @@ def load_config_only(case: str):
     return hf, arch, arch.model.from_hf_config(hf)
 
 
-@pytest.mark.parametrize("case", ["qwen2_sliding_upper_layers", "qwen3_bias_headdim", "mistral_window_headdim"])
+@pytest.mark.parametrize("case", ["qwen2_sliding_upper_layers", "qwen3_bias_headdim", "mistral_window_headdim",
+                                  "phi3_longrope"])
 def test_bf16_round_trip_is_bit_exact(tmp_path, case):
     model = build_family_model(case, dtype=torch.bfloat16)
     model.save_pretrained(tmp_path / "in")
@@ -110,6 +116,8 @@ def test_bf16_round_trip_is_bit_exact(tmp_path, case):
      "extrapolation_mode"),
     ("qwen3", dict(rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=2.0, beta_fast=3.0)), "beta_fast"),
     ("llama", dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
+    ("phi3", dict(rope_parameters=dict(rope_type="longrope", rope_theta=1e4, short_factor=[1.0], long_factor=[1.0],
+                                       original_max_position_embeddings=8)), "short_factor has 1 entries"),
 ])
 def test_unimplemented_config_features_are_named(tmp_path, family, change, named):
     config_cls, model_cls = FAMILIES[family]

@@ -14,6 +14,7 @@ MODEL_MODULES = {
     "gpt2": "functrain.models.gpt2",
     "llama": "functrain.models.llama",
     "mistral": "functrain.models.mistral",
+    "phi3": "functrain.models.phi3",
     "qwen2": "functrain.models.qwen2",
     "qwen3": "functrain.models.qwen3",
 }

@@ -1,8 +1,10 @@
-"""Rotary position embeddings as HF computes them: default, ``linear``, ``dynamic``, ``yarn`` and ``llama3``.
+"""Rotary position embeddings as HF computes them: default, ``linear``, ``dynamic``, ``yarn``, ``llama3`` and
+``longrope`` (Phi-3).
 
 Frequencies follow ``transformers.modeling_rope_utils`` in float32 so that converted checkpoints give the same
-logits. ``dynamic`` (NTK) depends on the sequence length, so its frequencies are computed from the positions
-at run time (HF recomputes them once a sequence outgrows ``max_position_embeddings``); the others are constants.
+logits. ``dynamic`` (NTK) and ``longrope`` depend on the sequence length, so their frequencies are computed from
+the positions at run time (HF switches them once a sequence outgrows ``max_position_embeddings``, or
+``original_max_position_embeddings`` for longrope's long factors); the others are constants.
 """
 
 import math
@@ -19,8 +21,10 @@ _REQUIRED = {
     "dynamic": {"factor"},
     "yarn": {"factor", "original_max_position_embeddings"},
     "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+    "longrope": {"short_factor", "long_factor", "original_max_position_embeddings"},
 }
-_OPTIONAL = {"yarn": {"attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"}}
+_OPTIONAL = {"yarn": {"attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"},
+             "longrope": {"factor", "attention_factor"}}
 
 
 class RopeScaling(pydantic.BaseModel):
@@ -28,8 +32,8 @@ class RopeScaling(pydantic.BaseModel):
 
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
 
-    rope_type: Literal["linear", "dynamic", "yarn", "llama3"]
-    factor: float
+    rope_type: Literal["linear", "dynamic", "yarn", "llama3", "longrope"]
+    factor: float | None = None
     low_freq_factor: float | None = None
     high_freq_factor: float | None = None
     original_max_position_embeddings: int | None = None
@@ -39,6 +43,8 @@ class RopeScaling(pydantic.BaseModel):
     mscale: float | None = None
     mscale_all_dim: float | None = None
     truncate: bool | None = None
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
 
     @pydantic.model_validator(mode="after")
     def _keys_fit_the_type(self):
@@ -97,6 +103,20 @@ def _yarn(theta: float, dim: int, scaling: RopeScaling) -> tuple[np.ndarray, flo
     return inv_freq.astype(np.float32), float(attention_factor)
 
 
+def _longrope(config: Any, positions: jax.Array) -> tuple[jax.Array, float]:
+    # Per-frequency rescaling: the short factors up to original_max_position_embeddings, the long ones beyond.
+    scaling, dim = config.rope_scaling, config.attn_head_dim
+    original = scaling.original_max_position_embeddings
+    factor = scaling.factor or config.max_position_embeddings / original
+    attention_factor = scaling.attention_factor
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    wavelengths = np.float32(config.rope_theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+    short = (1.0 / (np.asarray(scaling.short_factor, np.float32) * wavelengths)).astype(np.float32)
+    long = (1.0 / (np.asarray(scaling.long_factor, np.float32) * wavelengths)).astype(np.float32)
+    return jnp.where(jnp.max(positions) + 1 > original, long, short), float(attention_factor)
+
+
 def frequencies(config: Any, positions: jax.Array) -> tuple[Any, float]:
     """``(inverse frequencies [D/2], cos/sin scale)`` for ``config`` (``rope_theta``, ``rope_scaling``,
     ``attn_head_dim``, ``max_position_embeddings``) at ``positions`` (only ``dynamic`` looks at them)."""
@@ -109,6 +129,8 @@ def frequencies(config: Any, positions: jax.Array) -> tuple[Any, float]:
         return _llama3(_base_frequencies(theta, dim), scaling).astype(np.float32), 1.0
     if scaling.rope_type == "yarn":
         return _yarn(theta, dim, scaling)
+    if scaling.rope_type == "longrope":
+        return _longrope(config, positions)
     # dynamic NTK: a larger base once the sequence is longer than max_position_embeddings.
     max_len = config.max_position_embeddings
     seq_len = jnp.maximum(jnp.max(positions) + 1, max_len).astype(jnp.float32)

@@ -6,6 +6,8 @@ them, so reading and writing are the same table run in two directions:
 - ``copy``: same layout (embeddings, norms, biases, GPT-2 ``Conv1D`` weights, which are already (in, out)).
 - ``transpose``: a torch ``Linear.weight`` (out, in) is a Flax ``kernel`` (in, out).
 - ``split3``: GPT-2's fused ``c_attn`` (in, 3·out) / (3·out,) is q, k, v along the last axis.
+- ``split_rows``: a fused torch ``Linear.weight`` (Phi-3's ``qkv_proj``, ``gate_up_proj``) is row blocks of
+  ``sizes``, each the transpose of one Flax kernel.
 """
 
 import dataclasses
@@ -15,10 +17,10 @@ from typing import Any, Callable, Literal
 
 import numpy as np
 
-from functrain.models import gpt2, llama, mistral, qwen2, qwen3
+from functrain.models import gpt2, llama, mistral, phi3, qwen2, qwen3
 
 Path = tuple[str, ...]
-Kind = Literal["copy", "transpose", "split3"]
+Kind = Literal["copy", "transpose", "split3", "split_rows"]
 
 
 def transpose_copy(array: np.ndarray) -> np.ndarray:
@@ -41,6 +43,7 @@ class Rule:
     hf_name: str
     paths: tuple[Path, ...]
     kind: Kind = "copy"
+    sizes: tuple[int, ...] = ()  # split_rows: rows of each block
 
     def functrain_shapes(self, hf_shape: tuple[int, ...]) -> tuple[tuple[int, ...], ...] | None:
         """Shapes of the leaves made from an HF tensor of ``hf_shape``, or None if it cannot be split."""
@@ -50,6 +53,10 @@ class Rule:
             if not hf_shape or hf_shape[-1] % 3:
                 return None
             return (hf_shape[:-1] + (hf_shape[-1] // 3,),) * 3
+        if self.kind == "split_rows":
+            if len(hf_shape) != 2 or hf_shape[0] != sum(self.sizes):
+                return None
+            return tuple((hf_shape[1], rows) for rows in self.sizes)
         return (tuple(hf_shape),)
 
     def hf_shape(self, shapes: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
@@ -58,6 +65,8 @@ class Rule:
             return tuple(reversed(shapes[0]))
         if self.kind == "split3":
             return shapes[0][:-1] + (3 * shapes[0][-1],)
+        if self.kind == "split_rows":
+            return (sum(shape[1] for shape in shapes), shapes[0][0])
         return shapes[0]
 
     def to_functrain(self, array: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -66,6 +75,8 @@ class Rule:
             return (transpose_copy(array),)
         if self.kind == "split3":
             return tuple(np.ascontiguousarray(part) for part in np.split(array, 3, axis=-1))
+        if self.kind == "split_rows":
+            return tuple(transpose_copy(part) for part in np.split(array, np.cumsum(self.sizes)[:-1], axis=0))
         return (array,)
 
     def to_hf(self, leaves: tuple[np.ndarray, ...]) -> np.ndarray:
@@ -74,6 +85,8 @@ class Rule:
             return transpose_copy(np.asarray(leaves[0]))
         if self.kind == "split3":
             return np.concatenate(leaves, axis=-1)
+        if self.kind == "split_rows":
+            return np.concatenate([transpose_copy(np.asarray(leaf)) for leaf in leaves], axis=0)
         return np.ascontiguousarray(leaves[0])
 
 
@@ -151,6 +164,22 @@ def _llama_rules(cfg: llama.LlamaConfig) -> list[Rule]:
     return rules
 
 
+def _phi3_rules(cfg: phi3.Phi3Config) -> list[Rule]:
+    """Llama's table with q/k/v and gate/up fused into one torch Linear each."""
+    q_rows, kv_rows = cfg.num_attention_heads * cfg.attn_head_dim, cfg.kv_heads * cfg.attn_head_dim
+    fused = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+    rules = [rule for rule in _llama_rules(cfg) if not any(f".{name}." in rule.hf_name for name in fused)]
+    for i in range(cfg.num_hidden_layers):
+        hf, layer = f"model.layers.{i}", f"layers_{i}"
+        rules += [Rule(f"{hf}.self_attn.qkv_proj.weight",
+                       tuple((layer, "self_attn", p, "kernel") for p in ("q_proj", "k_proj", "v_proj")),
+                       "split_rows", (q_rows, kv_rows, kv_rows)),
+                  Rule(f"{hf}.mlp.gate_up_proj.weight",
+                       tuple((layer, "mlp", p, "kernel") for p in ("gate_proj", "up_proj")),
+                       "split_rows", (cfg.intermediate_size,) * 2)]
+    return rules
+
+
 _LLAMA_BUFFERS = re.compile(r"model\.(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
 
 
@@ -163,4 +192,5 @@ ARCHITECTURES: dict[str, Architecture] = {
     # model_type == model.name for the families that share Llama's module and tensor names.
     **{name: Architecture(name, module, _llama_rules, lambda name: name, _llama_ignorable)
        for name, module in (("llama", llama), ("mistral", mistral), ("qwen2", qwen2), ("qwen3", qwen3))},
+    "phi3": Architecture("phi3", phi3, _phi3_rules, lambda name: name, _llama_ignorable),
 }
