@@ -1,4 +1,4 @@
-"""Qwen2/2.5, Qwen3, Mistral and Phi-3 (and the RoPE scaling types they use): logits parity with transformers in both
+"""Qwen2/2.5, Qwen3, Mistral, Phi-3 and Gemma 2 (and the RoPE scaling types they use): logits parity with transformers in both
 directions, bit-exact bf16 round trips, and strict config checks.
 
 Each case is a tiny random transformers model whose window, head size or RoPE scaling actually changes the
@@ -24,6 +24,7 @@ FAMILIES = {
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
 }
 CASES = {
     "qwen2_sliding_upper_layers": ("qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1)),
@@ -37,6 +38,10 @@ CASES = {
     "phi3_fused_window": ("phi3", dict(sliding_window=5)),
     "phi3_longrope": ("phi3", dict(max_position_embeddings=32, original_max_position_embeddings=8, rope_scaling=dict(
         rope_type="longrope", short_factor=[1.0, 1.1, 1.2, 1.3], long_factor=[1.5, 2.0, 3.0, 4.0]))),
+    # Caps small enough to bend the tiny model's scores and logits; global layer first to test layer_types.
+    "gemma2_softcap_alternating": ("gemma2", dict(head_dim=8, sliding_window=4, query_pre_attn_scalar=12,
+                                                  attn_logit_softcapping=0.5, final_logit_softcapping=2.0,
+                                                  layer_types=["full_attention", "sliding_attention"])),
 }
 
 
@@ -63,6 +68,7 @@ def highest_precision():
     ("qwen3_bias_headdim", "bin_sharded"), ("qwen3_sliding_linear", "safetensors"),
     ("mistral_window_headdim", "safetensors"), ("llama_dynamic", "safetensors"),
     ("phi3_fused_window", "bin_sharded"), ("phi3_longrope", "safetensors"),
+    ("gemma2_softcap_alternating", "safetensors_sharded"),
 ])
 def test_logits_match_transformers_both_ways(tmp_path, highest_precision, case, layout):
     model = build_family_model(case)
@@ -83,6 +89,8 @@ def test_windows_follow_the_hf_layer_types():
     assert [qwen2.attention_window(i) for i in range(2)] == [None, 4]
     _, _, mistral = load_config_only("mistral_window_headdim")
     assert [mistral.attention_window(i) for i in range(2)] == [5, 5]
+    _, _, gemma = load_config_only("gemma2_softcap_alternating")
+    assert [gemma.attention_window(i) for i in range(2)] == [None, 4]
 
 
 def load_config_only(case: str):
@@ -93,7 +101,7 @@ def load_config_only(case: str):
 
 
 @pytest.mark.parametrize("case", ["qwen2_sliding_upper_layers", "qwen3_bias_headdim", "mistral_window_headdim",
-                                  "phi3_longrope"])
+                                  "phi3_longrope", "gemma2_softcap_alternating"])
 def test_bf16_round_trip_is_bit_exact(tmp_path, case):
     model = build_family_model(case, dtype=torch.bfloat16)
     model.save_pretrained(tmp_path / "in")
@@ -116,6 +124,7 @@ def test_bf16_round_trip_is_bit_exact(tmp_path, case):
      "extrapolation_mode"),
     ("qwen3", dict(rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=2.0, beta_fast=3.0)), "beta_fast"),
     ("llama", dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
+    ("gemma2", dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
     ("phi3", dict(rope_parameters=dict(rope_type="longrope", rope_theta=1e4, short_factor=[1.0], long_factor=[1.0],
                                        original_max_position_embeddings=8)), "short_factor has 1 entries"),
 ])

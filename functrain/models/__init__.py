@@ -11,6 +11,7 @@ from typing import Any
 MODEL_MODULES = {
     "mlp": "functrain.models.mlp",
     "gpt": "functrain.models.gpt",
+    "gemma2": "functrain.models.gemma2",
     "gpt2": "functrain.models.gpt2",
     "llama": "functrain.models.llama",
     "mistral": "functrain.models.mistral",

@@ -123,12 +123,13 @@ def layer_norm(epsilon: float, *, dtype: Any, name: str) -> nn.LayerNorm:
 
 
 def causal_attention(q: Array, k: Array, v: Array, scale: float, positions: Array | None = None,
-                     window: int | None = None) -> Array:
+                     window: int | None = None, softcap: float | None = None) -> Array:
     """Causal softmax attention with grouped-query support.
 
     q: [B, T, H, D]; k, v: [B, S, KV, D] with H a multiple of KV; ``positions`` [T] are the queries'
     positions among the S keys (default ``0..T-1`` with S == T; later ones when decoding with a KV cache).
     ``window``: each query sees only the keys of its last ``window`` positions (sliding-window attention).
+    ``softcap``: scores become ``softcap * tanh(scores / softcap)`` before masking (Gemma 2).
     Scores and softmax run in float32 (as HF does for half precision); the result has q's dtype, [B, T, H, D].
     """
     batch, length, heads, head_dim = q.shape
@@ -136,6 +137,8 @@ def causal_attention(q: Array, k: Array, v: Array, scale: float, positions: Arra
     # Group query heads under their shared key/value head instead of repeating k and v in memory.
     q = q.reshape(batch, length, k.shape[2], groups, head_dim)
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
+    if softcap is not None:
+        scores = jnp.tanh(scores / softcap) * softcap
     causal = causal_mask(jnp.arange(length, dtype=jnp.int32) if positions is None else positions, k.shape[1],
                          window)
     scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)

@@ -17,7 +17,7 @@ from typing import Any, Callable, Literal
 
 import numpy as np
 
-from functrain.models import gpt2, llama, mistral, phi3, qwen2, qwen3
+from functrain.models import gemma2, gpt2, llama, mistral, phi3, qwen2, qwen3
 
 Path = tuple[str, ...]
 Kind = Literal["copy", "transpose", "split3", "split_rows"]
@@ -180,6 +180,25 @@ def _phi3_rules(cfg: phi3.Phi3Config) -> list[Rule]:
     return rules
 
 
+def _gemma2_rules(cfg: gemma2.Gemma2Config) -> list[Rule]:
+    rules = [Rule("model.embed_tokens.weight", (("embed_tokens", "embedding"),))]
+    for i in range(cfg.num_hidden_layers):
+        hf, layer = f"model.layers.{i}", f"layers_{i}"
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            rules += _linear(f"{hf}.self_attn.{proj}", (layer, "self_attn", proj), cfg.attention_bias)
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            rules += _linear(f"{hf}.mlp.{proj}", (layer, "mlp", proj), False)
+        for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm"):
+            rules.append(Rule(f"{hf}.{norm}.weight", ((layer, norm, "scale"),)))  # zero-centred in both
+    rules.append(Rule("model.norm.weight", (("norm", "scale"),)))
+    return rules
+
+
+def _gemma2_ignorable(name: str, cfg: gemma2.Gemma2Config) -> bool:
+    return name == "lm_head.weight" or name == "model.embed_tokens.embed_scale"  # tied head; a buffer
+
+
 _LLAMA_BUFFERS = re.compile(r"model\.(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
 
 
@@ -193,4 +212,5 @@ ARCHITECTURES: dict[str, Architecture] = {
     **{name: Architecture(name, module, _llama_rules, lambda name: name, _llama_ignorable)
        for name, module in (("llama", llama), ("mistral", mistral), ("qwen2", qwen2), ("qwen3", qwen3))},
     "phi3": Architecture("phi3", phi3, _phi3_rules, lambda name: name, _llama_ignorable),
+    "gemma2": Architecture("gemma2", gemma2, _gemma2_rules, lambda name: name, _gemma2_ignorable),
 }

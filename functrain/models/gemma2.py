@@ -1,0 +1,207 @@
+"""Gemma 2 as a Flax module with the maths of HF's ``Gemma2ForCausalLM``.
+
+What sets it apart from Llama: embeddings scaled by ``sqrt(hidden_size)``; RMSNorm computing
+``norm(x) * (1 + weight)`` in float32 (the weight is stored zero-centred); a norm before *and* after both the
+attention and the MLP; attention scaled by ``query_pre_attn_scalar ** -0.5`` with scores soft-capped by
+``attn_logit_softcapping``; sliding-window and global layers alternating as ``layer_types`` says; a GeGLU
+MLP (``hidden_activation``); the LM head tied to the embedding, its logits soft-capped by
+``final_logit_softcapping``. Parameter names mirror HF's.
+"""
+
+from typing import Any, Literal
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pydantic
+
+from functrain.errors import ConfigError
+from functrain.sharding import constrain_batch
+from functrain.models.hf_common import HFModelConfig, activation, causal_attention, check_activation, dense, embed
+from functrain.models.kv_cache import extend_cache, next_positions
+from functrain.models.rope import RopeScaling, apply_rope, frequencies, hf_rope_parameters, parse_hf_rope
+
+LayerType = Literal["full_attention", "sliding_attention"]
+
+
+class Gemma2Config(HFModelConfig):
+    """Gemma 2 hyper-parameters, named as in HF's config.json."""
+
+    name: Literal["gemma2"] = "gemma2"
+    vocab_size: int = pydantic.Field(256000, gt=0)
+    hidden_size: int = pydantic.Field(2304, gt=0)
+    intermediate_size: int = pydantic.Field(9216, gt=0)
+    num_hidden_layers: int = pydantic.Field(26, gt=0)
+    num_attention_heads: int = pydantic.Field(8, gt=0)
+    num_key_value_heads: int = pydantic.Field(4, gt=0)
+    head_dim: int = pydantic.Field(256, gt=0)
+    hidden_activation: str = "gelu_pytorch_tanh"
+    max_position_embeddings: int = pydantic.Field(8192, gt=0)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    attention_bias: bool = False
+    query_pre_attn_scalar: int = pydantic.Field(256, gt=0)
+    sliding_window: int | None = pydantic.Field(4096, gt=0)
+    layer_types: tuple[LayerType, ...] | None = None
+    attn_logit_softcapping: float | None = pydantic.Field(50.0, gt=0)
+    final_logit_softcapping: float | None = pydantic.Field(30.0, gt=0)
+    tie_word_embeddings: Literal[True] = True
+    initializer_range: float = 0.02
+
+    @pydantic.model_validator(mode="after")
+    def _consistent(self):
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads {self.num_key_value_heads}")
+        if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+        check_activation(self.hidden_activation)
+        return self
+
+    @property
+    def attn_head_dim(self) -> int:
+        """Per-head width (``head_dim``)."""
+        return self.head_dim
+
+    def attention_window(self, layer: int) -> int | None:
+        """``sliding_window`` on ``sliding_attention`` layers (by default every even-numbered one), else None."""
+        types = self.layer_types or tuple("sliding_attention" if i % 2 == 0 else "full_attention"
+                                          for i in range(self.num_hidden_layers))
+        return self.sliding_window if types[layer] == "sliding_attention" else None
+
+
+def from_hf_config(hf: dict[str, Any]) -> Gemma2Config:
+    """Gemma2Config from an HF config.json dict."""
+    if hf.get("use_bidirectional_attention"):
+        raise ConfigError("config.json: use_bidirectional_attention is not supported for gemma2; fix config.json")
+    try:
+        hf, scaling = parse_hf_rope(hf)
+    except ValueError as err:
+        raise ConfigError(f"config.json: {err} for gemma2; fix config.json") from None
+    return Gemma2Config.from_hf_dict(hf, **({"rope_scaling": scaling} if scaling else {}))
+
+
+def to_hf_config(config: Gemma2Config) -> dict[str, Any]:
+    """An HF config.json dict (transformers 5 layout) that loads as Gemma2ForCausalLM."""
+    hf = config.model_dump(exclude={"name", "rope_theta", "rope_scaling", "lora"})
+    hf.update(model_type="gemma2", architectures=["Gemma2ForCausalLM"], rope_parameters=hf_rope_parameters(config),
+              layer_types=["sliding_attention" if config.attention_window(i) else "full_attention"
+                           for i in range(config.num_hidden_layers)], attention_dropout=0.0)
+    return hf
+
+
+class GemmaRMSNorm(nn.Module):
+    """HF's Gemma2RMSNorm: ``norm(x) * (1 + weight)`` in float32, then cast (the weight starts at zero)."""
+
+    epsilon: float
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.zeros, ("norm",)),
+                           (x.shape[-1],), jnp.float32)
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.epsilon)
+        return (x32 * (1.0 + scale.astype(jnp.float32))).astype(self.dtype)
+
+
+def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
+    """``cap * tanh(x / cap)`` (identity when ``cap`` is None)."""
+    return x if cap is None else jnp.tanh(x / cap) * cap
+
+
+class Gemma2Attention(nn.Module):
+    """Grouped-query attention with RoPE, soft-capped scores and an optional sliding window."""
+
+    config: Gemma2Config
+    layer: int
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.config
+        heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        batch, length, _ = x.shape
+        std, bias = cfg.initializer_range, cfg.attention_bias
+
+        def proj(features, axes, name):
+            return dense(features, axes, use_bias=bias, dtype=self.dtype, init_std=std, name=name)
+
+        q = proj(heads * head_dim, ("embed", "heads"), "q_proj")(x).reshape(batch, length, heads, head_dim)
+        k = proj(kv_heads * head_dim, ("embed", "kv_heads"), "k_proj")(x).reshape(batch, length, kv_heads, head_dim)
+        v = proj(kv_heads * head_dim, ("embed", "kv_heads"), "v_proj")(x).reshape(batch, length, kv_heads, head_dim)
+        positions = next_positions(self, length)
+        inv_freq, rope_scale = frequencies(cfg, positions)
+        k, v = extend_cache(self, apply_rope(k, inv_freq, positions, rope_scale), v, positions)
+        out = causal_attention(apply_rope(q, inv_freq, positions, rope_scale), k, v,
+                               cfg.query_pre_attn_scalar ** -0.5, positions, window=cfg.attention_window(self.layer),
+                               softcap=cfg.attn_logit_softcapping)
+        return proj(cfg.hidden_size, ("heads", "embed"), "o_proj")(out.reshape(batch, length, heads * head_dim))
+
+
+class Gemma2Block(nn.Module):
+    """One decoder layer: norms before and after both the attention and the GeGLU MLP."""
+
+    config: Gemma2Config
+    layer: int
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.config
+
+        def norm(name):
+            return GemmaRMSNorm(cfg.rms_norm_eps, self.dtype, name=name)
+
+        attn = Gemma2Attention(cfg, self.layer, self.dtype, name="self_attn")(norm("input_layernorm")(x))
+        x = x + norm("post_attention_layernorm")(attn)
+        h = Gemma2MLP(cfg, self.dtype, name="mlp")(norm("pre_feedforward_layernorm")(x))
+        return x + norm("post_feedforward_layernorm")(h)
+
+
+class Gemma2MLP(nn.Module):
+    """GeGLU: down(act(gate(x)) * up(x))."""
+
+    config: Gemma2Config
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.config
+        std = cfg.initializer_range
+        gate = dense(cfg.intermediate_size, ("embed", "mlp"), use_bias=False, dtype=self.dtype, init_std=std,
+                     name="gate_proj")(x)
+        up = dense(cfg.intermediate_size, ("embed", "mlp"), use_bias=False, dtype=self.dtype, init_std=std,
+                   name="up_proj")(x)
+        return dense(cfg.hidden_size, ("mlp", "embed"), use_bias=False, dtype=self.dtype, init_std=std,
+                     name="down_proj")(activation(cfg.hidden_activation)(gate) * up)
+
+
+class Gemma2ForCausalLM(nn.Module):
+    """Gemma 2 language model: ``apply({"params": p}, input_ids[B, T]) -> float32 logits [B, T, vocab]``."""
+
+    config: Gemma2Config
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, input_ids, deterministic: bool = True):
+        """Logits for ``input_ids``; ``deterministic`` is accepted for the task interface (no dropout here)."""
+        cfg = self.config
+        tokens = embed(cfg.vocab_size, cfg.hidden_size, ("vocab", "embed"), dtype=self.dtype,
+                       init_std=cfg.initializer_range, name="embed_tokens")
+        # HF multiplies by sqrt(hidden) rounded to the compute dtype.
+        x = tokens(input_ids) * jnp.asarray(cfg.hidden_size ** 0.5, self.dtype)
+        x = constrain_batch(x)
+        for i in range(cfg.num_hidden_layers):
+            x = constrain_batch(Gemma2Block(cfg, i, self.dtype, name=f"layers_{i}")(x))
+        x = GemmaRMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(x)
+        return soft_cap(tokens.attend(x).astype(jnp.float32), cfg.final_logit_softcapping)
+
+
+def build(config: Gemma2Config, dtype: Any = jnp.float32) -> Gemma2ForCausalLM:
+    """The Flax module for ``config`` computing in ``dtype`` (params stay float32)."""
+    return Gemma2ForCausalLM(config, dtype=dtype)
+
+
+MODEL_SPEC = dict(config_cls=Gemma2Config, build=build, kind="causal_lm")
