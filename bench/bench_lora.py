@@ -5,7 +5,7 @@ the state donated); LoRA puts rank-``r`` adapters on every projection (q, k, v, 
 recipe. Reports steps/s of each (interleaved repeats, median of the paired ratios; wall clock, and CPU time of
 the process, which other jobs on a shared machine disturb less) and the optimizer-state bytes of each.
 
-    python bench/bench_lora.py [--layers 4] [--hidden 256] [--steps 20] [--repeats 5]
+    python bench/bench_lora.py [--layers 2] [--hidden 512] [--batch 4] [--steps 4] [--repeats 3]
 """
 
 import argparse
@@ -40,6 +40,12 @@ def build(program, trainable, batch):
     return jax.jit(step, donate_argnums=0), state
 
 
+def compiled_flops(step, state, batch) -> float:
+    """XLA's FLOP count of one compiled step (a machine-independent view of the work saved)."""
+    analysis = step.lower(state, batch).compile().cost_analysis()
+    return (analysis[0] if isinstance(analysis, list) else analysis).get("flops", 0.0)
+
+
 def timed(step, state, batch, steps):
     state, metrics = step(state, batch)  # compiled on the first call
     jax.block_until_ready(metrics)
@@ -52,14 +58,14 @@ def timed(step, state, batch, steps):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--rank", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     config = llama.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3,
                                num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
@@ -80,6 +86,9 @@ def main() -> None:
     print(f"Llama-shaped: {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, {params:,} params; "
           f"batch {args.batch} x {args.seq} tokens, LoRA rank {args.rank} on {', '.join(TARGETS)}; "
           f"{jax.devices()[0].platform}")
+    full_flops, lora_flops = compiled_flops(full_step, full_state, batch), compiled_flops(lora_step, lora_state, batch)
+    print(f"XLA FLOPs per step: full {full_flops / 1e9:.2f} G, LoRA {lora_flops / 1e9:.2f} G "
+          f"(full / LoRA {full_flops / lora_flops:.2f}x)")
     full_bytes, lora_bytes = state_bytes(full_state), state_bytes(lora_state)
     print(f"optimizer state: full {full_bytes / 2**20:.2f} MiB, LoRA {lora_bytes / 2**20:.3f} MiB "
           f"({100 * lora_bytes / full_bytes:.2f}% of full; target <= 5%)")

@@ -92,11 +92,6 @@ def adapter_paths(params: Any) -> list[Path]:
     return [path[:-1] for path in flatten_dict(params) if path[-1] == ADAPTER_A]
 
 
-def base_params(params: Any) -> Any:
-    """``params`` without the adapters."""
-    return unflatten_dict({p: v for p, v in flatten_dict(params).items() if not is_adapter(p)})
-
-
 def merged_params(params: Any, scale: float) -> Any:
     """Base params with each adapted kernel replaced by ``kernel + scale * lora_a @ lora_b`` (float32)."""
     flat = dict(flatten_dict(params))

@@ -1,5 +1,5 @@
-"""Qwen2/2.5, Qwen3, Mistral, Phi-3 and Gemma 2 (and the RoPE scaling types they use): logits parity with transformers in both
-directions, bit-exact bf16 round trips, and strict config checks.
+"""Qwen2/2.5, Qwen3, Mistral, Phi-3 and Gemma 2 (and the RoPE scaling types they use): logits parity with
+transformers in both directions, bit-exact bf16 round trips, and strict config checks.
 
 Each case is a tiny random transformers model whose window, head size or RoPE scaling actually changes the
 logits for the 12-token test input (window 4-5, ``max_position_embeddings`` 8 for ``dynamic``).

@@ -8,7 +8,6 @@ optional attention/MLP biases, and a tied or separate LM head. Parameter names m
 from typing import Any, Literal
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import pydantic
 
