@@ -123,3 +123,14 @@ def test_lora_settings_are_checked():
                                                    num_hidden_layers=1, num_attention_heads=2)),
                      {"tokens": np.zeros((1, 3), np.int32), "weight": np.ones(1)}, "causal_lm",
                      LoraConfig(targets=("nothing",)))
+
+
+def test_finetune_lora_example_matches_the_tiny_model_its_header_builds():
+    from functrain.config import load_config
+    from functrain.models import qwen2
+    config = load_config("configs/finetune_lora.yaml")
+    hf = transformers.Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                  tie_word_embeddings=True)
+    assert config.model == qwen2.from_hf_config(hf.to_dict()).model_copy(update={"lora": config.model.lora})
+    assert config.model.lora.targets[0] == "q_proj"
