@@ -2,6 +2,10 @@
 model, bitwise kill/resume, and one-line errors for bad targets."""
 
 import json
+import shutil
+import signal
+import subprocess
+import sys
 
 import flax.linen as nn
 import jax
@@ -20,7 +24,9 @@ from functrain.errors import ConfigError
 from functrain.lora import LoraConfig, adapter_interceptor, lora_program
 from functrain.models import llama
 from functrain.step import trainable_only
+from conftest import REPO_ROOT, cli_env
 from test_hf_finetune import IDS, QUIET, tiny_llama_dir
+from test_resume_bitwise import DRIVER, _digest, _train_losses
 
 LORA = {"rank": 4, "alpha": 8.0, "dropout": 0.1, "targets": ["q_proj", "v_proj", "layers_1/mlp/*"]}
 
@@ -91,12 +97,26 @@ def test_merged_export_and_peft_adapter_give_the_adapter_models_logits(lora_run,
     assert np.abs(expected - hf_logits(transformers.AutoModelForCausalLM.from_pretrained(lora_run / "hf"))).max() > 1e-3
 
 
-def test_lora_run_resumes_bitwise(lora_run, capsys):
-    status = main(["verify-resume", str(lora_run / "run" / "config.yaml"), "--steps", "2",
-                   "train.steps_per_call=1", "data.seq_len=16", "data.global_batch_size=4", "data.eval_fraction=0",
-                   "model.lora={rank: 2, alpha: 4, dropout: 0.1, targets: [q_proj, down_proj]}"])
-    out = capsys.readouterr().out
-    assert status == 0 and out.startswith("PASS"), out
+def test_lora_run_killed_and_resumed_is_bitwise_identical(lora_run):
+    """From the converted base (fresh adapters), one run straight through, one SIGKILLed after dispatching its
+    3rd step and resumed: same params digest and losses (the killed attempt runs in a subprocess)."""
+    overrides = ["train.max_steps=4", "train.steps_per_call=1", "checkpoint.every_steps=2", "log.every_steps=1",
+                 "log.progress=false", "data.seq_len=16", "data.global_batch_size=4", "data.eval_fraction=0",
+                 "model.lora={rank: 2, alpha: 4, dropout: 0.1, targets: [q_proj, down_proj]}"]
+    runs = {}
+    for name in ("straight", "killed"):
+        runs[name] = lora_run / name
+        shutil.copytree(lora_run / "run" / "checkpoints" / "0", runs[name] / "checkpoints" / "0")
+    config = str(lora_run / "run" / "config.yaml")
+    assert main(["train", config, f"run.dir={runs['straight']}", *overrides]) == 0
+    killed = subprocess.run([sys.executable, "-c", DRIVER, "train", config, f"run.dir={runs['killed']}", *overrides],
+                            cwd=REPO_ROOT, env=cli_env(FT_KILL="call:3"), capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert main(["train", config, f"run.dir={runs['killed']}", *overrides]) == 0
+    assert _digest(runs["killed"]) == _digest(runs["straight"])
+    straight = dict(_train_losses(runs["straight"]))
+    assert sorted(straight) == [1, 2, 3, 4]
+    assert all(loss == straight[step] for step, loss in _train_losses(runs["killed"]))
 
 
 def test_a_target_matching_nothing_is_one_line_exit_2(lora_run, capsys):
