@@ -3,7 +3,6 @@
 import json
 import string
 
-import numpy as np
 import pytest
 import transformers
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers

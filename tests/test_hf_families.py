@@ -1,4 +1,4 @@
-"""Qwen2/2.5, Qwen3, Mistral, Phi-3 and Gemma 2 (and the RoPE scaling types they use): logits parity with
+"""Qwen2/2.5, Qwen3, Mistral, Phi-3, Gemma 2 and Gemma 3 (and the RoPE scaling types they use): logits parity with
 transformers in both directions, bit-exact bf16 round trips, and strict config checks.
 
 Each case is a tiny random transformers model whose window, head size or RoPE scaling actually changes the
@@ -25,6 +25,7 @@ FAMILIES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+    "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
 }
 CASES = {
     "qwen2_sliding_upper_layers": ("qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1)),
@@ -42,6 +43,10 @@ CASES = {
     "gemma2_softcap_alternating": ("gemma2", dict(head_dim=8, sliding_window=4, query_pre_attn_scalar=12,
                                                   attn_logit_softcapping=0.5, final_logit_softcapping=2.0,
                                                   layer_types=["full_attention", "sliding_attention"])),
+    "gemma3_qk_norm_local_rope": ("gemma3_text", dict(
+        head_dim=8, sliding_window=4, query_pre_attn_scalar=12, layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})),
 }
 
 
@@ -68,7 +73,7 @@ def highest_precision():
     ("qwen3_bias_headdim", "bin_sharded"), ("qwen3_sliding_linear", "safetensors"),
     ("mistral_window_headdim", "safetensors"), ("llama_dynamic", "safetensors"),
     ("phi3_fused_window", "bin_sharded"), ("phi3_longrope", "safetensors"),
-    ("gemma2_softcap_alternating", "safetensors_sharded"),
+    ("gemma2_softcap_alternating", "safetensors_sharded"), ("gemma3_qk_norm_local_rope", "bin"),
 ])
 def test_logits_match_transformers_both_ways(tmp_path, highest_precision, case, layout):
     model = build_family_model(case)
@@ -101,7 +106,7 @@ def load_config_only(case: str):
 
 
 @pytest.mark.parametrize("case", ["qwen2_sliding_upper_layers", "qwen3_bias_headdim", "mistral_window_headdim",
-                                  "phi3_longrope", "gemma2_softcap_alternating"])
+                                  "phi3_longrope", "gemma2_softcap_alternating", "gemma3_qk_norm_local_rope"])
 def test_bf16_round_trip_is_bit_exact(tmp_path, case):
     model = build_family_model(case, dtype=torch.bfloat16)
     model.save_pretrained(tmp_path / "in")
@@ -125,6 +130,9 @@ def test_bf16_round_trip_is_bit_exact(tmp_path, case):
     ("qwen3", dict(rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=2.0, beta_fast=3.0)), "beta_fast"),
     ("llama", dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
     ("gemma2", dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+    ("gemma3_text", dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                          "sliding_attention": {"rope_type": "linear", "factor": 2.0}}),
+     "sliding layers support only the default rope"),
     ("phi3", dict(rope_parameters=dict(rope_type="longrope", rope_theta=1e4, short_factor=[1.0], long_factor=[1.0],
                                        original_max_position_embeddings=8)), "short_factor has 1 entries"),
 ])

@@ -12,6 +12,7 @@ MODEL_MODULES = {
     "mlp": "functrain.models.mlp",
     "gpt": "functrain.models.gpt",
     "gemma2": "functrain.models.gemma2",
+    "gemma3_text": "functrain.models.gemma3",
     "gpt2": "functrain.models.gpt2",
     "llama": "functrain.models.llama",
     "mistral": "functrain.models.mistral",

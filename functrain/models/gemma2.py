@@ -8,7 +8,7 @@ MLP (``hidden_activation``); the LM head tied to the embedding, its logits soft-
 ``final_logit_softcapping``. Parameter names mirror HF's.
 """
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import flax.linen as nn
 import jax
@@ -64,31 +64,54 @@ class Gemma2Config(HFModelConfig):
         """Per-head width (``head_dim``)."""
         return self.head_dim
 
+    # What Gemma 3 changes, overridden by its config subclass (functrain.models.gemma3).
+    sliding_window_pattern: ClassVar[int] = 2  # default layer_types: every n-th layer global, the others sliding
+
     def attention_window(self, layer: int) -> int | None:
-        """``sliding_window`` on ``sliding_attention`` layers (by default every even-numbered one), else None."""
-        types = self.layer_types or tuple("sliding_attention" if i % 2 == 0 else "full_attention"
-                                          for i in range(self.num_hidden_layers))
+        """``sliding_window`` on ``sliding_attention`` layers (by default all but every n-th), else None."""
+        types = self.layer_types or tuple("full_attention" if (i + 1) % self.sliding_window_pattern == 0
+                                          else "sliding_attention" for i in range(self.num_hidden_layers))
         return self.sliding_window if types[layer] == "sliding_attention" else None
+
+    @property
+    def qk_norm(self) -> bool:
+        """Whether queries and keys are RMS-normalised per head (``q_norm``/``k_norm``)."""
+        return False
+
+    def rope_for(self, layer: int) -> Any:
+        """The rope settings (``rope_theta``, ``rope_scaling``) of ``layer``: the same on every Gemma 2 layer."""
+        return self
+
+
+def config_from_hf(cls: type[Gemma2Config], hf: dict[str, Any]) -> Gemma2Config:
+    """``cls`` (Gemma2Config or Gemma 3's) from an HF config.json dict; unimplemented settings are named."""
+    name = cls.model_fields["name"].default
+    if hf.get("use_bidirectional_attention"):
+        raise ConfigError(f"config.json: use_bidirectional_attention is not supported for {name}; fix config.json")
+    try:
+        hf, scaling = parse_hf_rope(hf)
+    except ValueError as err:
+        raise ConfigError(f"config.json: {err} for {name}; fix config.json") from None
+    return cls.from_hf_dict(hf, **({"rope_scaling": scaling} if scaling else {}))
+
+
+def config_to_hf(config: Gemma2Config, model_type: str, architecture: str) -> dict[str, Any]:
+    """An HF config.json dict (transformers 5 layout) for ``config``'s family."""
+    hf = config.model_dump(exclude={"name", "rope_theta", "rope_scaling", "lora"})
+    hf.update(model_type=model_type, architectures=[architecture], rope_parameters=hf_rope_parameters(config),
+              layer_types=["sliding_attention" if config.attention_window(i) else "full_attention"
+                           for i in range(config.num_hidden_layers)], attention_dropout=0.0)
+    return hf
 
 
 def from_hf_config(hf: dict[str, Any]) -> Gemma2Config:
     """Gemma2Config from an HF config.json dict."""
-    if hf.get("use_bidirectional_attention"):
-        raise ConfigError("config.json: use_bidirectional_attention is not supported for gemma2; fix config.json")
-    try:
-        hf, scaling = parse_hf_rope(hf)
-    except ValueError as err:
-        raise ConfigError(f"config.json: {err} for gemma2; fix config.json") from None
-    return Gemma2Config.from_hf_dict(hf, **({"rope_scaling": scaling} if scaling else {}))
+    return config_from_hf(Gemma2Config, hf)
 
 
 def to_hf_config(config: Gemma2Config) -> dict[str, Any]:
     """An HF config.json dict (transformers 5 layout) that loads as Gemma2ForCausalLM."""
-    hf = config.model_dump(exclude={"name", "rope_theta", "rope_scaling", "lora"})
-    hf.update(model_type="gemma2", architectures=["Gemma2ForCausalLM"], rope_parameters=hf_rope_parameters(config),
-              layer_types=["sliding_attention" if config.attention_window(i) else "full_attention"
-                           for i in range(config.num_hidden_layers)], attention_dropout=0.0)
-    return hf
+    return config_to_hf(config, "gemma2", "Gemma2ForCausalLM")
 
 
 class GemmaRMSNorm(nn.Module):
@@ -131,8 +154,11 @@ class Gemma2Attention(nn.Module):
         q = proj(heads * head_dim, ("embed", "heads"), "q_proj")(x).reshape(batch, length, heads, head_dim)
         k = proj(kv_heads * head_dim, ("embed", "kv_heads"), "k_proj")(x).reshape(batch, length, kv_heads, head_dim)
         v = proj(kv_heads * head_dim, ("embed", "kv_heads"), "v_proj")(x).reshape(batch, length, kv_heads, head_dim)
+        if cfg.qk_norm:
+            q = GemmaRMSNorm(cfg.rms_norm_eps, self.dtype, name="q_norm")(q)
+            k = GemmaRMSNorm(cfg.rms_norm_eps, self.dtype, name="k_norm")(k)
         positions = next_positions(self, length)
-        inv_freq, rope_scale = frequencies(cfg, positions)
+        inv_freq, rope_scale = frequencies(cfg.rope_for(self.layer), positions)
         k, v = extend_cache(self, apply_rope(k, inv_freq, positions, rope_scale), v, positions)
         out = causal_attention(apply_rope(q, inv_freq, positions, rope_scale), k, v,
                                cfg.query_pre_attn_scalar ** -0.5, positions, window=cfg.attention_window(self.layer),

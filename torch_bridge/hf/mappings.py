@@ -17,7 +17,7 @@ from typing import Any, Callable, Literal
 
 import numpy as np
 
-from functrain.models import gemma2, gpt2, llama, mistral, phi3, qwen2, qwen3
+from functrain.models import gemma2, gemma3, gpt2, llama, mistral, phi3, qwen2, qwen3
 
 Path = tuple[str, ...]
 Kind = Literal["copy", "transpose", "split3", "split_rows"]
@@ -181,11 +181,15 @@ def _phi3_rules(cfg: phi3.Phi3Config) -> list[Rule]:
 
 
 def _gemma2_rules(cfg: gemma2.Gemma2Config) -> list[Rule]:
+    """Gemma 2 and 3 (text)."""
     rules = [Rule("model.embed_tokens.weight", (("embed_tokens", "embedding"),))]
     for i in range(cfg.num_hidden_layers):
         hf, layer = f"model.layers.{i}", f"layers_{i}"
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
             rules += _linear(f"{hf}.self_attn.{proj}", (layer, "self_attn", proj), cfg.attention_bias)
+        if cfg.qk_norm:  # Gemma 3
+            rules += [Rule(f"{hf}.self_attn.{norm}.weight", ((layer, "self_attn", norm, "scale"),))
+                      for norm in ("q_norm", "k_norm")]
         for proj in ("gate_proj", "up_proj", "down_proj"):
             rules += _linear(f"{hf}.mlp.{proj}", (layer, "mlp", proj), False)
         for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
@@ -213,4 +217,5 @@ ARCHITECTURES: dict[str, Architecture] = {
        for name, module in (("llama", llama), ("mistral", mistral), ("qwen2", qwen2), ("qwen3", qwen3))},
     "phi3": Architecture("phi3", phi3, _phi3_rules, lambda name: name, _llama_ignorable),
     "gemma2": Architecture("gemma2", gemma2, _gemma2_rules, lambda name: name, _gemma2_ignorable),
+    "gemma3_text": Architecture("gemma3_text", gemma3, _gemma2_rules, lambda name: name, _gemma2_ignorable),
 }
