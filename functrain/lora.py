@@ -104,6 +104,14 @@ def merged_params(params: Any, scale: float) -> Any:
     return unflatten_dict(flat)
 
 
+def merged_for_inference(params: Any, model_config: Any) -> Any:
+    """``params`` ready for the plain model: adapters merged when the run trained some (as they are otherwise)."""
+    settings = getattr(model_config, "lora", None)
+    if settings is None or not adapter_paths(params):
+        return params
+    return merged_params(params, settings.scale)
+
+
 def adapter_interceptor(settings: LoraConfig, train: bool, rng: jax.Array) -> Callable:
     """A ``nn.intercept_methods`` interceptor adding the adapter path to every Dense that carries adapters."""
     def intercept(next_fun, args, kwargs, context):

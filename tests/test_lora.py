@@ -97,6 +97,15 @@ def test_merged_export_and_peft_adapter_give_the_adapter_models_logits(lora_run,
     assert np.abs(expected - hf_logits(transformers.AutoModelForCausalLM.from_pretrained(lora_run / "hf"))).max() > 1e-3
 
 
+def test_generate_decodes_with_the_adapters(lora_run):
+    from functrain.generate import load_language_model
+    model, params, step = load_language_model(lora_run / "run")
+    assert step == 3 and "lora_a" not in str(jax.tree_util.tree_structure(params))
+    with jax.default_matmul_precision("highest"):
+        np.testing.assert_allclose(np.asarray(model.apply({"params": params}, IDS)), adapter_logits(lora_run / "run", 3),
+                                   atol=1e-5, rtol=0)
+
+
 def test_lora_run_killed_and_resumed_is_bitwise_identical(lora_run):
     """From the converted base (fresh adapters), one run straight through, one SIGKILLed after dispatching its
     3rd step and resumed: same params digest and losses (the killed attempt runs in a subprocess)."""
