@@ -18,7 +18,7 @@ from functrain.errors import ConfigError
 from functrain.offload import check_offload, offload_opt_state, streaming_optimizer
 from functrain.precision import COMPUTE_DTYPES, LOSS_SCALE_INIT, PARAM_DTYPES, cast_floating
 from functrain.state import TrainState
-from functrain.step import make_eval_step, make_train_call, make_train_step
+from functrain.step import make_eval_step, make_train_call, make_train_step, trainable_only
 from functrain.program import Program
 
 # TrainState fields saved in the checkpoint's "state" item (params are an item of their own).
@@ -52,11 +52,15 @@ class JaxBackend:
         compute_dtype = COMPUTE_DTYPES[config.train.compute_dtype]
         param_dtype = PARAM_DTYPES[config.train.param_dtype]
         dynamic_scale = config.train.loss_scale == "dynamic"
+        trainable = None
+        if program.trainable is not None:  # frozen leaves (LoRA's base weights): no gradient, no optimizer state
+            trainable = program.trainable(jax.eval_shape(program.init, jax.random.PRNGKey(0))[0])
+            tx = trainable_only(tx, trainable)
         self.tx, self.schedule = tx, schedule
         train_step = make_train_step(
             program.loss_fn, tx, micro_batches=micro, clip_norm=config.train.clip_norm,
             compute_dtype=compute_dtype, dynamic_loss_scale=dynamic_scale,
-            learning_rate_fn=schedule, stateful=True)
+            learning_rate_fn=schedule, stateful=True, trainable=trainable)
         eval_step = make_eval_step(program.eval_loss_fn, compute_dtype=compute_dtype, stateful=True)
 
         def fresh_state(params: Any, model_state: Any, run_key: jax.Array) -> TrainState:
@@ -102,7 +106,9 @@ class JaxBackend:
     def restore_targets(self) -> dict[str, Any]:
         """Abstract checkpoint items with the current shardings (so a restore lands on this mesh)."""
         targets = _with_shardings(self.abstract_state, self.state_shardings)
-        return {"params": targets.params, "state": {name: getattr(targets, name) for name in STATE_FIELDS}}
+        # A program that completes restored params (LoRA on a converted base model) reads them as saved.
+        params = None if self.program.complete_params is not None else targets.params
+        return {"params": params, "state": {name: getattr(targets, name) for name in STATE_FIELDS}}
 
     def state_to_items(self, state: TrainState) -> dict[str, Any]:
         """The checkpoint items of ``state``."""
@@ -112,6 +118,9 @@ class JaxBackend:
         """Rebuild a state from restored items (no initial state is built beside it, so a resume needs no
         more memory than the state); without a ``state`` item the optimizer starts fresh."""
         params = items["params"]
+        if self.program.complete_params is not None:
+            init_key = jax.random.split(jax.random.PRNGKey(self.config.seed))[0]  # as create_state's
+            params = jax.device_put(self.program.complete_params(params, init_key), self.param_shardings)
         if items.get("state") is None:
             with jax.set_mesh(self.mesh):
                 return self._state_for_params(params, self.config.seed)

@@ -238,6 +238,8 @@ def make_backend(config: Any, parts: Parts, example_batch: dict[str, np.ndarray]
             from torch_bridge.backend import make_backend as make_torch_backend
         except ImportError as exc:
             raise ConfigError(f"backend: torch needs PyTorch ({exc}); pip install 'functrain[torch]'") from None
+        if getattr(config.model, "lora", None) is not None:
+            raise ConfigError("model.lora needs backend: jax; remove model.lora or set backend: jax")
         if parts.optimizer is not None:
             raise ConfigError(f"{parts.optimizer[1]} is an optax optimizer, which backend: torch does not run; "
                               f"use optimizer.name")
@@ -247,7 +249,15 @@ def make_backend(config: Any, parts: Parts, example_batch: dict[str, np.ndarray]
     from functrain.backend import JaxBackend
     from functrain.optim import config_schedule, named_optimizer, resolve_optimizer as as_transformation
     from functrain.program import as_program
-    program = as_program(parts.model, example_batch, kind=parts.kind, loss_fn=parts.loss_fn)
+    lora = getattr(config.model, "lora", None)
+    if lora is not None:
+        from functrain.lora import lora_program
+        if parts.loss_fn is not None or parts.kind is None:
+            raise ConfigError("model.lora trains a registry model with its built-in loss; remove loss_fn= or "
+                              "model.lora")
+        program = lora_program(parts.model, example_batch, parts.kind, lora)
+    else:
+        program = as_program(parts.model, example_batch, kind=parts.kind, loss_fn=parts.loss_fn)
     schedule = config_schedule(config.optimizer, max_steps)
     if parts.optimizer is None:
         tx, reported = named_optimizer(config.optimizer, schedule), schedule

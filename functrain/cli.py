@@ -40,6 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     to_hf.add_argument("run_dir")
     to_hf.add_argument("out_dir")
     to_hf.add_argument("--step", type=int, default=None)
+    to_hf.add_argument("--merge-lora", action="store_true",
+                       help="a LoRA run: write merged weights (default: a PEFT adapter directory)")
 
     plot = commands.add_parser("plot", help="loss, learning rate, grad norm, throughput of runs in one PNG")
     plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
@@ -172,7 +174,7 @@ def _convert(args: argparse.Namespace) -> int:
         print(f"functrain: wrote checkpoint step {step} to {args.run_dir}; fine-tune with "
               f"functrain train {args.run_dir}/config.yaml")
     else:
-        out = convert.run_dir_to_hf(args.run_dir, args.out_dir, args.step)
+        out = convert.run_dir_to_hf(args.run_dir, args.out_dir, args.step, merge_lora=args.merge_lora)
         print(f"functrain: wrote {out}")
     return 0
 

@@ -178,9 +178,11 @@ def load_language_model(run_dir: str | os.PathLike, step: int | None = None) -> 
                           f"converted HF checkpoints)")
     if model_spec(raw_model["name"])["kind"] != "causal_lm":
         raise ConfigError(f"model {raw_model['name']!r} of {run_dir} is not a language model; generate needs "
-                          f"gpt, gpt2 or llama")
+                          f"a causal LM (gpt, gpt2, llama, ...)")
     model_config = model_config_class(raw_model["name"]).model_validate(raw_model)
-    return build_model(for_sampling(model_config)), params, int(meta.get("step", step or 0))
+    from functrain.lora import merged_for_inference  # a LoRA run decodes with its adapters merged in
+    return (build_model(for_sampling(model_config)), merged_for_inference(params, model_config),
+            int(meta.get("step", step or 0)))
 
 
 def prepare_prompt(ids: np.ndarray, model_config: Any, max_new_tokens: int) -> np.ndarray:

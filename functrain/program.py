@@ -1,10 +1,13 @@
 """A Program: what the JAX backend needs from a model, whatever framework wrote it.
 
-    Program(init, loss_fn, eval_loss_fn, logical_specs)
+    Program(init, loss_fn, eval_loss_fn, logical_specs, trainable=None, complete_params=None)
       init(rng) -> (params, model_state)                          # float32 params; {} when nothing mutable
       loss_fn(params, model_state, batch, rng) -> (loss_sum, weight, aux_sums, model_state)   # training mode
       eval_loss_fn(...)                                            # the same in evaluation mode
       logical_specs() -> tree of PartitionSpec of logical axis names (PartitionSpec() where none)
+      trainable(params) -> tree of bools: the leaves the step trains (None: all); the rest stay frozen
+      complete_params(restored_params, init_rng) -> params: fills what a restored checkpoint lacks (LoRA
+        adapters on a converted base model); None: checkpoints restore straight onto the params' shardings
 
 Adapters turn user code into one (:func:`as_program`):
 
@@ -47,6 +50,8 @@ class Program:
     loss_fn: Callable
     eval_loss_fn: Callable
     logical_specs: Callable[[], Any]
+    trainable: Callable[[Any], Any] | None = None
+    complete_params: Callable[[Any, jax.Array], Any] | None = None
 
 
 class FunctionalModel(NamedTuple):

@@ -54,16 +54,18 @@ class SampleWriter(Callback):
 
     def on_evaluate(self, view: RunView, metrics: dict[str, float]) -> None:
         from functrain.generate import Sampling, decode_tokens, encode_prompt, prepare_prompt
+        from functrain.lora import merged_for_inference
         if view.state is None:
             return
         settings = self.settings
+        params = merged_for_inference(view.state.params, self.model.config)  # LoRA: the adapters take part
         ids = prepare_prompt(encode_prompt(settings.prompt, self.model.config.vocab_size, self.tokenizer),
                              self.model.config, settings.max_new_tokens)
         records = []
         for index in range(settings.count):
             sampling = Sampling(settings.max_new_tokens, settings.temperature, settings.top_k,
                                 seed=view.step * 1000 + index)
-            tokens = self.generator(view.state.params, ids[None], sampling)[0]
+            tokens = self.generator(params, ids[None], sampling)[0]
             records.append({"step": view.step, "index": index, "prompt": settings.prompt,
                             "text": decode_tokens(tokens, self.tokenizer)})
         if not view.is_primary:

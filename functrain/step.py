@@ -81,6 +81,27 @@ def _gradient_sums(loss_fn: Callable, params: Any, model_state: Any, batch: Batc
     return grads, loss_sum, weight, aux, model_state
 
 
+def select(tree: Any, mask: Any, keep: bool = True) -> Any:
+    """``tree`` with the leaves where ``mask`` is not ``keep`` replaced by None (an empty subtree)."""
+    return jax.tree.map(lambda m, x: x if m == keep else None, mask, tree)
+
+
+def combine(mask: Any, trained: Any, frozen: Any) -> Any:
+    """The full tree from its two `select` halves."""
+    return jax.tree.map(lambda m, a, b: a if m else b, mask, trained, frozen, is_leaf=lambda x: x is None)
+
+
+def trainable_only(tx: optax.GradientTransformation, trainable: Any) -> optax.GradientTransformation:
+    """``tx`` keeping state for the ``trainable`` leaves only; its updates take and give those leaves only
+    (the `select`-ed tree), as `make_train_step` with ``trainable`` passes them."""
+    def init(params):
+        return tx.init(select(params, trainable))
+
+    def update(updates, state, params=None):
+        return tx.update(updates, state, None if params is None else select(params, trainable))
+    return optax.GradientTransformation(init, update)
+
+
 def _clip_by_global_norm(grads: Any, grad_norm: jax.Array, clip_norm: float) -> Any:
     """optax.clip_by_global_norm's rule, reusing the norm the step already computed."""
     scale = jnp.where(grad_norm < clip_norm, 1.0, clip_norm / grad_norm)
@@ -91,7 +112,8 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, *, micr
                     clip_norm: float | None = None,
                     compute_dtype: Any = None, dynamic_loss_scale: bool = False,
                     learning_rate_fn: Callable[[jax.Array], jax.Array] | None = None,
-                    stateful: bool = False) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
+                    stateful: bool = False,
+                    trainable: Any = None) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
     """Build the pure ``train_step(state, batch) -> (state, metrics)``.
 
     Args:
@@ -104,6 +126,8 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, *, micr
       dynamic_loss_scale: scale the loss for float16 compute, halving the scale on overflow.
       learning_rate_fn: the schedule, reported as the ``learning_rate`` metric (None: no such metric).
       stateful: ``loss_fn`` takes and returns ``model_state`` (see the module docstring).
+      trainable: a tree of bools shaped like the params: only those leaves are differentiated and updated,
+        the others stay frozen (LoRA); ``tx`` must then be wrapped with `trainable_only`. None: all train.
 
     A non-finite loss or gradient never reaches the parameters: that update is skipped (params, optimizer
     and model state stay as they were), counted in ``skipped_steps`` and flagged by the ``nonfinite``
@@ -117,9 +141,18 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, *, micr
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         scale = state.loss_scale if dynamic_loss_scale else jnp.ones((), jnp.float32)
+        if trainable is None:
+            params, loss, frozen = state.params, full_loss, None
+        else:
+            # Differentiate the trainable leaves only: the frozen ones enter as constants, so XLA never
+            # computes their gradients and the optimizer never sees them.
+            params, frozen = select(state.params, trainable), select(state.params, trainable, False)
+            frozen_compute = cast_floating(frozen, compute_dtype)
+
+            def loss(p, ms, b, key):
+                return full_loss(combine(trainable, p, frozen_compute), ms, b, key)
         grad_sums, loss_sum, weight, aux, new_model_state = _gradient_sums(
-            full_loss, state.params, state.model_state, batch, state.step_key(), micro_batches,
-            compute_dtype, scale)
+            loss, params, state.model_state, batch, state.step_key(), micro_batches, compute_dtype, scale)
         # One division by the global weight; max() keeps an all-padding batch from dividing by zero.
         denominator = jnp.maximum(weight, 1e-12)
         grads = jax.tree.map(lambda g: g / (scale * denominator), grad_sums)
@@ -130,9 +163,11 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, *, micr
             grads = _clip_by_global_norm(grads, grad_norm, clip_norm)
 
         # The optimizer sees gradients in the parameters' dtype, so its state keeps its dtypes step after step.
-        updates, new_opt_state = tx.update(cast_like(grads, state.params), state.opt_state, state.params)
-        new_params = optax.apply_updates(state.params, updates)
+        updates, new_opt_state = tx.update(cast_like(grads, params), state.opt_state, state.params)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+        new_params = keep(optax.apply_updates(params, updates), params)
+        if trainable is not None:
+            new_params = combine(trainable, new_params, frozen)
 
         if dynamic_loss_scale:
             loss_scale, good_steps = update_loss_scale(state.loss_scale, state.good_steps, finite)
@@ -143,7 +178,7 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, *, micr
         nonfinite = (~jnp.isfinite(loss) if dynamic_loss_scale else ~finite).astype(jnp.int32)
         nonfinite_steps = state.nonfinite_steps + nonfinite
         new_state = state.replace(
-            step=state.step + 1, params=keep(new_params, state.params),
+            step=state.step + 1, params=new_params,
             opt_state=keep(new_opt_state, state.opt_state),
             model_state=keep(new_model_state, state.model_state),
             loss_scale=loss_scale, good_steps=good_steps, skipped_steps=skipped, nonfinite_steps=nonfinite_steps)

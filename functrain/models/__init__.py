@@ -11,8 +11,14 @@ from typing import Any
 MODEL_MODULES = {
     "mlp": "functrain.models.mlp",
     "gpt": "functrain.models.gpt",
+    "gemma2": "functrain.models.gemma2",
+    "gemma3_text": "functrain.models.gemma3",
     "gpt2": "functrain.models.gpt2",
     "llama": "functrain.models.llama",
+    "mistral": "functrain.models.mistral",
+    "phi3": "functrain.models.phi3",
+    "qwen2": "functrain.models.qwen2",
+    "qwen3": "functrain.models.qwen3",
 }
 
 

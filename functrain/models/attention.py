@@ -8,7 +8,9 @@
 - ``auto``: ``cudnn`` where it can run, else ``xla``.
 
 Masks: always causal; with ``segment_ids`` [B, T] (packed sequences) a token also attends only to tokens of
-its own segment. Grouped-query heads (fewer key/value heads than query heads) are grouped under their shared
+its own segment; with ``window`` only to the keys of its last ``window`` positions (sliding-window attention,
+Mistral, Qwen2, Phi-3, Gemma). Soft-capped scores (Gemma 2) have no fused form: those layers run the same
+maths written out (scores and softmax in float32). Grouped-query heads (fewer key/value heads than query heads) are grouped under their shared
 key/value head by the kernel; keys and values are never repeated in memory. When decoding with a KV cache
 (:mod:`functrain.models.kv_cache`) the queries sit at given slots of a longer cache, so the mask is written
 out and the XLA kernel runs (one new token gains nothing from a flash kernel).
@@ -65,7 +67,8 @@ def segment_mask(segment_ids: Array) -> Array:
 
 
 def attend(query: Array, key: Array, value: Array, *, scale: float, kernel: str,
-           segment_ids: Array | None = None, query_slots: Array | None = None) -> Array:
+           segment_ids: Array | None = None, query_slots: Array | None = None, window: int | None = None,
+           softcap: float | None = None) -> Array:
     """Causal softmax attention.
 
     Args:
@@ -75,14 +78,36 @@ def attend(query: Array, key: Array, value: Array, *, scale: float, kernel: str,
       segment_ids: optional ``[B, T]`` int: tokens attend only within their segment (whole sequences only).
       query_slots: when decoding with a cache, the queries' ``[T]`` slots among the S cached keys (keys at
         later slots are masked); None for a whole sequence (S == T).
+      window: attend only to the keys of the last ``window`` positions (None: all earlier keys).
+      softcap: scores become ``softcap * tanh(scores / softcap)`` before masking (Gemma 2).
 
     Returns ``[B, T, H, D]`` in the query's dtype.
     """
+    if query_slots is not None and segment_ids is not None:
+        raise ValueError("segment_ids are for whole sequences, not for decoding with a KV cache")
+    if softcap is not None:
+        return _written_out(query, key, value, scale, query_slots, segment_ids, window, softcap)
     if query_slots is not None:
-        if segment_ids is not None:
-            raise ValueError("segment_ids are for whole sequences, not for decoding with a KV cache")
-        mask = causal_mask(query_slots, key.shape[1])[None, None]
+        mask = causal_mask(query_slots, key.shape[1], window)[None, None]
         return jax.nn.dot_product_attention(query, key, value, mask=mask, scale=scale, implementation="xla")
     mask = None if segment_ids is None else segment_mask(segment_ids)
+    local = None if window is None else (window - 1, 0)
     return jax.nn.dot_product_attention(query, key, value, mask=mask, scale=scale, is_causal=True,
-                                        implementation=kernel)
+                                        local_window_size=local, implementation=kernel)
+
+
+def _written_out(query: Array, key: Array, value: Array, scale: float, query_slots: Array | None,
+                 segment_ids: Array | None, window: int | None, softcap: float) -> Array:
+    """Soft-capped attention, which no fused kernel offers: grouped-query einsums, float32 scores."""
+    batch, length, heads, head_dim = query.shape
+    kv_heads = key.shape[2]
+    # Group query heads under their shared key/value head instead of repeating k and v in memory.
+    grouped = query.reshape(batch, length, kv_heads, heads // kv_heads, head_dim)
+    scores = jnp.einsum("btkgd,bskd->bkgts", grouped, key, preferred_element_type=jnp.float32) * scale
+    scores = jnp.tanh(scores / softcap) * softcap
+    slots = jnp.arange(length, dtype=jnp.int32) if query_slots is None else query_slots
+    mask = causal_mask(slots, key.shape[1], window)[None, None, None]
+    if segment_ids is not None:
+        mask = mask & segment_mask(segment_ids)[:, :, None]
+    probs = jax.nn.softmax(jnp.where(mask, scores, jnp.finfo(jnp.float32).min), axis=-1).astype(value.dtype)
+    return jnp.einsum("bkgts,bskd->btkgd", probs, value).reshape(batch, length, heads, head_dim)

@@ -6,7 +6,7 @@ gives the same logits to float32 precision; see `torch_bridge.hf` for the weight
 [B, T] int32 for packed sequences (see :func:`token_positions`).
 """
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import flax.linen as nn
 import jax
@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import pydantic
 
 from functrain.errors import ConfigError
+from functrain.lora import LoraConfig
 from functrain.models.options import RUNTIME_KEYS, RuntimeOptions
 
 Array = jax.Array
@@ -29,6 +30,8 @@ class HFModelConfig(RuntimeOptions):
     bos_token_id: int | list[int] | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
+    # Fine-tuning with low-rank adapters (functrain.lora); not part of the HF config.
+    lora: LoraConfig | None = None
 
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any], **overrides: Any):
@@ -123,9 +126,9 @@ def layer_norm(epsilon: float, *, dtype: Any, name: str) -> nn.LayerNorm:
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("norm",)), name=name)
 
 
-def hf_config_dict(config: HFModelConfig) -> dict[str, Any]:
-    """The config's HF keys as a dict (without ``name`` and the runtime options)."""
-    return config.model_dump(exclude={"name", *RUNTIME_KEYS})
+def hf_config_dict(config: HFModelConfig, exclude: Iterable[str] = ()) -> dict[str, Any]:
+    """The config's HF keys as a dict: without ``name``, the runtime options, ``lora`` and ``exclude``."""
+    return config.model_dump(exclude={"name", "lora", *RUNTIME_KEYS, *exclude})
 
 
 def token_positions(slots: Array, positions: Array | None, batch: int) -> Array:

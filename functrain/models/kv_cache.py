@@ -53,10 +53,13 @@ def extend_cache(module: nn.Module, key: Array, value: Array, positions: Array) 
     return cached_key.value, cached_value.value
 
 
-def causal_mask(positions: Array, kv_length: int) -> Array:
+def causal_mask(positions: Array, kv_length: int, window: int | None = None) -> Array:
     """``[T, S]``: query at ``positions[t]`` sees keys at positions ``<= positions[t]`` (a lower triangle when
-    the queries are the whole sequence; later cache slots, still empty, are masked when decoding)."""
-    return positions[:, None] >= jnp.arange(kv_length, dtype=jnp.int32)[None, :]
+    the queries are the whole sequence; later cache slots, still empty, are masked when decoding), and with a
+    ``window`` only those ``> positions[t] - window`` (HF's sliding-window overlay)."""
+    keys = jnp.arange(kv_length, dtype=jnp.int32)[None, :]
+    mask = positions[:, None] >= keys
+    return mask if window is None else mask & (keys > positions[:, None] - window)
 
 
 def zeros_like_shapes(shapes: Any) -> Any:

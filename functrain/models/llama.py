@@ -9,13 +9,10 @@ optional attention/MLP biases, and a tied or separate LM head. Parameter names m
 at 0 per document) drive RoPE. ``model.attention`` / ``model.remat``: :mod:`functrain.models.options`.
 """
 
-import math
 from typing import Any, Literal
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
-import numpy as np
 import pydantic
 
 from functrain.errors import ConfigError
@@ -25,18 +22,7 @@ from functrain.models.hf_common import (HFModelConfig, RMSNorm, activation, chec
                                         hf_config_dict, token_positions)
 from functrain.models.kv_cache import decoding, extend_cache, next_positions
 from functrain.models.remat import check_remat, remat_block
-
-
-class RopeScaling(pydantic.BaseModel):
-    """HF ``rope_parameters``/``rope_scaling`` beyond the plain theta: only ``llama3`` is supported."""
-
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
-
-    rope_type: Literal["llama3"] = "llama3"
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+from functrain.models.rope import RopeScaling, apply_rope, frequencies, hf_rope_parameters, parse_hf_rope
 
 
 class LlamaConfig(HFModelConfig):
@@ -82,68 +68,56 @@ class LlamaConfig(HFModelConfig):
         """Per-head width: ``head_dim`` or ``hidden_size // num_attention_heads``."""
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
+    # What the Llama-shaped families (Qwen2/3, Mistral) change, overridden by their config subclasses.
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether q/k/v projections carry a bias."""
+        return self.attention_bias
+
+    @property
+    def o_bias(self) -> bool:
+        """Whether the output projection carries a bias."""
+        return self.attention_bias
+
+    @property
+    def qk_norm(self) -> bool:
+        """Whether queries and keys are RMS-normalised per head before RoPE (``q_norm``/``k_norm``)."""
+        return False
+
+    def attention_window(self, layer: int) -> int | None:
+        """Sliding-window size of ``layer``'s attention (keys within the last ``window`` positions); None: full."""
+        return None
+
+
+def config_from_hf(cls: type[LlamaConfig], hf: dict[str, Any], **overrides: Any) -> LlamaConfig:
+    """``cls`` (LlamaConfig or a family's subclass) from an HF config.json dict, old (``rope_theta``/
+    ``rope_scaling``) or v5 (``rope_parameters``) layout; a rope setting it does not implement is named."""
+    try:
+        hf, scaling = parse_hf_rope(hf)
+    except ValueError as err:
+        raise ConfigError(f"config.json: {err} for {cls.model_fields['name'].default}; fix config.json") from None
+    return cls.from_hf_dict(hf, **({"rope_scaling": scaling} if scaling else {}), **overrides)
+
+
+def config_to_hf(config: LlamaConfig, model_type: str, architecture: str, exclude: set[str] = frozenset(),
+                 **extra: Any) -> dict[str, Any]:
+    """An HF config.json dict (transformers 5 layout) for ``config``'s family (``exclude``: fields HF lacks)."""
+    hf = hf_config_dict(config, exclude={"rope_theta", "rope_scaling", *exclude})
+    hf["num_key_value_heads"] = config.kv_heads
+    hf["head_dim"] = config.attn_head_dim
+    hf.update(model_type=model_type, architectures=[architecture], rope_parameters=hf_rope_parameters(config),
+              attention_dropout=0.0, **extra)
+    return hf
+
 
 def from_hf_config(hf: dict[str, Any]) -> LlamaConfig:
-    """LlamaConfig from an HF config.json dict, old (``rope_theta``/``rope_scaling``) or v5 (``rope_parameters``)."""
-    hf = dict(hf)
-    parameters, legacy_scaling = hf.pop("rope_parameters", None), hf.pop("rope_scaling", None)
-    rope = dict(parameters or legacy_scaling or {})
-    rope_type = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
-    rope.pop("type", None)
-    if "rope_theta" in rope:
-        hf["rope_theta"] = rope.pop("rope_theta")
-    if rope.pop("partial_rotary_factor", 1.0) != 1.0:
-        raise ConfigError("config.json: partial_rotary_factor other than 1.0 is not supported for llama")
-    if rope_type not in ("default", "llama3"):
-        raise ConfigError(f"config.json: rope type {rope_type!r} is not supported; use 'default' or 'llama3'")
-    extra = {"rope_scaling": {"rope_type": rope_type, **rope}} if rope_type == "llama3" else {}
-    return LlamaConfig.from_hf_dict(hf, **extra)
+    """LlamaConfig from an HF config.json dict."""
+    return config_from_hf(LlamaConfig, hf)
 
 
 def to_hf_config(config: LlamaConfig) -> dict[str, Any]:
     """An HF config.json dict (transformers 5 layout) that loads as LlamaForCausalLM."""
-    hf = hf_config_dict(config)
-    del hf["rope_theta"], hf["rope_scaling"]
-    hf["num_key_value_heads"] = config.kv_heads
-    hf["head_dim"] = config.attn_head_dim
-    rope = {"rope_theta": config.rope_theta, "rope_type": "default"}
-    if config.rope_scaling is not None:
-        rope.update(config.rope_scaling.model_dump())
-    hf.update(model_type="llama", architectures=["LlamaForCausalLM"], rope_parameters=rope,
-              attention_dropout=0.0, pretraining_tp=1)
-    return hf
-
-
-def rope_inverse_frequencies(config: LlamaConfig) -> np.ndarray:
-    """Float32 inverse frequencies as HF computes them (including llama3 scaling)."""
-    dim = config.attn_head_dim
-    inv_freq = 1.0 / (np.float32(config.rope_theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))
-    scaling = config.rope_scaling
-    if scaling is None:
-        return inv_freq.astype(np.float32)
-    # Llama 3.x: slow down low frequencies by `factor`, blend smoothly in the medium band.
-    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
-    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = ((scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor)
-              / (scaling.high_freq_factor - scaling.low_freq_factor))
-    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return np.where(medium, smoothed, scaled).astype(np.float32)
-
-
-def apply_rope(x: jax.Array, inv_freq: np.ndarray, positions: jax.Array | None = None) -> jax.Array:
-    """Rotate x [B, T, H, D] by position (``[B, T]`` or ``[T]``, default ``0..T-1``) using HF's rotate-half
-    layout (first half pairs with second)."""
-    positions = jnp.arange(x.shape[1]) if positions is None else positions
-    positions = jnp.broadcast_to(positions, x.shape[:2])
-    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
-    angles = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
-    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
+    return config_to_hf(config, "llama", "LlamaForCausalLM", pretraining_tp=1)
 
 
 class LlamaAttention(nn.Module):
@@ -151,27 +125,31 @@ class LlamaAttention(nn.Module):
 
     config: LlamaConfig
     dtype: Any
+    layer: int = 0
 
     @nn.compact
     def __call__(self, x, segment_ids=None, positions=None):
         cfg = self.config
         heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.kv_heads, cfg.attn_head_dim
         batch, length, _ = x.shape
-        std, bias = cfg.initializer_range, cfg.attention_bias
+        std, bias = cfg.initializer_range, cfg.qkv_bias
         q = dense(heads * head_dim, ("embed", "heads"), use_bias=bias, dtype=self.dtype, init_std=std,
                   name="q_proj")(x).reshape(batch, length, heads, head_dim)
         k = dense(kv_heads * head_dim, ("embed", "kv_heads"), use_bias=bias, dtype=self.dtype, init_std=std,
                   name="k_proj")(x).reshape(batch, length, kv_heads, head_dim)
         v = dense(kv_heads * head_dim, ("embed", "kv_heads"), use_bias=bias, dtype=self.dtype, init_std=std,
                   name="v_proj")(x).reshape(batch, length, kv_heads, head_dim)
-        inv_freq = rope_inverse_frequencies(cfg)
+        if cfg.qk_norm:
+            q = RMSNorm(cfg.rms_norm_eps, self.dtype, name="q_norm")(q)
+            k = RMSNorm(cfg.rms_norm_eps, self.dtype, name="k_norm")(k)
         slots = next_positions(self, length)
         rope_positions = token_positions(slots, positions, batch)
-        k, v = extend_cache(self, apply_rope(k, inv_freq, rope_positions), v, slots)
-        out = attend(apply_rope(q, inv_freq, rope_positions), k, v, scale=head_dim ** -0.5,
+        inv_freq, rope_scale = frequencies(cfg, slots)
+        k, v = extend_cache(self, apply_rope(k, inv_freq, rope_positions, rope_scale), v, slots)
+        out = attend(apply_rope(q, inv_freq, rope_positions, rope_scale), k, v, scale=head_dim ** -0.5,
                      kernel=attention_kernel(cfg.attention, self.dtype, head_dim), segment_ids=segment_ids,
-                     query_slots=slots if decoding(self) else None)
-        return dense(cfg.hidden_size, ("heads", "embed"), use_bias=bias, dtype=self.dtype, init_std=std,
+                     query_slots=slots if decoding(self) else None, window=cfg.attention_window(self.layer))
+        return dense(cfg.hidden_size, ("heads", "embed"), use_bias=cfg.o_bias, dtype=self.dtype, init_std=std,
                      name="o_proj")(out.reshape(batch, length, heads * head_dim))
 
 
@@ -198,11 +176,12 @@ class LlamaBlock(nn.Module):
 
     config: LlamaConfig
     dtype: Any
+    layer: int = 0
 
     @nn.compact
     def __call__(self, x, segment_ids=None, positions=None):
         eps = self.config.rms_norm_eps
-        x = x + LlamaAttention(self.config, self.dtype, name="self_attn")(
+        x = x + LlamaAttention(self.config, self.dtype, self.layer, name="self_attn")(
             RMSNorm(eps, self.dtype, name="input_layernorm")(x), segment_ids, positions)
         return x + LlamaMLP(self.config, self.dtype, name="mlp")(
             RMSNorm(eps, self.dtype, name="post_attention_layernorm")(x))
@@ -225,7 +204,7 @@ class LlamaForCausalLM(nn.Module):
         x = constrain_batch(x)  # the batch axis stays put; FSDP weights are gathered (see sharding.py)
         block = remat_block(LlamaBlock, cfg.remat)
         for i in range(cfg.num_hidden_layers):
-            x = constrain_batch(block(cfg, self.dtype, name=f"layers_{i}")(x, segment_ids, positions))
+            x = constrain_batch(block(cfg, self.dtype, i, name=f"layers_{i}")(x, segment_ids, positions))
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(x)
         if cfg.tie_word_embeddings:
             logits = tokens.attend(x)

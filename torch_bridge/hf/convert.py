@@ -14,9 +14,11 @@ import yaml
 
 from functrain.checkpoint import load_params_and_meta
 from functrain.errors import CheckpointError
+from functrain.lora import adapter_paths, merged_params
 
 from torch_bridge.hf import run_store
 from torch_bridge.hf.mappings import ARCHITECTURES
+from torch_bridge.hf.peft_adapter import write_adapter_dir
 from torch_bridge.hf.pretrained import read_params, save_pretrained
 
 
@@ -74,8 +76,12 @@ def hf_to_run_dir(hf_dir: str, run_dir: str) -> int:
     return 0
 
 
-def run_dir_to_hf(run_dir: str, out_dir: str, step: int | None) -> str:
-    """Export RUN_DIR's checkpoint at ``step`` (default: the latest) to OUT_DIR as an HF directory."""
+def run_dir_to_hf(run_dir: str, out_dir: str, step: int | None, merge_lora: bool = False) -> str:
+    """Export RUN_DIR's checkpoint at ``step`` (default: the latest) to OUT_DIR as an HF directory.
+
+    A LoRA run exports its adapters as a PEFT adapter directory, or with ``merge_lora`` the base weights
+    with the adapters merged in (``kernel + alpha / rank * lora_a @ lora_b``) as a plain HF directory.
+    """
     params, meta = load_params_and_meta(Path(run_dir).resolve(), step)
     model = dict(meta.get("model") or {})
     arch = ARCHITECTURES.get(model.get("name"))
@@ -83,4 +89,11 @@ def run_dir_to_hf(run_dir: str, out_dir: str, step: int | None) -> str:
         raise CheckpointError(f"{run_dir}: model {model.get('name')!r} cannot be exported to HF; "
                               f"supported: {', '.join(sorted(ARCHITECTURES))}")
     config = arch.model.MODEL_SPEC["config_cls"](**model)
+    has_adapters = bool(adapter_paths(params))
+    if merge_lora and not has_adapters:
+        raise CheckpointError(f"{run_dir}: --merge-lora given but the checkpoint has no LoRA adapters; drop it")
+    if has_adapters and not merge_lora:
+        return write_adapter_dir(params, config, arch, os.fspath(out_dir), meta.get("converted_from"))
+    if has_adapters:
+        params = merged_params(params, config.lora.scale)
     return save_pretrained(params, config, os.fspath(out_dir))

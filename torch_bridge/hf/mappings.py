@@ -6,6 +6,8 @@ them, so reading and writing are the same table run in two directions:
 - ``copy``: same layout (embeddings, norms, biases, GPT-2 ``Conv1D`` weights, which are already (in, out)).
 - ``transpose``: a torch ``Linear.weight`` (out, in) is a Flax ``kernel`` (in, out).
 - ``split3``: GPT-2's fused ``c_attn`` (in, 3·out) / (3·out,) is q, k, v along the last axis.
+- ``split_rows``: a fused torch ``Linear.weight`` (Phi-3's ``qkv_proj``, ``gate_up_proj``) is row blocks of
+  ``sizes``, each the transpose of one Flax kernel.
 """
 
 import dataclasses
@@ -15,10 +17,10 @@ from typing import Any, Callable, Literal
 
 import numpy as np
 
-from functrain.models import gpt2, llama
+from functrain.models import gemma2, gemma3, gpt2, llama, mistral, phi3, qwen2, qwen3
 
 Path = tuple[str, ...]
-Kind = Literal["copy", "transpose", "split3"]
+Kind = Literal["copy", "transpose", "split3", "split_rows"]
 
 
 def transpose_copy(array: np.ndarray) -> np.ndarray:
@@ -41,6 +43,7 @@ class Rule:
     hf_name: str
     paths: tuple[Path, ...]
     kind: Kind = "copy"
+    sizes: tuple[int, ...] = ()  # split_rows: rows of each block
 
     def functrain_shapes(self, hf_shape: tuple[int, ...]) -> tuple[tuple[int, ...], ...] | None:
         """Shapes of the leaves made from an HF tensor of ``hf_shape``, or None if it cannot be split."""
@@ -50,6 +53,10 @@ class Rule:
             if not hf_shape or hf_shape[-1] % 3:
                 return None
             return (hf_shape[:-1] + (hf_shape[-1] // 3,),) * 3
+        if self.kind == "split_rows":
+            if len(hf_shape) != 2 or hf_shape[0] != sum(self.sizes):
+                return None
+            return tuple((hf_shape[1], rows) for rows in self.sizes)
         return (tuple(hf_shape),)
 
     def hf_shape(self, shapes: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
@@ -58,6 +65,8 @@ class Rule:
             return tuple(reversed(shapes[0]))
         if self.kind == "split3":
             return shapes[0][:-1] + (3 * shapes[0][-1],)
+        if self.kind == "split_rows":
+            return (sum(shape[1] for shape in shapes), shapes[0][0])
         return shapes[0]
 
     def to_functrain(self, array: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -66,6 +75,8 @@ class Rule:
             return (transpose_copy(array),)
         if self.kind == "split3":
             return tuple(np.ascontiguousarray(part) for part in np.split(array, 3, axis=-1))
+        if self.kind == "split_rows":
+            return tuple(transpose_copy(part) for part in np.split(array, np.cumsum(self.sizes)[:-1], axis=0))
         return (array,)
 
     def to_hf(self, leaves: tuple[np.ndarray, ...]) -> np.ndarray:
@@ -74,6 +85,8 @@ class Rule:
             return transpose_copy(np.asarray(leaves[0]))
         if self.kind == "split3":
             return np.concatenate(leaves, axis=-1)
+        if self.kind == "split_rows":
+            return np.concatenate([transpose_copy(np.asarray(leaf)) for leaf in leaves], axis=0)
         return np.ascontiguousarray(leaves[0])
 
 
@@ -131,11 +144,16 @@ def _gpt2_ignorable(name: str, cfg: gpt2.GPT2Config) -> bool:
 
 
 def _llama_rules(cfg: llama.LlamaConfig) -> list[Rule]:
+    """Llama and the families sharing its module (Qwen2/3, Mistral): biases and q/k norms as the config says."""
     rules = [Rule("model.embed_tokens.weight", (("embed_tokens", "embedding"),))]
     for i in range(cfg.num_hidden_layers):
         hf, layer = f"model.layers.{i}", f"layers_{i}"
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            rules += _linear(f"{hf}.self_attn.{proj}", (layer, "self_attn", proj), cfg.attention_bias)
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            rules += _linear(f"{hf}.self_attn.{proj}", (layer, "self_attn", proj), cfg.qkv_bias)
+        rules += _linear(f"{hf}.self_attn.o_proj", (layer, "self_attn", "o_proj"), cfg.o_bias)
+        if cfg.qk_norm:
+            rules += [Rule(f"{hf}.self_attn.{norm}.weight", ((layer, "self_attn", norm, "scale"),))
+                      for norm in ("q_norm", "k_norm")]
         for proj in ("gate_proj", "up_proj", "down_proj"):
             rules += _linear(f"{hf}.mlp.{proj}", (layer, "mlp", proj), cfg.mlp_bias)
         for norm in ("input_layernorm", "post_attention_layernorm"):
@@ -144,6 +162,45 @@ def _llama_rules(cfg: llama.LlamaConfig) -> list[Rule]:
     if not cfg.tie_word_embeddings:
         rules += _linear("lm_head", ("lm_head",), bias=False)
     return rules
+
+
+def _phi3_rules(cfg: phi3.Phi3Config) -> list[Rule]:
+    """Llama's table with q/k/v and gate/up fused into one torch Linear each."""
+    q_rows, kv_rows = cfg.num_attention_heads * cfg.attn_head_dim, cfg.kv_heads * cfg.attn_head_dim
+    fused = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+    rules = [rule for rule in _llama_rules(cfg) if not any(f".{name}." in rule.hf_name for name in fused)]
+    for i in range(cfg.num_hidden_layers):
+        hf, layer = f"model.layers.{i}", f"layers_{i}"
+        rules += [Rule(f"{hf}.self_attn.qkv_proj.weight",
+                       tuple((layer, "self_attn", p, "kernel") for p in ("q_proj", "k_proj", "v_proj")),
+                       "split_rows", (q_rows, kv_rows, kv_rows)),
+                  Rule(f"{hf}.mlp.gate_up_proj.weight",
+                       tuple((layer, "mlp", p, "kernel") for p in ("gate_proj", "up_proj")),
+                       "split_rows", (cfg.intermediate_size,) * 2)]
+    return rules
+
+
+def _gemma2_rules(cfg: gemma2.Gemma2Config) -> list[Rule]:
+    """Gemma 2 and 3 (text)."""
+    rules = [Rule("model.embed_tokens.weight", (("embed_tokens", "embedding"),))]
+    for i in range(cfg.num_hidden_layers):
+        hf, layer = f"model.layers.{i}", f"layers_{i}"
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            rules += _linear(f"{hf}.self_attn.{proj}", (layer, "self_attn", proj), cfg.attention_bias)
+        if cfg.qk_norm:  # Gemma 3
+            rules += [Rule(f"{hf}.self_attn.{norm}.weight", ((layer, "self_attn", norm, "scale"),))
+                      for norm in ("q_norm", "k_norm")]
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            rules += _linear(f"{hf}.mlp.{proj}", (layer, "mlp", proj), False)
+        for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm"):
+            rules.append(Rule(f"{hf}.{norm}.weight", ((layer, norm, "scale"),)))  # zero-centred in both
+    rules.append(Rule("model.norm.weight", (("norm", "scale"),)))
+    return rules
+
+
+def _gemma2_ignorable(name: str, cfg: gemma2.Gemma2Config) -> bool:
+    return name == "lm_head.weight" or name == "model.embed_tokens.embed_scale"  # tied head; a buffer
 
 
 _LLAMA_BUFFERS = re.compile(r"model\.(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
@@ -155,6 +212,10 @@ def _llama_ignorable(name: str, cfg: llama.LlamaConfig) -> bool:
 
 ARCHITECTURES: dict[str, Architecture] = {
     "gpt2": Architecture("gpt2", gpt2, _gpt2_rules, _gpt2_canonical, _gpt2_ignorable),
-    "llama": Architecture("llama", llama, _llama_rules, lambda name: name,
-                          _llama_ignorable),
+    # model_type == model.name for the families that share Llama's module and tensor names.
+    **{name: Architecture(name, module, _llama_rules, lambda name: name, _llama_ignorable)
+       for name, module in (("llama", llama), ("mistral", mistral), ("qwen2", qwen2), ("qwen3", qwen3))},
+    "phi3": Architecture("phi3", phi3, _phi3_rules, lambda name: name, _llama_ignorable),
+    "gemma2": Architecture("gemma2", gemma2, _gemma2_rules, lambda name: name, _gemma2_ignorable),
+    "gemma3_text": Architecture("gemma3_text", gemma3, _gemma2_rules, lambda name: name, _gemma2_ignorable),
 }

@@ -1,0 +1,245 @@
+"""Gemma 2 as a Flax module with the maths of HF's ``Gemma2ForCausalLM``.
+
+What sets it apart from Llama: embeddings scaled by ``sqrt(hidden_size)``; RMSNorm computing
+``norm(x) * (1 + weight)`` in float32 (the weight is stored zero-centred); a norm before *and* after both the
+attention and the MLP; attention scaled by ``query_pre_attn_scalar ** -0.5`` with scores soft-capped by
+``attn_logit_softcapping``; sliding-window and global layers alternating as ``layer_types`` says; a GeGLU
+MLP (``hidden_activation``); the LM head tied to the embedding, its logits soft-capped by
+``final_logit_softcapping``. Parameter names mirror HF's.
+"""
+
+from typing import Any, ClassVar, Literal
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pydantic
+
+from functrain.errors import ConfigError
+from functrain.sharding import constrain_batch
+from functrain.models.attention import attend, attention_kernel
+from functrain.models.hf_common import (HFModelConfig, activation, check_activation, dense, embed, hf_config_dict,
+                                        token_positions)
+from functrain.models.kv_cache import decoding, extend_cache, next_positions
+from functrain.models.remat import check_remat, remat_block
+from functrain.models.rope import RopeScaling, apply_rope, frequencies, hf_rope_parameters, parse_hf_rope
+
+LayerType = Literal["full_attention", "sliding_attention"]
+
+
+class Gemma2Config(HFModelConfig):
+    """Gemma 2 hyper-parameters, named as in HF's config.json."""
+
+    name: Literal["gemma2"] = "gemma2"
+    vocab_size: int = pydantic.Field(256000, gt=0)
+    hidden_size: int = pydantic.Field(2304, gt=0)
+    intermediate_size: int = pydantic.Field(9216, gt=0)
+    num_hidden_layers: int = pydantic.Field(26, gt=0)
+    num_attention_heads: int = pydantic.Field(8, gt=0)
+    num_key_value_heads: int = pydantic.Field(4, gt=0)
+    head_dim: int = pydantic.Field(256, gt=0)
+    hidden_activation: str = "gelu_pytorch_tanh"
+    max_position_embeddings: int = pydantic.Field(8192, gt=0)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    attention_bias: bool = False
+    query_pre_attn_scalar: int = pydantic.Field(256, gt=0)
+    sliding_window: int | None = pydantic.Field(4096, gt=0)
+    layer_types: tuple[LayerType, ...] | None = None
+    attn_logit_softcapping: float | None = pydantic.Field(50.0, gt=0)
+    final_logit_softcapping: float | None = pydantic.Field(30.0, gt=0)
+    tie_word_embeddings: Literal[True] = True
+    initializer_range: float = 0.02
+
+    @pydantic.model_validator(mode="after")
+    def _consistent(self):
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads {self.num_key_value_heads}")
+        if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+        check_activation(self.hidden_activation)
+        return self
+
+    @property
+    def attn_head_dim(self) -> int:
+        """Per-head width (``head_dim``)."""
+        return self.head_dim
+
+    # What Gemma 3 changes, overridden by its config subclass (functrain.models.gemma3).
+    sliding_window_pattern: ClassVar[int] = 2  # default layer_types: every n-th layer global, the others sliding
+
+    def attention_window(self, layer: int) -> int | None:
+        """``sliding_window`` on ``sliding_attention`` layers (by default all but every n-th), else None."""
+        types = self.layer_types or tuple("full_attention" if (i + 1) % self.sliding_window_pattern == 0
+                                          else "sliding_attention" for i in range(self.num_hidden_layers))
+        return self.sliding_window if types[layer] == "sliding_attention" else None
+
+    @property
+    def qk_norm(self) -> bool:
+        """Whether queries and keys are RMS-normalised per head (``q_norm``/``k_norm``)."""
+        return False
+
+    def rope_for(self, layer: int) -> Any:
+        """The rope settings (``rope_theta``, ``rope_scaling``) of ``layer``: the same on every Gemma 2 layer."""
+        return self
+
+
+def config_from_hf(cls: type[Gemma2Config], hf: dict[str, Any]) -> Gemma2Config:
+    """``cls`` (Gemma2Config or Gemma 3's) from an HF config.json dict; unimplemented settings are named."""
+    name = cls.model_fields["name"].default
+    if hf.get("use_bidirectional_attention"):
+        raise ConfigError(f"config.json: use_bidirectional_attention is not supported for {name}; fix config.json")
+    try:
+        hf, scaling = parse_hf_rope(hf)
+    except ValueError as err:
+        raise ConfigError(f"config.json: {err} for {name}; fix config.json") from None
+    return cls.from_hf_dict(hf, **({"rope_scaling": scaling} if scaling else {}))
+
+
+def config_to_hf(config: Gemma2Config, model_type: str, architecture: str) -> dict[str, Any]:
+    """An HF config.json dict (transformers 5 layout) for ``config``'s family."""
+    hf = hf_config_dict(config, exclude={"rope_theta", "rope_scaling"})
+    hf.update(model_type=model_type, architectures=[architecture], rope_parameters=hf_rope_parameters(config),
+              layer_types=["sliding_attention" if config.attention_window(i) else "full_attention"
+                           for i in range(config.num_hidden_layers)], attention_dropout=0.0)
+    return hf
+
+
+def from_hf_config(hf: dict[str, Any]) -> Gemma2Config:
+    """Gemma2Config from an HF config.json dict."""
+    return config_from_hf(Gemma2Config, hf)
+
+
+def to_hf_config(config: Gemma2Config) -> dict[str, Any]:
+    """An HF config.json dict (transformers 5 layout) that loads as Gemma2ForCausalLM."""
+    return config_to_hf(config, "gemma2", "Gemma2ForCausalLM")
+
+
+class GemmaRMSNorm(nn.Module):
+    """HF's Gemma2RMSNorm: ``norm(x) * (1 + weight)`` in float32, then cast (the weight starts at zero)."""
+
+    epsilon: float
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.zeros, ("norm",)),
+                           (x.shape[-1],), jnp.float32)
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.epsilon)
+        return (x32 * (1.0 + scale.astype(jnp.float32))).astype(self.dtype)
+
+
+def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
+    """``cap * tanh(x / cap)`` (identity when ``cap`` is None)."""
+    return x if cap is None else jnp.tanh(x / cap) * cap
+
+
+class Gemma2Attention(nn.Module):
+    """Grouped-query attention with RoPE, soft-capped scores and an optional sliding window."""
+
+    config: Gemma2Config
+    layer: int
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x, segment_ids=None, positions=None):
+        cfg = self.config
+        heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        batch, length, _ = x.shape
+        std, bias = cfg.initializer_range, cfg.attention_bias
+
+        def proj(features, axes, name):
+            return dense(features, axes, use_bias=bias, dtype=self.dtype, init_std=std, name=name)
+
+        q = proj(heads * head_dim, ("embed", "heads"), "q_proj")(x).reshape(batch, length, heads, head_dim)
+        k = proj(kv_heads * head_dim, ("embed", "kv_heads"), "k_proj")(x).reshape(batch, length, kv_heads, head_dim)
+        v = proj(kv_heads * head_dim, ("embed", "kv_heads"), "v_proj")(x).reshape(batch, length, kv_heads, head_dim)
+        if cfg.qk_norm:
+            q = GemmaRMSNorm(cfg.rms_norm_eps, self.dtype, name="q_norm")(q)
+            k = GemmaRMSNorm(cfg.rms_norm_eps, self.dtype, name="k_norm")(k)
+        slots = next_positions(self, length)
+        rope_positions = token_positions(slots, positions, batch)
+        inv_freq, rope_scale = frequencies(cfg.rope_for(self.layer), slots)
+        k, v = extend_cache(self, apply_rope(k, inv_freq, rope_positions, rope_scale), v, slots)
+        out = attend(apply_rope(q, inv_freq, rope_positions, rope_scale), k, v,
+                     scale=cfg.query_pre_attn_scalar ** -0.5,
+                     kernel=attention_kernel(cfg.attention, self.dtype, head_dim), segment_ids=segment_ids,
+                     query_slots=slots if decoding(self) else None, window=cfg.attention_window(self.layer),
+                     softcap=cfg.attn_logit_softcapping)
+        return proj(cfg.hidden_size, ("heads", "embed"), "o_proj")(out.reshape(batch, length, heads * head_dim))
+
+
+class Gemma2Block(nn.Module):
+    """One decoder layer: norms before and after both the attention and the GeGLU MLP."""
+
+    config: Gemma2Config
+    layer: int
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x, segment_ids=None, positions=None):
+        cfg = self.config
+
+        def norm(name):
+            return GemmaRMSNorm(cfg.rms_norm_eps, self.dtype, name=name)
+
+        attn = Gemma2Attention(cfg, self.layer, self.dtype, name="self_attn")(norm("input_layernorm")(x),
+                                                                             segment_ids, positions)
+        x = x + norm("post_attention_layernorm")(attn)
+        h = Gemma2MLP(cfg, self.dtype, name="mlp")(norm("pre_feedforward_layernorm")(x))
+        return x + norm("post_feedforward_layernorm")(h)
+
+
+class Gemma2MLP(nn.Module):
+    """GeGLU: down(act(gate(x)) * up(x))."""
+
+    config: Gemma2Config
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.config
+        std = cfg.initializer_range
+        gate = dense(cfg.intermediate_size, ("embed", "mlp"), use_bias=False, dtype=self.dtype, init_std=std,
+                     name="gate_proj")(x)
+        up = dense(cfg.intermediate_size, ("embed", "mlp"), use_bias=False, dtype=self.dtype, init_std=std,
+                   name="up_proj")(x)
+        return dense(cfg.hidden_size, ("mlp", "embed"), use_bias=False, dtype=self.dtype, init_std=std,
+                     name="down_proj")(activation(cfg.hidden_activation)(gate) * up)
+
+
+class Gemma2ForCausalLM(nn.Module):
+    """Gemma 2 language model: ``apply({"params": p}, input_ids[B, T]) -> float32 logits [B, T, vocab]``."""
+
+    config: Gemma2Config
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, input_ids, deterministic: bool = True, *, segment_ids=None, positions=None):
+        """Logits for ``input_ids``; ``deterministic`` is accepted for the task interface (no dropout here).
+        ``segment_ids`` / ``positions`` [B, T]: packed sequences, as for Llama."""
+        cfg = self.config
+        tokens = embed(cfg.vocab_size, cfg.hidden_size, ("vocab", "embed"), dtype=self.dtype,
+                       init_std=cfg.initializer_range, name="embed_tokens")
+        # HF multiplies by sqrt(hidden) rounded to the compute dtype.
+        x = tokens(input_ids) * jnp.asarray(cfg.hidden_size ** 0.5, self.dtype)
+        x = constrain_batch(x)
+        block = remat_block(Gemma2Block, cfg.remat)
+        for i in range(cfg.num_hidden_layers):
+            x = constrain_batch(block(cfg, i, self.dtype, name=f"layers_{i}")(x, segment_ids, positions))
+        x = GemmaRMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(x)
+        return soft_cap(tokens.attend(x).astype(jnp.float32), cfg.final_logit_softcapping)
+
+
+def build(config: Gemma2Config, dtype: Any = jnp.float32) -> Gemma2ForCausalLM:
+    """The Flax module for ``config`` computing in ``dtype`` (params stay float32); a ConfigError if its
+    attention kernel or remat policy cannot run here."""
+    attention_kernel(config.attention, dtype, config.head_dim)
+    check_remat(config.remat)
+    return Gemma2ForCausalLM(config, dtype=dtype)
+
+
+MODEL_SPEC = dict(config_cls=Gemma2Config, build=build, kind="causal_lm")
