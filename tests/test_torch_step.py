@@ -1,6 +1,5 @@
 """The torch step tracks the JAX step, stays pure, and rejects impure models and malformed losses."""
 
-import types
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +10,7 @@ from flax import linen as nn
 
 from functrain import optim as jax_optim
 from functrain import step as jax_step
+from functrain.config import OptimizerConfig
 from functrain.errors import ConfigError
 from functrain.models.mlp import MLPConfig, build as build_flax_mlp
 from functrain.state import TrainState
@@ -19,8 +19,8 @@ from torch_bridge import TorchState, make_eval_step, make_optimizer, make_schedu
 from torch_bridge.models import MLP, build_model, classifier_loss, params_from_flax
 
 STEPS, BATCH, MICRO = 50, 64, 4
-OPT = types.SimpleNamespace(name="adamw", learning_rate=3e-3, weight_decay=0.1, b1=0.9, b2=0.99, eps=1e-8,
-                            momentum=0.0, nesterov=False, schedule="cosine", warmup_steps=5, end_lr_ratio=0.1)
+OPT = OptimizerConfig(name="adamw", learning_rate=3e-3, weight_decay=0.1, b1=0.9, b2=0.99, eps=1e-8,
+                      schedule="cosine", warmup_steps=5, end_lr_ratio=0.1)
 
 
 def _digits_batches(steps: int, batch: int) -> list[dict[str, np.ndarray]]:
