@@ -1,60 +1,24 @@
 """The token job end to end with nothing to download: Python's own standard-library sources are tokenized to
 a byte store through the CLI; ``configs/gpt_tokens.yaml`` (packed documents) trains on it through the CLI
-(``cli.main`` in this process); and two ``jax.distributed`` processes assemble the same packed global batches
-from the store as one process."""
+(``cli.main`` in this process); and two ``jax.distributed`` processes train on the store to the params of one."""
 
 import json
+import subprocess
+import sys
 import sysconfig
-import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import REPO_ROOT, run_jax_processes
+from conftest import REPO_ROOT, cli_env
 from functrain import cli
+from functrain.checkpoint import load_params, params_digest
 
 TINY = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.d_ff=64", "model.max_len=32",
         "data.seq_len=32", "data.global_batch_size=8", "train.max_steps=4", "train.steps_per_call=2",
         "log.every_steps=2", "log.tensorboard=false", "log.progress=false", "eval.every_steps=0",
         "data.eval_fraction=0", "checkpoint.every_steps=0", "optimizer.warmup_steps=0"]
-
-# Shared by the test and the worker processes: the packed windows of the store, their order and a digest.
-COMMON = textwrap.dedent("""
-    import hashlib, os
-    import numpy as np
-    from functrain.data import BatchLoader, IndexSampler
-    from functrain.data.token_windows import token_splits
-
-    TRAIN, _ = token_splits(os.environ["STORE"], 32, True, 0.0, 256)
-    SAMPLER = IndexSampler(len(TRAIN), 8, seed=3)
-    START, STEPS, STEPS_PER_CALL = 8 * 5 + 3, 4, 2  # a resume part-way into the stream
-
-    def digest(batch):
-        h = hashlib.sha256()
-        for name in sorted(batch):
-            value = np.asarray(batch[name])
-            h.update(name.encode() + str(value.shape).encode() + str(value.dtype).encode() + value.tobytes())
-        return h.hexdigest()
-""")
-
-WORKER = COMMON + textwrap.dedent("""
-    import json
-    import jax
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(f"localhost:{os.environ['PORT']}", num_processes=2,
-                               process_id=int(os.environ['PROCESS_ID']))
-    from jax.experimental import multihost_utils
-    from functrain.data import to_global
-
-    mesh = jax.make_mesh((jax.device_count(),), ("data",))
-    loader = BatchLoader(TRAIN, SAMPLER, process_index=jax.process_index(), process_count=jax.process_count())
-    with loader.iter_from(START, steps_per_call=STEPS_PER_CALL, num_steps=STEPS) as calls:
-        digests = [digest(multihost_utils.process_allgather(to_global(host, mesh, batch_axis=1), tiled=True))
-                   for host, _, _ in calls]
-    print("RESULT", json.dumps(digests))
-    jax.distributed.shutdown()
-""")
 
 
 @pytest.fixture(scope="module")
@@ -74,13 +38,17 @@ def test_the_token_job_trains_on_stdlib_sources_through_the_cli(store, tmp_path)
     assert len(losses) == 2 and np.all(np.isfinite(losses)) and losses[0] < np.log(256) + 0.5
 
 
-def test_two_processes_assemble_the_packed_batches_of_one(store, monkeypatch):
-    monkeypatch.setenv("STORE", str(store))
-    scope: dict = {}
-    exec(COMMON, scope)
-    loader = scope["BatchLoader"](scope["TRAIN"], scope["SAMPLER"], prefetch=0)
-    with loader.iter_from(scope["START"], steps_per_call=scope["STEPS_PER_CALL"], num_steps=scope["STEPS"]) as calls:
-        expected = [scope["digest"](host) for host, _, _ in calls]
-    assert len(set(expected)) == 2
-    for digests in run_jax_processes(WORKER, env={"STORE": str(store)}):
-        assert digests == expected
+def test_two_processes_on_the_store_train_to_the_params_of_one(store, tmp_path):
+    """``--processes 2`` (one CPU device each, gloo) and one process of two devices read the same packed
+    windows, slice them per process and end with the same params, bit for bit."""
+    common = ["train", "configs/gpt_tokens.yaml", f"data.path={store}", *TINY]
+    runs = {"two": ([*common, f"run.dir={tmp_path / 'two'}", "--processes", "2"], 1),
+            "one": ([*common, f"run.dir={tmp_path / 'one'}"], 2)}
+    procs = {name: subprocess.Popen([sys.executable, "-m", "functrain", *args], cwd=REPO_ROOT, text=True,
+                                    env=cli_env(devices), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for name, (args, devices) in runs.items()}
+    for proc in procs.values():
+        output, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, output
+    two, one = load_params(tmp_path / "two"), load_params(tmp_path / "one")
+    assert params_digest(two) == params_digest(one)
