@@ -11,8 +11,10 @@ from functrain.errors import ConfigError
 from functrain.models import build_model
 from functrain.models.attention import attend, attention_kernel
 from functrain.models.gpt import GPTConfig
+from functrain.models.gemma2 import Gemma2Config
 from functrain.models.gpt2 import GPT2Config
 from functrain.models.llama import LlamaConfig
+from functrain.models.mistral import MistralConfig
 from functrain.program import FunctionalModel, as_program
 from functrain.tasks import causal_lm_sums, model_keywords
 
@@ -72,19 +74,27 @@ TINY_MODELS = {
     "gpt2": GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=4),
     "llama": LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16),
+    # A sliding window (the fused kernel's local window) and soft-capped scores (the written-out path).
+    "mistral": MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                             sliding_window=3),
+    "gemma2": Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8,
+                           max_position_embeddings=16, sliding_window=3),
 }
 
 
 def test_a_packed_row_gives_each_document_its_own_logits():
     """Two documents packed into one row with segment ids and restarting positions get the logits each gets
-    alone, in GPT, GPT-2 and Llama: attention stays inside a document and position embeddings / RoPE restart."""
+    alone, in GPT, GPT-2, Llama, Mistral (sliding window) and Gemma 2 (soft-capped scores, sliding layers):
+    attention stays inside a document and position embeddings / RoPE restart."""
     models = {name: build_model(config) for name, config in TINY_MODELS.items()}
     documents = jnp.stack([jnp.arange(1, 6), jnp.arange(20, 25)])
     packed = documents.reshape(1, 10)
     segment_ids = jnp.asarray([[1] * 5 + [2] * 5], jnp.int32)
     positions = jnp.asarray([list(range(5)) * 2], jnp.int32)
 
-    @jax.jit  # all three models in one compile
+    @jax.jit  # all models in one compile
     def packed_and_alone(params):
         return {name: (model.apply({"params": params[name]}, packed, segment_ids=segment_ids, positions=positions),
                        model.apply({"params": params[name]}, documents)) for name, model in models.items()}
