@@ -10,6 +10,15 @@ assistant header; a template that rewrites earlier turns as later ones arrive is
 Use it as a data target: ``data.target: functrain.chat:chat_dataset`` with
 ``data.kwargs: {path: FILE.jsonl, tokenizer: DIR, seq_len: N}``. Records are ``seq_len + 1`` tokens (longer
 conversations are cut, shorter ones padded).
+
+With ``packing: true`` in ``data.kwargs``, conversations are laid end to end, in file order, into records of
+``seq_len + 1`` tokens: a conversation goes into the current record if it fits in what is left of it, else it
+starts the next one (the rest is padding). A conversation is never split, so one longer than ``seq_len + 1``
+tokens is refused (a DataError naming it). Records then also carry ``segment_ids`` (which conversation, from 1
+in each record; the padding is a segment of its own) and ``positions`` (restarting at 0 per conversation), the
+fields of a packed token-store batch (:mod:`functrain.data.token_windows`): the models attend only within a
+conversation and the loss never predicts one conversation from another, so each conversation's loss is the
+one it has alone.
 """
 
 import json
@@ -19,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from functrain.data.token_windows import packing_fields
 from functrain.errors import DataError
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -71,18 +81,52 @@ def assistant_spans(messages: list[dict[str, str]], tokenizer: Any) -> tuple[str
     return text, spans
 
 
+def tokenize(messages: list[dict[str, str]], tokenizer: Any) -> tuple[np.ndarray, np.ndarray]:
+    """The conversation's token ids (int32) and whether each token belongs to an assistant answer (bool)."""
+    text, spans = assistant_spans(messages, tokenizer)
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    in_answer = [any(start <= begin < end for start, end in spans) for begin, _ in encoded["offset_mapping"]]
+    return np.asarray(encoded["input_ids"], np.int32), np.asarray(in_answer, bool)
+
+
 def encode(messages: list[dict[str, str]], tokenizer: Any, seq_len: int, pad_id: int
            ) -> tuple[np.ndarray, np.ndarray]:
     """``tokens`` [seq_len + 1] and ``mask`` [seq_len] (1 where the next token belongs to an assistant answer)."""
-    text, spans = assistant_spans(messages, tokenizer)
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids, offsets = encoded["input_ids"][:seq_len + 1], encoded["offset_mapping"][:seq_len + 1]
-    in_answer = [any(start <= begin < end for start, end in spans) for begin, _ in offsets]
+    ids, in_answer = (part[:seq_len + 1] for part in tokenize(messages, tokenizer))
     tokens = np.full(seq_len + 1, pad_id, np.int32)
     tokens[:len(ids)] = ids
     mask = np.zeros(seq_len, np.float32)
     mask[:max(0, len(ids) - 1)] = in_answer[1:]  # position t predicts token t + 1
     return tokens, mask
+
+
+def pack(conversations: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
+    """Tokenised conversations (ids, in-answer flags) packed whole, in order, into records of ``seq_len + 1``
+    tokens: ``tokens``, ``segment_ids``, ``positions`` [N, seq_len + 1] and ``mask`` [N, seq_len] (see the
+    module docstring). A conversation longer than a record is a DataError naming it."""
+    length = seq_len + 1
+    padding = lambda size: (np.full(size, pad_id, np.int32), np.zeros(size, bool))  # noqa: E731
+    pieces, used = [], 0  # conversations and paddings, the records laid end to end
+    for number, (ids, in_answer) in enumerate(conversations, start=1):
+        if len(ids) > length:
+            raise DataError(f"conversation {number} has {len(ids)} tokens, more than data.kwargs.seq_len + 1 = "
+                            f"{length}, and packing never cuts one; raise seq_len or shorten the conversation")
+        if used + len(ids) > length:  # pad the current record; this conversation starts the next
+            pieces.append(padding(length - used))
+            used = 0
+        pieces.append((ids, in_answer))
+        used += len(ids)
+    if used < length:
+        pieces.append(padding(length - used))
+    doc_starts = np.cumsum([0] + [len(ids) for ids, _ in pieces[:-1]])
+    stream_ids, stream_answer = zip(*pieces)
+    tokens = np.concatenate(stream_ids).reshape(-1, length)
+    answer = np.concatenate(stream_answer).reshape(-1, length)
+    fields = packing_fields(doc_starts, np.arange(len(tokens), dtype=np.int64) * length, length)
+    segments = fields["segment_ids"]
+    # Position t predicts token t + 1: learned when that token is an answer's, of the same conversation.
+    mask = (answer[:, 1:] & (segments[:, 1:] == segments[:, :-1])).astype(np.float32)
+    return {"tokens": tokens, "mask": mask, **fields}
 
 
 def load_chat_tokenizer(path: str | os.PathLike) -> Any:
@@ -99,10 +143,16 @@ def load_chat_tokenizer(path: str | os.PathLike) -> Any:
     return tokenizer
 
 
-def chat_dataset(path: str, tokenizer: str, seq_len: int) -> dict[str, np.ndarray]:
-    """``{"tokens": [N, seq_len + 1], "mask": [N, seq_len]}`` from a chat jsonl file (see the module docstring)."""
+def chat_dataset(path: str, tokenizer: str, seq_len: int, packing: bool = False) -> dict[str, np.ndarray]:
+    """``{"tokens": [N, seq_len + 1], "mask": [N, seq_len]}`` from a chat jsonl file, plus ``segment_ids`` and
+    ``positions`` [N, seq_len + 1] with ``packing`` (see the module docstring)."""
     conversations = read_conversations(path)
     chat_tokenizer = load_chat_tokenizer(tokenizer)
     pad_id = chat_tokenizer.pad_token_id if chat_tokenizer.pad_token_id is not None else 0
+    if packing:
+        try:
+            return pack([tokenize(messages, chat_tokenizer) for messages in conversations], seq_len, pad_id)
+        except DataError as err:
+            raise DataError(f"{Path(path).name}: {err}") from None
     records = [encode(messages, chat_tokenizer, seq_len, pad_id) for messages in conversations]
     return {"tokens": np.stack([tokens for tokens, _ in records]), "mask": np.stack([mask for _, mask in records])}

@@ -132,10 +132,11 @@ def adapter_interceptor(settings: LoraConfig, train: bool, rng: jax.Array) -> Ca
 
 
 def with_adapters(apply: Callable, settings: LoraConfig) -> Callable:
-    """A program ``apply(params, model_state, inputs, train, rng)`` that runs the adapters too."""
-    def apply_with_adapters(params, model_state, inputs, train, rng):
+    """A program ``apply(params, model_state, inputs, train, rng, **keywords)`` that runs the adapters too
+    (keywords: a packed batch's ``segment_ids`` / ``positions``)."""
+    def apply_with_adapters(params, model_state, inputs, train, rng, **keywords):
         with nn.intercept_methods(adapter_interceptor(settings, train, rng)):
-            return apply(params, model_state, inputs, train, rng)
+            return apply(params, model_state, inputs, train, rng, **keywords)
     return apply_with_adapters
 
 
