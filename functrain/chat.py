@@ -111,8 +111,8 @@ def pack(conversations: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_i
         if len(ids) > length:
             raise DataError(f"conversation {number} has {len(ids)} tokens, more than data.kwargs.seq_len + 1 = "
                             f"{length}, and packing never cuts one; raise seq_len or shorten the conversation")
-        if used + len(ids) > length:  # pad the current record; this conversation starts the next
-            pieces.append(padding(length - used))
+        if used + len(ids) > length:  # this conversation starts the next record; pad the current one
+            pieces += [padding(length - used)] if used < length else []
             used = 0
         pieces.append((ids, in_answer))
         used += len(ids)

@@ -11,7 +11,7 @@ import transformers
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
 import functrain
-from functrain.chat import chat_dataset, load_chat_tokenizer, tokenize
+from functrain.chat import chat_dataset, load_chat_tokenizer, pack, tokenize
 from functrain.cli import main
 from functrain.errors import ConfigError, DataError
 from functrain.models import llama
@@ -133,6 +133,16 @@ def test_each_packed_conversation_has_the_logits_and_loss_it_has_alone(tmp_path)
     assert records == 3 and float(packed_weight) == float(alone_weight) > 0
     np.testing.assert_allclose(float(packed_loss), float(alone_loss), rtol=1e-5)
     assert any(ignored_differs)  # a conversation after another in its record sees it without segment_ids
+
+
+def test_pack_lays_conversations_that_fill_a_record_exactly_without_empty_padding():
+    conversation = lambda size: (np.arange(1, size + 1, dtype=np.int32), np.arange(size) % 2 == 1)  # noqa: E731
+    data = pack([conversation(4), conversation(4), conversation(3), conversation(2)], seq_len=7, pad_id=0)
+    assert data["tokens"].tolist() == [[1, 2, 3, 4, 1, 2, 3, 4], [1, 2, 3, 1, 2, 0, 0, 0]]
+    assert data["segment_ids"].tolist() == [[1, 1, 1, 1, 2, 2, 2, 2], [1, 1, 1, 2, 2, 3, 3, 3]]
+    assert data["positions"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 3], [0, 1, 2, 0, 1, 0, 1, 2]]
+    # Position t learns token t + 1 when it is an answer token of the same conversation (odd offsets here).
+    assert data["mask"].tolist() == [[1, 0, 1, 0, 1, 0, 1], [1, 0, 0, 1, 0, 0, 0]]
 
 
 def test_packing_refuses_a_conversation_longer_than_a_record(tmp_path):
