@@ -32,19 +32,22 @@ def file_checksum(path: Path) -> str:
     """The checksum of a file: xxh3-64 over the xxh3-64 digests of its 32 MiB blocks.
 
     Blocks are hashed in parallel (xxhash releases the GIL) straight from the mapped file, so hashing a
-    checkpoint takes about its size over the memory bandwidth of the free cores.
+    checkpoint takes about its size over the memory bandwidth of the free cores. Each block's pages leave the
+    process's resident set once hashed (they stay in the page cache), so hashing a file just written beside
+    the params it holds does not add the file's size to peak RSS (see bench/bench_hf_convert.py).
     """
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size == 0:
             return xxhash.xxh3_64_hexdigest(b"")
         with mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mapped, memoryview(mapped) as view:
-            blocks = [view[start:start + _BLOCK_BYTES] for start in range(0, size, _BLOCK_BYTES)]
-            try:
-                digests = list(_HASH_POOL.map(xxhash.xxh3_64_digest, blocks))
-            finally:
-                for block in blocks:  # the mapping cannot close while views of it exist
-                    block.release()
+            def block_digest(start: int) -> bytes:
+                with view[start:start + _BLOCK_BYTES] as block:  # released: the mapping cannot close under views
+                    digest = xxhash.xxh3_64_digest(block)
+                mapped.madvise(mmap.MADV_DONTNEED, start, min(_BLOCK_BYTES, size - start))
+                return digest
+
+            digests = list(_HASH_POOL.map(block_digest, range(0, size, _BLOCK_BYTES)))
     return xxhash.xxh3_64_hexdigest(b"".join(digests))
 
 
