@@ -31,6 +31,7 @@ from functrain.data import BatchLoader, IndexSampler, check_resume, data_meta, l
 from functrain.data.kinds import Order
 from functrain.errors import CheckpointError, ConfigError
 from functrain.events import RunEvents
+from functrain.lora_saves import AdapterSaves
 from functrain.mfu import speed_report
 from functrain.outcome import (ALREADY_FINISHED, EARLY_STOPPED, FINISHED, NONFINITE, SIGNAL, FitResult,
                                skipped_report)
@@ -143,6 +144,7 @@ class _Run:
         self.loader = loader_for(train_data, self.sampler, self.process_index, self.process_count,
                                  prefetch=config.data.prefetch, check=self.batch_check)
         self.checkpointer: Checkpointer | None = None  # opened once the run directory is ours (owning_run_dir)
+        self.adapter_saves: AdapterSaves | None = None  # a LoRA run's: the frozen base weights saved once
 
         tensorboard = config.log.tensorboard and "tensorboard" in config.log.trackers
         builtins: list[Callback] = [EveryNSteps(config.eval.every_steps, config.checkpoint.every_steps),
@@ -197,6 +199,8 @@ class _Run:
                 best_metric=config.checkpoint.best_metric, best_mode=config.checkpoint.best_mode,
                 async_save=config.checkpoint.async_save, on_error=config.checkpoint.on_error,
                 is_primary=self.is_primary)
+            if getattr(config.model, "lora", None) is not None:
+                self.adapter_saves = AdapterSaves(self.checkpointer)
             yield self
         finally:
             if self.checkpointer is not None:
@@ -218,6 +222,8 @@ class _Run:
             return self.backend.init_state(), resume_position(None, data.ignore_skip, data.skip_samples)
         items, self.meta, step = restored
         self.restored = True
+        if self.adapter_saves is not None:
+            self.adapter_saves.restored(self.meta, step)
         self.check_saved_run_fits(request, self.meta, step)
         # ignore_skip / skip_samples act once: a restart after a checkpoint that already applied them
         # (the same command rerun after a preemption) continues from that checkpoint's position.
@@ -417,7 +423,10 @@ class _Run:
                 "data_override": self.data_override(),
                 "resume_request": self.config.checkpoint.resume if isinstance(self.config.checkpoint.resume, int)
                 else None}
-        self.checkpointer.save(step, self.backend.state_to_items(state), meta)
+        if self.adapter_saves is not None:
+            self.adapter_saves.save(step, self.backend.state_to_items(state), meta)
+        else:
+            self.checkpointer.save(step, self.backend.state_to_items(state), meta)
         self.meta, self.last_saved_step = meta, step
         self.callbacks.fire("on_save", self.view, step)
 

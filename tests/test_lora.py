@@ -19,8 +19,10 @@ from flax.traverse_util import flatten_dict
 
 import functrain
 from functrain.checkpoint import load_params_and_meta
+from functrain.checkpoint.layout import dir_size
+from functrain.checkpoint.reader import saved_tree_metadata
 from functrain.cli import main
-from functrain.errors import ConfigError
+from functrain.errors import CheckpointError, ConfigError
 from functrain.lora import LoraConfig, adapter_interceptor, lora_program
 from functrain.models import llama
 from functrain.step import trainable_only
@@ -82,6 +84,58 @@ def test_base_weights_stay_bit_identical_and_adapters_train(lora_run):
     assert all(np.any(leaf != 0) for path, leaf in adapters.items() if path[-1] == "lora_b")
 
 
+def test_later_checkpoints_hold_the_adapters_only_and_the_base_step_is_kept(lora_run):
+    """Steps after the converted base hold the adapter leaves only (a small fraction of the bytes), restore to the
+    run's full params, and rotation with keep=1 never deletes the base step they name."""
+    run = lora_run / "keep1"
+    shutil.copytree(lora_run / "run" / "checkpoints" / "0", run / "checkpoints" / "0")
+    result = functrain.fit(str(lora_run / "run" / "config.yaml"), **QUIET, **{
+        "run.dir": str(run), "train.max_steps": 6, "checkpoint.every_steps": 2, "checkpoint.keep": 1,
+        "model.lora": {"rank": 1, "targets": ["q_proj"]}})
+    steps = run / "checkpoints"
+    assert sorted(int(p.name) for p in steps.iterdir() if p.name.isdigit()) == [0, 6]
+    saved = flatten_dict(saved_tree_metadata(steps / "6", "params"))
+    assert saved and all(path[-1] in ("lora_a", "lora_b") for path in saved)
+    # The adapters are 0.3% of the values; Orbax's metadata files (a few KB per item) make up the rest.
+    assert dir_size(steps / "6" / "params") < 0.15 * dir_size(steps / "0" / "params")
+    params, meta = load_params_and_meta(run, 6)
+    assert meta["lora_base_step"] == 0
+    expected = flatten_dict(jax.device_get(result.state.params))
+    assert sorted(flatten_dict(params)) == sorted(expected)
+    assert all(np.array_equal(leaf, expected[path]) for path, leaf in flatten_dict(params).items())
+
+
+def test_a_fresh_lora_run_saves_full_params_first_then_adapters_only(lora_run):
+    """Without a converted base the run's first save holds full params and is the base step of the later ones."""
+    run = lora_run / "fresh"
+    result = functrain.fit(str(lora_run / "run" / "config.yaml"), **QUIET, **{
+        "run.dir": str(run), "checkpoint.resume": "never", "train.max_steps": 3, "checkpoint.every_steps": 1,
+        "checkpoint.keep": 1, "model.lora": LORA})
+    steps = run / "checkpoints"
+    assert sorted(int(p.name) for p in steps.iterdir() if p.name.isdigit()) == [1, 3]
+    assert any(path[-1] == "kernel" for path in flatten_dict(saved_tree_metadata(steps / "1", "params")))
+    params, meta = load_params_and_meta(run)
+    assert meta["step"] == 3 and meta["lora_base_step"] == 1
+    expected = flatten_dict(jax.device_get(result.state.params))
+    assert all(np.array_equal(leaf, expected[path]) for path, leaf in flatten_dict(params).items())
+    assert sorted(flatten_dict(params)) == sorted(expected)
+
+
+def test_an_adapters_only_step_with_a_replaced_or_damaged_base_names_its_base_step(lora_run):
+    run = lora_run / "damaged_base"
+    shutil.copytree(lora_run / "run", run)
+    meta_file = run / "checkpoints" / "0" / "meta" / "metadata"
+    assert json.loads((run / "checkpoints" / "3" / "meta" / "metadata").read_text())["lora_base_step"] == 0
+    base_meta = json.loads(meta_file.read_text())
+    meta_file.write_text(json.dumps({**base_meta, "time": base_meta["time"] + 1}))  # step 0 written again
+    with pytest.raises(CheckpointError, match=r"step 3 .*LoRA base step 0 .*written again"):
+        load_params_and_meta(run, 3)
+    meta_file.write_text(json.dumps(base_meta))
+    shutil.rmtree(run / "checkpoints" / "0" / "params" / "ocdbt.process_0")
+    with pytest.raises(CheckpointError, match=r"step 3 .*LoRA base step 0 is damaged"):
+        load_params_and_meta(run, 3)
+
+
 def test_merged_export_and_peft_adapter_give_the_adapter_models_logits(lora_run, capsys):
     expected = adapter_logits(lora_run / "run", 3)
     assert main(["convert", "functrain-to-hf", str(lora_run / "run"), str(lora_run / "merged"), "--merge-lora"]) == 0
@@ -121,6 +175,8 @@ def test_lora_run_killed_and_resumed_is_bitwise_identical(lora_run):
     killed = subprocess.run([sys.executable, "-c", DRIVER, "train", config, f"run.dir={runs['killed']}", *overrides],
                             cwd=REPO_ROOT, env=cli_env(FT_KILL="call:3"), capture_output=True, text=True, timeout=300)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    resumed_from = json.loads((runs["killed"] / "checkpoints" / "2" / "meta" / "metadata").read_text())
+    assert resumed_from["lora_base_step"] == 0  # an adapters-only step
     assert main(["train", config, f"run.dir={runs['killed']}", *overrides]) == 0
     assert _digest(runs["killed"]) == _digest(runs["straight"])
     straight = dict(_train_losses(runs["straight"]))

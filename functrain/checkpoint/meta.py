@@ -21,6 +21,11 @@ from functrain.errors import CheckpointError
 #: layout would misread the new one; readers refuse anything newer than this.
 FORMAT_VERSION = 1
 
+#: Meta keys of a LoRA step whose "params" item holds the adapters only: the step holding the frozen base
+#: weights (its "base step") and that step's fingerprint (``reader.base_fingerprint``), which catches a base
+#: step replaced by another save of the same number.
+LORA_BASE_STEP, LORA_BASE_FINGERPRINT = "lora_base_step", "lora_base_fingerprint"
+
 _VERSIONED_PACKAGES = ("functrain", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "torch")
 
 

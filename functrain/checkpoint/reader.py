@@ -1,7 +1,8 @@
 """Read committed checkpoints back: meta, shape checks, arrays onto the current mesh, fallback.
 
 Everything here only reads. A step that cannot be read (truncated or missing files, a missing item or
-commit marker, unreadable meta, data files that differ from their checksums) is *damaged*:
+commit marker, unreadable meta, data files that differ from their checksums, an adapters-only LoRA step
+whose base step is damaged or was replaced) is *damaged*:
 ``restore_newest`` tries the previous step, once per step, so it never loops, and logs one warning per
 damaged step naming the step used instead (none when every step is damaged: the error says it all).
 A step that reads fine but does not fit the model (shapes, paths) or was written by a newer format is
@@ -11,15 +12,17 @@ A step that reads fine but does not fit the model (shapes, paths) or was written
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import logging
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import jax
 import orbax.checkpoint as ocp
+from flax.traverse_util import flatten_dict, unflatten_dict
 
 from functrain.checkpoint import checksum, compat, layout
-from functrain.checkpoint.meta import check_format_version, saved_items
+from functrain.checkpoint.meta import LORA_BASE_FINGERPRINT, LORA_BASE_STEP, check_format_version, saved_items
 from functrain.distributed import every_process
 from functrain.errors import CheckpointError
 
@@ -95,7 +98,8 @@ def check_whole(step_path: Path, meta: dict) -> None:
     """Raise ``DamagedCheckpoint`` unless every item the step was saved with is there and committed.
 
     A step missing its state, its params or a commit marker would otherwise restore as a fresh start or
-    read half-written files (a converted model legitimately has params only: its meta says so).
+    read half-written files (a converted model legitimately has params only: its meta says so). An
+    adapters-only LoRA step also needs its base step (``_check_base_step``).
     """
     if not (step_path / _COMMIT_MARKER).is_file():
         raise DamagedCheckpoint(step_path, f"no commit marker ({_COMMIT_MARKER})")
@@ -104,6 +108,17 @@ def check_whole(step_path: Path, meta: dict) -> None:
             raise DamagedCheckpoint(step_path, f"no {item} item")
         if not (step_path / item / _COMMIT_MARKER).is_file():
             raise DamagedCheckpoint(step_path, f"no commit marker in {item}/")
+    if LORA_BASE_STEP in meta:
+        _check_base_step(step_path, meta)
+
+
+def _check_base_step(step_path: Path, meta: dict) -> None:
+    """Raise ``DamagedCheckpoint`` unless the LoRA base step an adapters-only step names is there, as it was
+    when the step was saved (same fingerprint)."""
+    base_step = int(meta[LORA_BASE_STEP])
+    if base_fingerprint(step_path.parent / str(base_step)) != meta.get(LORA_BASE_FINGERPRINT):
+        raise DamagedCheckpoint(step_path, f"its LoRA base step {base_step} (the frozen base weights) is missing "
+                                           f"or was written again since")
 
 
 def verify_checksums(step_path: Path, meta: dict, items: Iterable[str]) -> None:
@@ -143,11 +158,47 @@ def check_compatible(step_path: Path, meta: dict, targets: Targets) -> dict[str,
     return trees
 
 
+def base_fingerprint(step_path: Path) -> str | None:
+    """What identifies a committed step holding LoRA base weights: a SHA-256 of its number, its save time and
+    the xxh3 checksums of its params files; ``None`` when the step is not there or its meta is unreadable.
+
+    Cheap (no array is read) yet it changes whenever the base step is written again, so an adapters-only step
+    never restores onto a base it was not trained on.
+    """
+    try:
+        meta = read_meta(step_path)
+    except DamagedCheckpoint:
+        return None
+    digest = hashlib.sha256(f"{step_path.name}\0{meta.get('time')}".encode())
+    for record in sorted((step_path / layout.PARAMS).glob("checksums.process_*.json")):
+        digest.update(record.read_bytes())
+    return digest.hexdigest()
+
+
+def _with_base_params(step_path: Path, meta: dict, adapters: Any) -> Any:
+    """The full params of an adapters-only LoRA step: its base step's params with its adapters added.
+
+    A base step that is damaged makes this step damaged (restores fall back); ``check_whole`` has checked that
+    it is the one recorded.
+    """
+    base_step = int(meta[LORA_BASE_STEP])
+    base_path = step_path.parent / str(base_step)
+    try:
+        base_items, _ = restore_step(base_path, {layout.PARAMS: None})
+    except DamagedCheckpoint as damaged:
+        raise DamagedCheckpoint(step_path, f"its LoRA base step {base_step} is damaged ({damaged.reason})") from damaged
+    params = dict(flatten_dict(base_items[layout.PARAMS]))
+    params.update(flatten_dict(adapters))
+    return unflatten_dict(params)
+
+
 def restore_step(step_path: Path, targets: Targets) -> tuple[dict, dict]:
     """Read one committed step onto ``targets``: ``(items, meta)``.
 
-    Raises ``DamagedCheckpoint`` if it cannot be read or its checksums do not match, ``CheckpointError``
-    if it does not fit.
+    An adapters-only LoRA step comes back with full params, its base step's weights added; its params
+    target must then be ``None`` (as saved), which is what a LoRA run restores with.
+    Raises ``DamagedCheckpoint`` if it (or its base step) cannot be read or its checksums do not match,
+    ``CheckpointError`` if it does not fit.
     """
     meta = read_meta(step_path)
     check_format_version(meta, str(step_path))
@@ -161,6 +212,8 @@ def restore_step(step_path: Path, targets: Targets) -> tuple[dict, dict]:
             target = targets[item] if targets[item] is not None else _numpy_target(saved_tree)
             items[item] = _restore_item(step_path, item, target)
         verified.result()
+    if layout.PARAMS in items and LORA_BASE_STEP in meta:
+        items[layout.PARAMS] = _with_base_params(step_path, meta, items[layout.PARAMS])
     return items, meta
 
 
