@@ -100,14 +100,15 @@ def llama_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def write_checkpoint(out: Path, layers: int, shard_bytes: int) -> tuple[int, int]:
-    """Write config.json, shards and index; return (model bytes, largest tensor bytes)."""
+def write_random_checkpoint(out: Path, config_json: dict, shapes: dict[str, tuple[int, ...]],
+                            shard_bytes: int) -> tuple[int, int]:
+    """Write config.json, random float32 shards of ``shapes`` and the index; return (model bytes, largest
+    tensor bytes)."""
     from safetensors.numpy import save_file
 
-    cfg = llama_config(layers)
-    (out / "config.json").write_text(json.dumps(cfg))
-    shapes = llama_shapes(cfg)
-    groups = plan_shards({name: int(np.prod(shape)) * 4 for name, shape in shapes.items()}, shard_bytes)
+    (out / "config.json").write_text(json.dumps(config_json))
+    sizes = {name: int(np.prod(shape)) * 4 for name, shape in shapes.items()}
+    groups = plan_shards(sizes, shard_bytes)
     rng = np.random.default_rng(0)
     weight_map = {}
     for i, group in enumerate(groups, start=1):
@@ -115,10 +116,15 @@ def write_checkpoint(out: Path, layers: int, shard_bytes: int) -> tuple[int, int
         save_file({n: rng.standard_normal(shapes[n], dtype=np.float32) for n in group}, str(out / file_name),
                   metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(group, file_name))
-    sizes = [int(np.prod(s)) * 4 for s in shapes.values()]
-    index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
+    index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index))
-    return sum(sizes), max(sizes)
+    return sum(sizes.values()), max(sizes.values())
+
+
+def write_checkpoint(out: Path, layers: int, shard_bytes: int) -> tuple[int, int]:
+    """A Llama-layout checkpoint of ``layers`` layers; return (model bytes, largest tensor bytes)."""
+    cfg = llama_config(layers)
+    return write_random_checkpoint(out, cfg, llama_shapes(cfg), shard_bytes)
 
 
 def run_child(body: str, path: Path) -> dict:

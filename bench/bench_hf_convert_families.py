@@ -16,16 +16,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_hf_convert import CHILD_CONVERT, run_child  # noqa: E402
+from bench_hf_convert import CHILD_CONVERT, run_child, write_random_checkpoint  # noqa: E402
 from torch_bridge.hf.mappings import ARCHITECTURES  # noqa: E402
 from torch_bridge.hf.pretrained import expected_shapes  # noqa: E402
-from torch_bridge.hf.writer import plan_shards  # noqa: E402
 
 # hidden 768, 12 heads (4 KV heads), MLP 2048, vocab 32000: ~0.4 GB float32 with 8 layers and an untied head.
 LLAMA_LIKE = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_attention_heads=12,
@@ -64,26 +62,6 @@ def hf_shapes(config_json: dict) -> dict[str, tuple[int, ...]]:
     return {rule.hf_name: rule.hf_shape(tuple(leaves[path] for path in rule.paths)) for rule in arch.rules(config)}
 
 
-def write_checkpoint(out: Path, config_json: dict, shard_bytes: int) -> tuple[int, int]:
-    """Write config.json, shards and index; return (model bytes, largest tensor bytes)."""
-    from safetensors.numpy import save_file
-
-    (out / "config.json").write_text(json.dumps(config_json))
-    shapes = hf_shapes(config_json)
-    sizes = {name: int(np.prod(shape)) * 4 for name, shape in shapes.items()}
-    groups = plan_shards(sizes, shard_bytes)
-    rng = np.random.default_rng(0)
-    weight_map = {}
-    for i, group in enumerate(groups, start=1):
-        file_name = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
-        save_file({n: rng.standard_normal(shapes[n], dtype=np.float32) for n in group}, str(out / file_name),
-                  metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(group, file_name))
-    index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index))
-    return sum(sizes.values()), max(sizes.values())
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8)
@@ -96,7 +74,9 @@ def main() -> None:
     for family in args.families:
         with tempfile.TemporaryDirectory(prefix=f"bench_hf_{family}_") as tmp:
             path = Path(tmp)
-            model_bytes, largest = write_checkpoint(path, hf_config(family, args.layers), args.shard_mb * 10**6)
+            config_json = hf_config(family, args.layers)
+            model_bytes, largest = write_random_checkpoint(path, config_json, hf_shapes(config_json),
+                                                           args.shard_mb * 10**6)
             result = run_child(CHILD_CONVERT, path)
         budget = result["baseline_bytes"] + model_bytes + 2 * largest
         ratio = result["peak_bytes"] / budget
