@@ -50,6 +50,18 @@ class _Synchronous:
 Calls = BackgroundIterator[Call] | _Synchronous
 
 
+def local_batch_size(global_batch_size: int, process_index: int, process_count: int) -> int:
+    """The rows of each global batch that process ``process_index`` of ``process_count`` loads; a DataError
+    (one line) for an index outside the job or a batch the processes cannot share evenly."""
+    if process_count < 1 or not 0 <= process_index < process_count:
+        raise DataError(f"process_index={process_index} is not in [0, process_count={process_count}); "
+                        f"pass jax.process_index() and jax.process_count()")
+    if global_batch_size % process_count:
+        raise DataError(f"data.global_batch_size={global_batch_size} is not divisible by the "
+                        f"{process_count} processes; set it to a multiple of {process_count}")
+    return global_batch_size // process_count
+
+
 class BatchLoader:
     """Builds this process's part of the global batches chosen by ``sampler`` from ``source``.
 
@@ -78,17 +90,11 @@ class BatchLoader:
         if len(self.source) != sampler.num_records:
             raise DataError(f"the data source has {len(self.source)} records but the sampler was built for "
                             f"{sampler.num_records}; build the IndexSampler with num_records=len(source)")
-        if process_count < 1 or not 0 <= process_index < process_count:
-            raise DataError(f"process_index={process_index} is not in [0, process_count={process_count}); "
-                            f"pass jax.process_index() and jax.process_count()")
-        if sampler.global_batch_size % process_count:
-            raise DataError(f"data.global_batch_size={sampler.global_batch_size} is not divisible by the "
-                            f"{process_count} processes; set it to a multiple of {process_count}")
         if prefetch < 0:
             raise DataError(f"data.prefetch={prefetch} is negative; set 0 (synchronous) or more")
         self.process_index = process_index
         self.process_count = process_count
-        self.local_batch_size = sampler.global_batch_size // process_count
+        self.local_batch_size = local_batch_size(sampler.global_batch_size, process_index, process_count)
         self.transform = transform
         self.transform_seed = sampler.seed if transform_seed is None else transform_seed
         self.prefetch = prefetch

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from functrain.data.loader import Calls, StreamEnded, start_calls
+from functrain.data.loader import Calls, StreamEnded, local_batch_size, start_calls
 from functrain.data.sources import Batch, record_dict, stack_records
 from functrain.data.validate import BatchCheck
 from functrain.errors import DataError
@@ -186,16 +186,10 @@ class StreamLoader:
 
     def __init__(self, stream: Stream, order: StreamOrder, process_index: int = 0, process_count: int = 1,
                  prefetch: int = 2, check: BatchCheck | None = None) -> None:
-        if process_count < 1 or not 0 <= process_index < process_count:
-            raise DataError(f"process_index={process_index} is not in [0, process_count={process_count}); "
-                            f"pass jax.process_index() and jax.process_count()")
-        if order.global_batch_size % process_count:
-            raise DataError(f"data.global_batch_size={order.global_batch_size} is not divisible by the "
-                            f"{process_count} processes; set it to a multiple of {process_count}")
         self.source = self.stream = stream
         self.sampler = self.order = order
         self.process_index, self.process_count = process_index, process_count
-        self.local_batch_size = order.global_batch_size // process_count
+        self.local_batch_size = local_batch_size(order.global_batch_size, process_index, process_count)
         self.prefetch = prefetch
         self.check = check
         self._reader: StreamReader | None = None

@@ -4,7 +4,7 @@ What sets it apart from Llama: embeddings scaled by ``sqrt(hidden_size)``; RMSNo
 ``norm(x) * (1 + weight)`` in float32 (the weight is stored zero-centred); a norm before *and* after both the
 attention and the MLP; attention scaled by ``query_pre_attn_scalar ** -0.5`` with scores soft-capped by
 ``attn_logit_softcapping``; sliding-window and global layers alternating as ``layer_types`` says; a GeGLU
-MLP (``hidden_activation``); the LM head tied to the embedding, its logits soft-capped by
+MLP (``hidden_activation``, Llama's MLP module); the LM head tied to the embedding, its logits soft-capped by
 ``final_logit_softcapping``. Parameter names mirror HF's.
 """
 
@@ -18,9 +18,10 @@ import pydantic
 from functrain.errors import ConfigError
 from functrain.sharding import constrain_batch
 from functrain.models.attention import attend, attention_kernel
-from functrain.models.hf_common import (HFModelConfig, activation, check_activation, dense, embed, hf_config_dict,
+from functrain.models.hf_common import (HFModelConfig, check_activation, dense, embed, hf_config_dict,
                                         token_positions)
 from functrain.models.kv_cache import decoding, extend_cache, next_positions
+from functrain.models.llama import LlamaMLP
 from functrain.models.remat import check_remat, remat_block
 from functrain.models.rope import RopeScaling, apply_rope, frequencies, hf_rope_parameters, parse_hf_rope
 
@@ -66,6 +67,14 @@ class Gemma2Config(HFModelConfig):
     def attn_head_dim(self) -> int:
         """Per-head width (``head_dim``)."""
         return self.head_dim
+
+    # Llama's MLP reads these: Gemma's gated MLP has no biases, its activation is ``hidden_activation``.
+    mlp_bias: ClassVar[bool] = False
+
+    @property
+    def hidden_act(self) -> str:
+        """The MLP's activation (``hidden_activation``), under the name Llama's MLP reads."""
+        return self.hidden_activation
 
     # What Gemma 3 changes, overridden by its config subclass (functrain.models.gemma3).
     sliding_window_pattern: ClassVar[int] = 2  # default layer_types: every n-th layer global, the others sliding
@@ -189,26 +198,8 @@ class Gemma2Block(nn.Module):
         attn = Gemma2Attention(cfg, self.layer, self.dtype, name="self_attn")(norm("input_layernorm")(x),
                                                                              segment_ids, positions)
         x = x + norm("post_attention_layernorm")(attn)
-        h = Gemma2MLP(cfg, self.dtype, name="mlp")(norm("pre_feedforward_layernorm")(x))
+        h = LlamaMLP(cfg, self.dtype, name="mlp")(norm("pre_feedforward_layernorm")(x))  # GeGLU via hidden_act
         return x + norm("post_feedforward_layernorm")(h)
-
-
-class Gemma2MLP(nn.Module):
-    """GeGLU: down(act(gate(x)) * up(x))."""
-
-    config: Gemma2Config
-    dtype: Any
-
-    @nn.compact
-    def __call__(self, x):
-        cfg = self.config
-        std = cfg.initializer_range
-        gate = dense(cfg.intermediate_size, ("embed", "mlp"), use_bias=False, dtype=self.dtype, init_std=std,
-                     name="gate_proj")(x)
-        up = dense(cfg.intermediate_size, ("embed", "mlp"), use_bias=False, dtype=self.dtype, init_std=std,
-                   name="up_proj")(x)
-        return dense(cfg.hidden_size, ("mlp", "embed"), use_bias=False, dtype=self.dtype, init_std=std,
-                     name="down_proj")(activation(cfg.hidden_activation)(gate) * up)
 
 
 class Gemma2ForCausalLM(nn.Module):

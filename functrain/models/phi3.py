@@ -9,16 +9,13 @@ from typing import Any, Literal
 
 import pydantic
 
-from functrain.models import llama
+from functrain.models import llama, mistral
 
 
-class Phi3Config(llama.LlamaConfig):
-    """Phi-3 hyper-parameters, named as in HF's config.json."""
+class Phi3Config(mistral.MistralConfig):
+    """Phi-3 hyper-parameters, named as in HF's config.json (Mistral's: no biases, a window on every layer)."""
 
     name: Literal["phi3"] = "phi3"
-    attention_bias: Literal[False] = False
-    mlp_bias: Literal[False] = False
-    sliding_window: int | None = pydantic.Field(None, gt=0)
     original_max_position_embeddings: int = pydantic.Field(4096, gt=0)
 
     @pydantic.model_validator(mode="after")
@@ -30,10 +27,6 @@ class Phi3Config(llama.LlamaConfig):
                     raise ValueError(f"rope {name} has {len(getattr(scaling, name))} entries; head_dim "
                                      f"{self.attn_head_dim} needs {self.attn_head_dim // 2}")
         return self
-
-    def attention_window(self, layer: int) -> int | None:
-        """``sliding_window`` on every layer."""
-        return self.sliding_window
 
 
 def from_hf_config(hf: dict[str, Any]) -> Phi3Config:

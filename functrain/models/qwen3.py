@@ -15,15 +15,9 @@ class Qwen3Config(qwen2.Qwen2Config):
     attention_bias: bool = False
     head_dim: int | None = pydantic.Field(128, gt=0)  # HF's default, not hidden_size // heads
 
-    @property
-    def qkv_bias(self) -> bool:
-        """``attention_bias``, as on Llama."""
-        return self.attention_bias
-
-    @property
-    def o_bias(self) -> bool:
-        """``attention_bias``, as on Llama."""
-        return self.attention_bias
+    # ``attention_bias`` covers all four projections, as on Llama (Qwen2 fixes q/k/v on and o off).
+    qkv_bias = llama.LlamaConfig.qkv_bias
+    o_bias = llama.LlamaConfig.o_bias
 
     @property
     def qk_norm(self) -> bool:
