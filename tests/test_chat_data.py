@@ -1,6 +1,7 @@
 """Chat jsonl -> tokens with the model's chat template; loss only on assistant answers; bad input named."""
 
 import json
+import re
 import string
 
 import jax
@@ -172,24 +173,31 @@ def test_lora_fine_tuning_on_chat_data(tmp_path, packing):
     ({"text": "no messages"}, r"chat\.jsonl line 2 has no \"messages\" list"),
     ({"messages": [{"role": "robot", "content": "beep"}]}, r"line 2 has a message with role 'robot'"),
 ])
-def test_bad_chat_lines_are_named(tmp_path, line, named):
+def test_bad_chat_lines_are_named(tmp_path, capsys, line, named):
     write_tokenizer(tmp_path / "tok")
     path = write_jsonl(tmp_path / "chat.jsonl", [CONVERSATIONS[0], line])
     with pytest.raises(DataError, match=named) as caught:
         chat_dataset(str(path), str(tmp_path / "tok"), 32)
     assert "\n" not in str(caught.value)
+    _training_on_it_is_one_line_and_keeps_the_run(tmp_path, capsys, path, named)
+
+
+def _training_on_it_is_one_line_and_keeps_the_run(tmp_path, capsys, chat_path, named: str) -> None:
+    """``functrain train`` of a converted model on ``chat_path`` exits 2 with one line matching ``named`` and
+    leaves the run directory as it was."""
+    tiny_llama_dir(tmp_path / "hf")
+    assert main(["convert", "hf-to-functrain", str(tmp_path / "hf"), str(tmp_path / "run")]) == 0
+    before = sorted(p.name for p in (tmp_path / "run").rglob("*"))
+    capsys.readouterr()  # the conversion's output
+    status = main(["train", str(tmp_path / "run" / "config.yaml"), "data.target=functrain.chat:chat_dataset",
+                   f"data.kwargs={{path: {chat_path}, tokenizer: {tmp_path / 'tok'}, seq_len: 32}}"])
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and re.search(named, err) and "\n" not in err, err
+    assert sorted(p.name for p in (tmp_path / "run").rglob("*")) == before
 
 
 def test_a_tokenizer_without_chat_template_is_one_line_exit_2(tmp_path, capsys):
     write_tokenizer(tmp_path / "tok", chat_template=None)
     with pytest.raises((DataError, ConfigError), match="has no chat template"):
         chat_dataset(str(write_jsonl(tmp_path / "chat.jsonl", CONVERSATIONS)), str(tmp_path / "tok"), 32)
-    tiny_llama_dir(tmp_path / "hf")
-    assert main(["convert", "hf-to-functrain", str(tmp_path / "hf"), str(tmp_path / "run")]) == 0
-    before = sorted(p.name for p in (tmp_path / "run").rglob("*"))
-    capsys.readouterr()  # the conversion's output
-    status = main(["train", str(tmp_path / "run" / "config.yaml"), "data.target=functrain.chat:chat_dataset",
-                   f"data.kwargs={{path: {tmp_path / 'chat.jsonl'}, tokenizer: {tmp_path / 'tok'}, seq_len: 32}}"])
-    err = capsys.readouterr().err.strip()
-    assert status == 2 and "has no chat template" in err and "\n" not in err, err
-    assert sorted(p.name for p in (tmp_path / "run").rglob("*")) == before
+    _training_on_it_is_one_line_and_keeps_the_run(tmp_path, capsys, tmp_path / "chat.jsonl", "has no chat template")

@@ -141,7 +141,9 @@ def test_unimplemented_config_features_are_named(tmp_path, family, change, named
     model_cls(config_cls(**LLAMA_CONFIG)).save_pretrained(tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, **change}))
+    before = {path.name: path.read_bytes() for path in (tmp_path / "hf").iterdir()}
     with pytest.raises(ConfigError, match=named) as caught:
         hf_to_run_dir(str(tmp_path / "hf"), str(tmp_path / "run"))
     assert "\n" not in str(caught.value)
     assert not (tmp_path / "run").exists()
+    assert {path.name: path.read_bytes() for path in (tmp_path / "hf").iterdir()} == before

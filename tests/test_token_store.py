@@ -181,15 +181,17 @@ def test_a_damaged_store_is_one_line_naming_the_file(tmp_path, capsys, byte_stor
 
 
 def test_token_ids_beyond_the_model_vocab_are_refused_at_build(tmp_path, capsys, byte_store):
+    before = _snapshot(byte_store)
     message = _one_error_line(capsys, _train_argv(tmp_path, byte_store, "model.vocab_size=100"))
     assert f"data.path='{byte_store}'" in message and "set model.vocab_size to at least 256" in message
-    assert not (tmp_path / "run").exists()
+    assert not (tmp_path / "run").exists() and _snapshot(byte_store) == before
 
 
 def test_seq_len_beyond_the_model_context_is_refused(tmp_path, capsys, byte_store):
+    before = _snapshot(byte_store)
     message = _one_error_line(capsys, _train_argv(tmp_path, byte_store, "data.seq_len=256"))
     assert "data.seq_len=256" in message and "context of 128" in message
-    assert not (tmp_path / "run").exists()
+    assert not (tmp_path / "run").exists() and _snapshot(byte_store) == before
 
 
 def test_a_tokenizer_file_that_does_not_load(tmp_path, capsys):
