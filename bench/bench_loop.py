@@ -27,13 +27,13 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from functrain import TrainState, fit, make_train_step  # noqa: E402
-from functrain.callbacks import Callback  # noqa: E402
-from functrain.config import load_config  # noqa: E402
+from functrain.run.callbacks import Callback  # noqa: E402
+from functrain.run.config import load_config  # noqa: E402
 from functrain.data import IndexSampler  # noqa: E402
-from functrain.datasets import load_dataset  # noqa: E402
-from functrain.optim import make_optimizer  # noqa: E402
+from functrain.data.datasets import load_dataset  # noqa: E402
+from functrain.run.build import make_optimizer  # noqa: E402
 from functrain.models import build_model  # noqa: E402
-from functrain.program import as_program  # noqa: E402
+from functrain.core.program import as_program  # noqa: E402
 
 WARMUP_STEPS = 160  # excludes compilation and the first calls from every measurement
 

@@ -20,11 +20,11 @@ import optax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from functrain.lora import LoraConfig, lora_program  # noqa: E402
+from functrain.models.lora import LoraConfig, lora_program  # noqa: E402
 from functrain.models import llama  # noqa: E402
-from functrain.program import as_program  # noqa: E402
-from functrain.state import TrainState  # noqa: E402
-from functrain.step import make_train_step, trainable_only  # noqa: E402
+from functrain.core.program import as_program  # noqa: E402
+from functrain.core.state import TrainState  # noqa: E402
+from functrain.core.step import make_train_step, trainable_only  # noqa: E402
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -2,7 +2,7 @@
 
 MFU = model FLOPs per step / step time / (devices x dense peak FLOP/s), as MaxText and Levanter report it.
 
-Model FLOPs per step: ``functrain.mfu.train_flops_per_token`` (the formula is in that module's docstring; the
+Model FLOPs per step: ``functrain.run.mfu.train_flops_per_token`` (the formula is in that module's docstring; the
 head is counted, embedding lookups are not) times the tokens of a step. The headline MFU counts causal
 attention as half of full attention (only the FLOPs the model needs, MaxText's convention); the full count,
 what a dense masked kernel executes, is printed beside it.
@@ -38,14 +38,15 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from functrain.backend import JaxBackend  # noqa: E402
-from functrain.config import Config, load_config  # noqa: E402
-from functrain.mfu import decoder_shape, peak_tflops, train_flops_per_token  # noqa: E402
+from functrain.run.jax_backend import JaxBackend  # noqa: E402
+from functrain.run.config import Config, load_config  # noqa: E402
+from functrain.run.mfu import decoder_shape, peak_tflops, train_flops_per_token  # noqa: E402
 from functrain.models import build_model  # noqa: E402
-from functrain.memory import host_offload_available  # noqa: E402
-from functrain.optim import decay_mask, make_optimizer  # noqa: E402
-from functrain.precision import COMPUTE_DTYPES, PARAM_DTYPES, cast_floating  # noqa: E402
-from functrain.program import as_program  # noqa: E402
+from functrain.parallel.memory import host_offload_available  # noqa: E402
+from functrain.core.optim import decay_mask  # noqa: E402
+from functrain.run.build import make_optimizer  # noqa: E402
+from functrain.core.precision import COMPUTE_DTYPES, PARAM_DTYPES, cast_floating  # noqa: E402
+from functrain.core.program import as_program  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PRESETS = {
@@ -207,7 +208,7 @@ def main() -> None:
               f"device memory {_device_bytes(compiled[name]) / 2**30:.3f} GiB")
     if "hand-written" in step_s:
         print(f"functrain / hand-written Flax + optax tokens/s: {step_s['hand-written'] / step_time:.3f}")
-    print(f"model FLOPs/step (functrain.mfu): {_flops(needed)} with causal attention, {_flops(executed)} with full")
+    print(f"model FLOPs/step (functrain.run.mfu): {_flops(needed)} with causal attention, {_flops(executed)} with full")
     achieved = needed / step_time / devices / 1e12
     achieved_full = executed / step_time / devices / 1e12
     if peak:

@@ -1,7 +1,7 @@
 """FSDP (ZeRO-3) memory and communication of the compiled train step vs the fsdp degree.
 
 For fsdp = 1, 2, 4, 8 (data = 8 / fsdp, so all 8 devices hold a batch shard) the GPT train step is compiled
-with the shardings functrain uses (``functrain.sharding``), and two things are read off the compiled step:
+with the shardings functrain uses (``functrain.parallel.sharding``), and two things are read off the compiled step:
 
 - memory per device (``compiled.memory_analysis()``): the arguments (train state + batch shard) and the
   temporaries, next to the state bytes per device computed from the shardings; the baseline is fsdp=1
@@ -28,14 +28,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from functrain import sharding  # noqa: E402
-from functrain.config import load_config  # noqa: E402
+from functrain.parallel import sharding  # noqa: E402
+from functrain.run.config import load_config  # noqa: E402
 from functrain.data import batch_sharding  # noqa: E402
-from functrain.optim import make_optimizer  # noqa: E402
-from functrain.state import TrainState  # noqa: E402
-from functrain.step import make_train_step  # noqa: E402
+from functrain.run.build import make_optimizer  # noqa: E402
+from functrain.core.state import TrainState  # noqa: E402
+from functrain.core.step import make_train_step  # noqa: E402
 from functrain.models import build_model  # noqa: E402
-from functrain.program import as_program  # noqa: E402
+from functrain.core.program import as_program  # noqa: E402
 
 MODEL = ["model.name=gpt", "model.vocab_size=256", "model.max_len=128", "model.d_model=256",
          "model.n_layers=4", "model.n_heads=8", "model.d_ff=1024"]

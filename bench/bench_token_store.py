@@ -31,8 +31,8 @@ from functrain import fit  # noqa: E402
 from functrain.data import BatchLoader, IndexSampler  # noqa: E402
 from functrain.data.token_store import DOC_INDEX, FORMAT, MANIFEST, VERSION  # noqa: E402
 from functrain.data.token_windows import token_splits  # noqa: E402
-from functrain.datasets import bundled_text  # noqa: E402
-from functrain.tokenize_job import available_cores, tokenize_files  # noqa: E402
+from functrain.data.datasets import bundled_text  # noqa: E402
+from functrain.commands.tokenize import available_cores, tokenize_files  # noqa: E402
 
 NUM_TOKENS = 10**10
 SHARD_TOKENS = 1 << 30

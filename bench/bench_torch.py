@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from functrain.config import load_config
+from functrain.run.config import load_config
 from torch_bridge.backend import make_backend
 from torch_bridge.models import MLP
 

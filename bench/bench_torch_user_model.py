@@ -38,8 +38,8 @@ import numpy as np
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from functrain.config import load_config
-from functrain.datasets import bundled_text, text_windows
+from functrain.run.config import load_config
+from functrain.data.datasets import bundled_text, text_windows
 from torch_bridge.backend import make_backend
 from torch_bridge.user_model import build_module
 

@@ -20,14 +20,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench_loop import LogClock  # noqa: E402
 
-import functrain.build  # noqa: E402
+import functrain.run.build  # noqa: E402
 from functrain import fit  # noqa: E402
-from functrain.config import load_config  # noqa: E402
+from functrain.run.config import load_config  # noqa: E402
 from functrain.data import BatchLoader, IndexSampler  # noqa: E402
 from functrain.data.validate import BatchCheck  # noqa: E402
-from functrain.datasets import load_dataset  # noqa: E402
+from functrain.data.datasets import load_dataset  # noqa: E402
 from functrain.models import model_spec  # noqa: E402
-from functrain.tasks import batch_check  # noqa: E402
+from functrain.core.losses import batch_check  # noqa: E402
 
 JOBS = {  # config, steps, steps per call, first timed step (a multiple of the log interval, 20)
     "digits MLP": ("configs/mlp_digits.yaml", 1200, 1, 200),
@@ -36,7 +36,7 @@ JOBS = {  # config, steps, steps per call, first timed step (a multiple of the l
 
 
 def run_fit(config_path: str, steps: int, steps_per_call: int, warmup: int, checked: bool) -> float:
-    functrain.build.batch_check = batch_check if checked else (lambda kind, model_config, source="": BatchCheck([]))
+    functrain.run.build.batch_check = batch_check if checked else (lambda kind, model_config, source="": BatchCheck([]))
     clock = LogClock(warmup, steps)
     with tempfile.TemporaryDirectory() as run_dir:
         fit(config_path, callbacks=[clock], **{

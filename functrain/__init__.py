@@ -5,10 +5,10 @@ The public surface: :class:`TrainState`, :func:`make_train_step`, :func:`make_ev
 :mod:`functrain.checkpoint`. ``import functrain`` never imports torch.
 """
 
-from functrain.state import TrainState
-from functrain.step import make_eval_step, make_train_call, make_train_step
-from functrain.loop import fit
-from functrain.program import FunctionalModel, Program
+from functrain.core.state import TrainState
+from functrain.core.step import make_eval_step, make_train_call, make_train_step
+from functrain.run.loop import fit
+from functrain.core.program import FunctionalModel, Program
 
 
 __all__ = ["FunctionalModel", "Program", "TrainState", "fit", "make_eval_step", "make_train_call",

@@ -2,6 +2,6 @@
 
 import sys
 
-from functrain.cli import main
+from functrain.commands.cli import main
 
 sys.exit(main())

@@ -1,7 +1,18 @@
 """Errors for bad input: each carries one line that names the problem and the fix.
 
 The CLI prints that line and exits with status 2 (no traceback unless ``--debug``).
+The exit statuses of ``functrain train`` live here too (see :mod:`functrain.run.outcome` for what each means):
+the launcher of a multi-process job needs them, below everything that runs a job.
 """
+
+EXIT_FINISHED = 0
+EXIT_BAD_INPUT = 2
+EXIT_NONFINITE = 3
+EXIT_MOSTLY_SKIPPED = 4
+EXIT_SIGNAL = 75
+# Statuses with which a process of a multi-process job ends on purpose (every process agrees on them):
+# the launcher does not take them for a crash that should stop the other processes.
+PLANNED_EXITS = (EXIT_FINISHED, EXIT_NONFINITE, EXIT_MOSTLY_SKIPPED, EXIT_SIGNAL)
 
 
 class FunctrainError(Exception):

@@ -3,7 +3,7 @@ fix, exit 2 from the CLI, and no run directory created."""
 
 import pytest
 
-from functrain import cli
+from functrain.commands import cli
 
 
 @pytest.mark.parametrize("override,expected", [

@@ -15,8 +15,8 @@ from functrain.models.gemma2 import Gemma2Config
 from functrain.models.gpt2 import GPT2Config
 from functrain.models.llama import LlamaConfig
 from functrain.models.mistral import MistralConfig
-from functrain.program import FunctionalModel, as_program
-from functrain.tasks import causal_lm_sums, model_keywords
+from functrain.core.program import FunctionalModel, as_program
+from functrain.core.losses import causal_lm_sums, model_keywords
 
 
 def reference_attention(q, k, v, scale, segment_ids=None):

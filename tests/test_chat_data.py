@@ -12,11 +12,11 @@ import transformers
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
 import functrain
-from functrain.chat import chat_dataset, load_chat_tokenizer, pack, tokenize
-from functrain.cli import main
+from functrain.text.chat import chat_dataset, load_chat_tokenizer, pack, tokenize
+from functrain.commands.cli import main
 from functrain.errors import ConfigError, DataError
 from functrain.models import llama
-from functrain.tasks import causal_lm_sums, model_inputs, model_keywords
+from functrain.core.losses import causal_lm_sums, model_inputs, model_keywords
 from test_hf_finetune import QUIET, tiny_llama_dir
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -162,7 +162,7 @@ def test_lora_fine_tuning_on_chat_data(tmp_path, packing):
     assert main(["convert", "hf-to-functrain", str(tmp_path / "hf"), str(tmp_path / "run")]) == 0
     result = functrain.fit(str(tmp_path / "run" / "config.yaml"), **{
         **QUIET, "data.global_batch_size": 2, "train.max_steps": 2, "model.lora": {"rank": 2, "targets": ["q_proj"]},
-        "data.target": "functrain.chat:chat_dataset",
+        "data.target": "functrain.text.chat:chat_dataset",
         "data.kwargs": {"path": str(write_jsonl(tmp_path / "chat.jsonl", PACKED if packing else CONVERSATIONS)),
                         "tokenizer": str(tmp_path / "tok"), "seq_len": 127 if packing else 48,
                         "packing": packing}})
@@ -189,7 +189,7 @@ def _training_on_it_is_one_line_and_keeps_the_run(tmp_path, capsys, chat_path, n
     assert main(["convert", "hf-to-functrain", str(tmp_path / "hf"), str(tmp_path / "run")]) == 0
     before = sorted(p.name for p in (tmp_path / "run").rglob("*"))
     capsys.readouterr()  # the conversion's output
-    status = main(["train", str(tmp_path / "run" / "config.yaml"), "data.target=functrain.chat:chat_dataset",
+    status = main(["train", str(tmp_path / "run" / "config.yaml"), "data.target=functrain.text.chat:chat_dataset",
                    f"data.kwargs={{path: {chat_path}, tokenizer: {tmp_path / 'tok'}, seq_len: 32}}"])
     err = capsys.readouterr().err.strip()
     assert status == 2 and re.search(named, err) and "\n" not in err, err

@@ -17,7 +17,7 @@ import pytest
 from functrain.checkpoint import (Checkpointer, list_checkpoints, load_params, params_digest)
 from functrain.checkpoint import layout, reader, retention
 from functrain.errors import CheckpointError
-from functrain.inspect_run import inspect_report
+from functrain.commands.inspect import inspect_report
 
 # When a read fails, orbax/tensorstore leave an "Event loop is closed" callback behind: noise, not ours.
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptio
 
 @flax.struct.dataclass
 class StandInState:
-    """Mimics functrain.state.TrainState for checkpoint tests."""
+    """Mimics functrain.core.state.TrainState for checkpoint tests."""
 
     step: jax.Array
     params: Any

@@ -20,7 +20,7 @@ import yaml
 from conftest import REPO_ROOT, cli_env
 from functrain.checkpoint import Checkpointer, list_checkpoints, load_params, load_params_and_meta, params_digest
 from functrain.checkpoint import checksum, layout, meta
-from functrain.inspect_run import inspect_report
+from functrain.commands.inspect import inspect_report
 from test_checkpoint import assert_trees_equal, checkpoint_warnings, make_state, save_steps, targets_for, to_items
 from test_cli import TINY, snapshot
 
@@ -135,7 +135,7 @@ def _copy(trained: Path, name: str) -> Path:
 @pytest.mark.parametrize("damage", ["zeroed", "no_params"])
 def test_a_finished_run_whose_last_checkpoint_is_damaged_retrains_to_the_same_digest(trained, damage, monkeypatch,
                                                                                      caplog):
-    from functrain.loop import fit
+    from functrain.run.loop import fit
     run_dir = _copy(trained, damage)
     if damage == "zeroed":
         zero_largest_data_file(run_dir / "checkpoints/40/params")
@@ -166,7 +166,7 @@ def test_the_cli_reads_and_converts_relative_paths_and_errors_are_one_line(train
                 ["convert", "functrain-to-hf", "runs/all_damaged", "not_written"]]
     script = f"""
         import json, sys
-        from functrain.cli import main
+        from functrain.commands.cli import main
         codes = []
         for command in {commands!r}:
             print("@@", flush=True)

@@ -14,7 +14,7 @@ SAVE_AND_RESTORE = """
 import sys
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from functrain import distributed
+from functrain.parallel import distributed
 from functrain.checkpoint import Checkpointer, params_digest
 assert distributed.initialize_from_env() and jax.process_count() == 2 and jax.device_count() == 4
 run = sys.argv[1]
@@ -89,7 +89,7 @@ def test_two_process_save_restores_in_two_and_in_one_process(tmp_path):
 DAMAGE_SEEN_BY_ONE = """
 import sys
 import jax, numpy as np
-from functrain import distributed
+from functrain.parallel import distributed
 from functrain.checkpoint import Checkpointer, reader
 assert distributed.initialize_from_env() and jax.process_count() == 2
 run = sys.argv[1]

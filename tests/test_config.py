@@ -2,7 +2,7 @@
 
 import pytest
 
-from functrain.config import apply_overrides, load_config
+from functrain.run.config import apply_overrides, load_config
 from functrain.errors import ConfigError
 
 MLP = {"model": {"name": "mlp"}, "data": {"name": "digits"}, "train": {"max_steps": 10}}

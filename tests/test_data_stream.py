@@ -10,11 +10,11 @@ import yaml
 
 import functrain
 from conftest import REPO_ROOT, cli_env
-from functrain import cli
+from functrain.commands import cli
 from functrain.checkpoint import list_checkpoints
 from functrain.data import Stream, StreamLoader, StreamOrder
 from functrain.errors import DataError
-from functrain.inspect_run import inspect_report
+from functrain.commands.inspect import inspect_report
 from test_data_mixture import RUN
 from test_resume_bitwise import DRIVER
 

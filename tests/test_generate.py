@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from functrain.cli import main
-from functrain.generate import Generator, Sampling, load_language_model
+from functrain.commands.cli import main
+from functrain.text.decode import Generator, Sampling, load_language_model
 from functrain.models import build_model
 from functrain.models.gpt import GPTConfig
 from test_cli import snapshot

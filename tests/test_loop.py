@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from functrain import fit
-from functrain.callbacks import Callback, Control
+from functrain.run.callbacks import Callback, Control
 from functrain.checkpoint import load_params
 
 BASE = {"config": "configs/mlp_digits.yaml", "model.hidden": [16], "log.progress": False,

@@ -21,11 +21,11 @@ import functrain
 from functrain.checkpoint import load_params_and_meta
 from functrain.checkpoint.layout import dir_size
 from functrain.checkpoint.reader import saved_tree_metadata
-from functrain.cli import main
+from functrain.commands.cli import main
 from functrain.errors import CheckpointError, ConfigError
-from functrain.lora import LoraConfig, adapter_interceptor, lora_program
+from functrain.models.lora import LoraConfig, adapter_interceptor, lora_program
 from functrain.models import llama
-from functrain.step import trainable_only
+from functrain.core.step import trainable_only
 from conftest import REPO_ROOT, cli_env
 from test_hf_finetune import IDS, QUIET, tiny_llama_dir
 from test_resume_bitwise import DRIVER, _digest, _train_losses
@@ -152,7 +152,7 @@ def test_merged_export_and_peft_adapter_give_the_adapter_models_logits(lora_run,
 
 
 def test_generate_decodes_with_the_adapters(lora_run):
-    from functrain.generate import load_language_model
+    from functrain.text.decode import load_language_model
     model, params, step = load_language_model(lora_run / "run")
     assert step == 3 and "lora_a" not in str(jax.tree_util.tree_structure(params))
     with jax.default_matmul_precision("highest"):
@@ -211,7 +211,7 @@ def test_lora_settings_are_checked():
 
 
 def test_finetune_lora_example_matches_the_tiny_model_its_header_builds():
-    from functrain.config import load_config
+    from functrain.run.config import load_config
     from functrain.models import qwen2
     config = load_config("configs/finetune_lora.yaml")
     hf = transformers.Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

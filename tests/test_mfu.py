@@ -10,12 +10,12 @@ import optax
 import pytest
 
 from functrain import fit
-from functrain.config import load_config
-from functrain.mfu import SpeedReport, decoder_shape, peak_tflops, speed_report, train_flops_per_token
-from functrain.state import TrainState
-from functrain.step import make_train_step
+from functrain.run.config import load_config
+from functrain.run.mfu import SpeedReport, decoder_shape, peak_tflops, speed_report, train_flops_per_token
+from functrain.core.state import TrainState
+from functrain.core.step import make_train_step
 from functrain.models import build_model
-from functrain.program import as_program
+from functrain.core.program import as_program
 
 SEQ, BATCH = 128, 8
 MODELS = {

@@ -7,9 +7,9 @@ from pathlib import Path
 import matplotlib.image
 import numpy as np
 
-from functrain.cli import main
-from functrain.events import append_event
-from functrain.plot import read_run, smooth
+from functrain.commands.cli import main
+from functrain.run.events import append_event
+from functrain.run.plots import read_run, smooth
 
 
 def write_metrics(run_dir: Path, losses: list[float | None], nonfinite_at: int | None = None) -> Path:

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 import functrain
-from functrain import offload
+from functrain.parallel import offload
 from functrain.checkpoint import load_params
 from functrain.checkpoint.digest import params_digest
 

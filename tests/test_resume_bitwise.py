@@ -1,6 +1,6 @@
 """Kill `functrain train` at awkward moments, resume, and get bit-identical parameters and losses.
 
-Each interrupted attempt runs the real CLI (``functrain.cli.main``) in a subprocess. A few lines of
+Each interrupted attempt runs the real CLI (``functrain.commands.cli.main``) in a subprocess. A few lines of
 instrumentation pick the moment precisely: SIGKILL right after a save() returned (its background write
 in flight), SIGKILL right after a multi-step call was dispatched (the device is inside the call), and
 SIGTERM mid-epoch (the loop must save and exit 75, "rerun to resume"). One more attempt is killed from outside at whatever
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO_ROOT, cli_env
-from functrain.inspect_run import inspect_report
+from functrain.commands.inspect import inspect_report
 
 OVERRIDES = ["train.max_steps=60", "train.steps_per_call=5", "checkpoint.every_steps=10", "checkpoint.keep=2",
              "log.every_steps=5", "eval.every_steps=20", "log.progress=false"]
@@ -27,7 +27,7 @@ OVERRIDES = ["train.max_steps=60", "train.steps_per_call=5", "checkpoint.every_s
 # itself right after the N-th train call is dispatched (while it runs). Other tests put their run after it.
 KILL_HOOKS = """
 import os, signal, sys
-from functrain import backend as backend_module
+from functrain.run import jax_backend as backend_module
 from functrain.checkpoint import Checkpointer
 kind, _, count = os.environ.get("FT_KILL", "none:0").partition(":")
 count = int(count or 0)
@@ -51,7 +51,7 @@ backend_module.JaxBackend.train_call = train_call
 """
 # Runs the real CLI under the hooks.
 DRIVER = KILL_HOOKS + """
-from functrain import cli
+from functrain.commands import cli
 sys.exit(cli.main(sys.argv[1:]))
 """
 

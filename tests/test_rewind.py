@@ -4,8 +4,8 @@ requests are one line, exit 2, and change nothing in the run directory."""
 import json
 
 from functrain.checkpoint import list_checkpoints
-from functrain.cli import main
-from functrain.loop import fit
+from functrain.commands.cli import main
+from functrain.run.loop import fit
 from test_cli import snapshot
 
 BATCH = 64

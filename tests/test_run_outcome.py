@@ -16,9 +16,9 @@ import psutil
 import pytest
 
 from conftest import REPO_ROOT, cli_env
-from functrain.cli import main
+from functrain.commands.cli import main
 from functrain.errors import ConfigError, DataError
-from functrain.run_lock import LOCK_NAME, RunLock
+from functrain.run.lock import LOCK_NAME, RunLock
 from test_cli import TINY, functrain, snapshot
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import run_python
-from functrain import distributed, sharding
+from functrain.parallel import distributed, sharding
 from functrain.errors import ConfigError
 
 
@@ -113,13 +113,13 @@ def test_initialize_from_env_joins_the_job_it_finds(monkeypatch, env, expected):
 DEVICE_CHECKS = r"""
 import json, logging
 import jax, numpy as np, optax
-from functrain import sharding as S
+from functrain.parallel import sharding as S
 from functrain.data import batch_sharding
-from functrain.config import load_config
+from functrain.run.config import load_config
 from functrain.errors import ConfigError
-from functrain.state import TrainState
+from functrain.core.state import TrainState
 from functrain.models import build_model
-from functrain.program import as_program
+from functrain.core.program import as_program
 
 out = {}
 def run(overrides, model="gpt"):
@@ -167,7 +167,7 @@ except ConfigError as exc:
 warnings = []
 class Catch(logging.Handler):
     def emit(self, record): warnings.append(record.getMessage())
-logging.getLogger("functrain.sharding").addHandler(Catch())
+logging.getLogger("functrain.parallel.sharding").addHandler(Catch())
 _, _, state_sh, _ = run(["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=4", "model.hidden=[6]",
                          "mesh.allow_replicated_fallback=true"], model="mlp")
 out["fallback_spec"] = str(state_sh.params["dense_0"]["kernel"].spec)

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import max_abs_diff
 from functrain import TrainState, make_eval_step, make_train_call, make_train_step
-from functrain.precision import update_loss_scale
+from functrain.core.precision import update_loss_scale
 
 VOCAB, SEQ, DIM = 11, 9, 8
 

@@ -6,8 +6,8 @@ import numpy as np
 
 from functrain.models import build_model
 from functrain.models.gpt import GPTConfig
-from functrain.program import as_program
-from functrain.tasks import model_inputs, model_keywords
+from functrain.core.program import as_program
+from functrain.core.losses import model_inputs, model_keywords
 
 from functrain.data.token_store import StoreWriter, TokenStore
 from functrain.data.token_windows import TokenWindows

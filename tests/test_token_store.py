@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from conftest import REPO_ROOT, cli_env
-from functrain import cli
+from functrain.commands import cli
 from functrain.data.token_store import TokenStore
 from functrain.data.token_windows import TokenWindows, token_splits
 from functrain.errors import DataError
-from functrain.text_tokenizer import TextTokenizer, TokenizerSpec
-from functrain.tokenize_job import tokenize_files
+from functrain.text.tokenizer import TextTokenizer, TokenizerSpec
+from functrain.commands.tokenize import tokenize_files
 
 PHRASES = ["the quick brown fox", "jumps over", "the lazy dog"]
 DOCUMENTS = [f"document {i}: " + " ".join(PHRASES[: 1 + i % 3]) * (i % 5 + 1) for i in range(60)] + ["", "naïve café"]
@@ -224,8 +224,8 @@ def test_packing_needs_a_token_store(tmp_path, capsys):
 
 
 def test_a_token_store_is_a_data_sources_entry(byte_store):
-    from functrain.config import load_config
-    from functrain.datasets import open_source
+    from functrain.run.config import load_config
+    from functrain.data.datasets import open_source
     config = load_config(REPO_ROOT / "configs/gpt_tokens.yaml", ["data.eval_fraction=0.2"])
     train, evaluation = open_source(str(byte_store), None, config.data, 256)
     assert isinstance(train, TokenWindows) and train.packing and len(evaluation) > 0

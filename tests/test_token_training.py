@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO_ROOT, cli_env
-from functrain import cli
+from functrain.commands import cli
 from functrain.checkpoint import load_params, params_digest
 
 TINY = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.d_ff=64", "model.max_len=32",

@@ -10,7 +10,7 @@ from flax import linen as nn
 
 import functrain
 from functrain.checkpoint import Checkpointer
-from functrain.config import load_config
+from functrain.run.config import load_config
 from functrain.errors import CheckpointError, ConfigError
 from functrain.models.gpt import GPTConfig, build as build_flax_gpt
 from functrain.models.mlp import MLPConfig, build as build_flax_mlp
@@ -126,9 +126,9 @@ def test_torch_gpt_matches_the_flax_gpt():
     Adam arithmetic and micro-batching are compared on the MLP (tests/test_torch_step.py).
     """
     import optax
-    from functrain import step as jax_step
-    from functrain.state import TrainState
-    from functrain.tasks import causal_lm_loss as flax_lm_loss
+    from functrain.core import step as jax_step
+    from functrain.core.state import TrainState
+    from functrain.core.losses import causal_lm_loss as flax_lm_loss
     from torch_bridge import TorchState, make_optimizer, make_schedule, make_train_step
     from torch_bridge.models import causal_lm_loss
 

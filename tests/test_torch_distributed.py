@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from conftest import free_port
-from functrain.config import load_config
+from functrain.run.config import load_config
 from torch_bridge.backend import make_backend
 
 REPO = Path(__file__).resolve().parents[1]
@@ -19,7 +19,7 @@ OVERRIDES = ["data.global_batch_size=32", "train.micro_batches=2", "train.clip_n
 WORKER = """
 import sys
 import numpy as np
-from functrain.config import load_config
+from functrain.run.config import load_config
 from torch_bridge.backend import make_backend
 sys.path.insert(0, "tests")
 from test_torch_distributed import OVERRIDES, global_batches

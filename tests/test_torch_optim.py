@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from functrain.errors import ConfigError
-from functrain.optim import make_schedule as jax_schedule
+from functrain.core.optim import make_schedule as jax_schedule
 from torch_bridge.optim import adamw, make_schedule, sgd
 
 LR, WARMUP, MAX_STEPS, END = 0.1, 5, 30, 0.1

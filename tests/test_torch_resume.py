@@ -74,7 +74,7 @@ class HideTorch:
         if name == "torch" or name.startswith("torch."):
             raise ModuleNotFoundError(f"No module named {name!r} (hidden by the test)")
 sys.meta_path.insert(0, HideTorch())
-import functrain, functrain.build, functrain.config
+import functrain, functrain.run.build, functrain.run.config
 assert "torch" not in sys.modules
 try:
     import torch_bridge
@@ -82,9 +82,9 @@ except ImportError as error:
     assert "install functrain[torch]" in str(error), error
 else:
     raise AssertionError("torch_bridge imported without torch")
-config = functrain.config.load_config("configs/mlp_digits_torch.yaml")
+config = functrain.run.config.load_config("configs/mlp_digits_torch.yaml")
 try:
-    functrain.build.make_backend(config, functrain.build.build_parts(config), {}, 1)
+    functrain.run.build.make_backend(config, functrain.run.build.build_parts(config), {}, 1)
 except functrain.errors.ConfigError as error:
     assert "functrain[torch]" in str(error), error
 else:
@@ -96,6 +96,6 @@ print("ok")
 def test_functrain_imports_without_torch(python_runner):
     assert "ok" in python_runner(HIDE_TORCH).stdout
     # With torch installed, importing functrain still does not load it (nor the bridge).
-    check = python_runner("import sys, functrain, functrain.loop; "
+    check = python_runner("import sys, functrain, functrain.run.loop; "
                           "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'torch_bridge')))")
     assert check.stdout.strip() == "[]"

@@ -8,13 +8,13 @@ import pytest
 import torch
 from flax import linen as nn
 
-from functrain import optim as jax_optim
-from functrain import step as jax_step
-from functrain.config import OptimizerConfig
+from functrain.run.build import make_optimizer as jax_make_optimizer
+from functrain.core import step as jax_step
+from functrain.run.config import OptimizerConfig
 from functrain.errors import ConfigError
 from functrain.models.mlp import MLPConfig, build as build_flax_mlp
-from functrain.state import TrainState
-from functrain.tasks import classifier_loss as flax_classifier_loss
+from functrain.core.state import TrainState
+from functrain.core.losses import classifier_loss as flax_classifier_loss
 from torch_bridge import TorchState, make_eval_step, make_optimizer, make_schedule, make_train_step
 from torch_bridge.models import MLP, build_model, classifier_loss, params_from_flax
 
@@ -45,7 +45,7 @@ def test_torch_step_matches_jax_step_for_50_steps():
     batches = _digits_batches(STEPS, BATCH)
     flax_model = build_flax_mlp(MLPConfig(hidden=[64, 32]))
     flax_params = nn.meta.unbox(flax_model.init(jax.random.PRNGKey(1), batches[0]["x"])["params"])
-    tx, schedule = jax_optim.make_optimizer(OPT, STEPS)
+    tx, schedule = jax_make_optimizer(OPT, STEPS)
     jstep = jax.jit(jax_step.make_train_step(flax_classifier_loss(flax_model, True), tx, micro_batches=MICRO,
                                              clip_norm=0.5, learning_rate_fn=schedule))
     jstate = TrainState.create(flax_params, tx, jax.random.PRNGKey(0))

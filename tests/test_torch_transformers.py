@@ -15,7 +15,7 @@ import torch
 import functrain
 from conftest import REPO_ROOT, cli_env
 from functrain.checkpoint.layout import checkpoints_dir, committed_steps
-from functrain.inspect_run import inspect_report
+from functrain.commands.inspect import inspect_report
 from torch_bridge.user_model import build_module
 
 STEPS, EVERY = 20, 5

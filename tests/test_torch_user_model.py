@@ -10,10 +10,10 @@ from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import functrain
-from functrain.callbacks import Callback, Control
+from functrain.run.callbacks import Callback, Control
 from functrain.checkpoint import Checkpointer
 from functrain.checkpoint.layout import checkpoints_dir, committed_steps
-from functrain.config import load_config
+from functrain.run.config import load_config
 from functrain.errors import CheckpointError, ConfigError
 from torch_bridge.backend import make_backend
 from torch_bridge.models import stateless

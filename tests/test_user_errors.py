@@ -7,7 +7,7 @@ import pytest
 
 import functrain
 from examples import plain_functions
-from functrain import cli
+from functrain.commands import cli
 from functrain.errors import CheckpointError, ConfigError, DataError
 
 MODEL = functrain.FunctionalModel(plain_functions.init, plain_functions.apply)

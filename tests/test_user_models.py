@@ -16,7 +16,7 @@ import pytest
 
 from conftest import REPO_ROOT, cli_env, max_abs_diff, run_python
 from functrain.checkpoint.layout import checkpoints_dir, committed_steps
-from functrain.inspect_run import inspect_report
+from functrain.commands.inspect import inspect_report
 from test_resume_bitwise import KILL_HOOKS
 
 QUICK = {"train.steps_per_call": 5, "checkpoint.every_steps": 5, "log.every_steps": 5, "eval.every_steps": 0}
@@ -130,7 +130,7 @@ log: {every_steps: 5, progress: false}
 
 def test_yaml_targets_give_the_digest_of_the_python_call(tmp_path):
     from examples import linen_hf_dataset
-    from functrain import cli
+    from functrain.commands import cli
     linen_hf_dataset.main(str(tmp_path / "python"), 5, **{"log.every_steps": 5})
     (tmp_path / "run.yaml").write_text(YAML)
     assert cli.main(["train", str(tmp_path / "run.yaml"), f"run.dir={tmp_path / 'yaml'}"]) == 0
@@ -141,8 +141,8 @@ def test_yaml_targets_give_the_digest_of_the_python_call(tmp_path):
 def test_named_optimizers_follow_the_schedule(name):
     import jax
     import optax
-    from functrain.config import load_config
-    from functrain.optim import make_optimizer
+    from functrain.run.config import load_config
+    from functrain.run.build import make_optimizer
     config = load_config(base={"model": {"name": "mlp"}, "optimizer": {"name": name, "learning_rate": 0.1}})
     tx, schedule = make_optimizer(config.optimizer, total_steps=10)
     params = {"kernel": np.ones((4, 3), np.float32), "bias": np.ones(3, np.float32)}

@@ -3,13 +3,13 @@ when the data carries unseeded randomness, one line and exit 2 for a bad config.
 
 import textwrap
 
-from functrain.cli import main
+from functrain.commands.cli import main
 
 # A dataset whose records get noise from an unseeded generator: every process sees other data, the kind of
 # bug a user's own data code can carry into a week-long run.
 NOISY_DATA = textwrap.dedent('''
     import numpy as np
-    from functrain import datasets
+    from functrain.data import datasets
 
     def noisy_digits(data_config):
         arrays = datasets.LOADERS["digits"](data_config)

@@ -1,4 +1,4 @@
-"""The torch backend of the loop (``backend: torch``): same methods as ``functrain.backend.JaxBackend``.
+"""The torch backend of the loop (``backend: torch``): same methods as ``functrain.run.jax_backend.JaxBackend``.
 
 The loop stays framework-agnostic: it hands this object numpy host batches ``[K, B_local, ...]`` and
 checkpoint items, and gets states and metric tensors back. Checkpoints have the JAX backend's items and

@@ -72,7 +72,7 @@ def make_schedule(name: str, learning_rate: float, warmup_steps: int = 0, max_st
                   end_lr_ratio: float = 0.0) -> Schedule:
     """The learning-rate schedule ``name`` ("constant", "cosine" or "linear") after a linear warmup from 0.
 
-    Mirrors ``functrain.optim.make_schedule``: with ``decay = max(max_steps - warmup, 1)``, cosine is
+    Mirrors ``functrain.core.optim.make_schedule``: with ``decay = max(max_steps - warmup, 1)``, cosine is
     optax.warmup_cosine_decay_schedule(0, lr, warmup, warmup + decay, lr * end_lr_ratio); linear decays
     lr -> lr * end_lr_ratio over ``decay`` steps; constant holds lr. No warmup means no join.
     """

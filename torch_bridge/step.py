@@ -2,7 +2,7 @@
 
 Inputs are never written: gradients are taken with respect to detached views of the parameters, buffers
 are cloned before the model may update them, and the optimizer returns new tensors. Micro-batching,
-the global weight normalisation, clipping and the non-finite policy follow ``functrain.step`` exactly:
+the global weight normalisation, clipping and the non-finite policy follow ``functrain.core.step`` exactly:
 
 * a batch ``[B, ...]`` is split into ``M`` micro-batches as ``x.reshape(B//M, M, ...).swapaxes(0, 1)``,
   i.e. micro-batch ``m`` holds rows ``m, m+M, m+2M, ...``;

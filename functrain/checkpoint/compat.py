@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from functrain.sharding import path_string
+from functrain.core.tree import path_string
 
 _MAX_LISTED = 8
 

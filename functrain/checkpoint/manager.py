@@ -28,7 +28,7 @@ import orbax.checkpoint as ocp
 
 from functrain.checkpoint import checksum, layout, reader, retention
 from functrain.checkpoint.meta import complete_meta, metric_value
-from functrain.distributed import primary_view
+from functrain.parallel.distributed import primary_view
 from functrain.errors import CheckpointError, ConfigError
 
 log = logging.getLogger("functrain.checkpoint")

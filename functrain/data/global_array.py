@@ -17,7 +17,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from functrain.errors import DataError
-from functrain.sharding import BATCH_AXES
+
+
+# The mesh axes a batch is split over (the rest of the mesh holds replicas of each row).
+BATCH_AXES = ("data", "fsdp")
 
 
 def batch_sharding(mesh: Mesh, batch_axis: int = 1, mesh_axes: Sequence[str] | None = None) -> NamedSharding:

@@ -3,7 +3,7 @@
 Record ``i`` of a :class:`TokenWindows` is the ``seq_len + 1`` tokens at ``first + i * seq_len`` of the store's
 stream (windows overlap by the one token that is both the last target of a window and the first input of the
 next). Documents lie end to end in the stream (with the tokenizer's EOS after each, see
-:mod:`functrain.text_tokenizer`), so a window may hold the end of one document and the start of the next.
+:mod:`functrain.text.tokenizer`), so a window may hold the end of one document and the start of the next.
 
 With ``packing=True`` each record also carries, per token of the window:
 
@@ -12,7 +12,7 @@ With ``packing=True`` each record also carries, per token of the window:
   window begins inside (so positions stay below ``seq_len`` and never exceed the model's context).
 
 The models (GPT, GPT-2, Llama) take both as keyword arguments and attend only within a segment; the causal-LM
-loss does not count a target that starts a new segment (see :mod:`functrain.tasks`), so no document predicts
+loss does not count a target that starts a new segment (see :mod:`functrain.core.losses`), so no document predicts
 another.
 
 The evaluation split is the documents after the cut at ``1 - eval_fraction`` of the stream (moved forward to

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from functrain.errors import ConfigError
-from functrain.memory import platform_name
+from functrain.parallel.memory import platform_name
 from functrain.models.kv_cache import causal_mask
 
 Array = jax.Array

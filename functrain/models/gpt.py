@@ -17,7 +17,7 @@ from functrain.models.attention import attend, attention_kernel
 from functrain.models.kv_cache import decoding, extend_cache, next_positions
 from functrain.models.options import RuntimeOptions
 from functrain.models.remat import check_remat, remat_block
-from functrain.sharding import constrain_batch
+from functrain.parallel.sharding import constrain_batch
 
 
 class GPTConfig(RuntimeOptions):

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pydantic
 
 from functrain.errors import ConfigError
-from functrain.lora import LoraConfig
+from functrain.models.lora import LoraConfig
 from functrain.models.options import RUNTIME_KEYS, RuntimeOptions
 
 Array = jax.Array
@@ -30,7 +30,7 @@ class HFModelConfig(RuntimeOptions):
     bos_token_id: int | list[int] | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
-    # Fine-tuning with low-rank adapters (functrain.lora); not part of the HF config.
+    # Fine-tuning with low-rank adapters (functrain.models.lora); not part of the HF config.
     lora: LoraConfig | None = None
 
     @classmethod

@@ -1,7 +1,7 @@
 """A key/value cache for autoregressive decoding, kept in Flax's ``"cache"`` collection.
 
 Decoding is on when a model is applied with ``mutable=["cache"]`` and its params frozen (training and
-``init`` never are, so the models' training path is unchanged). ``functrain.generate`` first takes the
+``init`` never are, so the models' training path is unchanged). ``functrain.text.decode`` first takes the
 cache's shapes from one apply on a ``[batch, cache_len]`` input, fills them with zeros, then feeds the prompt
 and one token at a time: each attention layer writes its new keys/values at their positions and attends
 over the whole cache with a mask, so a new token costs one position, not the whole sequence again.

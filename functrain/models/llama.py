@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import pydantic
 
 from functrain.errors import ConfigError
-from functrain.sharding import constrain_batch
+from functrain.parallel.sharding import constrain_batch
 from functrain.models.attention import attend, attention_kernel
 from functrain.models.hf_common import (HFModelConfig, RMSNorm, activation, check_activation, dense, embed,
                                         hf_config_dict, token_positions)

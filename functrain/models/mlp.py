@@ -6,7 +6,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 from pydantic import BaseModel, ConfigDict, Field
 
-from functrain.sharding import constrain_batch
+from functrain.parallel.sharding import constrain_batch
 
 
 class MLPConfig(BaseModel):

@@ -15,7 +15,7 @@ import flax.linen as nn
 import jax
 
 from functrain.errors import ConfigError
-from functrain.memory import HOST_MEMORY_KIND, host_offload_available, platform_name
+from functrain.parallel.memory import HOST_MEMORY_KIND, host_offload_available, platform_name
 
 RematPolicy = Literal["none", "full", "dots_saveable", "offload"]
 

@@ -14,7 +14,7 @@ import yaml
 
 from functrain.checkpoint import load_params_and_meta
 from functrain.errors import CheckpointError
-from functrain.lora import adapter_paths, merged_params
+from functrain.models.lora import adapter_paths, merged_params
 
 from torch_bridge.hf import run_store
 from torch_bridge.hf.mappings import ARCHITECTURES

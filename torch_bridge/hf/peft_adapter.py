@@ -17,7 +17,7 @@ from flax.traverse_util import flatten_dict
 from safetensors.numpy import save_file
 
 from functrain.errors import CheckpointError
-from functrain.lora import ADAPTER_A, ADAPTER_B, adapter_paths
+from functrain.models.lora import ADAPTER_A, ADAPTER_B, adapter_paths
 
 from torch_bridge.hf import writer
 from torch_bridge.hf.mappings import Architecture, transpose_copy

@@ -1,0 +1,85 @@
+"""The ``functrain`` command line: one module per verb beside this one, dispatched from here.
+
+Bad input (configs, data, checkpoints, HF directories) prints one line naming the problem and the fix and
+exits with status 2; ``--debug`` shows the traceback instead. ``train`` exits 0 when the run finished, and
+with the statuses listed in :mod:`functrain.run.outcome` when it stopped early or barely trained.
+"""
+
+import argparse
+import importlib
+import logging
+import sys
+from typing import Any
+
+from functrain.errors import EXIT_BAD_INPUT, FunctrainError
+
+
+# The verbs, in the order `functrain --help` lists them; each module has HELP, add_arguments() and run().
+VERBS = {"train": "train", "inspect": "inspect", "convert": "convert", "plot": "plot", "generate": "generate",
+         "rewind": "rewind", "verify-resume": "verify_resume", "tokenize": "tokenize"}
+# Verbs whose trailing key=value words are config overrides.
+TAKES_OVERRIDES = ("train", "rewind", "verify-resume")
+
+
+def _verb(name: str) -> Any:
+    return importlib.import_module(f"functrain.commands.{VERBS[name]}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="functrain",
+                                     description="functrain: train, inspect, convert, plot, generate, tokenize.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name in VERBS:
+        verb = _verb(name)
+        verb.add_arguments(commands.add_parser(name, help=verb.HELP))
+    return parser
+
+
+def _configure_logging(debug: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    run_log = logging.getLogger("functrain")
+    run_log.addHandler(handler)
+    run_log.propagate = False  # absl installs its own root handler; print the run's lines once, plainly
+    # Orbax logs every save step through absl at INFO; keep the console for the run's own lines.
+    for noisy in ("absl", "jax", "orbax"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        from absl import logging as absl_logging
+        absl_logging.set_verbosity(absl_logging.WARNING)
+    except ImportError:
+        pass
+    run_log.setLevel(logging.INFO)
+    if not debug:  # one line per error: no tracebacks from Orbax's background threads
+        from functrain.checkpoint.noise import silence_background_tracebacks
+        silence_background_tracebacks()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``functrain`` console script; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # --debug may come anywhere (`functrain train cfg.yaml --debug` too).
+    debug = "--debug" in argv
+    argv = [arg for arg in argv if arg != "--debug"]
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    args.debug = debug
+    # `train CFG --processes 2 key=value`: overrides after a flag land in `extra`; anything else is an error.
+    if args.command in TAKES_OVERRIDES and all("=" in item and not item.startswith("-") for item in extra):
+        args.overrides += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    _configure_logging(args.debug)
+    try:
+        args.argv = argv  # `train --processes N` relaunches itself with the same words
+        return _verb(args.command).run(args)
+    except FunctrainError as exc:
+        if args.debug:
+            raise
+        print(f"functrain: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,25 @@
+"""``functrain train CONFIG [key=value ...]``: train (resumes from the run directory automatically)."""
+
+import argparse
+
+HELP = "train (resumes from the run directory automatically)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="YAML config file (see configs/)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+    parser.add_argument("--processes", type=int, default=1, help="start N local processes (gloo collectives)")
+    parser.add_argument("--port", type=int, default=None, help="coordinator port for --processes")
+
+
+def run(args: argparse.Namespace) -> int:
+    from functrain.parallel import distributed
+    if args.processes > 1:
+        return distributed.launch_local(distributed.strip_processes_flag(args.argv), args.processes, args.port)
+    distributed.initialize_from_env()
+    from functrain.run.config import load_config
+    from functrain.run.loop import fit
+    result = fit(load_config(args.config, args.overrides))
+    if distributed.is_primary():
+        print(f"functrain: {result.stop_reason} at step {result.step}; run directory {result.run_dir}")
+    return result.exit_code

@@ -1,0 +1,292 @@
+"""A Program: what the JAX backend needs from a model, whatever framework wrote it.
+
+    Program(init, loss_fn, eval_loss_fn, logical_specs, trainable=None, complete_params=None)
+      init(rng) -> (params, model_state)                          # float32 params; {} when nothing mutable
+      loss_fn(params, model_state, batch, rng) -> (loss_sum, weight, aux_sums, model_state)   # training mode
+      eval_loss_fn(...)                                            # the same in evaluation mode
+      logical_specs() -> tree of PartitionSpec of logical axis names (PartitionSpec() where none)
+      trainable(params) -> tree of bools: the leaves the step trains (None: all); the rest stay frozen
+      complete_params(restored_params, init_rng) -> params: fills what a restored checkpoint lacks (LoRA
+        adapters on a converted base model); None: checkpoints restore straight onto the params' shardings
+
+Adapters turn user code into one (:func:`as_program`):
+
+- a Flax linen module: variables from ``module.init``; every collection but ``params`` (``batch_stats``)
+  is model state, updated in training mode through ``mutable=``; logical specs from ``nn.Partitioned`` boxes;
+- a Flax NNX module: ``nnx.split`` into a graph definition and ``Param`` / other state, merged again inside
+  the pure loss; its RNG streams are reseeded from the step key, so no RNG state is carried;
+- :class:`FunctionalModel` ``(init, apply)``: ``init(rng, example_batch) -> params``,
+  ``apply(params, inputs) -> logits``.
+
+A model's output (logits, or an object with ``.logits``) feeds the built-in loss of its kind (see
+:mod:`functrain.core.losses`; a packed LM batch's ``segment_ids`` / ``positions`` reach the model as keyword
+arguments); a user ``loss_fn(params, batch, rng) -> (loss_sum, weight, aux_sums)`` replaces it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
+
+import flax.linen as nn
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from functrain.errors import ConfigError, DataError
+from functrain.core.losses import LOSSES, infer_task_kind, model_inputs, model_keywords
+
+Batch = dict[str, Any]
+# apply(params, model_state, inputs, train, rng, **keywords) -> (output, model_state)
+Apply = Callable[[Any, Any, Any, bool, jax.Array], tuple[Any, Any]]
+
+
+@dataclass(frozen=True)
+class Program:
+    """The pure pieces of one model and loss (see the module docstring)."""
+    init: Callable[[jax.Array], tuple[Any, Any]]
+    loss_fn: Callable
+    eval_loss_fn: Callable
+    logical_specs: Callable[[], Any]
+    trainable: Callable[[Any], Any] | None = None
+    complete_params: Callable[[Any, jax.Array], Any] | None = None
+
+
+class FunctionalModel(NamedTuple):
+    """A model as two plain functions: ``init(rng, example_batch) -> params``, ``apply(params, inputs) -> logits``.
+
+    A plain ``(init, apply)`` tuple is accepted as well.
+    """
+    init: Callable[[jax.Array, Batch], Any]
+    apply: Callable[[Any, Any], Any]
+
+
+def logits_of(output: Any) -> Any:
+    """The logits of a model's output: the array itself, or the ``.logits`` of an output object."""
+    return getattr(output, "logits", output)
+
+
+# ------------------------------------------------------------------------------------------ adapters
+
+def _mode_kwargs(module: nn.Module, train: bool) -> dict[str, bool]:
+    """``deterministic=not train`` or ``train=train``, whichever the module's ``__call__`` takes."""
+    parameters = inspect.signature(type(module).__call__).parameters
+    if "deterministic" in parameters:
+        return {"deterministic": not train}
+    if "train" in parameters:
+        return {"train": train}
+    return {}
+
+
+def linen_pieces(module: nn.Module, example_inputs: Any) -> tuple[Callable, Apply, Callable]:
+    """``(init, apply, logical_specs)`` of a linen module called on ``example_inputs``-like inputs."""
+    def init_variables(rng: jax.Array) -> dict:
+        return module.init({"params": rng, "dropout": rng}, example_inputs, **_mode_kwargs(module, False))
+
+    def init(rng: jax.Array) -> tuple[Any, Any]:
+        variables = nn.meta.unbox(dict(init_variables(rng)))
+        params = variables.pop("params", {})
+        return params, variables
+
+    def apply(params: Any, model_state: Any, inputs: Any, train: bool, rng: jax.Array,
+              **keywords: Any) -> tuple[Any, Any]:
+        variables = {"params": params, **model_state}
+        if train and model_state:
+            output, updates = module.apply(variables, inputs, rngs={"dropout": rng}, mutable=list(model_state),
+                                           **_mode_kwargs(module, True), **keywords)
+            return output, {**model_state, **updates}
+        output = module.apply(variables, inputs, rngs={"dropout": rng}, **_mode_kwargs(module, train), **keywords)
+        return output, model_state
+
+    def logical_specs() -> Any:
+        return nn.get_partition_spec(jax.eval_shape(init_variables, jax.random.PRNGKey(0)).get("params", {}))
+
+    return init, apply, logical_specs
+
+
+def _nnx_rebuild(template: nnx.State, pure: Any) -> nnx.State:
+    """An ``nnx.State`` shaped like ``template`` holding the leaves of its pure-dict form ``pure``
+    (both flatten in the same key order)."""
+    return jax.tree.unflatten(jax.tree.structure(template), jax.tree.leaves(pure))
+
+
+def nnx_pieces(module: nnx.Module) -> tuple[Callable, Apply, Callable]:
+    """``(init, apply, logical_specs)`` of an NNX module: params are the ``nnx.Param`` variables as a pure
+    dict, model state every other variable except RNG streams (reseeded from the step key on each call)."""
+    graphdef, params, rng_state, rest = nnx.split(module, nnx.Param, nnx.RngState, ...)
+    initial = (nnx.to_pure_dict(params), nnx.to_pure_dict(rest))
+
+    def init(rng: jax.Array) -> tuple[Any, Any]:
+        return initial  # the module object was initialised by its own constructor
+
+    def fresh_streams(rng: jax.Array) -> nnx.State:
+        leaves = jax.tree.leaves(rng_state)
+        keys = [jax.random.wrap_key_data(jax.random.fold_in(rng, index)) if jax.dtypes.issubdtype(
+            leaf.dtype, jax.dtypes.prng_key) else leaf for index, leaf in enumerate(leaves)]
+        return jax.tree.unflatten(jax.tree.structure(rng_state), keys)
+
+    def apply(params_pure: Any, model_state: Any, inputs: Any, train: bool, rng: jax.Array,
+              **keywords: Any) -> tuple[Any, Any]:
+        model = nnx.merge(graphdef, _nnx_rebuild(params, params_pure), fresh_streams(rng),
+                          _nnx_rebuild(rest, model_state))
+        model.train() if train else model.eval()
+        output = model(inputs, **keywords)
+        if not train:
+            return output, model_state
+        return output, nnx.to_pure_dict(nnx.split(model, nnx.Param, nnx.RngState, ...)[3])
+
+    def logical_specs() -> Any:
+        specs = nnx.get_partition_spec(params)
+        return jax.tree.map(lambda leaf: leaf if isinstance(leaf, PartitionSpec) else PartitionSpec(),
+                            nnx.to_pure_dict(specs), is_leaf=lambda leaf: isinstance(leaf, PartitionSpec))
+
+    return init, apply, logical_specs
+
+
+def functional_pieces(model: FunctionalModel, example_batch: Batch) -> tuple[Callable, Apply, Callable]:
+    """``(init, apply, logical_specs)`` of plain functions (no model state, no logical axes)."""
+    init_fn, apply_fn = model
+
+    def init(rng: jax.Array) -> tuple[Any, Any]:
+        return init_fn(rng, example_batch), {}
+
+    def apply(params: Any, model_state: Any, inputs: Any, train: bool, rng: jax.Array,
+              **keywords: Any) -> tuple[Any, Any]:
+        return apply_fn(params, inputs, **keywords), model_state
+
+    def logical_specs() -> Any:
+        return jax.tree.map(lambda _: PartitionSpec(), jax.eval_shape(init, jax.random.PRNGKey(0))[0])
+
+    return init, apply, logical_specs
+
+
+def model_kind_of(model: Any) -> str:
+    """``linen``, ``nnx`` or ``functions``; anything else is a one-line ConfigError."""
+    if isinstance(model, nn.Module):
+        return "linen"
+    if isinstance(model, nnx.Module):
+        return "nnx"
+    if isinstance(model, tuple) and len(model) == 2 and all(callable(part) for part in model):
+        return "functions"
+    raise ConfigError(f"model {type(model).__name__} is not a Flax linen module, an NNX module or "
+                      f"FunctionalModel(init, apply); pass one of those (a torch nn.Module needs backend: torch)")
+
+
+# ---------------------------------------------------------------------------------------------- losses
+
+def _fields(batch: Batch) -> list[str]:
+    return sorted(name for name in batch if name != "weight")
+
+
+def builtin_loss(apply: Apply, kind: str, train: bool) -> Callable:
+    """The built-in loss of ``kind`` on the logits of ``apply``, in the stateful form."""
+    sums = LOSSES[kind]
+
+    def loss_fn(params, model_state, batch, rng):
+        output, new_state = apply(params, model_state, model_inputs(kind, batch), train, rng,
+                                  **model_keywords(kind, batch))
+        return (*sums(logits_of(output), batch), new_state)
+    return loss_fn
+
+
+def user_loss(loss_fn: Callable) -> Callable:
+    """A user ``loss_fn(params, batch, rng) -> (loss_sum, weight, aux_sums)`` in the stateful form."""
+    def stateful_loss(params, model_state, batch, rng):
+        return (*loss_fn(params, batch, rng), model_state)
+    return stateful_loss
+
+
+def check_logits(apply: Apply, kind: str, params: Any, model_state: Any, batch: Batch) -> None:
+    """The model's output must be the logits the built-in loss of ``kind`` reads (shapes only)."""
+    output = jax.eval_shape(lambda p, s, b: logits_of(apply(p, s, model_inputs(kind, b), False, jax.random.PRNGKey(0),
+                                                            **model_keywords(kind, b))[0]), params, model_state, batch)
+    rows = len(batch["weight"])
+    wanted = ((rows,) if kind == "classifier" else np.shape(batch["tokens"][:, 1:]))
+    shape = tuple(getattr(output, "shape", ()))
+    if not hasattr(output, "dtype") or not np.issubdtype(output.dtype, np.floating) or shape[:-1] != wanted \
+            or len(shape) != len(wanted) + 1:
+        need = "[batch, classes]" if kind == "classifier" else "[batch, seq_len, vocab]"
+        got = f"{np.dtype(output.dtype).name}{list(shape)}" if hasattr(output, "dtype") else type(output).__name__
+        raise ConfigError(f"the model returns {got}, not the logits {need} (batch {list(wanted)}) the built-in "
+                          f"{kind} loss reads; return logits from the model or pass loss_fn=")
+
+
+def check_user_loss(loss_fn: Callable, params: Any, batch: Batch) -> None:
+    """A user loss must return ``(loss_sum, weight, {name: sum})`` of scalars (shapes only)."""
+    try:
+        result = jax.eval_shape(loss_fn, params, batch, jax.random.PRNGKey(0))
+    except KeyError as exc:
+        raise DataError(f"loss_fn reads field {exc} which the data does not have (fields: {_fields(batch)}); "
+                        f"add the field to the data or fix loss_fn") from None
+    contract = "loss_fn must return (loss_sum, weight, aux_sums): scalar sums over the batch and a dict of sums"
+    if not isinstance(result, tuple) or len(result) != 3:
+        got = f"a {len(result)}-tuple" if isinstance(result, tuple) else type(result).__name__
+        raise ConfigError(f"loss_fn returned {got}; {contract}")
+    loss_sum, weight, aux = result
+    if not isinstance(aux, dict):
+        raise ConfigError(f"loss_fn returned aux of type {type(aux).__name__}; {contract}")
+    for name, value in {"loss_sum": loss_sum, "weight": weight,
+                        **{f"aux[{key!r}]": value for key, value in aux.items()}}.items():
+        if getattr(value, "shape", None) != ():
+            raise ConfigError(f"loss_fn returned {name} of shape {getattr(value, 'shape', type(value).__name__)}, "
+                              f"not a scalar; {contract}")
+
+
+def check_weight_is_a_count(loss_fn: Callable, params: Any, batch: Batch) -> None:
+    """A loss returning a mean (weight 1 for a batch of several records) would make accumulation and
+    multi-device sums wrong silently; one evaluation on the example batch catches it."""
+    rows = int(np.sum(np.asarray(batch["weight"]) > 0))
+    weight = float(jax.jit(loss_fn)(params, batch, jax.random.PRNGKey(0))[1])
+    if rows > 1 and weight <= 1.0:
+        raise ConfigError(f"loss_fn returned weight {weight:g} for a batch of {rows} records: it looks like a mean; "
+                          f"return sums (loss_sum, weight = examples or tokens counted, aux sums), the step "
+                          f"divides once by the total weight")
+
+
+# ---------------------------------------------------------------------------------------------- entry
+
+def as_program(model: Any, example_batch: Batch, *, kind: str | None = None,
+               loss_fn: Callable | None = None) -> Program:
+    """The :class:`Program` of a linen module, an NNX module, a :class:`FunctionalModel` or a Program.
+
+    Args:
+      model: the model object.
+      example_batch: one host batch (with ``weight``); linen and plain-function models are initialised on it.
+      kind: the built-in loss (``classifier`` / ``causal_lm``); None: inferred from the data's fields.
+      loss_fn: a user ``loss_fn(params, batch, rng) -> (loss_sum, weight, aux_sums)``; None: the built-in one.
+
+    Raises ConfigError (one line) for a model of no known kind, output that does not fit the built-in loss,
+    and a ``loss_fn`` of the wrong structure or returning a mean.
+    """
+    if isinstance(model, Program):
+        return model
+    framework = model_kind_of(model)
+    kind = kind or infer_task_kind(example_batch)
+    if framework == "nnx":
+        init, apply, logical_specs = nnx_pieces(model)
+    elif framework == "linen":
+        if kind is None:
+            raise DataError(f"a linen model is initialised on the data's 'x' or 'tokens' field, and the data has "
+                            f"{_fields(example_batch)}; name the input field 'x' (or 'tokens'), or wrap the model "
+                            f"as FunctionalModel(init, apply)")
+        init, apply, logical_specs = linen_pieces(model, model_inputs(kind, example_batch))
+    else:
+        init, apply, logical_specs = functional_pieces(model, example_batch)
+    params, model_state = jax.eval_shape(init, jax.random.PRNGKey(0))
+    if loss_fn is None:
+        if kind is None:
+            raise DataError(f"the data has fields {_fields(example_batch)}, which fit no built-in loss (classifier: "
+                            f"'x' and 'y'; causal LM: 'tokens'); rename the fields or pass loss_fn=")
+        check_logits(apply, kind, params, model_state, example_batch)
+        return Program(init, builtin_loss(apply, kind, True), builtin_loss(apply, kind, False), logical_specs)
+    if not callable(loss_fn):
+        raise ConfigError(f"loss_fn is a {type(loss_fn).__name__}, not a function; pass "
+                          f"loss_fn(params, batch, rng) -> (loss_sum, weight, aux_sums)")
+    if jax.tree.leaves(model_state):
+        raise ConfigError("loss_fn= cannot update the model's mutable state (batch statistics); use the built-in "
+                          "loss, or a model without mutable collections")
+    check_user_loss(loss_fn, params, example_batch)
+    check_weight_is_a_count(loss_fn, init(jax.random.PRNGKey(0))[0], example_batch)
+    return Program(init, user_loss(loss_fn), user_loss(loss_fn), logical_specs)

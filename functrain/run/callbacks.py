@@ -1,0 +1,242 @@
+"""Callbacks: the loop's events (as users know them from the HF Trainer) and the built-in callbacks.
+
+Every event gets a :class:`RunView` (where the run stands) and may return a :class:`Control` asking the
+loop to stop, save or evaluate at the current call boundary. Events fire at call boundaries: with
+``train.steps_per_call = K``, ``on_step_end`` fires once per K steps with ``view.step`` the step reached.
+"""
+
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from functrain.run.config_checks import check_metric_logged
+
+
+@dataclass
+class Control:
+    """What a callback asks of the loop at the current call boundary."""
+    should_stop: bool = False
+    should_save: bool = False
+    should_evaluate: bool = False
+
+    def merge(self, other: "Control | None") -> "Control":
+        """Any request from either side stands."""
+        if other is None:
+            return self
+        return Control(self.should_stop or other.should_stop, self.should_save or other.should_save,
+                       self.should_evaluate or other.should_evaluate)
+
+
+@dataclass
+class RunView:
+    """Read-only facts about the run, refreshed by the loop before each event."""
+    config: Any
+    run_dir: Path
+    max_steps: int
+    is_primary: bool
+    step: int = 0
+    epoch: int = 0
+    samples_consumed: int = 0
+    start_step: int = 0
+    stop_reason: str | None = None
+    last_metrics: dict[str, dict[str, float]] = field(default_factory=dict)
+    state: Any = None  # the train state during on_evaluate (e.g. to draw samples), else None
+
+
+class Callback:
+    """Base class: override the events you need. Returning None means 'no request'."""
+
+    def on_train_begin(self, view: RunView) -> Control | None: ...
+    def on_train_end(self, view: RunView) -> Control | None: ...
+    def on_epoch_begin(self, view: RunView) -> Control | None: ...
+    def on_epoch_end(self, view: RunView) -> Control | None: ...
+    def on_step_end(self, view: RunView) -> Control | None: ...
+    def on_log(self, view: RunView, split: str, step: int, metrics: dict[str, float]) -> Control | None: ...
+    def on_evaluate(self, view: RunView, metrics: dict[str, float]) -> Control | None: ...
+    def on_save(self, view: RunView, step: int) -> Control | None: ...
+
+
+class CallbackList:
+    """Dispatches an event to every callback and merges their controls."""
+
+    def __init__(self, callbacks: list[Callback]) -> None:
+        self.callbacks = list(callbacks)
+
+    def fire(self, event: str, view: RunView, *args: Any) -> Control:
+        control = Control()
+        for callback in self.callbacks:
+            control = control.merge(getattr(callback, event)(view, *args))
+        return control
+
+
+class ProgressBar(Callback):
+    """A tqdm bar with steps/s, ETA and the latest loss (primary process only)."""
+
+    def __init__(self) -> None:
+        self.bar = None
+
+    def on_train_begin(self, view: RunView) -> None:
+        if view.is_primary:
+            from tqdm import tqdm
+            self.bar = tqdm(total=view.max_steps, initial=view.step, unit="step", dynamic_ncols=True,
+                            file=sys.stderr, mininterval=0.5)
+
+    def on_step_end(self, view: RunView) -> None:
+        if self.bar is not None:
+            self.bar.update(view.step - self.bar.n)
+
+    def on_log(self, view: RunView, split: str, step: int, metrics: dict[str, float]) -> None:
+        if self.bar is not None and "loss" in metrics:
+            postfix = {f"{split}_loss": f"{metrics['loss']:.4f}", "epoch": view.epoch}
+            if "tokens_per_sec" in metrics:
+                postfix["tok/s"] = f"{metrics['tokens_per_sec']:,.0f}"
+            if "mfu" in metrics:
+                postfix["mfu"] = f"{metrics['mfu']:.1%}"
+            self.bar.set_postfix(postfix, refresh=False)
+
+    def on_train_end(self, view: RunView) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def _json_safe(value: float) -> float | None:
+    """JSON has no NaN/inf: write them as null so every line stays valid JSON."""
+    return value if math.isfinite(value) else None
+
+
+def set_aside_lines_after(path: Path, step: int) -> None:
+    """Move records of steps after ``step`` (logged by a run that crashed after its last checkpoint) to
+    ``<name>.abandoned.jsonl``, so the file holds one line of history; nothing is deleted."""
+    keep, abandoned = [], []
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            later = json.loads(line)["step"] > step
+        except (ValueError, KeyError, TypeError):
+            later = False
+        (abandoned if later else keep).append(line)
+    if not abandoned:
+        return
+    with open(path.with_suffix(".abandoned.jsonl"), "a") as aside:
+        aside.writelines(abandoned)
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(keep))
+    tmp.replace(path)
+
+
+class MetricsWriter(Callback):
+    """Appends every logged and evaluated metric to ``metrics.jsonl`` and TensorBoard event files."""
+
+    def __init__(self, tensorboard: bool = True) -> None:
+        self.tensorboard = tensorboard
+        self.jsonl = None
+        self.writer = None
+
+    def on_train_begin(self, view: RunView) -> None:
+        if not view.is_primary:
+            return
+        path = view.run_dir / "metrics.jsonl"
+        if path.exists():
+            set_aside_lines_after(path, view.start_step)
+        self.jsonl = open(path, "a", buffering=1)
+        if self.tensorboard:
+            from tensorboardX import SummaryWriter
+            self.writer = SummaryWriter(str(view.run_dir / "tensorboard"))
+
+    def on_log(self, view: RunView, split: str, step: int, metrics: dict[str, float]) -> None:
+        if self.jsonl is None:
+            return
+        record = {"step": step, "split": split}
+        record.update({name: _json_safe(value) for name, value in metrics.items()})
+        self.jsonl.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for name, value in metrics.items():
+                self.writer.add_scalar(f"{split}/{name}", value, step)
+
+    def on_train_end(self, view: RunView) -> None:
+        if self.jsonl is not None:
+            self.jsonl.close()
+            self.jsonl = None
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+class EveryNSteps(Callback):
+    """Asks for an evaluation and/or a save every ``N`` steps (at call boundaries)."""
+
+    def __init__(self, evaluate_every: int = 0, save_every: int = 0) -> None:
+        self.evaluate_every = evaluate_every
+        self.save_every = save_every
+
+    def on_step_end(self, view: RunView) -> Control:
+        due = lambda every: bool(every) and view.step % every == 0  # noqa: E731
+        return Control(should_evaluate=due(self.evaluate_every), should_save=due(self.save_every))
+
+
+class EarlyStopping(Callback):
+    """Stops when ``metric`` (``"eval/loss"`` style) has not improved by ``min_delta`` for ``patience`` evals."""
+
+    def __init__(self, metric: str, patience: int = 3, mode: str = "min", min_delta: float = 0.0) -> None:
+        self.metric = metric
+        self.split, _, self.name = metric.partition("/")
+        self.patience, self.mode, self.min_delta = patience, mode, min_delta
+        self.best = math.inf if mode == "min" else -math.inf
+        self.bad_evaluations = 0
+
+    def _improved(self, value: float) -> bool:
+        if self.mode == "min":
+            return value < self.best - self.min_delta
+        return value > self.best + self.min_delta
+
+    def on_log(self, view: RunView, split: str, step: int, metrics: dict[str, float]) -> Control | None:
+        # A metric its split never logs would never stop the run: say so at the first log of that split.
+        check_metric_logged("eval.early_stopping_metric", self.metric, split, metrics)
+        if split != self.split:
+            return None
+        value = metrics[self.name]
+        if np.isfinite(value) and self._improved(value):
+            self.best, self.bad_evaluations = value, 0
+            return None
+        self.bad_evaluations += 1
+        if self.bad_evaluations >= self.patience:
+            view.stop_reason = (f"early stopping: {self.split}/{self.name} did not improve for "
+                                f"{self.patience} evaluations (best {self.best:.6g})")
+            return Control(should_stop=True)
+        return None
+
+
+class Throughput:
+    """Steps per second between log steps, from the time each call was known to be finished.
+
+    That is when its metrics were read for an asynchronous backend (JAX), and when ``train_call`` returned
+    for a synchronous one (torch on CPU), whose metrics are read one call after it finished.
+    """
+
+    def __init__(self) -> None:
+        self.returned_at: dict[int, float] = {}
+        self.last_logged = 0
+
+    def mark(self, step: int) -> None:
+        """The call ending at ``step`` is finished now (or the run starts at ``step``)."""
+        self.returned_at[step] = time.perf_counter()
+
+    def start(self, step: int) -> None:
+        """Measure from ``step``, now."""
+        self.returned_at = {}
+        self.mark(step)
+        self.last_logged = step
+
+    def rate(self, step: int) -> float:
+        """Steps per second from the previous log step to ``step``."""
+        elapsed = self.returned_at[step] - self.returned_at[self.last_logged]
+        rate = (step - self.last_logged) / max(elapsed, 1e-9)
+        self.returned_at = {s: t for s, t in self.returned_at.items() if s >= step}
+        self.last_logged = step
+        return rate

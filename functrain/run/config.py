@@ -1,0 +1,497 @@
+"""Typed run configuration: YAML files, dotted command-line overrides, one-line errors.
+
+``load_config("configs/char_gpt.yaml", ["train.max_steps=100"])`` returns a validated :class:`Config`.
+Unknown keys and wrong types raise :class:`~functrain.errors.ConfigError` naming the key (and, for a
+misspelt key, the nearest valid one). The ``model`` section is checked by the chosen model's own schema, or
+names a factory (``model.target``) whose keyword arguments are the section's other keys.
+"""
+
+import difflib
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import pydantic
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from functrain.errors import ConfigError
+
+METRIC_SPLITS = ("train", "eval")  # the "split" of metrics.jsonl lines, and of metric names like "eval/loss"
+
+
+def _split_and_name(value: str) -> str:
+    if value.partition("/")[0] not in METRIC_SPLITS or not value.partition("/")[2]:
+        raise ValueError("must be 'split/name' with split train or eval, like 'eval/loss'")
+    return value
+
+
+MetricName = Annotated[str, pydantic.AfterValidator(_split_and_name)]
+
+
+class Section(BaseModel):
+    """A config section: unknown keys are errors, values are validated on assignment too."""
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(Section):
+    """``run.*``: where the run directory (config, metrics, TensorBoard, checkpoints) lives."""
+    dir: str = "runs/default"
+
+
+# What the run's config records for an object passed to fit (model, data name, optimizer name).
+PYTHON_OBJECT = "python_object"
+
+
+def check_target(value: str | None) -> str | None:
+    """An import path ``"package.module:attribute"`` (checked for form here, imported by the builder)."""
+    if value is not None:
+        module, sep, attribute = value.partition(":")
+        if not sep or not module or not attribute:
+            raise ValueError(f"{value!r} is not an import path; write it as 'package.module:factory'")
+    return value
+
+
+Target = Annotated[str | None, pydantic.AfterValidator(check_target)]
+
+
+class MixtureSourceConfig(Section):
+    """One ``data.sources`` entry: a file or store at ``path`` drawn with relative ``weight``; ``name`` is its
+    loader (default: from the path, see :func:`functrain.data.datasets.open_source`)."""
+    path: str
+    weight: float
+    name: str | None = None
+
+    @pydantic.field_validator("weight")
+    @classmethod
+    def _positive(cls, value: float) -> float:
+        if not value > 0:
+            raise ValueError(f"weight {value} must be > 0 (the weights' ratios are the mixture's proportions); "
+                             f"give the source a positive weight or remove it")
+        return value
+
+
+class DataConfig(Section):
+    """``data.*``: the dataset and its order. ``last_batch``: drop an epoch's short tail or pad it with
+    weight-0 samples; ``ignore_skip`` restarts the data at sample 0 on resume (model and optimizer kept);
+    ``skip_samples`` sets the position explicitly; ``prefetch`` is calls assembled ahead in a thread.
+    ``target: "pkg.module:load"`` (called with ``kwargs``) replaces ``name``: it returns the training data
+    (a dict of arrays, a map-style dataset, an iterable to stream) or a ``(train, eval)`` pair; a generator
+    function is streamed as it is (called with the start offset on resume when it takes one).
+    ``sources: [{path, weight}, ...]`` replaces ``name`` and ``path``: a mixture of those files. ``packing``
+    (token stores: ``name: tokens`` or token-store entries of ``sources``) adds segment ids and positions so
+    that documents never see one another."""
+    name: str = "char_text"
+    target: Target = None
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    path: str | None = None
+    seq_len: int = Field(128, ge=1)
+    global_batch_size: int = Field(32, ge=1)
+    seed: int | None = None  # None: the run's seed
+    shuffle: bool = True
+    last_batch: Literal["drop", "pad"] = "drop"
+    ignore_skip: bool = False
+    skip_samples: int | None = Field(None, ge=0)
+    prefetch: int = Field(2, ge=0)
+    eval_fraction: float = Field(0.1, ge=0.0, lt=1.0)
+    packing: bool = False
+    sources: list[MixtureSourceConfig] | None = None
+    mixture_block_size: int = Field(1024, ge=1)
+
+    @pydantic.model_validator(mode="after")
+    def _one_kind_of_data(self) -> "DataConfig":
+        if self.sources is not None:
+            if not self.sources:
+                raise ValueError("data.sources is empty; list at least one {path, weight} or remove the key")
+            given = [key for key in ("path", "target") if getattr(self, key) is not None]
+            if given:
+                raise ValueError(f"data.sources replaces data.{given[0]}; keep one of them")
+        elif self.packing and (self.name != "tokens" or self.target is not None):
+            raise ValueError("data.packing=true needs data.name=tokens (a store written by functrain tokenize); "
+                             "remove data.packing or set data.name=tokens")
+        return self
+
+
+# Optimizer name -> {config key: optax argument}; weight_decay (masked to matrices) applies to all. For
+# adafactor, lion and muon a key left at its config default takes optax's own default instead.
+OPTIMIZER_KEYS: dict[str, dict[str, str]] = {
+    "adamw": {"b1": "b1", "b2": "b2", "eps": "eps", "mu_dtype": "mu_dtype"},
+    "sgd": {"momentum": "momentum", "nesterov": "nesterov", "mu_dtype": "accumulator_dtype"},
+    "adafactor": {"momentum": "momentum", "eps": "eps", "mu_dtype": "dtype_momentum"},
+    "lion": {"b1": "b1", "b2": "b2", "mu_dtype": "mu_dtype"},
+    "muon": {"momentum": "beta", "nesterov": "nesterov", "eps": "eps", "b1": "adam_b1", "b2": "adam_b2",
+             "mu_dtype": "mu_dtype"},
+}
+# Optimizers that take every key they read as given (the others only those set away from the defaults).
+EXPLICIT_KEYS = ("adamw", "sgd")
+
+
+class OptimizerConfig(Section):
+    """``optimizer.*``: adamw, sgd, adafactor, lion or muon, with linear warmup then a constant, cosine or
+    linear schedule. ``target: "pkg.module:make"`` (called with ``kwargs``) replaces ``name``: it returns an
+    optax transformation, or a function of the schedule returning one; a target taking ``learning_rate``
+    (``"optax:lion"``) gets the schedule as its learning rate."""
+    name: str = "adamw"
+    target: Target = None
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    learning_rate: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    momentum: float = 0.0
+    nesterov: bool = False
+    schedule: Literal["constant", "cosine", "linear"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    end_lr_ratio: float = Field(0.0, ge=0)
+    # dtype of the first moment / momentum (None: the parameters' dtype, or optax's default).
+    mu_dtype: Literal["float32", "bfloat16"] | None = None
+
+    def optax_options(self) -> dict[str, Any]:
+        """The optax keyword arguments of ``name`` this section sets (see :data:`OPTIMIZER_KEYS`)."""
+        fields = type(self).model_fields
+        return {argument: getattr(self, key) for key, argument in OPTIMIZER_KEYS[self.name].items()
+                if self.name in EXPLICIT_KEYS or getattr(self, key) != fields[key].default}
+
+    @pydantic.model_validator(mode="after")
+    def _check_keys(self) -> "OptimizerConfig":
+        from functrain.core.optim import OPTIMIZER_NAMES  # imports optax; only when an optimizer is configured
+        if self.target is not None or self.name == PYTHON_OBJECT:
+            return self
+        if self.name not in OPTIMIZER_NAMES:
+            raise ValueError(f"unknown optimizer.name {self.name!r}; choose one of {', '.join(OPTIMIZER_NAMES)}")
+        for key in ("b1", "b2", "eps", "momentum", "nesterov", "mu_dtype"):
+            if key not in OPTIMIZER_KEYS[self.name] and getattr(self, key) != type(self).model_fields[key].default:
+                users = [name for name, keys in OPTIMIZER_KEYS.items() if key in keys]
+                raise ValueError(f"optimizer.{key} is not used by optimizer.name={self.name} (only by "
+                                 f"{', '.join(users)}); remove it or choose one of those")
+        return self
+
+
+class TrainConfig(Section):
+    """``train.*``: run length (``max_steps`` wins over ``epochs``), accumulation, steps per compiled
+    call, clipping, the non-finite policy, the precision (``compute_dtype`` for the forward/backward pass,
+    ``param_dtype`` for the stored parameters), ``offload_optimizer`` (optimizer state in pinned host
+    memory, streamed to the device for each update; GPU/TPU only) and (torch) ``torch.compile``."""
+    max_steps: int | None = Field(None, ge=1)
+    epochs: float | None = Field(None, gt=0)
+    micro_batches: int = Field(1, ge=1)
+    steps_per_call: int = Field(1, ge=1)
+    clip_norm: float | None = Field(None, gt=0)
+    nonfinite: Literal["skip", "stop"] = "skip"
+    # A finished run that skipped a larger share of its steps as non-finite exits with status 4.
+    max_skipped_fraction: float = Field(0.5, ge=0.0, le=1.0)
+    compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    loss_scale: Literal["none", "dynamic"] = "none"
+    offload_optimizer: bool = False
+    # backend: torch only: the module's training forward through torch.compile (minutes to compile on CPU).
+    torch_compile: bool = False
+
+
+class CheckpointConfig(Section):
+    """``checkpoint.*``: save interval, retention (latest ``keep`` plus best ``keep_best`` by
+    ``best_metric``), which checkpoint to resume from, async saves and what a failed save does."""
+    every_steps: int = Field(0, ge=0)  # 0: only at the end (and on SIGTERM)
+    keep: int = Field(3, ge=1)
+    keep_best: int = Field(0, ge=0)
+    best_metric: MetricName = "eval/loss"
+    best_mode: Literal["min", "max"] = "min"
+    resume: Literal["auto", "never"] | Annotated[int, Field(ge=0)] = "auto"
+    async_save: bool = True
+    on_error: Literal["stop", "warn"] = "stop"
+
+    @pydantic.field_validator("resume", mode="before")
+    @classmethod
+    def _resume_request(cls, value: Any) -> Any:
+        # One message for the union (pydantic would name its internal member, 'literal[...]').
+        if value in ("auto", "never") or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            return value
+        raise ValueError("must be 'auto', 'never' or a checkpoint step (an integer >= 0)")
+
+
+class ParamRule(Section):
+    """One ``mesh.param_rules`` entry: parameters whose path (``block_0/dense/kernel``) matches the regular
+    expression ``pattern`` (``re.search``) get ``spec``, one mesh axis (or list of axes, or null) per dimension."""
+    pattern: str
+    spec: list[str | list[str] | None]
+
+    @pydantic.field_validator("pattern")
+    @classmethod
+    def _compiles(cls, value: str) -> str:
+        try:
+            re.compile(value)
+        except re.error as exc:
+            raise ValueError(f"pattern {value!r} is not a regular expression ({exc})") from None
+        return value
+
+
+class MeshConfig(Section):
+    """``mesh.*``: device mesh axes (one may be -1 for the rest), logical-to-mesh axis rules, and rules by
+    parameter path for parameters without logical axes (``param_rules``, first match wins; see
+    :mod:`functrain.parallel.sharding` for the default rule)."""
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+    rules: dict[str, str | list[str] | None] | None = None  # None: the defaults in functrain.parallel.sharding
+    param_rules: list[ParamRule] = Field(default_factory=list)
+    allow_replicated_fallback: bool = False
+
+
+class LogConfig(Section):
+    """``log.*``: metric logging interval, progress bar, TensorBoard event files, experiment trackers
+    (``jsonl`` is metrics.jsonl, always written; ``wandb`` and ``mlflow`` need their extras) and the PNG of
+    the run's curves written at its end (``RUN_DIR/plot.png``)."""
+    every_steps: int = Field(10, ge=1)
+    progress: bool = True
+    tensorboard: bool = True
+    trackers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = ["jsonl", "tensorboard"]
+    plot: bool = False  # the shipped char_gpt job (make train) turns it on
+
+
+class SamplesConfig(Section):
+    """``eval.samples.*``: ``count`` continuations of ``prompt`` written to ``RUN_DIR/samples.jsonl`` and
+    TensorBoard at each evaluation of a language model (0: none); ``tokenizer``: an HF tokenizer directory
+    (default: UTF-8 bytes, as ``data.name=char_text`` feeds them)."""
+    count: int = Field(0, ge=0)
+    prompt: str = "\n"
+    max_new_tokens: int = Field(64, ge=1)
+    temperature: float = Field(0.8, ge=0.0)
+    top_k: int | None = Field(None, ge=1)
+    tokenizer: str | None = None
+
+
+class EvalConfig(Section):
+    """``eval.*``: evaluation interval and size, and early stopping on a metric like ``eval/loss``."""
+    every_steps: int = Field(0, ge=0)  # 0: no periodic evaluation (one at the end if there is eval data)
+    max_batches: int | None = Field(None, ge=1)
+    early_stopping_metric: MetricName | None = None  # e.g. "eval/loss"
+    early_stopping_patience: int = Field(3, ge=1)
+    early_stopping_mode: Literal["min", "max"] = "min"
+    early_stopping_min_delta: float = Field(0.0, ge=0)
+    samples: SamplesConfig = SamplesConfig()
+
+
+class TargetModelConfig(BaseModel):
+    """``model.target: "pkg.module:factory"``: the factory is called with the section's other keys (except
+    ``kind``, the built-in loss when the data's fields do not say: ``classifier`` or ``causal_lm``) and
+    returns the model (linen, NNX, ``FunctionalModel`` or, with ``backend: torch``, an ``nn.Module``)."""
+    model_config = ConfigDict(extra="allow")
+    target: Annotated[str, pydantic.AfterValidator(check_target)]
+    kind: Literal["classifier", "causal_lm"] | None = None
+
+    def factory_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments for the factory."""
+        return dict(self.model_extra or {})
+
+
+class PythonModelConfig(Section):
+    """Recorded in place of a model section when ``fit`` is given a model object: its type, for the record."""
+    python_object: str  # the name is PYTHON_OBJECT
+
+
+class Config(Section):
+    """The whole run configuration; ``model`` holds the chosen model's own validated config."""
+    seed: int = 0
+    backend: Literal["jax", "torch"] = "jax"
+    run: RunConfig = RunConfig()
+    model: Any = None
+    data: DataConfig = DataConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    train: TrainConfig = TrainConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    mesh: MeshConfig = MeshConfig()
+    log: LogConfig = LogConfig()
+    eval: EvalConfig = EvalConfig()
+
+    @pydantic.field_validator("model", mode="before")
+    @classmethod
+    def _validate_model(cls, value: Any) -> Any:
+        from functrain.models import model_config_class  # the registry imports model code lazily
+        if isinstance(value, BaseModel):
+            return value
+        if isinstance(value, dict) and "target" in value:
+            if "name" in value:
+                raise ValueError("the model section has both 'name' and 'target'; keep one")
+            return TargetModelConfig.model_validate(value)
+        if isinstance(value, dict) and set(value) == {PYTHON_OBJECT}:
+            return PythonModelConfig.model_validate(value)
+        if not isinstance(value, dict) or "name" not in value:
+            raise ValueError("the model section needs a 'name' (one of the registered models) or a 'target' "
+                             "('package.module:factory')")
+        return model_config_class(value["name"]).model_validate(value)
+
+    @pydantic.model_validator(mode="after")
+    def _check_model_fits_data(self) -> "Config":
+        if self.model is None:
+            raise ValueError("the config has no model section; add model.name (e.g. model.name=mlp) or "
+                             "model.target, or pass model= to fit")
+        context = next((getattr(self.model, key) for key in ("max_len", "n_positions", "max_position_embeddings")
+                        if getattr(self.model, key, None) is not None), None)
+        if context is not None and self.data.seq_len > context:
+            raise ValueError(f"data.seq_len={self.data.seq_len} is longer than the model's context of {context} "
+                             f"positions; lower data.seq_len or raise the model's context length")
+        vocab = getattr(self.model, "vocab_size", None)
+        if (self.data.target is None and self.data.sources is None and self.data.name == "char_text"
+                and vocab is not None and vocab < 256):
+            raise ValueError(f"data.name=char_text feeds bytes (ids 0-255) but the model's vocab_size is {vocab}; "
+                             f"set model.vocab_size to at least 256")
+        return self
+
+    @pydantic.model_validator(mode="after")
+    def _check_intervals(self) -> "Config":
+        k = self.train.steps_per_call
+        for key, every in (("log.every_steps", self.log.every_steps),
+                           ("eval.every_steps", self.eval.every_steps),
+                           ("checkpoint.every_steps", self.checkpoint.every_steps)):
+            if every and every % k:
+                raise ValueError(f"{key}={every} is not a multiple of train.steps_per_call={k}: intervals fall "
+                                 f"on call boundaries; use a multiple of {k} for {key}")
+        if self.data.global_batch_size % self.train.micro_batches:
+            raise ValueError(f"data.global_batch_size={self.data.global_batch_size} is not divisible by "
+                             f"train.micro_batches={self.train.micro_batches}")
+        if self.train.loss_scale == "dynamic" and self.train.compute_dtype != "float16":
+            raise ValueError("train.loss_scale=dynamic is for train.compute_dtype=float16; set one or the other")
+        if self.backend == "torch":
+            for key, value in (("param_dtype", self.train.param_dtype != "float32"),
+                               ("offload_optimizer", self.train.offload_optimizer)):
+                if value:
+                    raise ValueError(f"train.{key} is for backend: jax; remove it or set backend=jax")
+        if self.train.torch_compile and self.backend != "torch":
+            raise ValueError(f"train.torch_compile=true is for backend: torch (backend is {self.backend}; the jax "
+                             f"step is always compiled); remove it or set backend=torch")
+        return self
+
+    def to_dict(self) -> dict:
+        """The resolved config as plain data (what ``config.yaml`` in the run directory holds)."""
+        return self.model_dump(mode="json")
+
+    def digest(self) -> str:
+        """SHA-256 of the resolved config, recorded in checkpoints."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
+
+
+def _all_keys(schema: type[BaseModel], prefix: str = "") -> list[str]:
+    """Every dotted key a schema accepts (for 'did you mean' suggestions)."""
+    keys = []
+    for name, field in schema.model_fields.items():
+        keys.append(prefix + name)
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            keys.extend(_all_keys(annotation, prefix + name + "."))
+    return keys
+
+
+def _suggest(key: str, model_name: str | None) -> str:
+    valid = _all_keys(Config)
+    if model_name:
+        from functrain.models import model_config_class
+        try:
+            valid += _all_keys(model_config_class(model_name), "model.")
+        except ValueError:
+            pass
+    match = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    return f"; did you mean '{match[0]}'?" if match else ""
+
+
+def _format_validation_error(error: pydantic.ValidationError, raw: dict) -> str:
+    """One line for the first problem: the dotted key, what is wrong and the nearest valid key."""
+    first = error.errors()[0]
+    key = ".".join(str(part) for part in first["loc"] if not str(part).startswith("function-"))
+    model_name = raw.get("model", {}).get("name") if isinstance(raw.get("model"), dict) else None
+    if first["type"] == "extra_forbidden":
+        return f"unknown config key '{key}'{_suggest(key, model_name)}"
+    message = first["msg"].removeprefix("Value error, ")
+    if first["type"] in ("value_error", "assertion_error") and (not key or message.startswith(f"{key}.")):
+        return f"invalid config: {message}"
+    given = first.get("input")
+    given_text = "" if isinstance(given, (dict, BaseModel)) else f" (got {given!r})"
+    return f"config key '{key or 'model'}': {message}{given_text}"
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``a.b.c=value`` -> (["a", "b", "c"], value parsed as YAML)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {text!r} is not of the form dotted.key=value")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else None
+    except yaml.YAMLError:
+        parsed = value
+    return key.strip().split("."), parsed
+
+
+def _list_item(node: Any, part: str, text: str) -> bool:
+    """Whether ``part`` indexes an item of list ``node`` (``data.sources.0.weight``); any other key of a list is
+    a ConfigError."""
+    if not isinstance(node, list):
+        return False
+    if part.isdigit() and int(part) < len(node):
+        return True
+    raise ConfigError(f"override {text!r}: {part!r} is not an item of a list of {len(node)}; index it with a "
+                      f"number from 0 to {len(node) - 1} (e.g. data.sources.0.weight=2)")
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Apply dotted ``key=value`` overrides to a nested dict (in a copy); a number after a list key indexes it."""
+    merged = json.loads(json.dumps(raw))
+    for text in overrides:
+        path, value = parse_override(text)
+        node = merged
+        for part in path[:-1]:
+            if _list_item(node, part, text):
+                node = node[int(part)]
+                continue
+            child = node.get(part)
+            if not isinstance(child, (dict, list)):
+                child = node[part] = {}
+            node = child
+        if _list_item(node, path[-1], text):
+            node[int(path[-1])] = value
+        else:
+            node[path[-1]] = value
+    return merged
+
+
+def read_yaml(path: str | Path) -> dict:
+    """Read a YAML mapping; a missing file or malformed YAML is a one-line ConfigError."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist; pass the path of a YAML file "
+                          f"(see configs/)")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or "malformed YAML"
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML{where}: {problem}; fix the file") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys, not {type(raw).__name__}")
+    return raw
+
+
+def validate_config(raw: dict) -> Config:
+    """Validate a nested dict into a :class:`Config`, or raise a one-line ConfigError."""
+    try:
+        return Config.model_validate(raw)
+    except pydantic.ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc, raw)) from None
+    except ValueError as exc:  # the model registry's unknown-name error
+        raise ConfigError(str(exc)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                base: dict | None = None) -> Config:
+    """Load ``path`` (or start from ``base``), apply ``overrides`` and validate."""
+    raw = read_yaml(path) if path is not None else dict(base or {})
+    return validate_config(apply_overrides(raw, list(overrides or [])))
+
+
+def override_list(overrides: dict[str, Any]) -> list[str]:
+    """``{"train.max_steps": 5}`` -> ``["train.max_steps=5"]`` (for ``fit(config, **overrides)``)."""
+    return [f"{key}={json.dumps(value)}" for key, value in overrides.items()]

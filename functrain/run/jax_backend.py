@@ -1,0 +1,188 @@
+"""The JAX backend: builds the sharded TrainState and the compiled train and eval calls for the loop.
+
+The loop never sees jax directly; it calls this object (or the torch bridge's, with the same methods):
+``init_state``, ``restore_targets``, ``state_to_items``, ``state_from_items``, ``place``, ``train_call``,
+``eval_batch``, ``to_host`` and ``describe``.
+"""
+
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from functrain.parallel import distributed, sharding
+from functrain.data import batch_sharding, to_global
+from functrain.errors import ConfigError
+from functrain.parallel.offload import check_offload, offload_opt_state, streaming_optimizer
+from functrain.core.precision import COMPUTE_DTYPES, LOSS_SCALE_INIT, PARAM_DTYPES, cast_floating
+from functrain.core.state import TrainState
+from functrain.core.step import make_eval_step, make_train_call, make_train_step, trainable_only
+from functrain.core.program import Program
+
+# TrainState fields saved in the checkpoint's "state" item (params are an item of their own).
+STATE_FIELDS = ("step", "opt_state", "rng", "model_state", "loss_scale", "good_steps", "skipped_steps",
+                "nonfinite_steps")
+
+
+def _with_shardings(abstract: Any, shardings: Any) -> Any:
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+
+
+class JaxBackend:
+    """Everything device-side for one run: mesh, shardings, compiled calls."""
+
+    name = "jax"
+
+    def __init__(self, config: Any, program: Program, tx: optax.GradientTransformation,
+                 schedule: optax.Schedule | None, total_steps: int) -> None:
+        """``schedule`` is reported as the ``learning_rate`` metric (None: not reported)."""
+        self.config = config
+        self.program = program
+        self.mesh = sharding.make_mesh(config.mesh)
+        devices = sharding.batch_devices(self.mesh)
+        micro = config.train.micro_batches
+        if config.data.global_batch_size % (micro * devices):
+            raise ConfigError(
+                f"data.global_batch_size={config.data.global_batch_size} is not divisible by train.micro_batches "
+                f"({micro}) x data-parallel devices ({devices}); use a multiple of {micro * devices}")
+        if config.train.offload_optimizer:
+            check_offload()
+        compute_dtype = COMPUTE_DTYPES[config.train.compute_dtype]
+        param_dtype = PARAM_DTYPES[config.train.param_dtype]
+        dynamic_scale = config.train.loss_scale == "dynamic"
+        trainable = None
+        if program.trainable is not None:  # frozen leaves (LoRA's base weights): no gradient, no optimizer state
+            trainable = program.trainable(jax.eval_shape(program.init, jax.random.PRNGKey(0))[0])
+            tx = trainable_only(tx, trainable)
+        self.tx, self.schedule = tx, schedule
+        train_step = make_train_step(
+            program.loss_fn, tx, micro_batches=micro, clip_norm=config.train.clip_norm,
+            compute_dtype=compute_dtype, dynamic_loss_scale=dynamic_scale,
+            learning_rate_fn=schedule, stateful=True, trainable=trainable)
+        eval_step = make_eval_step(program.eval_loss_fn, compute_dtype=compute_dtype, stateful=True)
+
+        def fresh_state(params: Any, model_state: Any, run_key: jax.Array) -> TrainState:
+            params = cast_floating(params, param_dtype)  # train.param_dtype: the stored (master) weights
+            return TrainState.create(params, tx, run_key, model_state=model_state,
+                                     loss_scale=LOSS_SCALE_INIT if dynamic_scale else 1.0)
+
+        def state_for_params(params: Any, seed: int) -> TrainState:
+            init_key, run_key = jax.random.split(jax.random.PRNGKey(seed))
+            _, model_state = program.init(init_key)  # the initial params are unused (and compiled away)
+            return fresh_state(params, model_state, run_key)
+
+        def create_state(seed: int) -> TrainState:
+            init_key, run_key = jax.random.split(jax.random.PRNGKey(seed))
+            return fresh_state(*program.init(init_key), run_key)
+
+        self.abstract_state = jax.eval_shape(create_state, 0)
+        rules = sharding.logical_rules(config.mesh)
+        self.param_shardings = sharding.param_shardings(
+            program.logical_specs(), self.abstract_state.params, self.mesh, rules,
+            allow_replicated_fallback=config.mesh.allow_replicated_fallback, param_rules=config.mesh.param_rules)
+        self.state_shardings = sharding.state_shardings(self.abstract_state, self.param_shardings, self.mesh)
+        if config.train.offload_optimizer:
+            train_step = streaming_optimizer(train_step, self.state_shardings.opt_state)
+            self.state_shardings = offload_opt_state(self.state_shardings)
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        self.stacked_batch_sharding = batch_sharding(self.mesh, batch_axis=1)
+        self.batch_sharding = batch_sharding(self.mesh, batch_axis=0)
+        # State goes straight into its shardings: no full copy on one device first.
+        self._create = jax.jit(create_state, static_argnums=0, out_shardings=self.state_shardings)
+        self._state_for_params = jax.jit(state_for_params, static_argnums=1, out_shardings=self.state_shardings)
+        self._train_call = jax.jit(make_train_call(train_step), donate_argnums=0,
+                                   in_shardings=(self.state_shardings, self.stacked_batch_sharding),
+                                   out_shardings=(self.state_shardings, replicated))
+        self._eval_step = jax.jit(eval_step, in_shardings=(self.state_shardings, self.batch_sharding),
+                                  out_shardings=replicated)
+
+    def init_state(self) -> TrainState:
+        """A fresh step-0 state from the config's seed, created in its shardings."""
+        with jax.set_mesh(self.mesh):
+            return self._create(self.config.seed)
+
+    def restore_targets(self) -> dict[str, Any]:
+        """Abstract checkpoint items with the current shardings (so a restore lands on this mesh)."""
+        targets = _with_shardings(self.abstract_state, self.state_shardings)
+        # A program that completes restored params (LoRA on a converted base model) reads them as saved.
+        params = None if self.program.complete_params is not None else targets.params
+        return {"params": params, "state": {name: getattr(targets, name) for name in STATE_FIELDS}}
+
+    def state_to_items(self, state: TrainState) -> dict[str, Any]:
+        """The checkpoint items of ``state``."""
+        return {"params": state.params, "state": {name: getattr(state, name) for name in STATE_FIELDS}}
+
+    def state_from_items(self, items: dict[str, Any]) -> TrainState:
+        """Rebuild a state from restored items (no initial state is built beside it, so a resume needs no
+        more memory than the state); without a ``state`` item the optimizer starts fresh."""
+        params = items["params"]
+        if self.program.complete_params is not None:
+            init_key = jax.random.split(jax.random.PRNGKey(self.config.seed))[0]  # as create_state's
+            params = jax.device_put(self.program.complete_params(params, init_key), self.param_shardings)
+        if items.get("state") is None:
+            with jax.set_mesh(self.mesh):
+                return self._state_for_params(params, self.config.seed)
+        saved = dict(items["state"])
+        saved.setdefault("model_state", {})  # an empty collection is not stored
+        return TrainState(params=params, **{name: saved[name] for name in STATE_FIELDS})
+
+    def place(self, host_batches: dict[str, np.ndarray]) -> dict[str, jax.Array] | dict[str, np.ndarray]:
+        """Host batches ``[K, B_local, ...]`` -> global arrays sharded over the batch axes.
+
+        With one process the numpy arrays are handed to the compiled call as they are: its input shardings
+        place them on the way in (in C++), which costs less than a Python ``device_put`` of each batch.
+        """
+        if jax.process_count() == 1:
+            return host_batches
+        return to_global(host_batches, self.stacked_batch_sharding, batch_axis=1)
+
+    def train_call(self, state: TrainState, batches: dict[str, jax.Array]) -> tuple[TrainState, dict]:
+        """Run ``K`` steps (asynchronously dispatched); metrics stay on device."""
+        # The mesh in context lets the models pin activations' batch axis (sharding.constrain_batch).
+        with jax.set_mesh(self.mesh):
+            return self._train_call(state, batches)
+
+    def compile_train_call(self, state: TrainState, batches: dict[str, jax.Array]) -> jax.stages.Compiled:
+        """The train call compiled for these arguments, for XLA's analyses (``memory_analysis``,
+        ``cost_analysis``); running the call goes through :meth:`train_call`."""
+        with jax.set_mesh(self.mesh):
+            return self._train_call.lower(state, batches).compile()
+
+    def eval_batch(self, state: TrainState, host_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Metric sums of one evaluation batch ``[B_local, ...]``."""
+        batch = to_global(host_batch, self.batch_sharding, batch_axis=0)
+        with jax.set_mesh(self.mesh):
+            return self._eval_step(state, batch)
+
+    @staticmethod
+    def wait(tree: Any) -> None:
+        """Block until the computation that produced ``tree`` is done, without copying anything to the host
+        (its outputs are ready together, so one leaf is enough)."""
+        jax.tree.leaves(tree)[0].block_until_ready()
+
+    @staticmethod
+    def to_host(tree: Any) -> Any:
+        """Materialise device values as numpy (blocks until they are computed)."""
+        return jax.tree.map(np.asarray, jax.device_get(tree))
+
+    @staticmethod
+    def any_process(flags: list[bool]) -> list[bool]:
+        """Each flag OR-ed over all processes: a SIGTERM seen by one host stops (and saves on) all of them,
+        instead of one entering the collective save while another starts the next step."""
+        return distributed.any_process(flags)
+
+    @staticmethod
+    def step_of(state: TrainState) -> int:
+        """The state's step as a Python int (blocks)."""
+        return int(jax.device_get(state.step))
+
+    @staticmethod
+    def nonfinite_steps_of(state: TrainState) -> int:
+        """How many steps of the state's history were flagged non-finite (blocks)."""
+        return int(jax.device_get(state.nonfinite_steps))
+
+    def describe(self) -> str:
+        """Mesh, shardings of the largest parameters and state bytes per device (startup log)."""
+        return sharding.describe(self.abstract_state, self.state_shardings, self.mesh)

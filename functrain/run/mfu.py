@@ -1,0 +1,118 @@
+"""Throughput in model terms: tokens per second, analytic training FLOPs per token, and model-FLOPs utilisation.
+
+FLOPs per token of one training step (forward + backward = 3 x forward, a multiply-add counted as 2) for a
+decoder-only transformer with L layers, width d, H query heads and K key/value heads of width h, MLP width f
+(gated MLPs such as Llama's have 3 matrices, plain ones 2), vocabulary V and T tokens of context:
+
+    matmuls     6 * (L * (d*H*h + 2*d*K*h + H*h*d + m*d*f) + d*V)     (m = 2 or 3; the head counted, tied or not)
+    attention   6 * L * T * H*h   causal (QK^T and AV over the T/2 earlier positions on average)
+
+Embedding lookups, norms, activations and the optimizer update are not counted (they are a few percent).
+Attention is counted for the causal half only, as MaxText does since AI-Hypercomputer/maxtext PR#1988, so MFU
+measures the FLOPs the model needs rather than what a dense masked kernel executes (``attention="full"``
+gives 12 * L * T * H*h, what XLA's cost analysis counts). MFU = FLOPs per token x tokens/s / (devices x dense
+peak FLOP/s of one device), with the peak looked up from the device kind; unknown devices get FLOP/s without
+MFU.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger("functrain")
+
+# Dense bf16 peak TFLOP/s per device, matched against jax's device_kind (first match wins).
+PEAK_TFLOPS = (
+    ("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("GH200", 989.0), ("H800", 989.0),
+    ("B200", 2250.0), ("A100", 312.0), ("A10G", 125.0), ("L40S", 362.0), ("L4", 121.0), ("V100", 125.0),
+    ("TPU v4", 275.0), ("TPU v5 lite", 197.0), ("TPU v5e", 197.0), ("TPU v5p", 459.0), ("TPU v5", 459.0),
+    ("TPU v6", 918.0),
+)
+
+
+def peak_tflops(device_kind: str) -> float | None:
+    """Dense bf16 peak TFLOP/s of one device of this kind, or None when unknown (CPUs among them)."""
+    for name, tflops in PEAK_TFLOPS:
+        if name.lower() in device_kind.lower():
+            return tflops
+    return None
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """The sizes the FLOPs formula needs (see the module docstring)."""
+    layers: int
+    width: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    mlp_width: int
+    mlp_matrices: int
+    vocab: int
+
+
+def decoder_shape(model_config: Any) -> DecoderShape | None:
+    """The shape of a built-in decoder (GPT, GPT-2, Llama and its relatives), or None for other models."""
+    get = lambda *names: next((getattr(model_config, n) for n in names if getattr(model_config, n, None)), None)  # noqa: E731
+    layers = get("n_layers", "n_layer", "num_hidden_layers")
+    width = get("d_model", "n_embd", "hidden_size")
+    heads = get("n_heads", "n_head", "num_attention_heads")
+    vocab = get("vocab_size")
+    if not (layers and width and heads and vocab):
+        return None
+    head_dim = get("attn_head_dim", "head_dim") or width // heads
+    gated = getattr(model_config, "intermediate_size", None) is not None
+    mlp_width = get("intermediate_size", "inner_size", "d_ff") or 4 * width
+    return DecoderShape(layers=layers, width=width, heads=heads, kv_heads=get("kv_heads", "num_key_value_heads") or heads,
+                        head_dim=head_dim, mlp_width=mlp_width, mlp_matrices=3 if gated else 2, vocab=vocab)
+
+
+def train_flops_per_token(shape: DecoderShape, context: int, attention: str = "causal") -> float:
+    """Training FLOPs per token (formula in the module docstring); ``attention``: "causal" or "full"."""
+    s = shape
+    attention_width = s.heads * s.head_dim
+    per_layer = (s.width * attention_width + 2 * s.width * s.kv_heads * s.head_dim + attention_width * s.width
+                 + s.mlp_matrices * s.width * s.mlp_width)
+    matmuls = 6.0 * (s.layers * per_layer + s.width * s.vocab)
+    full_attention = 12.0 * s.layers * context * attention_width
+    return matmuls + (full_attention / 2 if attention == "causal" else full_attention)
+
+
+@dataclass(frozen=True)
+class SpeedReport:
+    """Turns steps/s into the throughput fields of a train log line."""
+    samples_per_step: int
+    tokens_per_step: int | None
+    flops_per_token: float | None
+    devices: int
+    peak_flops_per_device: float | None
+
+    def fields(self, steps_per_sec: float) -> dict[str, float]:
+        values = {"samples_per_sec": steps_per_sec * self.samples_per_step}
+        if self.tokens_per_step:
+            tokens_per_sec = steps_per_sec * self.tokens_per_step
+            values.update(tokens_per_sec=tokens_per_sec, tokens_per_sec_per_device=tokens_per_sec / self.devices)
+            if self.flops_per_token:
+                flops_per_device = self.flops_per_token * tokens_per_sec / self.devices
+                values["model_tflops_per_sec_per_device"] = flops_per_device / 1e12
+                if self.peak_flops_per_device:
+                    values["mfu"] = flops_per_device / self.peak_flops_per_device
+        return values
+
+
+def speed_report(model_config: Any, kind: str, global_batch_size: int, seq_len: int, devices: list[Any]
+                 ) -> SpeedReport:
+    """The report for a run: LM token counts and FLOPs when the model is a known decoder, the peak of its
+    devices when their kind is known (an accelerator of unknown kind gets a warning naming it)."""
+    tokens = global_batch_size * seq_len if kind == "causal_lm" else None
+    shape = decoder_shape(model_config) if tokens else None
+    flops = train_flops_per_token(shape, seq_len) if shape else None
+    device_kind = devices[0].device_kind if devices else "unknown"
+    peak = peak_tflops(device_kind)
+    if flops and peak is None and devices and devices[0].platform != "cpu":
+        log.warning("functrain: warning: no known peak FLOP/s for device kind %r: MFU is not reported (add it to "
+                    "functrain.run.mfu.PEAK_TFLOPS)", device_kind)
+    return SpeedReport(samples_per_step=global_batch_size, tokens_per_step=tokens, flops_per_token=flops,
+                       devices=max(len(devices), 1), peak_flops_per_device=peak * 1e12 if peak else None)

@@ -1,0 +1,76 @@
+"""How a run ended: :class:`FitResult`, the exit status the CLI returns for it, and the closing report.
+
+Exit statuses of ``functrain train`` (also ``FitResult.exit_code``):
+
+====  =========================================================================================
+0     finished: the planned steps ran (or early stopping or a callback ended the run)
+2     bad input: a config, data, checkpoint or run-directory problem (one line on stderr)
+3     stopped because a step was non-finite (``train.nonfinite: stop``); params are intact
+4     finished, but more than ``train.max_skipped_fraction`` of its steps were skipped as non-finite:
+      the model barely trained
+75    stopped by SIGTERM/SIGINT after saving (EX_TEMPFAIL): run the same command again to resume
+====  =========================================================================================
+
+A preempted job therefore exits non-zero, so schedulers that restart failed jobs (Kubernetes, TorchElastic,
+Slurm with ``--requeue``) restart it, and the rerun resumes from the save.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from functrain.errors import (EXIT_BAD_INPUT, EXIT_FINISHED, EXIT_MOSTLY_SKIPPED, EXIT_NONFINITE,  # noqa: F401
+                              EXIT_SIGNAL, PLANNED_EXITS)
+
+# How a run ended (``FitResult.stop_kind``).
+FINISHED, ALREADY_FINISHED, EARLY_STOPPED, NONFINITE, SIGNAL = (
+    "finished", "already_finished", "early_stopped", "nonfinite", "signal")
+
+
+@dataclass
+class FitResult:
+    """What ``fit`` returns: the final state, where the run stopped and its last metrics.
+
+    ``skipped_steps`` and ``steps_run`` count this invocation's steps (not the resumed history);
+    ``exit_code`` is what ``functrain train`` exits with (see the table in :mod:`functrain.run.outcome`).
+    """
+    state: Any
+    step: int
+    samples_consumed: int
+    stop_reason: str
+    metrics: dict[str, dict[str, float]]
+    run_dir: Path
+    stop_kind: str = FINISHED
+    steps_run: int = 0
+    skipped_steps: int = 0
+    max_skipped_fraction: float = 0.5
+
+    @property
+    def skipped_fraction(self) -> float:
+        """The share of this invocation's steps whose update was skipped as non-finite."""
+        return self.skipped_steps / self.steps_run if self.steps_run else 0.0
+
+    @property
+    def exit_code(self) -> int:
+        if self.stop_kind == NONFINITE:
+            return EXIT_NONFINITE
+        if self.stop_kind == SIGNAL:
+            return EXIT_SIGNAL
+        if self.skipped_steps and self.skipped_fraction > self.max_skipped_fraction:
+            return EXIT_MOSTLY_SKIPPED
+        return EXIT_FINISHED
+
+
+def skipped_report(result: FitResult) -> str | None:
+    """A warning about skipped steps, or None when every step updated the model."""
+    if not result.skipped_steps:
+        return None
+    share = result.skipped_fraction
+    text = (f"{result.skipped_steps} of {result.steps_run} steps ({share:.0%}) had a non-finite loss or gradients "
+            f"and were skipped")
+    if share > result.max_skipped_fraction:
+        return (f"{text}: the model barely trained (exit status {EXIT_MOSTLY_SKIPPED}); check the data (labels, "
+                f"token ids), lower optimizer.learning_rate or set train.clip_norm")
+    return f"{text}; if this grows, lower optimizer.learning_rate or set train.clip_norm"

@@ -1,0 +1,86 @@
+"""``eval.samples``: continuations of a prompt written at each evaluation of a language model.
+
+Each evaluation appends ``{"step", "index", "prompt", "text"}`` lines to ``RUN_DIR/samples.jsonl`` and the
+texts to TensorBoard (``samples/<index>``); the summary at the end of the run prints the last one. Sample
+``i`` at step ``s`` is drawn with seed ``s * 1000 + i``, so a resumed run writes the samples an
+uninterrupted one would have.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from functrain.run.callbacks import Callback, RunView
+from functrain.errors import ConfigError
+
+SAMPLES_FILE = "samples.jsonl"
+
+
+def last_samples(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The samples of the newest step in ``RUN_DIR/samples.jsonl`` (none when there are none)."""
+    path = Path(run_dir) / SAMPLES_FILE
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    newest = max((r.get("step", -1) for r in records), default=-1)
+    return [r for r in records if r.get("step") == newest]
+
+
+class SampleWriter(Callback):
+    """Generates ``eval.samples.count`` continuations of ``eval.samples.prompt`` at each evaluation."""
+
+    def __init__(self, config: Any) -> None:
+        from functrain.text.decode import Generator, load_tokenizer
+        from functrain.models import build_model, model_spec
+        from functrain.models.options import for_sampling
+        name = getattr(config.model, "name", None)
+        if name is None or model_spec(name)["kind"] != "causal_lm":
+            raise ConfigError(f"eval.samples needs a built-in language model (model.name gpt, gpt2 or llama), not "
+                              f"{name or 'a user model'}; set eval.samples.count=0")
+        if config.backend != "jax":
+            raise ConfigError("eval.samples works with backend: jax; set eval.samples.count=0")
+        self.settings = config.eval.samples
+        self.tokenizer = load_tokenizer(self.settings.tokenizer) if self.settings.tokenizer else None
+        self.model = build_model(for_sampling(config.model))
+        self.generator = Generator(self.model)
+        self.writer = None
+
+    def on_evaluate(self, view: RunView, metrics: dict[str, float]) -> None:
+        from functrain.text.decode import Sampling, decode_tokens, encode_prompt, prepare_prompt
+        from functrain.models.lora import merged_for_inference
+        if view.state is None:
+            return
+        settings = self.settings
+        params = merged_for_inference(view.state.params, self.model.config)  # LoRA: the adapters take part
+        ids = prepare_prompt(encode_prompt(settings.prompt, self.model.config.vocab_size, self.tokenizer),
+                             self.model.config, settings.max_new_tokens)
+        records = []
+        for index in range(settings.count):
+            sampling = Sampling(settings.max_new_tokens, settings.temperature, settings.top_k,
+                                seed=view.step * 1000 + index)
+            tokens = self.generator(params, ids[None], sampling)[0]
+            records.append({"step": view.step, "index": index, "prompt": settings.prompt,
+                            "text": decode_tokens(tokens, self.tokenizer)})
+        if not view.is_primary:
+            return
+        with open(view.run_dir / SAMPLES_FILE, "a") as f:
+            f.writelines(json.dumps(record) + "\n" for record in records)
+        if view.config.log.tensorboard and "tensorboard" in view.config.log.trackers:
+            if self.writer is None:
+                from tensorboardX import SummaryWriter
+                self.writer = SummaryWriter(str(view.run_dir / "tensorboard"), filename_suffix=".samples")
+            for record in records:
+                self.writer.add_text(f"samples/{record['index']}", record["prompt"] + record["text"], view.step)
+            self.writer.flush()
+
+    def on_train_end(self, view: RunView) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None

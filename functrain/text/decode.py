@@ -1,0 +1,201 @@
+"""Samples from a language-model run: ``functrain generate RUN_DIR --prompt TEXT``.
+
+Generation is jitted and uses a key/value cache (:mod:`functrain.models.kv_cache`): the prompt is fed once,
+then each new token costs one position, so a sample is linear in its length. ``use_cache=False`` recomputes
+the whole sequence for every token (the reference the cache is tested and benchmarked against). The key of
+token ``i`` is ``fold_in(PRNGKey(seed), i)`` either way, so both paths draw the same tokens.
+
+Prompts are UTF-8 bytes (the ``char_text`` convention: token id = byte) unless an HF tokenizer directory is
+given; a prompt that does not fit the model's vocabulary or context is a one-line error.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from functrain.errors import ConfigError, DataError
+from functrain.models import build_model, model_config_class, model_spec
+from functrain.models.options import for_sampling
+from functrain.models.kv_cache import zeros_like_shapes
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How to pick each token: greedy at ``temperature == 0``, else softmax sampling at ``temperature``
+    from the ``top_k`` most likely tokens (all when None)."""
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int | None = None
+    seed: int = 0
+
+
+def context_length(model_config: Any) -> int | None:
+    """How many positions the model can attend over (None: no fixed limit)."""
+    for key in ("max_len", "n_positions", "max_position_embeddings"):
+        if getattr(model_config, key, None) is not None:
+            return int(getattr(model_config, key))
+    return None
+
+
+def _pick(logits: jax.Array, key: jax.Array, temperature: float, top_k: int | None) -> jax.Array:
+    """The next token ids [B] from the last position's logits [B, vocab]."""
+    if temperature == 0.0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth_largest = jax.lax.top_k(logits, top_k)[0][..., -1:]
+        logits = jnp.where(logits < kth_largest, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def _generate_cached(model: Any, params: Any, prompt: jax.Array, key: jax.Array, *, max_new_tokens: int,
+                     temperature: float, top_k: int | None) -> jax.Array:
+    batch, prompt_len = prompt.shape
+    cache_len = prompt_len + max_new_tokens - 1  # the last new token is returned, never fed back
+    shapes = jax.eval_shape(lambda: model.apply({"params": params}, jnp.zeros((batch, cache_len), jnp.int32),
+                                                mutable=["cache"])[1]["cache"])
+
+    def feed(cache: Any, tokens: jax.Array) -> tuple[jax.Array, Any]:
+        logits, updated = model.apply({"params": params, "cache": cache}, tokens, mutable=["cache"])
+        return logits[:, -1], updated["cache"]
+
+    logits, cache = feed(zeros_like_shapes(shapes), prompt)
+    first = _pick(logits, jax.random.fold_in(key, 0), temperature, top_k)
+
+    def one_token(carry: tuple[Any, jax.Array], index: jax.Array) -> tuple[tuple[Any, jax.Array], jax.Array]:
+        cache, token = carry
+        logits, cache = feed(cache, token[:, None])
+        return (cache, _pick(logits, jax.random.fold_in(key, index), temperature, top_k)), token
+
+    (_, last), earlier = jax.lax.scan(one_token, (cache, first), jnp.arange(1, max_new_tokens))
+    return jnp.concatenate([earlier.T, last[:, None]], axis=1)
+
+
+def _generate_uncached(model: Any, params: Any, prompt: jax.Array, key: jax.Array, *, max_new_tokens: int,
+                       temperature: float, top_k: int | None) -> jax.Array:
+    batch, prompt_len = prompt.shape
+    # A fixed-size buffer keeps one compiled step; causal attention never looks at the zeros ahead. The last
+    # slot is never fed to the model (the context holds prompt + new tokens - 1, as with the cache).
+    tokens = jnp.zeros((batch, prompt_len + max_new_tokens), jnp.int32).at[:, :prompt_len].set(prompt)
+
+    def one_token(index: jax.Array, tokens: jax.Array) -> jax.Array:
+        logits = model.apply({"params": params}, tokens[:, :-1])
+        current = prompt_len + index
+        last = jax.lax.dynamic_index_in_dim(logits, current - 1, axis=1, keepdims=False)
+        picked = _pick(last, jax.random.fold_in(key, index), temperature, top_k)
+        return jax.lax.dynamic_update_slice(tokens, picked[:, None], (0, current))
+
+    return jax.lax.fori_loop(0, max_new_tokens, one_token, tokens)[:, prompt_len:]
+
+
+_STATIC = ("max_new_tokens", "temperature", "top_k")
+
+
+class Generator:
+    """Jitted generation for one Flax causal LM (compiled once per prompt shape and sampling settings)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self._compiled = {True: jax.jit(partial(_generate_cached, model), static_argnames=_STATIC),
+                          False: jax.jit(partial(_generate_uncached, model), static_argnames=_STATIC)}
+
+    def __call__(self, params: Any, prompt_ids: np.ndarray, sampling: Sampling, use_cache: bool = True
+                 ) -> np.ndarray:
+        """New token ids ``[B, max_new_tokens]`` continuing ``prompt_ids`` ``[B, P]``."""
+        prompt = jnp.asarray(np.atleast_2d(prompt_ids), jnp.int32)
+        if prompt.shape[1] < 1:
+            raise DataError("the prompt is empty; pass at least one character with --prompt")
+        if sampling.max_new_tokens < 1:
+            raise ConfigError(f"--max-new-tokens is {sampling.max_new_tokens}; ask for at least 1 token")
+        out = self._compiled[use_cache](params, prompt, jax.random.PRNGKey(sampling.seed),
+                                        max_new_tokens=sampling.max_new_tokens,
+                                        temperature=float(sampling.temperature), top_k=sampling.top_k)
+        return np.asarray(out)
+
+
+def generate_tokens(model: Any, params: Any, prompt_ids: np.ndarray, sampling: Sampling,
+                    use_cache: bool = True) -> np.ndarray:
+    """New token ids ``[B, max_new_tokens]`` continuing ``prompt_ids`` ``[B, P]`` (a Flax causal LM)."""
+    return Generator(model)(params, prompt_ids, sampling, use_cache)
+
+
+def encode_prompt(text: str, vocab_size: int, tokenizer: Any = None) -> np.ndarray:
+    """Token ids [P] of ``text``: the tokenizer's, or UTF-8 bytes; ids outside the vocabulary are an error."""
+    if tokenizer is not None:
+        ids = np.asarray(tokenizer.encode(text), np.int64)
+    else:
+        ids = np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int64)
+    outside = ids >= vocab_size
+    if outside.any():
+        where = int(np.argmax(outside))
+        what = (f"token id {ids[where]}" if tokenizer is not None
+                else f"character {text.encode('utf-8')[where:where + 1]!r} (byte {ids[where]})")
+        raise DataError(f"the prompt's {what} is outside the model's vocabulary of {vocab_size} ids; use "
+                        f"characters the model was trained on" + ("" if tokenizer else " or pass --tokenizer"))
+    return ids
+
+
+def decode_tokens(ids: np.ndarray, tokenizer: Any = None) -> str:
+    """Text of token ids (bytes that are not valid UTF-8 become U+FFFD)."""
+    if tokenizer is not None:
+        return tokenizer.decode([int(i) for i in ids])
+    return bytes(int(i) & 0xFF for i in ids).decode("utf-8", errors="replace")
+
+
+def load_tokenizer(path: str | os.PathLike) -> Any:
+    """An HF tokenizer from a directory (needs transformers: ``pip install 'functrain[hf]'``)."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise ConfigError("--tokenizer needs transformers; pip install 'functrain[hf]'") from None
+    if not Path(path).is_dir():
+        raise ConfigError(f"tokenizer directory {str(path)!r} does not exist; pass an HF tokenizer directory")
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot load a tokenizer from {str(path)!r} ({exc}); pass an HF tokenizer "
+                          f"directory") from None
+
+
+def load_language_model(run_dir: str | os.PathLike, step: int | None = None) -> tuple[Any, Any, int]:
+    """``(flax module, params, step)`` of a causal-LM run's checkpoint (the newest whole one by default)."""
+    from functrain.checkpoint import load_params_and_meta
+    params, meta = load_params_and_meta(run_dir, step)
+    raw_model = meta.get("model")
+    if not isinstance(raw_model, dict) or "name" not in raw_model:
+        raise ConfigError(f"the checkpoint in {run_dir} does not record its model; it was not written by "
+                          f"functrain train or convert")
+    if meta.get("backend", "jax") != "jax":
+        raise ConfigError(f"{run_dir} was trained with backend {meta['backend']}; generate reads JAX runs (and "
+                          f"converted HF checkpoints)")
+    if model_spec(raw_model["name"])["kind"] != "causal_lm":
+        raise ConfigError(f"model {raw_model['name']!r} of {run_dir} is not a language model; generate needs "
+                          f"a causal LM (gpt, gpt2, llama, ...)")
+    model_config = model_config_class(raw_model["name"]).model_validate(raw_model)
+    from functrain.models.lora import merged_for_inference  # a LoRA run decodes with its adapters merged in
+    return (build_model(for_sampling(model_config)), merged_for_inference(params, model_config),
+            int(meta.get("step", step or 0)))
+
+
+def prepare_prompt(ids: np.ndarray, model_config: Any, max_new_tokens: int) -> np.ndarray:
+    """``ids`` checked against the model's context: prompt plus new tokens must fit in it."""
+    limit = context_length(model_config)
+    if limit is not None and len(ids) + max_new_tokens - 1 > limit:
+        raise ConfigError(f"the prompt ({len(ids)} tokens) plus {max_new_tokens} new tokens exceeds the "
+                          f"model's context of {limit} positions; shorten the prompt or ask for fewer tokens")
+    return ids
+
+
+def sample_text(model: Any, params: Any, prompt: str, sampling: Sampling, tokenizer: Any = None) -> str:
+    """The continuation of ``prompt`` as text."""
+    ids = prepare_prompt(encode_prompt(prompt, model.config.vocab_size, tokenizer), model.config,
+                         sampling.max_new_tokens)
+    return decode_tokens(generate_tokens(model, params, ids[None], sampling)[0], tokenizer)
