@@ -31,7 +31,7 @@ from functrain.run.callbacks import Callback  # noqa: E402
 from functrain.run.config import load_config  # noqa: E402
 from functrain.data import IndexSampler  # noqa: E402
 from functrain.data.datasets import load_dataset  # noqa: E402
-from functrain.run.build import make_optimizer  # noqa: E402
+from functrain.run.parts import make_optimizer  # noqa: E402
 from functrain.models import build_model  # noqa: E402
 from functrain.core.program import as_program  # noqa: E402
 

@@ -44,7 +44,7 @@ from functrain.run.mfu import decoder_shape, peak_tflops, train_flops_per_token 
 from functrain.models import build_model  # noqa: E402
 from functrain.parallel.memory import host_offload_available  # noqa: E402
 from functrain.core.optim import decay_mask  # noqa: E402
-from functrain.run.build import make_optimizer  # noqa: E402
+from functrain.run.parts import make_optimizer  # noqa: E402
 from functrain.core.precision import COMPUTE_DTYPES, PARAM_DTYPES, cast_floating  # noqa: E402
 from functrain.core.program import as_program  # noqa: E402
 

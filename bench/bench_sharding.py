@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 from functrain.parallel import sharding  # noqa: E402
 from functrain.run.config import load_config  # noqa: E402
 from functrain.data import batch_sharding  # noqa: E402
-from functrain.run.build import make_optimizer  # noqa: E402
+from functrain.run.parts import make_optimizer  # noqa: E402
 from functrain.core.state import TrainState  # noqa: E402
 from functrain.core.step import make_train_step  # noqa: E402
 from functrain.models import build_model  # noqa: E402

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from functrain.run.config import load_config
-from torch_bridge.backend import make_backend
+from functrain.run.build import torch_backend as make_backend
 from torch_bridge.models import MLP
 
 REPO = Path(__file__).resolve().parents[1]
@@ -58,7 +58,7 @@ def bridge_rate(x, y, rows, device: str) -> float:
         "optimizer.warmup_steps=0", f"optimizer.learning_rate={LR}", f"optimizer.weight_decay={WEIGHT_DECAY}",
         f"train.clip_norm={CLIP}", "train.steps_per_call=1", "log.every_steps=1", "eval.every_steps=0",
         "checkpoint.every_steps=0"])
-    backend = make_backend(config, host_batch(x, y, rows[0]), len(rows), device=device)
+    backend = make_backend(config, host_batch(x, y, rows[0]), len(rows))
     state = backend.init_state()
     start = None
     for index, step_rows in enumerate(rows):

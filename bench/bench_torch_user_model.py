@@ -40,7 +40,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from functrain.run.config import load_config
 from functrain.data.datasets import bundled_text, text_windows
-from torch_bridge.backend import make_backend
+from functrain.run.build import torch_backend as make_backend
 from torch_bridge.user_model import build_module
 
 REPO = Path(__file__).resolve().parents[1]
@@ -74,7 +74,7 @@ def bridge_rate(steps: list[np.ndarray], device: str, model: GPT2LMHeadModel, co
         "checkpoint.every_steps=0", f"data.seq_len={seq_len}", f"data.global_batch_size={batch}",
         f"train.torch_compile={str(compile_).lower()}"])
     weight = np.ones(batch, np.float32)
-    backend = make_backend(config, {"tokens": steps[0], "weight": weight}, len(steps), device=device, model=model)
+    backend = make_backend(config, {"tokens": steps[0], "weight": weight}, len(steps), model=model)
     state = backend.init_state()
     clock = [time.perf_counter()]
     for tokens in steps:

@@ -56,7 +56,7 @@ def load_data(eval_records: int = 197) -> tuple[datasets.Dataset, datasets.Datas
     return records.select(range(cut)), records.select(range(cut, len(records)))
 
 
-def main(run_dir: str = "runs/example_linen", max_steps: int = 300, **overrides) -> functrain.run.loop.FitResult:
+def main(run_dir: str = "runs/example_linen", max_steps: int = 300, **overrides) -> functrain.FitResult:
     train, evaluation = load_data()
     return functrain.fit(CONFIG, model=build_model(), train_data=train, eval_data=evaluation,
                          **{"run.dir": run_dir, "train.max_steps": max_steps, **overrides})

@@ -51,7 +51,7 @@ def make_optimizer(schedule: optax.Schedule) -> optax.GradientTransformation:
     return optax.adamw(schedule, weight_decay=1e-4)
 
 
-def main(run_dir: str = "runs/example_nnx", max_steps: int = 300, **overrides) -> functrain.run.loop.FitResult:
+def main(run_dir: str = "runs/example_nnx", max_steps: int = 300, **overrides) -> functrain.FitResult:
     return functrain.fit(CONFIG, model=build_model(), optimizer=make_optimizer, train_data=load_data(),
                          **{"run.dir": run_dir, "train.max_steps": max_steps, **overrides})
 

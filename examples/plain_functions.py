@@ -54,7 +54,7 @@ def load_data() -> dict[str, np.ndarray]:
     return {"x": (digits.data / 16.0).astype(np.float32), "y": digits.target.astype(np.int32)}
 
 
-def main(run_dir: str = "runs/example_functions", max_steps: int = 300, **overrides) -> functrain.run.loop.FitResult:
+def main(run_dir: str = "runs/example_functions", max_steps: int = 300, **overrides) -> functrain.FitResult:
     return functrain.fit(CONFIG, model=functrain.FunctionalModel(init, apply), loss_fn=loss_fn,
                          optimizer=optax.sgd(0.1, momentum=0.9), train_data=load_data(),
                          **{"run.dir": run_dir, "train.max_steps": max_steps, **overrides})

@@ -1,16 +1,19 @@
 """functrain: a pure-functional training library for JAX/Flax.
 
 The public surface: :class:`TrainState`, :func:`make_train_step`, :func:`make_eval_step`,
-:func:`make_train_call`, :func:`fit` and the model wrappers :class:`FunctionalModel` / :class:`Program`; data order in :mod:`functrain.data`, checkpoints in
-:mod:`functrain.checkpoint`. ``import functrain`` never imports torch.
+:func:`make_train_call`; :func:`fit` = :func:`drive` (:func:`build` (config, objects)), the built :class:`Run`
+and its :class:`FitResult`; the model wrappers :class:`FunctionalModel` / :class:`Program`; data order in
+:mod:`functrain.data`, checkpoints in :mod:`functrain.checkpoint`. ``import functrain`` never imports torch.
 """
 
 from functrain.core.state import TrainState
 from functrain.core.step import make_eval_step, make_train_call, make_train_step
-from functrain.run.loop import fit
 from functrain.core.program import FunctionalModel, Program
+from functrain.run.build import Run
+from functrain.run.fit import build, fit
+from functrain.run.loop import drive
+from functrain.run.outcome import FitResult
 
-
-__all__ = ["FunctionalModel", "Program", "TrainState", "fit", "make_eval_step", "make_train_call",
-           "make_train_step"]
+__all__ = ["FitResult", "FunctionalModel", "Program", "Run", "TrainState", "build", "drive", "fit",
+           "make_eval_step", "make_train_call", "make_train_step"]
 __version__ = "0.1.0"

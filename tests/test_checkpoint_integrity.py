@@ -135,7 +135,7 @@ def _copy(trained: Path, name: str) -> Path:
 @pytest.mark.parametrize("damage", ["zeroed", "no_params"])
 def test_a_finished_run_whose_last_checkpoint_is_damaged_retrains_to_the_same_digest(trained, damage, monkeypatch,
                                                                                      caplog):
-    from functrain.run.loop import fit
+    from functrain.run.fit import fit
     run_dir = _copy(trained, damage)
     if damage == "zeroed":
         zero_largest_data_file(run_dir / "checkpoints/40/params")

@@ -90,7 +90,7 @@ def test_batch_not_divisible_by_micro_batches_times_data_devices(tmp_path):
     proc = functrain("train", "configs/mlp_digits.yaml", f"run.dir={tmp_path / 'r'}", "data.global_batch_size=6",
                      "train.micro_batches=2", "mesh.data=4", devices=4)
     assert proc.returncode == 2
-    assert "data-parallel devices (4)" in proc.stderr and "multiple of 8" in proc.stderr
+    assert "train.micro_batches=2 x the 4 data-parallel devices" in proc.stderr and "multiple of 8" in proc.stderr
     assert not (tmp_path / "r").exists()
 
 

@@ -5,7 +5,7 @@ import json
 
 from functrain.checkpoint import list_checkpoints
 from functrain.commands.cli import main
-from functrain.run.loop import fit
+from functrain.run.fit import fit
 from test_cli import snapshot
 
 BATCH = 64

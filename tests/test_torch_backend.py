@@ -14,7 +14,8 @@ from functrain.run.config import load_config
 from functrain.errors import CheckpointError, ConfigError
 from functrain.models.gpt import GPTConfig, build as build_flax_gpt
 from functrain.models.mlp import MLPConfig, build as build_flax_mlp
-from torch_bridge.backend import flatten, make_backend, nest
+from functrain.run.build import torch_backend as make_backend
+from torch_bridge.backend import flatten, nest
 from torch_bridge.models import build_model, params_from_flax
 
 REPO = Path(__file__).resolve().parents[1]

@@ -10,7 +10,7 @@ import torch
 
 from conftest import free_port
 from functrain.run.config import load_config
-from torch_bridge.backend import make_backend
+from functrain.run.build import torch_backend as make_backend
 
 REPO = Path(__file__).resolve().parents[1]
 OVERRIDES = ["data.global_batch_size=32", "train.micro_batches=2", "train.clip_norm=0.5", "train.epochs=null",
@@ -20,7 +20,7 @@ WORKER = """
 import sys
 import numpy as np
 from functrain.run.config import load_config
-from torch_bridge.backend import make_backend
+from functrain.run.build import torch_backend as make_backend
 sys.path.insert(0, "tests")
 from test_torch_distributed import OVERRIDES, global_batches
 config = load_config("configs/mlp_digits_torch.yaml", OVERRIDES)

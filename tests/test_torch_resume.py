@@ -84,7 +84,7 @@ else:
     raise AssertionError("torch_bridge imported without torch")
 config = functrain.run.config.load_config("configs/mlp_digits_torch.yaml")
 try:
-    functrain.run.build.make_backend(config, functrain.run.build.build_parts(config), {}, 1)
+    functrain.run.build.torch_backend(config, {}, 1)
 except functrain.errors.ConfigError as error:
     assert "functrain[torch]" in str(error), error
 else:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from flax import linen as nn
 
-from functrain.run.build import make_optimizer as jax_make_optimizer
+from functrain.run.parts import make_optimizer as jax_make_optimizer
 from functrain.core import step as jax_step
 from functrain.run.config import OptimizerConfig
 from functrain.errors import ConfigError

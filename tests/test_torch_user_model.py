@@ -15,7 +15,7 @@ from functrain.checkpoint import Checkpointer
 from functrain.checkpoint.layout import checkpoints_dir, committed_steps
 from functrain.run.config import load_config
 from functrain.errors import CheckpointError, ConfigError
-from torch_bridge.backend import make_backend
+from functrain.run.build import torch_backend as make_backend
 from torch_bridge.models import stateless
 from torch_bridge.user_model import build_module
 

@@ -12,7 +12,7 @@ from mlflow.tracking import MlflowClient
 from wandb.proto import wandb_internal_pb2
 
 from functrain.commands.cli import main
-from functrain.run.loop import fit
+from functrain.run.fit import fit
 
 TINY = {"train.steps_per_call": 1, "log.every_steps": 2, "checkpoint.every_steps": 4, "eval.every_steps": 8,
         "log.progress": False, "log.trackers": ["jsonl", "wandb", "mlflow"]}

@@ -142,7 +142,7 @@ def test_named_optimizers_follow_the_schedule(name):
     import jax
     import optax
     from functrain.run.config import load_config
-    from functrain.run.build import make_optimizer
+    from functrain.run.parts import make_optimizer
     config = load_config(base={"model": {"name": "mlp"}, "optimizer": {"name": name, "learning_rate": 0.1}})
     tx, schedule = make_optimizer(config.optimizer, total_steps=10)
     params = {"kernel": np.ones((4, 3), np.float32), "bias": np.ones(3, np.float32)}

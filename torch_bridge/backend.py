@@ -17,6 +17,7 @@ float32 master parameters; ``train.torch_compile: true`` runs a user module's tr
 ``torch.compile`` (see :func:`torch_bridge.user_model.compiled`).
 """
 
+import contextlib
 from typing import Any, Mapping
 
 import jax
@@ -25,8 +26,9 @@ import torch
 
 from functrain.errors import CheckpointError, ConfigError
 from torch_bridge import distributed
-from torch_bridge.models import build_model, flatten, loss_for
-from torch_bridge.optim import make_optimizer, make_schedule
+from functrain.core.step import StepSettings
+from torch_bridge.models import flatten, loss_for
+from torch_bridge.optim import Optimizer
 from torch_bridge.step import LossFn, TorchState, make_eval_step, make_train_step
 from torch_bridge.user_model import UserLoss, compiled, default_loss, module_loss, prepare
 
@@ -62,64 +64,54 @@ COMPUTE_DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
 PROBE_ROWS = 2  # rows of the example batch the loss is tried on before training starts
 
 
-def _check_supported(config: Any) -> None:
-    """Reject the settings the torch step does not implement, naming the key."""
-    if config.train.compute_dtype not in COMPUTE_DTYPES:
-        raise ConfigError(f"train.compute_dtype={config.train.compute_dtype} is not supported with backend: torch; "
-                          f"use train.compute_dtype=bfloat16 or float32")
-    if config.mesh.fsdp != 1 or config.mesh.tensor != 1:
-        raise ConfigError("backend: torch shards only over data; set mesh.fsdp=1 and mesh.tensor=1")
-    processes = distributed.world_size()
-    divisor = config.train.micro_batches * processes
-    if config.data.global_batch_size % divisor:
-        raise ConfigError(f"data.global_batch_size={config.data.global_batch_size} is not divisible by "
-                          f"train.micro_batches ({config.train.micro_batches}) x processes ({processes}); "
-                          f"use a multiple of {divisor}")
-
-
 class TorchBackend:
-    """Model, optimizer and pure steps of one torch run, behind the loop's backend interface."""
+    """Model, optimizer and pure steps of one torch run: the :class:`~functrain.core.backend.Backend` of torch.
+
+    Built from pieces the builder resolved (:func:`functrain.run.build.torch_backend`): the module (the config's
+    twin, ``builtin_model``, or the user's), the twin optimizer (:func:`torch_bridge.optim.from_settings`), the
+    step settings and the seed; ``loss_fn`` is a user loss (default: the built-in one that fits the data).
+    """
 
     name = "torch"
 
-    def __init__(self, config: Any, example_batch: Mapping[str, np.ndarray], total_steps: int,
-                 device: str | torch.device | None = None, *, model: torch.nn.Module | None = None,
-                 loss_fn: UserLoss | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer: Optimizer, *, step: StepSettings, seed: int,
+                 example_batch: Mapping[str, np.ndarray], builtin_model: bool = False,
+                 loss_fn: UserLoss | None = None, torch_compile: bool = False,
+                 device: str | torch.device | None = None) -> None:
         distributed.init_from_env()
-        _check_supported(config)
-        self.config = config
+        if step.compute_dtype not in COMPUTE_DTYPES:
+            raise ConfigError(f"train.compute_dtype={step.compute_dtype} is not supported with backend: torch; "
+                              f"use train.compute_dtype=bfloat16 or float32")
+        self.seed = seed
         self.device = torch.device(device or (f"cuda:{distributed.local_rank()}" if torch.cuda.is_available()
                                               else "cpu"))
         # On CPU a call has finished when it returns; on CUDA it is queued until its metrics are read.
         self.synchronous = self.device.type == "cpu"
         self.process_index, self.process_count = distributed.rank(), distributed.world_size()
-        self.model = (build_model(config.model, example_batch, config.seed) if model is None
-                      else prepare(_checked_module(model))).to(self.device)
-        opt = config.optimizer
-        schedule = make_schedule(opt.schedule, opt.learning_rate, opt.warmup_steps, total_steps, opt.end_lr_ratio)
-        self.optimizer = make_optimizer(opt.name, schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps,
-                                        weight_decay=opt.weight_decay, momentum=opt.momentum or None,
-                                        nesterov=opt.nesterov)
-        step_loss = self._step_loss(model is None, loss_fn, example_batch)
-        compute_dtype = COMPUTE_DTYPES[config.train.compute_dtype]
-        self._step = make_train_step(step_loss, self.optimizer, micro_batches=config.train.micro_batches,
-                                     clip_norm=config.train.clip_norm, compute_dtype=compute_dtype)
+        self.writes_checkpoints = self.process_index == 0  # ranks hold replicas: rank 0 writes alone
+        self.devices: list[Any] = []  # MFU is reported for JAX devices only
+        self.model = (model if builtin_model else prepare(_checked_module(model))).to(self.device)
+        self.optimizer = optimizer
+        step_loss = self._step_loss(builtin_model, loss_fn, example_batch, torch_compile)
+        compute_dtype = COMPUTE_DTYPES[step.compute_dtype]
+        self._step = make_train_step(step_loss, self.optimizer, micro_batches=step.micro_batches,
+                                     clip_norm=step.clip_norm, compute_dtype=compute_dtype)
         self._eval_step = make_eval_step(step_loss, compute_dtype)
-        if model is not None or loss_fn is not None:
+        if not builtin_model or loss_fn is not None:
             # User code fails here, in one line, before a run directory is touched, not at step 1.
             self._eval_step(self.init_state(), self.place({k: v[:PROBE_ROWS] for k, v in example_batch.items()}))
 
-    def _step_loss(self, builtin_model: bool, loss_fn: UserLoss | None,
-                   example_batch: Mapping[str, np.ndarray]) -> LossFn:
+    def _step_loss(self, builtin_model: bool, loss_fn: UserLoss | None, example_batch: Mapping[str, np.ndarray],
+                   torch_compile: bool) -> LossFn:
         """The step's loss: the twin's own, or ``loss_fn`` (default: the one fitting the data) on the module."""
         if builtin_model and loss_fn is None:
-            if self.config.train.torch_compile:
+            if torch_compile:
                 raise ConfigError(f"train.torch_compile=true compiles a user nn.Module (fit(..., model=) or "
-                                  f"model.target); the built-in {self.config.model.name} twin runs eagerly: "
-                                  f"remove train.torch_compile")
+                                  f"model.target); the built-in {type(self.model).__name__.lower()} twin runs "
+                                  f"eagerly: remove train.torch_compile")
             return loss_for(self.model)
         return module_loss(self.model, loss_fn if loss_fn is not None else default_loss(example_batch),
-                           compiled(self.model) if self.config.train.torch_compile else None)
+                           compiled(self.model) if torch_compile else None)
 
     # ------------------------------------------------------------------------------------------ state
 
@@ -127,7 +119,7 @@ class TorchBackend:
         """A fresh step-0 state: the model's initial weights (as float32 masters) and a fresh optimizer state."""
         params = {name: value.detach().to(self.device, torch.float32) for name, value in self.model.named_parameters()}
         buffers = {name: value.detach().to(self.device) for name, value in self.model.named_buffers()}
-        return TorchState.create(params, self.optimizer, self.config.seed, buffers)
+        return TorchState.create(params, self.optimizer, self.seed, buffers)
 
     def _abstract(self, state: TorchState) -> dict[str, Any]:
         return _map_tree(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.state_to_items(state))
@@ -229,6 +221,16 @@ class TorchBackend:
         return self._eval_step(state, self.place(host_batch))
 
     @staticmethod
+    def hot_path() -> contextlib.AbstractContextManager:
+        """Nothing to guard: torch has no implicit device-to-host copies to forbid."""
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def add(totals: dict[str, Tensor], sums: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Evaluation sums added on the device."""
+        return {name: totals[name] + sums[name] for name in totals}
+
+    @staticmethod
     def to_host(tree: Any) -> Any:
         """Tensors -> numpy, anywhere in a tree of dicts, lists and tuples (waits for the device)."""
         return _map_tree(_to_numpy, tree)
@@ -257,15 +259,3 @@ def _checked_module(model: Any) -> torch.nn.Module:
     if not any(True for _ in model.parameters()):
         raise ConfigError(f"model {type(model).__name__} has no parameters to train; pass a module with parameters")
     return model
-
-
-def make_backend(config: Any, example_batch: Mapping[str, np.ndarray], total_steps: int,
-                 device: str | torch.device | None = None, *, model: torch.nn.Module | None = None,
-                 loss_fn: UserLoss | None = None) -> TorchBackend:
-    """The loop's entry point for ``backend: torch`` (device: CUDA when available, else CPU).
-
-    ``model``: a user ``nn.Module`` to train instead of the config's twin (its parameters as they are now are
-    step 0's). ``loss_fn(model, batch, generator) -> (loss_sum, weight_sum, aux_sums)``: a user loss (see
-    :mod:`torch_bridge.user_model`); without one, the built-in loss that fits the data's fields.
-    """
-    return TorchBackend(config, example_batch, total_steps, device, model=model, loss_fn=loss_fn)

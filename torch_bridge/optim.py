@@ -9,7 +9,7 @@ it stays on the count's device, so reading the learning rate never waits for the
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -216,3 +216,18 @@ def make_optimizer(name: str, schedule: Schedule, *, b1: float = 0.9, b2: float 
     if name == "sgd":
         return sgd(schedule, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay)
     raise ConfigError(f"optimizer.name={name!r} is unknown; use adamw or sgd")
+
+
+def from_settings(settings: Any) -> Optimizer:
+    """The twin of ``functrain.core.optim.named_optimizer(settings)``; what torch cannot honour is refused."""
+    schedule = settings.schedule
+    driven = make_schedule(schedule.name, schedule.learning_rate, schedule.warmup_steps, schedule.total_steps,
+                           schedule.end_lr_ratio)
+    options = dict(settings.options)
+    for key, value in options.items():
+        if key in ("mu_dtype", "accumulator_dtype") and value is not None:
+            raise ConfigError(f"optimizer.mu_dtype={value} is not implemented for backend: torch; remove it or set "
+                              f"backend=jax")
+    return make_optimizer(settings.name, driven, b1=options.get("b1", 0.9), b2=options.get("b2", 0.999),
+                          eps=options.get("eps", 1e-8), weight_decay=settings.weight_decay,
+                          momentum=options.get("momentum") or None, nesterov=options.get("nesterov", False))

@@ -11,7 +11,7 @@ Layout (Orbax ``CheckpointManager``)::
 
 A LoRA step after its run's base step holds the adapters only in ``params`` and names the base step in its
 meta (``lora_base_step``, ``lora_base_fingerprint``); reading it adds the base step's params, and a base
-step that is damaged or was written again makes it damaged (``functrain.run.lora_saves``).
+step that is damaged or was written again makes it damaged (``functrain.checkpoint.lora_saves``).
 
 A step is whole when every item its meta lists is there with its commit marker and, when read, its files
 match their checksums; anything else is damaged and restores fall back past it.

@@ -61,7 +61,7 @@ def rewind(run_dir: str | os.PathLike, step: int, skip_samples: int, overrides: 
     as ``RUN_DIR/config.yaml`` (plus dotted ``overrides``) says. Returns the :class:`FitResult`."""
     from functrain.run.config import load_config
     from functrain.run.events import append_event
-    from functrain.run.loop import fit
+    from functrain.run.fit import fit
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"{run_dir} has no config.yaml; pass the run.dir of a training run")

@@ -79,7 +79,7 @@ class KillAt(Callback):
 def train_worker(config: str, overrides: list[str], kill_step: int | None) -> None:
     """One training process of the check (``kill_step``: die there); bad input exits 2 with one line."""
     from functrain.run.config import load_config
-    from functrain.run.loop import fit
+    from functrain.run.fit import fit
     try:
         result = fit(load_config(config, overrides), callbacks=[KillAt(kill_step)] if kill_step is not None else [])
     except FunctrainError as exc:

@@ -10,6 +10,7 @@ A model with mutable collections passes ``stateful=True``; its loss function is 
 ``loss_fn(params, model_state, batch, rng) -> (loss_sum, weight_sum, aux, new_model_state)``.
 """
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
@@ -23,6 +24,17 @@ Batch = dict[str, jax.Array]
 # Evaluation uses one fixed key, distinct from every training step key (steps are < 2**31).
 EVAL_KEY_DATA = 2**32 - 1
 Metrics = dict[str, jax.Array]
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """What a backend's step is made with, as both backends read it (the builder fills it from ``train.*``)."""
+    micro_batches: int = 1
+    clip_norm: float | None = None
+    compute_dtype: str = "float32"   # the forward/backward pass
+    param_dtype: str = "float32"     # the stored (master) weights
+    dynamic_loss_scale: bool = False
+    offload_optimizer: bool = False  # optimizer state in pinned host memory (GPU/TPU)
 
 
 def split_micro_batches(batch: Batch, micro_batches: int) -> Batch:

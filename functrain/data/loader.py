@@ -50,15 +50,28 @@ class _Synchronous:
 Calls = BackgroundIterator[Call] | _Synchronous
 
 
+def batch_split_problem(global_batch_size: int, micro_batches: int = 1, ways: int = 1,
+                        what: str = "processes") -> str | None:
+    """The one rule for splitting a global batch, or what breaks it: it must divide by ``micro_batches`` times
+    the ``ways`` it is split (processes, or data-parallel devices)."""
+    divisor = micro_batches * ways
+    if global_batch_size % divisor == 0:
+        return None
+    parts = ([f"train.micro_batches={micro_batches}"] if micro_batches > 1 else []) + (
+        [f"the {ways} {what}"] if ways > 1 else [])
+    return (f"data.global_batch_size={global_batch_size} is not divisible by {' x '.join(parts)}; set it to a "
+            f"multiple of {divisor}")
+
+
 def local_batch_size(global_batch_size: int, process_index: int, process_count: int) -> int:
     """The rows of each global batch that process ``process_index`` of ``process_count`` loads; a DataError
     (one line) for an index outside the job or a batch the processes cannot share evenly."""
     if process_count < 1 or not 0 <= process_index < process_count:
         raise DataError(f"process_index={process_index} is not in [0, process_count={process_count}); "
                         f"pass jax.process_index() and jax.process_count()")
-    if global_batch_size % process_count:
-        raise DataError(f"data.global_batch_size={global_batch_size} is not divisible by the "
-                        f"{process_count} processes; set it to a multiple of {process_count}")
+    problem = batch_split_problem(global_batch_size, ways=process_count)
+    if problem:
+        raise DataError(problem)
     return global_batch_size // process_count
 
 

@@ -1,291 +1,236 @@
-"""Build a run's parts: every name -> object lookup lives here, for the CLI, ``fit(path)`` and ``fit(config,
-model=..., ...)`` alike.
+"""Build a run once: a resolved config plus any objects the caller passed become a :class:`Run`.
 
-An object passed to ``fit`` wins; otherwise the config names it: ``model.name`` (the registry in
-:mod:`functrain.models`) or ``model.target``; ``data.name`` (:mod:`functrain.data.datasets`; ``tokens``: a token
-store, :mod:`functrain.data.token_windows`) or ``data.target``; ``optimizer.name`` (:mod:`functrain.core.optim`) or
-``optimizer.target``. Import paths are ``"package.module:attribute"``; one that does not resolve or gives the
-wrong kind of object is a one-line ConfigError naming it. :func:`make_backend` then turns the parts into the
-backend the loop drives.
+Every name -> object lookup happens here or in :mod:`functrain.run.parts` (models, data, optimizers,
+schedules, losses, trackers, the backend): the loop (:func:`functrain.run.loop.drive`) takes the built Run and
+reads no config, and each backend receives built pieces (a program or module, a loss, optimizer settings,
+step settings), never the config. What a backend cannot honour is refused here, in one line, before anything
+is written.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
-import inspect
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
-import optax
 
-from functrain.core.optim import OptimizerSettings, ScheduleSettings, named_optimizer
-from functrain.core.optim import as_transformation
-from functrain.run.config import PYTHON_OBJECT
-from functrain.data import ConcatSource, Mixture, Source, Stream, as_data, as_source
-from functrain.data.stream import is_stream
-from functrain.data.validate import BatchCheck, check_arrays
-from functrain.data.datasets import load_dataset, open_source, token_store
-from functrain.errors import ConfigError, DataError
-from functrain.models import build_model, model_spec
-from functrain.core.losses import batch_check, infer_task_kind
+from functrain.checkpoint import Checkpointer
+from functrain.core.backend import Backend
+from functrain.core.step import StepSettings
+from functrain.data import BatchLoader, IndexSampler, loader_for, order_for
+from functrain.data.loader import batch_split_problem
+from functrain.data.kinds import Order
+from functrain.errors import ConfigError
+from functrain.run.callbacks import Callback, CallbackList, EarlyStopping, EveryNSteps, MetricsWriter, ProgressBar
+from functrain.run.config import Config
+from functrain.run.config_checks import likely_mistakes
+from functrain.run.events import RunEvents
+from functrain.run.mfu import SpeedReport, speed_report
+from functrain.run.parts import Parts, build_parts, check_data, make_optimizer, optimizer_settings, schedule_settings
+from functrain.run.resume import ResumePolicy
+from functrain.run.summary import RunSummary
+from functrain.run.trackers import make_trackers
 
 
 @dataclass(frozen=True)
-class Parts:
-    """What a run is built from.
-
-    Attributes:
-      model: the model object; None with ``backend: torch`` and a registry model (the bridge builds it).
-      kind: the built-in loss (``classifier`` / ``causal_lm``): the registry's, ``model.kind`` or the one the
-        data's fields call for; None with a user ``loss_fn`` (or data that fits no built-in loss).
-      loss_fn: a user ``loss_fn(params, batch, rng) -> (loss_sum, weight, aux_sums)``, or None (built-in).
-      optimizer: a user optimizer (transformation or function of the schedule) and what to call it in
-        errors, or None (``optimizer.name``).
-      train_data, eval_data: data sources (a :class:`Mixture` or, for training, a :class:`Stream` too;
-        ``eval_data`` None: no evaluation).
-      batch_check: what the built-in loss reads, checked on every batch (None with a user ``loss_fn``).
-    """
-    model: Any
-    kind: str | None
-    loss_fn: Callable | None
-    optimizer: tuple[Any, str] | None
-    train_data: Source | Stream
-    eval_data: Source | None
-    batch_check: BatchCheck | None
+class Settings:
+    """The few values the loop needs, frozen at build time."""
+    max_steps: int
+    steps_per_call: int
+    log_every: int
+    stop_on_nonfinite: bool                     # train.nonfinite: stop
+    max_skipped_fraction: float
+    eval_max_batches: int | None
+    best_metric: str | None                     # checkpoint.best_metric when keep_best is on
+    watched_metrics: tuple[tuple[str, str], ...]  # (key, metric) that early stopping / keep-best read
 
 
-def describe_object(obj: Any) -> str:
-    """``package.module.Name`` of an object's type (of a function pair: of its ``init``), for the record."""
-    if isinstance(obj, tuple) and obj and callable(obj[0]):
-        obj = obj[0]
-    named = obj if inspect.isfunction(obj) or isinstance(obj, type) else type(obj)
-    return f"{named.__module__}.{named.__qualname__}"
+@dataclass(frozen=True)
+class Run:
+    """Everything one run is made of; :func:`functrain.run.loop.drive` trains it.
+
+    ``config`` travels only to the callbacks' view and the run directory's ``config.yaml``; ``parts`` is
+    what was resolved (model, loss, data); the checkpointer is opened by the loop once the run directory's
+    lock is held (opening one tidies the directory)."""
+    config: Config
+    config_record: dict[str, Any]
+    settings: Settings
+    parts: Parts
+    run_dir: Path
+    sampler: Order
+    loader: Any
+    eval_loader: Callable[[], BatchLoader] | None
+    optimizer: Any                              # OptimizerSettings, or the user's optimizer object
+    backend: Backend
+    open_checkpointer: Callable[[], Checkpointer]
+    adapter_checkpoints: bool                   # LoRA: the base weights once, then adapters only
+    callbacks: CallbackList
+    resume: ResumePolicy
+    speed: SpeedReport
+    warnings: tuple[str, ...]
 
 
-def import_target(path: str, what: str) -> Any:
-    """The object at ``"package.module:attribute"``; a path that does not resolve is a ConfigError naming it."""
-    module_name, _, attribute = path.partition(":")
-    fix = "fix the import path (package.module:attribute, importable from the working directory or PYTHONPATH)"
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"{what}={path!r} does not resolve: cannot import {module_name!r} ({exc}); {fix}") from None
-    obj = module
-    for part in attribute.split("."):
-        if not hasattr(obj, part):
-            raise ConfigError(f"{what}={path!r} does not resolve: {module_name!r} has no attribute {attribute!r}; "
-                              f"{fix}")
-        obj = getattr(obj, part)
-    return obj
+def total_steps(config: Config, sampler: Order) -> int:
+    """``train.max_steps`` when set (it wins over epochs, as in the HF Trainer), else ``train.epochs`` of steps."""
+    if config.train.max_steps is None and config.train.epochs is None:
+        raise ConfigError("the run has no length; set train.max_steps or train.epochs")
+    if config.train.max_steps is not None:
+        return config.train.max_steps
+    return max(1, int(np.ceil(config.train.epochs * sampler.steps_per_epoch)))
 
 
-def call_target(path: str, kwargs: dict[str, Any], what: str) -> Any:
-    """Import ``path`` and call it with ``kwargs``; a wrong signature is a ConfigError naming it."""
-    factory = import_target(path, what)
-    if not callable(factory):
-        raise ConfigError(f"{what}={path!r} is a {type(factory).__name__}, not a callable; point it at a function")
-    try:
-        return factory(**kwargs)
-    except TypeError as exc:
-        raise ConfigError(f"{what}={path!r} cannot be called with {sorted(kwargs)} ({exc}); fix the keys given "
-                          f"with it in the config") from None
+def step_settings(config: Config) -> StepSettings:
+    """The ``train`` keys the step itself reads."""
+    train = config.train
+    return StepSettings(micro_batches=train.micro_batches, clip_norm=train.clip_norm,
+                        compute_dtype=train.compute_dtype, param_dtype=train.param_dtype,
+                        dynamic_loss_scale=train.loss_scale == "dynamic", offload_optimizer=train.offload_optimizer)
 
 
-# ------------------------------------------------------------------------------------------------ model
-
-def resolve_model(config: Any, model: Any) -> tuple[Any, str | None]:
-    """The model object and the built-in loss kind its config names (None: inferred from the data)."""
-    if model is not None:
-        return model, None
-    section = config.model
-    if hasattr(section, "target"):
-        built = call_target(section.target, section.factory_kwargs(), "model.target")
-        if config.backend == "jax":
-            from functrain.core.program import model_kind_of
-            try:
-                model_kind_of(built)
-            except ConfigError as exc:
-                raise ConfigError(f"model.target={section.target!r} returned: {exc}") from None
-        return built, section.kind
-    if hasattr(section, PYTHON_OBJECT):
-        raise ConfigError(f"model.python_object={getattr(section, PYTHON_OBJECT)!r} records a model passed to fit; "
-                          f"pass it again with fit(..., model=) or set model.name or model.target")
-    kind = model_spec(section.name)["kind"]
-    if config.backend == "torch":
-        return None, kind  # the bridge builds its own registry models
-    from functrain.core.precision import COMPUTE_DTYPES
-    return build_model(section, COMPUTE_DTYPES[config.train.compute_dtype]), kind
+def loop_settings(config: Config, max_steps: int) -> Settings:
+    best_metric = config.checkpoint.best_metric if config.checkpoint.keep_best else None
+    watched = tuple((key, metric) for key, metric in (("eval.early_stopping_metric", config.eval.early_stopping_metric),
+                                                      ("checkpoint.best_metric", best_metric)) if metric)
+    return Settings(max_steps=max_steps, steps_per_call=config.train.steps_per_call,
+                    log_every=config.log.every_steps, stop_on_nonfinite=config.train.nonfinite == "stop",
+                    max_skipped_fraction=config.train.max_skipped_fraction, eval_max_batches=config.eval.max_batches,
+                    best_metric=best_metric, watched_metrics=watched)
 
 
-# ------------------------------------------------------------------------------------------------- data
+# ---------------------------------------------------------------------------------------------- backends
 
-def _source(data: Any, what: str) -> Source | Stream:
-    """Training data as a source, a :class:`Mixture` or a :class:`Stream`."""
-    try:
-        return as_data(data)
-    except DataError as exc:
-        raise DataError(f"{what}: {exc}") from None
-
-
-def _eval_source(data: Any, what: str) -> Source:
-    if is_stream(data):
-        raise DataError(f"{what}: evaluation data is read whole, in order, every evaluation, so it must be random "
-                        f"access (len and getitem: a dict of arrays, a datasets.Dataset); materialise it (e.g. "
-                        f"datasets.Dataset.from_list(list(stream.take(n))))")
-    return _source(data, what)
+def check_batch_split(config: Config, ways: int, what: str) -> None:
+    """The global batch must split into micro-batches over the ``ways`` the backend splits it."""
+    problem = batch_split_problem(config.data.global_batch_size, config.train.micro_batches, ways, what)
+    if problem:
+        raise ConfigError(problem)
 
 
-def mixture_from_config(section: Any, vocab_size: int | None) -> tuple[Mixture, Source | None]:
-    """``data.sources`` as a :class:`Mixture` of each entry's training part, and the evaluation parts one after
-    the other (each evaluation record counted once), or None when no entry has any. ``vocab_size``: the
-    model's, for sources that check their token ids against it."""
-    opened = [open_source(entry.path, entry.name, section, vocab_size) for entry in section.sources]
-    names = [f"data.sources[{k}] ({entry.path})" for k, entry in enumerate(section.sources)]
-    mixture = Mixture([(train, entry.weight) for (train, _), entry in zip(opened, section.sources)],
-                      block_size=section.mixture_block_size, names=names)
-    evaluation = [(part, name) for (_, part), name in zip(opened, names) if part is not None]
-    if not evaluation:
-        return mixture, None
-    return mixture, ConcatSource([part for part, _ in evaluation], names=[name for _, name in evaluation])
-
-
-def resolve_data(config: Any, train_data: Any, eval_data: Any) -> tuple[Source | Stream, Source | None]:
-    """The training and evaluation data: passed, from ``data.target``, ``data.sources`` or ``data.name``."""
-    if train_data is not None:
-        return (_source(train_data, "train_data"),
-                None if eval_data is None else _eval_source(eval_data, "eval_data"))
-    section = config.data
-    if section.target is not None:
-        factory = import_target(section.target, "data.target")
-        if inspect.isgeneratorfunction(factory):  # the function itself is the stream (reopened on resume)
-            return _source(functools.partial(factory, **section.kwargs), f"data.target={section.target!r}"), None
-        loaded = call_target(section.target, section.kwargs, "data.target")
-        train, evaluation = loaded if isinstance(loaded, tuple) and len(loaded) == 2 else (loaded, None)
-        what = f"data.target={section.target!r} returned"
-        return _source(train, what), None if evaluation is None else _eval_source(evaluation, what)
-    if section.sources is not None:
-        return mixture_from_config(section, getattr(config.model, "vocab_size", None))
-    if section.name == PYTHON_OBJECT:
-        raise ConfigError("data.name=python_object records data passed to fit; pass it again with "
-                          "fit(..., train_data=) or set data.name or data.target")
-    if section.name == "tokens":
-        return token_store(section, getattr(config.model, "vocab_size", None))
-    train, evaluation = load_dataset(section)
-    return as_source(train), (as_source(evaluation) if len(next(iter(evaluation.values()))) else None)
-
-
-# -------------------------------------------------------------------------------------------- optimizer
-
-def resolve_optimizer(config: Any, optimizer: Any) -> tuple[Any, str] | None:
-    """A user optimizer (passed or from ``optimizer.target``) with its name for errors; None: by name.
-
-    A target that takes ``learning_rate`` (``optax:lion``) and is not given one in ``optimizer.kwargs`` is
-    driven by the config's schedule; any other is called with the kwargs and returns a transformation or a
-    function of the schedule."""
-    if optimizer is not None:
-        return optimizer, "optimizer"
-    section = config.optimizer
-    if section.target is None:
-        return None
-    what = f"optimizer.target={section.target!r}"
-    factory = import_target(section.target, "optimizer.target")
-    if _takes_learning_rate(factory) and "learning_rate" not in section.kwargs:
-        # An optax-style constructor (optax:lion): the config's schedule becomes its learning rate.
-        return (lambda schedule: factory(learning_rate=schedule, **section.kwargs)), what
-    return call_target(section.target, section.kwargs, "optimizer.target"), what
-
-
-def _takes_learning_rate(factory: Any) -> bool:
-    try:
-        return "learning_rate" in inspect.signature(factory).parameters
-    except (TypeError, ValueError):  # no signature to read (a builtin, a class without one)
-        return False
-
-
-def optimizer_settings(section: Any, total_steps: int) -> OptimizerSettings:
-    """The optimizer an ``optimizer`` config section names, as settings both backends build from."""
-    if section.name == PYTHON_OBJECT:
-        raise ConfigError("optimizer.name=python_object records an optimizer passed to fit; pass it again with "
-                          "fit(..., optimizer=) or set optimizer.name or optimizer.target")
-    return OptimizerSettings(section.name, schedule_settings(section, total_steps), section.weight_decay,
-                             section.optax_options())
-
-
-def schedule_settings(section: Any, total_steps: int) -> ScheduleSettings:
-    """The learning-rate schedule of an ``optimizer`` config section (a user optimizer is driven by it too)."""
-    return ScheduleSettings(section.schedule, section.learning_rate, section.warmup_steps, total_steps,
-                            section.end_lr_ratio)
-
-
-def make_optimizer(section: Any, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """The optax transformation and its schedule for an ``optimizer`` config section."""
-    settings = optimizer_settings(section, total_steps)
-    schedule = settings.schedule.optax()
-    return named_optimizer(settings, schedule), schedule
-
-
-def build_parts(config: Any, *, model: Any = None, loss_fn: Callable | None = None, optimizer: Any = None,
-                train_data: Any = None, eval_data: Any = None) -> Parts:
-    """Every part of a run, from the objects given and the config for the rest."""
-    if eval_data is not None and train_data is None:
-        raise ConfigError("eval_data= was given without train_data=; pass both, or neither (the config's data)")
-    model, kind = resolve_model(config, model)
-    train, evaluation = resolve_data(config, train_data, eval_data)
-    check = None
-    if loss_fn is None:
-        kind = kind or infer_task_kind(train.gather(np.arange(1)))
-        named = config.data.path or config.data.target or ("data.sources" if config.data.sources else config.data.name)
-        where = "train_data" if train_data is not None else f"the data ({named})"
-        check = batch_check(kind, config.model, source=where) if kind else None
-    return Parts(model=model, kind=kind, loss_fn=loss_fn, optimizer=resolve_optimizer(config, optimizer),
-                 train_data=train, eval_data=evaluation, batch_check=check)
-
-
-def check_data(parts: Parts) -> None:
-    """Check what the built-in loss reads before the first step: whole in-memory arrays at once (fields, dtypes,
-    ranges), other sources by the fields of their first record (their ranges are checked batch by batch)."""
-    if parts.batch_check is None:
-        return
-    for source in (parts.train_data, parts.eval_data):
-        arrays = getattr(source, "arrays", None)
-        if arrays is not None:
-            check_arrays(parts.batch_check, arrays)
-        elif source is not None:
-            parts.batch_check.check_fields(source.gather(np.arange(1)))
-
-
-def make_backend(config: Any, parts: Parts, example_batch: dict[str, np.ndarray], max_steps: int) -> Any:
-    """The backend of ``config.backend`` for these parts (the torch bridge is imported only when asked for)."""
-    if config.backend == "torch":
-        try:
-            from torch_bridge.backend import make_backend as make_torch_backend
-        except ImportError as exc:
-            raise ConfigError(f"backend: torch needs PyTorch ({exc}); pip install 'functrain[torch]'") from None
-        if getattr(config.model, "lora", None) is not None:
-            raise ConfigError("model.lora needs backend: jax; remove model.lora or set backend: jax")
-        if parts.optimizer is not None:
-            raise ConfigError(f"{parts.optimizer[1]} is an optax optimizer, which backend: torch does not run; "
-                              f"use optimizer.name")
-        given = {name: value for name, value in (("model", parts.model), ("loss_fn", parts.loss_fn))
-                 if value is not None}
-        return make_torch_backend(config, example_batch, max_steps, **given)
-    from functrain.run.jax_backend import JaxBackend
+def jax_backend(config: Config, example_batch: dict[str, np.ndarray], max_steps: int, *, model: Any,
+                kind: str | None = None, loss_fn: Callable | None = None, optimizer: tuple[Any, str] | None = None
+                ) -> Backend:
+    """The JAX backend: the program of the model and loss (``kind``: the built-in loss), the optax
+    transformation (``optimizer``: a user's, with its name for errors; None: the config's), the mesh."""
+    from functrain.core.optim import as_transformation
     from functrain.core.program import as_program
+    from functrain.parallel import sharding
+    from functrain.run.jax_backend import JaxBackend
     lora = getattr(config.model, "lora", None)
     if lora is not None:
         from functrain.models.lora import lora_program
-        if parts.loss_fn is not None or parts.kind is None:
+        if loss_fn is not None or kind is None:
             raise ConfigError("model.lora trains a registry model with its built-in loss; remove loss_fn= or "
                               "model.lora")
-        program = lora_program(parts.model, example_batch, parts.kind, lora)
+        program = lora_program(model, example_batch, kind, lora)
     else:
-        program = as_program(parts.model, example_batch, kind=parts.kind, loss_fn=parts.loss_fn)
-    if parts.optimizer is None:
+        program = as_program(model, example_batch, kind=kind, loss_fn=loss_fn)
+    if optimizer is None:
         tx, reported = make_optimizer(config.optimizer, max_steps)
     else:
         schedule = schedule_settings(config.optimizer, max_steps).optax()
-        tx, reported = as_transformation(parts.optimizer[0], schedule, parts.optimizer[1])
-    return JaxBackend(config, program, tx, reported, max_steps)
+        tx, reported = as_transformation(optimizer[0], schedule, optimizer[1])
+    mesh = sharding.make_mesh(config.mesh)
+    check_batch_split(config, sharding.batch_devices(mesh), "data-parallel devices")
+    return JaxBackend(program, tx, reported, mesh=mesh, rules=sharding.logical_rules(config.mesh),
+                      param_rules=config.mesh.param_rules,
+                      allow_replicated_fallback=config.mesh.allow_replicated_fallback,
+                      step=step_settings(config), seed=config.seed)
 
+
+def torch_backend(config: Config, example_batch: dict[str, np.ndarray], max_steps: int, *, model: Any = None,
+                  loss_fn: Callable | None = None, optimizer: tuple[Any, str] | None = None) -> Backend:
+    """The torch backend: the module (``model``, or the config's twin), its loss (``loss_fn``, or the built-in
+    one) and the optimizer's twin, or a one-line refusal of what the torch step does not implement."""
+    try:
+        from torch_bridge import backend as torch_backend_module
+        from torch_bridge import distributed, optim
+        from torch_bridge.twins import twin_model
+    except ImportError as exc:
+        raise ConfigError(f"backend: torch needs PyTorch ({exc}); pip install 'functrain[torch]'") from None
+    if getattr(config.model, "lora", None) is not None:
+        raise ConfigError("model.lora needs backend: jax; remove model.lora or set backend: jax")
+    if optimizer is not None:
+        raise ConfigError(f"{optimizer[1]} is an optax optimizer, which backend: torch does not run; "
+                          f"use optimizer.name")
+    if config.mesh.fsdp != 1 or config.mesh.tensor != 1:
+        raise ConfigError("backend: torch shards only over data; set mesh.fsdp=1 and mesh.tensor=1")
+    distributed.init_from_env()
+    check_batch_split(config, distributed.world_size(), "processes")
+    builtin = model is None
+    if builtin:
+        model = twin_model(config.model, example_batch, config.seed)
+    return torch_backend_module.TorchBackend(
+        model, optim.from_settings(optimizer_settings(config.optimizer, max_steps)), step=step_settings(config),
+        seed=config.seed, example_batch=example_batch, builtin_model=builtin, loss_fn=loss_fn,
+        torch_compile=config.train.torch_compile)
+
+
+# ------------------------------------------------------------------------------------------------- build
+
+def _callbacks(config: Config, parts: Parts, trackers: list[Callback], extra: list[Callback]) -> CallbackList:
+    """The built-in callbacks the config asks for, the user's, then the summary (it reads what the others
+    wrote and closed)."""
+    tensorboard = config.log.tensorboard and "tensorboard" in config.log.trackers
+    builtins: list[Callback] = [EveryNSteps(config.eval.every_steps, config.checkpoint.every_steps),
+                                MetricsWriter(tensorboard=tensorboard), RunEvents(), *trackers]
+    if config.eval.samples.count:
+        from functrain.run.samples import SampleWriter
+        builtins.append(SampleWriter(config))
+    if config.log.progress:
+        builtins.append(ProgressBar())
+    if config.eval.early_stopping_metric:
+        builtins.append(EarlyStopping(config.eval.early_stopping_metric, config.eval.early_stopping_patience,
+                                      config.eval.early_stopping_mode, config.eval.early_stopping_min_delta))
+    summary = RunSummary(tokens_per_sample=config.data.seq_len if parts.kind == "causal_lm" else None)
+    return CallbackList(builtins + list(extra) + [summary])
+
+
+def build_run(config: Config, *, model: Any = None, loss_fn: Callable | None = None, optimizer: Any = None,
+          train_data: Any = None, eval_data: Any = None, callbacks: list[Callback] | None = None) -> Run:
+    """The Run of a resolved config, with any objects given in place of the config's (see
+    :func:`functrain.fit` for what each may be)."""
+    parts = build_parts(config, model=model, loss_fn=loss_fn, optimizer=optimizer, train_data=train_data,
+                        eval_data=eval_data)
+    trackers = make_trackers(config.log.trackers)  # before anything is read or written: a missing package
+    run_dir = Path(config.run.dir).absolute()  # Orbax needs absolute paths
+    check_data(parts)  # what the model reads, before the first step (and again on every batch)
+    data_seed = config.seed if config.data.seed is None else config.data.seed
+    data = config.data
+    sampler = order_for(parts.train_data, data.global_batch_size, data_seed, shuffle=data.shuffle,
+                        last_batch=data.last_batch)
+    max_steps = total_steps(config, sampler)
+    example_batch, _ = loader_for(parts.train_data, sampler, prefetch=0).host_batch(0)
+    objects = {"model": parts.model, "loss_fn": parts.loss_fn, "optimizer": parts.optimizer}
+    backend = (torch_backend(config, example_batch, max_steps, **objects) if config.backend == "torch"
+               else jax_backend(config, example_batch, max_steps, kind=parts.kind, **objects))
+    loader = loader_for(parts.train_data, sampler, backend.process_index, backend.process_count,
+                        prefetch=data.prefetch, check=parts.batch_check)
+    eval_loader = None
+    if parts.eval_data is not None:
+        def eval_loader() -> BatchLoader:
+            """The evaluation set in a fixed order, padded so that every record counts once."""
+            order = IndexSampler(len(parts.eval_data), data.global_batch_size, data_seed, shuffle=False,
+                                 last_batch="pad")
+            return BatchLoader(parts.eval_data, order, backend.process_index, backend.process_count, prefetch=0,
+                               check=parts.batch_check)
+    checkpoint = config.checkpoint
+    open_checkpointer = functools.partial(
+        Checkpointer, run_dir, keep=checkpoint.keep, keep_best=checkpoint.keep_best,
+        best_metric=checkpoint.best_metric, best_mode=checkpoint.best_mode, async_save=checkpoint.async_save,
+        on_error=checkpoint.on_error, is_primary=backend.process_index == 0)
+    resume = ResumePolicy(run_dir, checkpoint.resume, data.ignore_skip, data.skip_samples, data_seed, config.backend,
+                          config.optimizer.model_dump(mode="json"),
+                          {"config_digest": config.digest(), "model": config.model.model_dump(mode="json")})
+    # A torch user model's shape is its own (a transformers model's config), not the config's model section.
+    shape_source = getattr(parts.model, "config", None) if config.backend == "torch" and parts.model is not None \
+        else config.model
+    speed = speed_report(shape_source, parts.kind, data.global_batch_size, data.seq_len, backend.devices)
+    optimizer = parts.optimizer[0] if parts.optimizer is not None else optimizer_settings(config.optimizer, max_steps)
+    return Run(config=config, config_record=config.to_dict(), settings=loop_settings(config, max_steps),
+               parts=parts, run_dir=run_dir, sampler=sampler, loader=loader, eval_loader=eval_loader,
+               optimizer=optimizer, backend=backend, open_checkpointer=open_checkpointer,
+               adapter_checkpoints=getattr(config.model, "lora", None) is not None,
+               callbacks=_callbacks(config, parts, trackers, callbacks or []), resume=resume, speed=speed,
+               warnings=tuple(likely_mistakes(config, max_steps, has_eval_data=parts.eval_data is not None)))

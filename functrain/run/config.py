@@ -349,9 +349,10 @@ class Config(Section):
             if every and every % k:
                 raise ValueError(f"{key}={every} is not a multiple of train.steps_per_call={k}: intervals fall "
                                  f"on call boundaries; use a multiple of {k} for {key}")
-        if self.data.global_batch_size % self.train.micro_batches:
-            raise ValueError(f"data.global_batch_size={self.data.global_batch_size} is not divisible by "
-                             f"train.micro_batches={self.train.micro_batches}")
+        from functrain.data.loader import batch_split_problem
+        problem = batch_split_problem(self.data.global_batch_size, self.train.micro_batches)
+        if problem:
+            raise ValueError(problem)
         if self.train.loss_scale == "dynamic" and self.train.compute_dtype != "float16":
             raise ValueError("train.loss_scale=dynamic is for train.compute_dtype=float16; set one or the other")
         if self.backend == "torch":

@@ -1,24 +1,24 @@
-"""The JAX backend: builds the sharded TrainState and the compiled train and eval calls for the loop.
+"""The JAX backend: the sharded TrainState and the compiled train and eval calls for the loop.
 
-The loop never sees jax directly; it calls this object (or the torch bridge's, with the same methods):
-``init_state``, ``restore_targets``, ``state_to_items``, ``state_from_items``, ``place``, ``train_call``,
-``eval_batch``, ``to_host`` and ``describe``.
+It implements :class:`functrain.core.backend.Backend` from built pieces (a Program, an optax transformation,
+a mesh and its rules, :class:`~functrain.core.step.StepSettings`); the builder makes them from the config.
 """
 
+import contextlib
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from functrain.parallel import distributed, sharding
 from functrain.data import batch_sharding, to_global
-from functrain.errors import ConfigError
 from functrain.parallel.offload import check_offload, offload_opt_state, streaming_optimizer
 from functrain.core.precision import COMPUTE_DTYPES, LOSS_SCALE_INIT, PARAM_DTYPES, cast_floating
 from functrain.core.state import TrainState
-from functrain.core.step import make_eval_step, make_train_call, make_train_step, trainable_only
+from functrain.core.step import StepSettings, make_eval_step, make_train_call, make_train_step, trainable_only
 from functrain.core.program import Program
 
 # TrainState fields saved in the checkpoint's "state" item (params are an item of their own).
@@ -31,34 +31,32 @@ def _with_shardings(abstract: Any, shardings: Any) -> Any:
 
 
 class JaxBackend:
-    """Everything device-side for one run: mesh, shardings, compiled calls."""
+    """Everything device-side for one run: mesh, shardings, compiled calls (the :class:`Backend` of JAX)."""
 
     name = "jax"
+    synchronous = False  # calls are dispatched asynchronously; a call is known finished when read
 
-    def __init__(self, config: Any, program: Program, tx: optax.GradientTransformation,
-                 schedule: optax.Schedule | None, total_steps: int) -> None:
-        """``schedule`` is reported as the ``learning_rate`` metric (None: not reported)."""
-        self.config = config
-        self.program = program
-        self.mesh = sharding.make_mesh(config.mesh)
-        devices = sharding.batch_devices(self.mesh)
-        micro = config.train.micro_batches
-        if config.data.global_batch_size % (micro * devices):
-            raise ConfigError(
-                f"data.global_batch_size={config.data.global_batch_size} is not divisible by train.micro_batches "
-                f"({micro}) x data-parallel devices ({devices}); use a multiple of {micro * devices}")
-        if config.train.offload_optimizer:
+    def __init__(self, program: Program, tx: optax.GradientTransformation, schedule: optax.Schedule | None, *,
+                 mesh: Mesh, rules: Any, param_rules: Any = (), allow_replicated_fallback: bool = False,
+                 step: StepSettings = StepSettings(), seed: int = 0) -> None:
+        """``schedule`` is reported as the ``learning_rate`` metric (None: not reported); ``rules`` map logical
+        axes to mesh axes and ``param_rules`` parameter paths to specs (:mod:`functrain.parallel.sharding`)."""
+        self.program, self.mesh, self.seed = program, mesh, seed
+        self.process_index, self.process_count = jax.process_index(), jax.process_count()
+        self.writes_checkpoints = True  # Orbax writes a checkpoint with every process
+        self.devices = jax.devices()
+        if step.offload_optimizer:
             check_offload()
-        compute_dtype = COMPUTE_DTYPES[config.train.compute_dtype]
-        param_dtype = PARAM_DTYPES[config.train.param_dtype]
-        dynamic_scale = config.train.loss_scale == "dynamic"
+        compute_dtype = COMPUTE_DTYPES[step.compute_dtype]
+        param_dtype = PARAM_DTYPES[step.param_dtype]
+        dynamic_scale = step.dynamic_loss_scale
         trainable = None
         if program.trainable is not None:  # frozen leaves (LoRA's base weights): no gradient, no optimizer state
             trainable = program.trainable(jax.eval_shape(program.init, jax.random.PRNGKey(0))[0])
             tx = trainable_only(tx, trainable)
         self.tx, self.schedule = tx, schedule
         train_step = make_train_step(
-            program.loss_fn, tx, micro_batches=micro, clip_norm=config.train.clip_norm,
+            program.loss_fn, tx, micro_batches=step.micro_batches, clip_norm=step.clip_norm,
             compute_dtype=compute_dtype, dynamic_loss_scale=dynamic_scale,
             learning_rate_fn=schedule, stateful=True, trainable=trainable)
         eval_step = make_eval_step(program.eval_loss_fn, compute_dtype=compute_dtype, stateful=True)
@@ -78,12 +76,11 @@ class JaxBackend:
             return fresh_state(*program.init(init_key), run_key)
 
         self.abstract_state = jax.eval_shape(create_state, 0)
-        rules = sharding.logical_rules(config.mesh)
         self.param_shardings = sharding.param_shardings(
             program.logical_specs(), self.abstract_state.params, self.mesh, rules,
-            allow_replicated_fallback=config.mesh.allow_replicated_fallback, param_rules=config.mesh.param_rules)
+            allow_replicated_fallback=allow_replicated_fallback, param_rules=param_rules)
         self.state_shardings = sharding.state_shardings(self.abstract_state, self.param_shardings, self.mesh)
-        if config.train.offload_optimizer:
+        if step.offload_optimizer:
             train_step = streaming_optimizer(train_step, self.state_shardings.opt_state)
             self.state_shardings = offload_opt_state(self.state_shardings)
         replicated = NamedSharding(self.mesh, PartitionSpec())
@@ -101,7 +98,7 @@ class JaxBackend:
     def init_state(self) -> TrainState:
         """A fresh step-0 state from the config's seed, created in its shardings."""
         with jax.set_mesh(self.mesh):
-            return self._create(self.config.seed)
+            return self._create(self.seed)
 
     def restore_targets(self) -> dict[str, Any]:
         """Abstract checkpoint items with the current shardings (so a restore lands on this mesh)."""
@@ -119,11 +116,11 @@ class JaxBackend:
         more memory than the state); without a ``state`` item the optimizer starts fresh."""
         params = items["params"]
         if self.program.complete_params is not None:
-            init_key = jax.random.split(jax.random.PRNGKey(self.config.seed))[0]  # as create_state's
+            init_key = jax.random.split(jax.random.PRNGKey(self.seed))[0]  # as create_state's
             params = jax.device_put(self.program.complete_params(params, init_key), self.param_shardings)
         if items.get("state") is None:
             with jax.set_mesh(self.mesh):
-                return self._state_for_params(params, self.config.seed)
+                return self._state_for_params(params, self.seed)
         saved = dict(items["state"])
         saved.setdefault("model_state", {})  # an empty collection is not stored
         return TrainState(params=params, **{name: saved[name] for name in STATE_FIELDS})
@@ -155,6 +152,17 @@ class JaxBackend:
         batch = to_global(host_batch, self.batch_sharding, batch_axis=0)
         with jax.set_mesh(self.mesh):
             return self._eval_step(state, batch)
+
+    @staticmethod
+    def hot_path() -> contextlib.AbstractContextManager:
+        """No implicit device-to-host copy while steps are dispatched (a stray ``float()`` of a metric would
+        make the host wait for every step); host batches still flow in."""
+        return jax.transfer_guard_device_to_host("disallow")
+
+    @staticmethod
+    def add(totals: dict[str, jax.Array], sums: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        """Evaluation sums added on the device."""
+        return jax.tree.map(jnp.add, totals, sums)
 
     @staticmethod
     def wait(tree: Any) -> None:

@@ -1,0 +1,63 @@
+"""``build`` a run once, then ``drive`` it: ``fit``. The CLI's ``train`` and research code enter here."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+from functrain.run.build import Run, build_run
+from functrain.run.callbacks import Callback
+from functrain.run.config import PYTHON_OBJECT, Config, load_config, override_list
+from functrain.run.loop import drive
+from functrain.run.outcome import FitResult
+from functrain.run.parts import describe_object
+
+
+def resolve_config(config: Config | dict | str | os.PathLike, overrides: dict[str, Any]) -> Config:
+    """A validated Config from a Config, a dict or a YAML path, with ``{"train.max_steps": 5}`` overrides
+    (``train__max_steps=5`` works too, for keyword arguments)."""
+    dotted = override_list({key.replace("__", "."): value for key, value in overrides.items()})
+    if isinstance(config, Config):
+        return load_config(base=config.to_dict(), overrides=dotted)
+    if isinstance(config, dict):
+        return load_config(base=config, overrides=dotted)
+    return load_config(config, dotted)
+
+
+def build(config: Config | dict | str | os.PathLike, *, model: Any = None, loss_fn: Callable | None = None,
+              optimizer: Any = None, train_data: Any = None, eval_data: Any = None,
+              callbacks: list[Callback] | None = None, **overrides: Any) -> Run:
+    """The :class:`Run` that :func:`fit` would drive, built and checked but not started (nothing is written).
+    The resolved config records a passed model, data or optimizer as ``python_object``."""
+    recorded = dict(overrides)
+    if model is not None:
+        recorded["model"] = {PYTHON_OBJECT: describe_object(model)}
+    if train_data is not None:
+        recorded["data.name"] = PYTHON_OBJECT
+    if optimizer is not None:
+        recorded["optimizer.name"] = PYTHON_OBJECT
+    return build_run(resolve_config(config, recorded), model=model, loss_fn=loss_fn, optimizer=optimizer,
+                 train_data=train_data, eval_data=eval_data, callbacks=callbacks)
+
+
+def fit(config: Config | dict | str | os.PathLike, *, model: Any = None, loss_fn: Callable | None = None,
+        optimizer: Any = None, train_data: Any = None, eval_data: Any = None,
+        callbacks: list[Callback] | None = None, **overrides: Any) -> FitResult:
+    """Train as ``config`` says, with any objects given in place of the config's, resuming from the run
+    directory when a checkpoint is there: ``drive(build(...))``.
+
+    ``config`` is a :class:`~functrain.run.config.Config`, a dict or a YAML path; ``overrides`` are dotted keys
+    (``fit("configs/mlp_digits.yaml", **{"train.max_steps": 100})`` or ``train__max_steps=100``).
+
+    Args:
+      model: a Flax linen module, an NNX module, ``FunctionalModel(init, apply)`` (or with ``backend: torch``
+        an ``nn.Module``) in place of ``model.name`` / ``model.target``.
+      loss_fn: ``loss_fn(params, batch, rng) -> (loss_sum, weight, aux_sums)`` (sums, see
+        :mod:`functrain.core.step`) in place of the built-in loss for the data's fields.
+      optimizer: an ``optax.GradientTransformation``, or a function of the config's schedule returning one.
+      train_data, eval_data: a dict of arrays or memmaps, an HF ``datasets.Dataset``, a torch ``Dataset``,
+        a Grain data source or ``MapDataset``, or a :class:`~functrain.data.Source`.
+      callbacks: extra :class:`~functrain.run.callbacks.Callback` objects.
+    """
+    return drive(build(config, model=model, loss_fn=loss_fn, optimizer=optimizer, train_data=train_data,
+                           eval_data=eval_data, callbacks=callbacks, **overrides))
