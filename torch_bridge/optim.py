@@ -4,9 +4,10 @@ Every function returns new tensors and never writes into its inputs, so a step t
 keep the old state as it is. The arithmetic follows optax 0.2.8 operation by operation (float32, same
 bias correction, same epsilon placement, same decay order), so a torch run tracks the JAX run step for
 step. A moment kept in a lower precision (``mu_dtype``) is stored in that dtype and read as optax's jitted
-update reads it (see :func:`_update_moment`). :func:`from_settings` builds the optimizer that
-``functrain.core.optim.OptimizerSettings`` name, or refuses what torch cannot honour. A schedule maps the optimizer's update count (an int32 0-dim tensor) to a float32 0-dim tensor;
-it stays on the count's device, so reading the learning rate never waits for the accelerator.
+update reads it (see :func:`_decayed`). :func:`from_settings` builds the optimizer that
+``functrain.core.optim.OptimizerSettings`` name, or refuses what torch cannot honour. A schedule maps the
+optimizer's update count (an int32 0-dim tensor) to a float32 0-dim tensor; it stays on the count's device,
+so reading the learning rate never waits for the accelerator.
 """
 
 import math
