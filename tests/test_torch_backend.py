@@ -16,7 +16,8 @@ from functrain.models.gpt import GPTConfig, build as build_flax_gpt
 from functrain.models.mlp import MLPConfig, build as build_flax_mlp
 from functrain.run.build import torch_backend as make_backend
 from torch_bridge.backend import flatten, nest
-from torch_bridge.models import build_model, params_from_flax
+from torch_bridge.models import params_from_flax
+from torch_bridge.twins import twin_model
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = ["train.epochs=null", "train.max_steps=6", "train.steps_per_call=3", "log.every_steps=3",
@@ -107,7 +108,7 @@ def test_unsupported_settings_name_the_key(tmp_path):
     with pytest.raises(ConfigError, match="mesh.fsdp=1"):
         _backend(tmp_path, "mesh.fsdp=2")
     with pytest.raises(ConfigError, match="model.name='llama' has no torch twin"):
-        build_model(GPTConfig.model_construct(name="llama"), {}, 0)
+        twin_model(GPTConfig.model_construct(name="llama"), {}, 0)
 
 
 def test_fit_with_the_torch_backend_trains_and_evaluates(tmp_path):
@@ -139,7 +140,7 @@ def test_torch_gpt_matches_the_flax_gpt():
                 "mask": (rng.random((4, 8)) > 0.2).astype(np.float32)} for _ in range(3)]
     flax_model = build_flax_gpt(config)
     flax_params = nn.meta.unbox(flax_model.init(jax.random.PRNGKey(0), batches[0]["tokens"][:, :-1])["params"])
-    model = build_model(config, {}, seed=0)
+    model = twin_model(config, {}, seed=0)
     converted = params_from_flax(flax_params)
     assert set(converted) == set(dict(model.named_parameters()))
     model.load_state_dict(converted)

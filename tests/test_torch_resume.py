@@ -6,6 +6,8 @@ import signal
 import subprocess
 import sys
 import time
+
+import torch
 from pathlib import Path
 
 from conftest import cli_env
@@ -99,3 +101,36 @@ def test_functrain_imports_without_torch(python_runner):
     check = python_runner("import sys, functrain, functrain.run.loop; "
                           "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'torch_bridge')))")
     assert check.stdout.strip() == "[]"
+
+
+def test_lion_with_bfloat16_moments_on_packed_tokens_resumes_bitwise(tmp_path):
+    """What the twin used to drop or refuse (lion, optimizer.mu_dtype, packed segments) runs on torch, and its
+    bfloat16 moments go through checkpoints bit for bit: stopped at step 3 and rerun, the run ends where an
+    uninterrupted one does."""
+    import numpy as np
+    from functrain import fit
+    from functrain.checkpoint import load_params
+    from functrain.data.token_store import StoreWriter
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 10, 300).tolist()
+    with StoreWriter(tmp_path / "store", 32, {"name": "test", "xxh64": None, "eos_id": None}) as writer:
+        writer.add(rng.integers(0, 32, sum(lengths)), lengths)
+    config = {"backend": "torch", "seed": 0,
+              "model": {"name": "gpt", "vocab_size": 32, "max_len": 12, "d_model": 16, "n_layers": 1, "n_heads": 2,
+                        "d_ff": 32},
+              "data": {"name": "tokens", "path": str(tmp_path / "store"), "seq_len": 12, "global_batch_size": 4,
+                       "packing": True, "eval_fraction": 0.0},
+              "optimizer": {"name": "lion", "learning_rate": 1e-3, "mu_dtype": "bfloat16"},
+              "train": {"max_steps": 6}, "checkpoint": {"every_steps": 3},
+              "log": {"every_steps": 3, "progress": False, "trackers": ["jsonl"]}}
+    whole = fit(config, **{"run.dir": str(tmp_path / "whole")})
+    fit(config, **{"run.dir": str(tmp_path / "split"), "train.max_steps": 3})
+    resumed = fit(config, **{"run.dir": str(tmp_path / "split")})
+    assert whole.step == resumed.step == 6
+    moments = whole.state.opt_state["mu"]
+    assert {value.dtype for value in moments.values()} == {torch.bfloat16}
+    reference, continued = load_params(tmp_path / "whole"), load_params(tmp_path / "split")
+    flat = lambda tree, prefix="": [item for key, value in sorted(tree.items()) for item in (  # noqa: E731
+        flat(value, f"{prefix}{key}.") if isinstance(value, dict) else [(prefix + key, value)])]
+    for (name, a), (_, b) in zip(flat(reference), flat(continued)):
+        assert np.array_equal(a, b), name

@@ -16,7 +16,8 @@ from functrain.models.mlp import MLPConfig, build as build_flax_mlp
 from functrain.core.state import TrainState
 from functrain.core.losses import classifier_loss as flax_classifier_loss
 from torch_bridge import TorchState, make_eval_step, make_optimizer, make_schedule, make_train_step
-from torch_bridge.models import MLP, build_model, classifier_loss, params_from_flax
+from torch_bridge.models import MLP, classifier_loss, params_from_flax
+from torch_bridge.twins import twin_model
 
 STEPS, BATCH, MICRO = 50, 64, 4
 OPT = OptimizerConfig(name="adamw", learning_rate=3e-3, weight_decay=0.1, b1=0.9, b2=0.99, eps=1e-8,
@@ -178,7 +179,7 @@ def test_eval_step_returns_sums():
 
 
 def test_build_model_matches_the_flax_initialiser_scale():
-    model = build_model(MLPConfig(hidden=[256]), {"x": np.zeros((1, 64), np.float32)}, seed=0)
+    model = twin_model(MLPConfig(hidden=[256]), {"x": np.zeros((1, 64), np.float32)}, seed=0)
     std = float(model.dense_0.weight.detach().std())
     assert abs(std - 1 / 8) < 0.01  # lecun normal: 1 / sqrt(fan_in)
 

@@ -21,6 +21,7 @@ import contextlib
 from typing import Any, Mapping
 
 import jax
+import ml_dtypes
 import numpy as np
 import torch
 
@@ -56,7 +57,21 @@ def _map_tree(fn, tree: Any) -> Any:
 
 
 def _to_numpy(value: Any) -> Any:
-    return value.detach().cpu().numpy() if isinstance(value, Tensor) else np.asarray(value)
+    """A tensor as numpy; bfloat16 (which torch cannot hand to numpy) as ml_dtypes' bfloat16, bit for bit."""
+    if not isinstance(value, Tensor):
+        return np.asarray(value)
+    value = value.detach().cpu()
+    if value.dtype == torch.bfloat16:
+        return value.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return value.numpy()
+
+
+def _to_tensor(value: Any, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """numpy -> a tensor of ``dtype`` on ``device`` (bfloat16 arrays are reinterpreted, bit for bit)."""
+    value = np.asarray(value)
+    if value.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(value.view(np.int16).copy()).view(torch.bfloat16).to(device=device, dtype=dtype)
+    return torch.tensor(value, dtype=dtype, device=device)
 
 
 # train.compute_dtype -> the autocast dtype (float16 would need loss scaling, which the torch step lacks).
@@ -157,7 +172,7 @@ class TorchBackend:
             if tuple(value.shape) != tuple(reference.shape):
                 raise CheckpointError(f"checkpoint {what} {name!r} has shape {tuple(value.shape)}, the model "
                                       f"expects {tuple(reference.shape)}; use the model config it was saved with")
-            tensors[name] = torch.tensor(value, dtype=reference.dtype, device=self.device)
+            tensors[name] = _to_tensor(value, reference.dtype, self.device)
         return tensors
 
     def state_from_items(self, items: Mapping[str, Any], fresh: TorchState | None = None) -> TorchState:
@@ -175,8 +190,7 @@ class TorchBackend:
             if isinstance(value, dict):
                 opt_state[key] = self._tensors(flatten(saved["opt_state"][key]), value, f"opt_state/{key}")
             else:
-                opt_state[key] = torch.tensor(np.asarray(saved["opt_state"][key]), dtype=value.dtype,
-                                              device=self.device)
+                opt_state[key] = _to_tensor(saved["opt_state"][key], value.dtype, self.device)
         buffers = self._tensors(flatten(saved.get("model_state") or {}), fresh.buffers, "model_state")
         high, low = (int(x) for x in np.asarray(saved["rng"], np.uint64))
         return TorchState(params=params, buffers=buffers, opt_state=opt_state, step=int(saved["step"]),

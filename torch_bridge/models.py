@@ -4,7 +4,9 @@ Module and parameter names follow the Flax models (``dense_0.weight`` is Flax ``
 transposed), so :func:`params_from_flax` is a rename plus a transpose, and a run can start both
 frameworks from the same weights. Layer choices match the Flax code: LayerNorm epsilon 1e-6, tanh-GELU,
 pre-norm blocks, learned positions, untied bias-free head. Dropout draws only from the generator the
-step passes in (``None`` = evaluation: no dropout), never from the global torch RNG.
+step passes in (``None`` = evaluation: no dropout), never from the global torch RNG. Packed batches work as
+on the JAX side: the GPT takes ``segment_ids``/``positions`` (attention stays within a document, position
+embeddings restart), and the losses apply the shared policy of :mod:`functrain.core.losses`.
 """
 
 import contextlib
@@ -16,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from functrain.core.losses import ArrayOps, example_weights, model_keywords, target_weights, weighted_sums
+
 Tensor = torch.Tensor
 LN_EPS = 1e-6  # flax.linen.LayerNorm's default; torch's default is 1e-5
 
@@ -26,6 +30,13 @@ def dropout(x: Tensor, rate: float, generator: torch.Generator | None) -> Tensor
         return x
     keep = torch.rand(x.shape, generator=generator, device=x.device, dtype=x.dtype) >= rate
     return torch.where(keep, x / (1.0 - rate), torch.zeros_like(x))
+
+
+def block_causal_mask(segment_ids: Tensor) -> Tensor:
+    """``[B, 1, T, T]`` bool, True where a query may attend to a key: causal and within its segment."""
+    length = segment_ids.shape[-1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=segment_ids.device).tril()
+    return ((segment_ids[:, :, None] == segment_ids[:, None, :]) & causal)[:, None]
 
 
 def _lecun_normal_(weight: Tensor, fan_in: int, generator: torch.Generator) -> None:
@@ -71,12 +82,13 @@ class Block(nn.Module):
         self.mlp_in = nn.Linear(d_model, d_ff)
         self.mlp_out = nn.Linear(d_ff, d_model)
 
-    def forward(self, x: Tensor, generator: torch.Generator | None) -> Tensor:
+    def forward(self, x: Tensor, generator: torch.Generator | None, mask: Tensor | None = None) -> Tensor:
+        """``mask``: a :func:`block_causal_mask` for packed rows; None is plain causal attention."""
         batch, length, d_model = x.shape
         h = self.ln_attn(x)
         heads = [proj(h).view(batch, length, self.n_heads, -1).transpose(1, 2)
                  for proj in (self.query, self.key, self.value)]
-        attended = F.scaled_dot_product_attention(*heads, is_causal=True)
+        attended = F.scaled_dot_product_attention(*heads, attn_mask=mask, is_causal=mask is None)
         attended = self.attn_out(attended.transpose(1, 2).reshape(batch, length, d_model))
         x = x + dropout(attended, self.dropout_rate, generator)
         h = self.mlp_out(F.gelu(self.mlp_in(self.ln_mlp(x)), approximate="tanh"))
@@ -111,29 +123,16 @@ class GPT(nn.Module):
                 std = out_std if name.endswith(("attn_out.weight", "mlp_out.weight")) else 0.02
                 nn.init.normal_(param, std=std, generator=generator)
 
-    def forward(self, tokens: Tensor, generator: torch.Generator | None = None) -> Tensor:
-        x = self.token_embed(tokens) + self.position_embed[: tokens.shape[1]]
-        x = dropout(x, self.dropout_rate, generator)
+    def forward(self, tokens: Tensor, generator: torch.Generator | None = None, *,
+                segment_ids: Tensor | None = None, positions: Tensor | None = None) -> Tensor:
+        """Logits ``[B, T, vocab]``; ``segment_ids``/``positions`` ``[B, T]`` as in the Flax GPT (packed rows)."""
+        table = self.position_embed
+        position = table[: tokens.shape[1]] if positions is None else table[positions.long()]
+        x = dropout(self.token_embed(tokens) + position, self.dropout_rate, generator)
+        mask = None if segment_ids is None else block_causal_mask(segment_ids)
         for name in self.block_names:
-            x = getattr(self, name)(x, generator)
+            x = getattr(self, name)(x, generator, mask)
         return self.head(self.ln_final(x))
-
-
-def build_model(model_config: Any, example_batch: Mapping[str, np.ndarray], seed: int) -> nn.Module:
-    """The torch model for a validated ``model`` config section, initialised from ``seed``.
-
-    ``example_batch`` gives the MLP its input width (the Flax MLP infers it at init the same way).
-    """
-    if model_config.name == "mlp":
-        model = MLP(int(np.shape(example_batch["x"])[-1]), list(model_config.hidden), model_config.num_classes)
-    elif model_config.name == "gpt":
-        c = model_config
-        model = GPT(c.vocab_size, c.max_len, c.d_model, c.n_layers, c.n_heads, c.d_ff, c.dropout)
-    else:
-        from functrain.errors import ConfigError
-        raise ConfigError(f"model.name={model_config.name!r} has no torch twin; use mlp or gpt with backend: torch")
-    model.reset_parameters(torch.Generator().manual_seed(int(seed)))
-    return model
 
 
 # ------------------------------------------------------------------------------------- stateless calls
@@ -185,24 +184,22 @@ def binder(model: nn.Module) -> Callable[[Mapping[str, Tensor], Mapping[str, Ten
 
 # ------------------------------------------------------------------------------------------------- losses
 
+TORCH_OPS = ArrayOps(as_float=lambda x: x.to(torch.float32), broadcast_to=torch.broadcast_to)
+
+
 def classifier_sums(logits: Tensor, batch: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """Weighted softmax cross-entropy of ``logits [B, classes]`` against ``batch["y"]``; aux: correct count."""
-    weight = batch["weight"].to(torch.float32)
-    losses = F.cross_entropy(logits, batch["y"].long(), reduction="none")
-    correct = (logits.argmax(-1) == batch["y"]).to(torch.float32)
-    return (losses * weight).sum(), weight.sum(), {"accuracy": (correct * weight).sum()}
+    labels = batch["y"].long()
+    losses = F.cross_entropy(logits, labels, reduction="none")
+    return weighted_sums(losses, logits.argmax(-1), labels, example_weights(batch, TORCH_OPS), TORCH_OPS)
 
 
 def causal_lm_sums(logits: Tensor, batch: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """Next-token cross-entropy of ``logits [B, T-1, vocab]`` (the model's output for ``tokens[:, :-1]``)
-    summed over real tokens (``weight`` x optional ``mask``); aux: correct count."""
+    summed over the targets that count (``functrain.core.losses.target_weights``: weight, mask, segments)."""
     targets = batch["tokens"][:, 1:].long()
-    mask = batch["weight"].to(torch.float32)[:, None].expand(targets.shape)
-    if "mask" in batch:
-        mask = mask * batch["mask"].to(torch.float32)
     losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view(targets.shape)
-    correct = (logits.argmax(-1) == targets).to(torch.float32)
-    return (losses * mask).sum(), mask.sum(), {"accuracy": (correct * mask).sum()}
+    return weighted_sums(losses, logits.argmax(-1), targets, target_weights(batch, TORCH_OPS), TORCH_OPS)
 
 
 def classifier_loss(model: nn.Module) -> Callable:
@@ -215,16 +212,19 @@ def classifier_loss(model: nn.Module) -> Callable:
 
 
 def causal_lm_loss(model: nn.Module) -> Callable:
-    """``loss_fn(params, buffers, batch, generator)``: :func:`causal_lm_sums` of the model's logits."""
+    """``loss_fn(params, buffers, batch, generator)``: :func:`causal_lm_sums` of the model's logits; a packed
+    batch's ``segment_ids``/``positions`` of the input tokens go to the model (as on the JAX side)."""
     apply = stateless(model)
 
     def loss_fn(params, buffers, batch, generator):
-        return causal_lm_sums(apply(params, buffers, batch["tokens"].long()[:, :-1], generator=generator), batch)
+        logits = apply(params, buffers, batch["tokens"].long()[:, :-1], generator=generator,
+                       **model_keywords("causal_lm", batch))
+        return causal_lm_sums(logits, batch)
     return loss_fn
 
 
 def loss_for(model: nn.Module) -> Callable:
-    """The loss of a model built by :func:`build_model`."""
+    """The loss of a twin (:func:`torch_bridge.twins.twin_model`)."""
     return causal_lm_loss(model) if isinstance(model, GPT) else classifier_loss(model)
 
 

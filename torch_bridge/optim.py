@@ -3,8 +3,11 @@
 Every function returns new tensors and never writes into its inputs, so a step that skips an update can
 keep the old state as it is. The arithmetic follows optax 0.2.8 operation by operation (float32, same
 bias correction, same epsilon placement, same decay order), so a torch run tracks the JAX run step for
-step. A schedule maps the optimizer's update count (an int32 0-dim tensor) to a float32 0-dim tensor;
-it stays on the count's device, so reading the learning rate never waits for the accelerator.
+step. A moment kept in a lower precision (``mu_dtype``) is stored in that dtype and read as optax's jitted
+update reads it (see :func:`_decayed`). :func:`from_settings` builds the optimizer that
+``functrain.core.optim.OptimizerSettings`` name, or refuses what torch cannot honour. A schedule maps the
+optimizer's update count (an int32 0-dim tensor) to a float32 0-dim tensor; it stays on the count's device,
+so reading the learning rate never waits for the accelerator.
 """
 
 import math
@@ -13,6 +16,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from functrain.core.optim import OptimizerSettings
 from functrain.errors import ConfigError
 
 Tensor = torch.Tensor
@@ -113,8 +117,35 @@ def decay_mask(params: Params) -> dict[str, bool]:
     return {name: value.ndim >= 2 for name, value in params.items()}
 
 
-def _zeros_like(params: Params) -> Params:
-    return {name: torch.zeros_like(value) for name, value in params.items()}
+def _zeros_like(params: Params, dtype: torch.dtype | None = None) -> Params:
+    return {name: torch.zeros_like(value, dtype=dtype) for name, value in params.items()}
+
+
+def _decayed(moments: list[Tensor], decay: float) -> list[Tensor]:
+    """``decay * m`` as optax's jitted update computes it for a moment stored in any dtype.
+
+    jnp turns the Python ``decay`` into the moment's dtype (bfloat16(0.9) is 0.8984375), and XLA (allowed
+    excess precision) multiplies in float32 without rounding the product back: so round the constant, not
+    the product. For float32 moments this is the plain product.
+    """
+    if all(m.dtype == torch.float32 for m in moments):
+        return torch._foreach_mul(moments, decay)
+    return [m.to(torch.float32) * torch.tensor(decay, dtype=m.dtype).item() for m in moments]
+
+
+def _update_moment(grads: list[Tensor], moments: list[Tensor], decay: float, order: int = 1) -> list[Tensor]:
+    """optax.tree.update_moment: ``(1 - decay) * g**order + decay * m``, in float32 (not yet cast back)."""
+    updated = _decayed(moments, decay)
+    if order == 1:
+        torch._foreach_add_(updated, grads, alpha=1 - decay)
+    else:
+        torch._foreach_addcmul_(updated, grads, grads, value=1 - decay)
+    return updated
+
+
+def _cast(tensors: list[Tensor], dtype: torch.dtype | None) -> list[Tensor]:
+    """optax.tree.cast: the moments as stored (``dtype`` None keeps them as computed)."""
+    return tensors if dtype is None else [t.to(dtype) for t in tensors]
 
 
 def _count(params: Params) -> Tensor:
@@ -139,21 +170,23 @@ def _apply(params: list[Tensor], updates: list[Tensor], learning_rate: Tensor) -
 
 
 def adamw(schedule: Schedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-          weight_decay: float = 0.0) -> Optimizer:
-    """optax.adamw(schedule, b1, b2, eps, weight_decay=..., mask=ndim >= 2) as a functional optimizer."""
+          weight_decay: float = 0.0, mu_dtype: torch.dtype | None = None) -> Optimizer:
+    """optax.adamw(schedule, b1, b2, eps, mu_dtype, weight_decay=..., mask=ndim >= 2) as a functional optimizer.
+
+    With ``mu_dtype`` the first moment is stored in that dtype; the update itself uses the float32 moment
+    before the cast (as optax does).
+    """
 
     def init(params: Params) -> OptState:
-        return {"count": _count(params), "mu": _zeros_like(params), "nu": _zeros_like(params)}
+        return {"count": _count(params), "mu": _zeros_like(params, mu_dtype), "nu": _zeros_like(params)}
 
     def update(params: Params, grads: Params, opt_state: OptState,
                learning_rate: Tensor | None = None) -> tuple[Params, OptState]:
         names = list(params)
         p, g = [params[n] for n in names], [grads[n] for n in names]
         # Each result is allocated once and then finished in place: the inputs are never written.
-        mu = torch._foreach_mul([opt_state["mu"][n] for n in names], b1)
-        torch._foreach_add_(mu, g, alpha=1 - b1)                         # b1 * mu + (1 - b1) * g
-        nu = torch._foreach_mul([opt_state["nu"][n] for n in names], b2)
-        torch._foreach_addcmul_(nu, g, g, value=1 - b2)                  # b2 * nu + (1 - b2) * g^2
+        mu = _update_moment(g, [opt_state["mu"][n] for n in names], b1)
+        nu = _update_moment(g, [opt_state["nu"][n] for n in names], b2, order=2)
         count = opt_state["count"]
         next_count = count + 1
         # optax computes decay**count in float32 and divides the moments by (1 - that).
@@ -165,24 +198,26 @@ def adamw(schedule: Schedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1
         torch._foreach_div_(steps, denominator)                          # mu_hat / (sqrt(nu_hat) + eps)
         _add_decayed_weights_(steps, p, decay_mask(params).values(), weight_decay)
         new_p = _apply(p, steps, schedule(count) if learning_rate is None else learning_rate)
-        return dict(zip(names, new_p)), {"count": next_count, "mu": dict(zip(names, mu)),
+        return dict(zip(names, new_p)), {"count": next_count, "mu": dict(zip(names, _cast(mu, mu_dtype))),
                                           "nu": dict(zip(names, nu))}
 
     return Optimizer(init=init, update=update, learning_rate=lambda opt_state: schedule(opt_state["count"]))
 
 
 def sgd(schedule: Schedule, momentum: float | None = None, nesterov: bool = False,
-        weight_decay: float = 0.0) -> Optimizer:
-    """optax.chain(add_decayed_weights(wd, mask=ndim >= 2), optax.sgd(schedule, momentum, nesterov)).
+        weight_decay: float = 0.0, accumulator_dtype: torch.dtype | None = None) -> Optimizer:
+    """optax.chain(add_decayed_weights(wd, mask=ndim >= 2), optax.sgd(schedule, momentum, nesterov,
+    accumulator_dtype)).
 
-    ``momentum`` None or 0 is plain SGD (no trace in the state).
+    ``momentum`` None or 0 is plain SGD (no trace in the state); ``accumulator_dtype`` is the trace's
+    stored dtype (the update uses the trace before the cast, as optax does).
     """
     use_trace = bool(momentum)
 
     def init(params: Params) -> OptState:
         state = {"count": _count(params)}
         if use_trace:
-            state["trace"] = _zeros_like(params)
+            state["trace"] = _zeros_like(params, accumulator_dtype)
         return state
 
     def update(params: Params, grads: Params, opt_state: OptState,
@@ -194,15 +229,43 @@ def sgd(schedule: Schedule, momentum: float | None = None, nesterov: bool = Fals
         new_state = {"count": opt_state["count"] + 1}
         if use_trace:
             # optax.trace: t' = g + m * t; nesterov applies the same rule once more to g and t'.
-            trace = torch._foreach_mul([opt_state["trace"][n] for n in names], momentum)
+            trace = _decayed([opt_state["trace"][n] for n in names], momentum)
             torch._foreach_add_(trace, steps)
             if nesterov:
                 torch._foreach_add_(steps, torch._foreach_mul(trace, momentum))
             else:
                 steps = [t.clone() for t in trace]
-            new_state["trace"] = dict(zip(names, trace))
+            new_state["trace"] = dict(zip(names, _cast(trace, accumulator_dtype)))
         new_p = _apply(p, steps, schedule(opt_state["count"]) if learning_rate is None else learning_rate)
         return dict(zip(names, new_p)), new_state
+
+    return Optimizer(init=init, update=update, learning_rate=lambda opt_state: schedule(opt_state["count"]))
+
+
+def lion(schedule: Schedule, b1: float = 0.9, b2: float = 0.99, weight_decay: float = 0.0,
+         mu_dtype: torch.dtype | None = None) -> Optimizer:
+    """optax.lion(schedule, b1, b2, mu_dtype, weight_decay=..., mask=ndim >= 2) as a functional optimizer.
+
+    The update is ``sign((1 - b1) * g + b1 * mu)`` plus the masked decay, scaled by ``-lr``; the momentum
+    then becomes ``(1 - b2) * g + b2 * mu``, stored in ``mu_dtype``. The weight decay is the settings' own
+    (optax's default of 1e-3 applies only to callers that leave it out, which functrain never does).
+    """
+
+    def init(params: Params) -> OptState:
+        return {"count": _count(params), "mu": _zeros_like(params, mu_dtype)}
+
+    def update(params: Params, grads: Params, opt_state: OptState,
+               learning_rate: Tensor | None = None) -> tuple[Params, OptState]:
+        names = list(params)
+        p, g = [params[n] for n in names], [grads[n] for n in names]
+        mu = [opt_state["mu"][n] for n in names]
+        steps = _update_moment(g, mu, b1)
+        torch._foreach_sign_(steps)
+        _add_decayed_weights_(steps, p, decay_mask(params).values(), weight_decay)
+        count = opt_state["count"]
+        new_p = _apply(p, steps, schedule(count) if learning_rate is None else learning_rate)
+        new_mu = _cast(_update_moment(g, mu, b2), mu_dtype)
+        return dict(zip(names, new_p)), {"count": count + 1, "mu": dict(zip(names, new_mu))}
 
     return Optimizer(init=init, update=update, learning_rate=lambda opt_state: schedule(opt_state["count"]))
 
@@ -218,16 +281,51 @@ def make_optimizer(name: str, schedule: Schedule, *, b1: float = 0.9, b2: float 
     raise ConfigError(f"optimizer.name={name!r} is unknown; use adamw or sgd")
 
 
-def from_settings(settings: Any) -> Optimizer:
-    """The twin of ``functrain.core.optim.named_optimizer(settings)``; what torch cannot honour is refused."""
-    schedule = settings.schedule
-    driven = make_schedule(schedule.name, schedule.learning_rate, schedule.warmup_steps, schedule.total_steps,
-                           schedule.end_lr_ratio)
-    options = dict(settings.options)
-    for key, value in options.items():
-        if key in ("mu_dtype", "accumulator_dtype") and value is not None:
-            raise ConfigError(f"optimizer.mu_dtype={value} is not implemented for backend: torch; remove it or set "
-                              f"backend=jax")
-    return make_optimizer(settings.name, driven, b1=options.get("b1", 0.9), b2=options.get("b2", 0.999),
-                          eps=options.get("eps", 1e-8), weight_decay=settings.weight_decay,
-                          momentum=options.get("momentum") or None, nesterov=options.get("nesterov", False))
+# The optax keyword arguments each optimizer honours on torch; a dtype option holds a dtype name.
+TORCH_OPTIONS = {"adamw": ("b1", "b2", "eps", "mu_dtype"), "sgd": ("momentum", "nesterov", "accumulator_dtype"),
+                 "lion": ("b1", "b2", "mu_dtype")}
+DTYPE_OPTIONS = ("mu_dtype", "accumulator_dtype")
+# The config key an optax argument comes from, where the names differ (functrain.run.config.OPTIMIZER_KEYS).
+CONFIG_KEYS = {"accumulator_dtype": "mu_dtype"}
+FACTORIES = {"adamw": adamw, "sgd": sgd, "lion": lion}
+
+
+def _dtype(key: str, value: Any) -> torch.dtype | None:
+    """A dtype option's name (``"bfloat16"``) as a torch floating dtype; None stays None."""
+    if value is None:
+        return None
+    dtype = getattr(torch, str(value), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ConfigError(f"optimizer.{CONFIG_KEYS.get(key, key)}={value!r} is not a floating dtype torch has; "
+                          f"use float32 or bfloat16")
+    return dtype
+
+
+def _options(settings: OptimizerSettings) -> dict[str, Any]:
+    """The settings' optax options as this module's keyword arguments, refusing any torch cannot honour."""
+    name = settings.name
+    if name not in FACTORIES:
+        raise ConfigError(f"optimizer.name={name} is not implemented for backend: torch; use adamw, sgd or lion, "
+                          f"or backend: jax")
+    options = {}
+    for key, value in settings.options.items():
+        if key not in TORCH_OPTIONS[name]:
+            raise ConfigError(f"optimizer.{CONFIG_KEYS.get(key, key)} (optax {key}) is not implemented for "
+                              f"optimizer.name={name} on backend: torch; remove it or use backend: jax")
+        options[key] = _dtype(key, value) if key in DTYPE_OPTIONS else value
+    if name == "sgd":
+        options["momentum"] = options.get("momentum") or None  # 0: plain SGD, no trace (as on the JAX side)
+    return options
+
+
+def from_settings(settings: OptimizerSettings) -> Optimizer:
+    """The torch twin of ``functrain.core.optim.named_optimizer(settings)``: same name, schedule, masked
+    weight decay and optax options (``mu_dtype``/``accumulator_dtype`` as dtype names).
+
+    A name or option torch cannot honour (adafactor, muon, an option the optax function takes but this
+    module does not) is a one-line ConfigError naming the key and the fix.
+    """
+    options = _options(settings)
+    s = settings.schedule
+    schedule = make_schedule(s.name, s.learning_rate, s.warmup_steps, s.total_steps, s.end_lr_ratio)
+    return FACTORIES[settings.name](schedule, weight_decay=settings.weight_decay, **options)

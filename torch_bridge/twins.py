@@ -9,10 +9,11 @@ one line rather than silently ignored.
 from typing import Any, Mapping
 
 import numpy as np
+import torch
 from torch import nn
 
 from functrain.errors import ConfigError
-from torch_bridge.models import build_model
+from torch_bridge.models import GPT, MLP
 
 # Registry model -> the model-section keys its twin honours.
 TWIN_KEYS: dict[str, tuple[str, ...]] = {
@@ -39,4 +40,10 @@ def twin_model(model_config: Any, example_batch: Mapping[str, np.ndarray], seed:
     """The twin of a validated registry model section, initialised from ``seed`` as the Flax model is, after
     :func:`refuse_untwinned`."""
     refuse_untwinned(model_config)
-    return build_model(model_config, example_batch, seed)
+    c = model_config
+    if c.name == "mlp":
+        model = MLP(int(np.shape(example_batch["x"])[-1]), list(c.hidden), c.num_classes)
+    else:
+        model = GPT(c.vocab_size, c.max_len, c.d_model, c.n_layers, c.n_heads, c.d_ff, c.dropout)
+    model.reset_parameters(torch.Generator().manual_seed(int(seed)))
+    return model

@@ -19,12 +19,17 @@ accumulation is exact. ``generator`` is None in evaluation (the module is then i
 ``train()`` mode for training steps). Without a ``loss_fn`` the loss follows the data: batches with
 ``tokens`` get the causal-LM loss of ``model(tokens[:, :-1])``, batches with ``x`` and ``y`` the
 classifier loss of ``model(x)``; the output may be logits or an object with ``.logits`` (transformers).
+Packed batches (``segment_ids``/``positions``) keep documents apart as the JAX side does: the module gets a
+block-diagonal causal ``attention_mask`` ``[B, 1, T, T]`` in the form transformers 5 takes as given (bool,
+True = attend; additive float for ``config._attn_implementation == "eager"``) and restarting
+``position_ids``; a module whose ``forward`` does not take both is refused (see :func:`packing_keywords`).
 
 Randomness inside a module (dropout) draws from torch's global generator, which the step seeds from
 ``(seed, step, micro-batch, rank)`` before each call, so a resumed run draws what an uninterrupted one does.
 """
 
 import functools
+import inspect
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -32,7 +37,7 @@ import torch
 from torch import nn
 
 from functrain.errors import ConfigError
-from torch_bridge.models import binder, causal_lm_sums, classifier_sums
+from torch_bridge.models import binder, block_causal_mask, causal_lm_sums, classifier_sums
 from torch_bridge.step import LossFn, LossOutput
 
 Tensor = torch.Tensor
@@ -74,11 +79,44 @@ def _check_shape(logits: Tensor, expected: tuple[int, ...], what: str, model: nn
                           f"{what} loss needs [{needed}] for this batch: return such logits or pass loss_fn=")
 
 
+# The keyword arguments through which a module can keep packed documents apart.
+PACKING_ARGUMENTS = ("attention_mask", "position_ids")
+
+
+def _forward_parameters(model: nn.Module) -> set[str]:
+    """The named parameters of the module's forward (through a torch.compile wrapper to the module)."""
+    return set(inspect.signature(getattr(model, "_orig_mod", model).forward).parameters)
+
+
+def packing_keywords(model: nn.Module, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """``attention_mask`` and ``position_ids`` that keep a packed batch's documents apart; ``{}`` unpacked.
+
+    The mask is :func:`torch_bridge.models.block_causal_mask` of the input tokens' segments: bool for SDPA-style
+    attention, additive float32 (0 or the float32 minimum, as transformers' own eager mask) when the module's
+    ``config._attn_implementation`` is ``eager``, which adds it to the scores. A module whose ``forward`` does
+    not name both arguments would attend or count positions across documents: a one-line ConfigError (the
+    backend probes the loss on an example batch, so this fires before the first step).
+    """
+    if "segment_ids" not in batch:
+        return {}
+    missing = [name for name in PACKING_ARGUMENTS if name not in _forward_parameters(model)]
+    if missing:
+        raise ConfigError(f"packed batches (data.packing: true) need {type(model).__name__}.forward to take "
+                          f"attention_mask and position_ids, and it lacks {' and '.join(missing)}; set "
+                          f"data.packing=false or pass loss_fn= that keeps documents apart")
+    mask = block_causal_mask(batch["segment_ids"][:, :-1])
+    if getattr(getattr(model, "config", None), "_attn_implementation", None) == "eager":
+        blocked = torch.finfo(torch.float32).min
+        mask = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill(~mask, blocked)
+    return {"attention_mask": mask, "position_ids": batch["positions"][:, :-1].long()}
+
+
 def default_causal_lm_loss(model: nn.Module, batch: Mapping[str, Tensor],
                            generator: torch.Generator | None) -> LossOutput:
-    """The built-in loss for ``tokens`` batches: next-token cross-entropy of ``model(tokens[:, :-1])``."""
+    """The built-in loss for ``tokens`` batches: next-token cross-entropy of ``model(tokens[:, :-1])``, with
+    :func:`packing_keywords` for packed batches (targets that start a document do not count)."""
     inputs = batch["tokens"].long()[:, :-1]
-    logits = logits_of(model(inputs), model)
+    logits = logits_of(model(inputs, **packing_keywords(model, batch)), model)
     _check_shape(logits, tuple(inputs.shape), "causal-LM", model)
     return causal_lm_sums(logits, batch)
 

@@ -9,8 +9,14 @@ model as keyword arguments (the built-in GPT, GPT-2 and Llama accept them), and 
 not count a target that starts a new segment (it is not predictable from the previous document).
 :func:`classifier_loss` and :func:`causal_lm_loss` bind one to a linen module as
 ``loss_fn(params, batch, rng)``, for research code that calls :func:`functrain.make_train_step` directly.
+
+The policy (which examples and targets count, how the sums are formed) is written once, in
+:func:`example_weights`, :func:`target_weights` and :func:`weighted_sums`, with operators jnp arrays and torch
+tensors share and the two framework-specific operations passed in as :class:`ArrayOps`; the torch bridge
+calls the same functions with its own ops (this module never imports torch).
 """
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -37,27 +43,53 @@ def model_keywords(kind: str, batch: dict) -> dict[str, Any]:
     return {name: batch[name][:, :-1] for name in SEQUENCE_FIELDS if name in batch}
 
 
+@dataclass(frozen=True)
+class ArrayOps:
+    """The two array operations the shared loss policy cannot write with common operators."""
+    as_float: Callable[[Any], Any]                   # cast to float32 (bool, int or float in)
+    broadcast_to: Callable[[Any, tuple[int, ...]], Any]
+
+
+JAX_OPS = ArrayOps(as_float=lambda x: jnp.asarray(x).astype(jnp.float32), broadcast_to=jnp.broadcast_to)
+
+
+def example_weights(batch: dict, ops: ArrayOps) -> Any:
+    """``[B]``: how much each example counts (its ``weight``; 0 for padding rows)."""
+    return ops.as_float(batch["weight"])
+
+
+def target_weights(batch: dict, ops: ArrayOps) -> Any:
+    """``[B, L-1]``: how much each next-token target ``tokens[:, 1:]`` counts: the example's ``weight``, times
+    the optional per-target ``mask``, times 0 where the target starts a new segment (``segment_ids``)."""
+    targets = batch["tokens"][:, 1:]
+    weights = ops.broadcast_to(example_weights(batch, ops)[:, None], tuple(targets.shape))
+    if "mask" in batch:
+        weights = weights * ops.as_float(batch["mask"])
+    if "segment_ids" in batch:
+        segments = batch["segment_ids"]
+        weights = weights * ops.as_float(segments[:, 1:] == segments[:, :-1])
+    return weights
+
+
+def weighted_sums(losses: Any, predictions: Any, labels: Any, weights: Any, ops: ArrayOps
+                  ) -> tuple[Any, Any, dict]:
+    """``(loss_sum, weight_sum, {"accuracy": correct_sum})`` of per-item ``losses`` and ``predictions``
+    against ``labels``, each item counted ``weights`` times: sums, never means (the step divides once)."""
+    correct = ops.as_float(predictions == labels)
+    return (losses * weights).sum(), weights.sum(), {"accuracy": (correct * weights).sum()}
+
+
 def classifier_sums(logits: Any, batch: dict) -> tuple[Any, Any, dict]:
     """Softmax cross-entropy on integer labels, weighted per example; aux: correct predictions."""
-    weight = batch["weight"].astype(jnp.float32)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
-    correct = (jnp.argmax(logits, -1) == batch["y"]).astype(jnp.float32)
-    return jnp.sum(losses * weight), jnp.sum(weight), {"accuracy": jnp.sum(correct * weight)}
+    return weighted_sums(losses, jnp.argmax(logits, -1), batch["y"], example_weights(batch, JAX_OPS), JAX_OPS)
 
 
 def causal_lm_sums(logits: Any, batch: dict) -> tuple[Any, Any, dict]:
-    """Next-token cross-entropy summed over real tokens (``weight`` x optional ``mask``, and within a segment
-    when the batch has ``segment_ids``)."""
+    """Next-token cross-entropy summed over real tokens (see :func:`target_weights`)."""
     targets = batch["tokens"][:, 1:]
-    mask = batch["weight"].astype(jnp.float32)[:, None] * jnp.ones(targets.shape, jnp.float32)
-    if "mask" in batch:
-        mask = mask * batch["mask"].astype(jnp.float32)
-    if "segment_ids" in batch:
-        segments = batch["segment_ids"]
-        mask = mask * (segments[:, 1:] == segments[:, :-1]).astype(jnp.float32)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-    correct = (jnp.argmax(logits, -1) == targets).astype(jnp.float32)
-    return jnp.sum(losses * mask), jnp.sum(mask), {"accuracy": jnp.sum(correct * mask)}
+    return weighted_sums(losses, jnp.argmax(logits, -1), targets, target_weights(batch, JAX_OPS), JAX_OPS)
 
 
 LOSSES = {"classifier": classifier_sums, "causal_lm": causal_lm_sums}
