@@ -13,7 +13,7 @@ from functrain.checkpoint import Checkpointer
 from functrain.run.config import load_config
 from functrain.errors import CheckpointError, ConfigError
 from functrain.models.gpt import GPTConfig, build as build_flax_gpt
-from functrain.models.mlp import MLPConfig, build as build_flax_mlp
+from functrain.models.mlp import build as build_flax_mlp
 from functrain.run.build import torch_backend as make_backend
 from torch_bridge.backend import flatten, nest
 from torch_bridge.models import params_from_flax

@@ -177,13 +177,14 @@ def _callbacks(config: Config, parts: Parts, trackers: list[Callback], extra: li
                                 MetricsWriter(tensorboard=tensorboard), RunEvents(), *trackers]
     if config.eval.samples.count:
         from functrain.run.samples import SampleWriter
-        builtins.append(SampleWriter(config))
+        builtins.append(SampleWriter(config.eval.samples, config.model, config.backend, tensorboard))
     if config.log.progress:
         builtins.append(ProgressBar())
     if config.eval.early_stopping_metric:
         builtins.append(EarlyStopping(config.eval.early_stopping_metric, config.eval.early_stopping_patience,
                                       config.eval.early_stopping_mode, config.eval.early_stopping_min_delta))
-    summary = RunSummary(tokens_per_sample=config.data.seq_len if parts.kind == "causal_lm" else None)
+    summary = RunSummary(tokens_per_sample=config.data.seq_len if parts.kind == "causal_lm" else None,
+                         plot=config.log.plot)
     return CallbackList(builtins + list(extra) + [summary])
 
 

@@ -21,7 +21,6 @@ import numpy as np
 import optax
 
 from functrain.core.optim import OptimizerSettings, ScheduleSettings, named_optimizer
-from functrain.core.optim import as_transformation
 from functrain.run.config import PYTHON_OBJECT
 from functrain.data import ConcatSource, Mixture, Source, Stream, as_data, as_source
 from functrain.data.stream import is_stream

@@ -36,19 +36,21 @@ def last_samples(run_dir: str | Path) -> list[dict[str, Any]]:
 class SampleWriter(Callback):
     """Generates ``eval.samples.count`` continuations of ``eval.samples.prompt`` at each evaluation."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, settings: Any, model_config: Any, backend: str, tensorboard: bool) -> None:
+        """``settings``: the ``eval.samples`` section; ``model_config``: the run's model section;
+        ``tensorboard``: also write the samples as TensorBoard text."""
         from functrain.text.decode import Generator, load_tokenizer
         from functrain.models import build_model, model_spec
         from functrain.models.options import for_sampling
-        name = getattr(config.model, "name", None)
+        name = getattr(model_config, "name", None)
         if name is None or model_spec(name)["kind"] != "causal_lm":
             raise ConfigError(f"eval.samples needs a built-in language model (model.name gpt, gpt2 or llama), not "
                               f"{name or 'a user model'}; set eval.samples.count=0")
-        if config.backend != "jax":
+        if backend != "jax":
             raise ConfigError("eval.samples works with backend: jax; set eval.samples.count=0")
-        self.settings = config.eval.samples
+        self.settings, self.tensorboard = settings, tensorboard
         self.tokenizer = load_tokenizer(self.settings.tokenizer) if self.settings.tokenizer else None
-        self.model = build_model(for_sampling(config.model))
+        self.model = build_model(for_sampling(model_config))
         self.generator = Generator(self.model)
         self.writer = None
 
@@ -72,7 +74,7 @@ class SampleWriter(Callback):
             return
         with open(view.run_dir / SAMPLES_FILE, "a") as f:
             f.writelines(json.dumps(record) + "\n" for record in records)
-        if view.config.log.tensorboard and "tensorboard" in view.config.log.trackers:
+        if self.tensorboard:
             if self.writer is None:
                 from tensorboardX import SummaryWriter
                 self.writer = SummaryWriter(str(view.run_dir / "tensorboard"), filename_suffix=".samples")

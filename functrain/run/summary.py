@@ -11,7 +11,6 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any
 
 from functrain.run.callbacks import Callback, RunView
 from functrain.errors import FunctrainError
@@ -75,8 +74,9 @@ def summary_lines(view: RunView, wall_seconds: float, plot_path: Path | None,
 class RunSummary(Callback):
     """Writes the plot and logs the summary when training ends (primary process only)."""
 
-    def __init__(self, tokens_per_sample: int | None = None) -> None:
-        self.tokens_per_sample = tokens_per_sample
+    def __init__(self, tokens_per_sample: int | None = None, plot: bool = False) -> None:
+        """``plot``: write ``RUN_DIR/plot.png`` first (``log.plot``)."""
+        self.tokens_per_sample, self.plot = tokens_per_sample, plot
         self.started = time.perf_counter()
         self.plot_path: Path | None = None
 
@@ -86,7 +86,7 @@ class RunSummary(Callback):
     def on_train_end(self, view: RunView) -> None:
         if not view.is_primary:
             return
-        if view.config.log.plot:
+        if self.plot:
             from functrain.run.plots import plot_runs
             try:
                 self.plot_path = plot_runs([view.run_dir], view.run_dir / "plot.png")
