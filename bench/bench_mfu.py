@@ -38,15 +38,13 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from functrain.run.jax_backend import JaxBackend  # noqa: E402
+from functrain.run.build import jax_backend  # noqa: E402
 from functrain.run.config import Config, load_config  # noqa: E402
 from functrain.run.mfu import decoder_shape, peak_tflops, train_flops_per_token  # noqa: E402
 from functrain.models import build_model  # noqa: E402
 from functrain.parallel.memory import host_offload_available  # noqa: E402
 from functrain.core.optim import decay_mask  # noqa: E402
-from functrain.run.parts import make_optimizer  # noqa: E402
 from functrain.core.precision import COMPUTE_DTYPES, PARAM_DTYPES, cast_floating  # noqa: E402
-from functrain.core.program import as_program  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PRESETS = {
@@ -83,10 +81,9 @@ class Functrain:
     """functrain's compiled train call for ``config``; ``call()`` runs K steps and waits for the loss."""
 
     def __init__(self, config: Config, host_batches: dict, total_steps: int) -> None:
-        self.program = as_program(build_model(config.model, COMPUTE_DTYPES[config.train.compute_dtype]),
-                                  {name: value[0] for name, value in host_batches.items()})
-        tx, schedule = make_optimizer(config.optimizer, total_steps)
-        self.backend = JaxBackend(config, self.program, tx, schedule, total_steps=total_steps)
+        model = build_model(config.model, COMPUTE_DTYPES[config.train.compute_dtype])
+        example = {name: value[0] for name, value in host_batches.items()}
+        self.backend = jax_backend(config, example, total_steps, model=model, kind="causal_lm")  # as a run builds it
         self.state = self.backend.init_state()
         self.batches = self.backend.place(host_batches)
 

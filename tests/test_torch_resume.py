@@ -110,6 +110,7 @@ def test_lion_with_bfloat16_moments_on_packed_tokens_resumes_bitwise(tmp_path):
     import numpy as np
     from functrain import fit
     from functrain.checkpoint import load_params
+    from functrain.core.tree import flatten_dotted
     from functrain.data.token_store import StoreWriter
     rng = np.random.default_rng(0)
     lengths = rng.integers(1, 10, 300).tolist()
@@ -130,7 +131,7 @@ def test_lion_with_bfloat16_moments_on_packed_tokens_resumes_bitwise(tmp_path):
     moments = whole.state.opt_state["mu"]
     assert {value.dtype for value in moments.values()} == {torch.bfloat16}
     reference, continued = load_params(tmp_path / "whole"), load_params(tmp_path / "split")
-    flat = lambda tree, prefix="": [item for key, value in sorted(tree.items()) for item in (  # noqa: E731
-        flat(value, f"{prefix}{key}.") if isinstance(value, dict) else [(prefix + key, value)])]
-    for (name, a), (_, b) in zip(flat(reference), flat(continued)):
-        assert np.array_equal(a, b), name
+    reference, continued = flatten_dotted(reference), flatten_dotted(continued)
+    assert sorted(reference) == sorted(continued)
+    for name, value in reference.items():
+        assert np.array_equal(value, continued[name]), name

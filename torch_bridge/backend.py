@@ -25,13 +25,12 @@ import ml_dtypes
 import numpy as np
 import torch
 
+from functrain.core.step import StepSettings
 from functrain.errors import CheckpointError, ConfigError
 from torch_bridge import distributed
-from functrain.core.step import StepSettings
-from torch_bridge.models import flatten, loss_for
+from torch_bridge.models import flatten
 from torch_bridge.optim import Optimizer
 from torch_bridge.step import LossFn, TorchState, make_eval_step, make_train_step
-from torch_bridge.user_model import UserLoss, compiled, default_loss, module_loss, prepare
 
 Tensor = torch.Tensor
 
@@ -83,15 +82,16 @@ class TorchBackend:
     """Model, optimizer and pure steps of one torch run: the :class:`~functrain.core.backend.Backend` of torch.
 
     Built from pieces the builder resolved (:func:`functrain.run.build.torch_backend`): the module (the config's
-    twin, ``builtin_model``, or the user's), the twin optimizer (:func:`torch_bridge.optim.from_settings`), the
-    step settings and the seed; ``loss_fn`` is a user loss (default: the built-in one that fits the data).
+    twin or the user's, see :func:`torch_bridge.user_model.trainable_module`), the step's loss
+    (:func:`torch_bridge.user_model.step_loss`), the twin optimizer (:func:`torch_bridge.optim.from_settings`),
+    the step settings and the seed. ``probe_batch``: user code is tried on its first rows here, so it fails in
+    one line before a run directory is touched, not at step 1.
     """
 
     name = "torch"
 
-    def __init__(self, model: torch.nn.Module, optimizer: Optimizer, *, step: StepSettings, seed: int,
-                 example_batch: Mapping[str, np.ndarray], builtin_model: bool = False,
-                 loss_fn: UserLoss | None = None, torch_compile: bool = False,
+    def __init__(self, model: torch.nn.Module, loss: LossFn, optimizer: Optimizer, *, step: StepSettings,
+                 seed: int, probe_batch: Mapping[str, np.ndarray] | None = None,
                  device: str | torch.device | None = None) -> None:
         distributed.init_from_env()
         if step.compute_dtype not in COMPUTE_DTYPES:
@@ -105,28 +105,14 @@ class TorchBackend:
         self.process_index, self.process_count = distributed.rank(), distributed.world_size()
         self.writes_checkpoints = self.process_index == 0  # ranks hold replicas: rank 0 writes alone
         self.devices: list[Any] = []  # MFU is reported for JAX devices only
-        self.model = (model if builtin_model else prepare(_checked_module(model))).to(self.device)
+        self.model = model.to(self.device)  # in place: the loss keeps its hold on the module's tensors
         self.optimizer = optimizer
-        step_loss = self._step_loss(builtin_model, loss_fn, example_batch, torch_compile)
         compute_dtype = COMPUTE_DTYPES[step.compute_dtype]
-        self._step = make_train_step(step_loss, self.optimizer, micro_batches=step.micro_batches,
+        self._step = make_train_step(loss, self.optimizer, micro_batches=step.micro_batches,
                                      clip_norm=step.clip_norm, compute_dtype=compute_dtype)
-        self._eval_step = make_eval_step(step_loss, compute_dtype)
-        if not builtin_model or loss_fn is not None:
-            # User code fails here, in one line, before a run directory is touched, not at step 1.
-            self._eval_step(self.init_state(), self.place({k: v[:PROBE_ROWS] for k, v in example_batch.items()}))
-
-    def _step_loss(self, builtin_model: bool, loss_fn: UserLoss | None, example_batch: Mapping[str, np.ndarray],
-                   torch_compile: bool) -> LossFn:
-        """The step's loss: the twin's own, or ``loss_fn`` (default: the one fitting the data) on the module."""
-        if builtin_model and loss_fn is None:
-            if torch_compile:
-                raise ConfigError(f"train.torch_compile=true compiles a user nn.Module (fit(..., model=) or "
-                                  f"model.target); the built-in {type(self.model).__name__.lower()} twin runs "
-                                  f"eagerly: remove train.torch_compile")
-            return loss_for(self.model)
-        return module_loss(self.model, loss_fn if loss_fn is not None else default_loss(example_batch),
-                           compiled(self.model) if torch_compile else None)
+        self._eval_step = make_eval_step(loss, compute_dtype)
+        if probe_batch is not None:
+            self._eval_step(self.init_state(), self.place({k: v[:PROBE_ROWS] for k, v in probe_batch.items()}))
 
     # ------------------------------------------------------------------------------------------ state
 
@@ -264,12 +250,3 @@ class TorchBackend:
         count = sum(p.numel() for p in self.model.parameters())
         return (f"torch {torch.__version__} on {self.device}, {type(self.model).__name__} with {count:,} "
                 f"parameters, {self.process_count} process(es)")
-
-
-def _checked_module(model: Any) -> torch.nn.Module:
-    if not isinstance(model, torch.nn.Module):
-        raise ConfigError(f"model= is a {type(model).__name__}; backend: torch takes a torch.nn.Module "
-                          f"(build it first, e.g. with torch_bridge.user_model.build_module)")
-    if not any(True for _ in model.parameters()):
-        raise ConfigError(f"model {type(model).__name__} has no parameters to train; pass a module with parameters")
-    return model

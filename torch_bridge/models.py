@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from functrain.core.losses import ArrayOps, example_weights, model_keywords, target_weights, weighted_sums
+from functrain.core.tree import flatten_dotted
 
 Tensor = torch.Tensor
 LN_EPS = 1e-6  # flax.linen.LayerNorm's default; torch's default is 1e-5
@@ -230,15 +231,8 @@ def loss_for(model: nn.Module) -> Callable:
 
 # ------------------------------------------------------------------------------------ Flax weight import
 
-def flatten(tree: Mapping, prefix: str = "") -> dict[str, Any]:
-    """A nested dict as ``{"a.b.c": leaf}``: torch's dotted names for a Flax-style parameter tree."""
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, Mapping):
-            flat.update(flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
+# torch's dotted names for a Flax-style parameter tree.
+flatten = flatten_dotted
 
 
 def _convert(name: str, value: np.ndarray) -> tuple[str, np.ndarray]:

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from functrain.errors import ConfigError
-from torch_bridge.models import binder, block_causal_mask, causal_lm_sums, classifier_sums
+from torch_bridge.models import binder, block_causal_mask, causal_lm_sums, classifier_sums, loss_for
 from torch_bridge.step import LossFn, LossOutput
 
 Tensor = torch.Tensor
@@ -139,12 +139,31 @@ def default_loss(example_batch: Mapping[str, np.ndarray]) -> UserLoss:
                       f"and y); pass loss_fn=(model, batch, generator) -> (loss_sum, weight, aux_sums) to fit")
 
 
-def prepare(model: nn.Module) -> nn.Module:
-    """Switch off what training never uses: a transformers model's key/value cache."""
+def trainable_module(model: Any) -> nn.Module:
+    """A user's module, checked, with what training never uses switched off (a transformers model's cache)."""
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model= is a {type(model).__name__}; backend: torch takes a torch.nn.Module "
+                          f"(build it first, e.g. with torch_bridge.user_model.build_module)")
+    if not any(True for _ in model.parameters()):
+        raise ConfigError(f"model {type(model).__name__} has no parameters to train; pass a module with parameters")
     config = getattr(model, "config", None)
     if getattr(config, "use_cache", False):
         config.use_cache = False
     return model
+
+
+def step_loss(model: nn.Module, *, builtin: bool, loss_fn: UserLoss | None,
+              example_batch: Mapping[str, np.ndarray], torch_compile: bool = False) -> LossFn:
+    """The step's loss: a twin's own (``builtin``, no ``loss_fn``), or ``loss_fn`` (default: the built-in one
+    that fits the data's fields) on the module, through ``torch.compile`` with ``torch_compile``."""
+    if builtin and loss_fn is None:
+        if torch_compile:
+            raise ConfigError(f"train.torch_compile=true compiles a user nn.Module (fit(..., model=) or "
+                              f"model.target); the built-in {type(model).__name__.lower()} twin runs eagerly: "
+                              f"remove train.torch_compile")
+        return loss_for(model)
+    return module_loss(model, loss_fn if loss_fn is not None else default_loss(example_batch),
+                       compiled(model) if torch_compile else None)
 
 
 def compiled(model: nn.Module) -> nn.Module:

@@ -145,7 +145,7 @@ def torch_backend(config: Config, example_batch: dict[str, np.ndarray], max_step
     one) and the optimizer's twin, or a one-line refusal of what the torch step does not implement."""
     try:
         from torch_bridge import backend as torch_backend_module
-        from torch_bridge import distributed, optim
+        from torch_bridge import distributed, optim, user_model
         from torch_bridge.twins import twin_model
     except ImportError as exc:
         raise ConfigError(f"backend: torch needs PyTorch ({exc}); pip install 'functrain[torch]'") from None
@@ -159,12 +159,13 @@ def torch_backend(config: Config, example_batch: dict[str, np.ndarray], max_step
     distributed.init_from_env()
     check_batch_split(config, distributed.world_size(), "processes")
     builtin = model is None
-    if builtin:
-        model = twin_model(config.model, example_batch, config.seed)
+    module = twin_model(config.model, example_batch, config.seed) if builtin else user_model.trainable_module(model)
+    loss = user_model.step_loss(module, builtin=builtin, loss_fn=loss_fn, example_batch=example_batch,
+                                torch_compile=config.train.torch_compile)
     return torch_backend_module.TorchBackend(
-        model, optim.from_settings(optimizer_settings(config.optimizer, max_steps)), step=step_settings(config),
-        seed=config.seed, example_batch=example_batch, builtin_model=builtin, loss_fn=loss_fn,
-        torch_compile=config.train.torch_compile)
+        module, loss, optim.from_settings(optimizer_settings(config.optimizer, max_steps)),
+        step=step_settings(config), seed=config.seed,
+        probe_batch=None if builtin and loss_fn is None else example_batch)  # user code: tried before step 1
 
 
 # ------------------------------------------------------------------------------------------------- build

@@ -1,5 +1,5 @@
-"""Resolve a run's parts: the config's names (and the objects given to ``fit``) as objects, for the CLI, ``fit(path)`` and ``fit(config,
-model=..., ...)`` alike.
+"""Resolve a run's parts: the config's names (and the objects given to ``fit``) as objects, for the CLI,
+``fit(path)`` and ``fit(config, model=..., ...)`` alike.
 
 An object passed to ``fit`` wins; otherwise the config names it: ``model.name`` (the registry in
 :mod:`functrain.models`) or ``model.target``; ``data.name`` (:mod:`functrain.data.datasets`; ``tokens``: a token

@@ -19,6 +19,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from functrain.core.tree import flatten_dotted
 from functrain.run.callbacks import Callback, RunView
 from functrain.errors import ConfigError
 
@@ -120,7 +121,8 @@ class MlflowTracker(Callback):
                              else self.client.create_experiment(EXPERIMENT))
             self.run_id = self.client.create_run(experiment_id, run_name=view.run_dir.name).info.run_id
             # Params cannot change within an MLflow run: the config is logged when the run is created.
-            params = [Param(key, json.dumps(value)[:6000]) for key, value in _flatten(view.config.to_dict()).items()]
+            params = [Param(key, json.dumps(value)[:6000])
+                      for key, value in flatten_dotted(view.config.to_dict()).items()]
             self.client.log_batch(self.run_id, params=params)
             save_run_id(view.run_dir, "mlflow", self.run_id)
         else:
@@ -154,16 +156,6 @@ class MlflowTracker(Callback):
             self.flush()
             self.client.set_terminated(self.run_id, status="FINISHED")
             self.client = None
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 TRACKERS = {"wandb": WandbTracker, "mlflow": MlflowTracker}
