@@ -65,6 +65,9 @@ BAD_INPUTS = {
     "intervals": (["train", "configs/mlp_digits.yaml", "train.steps_per_call=3"], "multiple of 3"),
     "batch_not_divisible": (["train", "configs/mlp_digits.yaml", "data.global_batch_size=6", "train.micro_batches=4"],
                             "not divisible by train.micro_batches=4"),
+    "infinite_learning_rate": (["train", "configs/mlp_digits.yaml", "optimizer.learning_rate=inf"],
+                               "'optimizer.learning_rate': Input should be a finite number"),
+    "no_processes": (["train", "configs/mlp_digits.yaml", "--processes", "0"], "--processes 0 must be at least 1"),
     "missing_data_file": (["train", "configs/mlp_digits.yaml", "data.name=array_file", "data.path=/nonexistent.npz"],
                           "does not exist"),
 }

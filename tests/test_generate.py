@@ -68,8 +68,17 @@ def test_generate_cli_prints_a_continuation_and_refuses_bad_prompts(tmp_path, ca
     before = snapshot(run_dir)
     bad = {("--prompt", "caf\u00e9"): "outside the model's vocabulary of 96 ids",
            ("--prompt", "A", "--step", "7"): "no checkpoint for step 7",
-           ("--prompt", "A", "--max-new-tokens", "40"): "exceeds the model's context of 32 positions"}
+           ("--prompt", "A", "--max-new-tokens", "40"): "exceeds the model's context of 32 positions",
+           ("--prompt", "A", "--top-k", "0"): "--top-k 0 must be at least 1",
+           ("--prompt", "A", "--top-k", "-5"): "--top-k -5 must be at least 1",
+           ("--prompt", "A", "--temperature", "-1"): "--temperature -1.0 must be 0 (greedy) or more",
+           ("--prompt", "A", "--max-new-tokens", "0"): "--max-new-tokens 0 must be at least 1"}
     for args, message in bad.items():
         assert main(["generate", str(run_dir), *args]) == 2
         assert message in capsys.readouterr().err
     assert snapshot(run_dir) == before
+
+    # Without --max-new-tokens the default (200) is capped to what the 32-position context leaves.
+    assert main(["generate", str(run_dir), "--prompt", "AB", "--temperature", "0"]) == 0
+    continuation = capsys.readouterr().out.rstrip("\n")[2:]
+    assert 0 < len(continuation.encode("utf-8", "replace")) <= 3 * 31

@@ -188,3 +188,31 @@ def test_the_heartbeat_keeps_the_lock_fresh(tmp_path):
         assert json.loads((tmp_path / LOCK_NAME).read_text())["heartbeat"] > first
     finally:
         lock.release()
+
+
+SLOW_DATA = '''
+import time
+import numpy as np
+from sklearn.datasets import load_digits
+
+
+def digits():
+    time.sleep(30)  # a slow start (a large restore, a long compile): the window a preemption hits
+    data = load_digits()
+    return {"x": (data.data / 16).astype(np.float32), "y": data.target.astype(np.int32)}
+'''
+
+
+def test_sigterm_before_the_first_step_exits_75_and_leaves_the_run_as_it_was(finished_run, tmp_path):
+    (tmp_path / "slow_data.py").write_text(SLOW_DATA)
+    before = snapshot(finished_run)
+    proc = subprocess.Popen([sys.executable, "-m", "functrain", "train", "configs/mlp_digits.yaml",
+                             f"run.dir={finished_run}", *TINY, "train.max_steps=100", "data.target=slow_data:digits"],
+                            cwd=REPO_ROOT, env=cli_env(PYTHONPATH=f"{tmp_path}{os.pathsep}{REPO_ROOT}"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(4)  # JAX imported, the run directory locked, the data loading
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 75, stderr
+    assert "SIGTERM received outside the training loop" in stderr
+    assert snapshot(finished_run) == before

@@ -230,3 +230,11 @@ def test_a_token_store_is_a_data_sources_entry(byte_store):
     train, evaluation = open_source(str(byte_store), None, config.data, 256)
     assert isinstance(train, TokenWindows) and train.packing and len(evaluation) > 0
     assert set(train.gather(np.arange(2))) == {"tokens", "segment_ids", "positions"}
+
+
+def test_tokenizing_empty_files_writes_nothing(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    proc = subprocess.run([sys.executable, "-m", "functrain", "tokenize", str(tmp_path / "empty.txt"),
+                           str(tmp_path / "store")], capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "are empty" in proc.stderr, proc.stderr
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["empty.txt"]

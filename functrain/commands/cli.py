@@ -6,12 +6,14 @@ with the statuses listed in :mod:`functrain.run.outcome` when it stopped early o
 """
 
 import argparse
+import contextlib
 import importlib
 import logging
 import sys
 from typing import Any
 
-from functrain.errors import EXIT_BAD_INPUT, FunctrainError
+from functrain.errors import EXIT_BAD_INPUT, EXIT_SIGNAL, FunctrainError
+from functrain.run.signals import CommandSignals, Interrupted
 
 
 # The verbs, in the order `functrain --help` lists them; each module has HELP, add_arguments() and run().
@@ -19,6 +21,8 @@ VERBS = {"train": "train", "inspect": "inspect", "convert": "convert", "plot": "
          "rewind": "rewind", "verify-resume": "verify_resume", "tokenize": "tokenize"}
 # Verbs whose trailing key=value words are config overrides.
 TAKES_OVERRIDES = ("train", "rewind", "verify-resume")
+# Verbs that train in this process, and so take stop signals from their first instant.
+TRAINS = ("train", "rewind")
 
 
 def _verb(name: str) -> Any:
@@ -59,6 +63,18 @@ def _configure_logging(debug: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``functrain`` console script; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    verb = next((arg for arg in argv if not arg.startswith("-")), None)
+    # A training command owns SIGTERM/SIGINT from here on, before JAX is even imported (see CommandSignals).
+    with CommandSignals() if verb in TRAINS else contextlib.nullcontext():
+        try:
+            return _run(argv)
+        except Interrupted as exc:
+            print(f"functrain: {exc} received outside the training loop: stopped, the run directory keeps its "
+                  f"newest whole checkpoint; run the same command again to resume", file=sys.stderr)
+            return EXIT_SIGNAL
+
+
+def _run(argv: list[str]) -> int:
     # --debug may come anywhere (`functrain train cfg.yaml --debug` too).
     debug = "--debug" in argv
     argv = [arg for arg in argv if arg != "--debug"]

@@ -23,7 +23,7 @@ import numpy as np
 from tqdm import tqdm
 
 from functrain.data.token_store import DEFAULT_SHARD_TOKENS, StoreWriter
-from functrain.errors import FunctrainError
+from functrain.errors import DataError, FunctrainError
 from functrain.text.inputs import Batch, check_inputs, document_batches, texts_of
 from functrain.text.tokenizer import TextTokenizer, TokenizerSpec, tokenizer_spec
 
@@ -65,6 +65,9 @@ def tokenize_files(inputs: list[str], out: str, tokenizer: str | None = None, wo
     the ``functrain tokenize`` command is), since JAX's threads do not survive a fork.
     """
     paths = check_inputs(inputs)
+    if all(path.is_file() and path.stat().st_size == 0 for path in paths):  # (a pipe is not a file: it is read)
+        raise DataError(f"the inputs ({', '.join(map(str, inputs))}) are empty: there is no text to tokenize and "
+                        f"nothing was written; give files that hold text")
     spec = tokenizer_spec(tokenizer)
     text_tokenizer = TextTokenizer(spec)  # loads it here first: a bad file fails before anything is written
     workers = workers or available_cores()

@@ -2,6 +2,8 @@
 
 import argparse
 
+from functrain.errors import FunctrainError
+
 HELP = "train (resumes from the run directory automatically)"
 
 
@@ -13,6 +15,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.processes < 1:
+        raise FunctrainError(f"--processes {args.processes} must be at least 1")
     from functrain.parallel import distributed
     if args.processes > 1:
         return distributed.launch_local(distributed.strip_processes_flag(args.argv), args.processes, args.port)

@@ -32,8 +32,9 @@ MetricName = Annotated[str, pydantic.AfterValidator(_split_and_name)]
 
 
 class Section(BaseModel):
-    """A config section: unknown keys are errors, values are validated on assignment too."""
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    """A config section: unknown keys are errors, values are validated on assignment too, and no number is
+    infinite or NaN (``optimizer.learning_rate=inf`` would train to NaN)."""
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class RunConfig(Section):

@@ -11,6 +11,7 @@ given; a prompt that does not fit the model's vocabulary or context is a one-lin
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from functools import partial
@@ -35,6 +36,13 @@ class Sampling:
     temperature: float = 0.0
     top_k: int | None = None
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name, value, least in (("max-new-tokens", self.max_new_tokens, 1), ("top-k", self.top_k, 1)):
+            if value is not None and value < least:
+                raise ConfigError(f"--{name} {value} must be at least {least}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ConfigError(f"--temperature {self.temperature} must be 0 (greedy) or more")
 
 
 def context_length(model_config: Any) -> int | None:
@@ -183,6 +191,12 @@ def load_language_model(run_dir: str | os.PathLike, step: int | None = None) -> 
     from functrain.models.lora import merged_for_inference  # a LoRA run decodes with its adapters merged in
     return (build_model(for_sampling(model_config)), merged_for_inference(params, model_config),
             int(meta.get("step", step or 0)))
+
+
+def fitting_new_tokens(prompt_tokens: int, model_config: Any, wanted: int) -> int:
+    """``wanted`` new tokens, or fewer where the model's context ends first (prompt + new - 1 <= context)."""
+    limit = context_length(model_config)
+    return wanted if limit is None else min(wanted, limit - prompt_tokens + 1)
 
 
 def prepare_prompt(ids: np.ndarray, model_config: Any, max_new_tokens: int) -> np.ndarray:
