@@ -28,7 +28,8 @@ from functrain.data.validate import BatchCheck, check_arrays
 from functrain.data.datasets import load_dataset, open_source, token_store
 from functrain.errors import ConfigError, DataError
 from functrain.models import build_model, model_spec
-from functrain.core.losses import batch_check, infer_task_kind
+from functrain.core.fields import Fields, require_builtin, resolve_fields
+from functrain.core.losses import batch_check
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,9 @@ class Parts:
     Attributes:
       model: the model object; None with ``backend: torch`` and a registry model (the bridge builds it).
       kind: the built-in loss (``classifier`` / ``causal_lm``): the registry's, ``model.kind`` or the one the
-        data's fields call for; None with a user ``loss_fn`` (or data that fits no built-in loss).
+        data's fields call for; None with a user ``loss_fn``.
+      fields: the roles of the data's fields (:mod:`functrain.core.fields`: conventions, or ``data.fields``);
+        None with a user ``loss_fn`` and no ``data.fields`` (the model adapter then follows the conventions).
       loss_fn: a user ``loss_fn(params, batch, rng) -> (loss_sum, weight, aux_sums)``, or None (built-in).
       optimizer: a user optimizer (transformation or function of the schedule) and what to call it in
         errors, or None (``optimizer.name``).
@@ -48,6 +51,7 @@ class Parts:
     """
     model: Any
     kind: str | None
+    fields: Fields | None
     loss_fn: Callable | None
     optimizer: tuple[Any, str] | None
     train_data: Source | Stream
@@ -232,13 +236,18 @@ def build_parts(config: Any, *, model: Any = None, loss_fn: Callable | None = No
         raise ConfigError("eval_data= was given without train_data=; pass both, or neither (the config's data)")
     model, kind = resolve_model(config, model)
     train, evaluation = resolve_data(config, train_data, eval_data)
-    check = None
+    check, fields = None, None
+    mapped = config.data.fields
+    if loss_fn is None or mapped.inputs is not None or mapped.labels is not None:
+        example = train.gather(np.arange(1))
+        fields = resolve_fields(example, inputs=mapped.inputs, labels=mapped.labels, kind=kind)
     if loss_fn is None:
-        kind = kind or infer_task_kind(train.gather(np.arange(1)))
+        fields = require_builtin(fields, example)
+        kind = fields.kind
         named = config.data.path or config.data.target or ("data.sources" if config.data.sources else config.data.name)
         where = "train_data" if train_data is not None else f"the data ({named})"
-        check = batch_check(kind, config.model, source=where) if kind else None
-    return Parts(model=model, kind=kind, loss_fn=loss_fn, optimizer=resolve_optimizer(config, optimizer),
+        check = batch_check(fields, config.model, source=where)
+    return Parts(model=model, kind=kind, fields=fields, loss_fn=loss_fn, optimizer=resolve_optimizer(config, optimizer),
                  train_data=train, eval_data=evaluation, batch_check=check)
 
 
