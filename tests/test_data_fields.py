@@ -197,3 +197,28 @@ def test_evaluation_uses_the_running_statistics(tmp_path):
 def test_the_hf_lm_example_trains(tmp_path):
     result = hf_datasets_lm.main(str(tmp_path / "run"), 4, **QUIET)
     assert result.step == 4 and 0 < result.metrics["train"]["weight"] < 32 * (hf_datasets_lm.SEQ_LEN - 1)
+
+
+# ----------------------------------------------------------------------------------------------- transform
+
+def flat_records() -> dict:
+    """Digits as a data source might hold them: flat pixels and a ``digit`` field."""
+    data = _classifier_data()
+    return {"pixels": data["image"].reshape(ROWS, 64), "digit": data["label"]}
+
+
+def to_image(record, rng):
+    """A per-record transform into the Flax convention."""
+    return {"image": record["pixels"].reshape(8, 8, 1), "label": record["digit"]}
+
+
+def test_a_transform_reshapes_records_from_fit_or_the_config(tmp_path):
+    passed = _fit(tmp_path, model=Dense(), train_data=flat_records(), eval_data=flat_records(), transform=to_image,
+                  **{"eval.every_steps": 2})
+    assert passed.step == 2 and passed.metrics["eval"]["weight"] == ROWS
+    config = tmp_path / "transform.yaml"
+    config.write_text("model: {target: 'test_data_fields:Dense'}\n"
+                      "data: {target: 'test_data_fields:flat_records', transform: 'test_data_fields:to_image', "
+                      "global_batch_size: 16}\ntrain: {max_steps: 2}\nlog: {progress: false}\n")
+    assert cli.main(["train", str(config), f"run.dir={tmp_path / 'yaml'}"]) == 0
+    assert functrain.checkpoint.load_params(tmp_path / "yaml").keys() == passed.state.params.keys()

@@ -195,11 +195,12 @@ def _callbacks(config: Config, parts: Parts, trackers: list[Callback], extra: li
 
 
 def build_run(config: Config, *, model: Any = None, loss_fn: Callable | None = None, optimizer: Any = None,
-          train_data: Any = None, eval_data: Any = None, callbacks: list[Callback] | None = None) -> Run:
+          train_data: Any = None, eval_data: Any = None, callbacks: list[Callback] | None = None,
+          transform: Callable | None = None) -> Run:
     """The Run of a resolved config, with any objects given in place of the config's (see
     :func:`functrain.fit` for what each may be)."""
     parts = build_parts(config, model=model, loss_fn=loss_fn, optimizer=optimizer, train_data=train_data,
-                        eval_data=eval_data)
+                        eval_data=eval_data, transform=transform)
     trackers = make_trackers(config.log.trackers)  # before anything is read or written: a missing package
     run_dir = Path(config.run.dir).absolute()  # Orbax needs absolute paths
     check_data(parts)  # what the model reads, before the first step (and again on every batch)
@@ -208,12 +209,12 @@ def build_run(config: Config, *, model: Any = None, loss_fn: Callable | None = N
     sampler = order_for(parts.train_data, data.global_batch_size, data_seed, shuffle=data.shuffle,
                         last_batch=data.last_batch)
     max_steps = total_steps(config, sampler)
-    example_batch, _ = loader_for(parts.train_data, sampler, prefetch=0).host_batch(0)
+    example_batch, _ = loader_for(parts.train_data, sampler, prefetch=0, transform=parts.transform).host_batch(0)
     objects = {"model": parts.model, "fields": parts.fields, "loss_fn": parts.loss_fn, "optimizer": parts.optimizer}
     backend = (torch_backend(config, example_batch, max_steps, **objects) if config.backend == "torch"
                else jax_backend(config, example_batch, max_steps, kind=parts.kind, **objects))
     loader = loader_for(parts.train_data, sampler, backend.process_index, backend.process_count,
-                        prefetch=data.prefetch, check=parts.batch_check)
+                        prefetch=data.prefetch, check=parts.batch_check, transform=parts.transform)
     eval_loader = None
     if parts.eval_data is not None:
         def eval_loader() -> BatchLoader:
@@ -221,7 +222,7 @@ def build_run(config: Config, *, model: Any = None, loss_fn: Callable | None = N
             order = IndexSampler(len(parts.eval_data), data.global_batch_size, data_seed, shuffle=False,
                                  last_batch="pad")
             return BatchLoader(parts.eval_data, order, backend.process_index, backend.process_count, prefetch=0,
-                               check=parts.batch_check)
+                               check=parts.batch_check, transform=parts.transform)
     checkpoint = config.checkpoint
     open_checkpointer = functools.partial(
         Checkpointer, run_dir, keep=checkpoint.keep, keep_best=checkpoint.keep_best,

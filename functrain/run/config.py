@@ -90,7 +90,9 @@ class DataConfig(Section):
     function is streamed as it is (called with the start offset on resume when it takes one).
     ``sources: [{path, weight}, ...]`` replaces ``name`` and ``path``: a mixture of those files. ``packing``
     (token stores: ``name: tokens`` or token-store entries of ``sources``) adds segment ids and positions so
-    that documents never see one another. ``fields``: see :class:`FieldsConfig`."""
+    that documents never see one another. ``fields``: see :class:`FieldsConfig`. ``transform: "pkg.module:fn"``:
+    ``fn(record, rng) -> record`` reshapes every record as it is read (training and evaluation; map-style
+    data), so records of another shape need no data source of their own (``fit(..., transform=)`` wins)."""
     name: str = "char_text"
     target: Target = None
     kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -108,6 +110,7 @@ class DataConfig(Section):
     sources: list[MixtureSourceConfig] | None = None
     mixture_block_size: int = Field(1024, ge=1)
     fields: FieldsConfig = Field(default_factory=FieldsConfig)
+    transform: Target = None
 
     @pydantic.model_validator(mode="after")
     def _one_kind_of_data(self) -> "DataConfig":

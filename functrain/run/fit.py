@@ -28,7 +28,7 @@ def resolve_config(config: Config | dict | str | os.PathLike, overrides: dict[st
 def build(config: Config | dict | str | os.PathLike, *, model: Any = None, loss_fn: Callable | None = None,
               optimizer: Any = None, train_data: Any = None, eval_data: Any = None,
               callbacks: list[Callback] | None = None, inputs: str | tuple[str, ...] | None = None,
-              labels: str | None = None, **overrides: Any) -> Run:
+              labels: str | None = None, transform: Callable | None = None, **overrides: Any) -> Run:
     """The :class:`Run` that :func:`fit` would drive, built and checked but not started (nothing is written).
     The resolved config records a passed model, data or optimizer as ``python_object``, and ``inputs`` /
     ``labels`` as ``data.fields``."""
@@ -44,13 +44,13 @@ def build(config: Config | dict | str | os.PathLike, *, model: Any = None, loss_
     if optimizer is not None:
         recorded["optimizer.name"] = PYTHON_OBJECT
     return build_run(resolve_config(config, recorded), model=model, loss_fn=loss_fn, optimizer=optimizer,
-                 train_data=train_data, eval_data=eval_data, callbacks=callbacks)
+                 train_data=train_data, eval_data=eval_data, callbacks=callbacks, transform=transform)
 
 
 def fit(config: Config | dict | str | os.PathLike, *, model: Any = None, loss_fn: Callable | None = None,
         optimizer: Any = None, train_data: Any = None, eval_data: Any = None,
         callbacks: list[Callback] | None = None, inputs: str | tuple[str, ...] | None = None,
-        labels: str | None = None, **overrides: Any) -> FitResult:
+        labels: str | None = None, transform: Callable | None = None, **overrides: Any) -> FitResult:
     """Train as ``config`` says, with any objects given in place of the config's, resuming from the run
     directory when a checkpoint is there: ``drive(build(...))``.
 
@@ -71,6 +71,9 @@ def fit(config: Config | dict | str | os.PathLike, *, model: Any = None, loss_fn
       callbacks: extra :class:`~functrain.run.callbacks.Callback` objects.
       inputs, labels: the field the model is called on and the one the built-in loss reads as labels, for
         data outside the conventions of :mod:`functrain.core.fields` (``data.fields`` in the config; these win).
+      transform: ``transform(record, rng) -> record`` applied to every training and evaluation record as it
+        is read (map-style data; ``data.transform`` in the config), to reshape records without a data source.
     """
     return drive(build(config, model=model, loss_fn=loss_fn, optimizer=optimizer, train_data=train_data,
-                           eval_data=eval_data, callbacks=callbacks, inputs=inputs, labels=labels, **overrides))
+                           eval_data=eval_data, callbacks=callbacks, inputs=inputs, labels=labels,
+                           transform=transform, **overrides))
