@@ -222,3 +222,20 @@ def test_a_transform_reshapes_records_from_fit_or_the_config(tmp_path):
                       "global_batch_size: 16}\ntrain: {max_steps: 2}\nlog: {progress: false}\n")
     assert cli.main(["train", str(config), f"run.dir={tmp_path / 'yaml'}"]) == 0
     assert functrain.checkpoint.load_params(tmp_path / "yaml").keys() == passed.state.params.keys()
+
+
+def test_hf_fields_accumulate_exactly(tmp_path):
+    """Micro-batches divide by the global count of counted tokens, not a mean of micro-batch means."""
+    model = functrain.FunctionalModel(bigram_init, bigram_apply)
+    data = _hf_data()
+    data["labels"][:8, 1:4] = -100  # records with fewer counted tokens: unequal counts per micro-batch
+    runs = [_fit(tmp_path, model=model, train_data=data, **{"run.dir": str(tmp_path / str(m)),
+                                                            "train.micro_batches": m}) for m in (1, 4)]
+    assert np.abs(np.asarray(runs[0].state.params["table"]) - np.asarray(runs[1].state.params["table"])).max() < 1e-6
+
+
+def test_a_torch_module_on_image_label_data(tmp_path):
+    torch = pytest.importorskip("torch")
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
+    result = _fit(tmp_path, model=model, train_data=_classifier_data(), backend="torch")
+    assert result.step == 2 and result.metrics["train"]["weight"] == 16.0

@@ -125,7 +125,7 @@ def jax_backend(config: Config, example_batch: dict[str, np.ndarray], max_steps:
         if loss_fn is not None or kind is None:
             raise ConfigError("model.lora trains a registry model with its built-in loss; remove loss_fn= or "
                               "model.lora")
-        program = lora_program(model, example_batch, kind, lora)
+        program = lora_program(model, example_batch, kind, lora, fields)
     else:
         program = as_program(model, example_batch, kind=kind, loss_fn=loss_fn, fields=fields)
     if optimizer is None:
