@@ -230,8 +230,7 @@ def _positional_arity(loss_fn: Callable) -> int | None:
         return None
     if any(p.kind is p.VAR_POSITIONAL for p in parameters):
         return None
-    required = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return len(required)
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in parameters)
 
 
 def updates_state(loss_fn: Callable) -> bool:
