@@ -239,3 +239,28 @@ def test_a_torch_module_on_image_label_data(tmp_path):
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
     result = _fit(tmp_path, model=model, train_data=_classifier_data(), backend="torch")
     assert result.step == 2 and result.metrics["train"]["weight"] == 16.0
+
+
+class KeywordDense(nn.Module):
+    @nn.compact
+    def __call__(self, *, pixels):
+        return nn.Dense(10)(pixels.reshape((pixels.shape[0], -1)))
+
+
+def test_a_mapping_passes_the_input_by_keyword(tmp_path):
+    result = _fit(tmp_path, model=KeywordDense(), train_data=_classifier_data(), inputs={"pixels": "image"})
+    assert result.step == 2
+    assert "pixels: image" in (tmp_path / "run" / "config.yaml").read_text()
+    torch = pytest.importorskip("torch")
+
+    class Keyword(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(64, 10)
+
+        def forward(self, *, pixel_values):
+            return self.linear(pixel_values.flatten(1))
+
+    result = _fit(tmp_path, model=Keyword(), train_data=_classifier_data(), backend="torch",
+                  inputs={"pixel_values": "image"}, **{"run.dir": str(tmp_path / "torch")})
+    assert result.step == 2

@@ -114,35 +114,42 @@ def packing_keywords(model: nn.Module, batch: Mapping[str, Tensor]) -> dict[str,
     return {"attention_mask": mask, "position_ids": batch["positions"][:, :-1].long()}
 
 
-def hf_call(model: nn.Module, inputs: Tensor, batch: Mapping[str, Tensor]) -> Any:
+def call(model: nn.Module, inputs: Tensor, argument: str | None, **keywords: Any) -> Any:
+    """``model`` on its inputs: positionally, or as the keyword ``argument`` (a field map's)."""
+    return model(**{argument: inputs}, **keywords) if argument else model(inputs, **keywords)
+
+
+def hf_call(model: nn.Module, inputs: Tensor, batch: Mapping[str, Tensor], argument: str | None) -> Any:
     """``model`` on HF fields: ``input_ids`` (and the ``attention_mask`` of the inputs, when the batch has one)
     by keyword where ``forward`` names them, else the ids positionally (the mask then only stops counting)."""
     parameters = _forward_parameters(model)
     keywords = {}
     if "attention_mask" in batch and "attention_mask" in parameters:
         keywords["attention_mask"] = batch["attention_mask"][:, :-1].long()
-    if "input_ids" in parameters:
-        return model(input_ids=inputs, **keywords)
-    return model(inputs, **keywords)
+    if argument is None and "input_ids" in parameters:
+        argument = "input_ids"
+    return call(model, inputs, argument, **keywords)
 
 
-def default_causal_lm_loss(model: nn.Module, batch: Mapping[str, Tensor],
-                           generator: torch.Generator | None) -> LossOutput:
+def default_causal_lm_loss(model: nn.Module, batch: Mapping[str, Tensor], generator: torch.Generator | None,
+                           argument: str | None = None) -> LossOutput:
     """The built-in loss for LM batches (under the names of :func:`functrain.core.fields.canonical`):
     next-token cross-entropy of ``model(tokens[:, :-1])``, with :func:`packing_keywords` for packed batches
     (targets that start a document do not count), :func:`hf_call` for HF ones."""
     inputs = batch["tokens"].long()[:, :-1]
     hf = "labels" in batch or "attention_mask" in batch
-    output = hf_call(model, inputs, batch) if hf else model(inputs, **packing_keywords(model, batch))
+    output = hf_call(model, inputs, batch, argument) if hf else call(model, inputs, argument,
+                                                                      **packing_keywords(model, batch))
     logits = logits_of(output, model)
     _check_shape(logits, tuple(inputs.shape), "causal-LM", model)
     return causal_lm_sums(logits, batch)
 
 
-def default_classifier_loss(model: nn.Module, batch: Mapping[str, Tensor],
-                            generator: torch.Generator | None) -> LossOutput:
-    """The built-in loss for ``x``/``y`` batches: softmax cross-entropy of ``model(x)``."""
-    logits = logits_of(model(batch["x"]), model)
+def default_classifier_loss(model: nn.Module, batch: Mapping[str, Tensor], generator: torch.Generator | None,
+                            argument: str | None = None) -> LossOutput:
+    """The built-in loss for ``x``/``y`` batches: softmax cross-entropy of ``model(x)`` (or
+    ``model(argument=x)``)."""
+    logits = logits_of(call(model, batch["x"], argument), model)
     _check_shape(logits, (batch["x"].shape[0],), "classifier", model)
     return classifier_sums(logits, batch)
 
@@ -153,7 +160,7 @@ def default_loss(fields: Fields) -> UserLoss:
     loss = default_causal_lm_loss if fields.kind == "causal_lm" else default_classifier_loss
 
     def builtin(model: nn.Module, batch: Mapping[str, Tensor], generator: torch.Generator | None) -> LossOutput:
-        return loss(model, canonical(fields, batch), generator)
+        return loss(model, canonical(fields, batch), generator, fields.argument)
     return builtin
 
 

@@ -13,7 +13,8 @@ Recognised without configuration (:func:`resolve_fields`):
 
 ``labels`` next to ``input_ids`` is an LM's; next to an image-like input a classifier's. Two candidate fields
 for one role are refused in one line naming both. Anything else is named by an explicit map
-(``inputs="image", labels="target"``: ``data.fields`` in the config, ``fit(..., inputs=, labels=)``); the
+(``inputs="image", labels="target"``: ``data.fields`` in the config, ``fit(..., inputs=, labels=)``; a
+one-entry mapping ``inputs={"pixel_values": "image"}`` passes the field by keyword); the
 built-in loss then follows the labels' shape (``[batch]``: classifier; the input's ``[batch, L]``: causal LM).
 
 :func:`canonical` gives the built-in losses (:mod:`functrain.core.losses`) the batch under the names they
@@ -23,7 +24,7 @@ change, so user losses keep reading the data's own fields.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -45,7 +46,8 @@ class Fields:
     Attributes:
       kind: the built-in loss (``classifier`` / ``causal_lm``), or None when no built-in loss fits (a user
         ``loss_fn`` then reads the batch; ``inputs`` still says what a linen model is initialised on).
-      inputs: the field the model is called on (positionally).
+      inputs: the field the model is called on.
+      argument: the keyword the model takes ``inputs`` under; None: positionally.
       labels: a classifier's labels; an LM's HF ``labels`` (None: the inputs shifted).
       attention_mask: an LM's HF ``attention_mask`` field, or None.
       hf: an LM on HF fields (same-length labels) rather than ``tokens`` of length L + 1.
@@ -55,6 +57,7 @@ class Fields:
     labels: str | None = None
     attention_mask: str | None = None
     hf: bool = False
+    argument: str | None = None
 
 
 def _names(batch: Mapping[str, Any]) -> list[str]:
@@ -95,7 +98,7 @@ def _check_named(batch: Mapping[str, Any], name: str, key: str) -> None:
                         f"set data.fields.{key} or pass fit(..., {key}=...) to one of them")
 
 
-def resolve_fields(batch: Mapping[str, Any], *, inputs: str | Sequence[str] | None = None,
+def resolve_fields(batch: Mapping[str, Any], *, inputs: str | Sequence[str] | Mapping[str, str] | None = None,
                    labels: str | None = None, kind: str | None = None) -> Fields | None:
     """The roles of ``batch``'s fields (any number of records): the explicit map where given, the conventions
     (module docstring) for the rest; None when the data names no model input at all.
@@ -104,27 +107,36 @@ def resolve_fields(batch: Mapping[str, Any], *, inputs: str | Sequence[str] | No
     DataError for a map naming a missing field, two candidate fields for one role, or labels of a shape that
     fits no built-in loss.
     """
+    argument = None
     if inputs is not None and not isinstance(inputs, str):
         if len(inputs) != 1:
-            raise DataError(f"data.fields.inputs lists {list(inputs)}; the model is called on one input field: "
-                            f"name one, and read the others in loss_fn=")
-        inputs = inputs[0]
+            raise DataError(f"data.fields.inputs names {list(inputs)}; the built-in losses call the model on one "
+                            f"input field: name one, and read the others in loss_fn=")
+        if isinstance(inputs, Mapping):
+            (argument, inputs), = inputs.items()
+        else:
+            inputs = inputs[0]
+    fields = _resolve(batch, inputs, labels, kind)
+    return fields if fields is None or argument is None else replace(fields, argument=argument)
+
+
+def _resolve(batch: Mapping[str, Any], inputs: str | None, labels: str | None, kind: str | None) -> Fields | None:
+    """:func:`resolve_fields` for one input field name (or None: the conventions)."""
     for name, key in ((inputs, "inputs"), (labels, "labels")):
         if name is not None:
             _check_named(batch, name, key)
-    if inputs is None:
-        if "tokens" in batch:
-            inputs = "tokens"
-        elif "input_ids" in batch:
-            inputs = "input_ids"
-            labels = labels or ("labels" if "labels" in batch else None)
-        else:
-            inputs = _one_of(batch, CLASSIFIER_INPUTS, "input", INPUTS_FIX)
-            if inputs is None:
-                return None
-            labels = labels or _one_of(batch, CLASSIFIER_LABELS, "label", LABELS_FIX)
-            if labels is None:
-                return Fields(None, inputs)
+    explicit = inputs is not None
+    if not explicit:
+        inputs = next((name for name in ("tokens", "input_ids") if name in batch), None) or \
+            _one_of(batch, CLASSIFIER_INPUTS, "input", INPUTS_FIX)
+        if inputs is None:
+            return None
+    if labels is None and inputs == "input_ids":
+        labels = "labels" if "labels" in batch else None
+    elif labels is None and inputs != "tokens":
+        labels = _one_of(batch, CLASSIFIER_LABELS, "label", LABELS_FIX)
+        if labels is None and not explicit:  # an image without labels: no built-in loss (a named input may be an LM's)
+            return Fields(None, inputs)
     fields = _by_shape(batch, inputs, labels)
     if kind is not None and kind != fields.kind:
         if kind == "causal_lm":

@@ -101,10 +101,18 @@ def _supported(keywords: dict[str, Any], takes_mask: bool) -> dict[str, Any]:
     return keywords if takes_mask else {name: value for name, value in keywords.items() if name != "attention_mask"}
 
 
-def linen_pieces(module: nn.Module, example_inputs: Any) -> tuple[Callable, Apply, Callable]:
-    """``(init, apply, logical_specs)`` of a linen module called on ``example_inputs``-like inputs."""
+def _call_inputs(inputs: Any, argument: str | None) -> tuple[tuple, dict[str, Any]]:
+    """The model's inputs as call arguments: positional, or the keyword ``argument`` (a field map's)."""
+    return ((), {argument: inputs}) if argument else ((inputs,), {})
+
+
+def linen_pieces(module: nn.Module, example_inputs: Any, argument: str | None = None
+                 ) -> tuple[Callable, Apply, Callable]:
+    """``(init, apply, logical_specs)`` of a linen module called on ``example_inputs``-like inputs
+    (positionally, or as the keyword ``argument``)."""
     def init_variables(rng: jax.Array) -> dict:
-        return module.init({"params": rng, "dropout": rng}, example_inputs, **_mode_kwargs(module, False))
+        args, named = _call_inputs(example_inputs, argument)
+        return module.init({"params": rng, "dropout": rng}, *args, **named, **_mode_kwargs(module, False))
 
     def init(rng: jax.Array) -> tuple[Any, Any]:
         variables = nn.meta.unbox(dict(init_variables(rng)))
@@ -115,13 +123,14 @@ def linen_pieces(module: nn.Module, example_inputs: Any) -> tuple[Callable, Appl
 
     def apply(params: Any, model_state: Any, inputs: Any, train: bool, rng: jax.Array,
               **keywords: Any) -> tuple[Any, Any]:
-        keywords = _supported(keywords, takes_mask)
+        args, named = _call_inputs(inputs, argument)
+        keywords = {**_supported(keywords, takes_mask), **named}
         variables = {"params": params, **model_state}
         if train and model_state:
-            output, updates = module.apply(variables, inputs, rngs={"dropout": rng}, mutable=list(model_state),
+            output, updates = module.apply(variables, *args, rngs={"dropout": rng}, mutable=list(model_state),
                                            **_mode_kwargs(module, True), **keywords)
             return output, {**model_state, **updates}
-        output = module.apply(variables, inputs, rngs={"dropout": rng}, **_mode_kwargs(module, train), **keywords)
+        output = module.apply(variables, *args, rngs={"dropout": rng}, **_mode_kwargs(module, train), **keywords)
         return output, model_state
 
     def logical_specs() -> Any:
@@ -136,9 +145,10 @@ def _nnx_rebuild(template: nnx.State, pure: Any) -> nnx.State:
     return jax.tree.unflatten(jax.tree.structure(template), jax.tree.leaves(pure))
 
 
-def nnx_pieces(module: nnx.Module) -> tuple[Callable, Apply, Callable]:
+def nnx_pieces(module: nnx.Module, argument: str | None = None) -> tuple[Callable, Apply, Callable]:
     """``(init, apply, logical_specs)`` of an NNX module: params are the ``nnx.Param`` variables as a pure
-    dict, model state every other variable except RNG streams (reseeded from the step key on each call)."""
+    dict, model state every other variable except RNG streams (reseeded from the step key on each call);
+    inputs go positionally, or as the keyword ``argument``."""
     graphdef, params, rng_state, rest = nnx.split(module, nnx.Param, nnx.RngState, ...)
     initial = (nnx.to_pure_dict(params), nnx.to_pure_dict(rest))
 
@@ -159,7 +169,8 @@ def nnx_pieces(module: nnx.Module) -> tuple[Callable, Apply, Callable]:
         model = nnx.merge(graphdef, _nnx_rebuild(params, params_pure), fresh_streams(rng),
                           _nnx_rebuild(rest, model_state))
         model.train() if train else model.eval()
-        output = model(inputs, **keywords)
+        args, named = _call_inputs(inputs, argument)
+        output = model(*args, **keywords, **named)
         if not train:
             return output, model_state
         return output, nnx.to_pure_dict(nnx.split(model, nnx.Param, nnx.RngState, ...)[3])
@@ -336,14 +347,19 @@ def check_weight_is_a_count(loss_fn: Callable, params: Any, model_state: Any, ba
 # ---------------------------------------------------------------------------------------------- entry
 
 def _pieces(model: Any, framework: str, fields: Fields | None, example_batch: Batch) -> tuple[Callable, Apply, Callable]:
+    argument = fields.argument if fields is not None else None
     if framework == "nnx":
-        return nnx_pieces(model)
+        return nnx_pieces(model, argument)
     if framework == "linen":
         if fields is None:
             require_builtin(fields, example_batch)  # names the missing input and the setting that fixes it
         inputs = (model_inputs(fields.kind, canonical(fields, example_batch)) if fields.kind
                   else example_batch[fields.inputs])
-        return linen_pieces(model, inputs)
+        return linen_pieces(model, inputs, argument)
+    if argument is not None:
+        raise ConfigError(f"data.fields.inputs maps {fields.inputs!r} to the keyword {argument!r}, and "
+                          f"FunctionalModel's apply(params, inputs) takes its inputs positionally; name the field "
+                          f"alone (inputs={fields.inputs!r})")
     return functional_pieces(model, example_batch)
 
 

@@ -165,7 +165,8 @@ def lora_program(module: nn.Module, example_batch: dict[str, Any], kind: str, se
     from functrain.core.losses import model_inputs
 
     named = example_batch if fields is None else canonical(fields, example_batch)
-    base_init, base_apply, base_specs = linen_pieces(module, model_inputs(kind, named))
+    base_init, base_apply, base_specs = linen_pieces(module, model_inputs(kind, named),
+                                                       getattr(fields, "argument", None))
     paths = target_paths(jax.eval_shape(base_init, jax.random.PRNGKey(0))[0], settings.targets)
 
     def init(rng: jax.Array) -> tuple[Any, Any]:

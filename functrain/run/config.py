@@ -74,10 +74,10 @@ class MixtureSourceConfig(Section):
 
 
 class FieldsConfig(Section):
-    """``data.fields.*``: the field the model is called on (``inputs``) and the one the built-in loss reads as
-    labels (``labels``), for data that follows none of the conventions of :mod:`functrain.core.fields`;
-    ``fit(..., inputs=, labels=)`` wins over them."""
-    inputs: str | list[str] | None = None
+    """``data.fields.*``: the field the model is called on (``inputs``: a name, or ``{argument: name}`` to pass
+    it by keyword) and the one the built-in loss reads as labels (``labels``), for data that follows none of
+    the conventions of :mod:`functrain.core.fields`; ``fit(..., inputs=, labels=)`` wins over them."""
+    inputs: str | list[str] | dict[str, str] | None = None
     labels: str | None = None
 
 

@@ -27,14 +27,14 @@ def resolve_config(config: Config | dict | str | os.PathLike, overrides: dict[st
 
 def build(config: Config | dict | str | os.PathLike, *, model: Any = None, loss_fn: Callable | None = None,
               optimizer: Any = None, train_data: Any = None, eval_data: Any = None,
-              callbacks: list[Callback] | None = None, inputs: str | tuple[str, ...] | None = None,
+              callbacks: list[Callback] | None = None, inputs: str | tuple[str, ...] | dict[str, str] | None = None,
               labels: str | None = None, transform: Callable | None = None, **overrides: Any) -> Run:
     """The :class:`Run` that :func:`fit` would drive, built and checked but not started (nothing is written).
     The resolved config records a passed model, data or optimizer as ``python_object``, and ``inputs`` /
     ``labels`` as ``data.fields``."""
     recorded = dict(overrides)
     if inputs is not None:
-        recorded["data.fields.inputs"] = inputs if isinstance(inputs, str) else list(inputs)
+        recorded["data.fields.inputs"] = inputs if isinstance(inputs, (str, dict)) else list(inputs)
     if labels is not None:
         recorded["data.fields.labels"] = labels
     if model is not None:
@@ -49,7 +49,7 @@ def build(config: Config | dict | str | os.PathLike, *, model: Any = None, loss_
 
 def fit(config: Config | dict | str | os.PathLike, *, model: Any = None, loss_fn: Callable | None = None,
         optimizer: Any = None, train_data: Any = None, eval_data: Any = None,
-        callbacks: list[Callback] | None = None, inputs: str | tuple[str, ...] | None = None,
+        callbacks: list[Callback] | None = None, inputs: str | tuple[str, ...] | dict[str, str] | None = None,
         labels: str | None = None, transform: Callable | None = None, **overrides: Any) -> FitResult:
     """Train as ``config`` says, with any objects given in place of the config's, resuming from the run
     directory when a checkpoint is there: ``drive(build(...))``.
@@ -69,8 +69,8 @@ def fit(config: Config | dict | str | os.PathLike, *, model: Any = None, loss_fn
       train_data, eval_data: a dict of arrays or memmaps, an HF ``datasets.Dataset``, a torch ``Dataset``,
         a Grain data source or ``MapDataset``, or a :class:`~functrain.data.Source`.
       callbacks: extra :class:`~functrain.run.callbacks.Callback` objects.
-      inputs, labels: the field the model is called on and the one the built-in loss reads as labels, for
-        data outside the conventions of :mod:`functrain.core.fields` (``data.fields`` in the config; these win).
+      inputs, labels: the field the model is called on (``{"pixel_values": "image"}``: by keyword) and the
+        one the built-in loss reads as labels, for data outside the conventions of :mod:`functrain.core.fields` (``data.fields`` in the config; these win).
       transform: ``transform(record, rng) -> record`` applied to every training and evaluation record as it
         is read (map-style data; ``data.transform`` in the config), to reshape records without a data source.
     """
