@@ -37,7 +37,8 @@ JOBS = {  # config, steps, steps per call, first timed step (a multiple of the l
 
 
 def run_fit(config_path: str, steps: int, steps_per_call: int, warmup: int, checked: bool) -> float:
-    functrain.run.parts.batch_check = batch_check if checked else (lambda fields, model_config, source="": BatchCheck([]))
+    unchecked = lambda fields, model_config, source="": BatchCheck([])  # noqa: E731
+    functrain.run.parts.batch_check = batch_check if checked else unchecked
     clock = LogClock(warmup, steps)
     with tempfile.TemporaryDirectory() as run_dir:
         fit(config_path, callbacks=[clock], **{

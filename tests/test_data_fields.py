@@ -194,11 +194,6 @@ def test_evaluation_uses_the_running_statistics(tmp_path):
     assert abs(float(batch_mode[0] / batch_mode[1]) - result.metrics["eval"]["loss"]) > 1e-4
 
 
-def test_the_hf_lm_example_trains(tmp_path):
-    result = hf_datasets_lm.main(str(tmp_path / "run"), 4, **QUIET)
-    assert result.step == 4 and 0 < result.metrics["train"]["weight"] < 32 * (hf_datasets_lm.SEQ_LEN - 1)
-
-
 # ----------------------------------------------------------------------------------------------- transform
 
 def flat_records() -> dict:
@@ -264,3 +259,11 @@ def test_a_mapping_passes_the_input_by_keyword(tmp_path):
     result = _fit(tmp_path, model=Keyword(), train_data=_classifier_data(), backend="torch",
                   inputs={"pixel_values": "image"}, **{"run.dir": str(tmp_path / "torch")})
     assert result.step == 2
+
+
+def test_the_hf_lm_example_on_jax_and_the_torch_twin(tmp_path):
+    jax_run = hf_datasets_lm.main(str(tmp_path / "jax"), 2, **QUIET)
+    assert jax_run.step == 2 and 0 < jax_run.metrics["train"]["weight"] < 32 * (hf_datasets_lm.SEQ_LEN - 1)
+    pytest.importorskip("torch")
+    torch_run = hf_datasets_lm.main(str(tmp_path / "torch"), 2, backend="torch", **QUIET)
+    assert torch_run.step == 2 and torch_run.metrics["train"]["weight"] == jax_run.metrics["train"]["weight"]

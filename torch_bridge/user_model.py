@@ -186,9 +186,21 @@ def step_loss(model: nn.Module, *, builtin: bool, loss_fn: UserLoss | None, fiel
             raise ConfigError(f"train.torch_compile=true compiles a user nn.Module (fit(..., model=) or "
                               f"model.target); the built-in {type(model).__name__.lower()} twin runs eagerly: "
                               f"remove train.torch_compile")
-        return loss_for(model)
+        return twin_loss(loss_for(model), fields)
     return module_loss(model, loss_fn if loss_fn is not None else default_loss(fields),
                        compiled(model) if torch_compile else None)
+
+
+def twin_loss(loss: LossFn, fields: Fields | None) -> LossFn:
+    """A twin's ``loss(params, buffers, batch, generator)`` reading the data's ``fields`` under its own names."""
+    if fields is None:
+        return loss
+
+    @functools.wraps(loss)
+    def renamed(params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], batch: Mapping[str, Tensor],
+                generator: torch.Generator | None) -> LossOutput:
+        return loss(params, buffers, canonical(fields, batch), generator)
+    return renamed
 
 
 def compiled(model: nn.Module) -> nn.Module:

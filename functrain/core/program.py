@@ -346,7 +346,9 @@ def check_weight_is_a_count(loss_fn: Callable, params: Any, model_state: Any, ba
 
 # ---------------------------------------------------------------------------------------------- entry
 
-def _pieces(model: Any, framework: str, fields: Fields | None, example_batch: Batch) -> tuple[Callable, Apply, Callable]:
+def _pieces(model: Any, framework: str, fields: Fields | None, example_batch: Batch
+            ) -> tuple[Callable, Apply, Callable]:
+    """The adapter's ``(init, apply, logical_specs)``; a linen model is initialised on the input ``fields`` name."""
     argument = fields.argument if fields is not None else None
     if framework == "nnx":
         return nnx_pieces(model, argument)

@@ -145,7 +145,8 @@ def torch_backend(config: Config, example_batch: dict[str, np.ndarray], max_step
                   fields: Fields | None = None, loss_fn: Callable | None = None,
                   optimizer: tuple[Any, str] | None = None) -> Backend:
     """The torch backend: the module (``model``, or the config's twin), its loss (``loss_fn``, or the built-in
-    one for the data's ``fields``) and the optimizer's twin, or a one-line refusal of what the torch step does not implement."""
+    one for the data's ``fields``) and the optimizer's twin, or a one-line refusal of what the torch step does
+    not implement."""
     try:
         from torch_bridge import backend as torch_backend_module
         from torch_bridge import distributed, optim, user_model

@@ -70,7 +70,8 @@ def fit(config: Config | dict | str | os.PathLike, *, model: Any = None, loss_fn
         a Grain data source or ``MapDataset``, or a :class:`~functrain.data.Source`.
       callbacks: extra :class:`~functrain.run.callbacks.Callback` objects.
       inputs, labels: the field the model is called on (``{"pixel_values": "image"}``: by keyword) and the
-        one the built-in loss reads as labels, for data outside the conventions of :mod:`functrain.core.fields` (``data.fields`` in the config; these win).
+        one the built-in loss reads as labels, for data outside the conventions of :mod:`functrain.core.fields`
+        (``data.fields`` in the config; these win).
       transform: ``transform(record, rng) -> record`` applied to every training and evaluation record as it
         is read (map-style data; ``data.transform`` in the config), to reshape records without a data source.
     """
