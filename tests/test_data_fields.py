@@ -267,3 +267,26 @@ def test_the_hf_lm_example_on_jax_and_the_torch_twin(tmp_path):
     pytest.importorskip("torch")
     torch_run = hf_datasets_lm.main(str(tmp_path / "torch"), 2, backend="torch", **QUIET)
     assert torch_run.step == 2 and torch_run.metrics["train"]["weight"] == jax_run.metrics["train"]["weight"]
+
+
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_padded_keys_are_not_attended_to_by_the_registry_gpt(tmp_path, backend):
+    """Left padding: what the pad tokens are must not change the loss of the real tokens."""
+    if backend == "torch":
+        pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, VOCAB, (ROWS, LENGTH)).astype(np.int32)
+    mask = np.ones_like(ids)
+    mask[:, :4] = 0
+    losses = []
+    for pad in (0, 7):
+        padded = np.where(mask == 1, ids, pad).astype(np.int32)
+        labels = np.where(mask == 1, ids, -100)
+        labels[:, 4] = -100  # the first real token is predicted from a pad query: not a key question
+        data = {"input_ids": padded, "attention_mask": mask, "labels": labels}
+        result = _fit(tmp_path, train_data=data, backend=backend, config={
+            "model": {"name": "gpt", "vocab_size": VOCAB, "max_len": LENGTH, "d_model": 16, "n_layers": 1,
+                      "n_heads": 2, "d_ff": 32}, "data": {"global_batch_size": 16, "seq_len": LENGTH - 1}},
+                      **{"train.max_steps": 1, "run.dir": str(tmp_path / f"{backend}{pad}")})
+        losses.append(result.metrics["train"]["loss"])
+    assert abs(losses[0] - losses[1]) < 1e-6

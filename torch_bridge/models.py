@@ -219,10 +219,11 @@ def causal_lm_loss(model: nn.Module) -> Callable:
     apply = stateless(model)
 
     def loss_fn(params, buffers, batch, generator):
-        # Like the Flax GPT, the twin takes no padding mask: exact for right padding (HF attention_mask only
-        # stops padded targets from counting).
-        keywords = {name: value for name, value in model_keywords("causal_lm", batch).items()
-                    if name != "attention_mask"}
+        # As on the JAX side (core.program), an HF padding mask reaches the twin as two segments: no real
+        # token attends to a padded key.
+        keywords = model_keywords("causal_lm", batch)
+        if "attention_mask" in keywords:
+            keywords.setdefault("segment_ids", keywords.pop("attention_mask"))
         logits = apply(params, buffers, batch["tokens"].long()[:, :-1], generator=generator, **keywords)
         return causal_lm_sums(logits, batch)
     return loss_fn

@@ -9,7 +9,7 @@ Recognised without configuration (:func:`resolve_fields`):
 - a causal LM on HF fields: ``input_ids`` with optional ``labels`` (same length; logits at ``i`` predict
   ``labels[i + 1]``; ``-100`` is not counted; without ``labels`` the ids are their own labels) and optional
   ``attention_mask`` (0 = padding: not counted, and masked as a key for models whose call takes
-  ``attention_mask``).
+  ``attention_mask``, or ``segment_ids`` as functrain's models do; see :mod:`functrain.core.program`).
 
 ``labels`` next to ``input_ids`` is an LM's; next to an image-like input a classifier's. Two candidate fields
 for one role are refused in one line naming both. Anything else is named by an explicit map

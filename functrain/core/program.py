@@ -89,16 +89,25 @@ def _mode_kwargs(module: nn.Module, train: bool) -> dict[str, bool]:
     return {}
 
 
-def _takes_attention_mask(call: Callable) -> bool:
-    """Whether ``call`` takes an ``attention_mask`` keyword (by name or through ``**kwargs``)."""
+def _keyword_names(call: Callable) -> set[str] | None:
+    """The keywords ``call`` takes by name; None when it takes any (``**kwargs``)."""
     parameters = inspect.signature(call).parameters.values()
-    return any(p.name == "attention_mask" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    return {p.name for p in parameters}
 
 
-def _supported(keywords: dict[str, Any], takes_mask: bool) -> dict[str, Any]:
-    """``keywords`` without an HF ``attention_mask`` the model cannot take: padding then still never counts
-    in the loss, only its keys stay visible to later (padding) queries."""
-    return keywords if takes_mask else {name: value for name, value in keywords.items() if name != "attention_mask"}
+def _supported(keywords: dict[str, Any], names: set[str] | None) -> dict[str, Any]:
+    """``keywords`` as the model takes them. An HF ``attention_mask`` goes to a model that takes no such
+    argument as ``segment_ids`` when it takes those (functrain's models): padding and real tokens are then two
+    segments, so no real token attends to a padded key, as with HF's mask. A model that takes neither gets
+    no mask: exact for right padding, where only padded queries (never counted) see padded keys."""
+    if "attention_mask" not in keywords or names is None or "attention_mask" in names:
+        return keywords
+    kept = {name: value for name, value in keywords.items() if name != "attention_mask"}
+    if "segment_ids" in names and "segment_ids" not in kept:
+        kept["segment_ids"] = keywords["attention_mask"]
+    return kept
 
 
 def _call_inputs(inputs: Any, argument: str | None) -> tuple[tuple, dict[str, Any]]:
@@ -119,12 +128,12 @@ def linen_pieces(module: nn.Module, example_inputs: Any, argument: str | None = 
         params = variables.pop("params", {})
         return params, variables
 
-    takes_mask = _takes_attention_mask(type(module).__call__)
+    keyword_names = _keyword_names(type(module).__call__)
 
     def apply(params: Any, model_state: Any, inputs: Any, train: bool, rng: jax.Array,
               **keywords: Any) -> tuple[Any, Any]:
         args, named = _call_inputs(inputs, argument)
-        keywords = {**_supported(keywords, takes_mask), **named}
+        keywords = {**_supported(keywords, keyword_names), **named}
         variables = {"params": params, **model_state}
         if train and model_state:
             output, updates = module.apply(variables, *args, rngs={"dropout": rng}, mutable=list(model_state),
@@ -161,11 +170,11 @@ def nnx_pieces(module: nnx.Module, argument: str | None = None) -> tuple[Callabl
             leaf.dtype, jax.dtypes.prng_key) else leaf for index, leaf in enumerate(leaves)]
         return jax.tree.unflatten(jax.tree.structure(rng_state), keys)
 
-    takes_mask = _takes_attention_mask(type(module).__call__)
+    keyword_names = _keyword_names(type(module).__call__)
 
     def apply(params_pure: Any, model_state: Any, inputs: Any, train: bool, rng: jax.Array,
               **keywords: Any) -> tuple[Any, Any]:
-        keywords = _supported(keywords, takes_mask)
+        keywords = _supported(keywords, keyword_names)
         model = nnx.merge(graphdef, _nnx_rebuild(params, params_pure), fresh_streams(rng),
                           _nnx_rebuild(rest, model_state))
         model.train() if train else model.eval()
@@ -190,11 +199,11 @@ def functional_pieces(model: FunctionalModel, example_batch: Batch) -> tuple[Cal
     def init(rng: jax.Array) -> tuple[Any, Any]:
         return init_fn(rng, example_batch), {}
 
-    takes_mask = _takes_attention_mask(apply_fn)
+    keyword_names = _keyword_names(apply_fn)
 
     def apply(params: Any, model_state: Any, inputs: Any, train: bool, rng: jax.Array,
               **keywords: Any) -> tuple[Any, Any]:
-        return apply_fn(params, inputs, **_supported(keywords, takes_mask)), model_state
+        return apply_fn(params, inputs, **_supported(keywords, keyword_names)), model_state
 
     def logical_specs() -> Any:
         return jax.tree.map(lambda _: PartitionSpec(), jax.eval_shape(init, jax.random.PRNGKey(0))[0])
