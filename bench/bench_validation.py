@@ -27,6 +27,7 @@ from functrain.data import BatchLoader, IndexSampler  # noqa: E402
 from functrain.data.validate import BatchCheck  # noqa: E402
 from functrain.data.datasets import load_dataset  # noqa: E402
 from functrain.models import model_spec  # noqa: E402
+from functrain.core.fields import resolve_fields  # noqa: E402
 from functrain.core.losses import batch_check  # noqa: E402
 
 JOBS = {  # config, steps, steps per call, first timed step (a multiple of the log interval, 20)
@@ -36,7 +37,8 @@ JOBS = {  # config, steps, steps per call, first timed step (a multiple of the l
 
 
 def run_fit(config_path: str, steps: int, steps_per_call: int, warmup: int, checked: bool) -> float:
-    functrain.run.parts.batch_check = batch_check if checked else (lambda kind, model_config, source="": BatchCheck([]))
+    unchecked = lambda fields, model_config, source="": BatchCheck([])  # noqa: E731
+    functrain.run.parts.batch_check = batch_check if checked else unchecked
     clock = LogClock(warmup, steps)
     with tempfile.TemporaryDirectory() as run_dir:
         fit(config_path, callbacks=[clock], **{
@@ -54,7 +56,7 @@ def check_time_per_batch(config_path: str, batches: int = 2000) -> float:
     loader = BatchLoader(train, IndexSampler(len(next(iter(train.values()))), config.data.global_batch_size, 0),
                          prefetch=0)
     batch, _ = loader.host_batch(0)
-    check = batch_check(model_spec(config.model.name)["kind"], config.model)
+    check = batch_check(resolve_fields(batch, kind=model_spec(config.model.name)["kind"]), config.model)
     start = time.perf_counter()
     for _ in range(batches):
         check(batch, None)

@@ -48,7 +48,7 @@ def test_model_output_that_does_not_fit_the_builtin_loss(tmp_path):
 def test_data_missing_a_field_or_with_unequal_records(tmp_path):
     reads_label = lambda p, b, r: (jnp.sum(b["label"]), jnp.sum(b["weight"]), {})  # noqa: E731
     assert "'label'" in fit_error(tmp_path, DataError, loss_fn=reads_label)
-    assert "fit no built-in loss" in fit_error(tmp_path, DataError, train_data={"x": DATA["x"]})
+    assert "no labels for input 'x'" in fit_error(tmp_path, DataError, train_data={"x": DATA["x"]})
     ragged = [{"x": np.zeros(64 if i % 2 else 63, np.float32), "y": np.int32(1)} for i in range(64)]
     assert "field 'x' of different shapes" in fit_error(tmp_path, DataError, train_data=ragged)
 

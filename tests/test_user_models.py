@@ -1,7 +1,7 @@
 """User code through ``fit``: linen, NNX and plain-function models, user losses, optimizers and data objects.
 
-Each example under ``examples/`` is killed mid-run and resumed (bitwise the same parameters as one
-uninterrupted run); a user loss accumulates exactly; an unannotated user model on an 8-device FSDP mesh
+Each example under ``examples/`` is killed mid-run and resumed (bitwise the same parameters and model state
+as one uninterrupted run); a user loss accumulates exactly; an unannotated user model on an 8-device FSDP mesh
 matches one device (default rule and pattern rules); the YAML ``target`` path equals the Python call.
 """
 
@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -33,7 +34,8 @@ def _digest(run_dir) -> str:
     return next(line for line in inspect_report(run_dir, digest=True).splitlines() if line.startswith("sha256"))
 
 
-@pytest.mark.parametrize("example", ["examples.linen_hf_dataset", "examples.nnx_model", "examples.plain_functions"])
+@pytest.mark.parametrize("example", ["examples.linen_hf_dataset", "examples.nnx_model", "examples.plain_functions",
+                                     "examples.flax_batchnorm"])
 def test_sigkill_mid_run_then_resume_gives_the_uninterrupted_params(tmp_path, example):
     run_dir = tmp_path / "run"
     # The attempt that is killed runs beside the uninterrupted reference (two cores, half the wait).
@@ -41,13 +43,17 @@ def test_sigkill_mid_run_then_resume_gives_the_uninterrupted_params(tmp_path, ex
                              json.dumps(QUICK)], cwd=REPO_ROOT, env=cli_env(FT_KILL="call:4"),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     module = importlib.import_module(example)
-    module.main(str(tmp_path / "reference"), STEPS, **QUICK)
+    reference = module.main(str(tmp_path / "reference"), STEPS, **QUICK)
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == -signal.SIGKILL, stderr[-3000:]
     assert committed_steps(checkpoints_dir(run_dir))[-1] >= 5  # killed inside steps 16-20, after saves
     result = module.main(str(run_dir), STEPS, **QUICK)
     assert result.step == STEPS
     assert _digest(run_dir) == _digest(tmp_path / "reference")
+    # Batch statistics (linen BatchNorm, a state-updating loss_fn) resume bitwise too.
+    resumed_state, reference_state = (jax.tree.leaves(r.state.model_state) for r in (result, reference))
+    assert len(resumed_state) == len(reference_state)
+    assert all(np.array_equal(a, b) for a, b in zip(resumed_state, reference_state))
 
 
 def test_user_loss_accumulates_exactly(tmp_path):

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from functrain.core.losses import ArrayOps, example_weights, model_keywords, target_weights, weighted_sums
+from functrain.core.losses import ArrayOps, example_weights, lm_targets, model_keywords, target_weights, weighted_sums
 from functrain.core.tree import flatten_dotted
 
 Tensor = torch.Tensor
@@ -197,8 +197,9 @@ def classifier_sums(logits: Tensor, batch: Mapping[str, Tensor]) -> tuple[Tensor
 
 def causal_lm_sums(logits: Tensor, batch: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """Next-token cross-entropy of ``logits [B, T-1, vocab]`` (the model's output for ``tokens[:, :-1]``)
-    summed over the targets that count (``functrain.core.losses.target_weights``: weight, mask, segments)."""
-    targets = batch["tokens"][:, 1:].long()
+    summed over the targets that count (``functrain.core.losses.target_weights``: weight, mask, segments, HF
+    ``labels`` of -100 and ``attention_mask``)."""
+    targets = lm_targets(batch).long()
     losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view(targets.shape)
     return weighted_sums(losses, logits.argmax(-1), targets, target_weights(batch, TORCH_OPS), TORCH_OPS)
 
@@ -218,8 +219,12 @@ def causal_lm_loss(model: nn.Module) -> Callable:
     apply = stateless(model)
 
     def loss_fn(params, buffers, batch, generator):
-        logits = apply(params, buffers, batch["tokens"].long()[:, :-1], generator=generator,
-                       **model_keywords("causal_lm", batch))
+        # As on the JAX side (core.program), an HF padding mask reaches the twin as two segments: no real
+        # token attends to a padded key.
+        keywords = model_keywords("causal_lm", batch)
+        if "attention_mask" in keywords:
+            keywords.setdefault("segment_ids", keywords.pop("attention_mask"))
+        logits = apply(params, buffers, batch["tokens"].long()[:, :-1], generator=generator, **keywords)
         return causal_lm_sums(logits, batch)
     return loss_fn
 

@@ -16,9 +16,12 @@ with the module in place of ``params`` and a ``torch.Generator`` in place of ``r
 
 Sums, never means: the step divides once by the total weight over micro-batches and processes, so
 accumulation is exact. ``generator`` is None in evaluation (the module is then in ``eval()`` mode, in
-``train()`` mode for training steps). Without a ``loss_fn`` the loss follows the data: batches with
-``tokens`` get the causal-LM loss of ``model(tokens[:, :-1])``, batches with ``x`` and ``y`` the
-classifier loss of ``model(x)``; the output may be logits or an object with ``.logits`` (transformers).
+``train()`` mode for training steps). Without a ``loss_fn`` the loss follows the data's fields
+(:mod:`functrain.core.fields`: the conventions, or ``data.fields``): ``tokens`` get the causal-LM loss of
+``model(tokens[:, :-1])``; HF ``input_ids`` (with ``labels``, ``-100`` not counted, and ``attention_mask``)
+the same loss of ``model(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1])`` (by keyword
+when ``forward`` names them); a classifier input (``x``, ``image``, ...) with labels the classifier loss of
+``model(inputs)``. The output may be logits or an object with ``.logits`` (transformers).
 Packed batches (``segment_ids``/``positions``) keep documents apart as the JAX side does: the module gets a
 block-diagonal causal ``attention_mask`` ``[B, 1, T, T]`` in the form transformers 5 takes as given (bool,
 True = attend; additive float for ``config._attn_implementation == "eager"``) and restarting
@@ -32,10 +35,10 @@ import functools
 import inspect
 from typing import Any, Callable, Mapping
 
-import numpy as np
 import torch
 from torch import nn
 
+from functrain.core.fields import Fields, canonical
 from functrain.errors import ConfigError
 from torch_bridge.models import binder, block_causal_mask, causal_lm_sums, classifier_sums, loss_for
 from torch_bridge.step import LossFn, LossOutput
@@ -111,32 +114,54 @@ def packing_keywords(model: nn.Module, batch: Mapping[str, Tensor]) -> dict[str,
     return {"attention_mask": mask, "position_ids": batch["positions"][:, :-1].long()}
 
 
-def default_causal_lm_loss(model: nn.Module, batch: Mapping[str, Tensor],
-                           generator: torch.Generator | None) -> LossOutput:
-    """The built-in loss for ``tokens`` batches: next-token cross-entropy of ``model(tokens[:, :-1])``, with
-    :func:`packing_keywords` for packed batches (targets that start a document do not count)."""
+def call(model: nn.Module, inputs: Tensor, argument: str | None, **keywords: Any) -> Any:
+    """``model`` on its inputs: positionally, or as the keyword ``argument`` (a field map's)."""
+    return model(**{argument: inputs}, **keywords) if argument else model(inputs, **keywords)
+
+
+def hf_call(model: nn.Module, inputs: Tensor, batch: Mapping[str, Tensor], argument: str | None) -> Any:
+    """``model`` on HF fields: ``input_ids`` (and the ``attention_mask`` of the inputs, when the batch has one)
+    by keyword where ``forward`` names them, else the ids positionally (the mask then only stops counting)."""
+    parameters = _forward_parameters(model)
+    keywords = {}
+    if "attention_mask" in batch and "attention_mask" in parameters:
+        keywords["attention_mask"] = batch["attention_mask"][:, :-1].long()
+    if argument is None and "input_ids" in parameters:
+        argument = "input_ids"
+    return call(model, inputs, argument, **keywords)
+
+
+def default_causal_lm_loss(model: nn.Module, batch: Mapping[str, Tensor], generator: torch.Generator | None,
+                           argument: str | None = None) -> LossOutput:
+    """The built-in loss for LM batches (under the names of :func:`functrain.core.fields.canonical`):
+    next-token cross-entropy of ``model(tokens[:, :-1])``, with :func:`packing_keywords` for packed batches
+    (targets that start a document do not count), :func:`hf_call` for HF ones."""
     inputs = batch["tokens"].long()[:, :-1]
-    logits = logits_of(model(inputs, **packing_keywords(model, batch)), model)
+    hf = "labels" in batch or "attention_mask" in batch
+    output = hf_call(model, inputs, batch, argument) if hf else call(model, inputs, argument,
+                                                                      **packing_keywords(model, batch))
+    logits = logits_of(output, model)
     _check_shape(logits, tuple(inputs.shape), "causal-LM", model)
     return causal_lm_sums(logits, batch)
 
 
-def default_classifier_loss(model: nn.Module, batch: Mapping[str, Tensor],
-                            generator: torch.Generator | None) -> LossOutput:
-    """The built-in loss for ``x``/``y`` batches: softmax cross-entropy of ``model(x)``."""
-    logits = logits_of(model(batch["x"]), model)
+def default_classifier_loss(model: nn.Module, batch: Mapping[str, Tensor], generator: torch.Generator | None,
+                            argument: str | None = None) -> LossOutput:
+    """The built-in loss for ``x``/``y`` batches: softmax cross-entropy of ``model(x)`` (or
+    ``model(argument=x)``)."""
+    logits = logits_of(call(model, batch["x"], argument), model)
     _check_shape(logits, (batch["x"].shape[0],), "classifier", model)
     return classifier_sums(logits, batch)
 
 
-def default_loss(example_batch: Mapping[str, np.ndarray]) -> UserLoss:
-    """The built-in loss that fits the data's fields (``tokens``: causal LM; ``x`` and ``y``: classifier)."""
-    if "tokens" in example_batch:
-        return default_causal_lm_loss
-    if "x" in example_batch and "y" in example_batch:
-        return default_classifier_loss
-    raise ConfigError(f"no built-in loss fits batches with fields {sorted(example_batch)} (it needs tokens, or x "
-                      f"and y); pass loss_fn=(model, batch, generator) -> (loss_sum, weight, aux_sums) to fit")
+def default_loss(fields: Fields) -> UserLoss:
+    """The built-in loss for the data's ``fields`` (resolved by the builder), reading them under the loss's
+    own names."""
+    loss = default_causal_lm_loss if fields.kind == "causal_lm" else default_classifier_loss
+
+    def builtin(model: nn.Module, batch: Mapping[str, Tensor], generator: torch.Generator | None) -> LossOutput:
+        return loss(model, canonical(fields, batch), generator, fields.argument)
+    return builtin
 
 
 def trainable_module(model: Any) -> nn.Module:
@@ -152,18 +177,30 @@ def trainable_module(model: Any) -> nn.Module:
     return model
 
 
-def step_loss(model: nn.Module, *, builtin: bool, loss_fn: UserLoss | None,
-              example_batch: Mapping[str, np.ndarray], torch_compile: bool = False) -> LossFn:
+def step_loss(model: nn.Module, *, builtin: bool, loss_fn: UserLoss | None, fields: Fields | None,
+              torch_compile: bool = False) -> LossFn:
     """The step's loss: a twin's own (``builtin``, no ``loss_fn``), or ``loss_fn`` (default: the built-in one
-    that fits the data's fields) on the module, through ``torch.compile`` with ``torch_compile``."""
+    for the data's ``fields``) on the module, through ``torch.compile`` with ``torch_compile``."""
     if builtin and loss_fn is None:
         if torch_compile:
             raise ConfigError(f"train.torch_compile=true compiles a user nn.Module (fit(..., model=) or "
                               f"model.target); the built-in {type(model).__name__.lower()} twin runs eagerly: "
                               f"remove train.torch_compile")
-        return loss_for(model)
-    return module_loss(model, loss_fn if loss_fn is not None else default_loss(example_batch),
+        return twin_loss(loss_for(model), fields)
+    return module_loss(model, loss_fn if loss_fn is not None else default_loss(fields),
                        compiled(model) if torch_compile else None)
+
+
+def twin_loss(loss: LossFn, fields: Fields | None) -> LossFn:
+    """A twin's ``loss(params, buffers, batch, generator)`` reading the data's ``fields`` under its own names."""
+    if fields is None:
+        return loss
+
+    @functools.wraps(loss)
+    def renamed(params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], batch: Mapping[str, Tensor],
+                generator: torch.Generator | None) -> LossOutput:
+        return loss(params, buffers, canonical(fields, batch), generator)
+    return renamed
 
 
 def compiled(model: nn.Module) -> nn.Module:

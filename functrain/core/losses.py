@@ -1,5 +1,10 @@
 """The built-in losses: classifiers on ``{"x", "y"}`` batches, causal LMs on ``{"tokens"}``.
 
+Data under other names (``image``/``label``, HF ``input_ids``/``labels``/``attention_mask``, an explicit map)
+reaches them renamed by :func:`functrain.core.fields.canonical`. An HF LM batch is ``tokens`` (the
+``input_ids``) with optional same-length ``labels`` and ``attention_mask``: the targets are ``labels[:, 1:]``
+(HF's shift), and a target counts only where its label is not ``-100`` and its ``attention_mask`` is 1.
+
 Each is a function of the model's logits and the batch returning sums (see :mod:`functrain.core.step`); every
 batch carries a per-example ``weight`` that is 0 for padding, and an LM batch may carry a per-token ``mask``.
 
@@ -23,11 +28,14 @@ import flax.linen as nn
 import jax.numpy as jnp
 import optax
 
+from functrain.core.fields import Fields
 from functrain.data.validate import BatchCheck, FieldRule
 
 
 # Per-token fields of a packed LM batch that the model takes as keyword arguments.
 SEQUENCE_FIELDS = ("segment_ids", "positions")
+# HF's label for a token that carries no loss.
+IGNORE_INDEX = -100
 
 
 def model_inputs(kind: str, batch: dict) -> Any:
@@ -36,11 +44,11 @@ def model_inputs(kind: str, batch: dict) -> Any:
 
 
 def model_keywords(kind: str, batch: dict) -> dict[str, Any]:
-    """The model's keyword inputs: a causal LM's ``segment_ids`` / ``positions`` of its input tokens, those
-    the batch has; ``{}`` otherwise."""
+    """The model's keyword inputs: a causal LM's ``segment_ids`` / ``positions`` / ``attention_mask`` of its
+    input tokens, those the batch has; ``{}`` otherwise."""
     if kind != "causal_lm":
         return {}
-    return {name: batch[name][:, :-1] for name in SEQUENCE_FIELDS if name in batch}
+    return {name: batch[name][:, :-1] for name in (*SEQUENCE_FIELDS, "attention_mask") if name in batch}
 
 
 @dataclass(frozen=True)
@@ -58,11 +66,24 @@ def example_weights(batch: dict, ops: ArrayOps) -> Any:
     return ops.as_float(batch["weight"])
 
 
+def lm_targets(batch: dict) -> Any:
+    """``[B, L-1]``: the next-token targets, ``labels[:, 1:]`` (HF) or ``tokens[:, 1:]``, with ``-100`` read as
+    0 (any valid id: :func:`target_weights` does not count it, and an out-of-range id would make the
+    cross-entropy NaN, which a weight of 0 does not cancel)."""
+    targets = batch["labels"][:, 1:] if "labels" in batch else batch["tokens"][:, 1:]
+    return targets * (targets != IGNORE_INDEX)
+
+
 def target_weights(batch: dict, ops: ArrayOps) -> Any:
-    """``[B, L-1]``: how much each next-token target ``tokens[:, 1:]`` counts: the example's ``weight``, times
-    the optional per-target ``mask``, times 0 where the target starts a new segment (``segment_ids``)."""
+    """``[B, L-1]``: how much each next-token target counts: the example's ``weight``, times the optional
+    per-target ``mask``, times 0 where the target starts a new segment (``segment_ids``), where its HF label
+    is ``-100`` and where its ``attention_mask`` is 0 (padding)."""
     targets = batch["tokens"][:, 1:]
     weights = ops.broadcast_to(example_weights(batch, ops)[:, None], tuple(targets.shape))
+    if "labels" in batch:
+        weights = weights * ops.as_float(batch["labels"][:, 1:] != IGNORE_INDEX)
+    if "attention_mask" in batch:
+        weights = weights * ops.as_float(batch["attention_mask"][:, 1:])
     if "mask" in batch:
         weights = weights * ops.as_float(batch["mask"])
     if "segment_ids" in batch:
@@ -87,7 +108,7 @@ def classifier_sums(logits: Any, batch: dict) -> tuple[Any, Any, dict]:
 
 def causal_lm_sums(logits: Any, batch: dict) -> tuple[Any, Any, dict]:
     """Next-token cross-entropy summed over real tokens (see :func:`target_weights`)."""
-    targets = batch["tokens"][:, 1:]
+    targets = lm_targets(batch)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     return weighted_sums(losses, jnp.argmax(logits, -1), targets, target_weights(batch, JAX_OPS), JAX_OPS)
 
@@ -113,23 +134,14 @@ def causal_lm_loss(model: nn.Module, deterministic: bool) -> Callable:
     return _bound_loss("causal_lm", model, deterministic)
 
 
-def infer_task_kind(batch: dict) -> str | None:
-    """The built-in loss the data's fields call for: ``causal_lm`` for ``tokens``, ``classifier`` for x/y,
-    None for neither."""
-    if "tokens" in batch:
-        return "causal_lm"
-    if "x" in batch and "y" in batch:
-        return "classifier"
-    return None
-
-
-def batch_check(kind: str, model_config: Any, source: str = "the data") -> BatchCheck:
-    """What the built-in loss of ``kind`` reads from a batch, with the bounds ``model_config`` gives (if any)."""
-    if kind == "classifier":
-        rules = [FieldRule("x", integer=False, what="input"),
-                 FieldRule("y", upper=getattr(model_config, "num_classes", None), bound_key="model.num_classes",
-                           what="label")]
+def batch_check(fields: Fields, model_config: Any, source: str = "the data") -> BatchCheck:
+    """What the built-in loss of ``fields`` reads from a batch, with the bounds ``model_config`` gives (if any).
+    HF ``labels`` are not range-checked: ``-100`` is theirs by design."""
+    if fields.kind == "classifier":
+        rules = [FieldRule(fields.inputs, integer=False, what="input"),
+                 FieldRule(fields.labels, upper=getattr(model_config, "num_classes", None),
+                           bound_key="model.num_classes", what="label")]
     else:
-        rules = [FieldRule("tokens", upper=getattr(model_config, "vocab_size", None), bound_key="model.vocab_size",
-                           what="token id")]
+        rules = [FieldRule(fields.inputs, upper=getattr(model_config, "vocab_size", None),
+                           bound_key="model.vocab_size", what="token id")]
     return BatchCheck(rules, source)

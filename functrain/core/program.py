@@ -19,8 +19,16 @@ Adapters turn user code into one (:func:`as_program`):
   ``apply(params, inputs) -> logits``.
 
 A model's output (logits, or an object with ``.logits``) feeds the built-in loss of its kind (see
-:mod:`functrain.core.losses`; a packed LM batch's ``segment_ids`` / ``positions`` reach the model as keyword
-arguments); a user ``loss_fn(params, batch, rng) -> (loss_sum, weight, aux_sums)`` replaces it.
+:mod:`functrain.core.losses`; the fields it reads follow :mod:`functrain.core.fields`; a packed LM batch's
+``segment_ids`` / ``positions`` reach the model as keyword arguments, an HF batch's ``attention_mask`` too
+when the model's call takes it). A user loss replaces it, in one of two forms (told apart by arity):
+
+- ``loss_fn(params, batch, rng) -> (loss_sum, weight, aux_sums)``, for models without mutable state;
+- ``loss_fn(params, batch, rng, model_state) -> (loss_sum, weight, aux_sums, new_model_state)``, as the Flax
+  examples write BatchNorm training (``model.apply({"params": params, **model_state}, x, train=True,
+  mutable=list(model_state))``). The new state is carried in the TrainState (sharded, checkpointed, restored
+  like the built-in path's). Evaluation calls it with ``rng=None``: that is the signal to run the model in
+  inference mode (``train=rng is not None``: running averages), and the state it returns is discarded.
 """
 
 from __future__ import annotations
@@ -36,7 +44,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from functrain.errors import ConfigError, DataError
-from functrain.core.losses import LOSSES, infer_task_kind, model_inputs, model_keywords
+from functrain.core.fields import Fields, canonical, require_builtin, resolve_fields
+from functrain.core.losses import LOSSES, model_inputs, model_keywords
 
 Batch = dict[str, Any]
 # apply(params, model_state, inputs, train, rng, **keywords) -> (output, model_state)
@@ -80,24 +89,57 @@ def _mode_kwargs(module: nn.Module, train: bool) -> dict[str, bool]:
     return {}
 
 
-def linen_pieces(module: nn.Module, example_inputs: Any) -> tuple[Callable, Apply, Callable]:
-    """``(init, apply, logical_specs)`` of a linen module called on ``example_inputs``-like inputs."""
+def _keyword_names(call: Callable) -> set[str] | None:
+    """The keywords ``call`` takes by name; None when it takes any (``**kwargs``)."""
+    parameters = inspect.signature(call).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    return {p.name for p in parameters}
+
+
+def _supported(keywords: dict[str, Any], names: set[str] | None) -> dict[str, Any]:
+    """``keywords`` as the model takes them. An HF ``attention_mask`` goes to a model that takes no such
+    argument as ``segment_ids`` when it takes those (functrain's models): padding and real tokens are then two
+    segments, so no real token attends to a padded key, as with HF's mask. A model that takes neither gets
+    no mask: exact for right padding, where only padded queries (never counted) see padded keys."""
+    if "attention_mask" not in keywords or names is None or "attention_mask" in names:
+        return keywords
+    kept = {name: value for name, value in keywords.items() if name != "attention_mask"}
+    if "segment_ids" in names and "segment_ids" not in kept:
+        kept["segment_ids"] = keywords["attention_mask"]
+    return kept
+
+
+def _call_inputs(inputs: Any, argument: str | None) -> tuple[tuple, dict[str, Any]]:
+    """The model's inputs as call arguments: positional, or the keyword ``argument`` (a field map's)."""
+    return ((), {argument: inputs}) if argument else ((inputs,), {})
+
+
+def linen_pieces(module: nn.Module, example_inputs: Any, argument: str | None = None
+                 ) -> tuple[Callable, Apply, Callable]:
+    """``(init, apply, logical_specs)`` of a linen module called on ``example_inputs``-like inputs
+    (positionally, or as the keyword ``argument``)."""
     def init_variables(rng: jax.Array) -> dict:
-        return module.init({"params": rng, "dropout": rng}, example_inputs, **_mode_kwargs(module, False))
+        args, named = _call_inputs(example_inputs, argument)
+        return module.init({"params": rng, "dropout": rng}, *args, **named, **_mode_kwargs(module, False))
 
     def init(rng: jax.Array) -> tuple[Any, Any]:
         variables = nn.meta.unbox(dict(init_variables(rng)))
         params = variables.pop("params", {})
         return params, variables
 
+    keyword_names = _keyword_names(type(module).__call__)
+
     def apply(params: Any, model_state: Any, inputs: Any, train: bool, rng: jax.Array,
               **keywords: Any) -> tuple[Any, Any]:
+        args, named = _call_inputs(inputs, argument)
+        keywords = {**_supported(keywords, keyword_names), **named}
         variables = {"params": params, **model_state}
         if train and model_state:
-            output, updates = module.apply(variables, inputs, rngs={"dropout": rng}, mutable=list(model_state),
+            output, updates = module.apply(variables, *args, rngs={"dropout": rng}, mutable=list(model_state),
                                            **_mode_kwargs(module, True), **keywords)
             return output, {**model_state, **updates}
-        output = module.apply(variables, inputs, rngs={"dropout": rng}, **_mode_kwargs(module, train), **keywords)
+        output = module.apply(variables, *args, rngs={"dropout": rng}, **_mode_kwargs(module, train), **keywords)
         return output, model_state
 
     def logical_specs() -> Any:
@@ -112,9 +154,10 @@ def _nnx_rebuild(template: nnx.State, pure: Any) -> nnx.State:
     return jax.tree.unflatten(jax.tree.structure(template), jax.tree.leaves(pure))
 
 
-def nnx_pieces(module: nnx.Module) -> tuple[Callable, Apply, Callable]:
+def nnx_pieces(module: nnx.Module, argument: str | None = None) -> tuple[Callable, Apply, Callable]:
     """``(init, apply, logical_specs)`` of an NNX module: params are the ``nnx.Param`` variables as a pure
-    dict, model state every other variable except RNG streams (reseeded from the step key on each call)."""
+    dict, model state every other variable except RNG streams (reseeded from the step key on each call);
+    inputs go positionally, or as the keyword ``argument``."""
     graphdef, params, rng_state, rest = nnx.split(module, nnx.Param, nnx.RngState, ...)
     initial = (nnx.to_pure_dict(params), nnx.to_pure_dict(rest))
 
@@ -127,12 +170,16 @@ def nnx_pieces(module: nnx.Module) -> tuple[Callable, Apply, Callable]:
             leaf.dtype, jax.dtypes.prng_key) else leaf for index, leaf in enumerate(leaves)]
         return jax.tree.unflatten(jax.tree.structure(rng_state), keys)
 
+    keyword_names = _keyword_names(type(module).__call__)
+
     def apply(params_pure: Any, model_state: Any, inputs: Any, train: bool, rng: jax.Array,
               **keywords: Any) -> tuple[Any, Any]:
+        keywords = _supported(keywords, keyword_names)
         model = nnx.merge(graphdef, _nnx_rebuild(params, params_pure), fresh_streams(rng),
                           _nnx_rebuild(rest, model_state))
         model.train() if train else model.eval()
-        output = model(inputs, **keywords)
+        args, named = _call_inputs(inputs, argument)
+        output = model(*args, **keywords, **named)
         if not train:
             return output, model_state
         return output, nnx.to_pure_dict(nnx.split(model, nnx.Param, nnx.RngState, ...)[3])
@@ -152,9 +199,11 @@ def functional_pieces(model: FunctionalModel, example_batch: Batch) -> tuple[Cal
     def init(rng: jax.Array) -> tuple[Any, Any]:
         return init_fn(rng, example_batch), {}
 
+    keyword_names = _keyword_names(apply_fn)
+
     def apply(params: Any, model_state: Any, inputs: Any, train: bool, rng: jax.Array,
               **keywords: Any) -> tuple[Any, Any]:
-        return apply_fn(params, inputs, **keywords), model_state
+        return apply_fn(params, inputs, **_supported(keywords, keyword_names)), model_state
 
     def logical_specs() -> Any:
         return jax.tree.map(lambda _: PartitionSpec(), jax.eval_shape(init, jax.random.PRNGKey(0))[0])
@@ -180,26 +229,54 @@ def _fields(batch: Batch) -> list[str]:
     return sorted(name for name in batch if name != "weight")
 
 
-def builtin_loss(apply: Apply, kind: str, train: bool) -> Callable:
-    """The built-in loss of ``kind`` on the logits of ``apply``, in the stateful form."""
+def builtin_loss(apply: Apply, kind: str, train: bool, fields: Fields | None = None) -> Callable:
+    """The built-in loss of ``kind`` on the logits of ``apply``, in the stateful form; ``fields``: the batch's
+    roles when its names are not the loss's own (see :func:`functrain.core.fields.canonical`)."""
     sums = LOSSES[kind]
 
     def loss_fn(params, model_state, batch, rng):
+        batch = batch if fields is None else canonical(fields, batch)
         output, new_state = apply(params, model_state, model_inputs(kind, batch), train, rng,
                                   **model_keywords(kind, batch))
         return (*sums(logits_of(output), batch), new_state)
     return loss_fn
 
 
-def user_loss(loss_fn: Callable) -> Callable:
-    """A user ``loss_fn(params, batch, rng) -> (loss_sum, weight, aux_sums)`` in the stateful form."""
-    def stateful_loss(params, model_state, batch, rng):
-        return (*loss_fn(params, batch, rng), model_state)
-    return stateful_loss
+def _positional_arity(loss_fn: Callable) -> int | None:
+    """How many positional parameters ``loss_fn`` takes; None when it cannot be read or takes ``*args``."""
+    try:
+        parameters = inspect.signature(loss_fn).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin, some callables)
+        return None
+    if any(p.kind is p.VAR_POSITIONAL for p in parameters):
+        return None
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in parameters)
+
+
+def updates_state(loss_fn: Callable) -> bool:
+    """Whether a user loss is the state-updating form ``loss_fn(params, batch, rng, model_state)``: four
+    positional parameters (the three-argument form has three)."""
+    return _positional_arity(loss_fn) == 4
+
+
+def user_loss(loss_fn: Callable, train: bool = True) -> Callable:
+    """A user loss (either form, see the module docstring) in the program's stateful form. In evaluation
+    (``train`` False) the state-updating form gets ``rng=None`` and its new state is discarded."""
+    if not updates_state(loss_fn):
+        def stateful_loss(params, model_state, batch, rng):
+            return (*loss_fn(params, batch, rng), model_state)
+        return stateful_loss
+    if train:
+        return lambda params, model_state, batch, rng: tuple(loss_fn(params, batch, rng, model_state))
+
+    def evaluation_loss(params, model_state, batch, rng):
+        return (*loss_fn(params, batch, None, model_state)[:3], model_state)
+    return evaluation_loss
 
 
 def check_logits(apply: Apply, kind: str, params: Any, model_state: Any, batch: Batch) -> None:
-    """The model's output must be the logits the built-in loss of ``kind`` reads (shapes only)."""
+    """The model's output must be the logits the built-in loss of ``kind`` reads (shapes only; ``batch``
+    under the loss's own names)."""
     output = jax.eval_shape(lambda p, s, b: logits_of(apply(p, s, model_inputs(kind, b), False, jax.random.PRNGKey(0),
                                                             **model_keywords(kind, b))[0]), params, model_state, batch)
     rows = len(batch["weight"])
@@ -213,32 +290,63 @@ def check_logits(apply: Apply, kind: str, params: Any, model_state: Any, batch: 
                           f"{kind} loss reads; return logits from the model or pass loss_fn=")
 
 
-def check_user_loss(loss_fn: Callable, params: Any, batch: Batch) -> None:
-    """A user loss must return ``(loss_sum, weight, {name: sum})`` of scalars (shapes only)."""
-    try:
-        result = jax.eval_shape(loss_fn, params, batch, jax.random.PRNGKey(0))
-    except KeyError as exc:
-        raise DataError(f"loss_fn reads field {exc} which the data does not have (fields: {_fields(batch)}); "
-                        f"add the field to the data or fix loss_fn") from None
-    contract = "loss_fn must return (loss_sum, weight, aux_sums): scalar sums over the batch and a dict of sums"
-    if not isinstance(result, tuple) or len(result) != 3:
+def _contract(stateful: bool) -> str:
+    if stateful:
+        return ("loss_fn(params, batch, rng, model_state) must return (loss_sum, weight, aux_sums, new_model_state): "
+                "scalar sums over the batch, a dict of sums and the model state")
+    return "loss_fn must return (loss_sum, weight, aux_sums): scalar sums over the batch and a dict of sums"
+
+
+def check_user_loss(loss_fn: Callable, params: Any, batch: Batch, model_state: Any = None) -> None:
+    """A user loss must take three arguments, or four with ``model_state`` when the model has mutable state,
+    and return ``(loss_sum, weight, {name: sum})`` of scalars (plus the new state); shapes only, in training
+    and (state-updating form) in evaluation."""
+    arity = _positional_arity(loss_fn)
+    if arity not in (None, 3, 4):
+        raise ConfigError(f"loss_fn takes {arity} positional arguments; take (params, batch, rng), or "
+                          f"(params, batch, rng, model_state) to update the model's mutable state")
+    stateful = arity == 4
+    has_state = bool(jax.tree.leaves(model_state))
+    if has_state and not stateful:
+        raise ConfigError("the model has mutable state (batch statistics) and loss_fn takes (params, batch, rng); "
+                          "take it as loss_fn(params, batch, rng, model_state) and return (loss_sum, weight, "
+                          "aux_sums, new_model_state)")
+    calls = [(jax.random.PRNGKey(0),), (None,)] if stateful else [(jax.random.PRNGKey(0),)]
+    for rng in calls:
+        arguments = (params, batch, *rng, model_state or {}) if stateful else (params, batch, *rng)
+        try:
+            result = jax.eval_shape(loss_fn, *arguments)
+        except KeyError as exc:
+            raise DataError(f"loss_fn reads field {exc} which the data does not have (fields: {_fields(batch)}); "
+                            f"add the field to the data or fix loss_fn") from None
+        _check_result(result, stateful)
+        if stateful and jax.tree.structure(result[3]) != jax.tree.structure(model_state or {}):
+            raise ConfigError(f"loss_fn returned a new model state of another structure than the one it was given "
+                              f"({sorted(model_state or {})}); return the updated model_state itself (e.g. the "
+                              f"updates of apply(..., mutable=list(model_state)))")
+
+
+def _check_result(result: Any, stateful: bool) -> None:
+    size = 4 if stateful else 3
+    if not isinstance(result, tuple) or len(result) != size:
         got = f"a {len(result)}-tuple" if isinstance(result, tuple) else type(result).__name__
-        raise ConfigError(f"loss_fn returned {got}; {contract}")
-    loss_sum, weight, aux = result
+        raise ConfigError(f"loss_fn returned {got}; {_contract(stateful)}")
+    loss_sum, weight, aux = result[:3]
     if not isinstance(aux, dict):
-        raise ConfigError(f"loss_fn returned aux of type {type(aux).__name__}; {contract}")
+        raise ConfigError(f"loss_fn returned aux of type {type(aux).__name__}; {_contract(stateful)}")
     for name, value in {"loss_sum": loss_sum, "weight": weight,
                         **{f"aux[{key!r}]": value for key, value in aux.items()}}.items():
         if getattr(value, "shape", None) != ():
             raise ConfigError(f"loss_fn returned {name} of shape {getattr(value, 'shape', type(value).__name__)}, "
-                              f"not a scalar; {contract}")
+                              f"not a scalar; {_contract(stateful)}")
 
 
-def check_weight_is_a_count(loss_fn: Callable, params: Any, batch: Batch) -> None:
+def check_weight_is_a_count(loss_fn: Callable, params: Any, model_state: Any, batch: Batch) -> None:
     """A loss returning a mean (weight 1 for a batch of several records) would make accumulation and
-    multi-device sums wrong silently; one evaluation on the example batch catches it."""
+    multi-device sums wrong silently; one evaluation on the example batch catches it (``loss_fn`` in the
+    program's stateful form)."""
     rows = int(np.sum(np.asarray(batch["weight"]) > 0))
-    weight = float(jax.jit(loss_fn)(params, batch, jax.random.PRNGKey(0))[1])
+    weight = float(jax.jit(loss_fn)(params, model_state, batch, jax.random.PRNGKey(0))[1])
     if rows > 1 and weight <= 1.0:
         raise ConfigError(f"loss_fn returned weight {weight:g} for a batch of {rows} records: it looks like a mean; "
                           f"return sums (loss_sum, weight = examples or tokens counted, aux sums), the step "
@@ -247,46 +355,55 @@ def check_weight_is_a_count(loss_fn: Callable, params: Any, batch: Batch) -> Non
 
 # ---------------------------------------------------------------------------------------------- entry
 
-def as_program(model: Any, example_batch: Batch, *, kind: str | None = None,
-               loss_fn: Callable | None = None) -> Program:
+def _pieces(model: Any, framework: str, fields: Fields | None, example_batch: Batch
+            ) -> tuple[Callable, Apply, Callable]:
+    """The adapter's ``(init, apply, logical_specs)``; a linen model is initialised on the input ``fields`` name."""
+    argument = fields.argument if fields is not None else None
+    if framework == "nnx":
+        return nnx_pieces(model, argument)
+    if framework == "linen":
+        if fields is None:
+            require_builtin(fields, example_batch)  # names the missing input and the setting that fixes it
+        inputs = (model_inputs(fields.kind, canonical(fields, example_batch)) if fields.kind
+                  else example_batch[fields.inputs])
+        return linen_pieces(model, inputs, argument)
+    if argument is not None:
+        raise ConfigError(f"data.fields.inputs maps {fields.inputs!r} to the keyword {argument!r}, and "
+                          f"FunctionalModel's apply(params, inputs) takes its inputs positionally; name the field "
+                          f"alone (inputs={fields.inputs!r})")
+    return functional_pieces(model, example_batch)
+
+
+def as_program(model: Any, example_batch: Batch, *, kind: str | None = None, loss_fn: Callable | None = None,
+               fields: Fields | None = None) -> Program:
     """The :class:`Program` of a linen module, an NNX module, a :class:`FunctionalModel` or a Program.
 
     Args:
       model: the model object.
       example_batch: one host batch (with ``weight``); linen and plain-function models are initialised on it.
-      kind: the built-in loss (``classifier`` / ``causal_lm``); None: inferred from the data's fields.
-      loss_fn: a user ``loss_fn(params, batch, rng) -> (loss_sum, weight, aux_sums)``; None: the built-in one.
+      kind: the built-in loss (``classifier`` / ``causal_lm``); None: the one the data's fields call for.
+      loss_fn: a user loss, either form of the module docstring; None: the built-in one.
+      fields: the batch's roles (:func:`functrain.core.fields.resolve_fields`); None: the conventions.
 
-    Raises ConfigError (one line) for a model of no known kind, output that does not fit the built-in loss,
-    and a ``loss_fn`` of the wrong structure or returning a mean.
+    Raises ConfigError / DataError (one line) for a model of no known kind, data without the fields the model
+    or loss read, output that does not fit the built-in loss, and a ``loss_fn`` of the wrong structure or
+    returning a mean.
     """
     if isinstance(model, Program):
         return model
     framework = model_kind_of(model)
-    kind = kind or infer_task_kind(example_batch)
-    if framework == "nnx":
-        init, apply, logical_specs = nnx_pieces(model)
-    elif framework == "linen":
-        if kind is None:
-            raise DataError(f"a linen model is initialised on the data's 'x' or 'tokens' field, and the data has "
-                            f"{_fields(example_batch)}; name the input field 'x' (or 'tokens'), or wrap the model "
-                            f"as FunctionalModel(init, apply)")
-        init, apply, logical_specs = linen_pieces(model, model_inputs(kind, example_batch))
-    else:
-        init, apply, logical_specs = functional_pieces(model, example_batch)
+    if fields is None and (framework == "linen" or loss_fn is None):  # only what reads the fields needs them
+        fields = resolve_fields(example_batch, kind=kind)
+    init, apply, logical_specs = _pieces(model, framework, fields, example_batch)
     params, model_state = jax.eval_shape(init, jax.random.PRNGKey(0))
     if loss_fn is None:
-        if kind is None:
-            raise DataError(f"the data has fields {_fields(example_batch)}, which fit no built-in loss (classifier: "
-                            f"'x' and 'y'; causal LM: 'tokens'); rename the fields or pass loss_fn=")
-        check_logits(apply, kind, params, model_state, example_batch)
-        return Program(init, builtin_loss(apply, kind, True), builtin_loss(apply, kind, False), logical_specs)
+        fields = require_builtin(fields, example_batch)
+        check_logits(apply, fields.kind, params, model_state, canonical(fields, example_batch))
+        return Program(init, builtin_loss(apply, fields.kind, True, fields),
+                       builtin_loss(apply, fields.kind, False, fields), logical_specs)
     if not callable(loss_fn):
         raise ConfigError(f"loss_fn is a {type(loss_fn).__name__}, not a function; pass "
                           f"loss_fn(params, batch, rng) -> (loss_sum, weight, aux_sums)")
-    if jax.tree.leaves(model_state):
-        raise ConfigError("loss_fn= cannot update the model's mutable state (batch statistics); use the built-in "
-                          "loss, or a model without mutable collections")
-    check_user_loss(loss_fn, params, example_batch)
-    check_weight_is_a_count(loss_fn, init(jax.random.PRNGKey(0))[0], example_batch)
-    return Program(init, user_loss(loss_fn), user_loss(loss_fn), logical_specs)
+    check_user_loss(loss_fn, params, example_batch, model_state)
+    check_weight_is_a_count(user_loss(loss_fn), *init(jax.random.PRNGKey(0)), example_batch)
+    return Program(init, user_loss(loss_fn), user_loss(loss_fn, train=False), logical_specs)

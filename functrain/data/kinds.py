@@ -16,7 +16,9 @@ from functrain.data.mixture import Mixture, MixtureSampler
 from functrain.data.sampler import IndexSampler, LastBatch
 from functrain.data.sources import as_source
 from functrain.data.stream import Stream, StreamLoader, StreamOrder, is_stream
+from functrain.data.transforms import Transform
 from functrain.data.validate import BatchCheck
+from functrain.errors import DataError
 
 Order = IndexSampler | MixtureSampler | StreamOrder
 
@@ -32,11 +34,15 @@ def order_for(source: Any, global_batch_size: int, seed: int, shuffle: bool = Tr
 
 
 def loader_for(source: Any, order: Order, process_index: int = 0, process_count: int = 1, prefetch: int = 2,
-               check: BatchCheck | None = None) -> BatchLoader | StreamLoader:
-    """This process's loader of ``source`` in ``order``."""
+               check: BatchCheck | None = None, transform: Transform | None = None) -> BatchLoader | StreamLoader:
+    """This process's loader of ``source`` in ``order`` (``transform``: per record, map-style sources only)."""
     if isinstance(source, Stream):
+        if transform is not None:
+            raise DataError("data.transform applies to map-style data (arrays, an HF or Grain dataset), and this "
+                            "data is a stream; transform the records in the stream itself or remove data.transform")
         return StreamLoader(source, order, process_index, process_count, prefetch=prefetch, check=check)
-    return BatchLoader(source, order, process_index, process_count, prefetch=prefetch, check=check)
+    return BatchLoader(source, order, process_index, process_count, prefetch=prefetch, check=check,
+                       transform=transform)
 
 
 def as_data(data: Any, keys: tuple[str, ...] | None = None) -> Any:

@@ -155,13 +155,18 @@ def adapter_specs(specs: Any, paths: list[Path]) -> Any:
 _ADAPTER_KEY = 0x10AA
 
 
-def lora_program(module: nn.Module, example_batch: dict[str, Any], kind: str, settings: LoraConfig) -> Any:
+def lora_program(module: nn.Module, example_batch: dict[str, Any], kind: str, settings: LoraConfig,
+                 fields: Any = None) -> Any:
     """The :class:`functrain.core.program.Program` of a linen ``module`` with adapters on ``settings.targets``
-    and the built-in loss of ``kind``; only the adapters are trainable."""
+    and the built-in loss of ``kind``; only the adapters are trainable. ``fields``: the data's roles
+    (:class:`functrain.core.fields.Fields`) when its names are not the loss's own (HF ``input_ids``)."""
+    from functrain.core.fields import canonical
     from functrain.core.program import Program, builtin_loss, linen_pieces
     from functrain.core.losses import model_inputs
 
-    base_init, base_apply, base_specs = linen_pieces(module, model_inputs(kind, example_batch))
+    named = example_batch if fields is None else canonical(fields, example_batch)
+    base_init, base_apply, base_specs = linen_pieces(module, model_inputs(kind, named),
+                                                       getattr(fields, "argument", None))
     paths = target_paths(jax.eval_shape(base_init, jax.random.PRNGKey(0))[0], settings.targets)
 
     def init(rng: jax.Array) -> tuple[Any, Any]:
@@ -175,6 +180,6 @@ def lora_program(module: nn.Module, example_batch: dict[str, Any], kind: str, se
         return add_adapters(params, paths, settings.rank, jax.random.fold_in(rng, _ADAPTER_KEY))
 
     apply = with_adapters(base_apply, settings)
-    return Program(init, builtin_loss(apply, kind, True), builtin_loss(apply, kind, False),
+    return Program(init, builtin_loss(apply, kind, True, fields), builtin_loss(apply, kind, False, fields),
                    lambda: adapter_specs(base_specs(), paths), trainable=trainable_mask,
                    complete_params=complete_params)

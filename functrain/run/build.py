@@ -18,6 +18,7 @@ import numpy as np
 
 from functrain.checkpoint import Checkpointer
 from functrain.core.backend import Backend
+from functrain.core.fields import Fields, require_builtin, resolve_fields
 from functrain.core.step import StepSettings
 from functrain.data import BatchLoader, IndexSampler, loader_for, order_for
 from functrain.data.loader import batch_split_problem
@@ -109,9 +110,10 @@ def check_batch_split(config: Config, ways: int, what: str) -> None:
 
 
 def jax_backend(config: Config, example_batch: dict[str, np.ndarray], max_steps: int, *, model: Any,
-                kind: str | None = None, loss_fn: Callable | None = None, optimizer: tuple[Any, str] | None = None
-                ) -> Backend:
-    """The JAX backend: the program of the model and loss (``kind``: the built-in loss), the optax
+                kind: str | None = None, fields: Fields | None = None, loss_fn: Callable | None = None,
+                optimizer: tuple[Any, str] | None = None) -> Backend:
+    """The JAX backend: the program of the model and loss (``kind``: the built-in loss, ``fields``: the
+    data's roles, see :mod:`functrain.core.fields`), the optax
     transformation (``optimizer``: a user's, with its name for errors; None: the config's), the mesh."""
     from functrain.core.optim import as_transformation
     from functrain.core.program import as_program
@@ -123,9 +125,9 @@ def jax_backend(config: Config, example_batch: dict[str, np.ndarray], max_steps:
         if loss_fn is not None or kind is None:
             raise ConfigError("model.lora trains a registry model with its built-in loss; remove loss_fn= or "
                               "model.lora")
-        program = lora_program(model, example_batch, kind, lora)
+        program = lora_program(model, example_batch, kind, lora, fields)
     else:
-        program = as_program(model, example_batch, kind=kind, loss_fn=loss_fn)
+        program = as_program(model, example_batch, kind=kind, loss_fn=loss_fn, fields=fields)
     if optimizer is None:
         tx, reported = make_optimizer(config.optimizer, max_steps)
     else:
@@ -140,9 +142,11 @@ def jax_backend(config: Config, example_batch: dict[str, np.ndarray], max_steps:
 
 
 def torch_backend(config: Config, example_batch: dict[str, np.ndarray], max_steps: int, *, model: Any = None,
-                  loss_fn: Callable | None = None, optimizer: tuple[Any, str] | None = None) -> Backend:
+                  fields: Fields | None = None, loss_fn: Callable | None = None,
+                  optimizer: tuple[Any, str] | None = None) -> Backend:
     """The torch backend: the module (``model``, or the config's twin), its loss (``loss_fn``, or the built-in
-    one) and the optimizer's twin, or a one-line refusal of what the torch step does not implement."""
+    one for the data's ``fields``) and the optimizer's twin, or a one-line refusal of what the torch step does
+    not implement."""
     try:
         from torch_bridge import backend as torch_backend_module
         from torch_bridge import distributed, optim, user_model
@@ -159,8 +163,10 @@ def torch_backend(config: Config, example_batch: dict[str, np.ndarray], max_step
     distributed.init_from_env()
     check_batch_split(config, distributed.world_size(), "processes")
     builtin = model is None
+    if fields is None and loss_fn is None and not builtin:
+        fields = require_builtin(resolve_fields(example_batch), example_batch)
     module = twin_model(config.model, example_batch, config.seed) if builtin else user_model.trainable_module(model)
-    loss = user_model.step_loss(module, builtin=builtin, loss_fn=loss_fn, example_batch=example_batch,
+    loss = user_model.step_loss(module, builtin=builtin, loss_fn=loss_fn, fields=fields,
                                 torch_compile=config.train.torch_compile)
     return torch_backend_module.TorchBackend(
         module, loss, optim.from_settings(optimizer_settings(config.optimizer, max_steps)),
@@ -190,11 +196,12 @@ def _callbacks(config: Config, parts: Parts, trackers: list[Callback], extra: li
 
 
 def build_run(config: Config, *, model: Any = None, loss_fn: Callable | None = None, optimizer: Any = None,
-          train_data: Any = None, eval_data: Any = None, callbacks: list[Callback] | None = None) -> Run:
+          train_data: Any = None, eval_data: Any = None, callbacks: list[Callback] | None = None,
+          transform: Callable | None = None) -> Run:
     """The Run of a resolved config, with any objects given in place of the config's (see
     :func:`functrain.fit` for what each may be)."""
     parts = build_parts(config, model=model, loss_fn=loss_fn, optimizer=optimizer, train_data=train_data,
-                        eval_data=eval_data)
+                        eval_data=eval_data, transform=transform)
     trackers = make_trackers(config.log.trackers)  # before anything is read or written: a missing package
     run_dir = Path(config.run.dir).absolute()  # Orbax needs absolute paths
     check_data(parts)  # what the model reads, before the first step (and again on every batch)
@@ -203,12 +210,12 @@ def build_run(config: Config, *, model: Any = None, loss_fn: Callable | None = N
     sampler = order_for(parts.train_data, data.global_batch_size, data_seed, shuffle=data.shuffle,
                         last_batch=data.last_batch)
     max_steps = total_steps(config, sampler)
-    example_batch, _ = loader_for(parts.train_data, sampler, prefetch=0).host_batch(0)
-    objects = {"model": parts.model, "loss_fn": parts.loss_fn, "optimizer": parts.optimizer}
+    example_batch, _ = loader_for(parts.train_data, sampler, prefetch=0, transform=parts.transform).host_batch(0)
+    objects = {"model": parts.model, "fields": parts.fields, "loss_fn": parts.loss_fn, "optimizer": parts.optimizer}
     backend = (torch_backend(config, example_batch, max_steps, **objects) if config.backend == "torch"
                else jax_backend(config, example_batch, max_steps, kind=parts.kind, **objects))
     loader = loader_for(parts.train_data, sampler, backend.process_index, backend.process_count,
-                        prefetch=data.prefetch, check=parts.batch_check)
+                        prefetch=data.prefetch, check=parts.batch_check, transform=parts.transform)
     eval_loader = None
     if parts.eval_data is not None:
         def eval_loader() -> BatchLoader:
@@ -216,7 +223,7 @@ def build_run(config: Config, *, model: Any = None, loss_fn: Callable | None = N
             order = IndexSampler(len(parts.eval_data), data.global_batch_size, data_seed, shuffle=False,
                                  last_batch="pad")
             return BatchLoader(parts.eval_data, order, backend.process_index, backend.process_count, prefetch=0,
-                               check=parts.batch_check)
+                               check=parts.batch_check, transform=parts.transform)
     checkpoint = config.checkpoint
     open_checkpointer = functools.partial(
         Checkpointer, run_dir, keep=checkpoint.keep, keep_best=checkpoint.keep_best,

@@ -24,11 +24,13 @@ from functrain.core.optim import OptimizerSettings, ScheduleSettings, named_opti
 from functrain.run.config import PYTHON_OBJECT
 from functrain.data import ConcatSource, Mixture, Source, Stream, as_data, as_source
 from functrain.data.stream import is_stream
+from functrain.data.transforms import Transform, apply_transform
 from functrain.data.validate import BatchCheck, check_arrays
 from functrain.data.datasets import load_dataset, open_source, token_store
 from functrain.errors import ConfigError, DataError
 from functrain.models import build_model, model_spec
-from functrain.core.losses import batch_check, infer_task_kind
+from functrain.core.fields import Fields, require_builtin, resolve_fields
+from functrain.core.losses import batch_check
 
 
 @dataclass(frozen=True)
@@ -38,21 +40,27 @@ class Parts:
     Attributes:
       model: the model object; None with ``backend: torch`` and a registry model (the bridge builds it).
       kind: the built-in loss (``classifier`` / ``causal_lm``): the registry's, ``model.kind`` or the one the
-        data's fields call for; None with a user ``loss_fn`` (or data that fits no built-in loss).
+        data's fields call for; None with a user ``loss_fn``.
+      fields: the roles of the data's fields (:mod:`functrain.core.fields`: conventions, or ``data.fields``);
+        None with a user ``loss_fn`` and no ``data.fields`` (the model adapter then follows the conventions).
       loss_fn: a user ``loss_fn(params, batch, rng) -> (loss_sum, weight, aux_sums)``, or None (built-in).
       optimizer: a user optimizer (transformation or function of the schedule) and what to call it in
         errors, or None (``optimizer.name``).
       train_data, eval_data: data sources (a :class:`Mixture` or, for training, a :class:`Stream` too;
         ``eval_data`` None: no evaluation).
       batch_check: what the built-in loss reads, checked on every batch (None with a user ``loss_fn``).
+      transform: ``transform(record, rng) -> record`` applied to every record read (``fit(transform=)`` or
+        ``data.transform``), or None.
     """
     model: Any
     kind: str | None
+    fields: Fields | None
     loss_fn: Callable | None
     optimizer: tuple[Any, str] | None
     train_data: Source | Stream
     eval_data: Source | None
     batch_check: BatchCheck | None
+    transform: Transform | None = None
 
 
 def describe_object(obj: Any) -> str:
@@ -225,28 +233,50 @@ def make_optimizer(section: Any, total_steps: int) -> tuple[optax.GradientTransf
     return named_optimizer(settings, schedule), schedule
 
 
+def resolve_transform(config: Any, transform: Transform | None) -> Transform | None:
+    """The per-record transform: passed to ``fit``, or ``data.transform``; None without either."""
+    if transform is None and config.data.transform is not None:
+        transform = import_target(config.data.transform, "data.transform")
+    if transform is not None and not callable(transform):
+        raise ConfigError(f"the data transform is a {type(transform).__name__}, not a function; pass "
+                          f"transform(record, rng) -> record")
+    return transform
+
+
+def first_record(train: Source | Stream, transform: Transform | None, seed: int) -> dict[str, np.ndarray]:
+    """The training data's first record as a batch of one, transformed as the loader will."""
+    example = train.gather(np.arange(1))
+    return example if transform is None else apply_transform(example, transform, seed, np.arange(1))
+
+
 def build_parts(config: Any, *, model: Any = None, loss_fn: Callable | None = None, optimizer: Any = None,
-                train_data: Any = None, eval_data: Any = None) -> Parts:
+                train_data: Any = None, eval_data: Any = None, transform: Transform | None = None) -> Parts:
     """Every part of a run, from the objects given and the config for the rest."""
     if eval_data is not None and train_data is None:
         raise ConfigError("eval_data= was given without train_data=; pass both, or neither (the config's data)")
     model, kind = resolve_model(config, model)
     train, evaluation = resolve_data(config, train_data, eval_data)
-    check = None
+    transform = resolve_transform(config, transform)
+    check, fields = None, None
+    mapped = config.data.fields
+    if loss_fn is None or mapped.inputs is not None or mapped.labels is not None:
+        example = first_record(train, transform, config.seed if config.data.seed is None else config.data.seed)
+        fields = resolve_fields(example, inputs=mapped.inputs, labels=mapped.labels, kind=kind)
     if loss_fn is None:
-        kind = kind or infer_task_kind(train.gather(np.arange(1)))
+        fields = require_builtin(fields, example)
+        kind = fields.kind
         named = config.data.path or config.data.target or ("data.sources" if config.data.sources else config.data.name)
         where = "train_data" if train_data is not None else f"the data ({named})"
-        check = batch_check(kind, config.model, source=where) if kind else None
-    return Parts(model=model, kind=kind, loss_fn=loss_fn, optimizer=resolve_optimizer(config, optimizer),
-                 train_data=train, eval_data=evaluation, batch_check=check)
+        check = batch_check(fields, config.model, source=where)
+    return Parts(model=model, kind=kind, fields=fields, loss_fn=loss_fn, optimizer=resolve_optimizer(config, optimizer),
+                 train_data=train, eval_data=evaluation, batch_check=check, transform=transform)
 
 
 def check_data(parts: Parts) -> None:
     """Check what the built-in loss reads before the first step: whole in-memory arrays at once (fields, dtypes,
     ranges), other sources by the fields of their first record (their ranges are checked batch by batch)."""
-    if parts.batch_check is None:
-        return
+    if parts.batch_check is None or parts.transform is not None:
+        return  # with a transform the checked fields are its output: every batch is checked as it is read
     for source in (parts.train_data, parts.eval_data):
         arrays = getattr(source, "arrays", None)
         if arrays is not None:
