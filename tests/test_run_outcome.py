@@ -44,7 +44,8 @@ def _data_case(name: str, tmp: Path) -> tuple[list[str], str]:
         npz.write_bytes(b"")
         return ["data.name=array_file", f"data.path={npz}"], "is empty"
     if name == "missing_field":
-        return ["data.name=array_file", _digits_like(npz, x=x)], "no field 'y'"
+        return (["data.name=array_file", _digits_like(npz, x=x)],
+                "no labels for input 'x' among the data's fields ['x']")
     if name == "float_labels":
         return ["data.name=array_file", _digits_like(npz, x=x, y=y.astype(np.float32))], "must be integers"
     if name == "label_beyond_classes":

@@ -30,7 +30,7 @@ from functrain.run.config_checks import check_metric_logged
 from functrain.run.lock import RunLock
 from functrain.run.outcome import ALREADY_FINISHED, EARLY_STOPPED, FINISHED, SIGNAL, FitResult, skipped_report
 from functrain.run.resume import Start, write_run_config
-from functrain.run.signals import StopSignals
+from functrain.run.signals import StopSignals, check_interrupted
 from functrain.errors import ConfigError
 
 log = logging.getLogger("functrain")
@@ -163,6 +163,7 @@ class _Driver:
 
     def announce(self, step: int, position: int) -> None:
         """The start's log lines and the run's config on disk (process 0)."""
+        check_interrupted()  # a stop signal before the loop: leave the run directory as it was
         if not self.is_primary:
             return
         if self.start.restored_step is not None:
