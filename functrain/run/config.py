@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import pydantic
-import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from functrain.errors import ConfigError
+from functrain.run.config_files import apply_overrides, read_yaml
 
 METRIC_SPLITS = ("train", "eval")  # the "split" of metrics.jsonl lines, and of metric names like "eval/loss"
 
@@ -82,7 +82,8 @@ class DataConfig(Section):
     function is streamed as it is (called with the start offset on resume when it takes one).
     ``sources: [{path, weight}, ...]`` replaces ``name`` and ``path``: a mixture of those files. ``packing``
     (token stores: ``name: tokens`` or token-store entries of ``sources``) adds segment ids and positions so
-    that documents never see one another."""
+    that documents never see one another. ``name: synthetic`` draws random token ids below ``model.vocab_size``
+    (no corpus: :mod:`functrain.data.synthetic`)."""
     name: str = "char_text"
     target: Target = None
     kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -412,70 +413,6 @@ def _format_validation_error(error: pydantic.ValidationError, raw: dict) -> str:
     return f"config key '{key or 'model'}': {message}{given_text}"
 
 
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """``a.b.c=value`` -> (["a", "b", "c"], value parsed as YAML)."""
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise ConfigError(f"override {text!r} is not of the form dotted.key=value")
-    try:
-        parsed = yaml.safe_load(value) if value.strip() else None
-    except yaml.YAMLError:
-        parsed = value
-    return key.strip().split("."), parsed
-
-
-def _list_item(node: Any, part: str, text: str) -> bool:
-    """Whether ``part`` indexes an item of list ``node`` (``data.sources.0.weight``); any other key of a list is
-    a ConfigError."""
-    if not isinstance(node, list):
-        return False
-    if part.isdigit() and int(part) < len(node):
-        return True
-    raise ConfigError(f"override {text!r}: {part!r} is not an item of a list of {len(node)}; index it with a "
-                      f"number from 0 to {len(node) - 1} (e.g. data.sources.0.weight=2)")
-
-
-def apply_overrides(raw: dict, overrides: list[str]) -> dict:
-    """Apply dotted ``key=value`` overrides to a nested dict (in a copy); a number after a list key indexes it."""
-    merged = json.loads(json.dumps(raw))
-    for text in overrides:
-        path, value = parse_override(text)
-        node = merged
-        for part in path[:-1]:
-            if _list_item(node, part, text):
-                node = node[int(part)]
-                continue
-            child = node.get(part)
-            if not isinstance(child, (dict, list)):
-                child = node[part] = {}
-            node = child
-        if _list_item(node, path[-1], text):
-            node[int(path[-1])] = value
-        else:
-            node[path[-1]] = value
-    return merged
-
-
-def read_yaml(path: str | Path) -> dict:
-    """Read a YAML mapping; a missing file or malformed YAML is a one-line ConfigError."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist; pass the path of a YAML file "
-                          f"(see configs/)")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or "malformed YAML"
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML{where}: {problem}; fix the file") from None
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys, not {type(raw).__name__}")
-    return raw
-
-
 def validate_config(raw: dict) -> Config:
     """Validate a nested dict into a :class:`Config`, or raise a one-line ConfigError."""
     try:
@@ -491,8 +428,3 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Load ``path`` (or start from ``base``), apply ``overrides`` and validate."""
     raw = read_yaml(path) if path is not None else dict(base or {})
     return validate_config(apply_overrides(raw, list(overrides or [])))
-
-
-def override_list(overrides: dict[str, Any]) -> list[str]:
-    """``{"train.max_steps": 5}`` -> ``["train.max_steps=5"]`` (for ``fit(config, **overrides)``)."""
-    return [f"{key}={json.dumps(value)}" for key, value in overrides.items()]

@@ -7,7 +7,8 @@ from typing import Any, Callable
 
 from functrain.run.build import Run, build_run
 from functrain.run.callbacks import Callback
-from functrain.run.config import PYTHON_OBJECT, Config, load_config, override_list
+from functrain.run.config import PYTHON_OBJECT, Config, load_config
+from functrain.run.config_files import override_list
 from functrain.run.loop import drive
 from functrain.run.outcome import FitResult
 from functrain.run.parts import describe_object
