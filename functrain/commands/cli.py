@@ -16,9 +16,9 @@ from functrain.errors import EXIT_BAD_INPUT, FunctrainError
 
 # The verbs, in the order `functrain --help` lists them; each module has HELP, add_arguments() and run().
 VERBS = {"train": "train", "inspect": "inspect", "convert": "convert", "plot": "plot", "generate": "generate",
-         "rewind": "rewind", "verify-resume": "verify_resume", "tokenize": "tokenize"}
+         "rewind": "rewind", "verify-resume": "verify_resume", "tokenize": "tokenize", "plan": "plan"}
 # Verbs whose trailing key=value words are config overrides.
-TAKES_OVERRIDES = ("train", "rewind", "verify-resume")
+TAKES_OVERRIDES = ("train", "rewind", "verify-resume", "plan")
 
 
 def _verb(name: str) -> Any:
