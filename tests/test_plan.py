@@ -5,6 +5,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -89,3 +90,27 @@ def test_bad_plans_are_one_line_exit_2(args, words):
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr
     for word in words:
         assert word in errors[0]
+
+
+def test_search_takes_the_cheapest_remat_that_fits_then_doubles_the_batch(monkeypatch):
+    from functrain.run import plan_search
+
+    def fake_plan(config, topology):
+        # Memory grows with the batch and shrinks with remat; 64 samples fit with remat=dots_saveable.
+        need = config.data.global_batch_size * {"none": 8, "dots_saveable": 1, "full": 0.5}[config.model.remat]
+        return SimpleNamespace(fits=need <= 64, mesh={"data": 2, "fsdp": 2, "tensor": 1})
+
+    monkeypatch.setattr(plan_search, "plan", fake_plan)
+    config = load_config("configs/gpt_350m.yaml", ["data.name=synthetic", "data.global_batch_size=16"])
+    tried, chosen = plan_search.search(config)
+    assert [(c.remat, c.global_batch_size) for c in tried] == [
+        ("none", 16), ("dots_saveable", 16), ("dots_saveable", 32), ("dots_saveable", 64), ("dots_saveable", 128)]
+    assert (chosen.remat, chosen.global_batch_size, chosen.per_chip_batch) == ("dots_saveable", 64, 16)
+
+
+def test_a_program_the_tpu_compiler_refuses_is_reported_as_not_fitting():
+    from functrain.run.plan import _required_temporaries
+    message = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
+               "(114.76G) exceeds available HBM (95.74G).")
+    assert _required_temporaries(message) == int(114.76 * 2 ** 30)
+    assert _required_temporaries("INTERNAL: something else") is None

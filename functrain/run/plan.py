@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -69,6 +70,7 @@ class Plan:
     mfu: float | None
     tokens_per_sec_per_chip: float | None
     fits: bool | None
+    compiled: bool = True                    # False: the compiler refused it (too large); FLOPs unknown (0)
     advice: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
@@ -78,6 +80,19 @@ class Plan:
 
 def _first(cost: Any) -> dict:
     return (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
+
+
+class _RefusedMemory:
+    """``memory_analysis()``'s fields for a program the compiler refused: the arguments (state and batches, from
+    their shardings), the state as output, donated, and the temporaries the refusal named."""
+
+    def __init__(self, backend: Any, example_batch: dict[str, np.ndarray], steps_per_call: int,
+                 temporaries: int) -> None:
+        state, batches = backend.abstract_train_args(example_batch, steps_per_call)
+        whole = state_bytes_per_device(state, backend.state_shardings)[0]
+        batch = state_bytes_per_device(batches, jax.tree.map(lambda leaf: leaf.sharding, batches))[0]
+        self.argument_size_in_bytes, self.output_size_in_bytes = whole + batch, whole
+        self.alias_size_in_bytes, self.temp_size_in_bytes = whole, temporaries
 
 
 def per_chip_bytes(backend: Any, memory: Any) -> dict[str, int]:
@@ -113,18 +128,39 @@ def plan(config: Config, topology: str | None = None) -> Plan:
     """Compile ``config``'s train call for the local devices or TPU ``topology`` and report (see the module)."""
     planned = plan_run(config, topology_devices(topology) if topology else None)
     backend = planned.backend
-    compiled = backend.compile_train_call(*backend.abstract_train_args(planned.example_batch,
-                                                                      config.train.steps_per_call))
+    try:
+        compiled = backend.compile_train_call(*backend.abstract_train_args(planned.example_batch,
+                                                                          config.train.steps_per_call))
+    except jax.errors.JaxRuntimeError as exc:
+        required = _required_temporaries(str(exc))
+        if required is None:
+            raise
+        return report(config, planned, None, temporaries=required)
     return report(config, planned, compiled)
 
 
-def report(config: Config, planned: Any, compiled: jax.stages.Compiled) -> Plan:
-    """The :class:`Plan` of a compiled train call."""
+def _required_temporaries(message: str) -> int | None:
+    """The temporaries' bytes from the TPU compiler's refusal of a program that does not fit in HBM, or None
+    for another error ("... memory required for HLO temporaries (114.76G) exceeds available HBM (95.74G)")."""
+    found = re.search(r"RESOURCE_EXHAUSTED.*?temporaries \(([0-9.]+)([KMGT])\)", message)
+    if found is None:
+        return None
+    return int(float(found.group(1)) * 1024 ** "KMGT".index(found.group(2)) * 1024)
+
+
+def report(config: Config, planned: Any, compiled: jax.stages.Compiled | None, temporaries: int = 0) -> Plan:
+    """The :class:`Plan` of a compiled train call; without one (the compiler refused a program that needs
+    ``temporaries`` bytes more than HBM holds) memory is state + batch + temporaries and FLOPs are unknown (0)."""
     backend, train = planned.backend, config.train
     chips, device_kind = len(backend.devices), backend.devices[0].device_kind
     chip = chip_of(device_kind)
-    sizes = per_chip_bytes(backend, compiled.memory_analysis())
-    cost = _first(compiled.cost_analysis())
+    if compiled is None:
+        sizes = per_chip_bytes(backend, _RefusedMemory(backend, planned.example_batch, train.steps_per_call,
+                                                       temporaries))
+        cost = {}
+    else:
+        sizes = per_chip_bytes(backend, compiled.memory_analysis())
+        cost = _first(compiled.cost_analysis())
     flops = float(cost.get("flops", 0.0)) * train.micro_batches
     bytes_accessed = float(cost.get("bytes accessed", 0.0)) * train.micro_batches
     tokens = config.data.global_batch_size * config.data.seq_len if planned.parts.kind == "causal_lm" else None
@@ -133,15 +169,16 @@ def report(config: Config, planned: Any, compiled: jax.stages.Compiled) -> Plan:
     step_time = mfu = tokens_per_chip = fits = hbm = None
     if chip:
         hbm = chip.hbm_bytes
-        step_time = max(flops / chip.peak_flops, bytes_accessed / chip.hbm_bandwidth)
-        mfu = (model_flops or flops * chips) / (chips * chip.peak_flops * step_time) if step_time else None
-        tokens_per_chip = tokens / step_time / chips if tokens and step_time else None
-        fits = sizes["total"] <= HBM_USABLE * hbm
+        if compiled is not None:
+            step_time = max(flops / chip.peak_flops, bytes_accessed / chip.hbm_bandwidth)
+            mfu = (model_flops or flops * chips) / (chips * chip.peak_flops * step_time) if step_time else None
+            tokens_per_chip = tokens / step_time / chips if tokens and step_time else None
+        fits = compiled is not None and sizes["total"] <= HBM_USABLE * hbm
     mesh = {axis: int(size) for axis, size in backend.mesh.shape.items()}
     parameters = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(backend.abstract_state.params))
     return Plan(device_kind=device_kind, chips=chips, mesh=mesh, parameters=parameters, seq_len=config.data.seq_len,
                 global_batch_size=config.data.global_batch_size, micro_batches=train.micro_batches,
                 steps_per_call=train.steps_per_call, per_chip_bytes=sizes, hbm_bytes=hbm, flops_per_step=flops,
                 bytes_per_step=bytes_accessed, model_flops_per_step=model_flops, step_time_s=step_time, mfu=mfu,
-                tokens_per_sec_per_chip=tokens_per_chip, fits=fits,
+                tokens_per_sec_per_chip=tokens_per_chip, fits=fits, compiled=compiled is not None,
                 advice=advice(config, sizes, chips, mesh) if fits is False else [])
