@@ -207,12 +207,28 @@ def plan_run(config: Config, devices: list | None = None) -> Planned:
     return Planned(parts=parts, backend=backend, example_batch=example_batch, max_steps=max_steps)
 
 
-def _callbacks(config: Config, parts: Parts, trackers: list[Callback], extra: list[Callback]) -> CallbackList:
+def _profile_window(config: Config, max_steps: int) -> list[Callback]:
+    """The profiler callback ``profile.steps`` asks for, or a one-line refusal of a window the run never reaches."""
+    profile = config.profile
+    if not profile.steps:
+        return []
+    if config.backend != "jax":
+        raise ConfigError("profile.steps traces the JAX backend with jax.profiler; set backend=jax or profile.steps=0")
+    if profile.start_step >= max_steps:
+        raise ConfigError(f"profile.start_step={profile.start_step} is past the end of the run ({max_steps} steps); "
+                          f"set profile.start_step below {max_steps}")
+    from functrain.run.profile import ProfileWindow
+    return [ProfileWindow(profile.start_step, profile.steps)]
+
+
+def _callbacks(config: Config, parts: Parts, trackers: list[Callback], extra: list[Callback], max_steps: int
+               ) -> CallbackList:
     """The built-in callbacks the config asks for, the user's, then the summary (it reads what the others
     wrote and closed)."""
     tensorboard = config.log.tensorboard and "tensorboard" in config.log.trackers
     builtins: list[Callback] = [EveryNSteps(config.eval.every_steps, config.checkpoint.every_steps),
-                                MetricsWriter(tensorboard=tensorboard), RunEvents(), *trackers]
+                                MetricsWriter(tensorboard=tensorboard), RunEvents(), *trackers,
+                                *_profile_window(config, max_steps)]
     if config.eval.samples.count:
         from functrain.run.samples import SampleWriter
         builtins.append(SampleWriter(config.eval.samples, config.model, config.backend, tensorboard))
@@ -267,5 +283,5 @@ def build_run(config: Config, *, model: Any = None, loss_fn: Callable | None = N
                parts=parts, run_dir=run_dir, sampler=sampler, loader=loader, eval_loader=eval_loader,
                optimizer=optimizer, backend=backend, open_checkpointer=open_checkpointer,
                adapter_checkpoints=getattr(config.model, "lora", None) is not None,
-               callbacks=_callbacks(config, parts, trackers, callbacks or []), resume=resume, speed=speed,
+               callbacks=_callbacks(config, parts, trackers, callbacks or [], max_steps), resume=resume, speed=speed,
                warnings=tuple(likely_mistakes(config, max_steps, has_eval_data=parts.eval_data is not None)))

@@ -293,6 +293,13 @@ class PythonModelConfig(Section):
     python_object: str  # the name is PYTHON_OBJECT
 
 
+class ProfileConfig(Section):
+    """``profile.*``: trace ``steps`` training steps from ``start_step`` with the JAX profiler into
+    ``RUN_DIR/profile/`` (0 steps: no trace; see :mod:`functrain.run.profile`)."""
+    start_step: int = Field(0, ge=0)
+    steps: int = Field(0, ge=0)
+
+
 class Config(Section):
     """The whole run configuration; ``model`` holds the chosen model's own validated config."""
     seed: int = 0
@@ -306,6 +313,7 @@ class Config(Section):
     mesh: MeshConfig = MeshConfig()
     log: LogConfig = LogConfig()
     eval: EvalConfig = EvalConfig()
+    profile: ProfileConfig = ProfileConfig()
 
     @pydantic.field_validator("model", mode="before")
     @classmethod
