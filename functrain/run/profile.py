@@ -4,7 +4,7 @@ The trace starts at the first call boundary at or after ``start_step`` and stops
 ``start_step + steps`` (with ``train.steps_per_call`` > 1 the window widens to whole calls), written under
 ``RUN_DIR/profile/`` (``plugins/profile/<time>/*.xplane.pb``). Open it with TensorBoard's profile plugin
 (``pip install tensorboard-plugin-profile; tensorboard --logdir RUN_DIR/profile``) or XProf
-(``pip install xprof; xprof --logdir RUN_DIR/profile``); the ``*.trace.json.gz`` beside it loads in Perfetto.
+(``pip install xprof; xprof --logdir RUN_DIR/profile``).
 """
 
 from __future__ import annotations
