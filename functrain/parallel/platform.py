@@ -15,6 +15,7 @@ import importlib.util
 import os
 
 TPU_DEVICE_NODES = ("/dev/accel*", "/dev/vfio/[0-9]*")
+OTHER_ACCELERATOR_NODES = ("/dev/kfd",)  # ROCm: JAX's own choice finds it
 NVIDIA_DEVICE_NODES = ("/dev/nvidia[0-9]*",)
 CUDA_PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin")
 
@@ -24,8 +25,9 @@ def _present(patterns: tuple[str, ...]) -> bool:
 
 
 def platforms_without_tpu() -> str | None:
-    """The ``JAX_PLATFORMS`` value for this machine, or None to leave JAX's own choice (a TPU is attached)."""
-    if _present(TPU_DEVICE_NODES):
+    """The ``JAX_PLATFORMS`` value for this machine, or None to leave JAX's own choice (a TPU, or an accelerator
+    whose platform name is not checked here, is attached)."""
+    if _present(TPU_DEVICE_NODES + OTHER_ACCELERATOR_NODES):
         return None
     # JAX skips a listed cuda that has no visible GPU, but fails on one whose plugin is not installed.
     if _present(NVIDIA_DEVICE_NODES) and any(importlib.util.find_spec(name) for name in CUDA_PLUGINS):
