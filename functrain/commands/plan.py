@@ -46,8 +46,10 @@ def format_plan(plan) -> str:
     elif plan.fits:
         lines.append("fits: yes")
     else:
-        over = sizes["total"] - plan.hbm_bytes
-        lines.append(f"fits: no, {over / GIB:.2f} GiB over; " + "; or ".join(plan.advice))
+        from functrain.run.plan import HBM_USABLE
+        over = sizes["total"] - HBM_USABLE * plan.hbm_bytes
+        lines.append(f"fits: no, {over / GIB:.2f} GiB over the {HBM_USABLE:.0%} of HBM a run can use; "
+                     + "; or ".join(plan.advice))
     return "\n".join(lines)
 
 
