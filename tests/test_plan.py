@@ -114,3 +114,17 @@ def test_a_program_the_tpu_compiler_refuses_is_reported_as_not_fitting():
                "(114.76G) exceeds available HBM (95.74G).")
     assert _required_temporaries(message) == int(114.76 * 2 ** 30)
     assert _required_temporaries("INTERNAL: something else") is None
+
+
+def test_a_mesh_the_torus_cannot_hold_is_one_line(monkeypatch):
+    from functrain.errors import ConfigError
+    from functrain.parallel import sharding
+
+    def refuse(*args, **kwargs):
+        raise NotImplementedError("Failed to find assignment for logical_axis_index 1 of size 256 with remaining "
+                                  "assignable mesh [8, 8, 8].\nmore")
+
+    monkeypatch.setattr(sharding.jax, "make_mesh", refuse)
+    config = load_config("configs/char_gpt.yaml", ["mesh.data=1"])
+    with pytest.raises(ConfigError, match=r"mesh.data=1 mesh.fsdp=1 mesh.tensor=1 cannot be laid .*size 256"):
+        sharding.make_mesh(config.mesh)
