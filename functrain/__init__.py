@@ -12,6 +12,10 @@ JAX: ``functrain train`` takes SIGTERM from its first instant (a preempted VM ma
 import importlib
 from typing import Any
 
+from functrain.parallel.platform import choose_platforms
+
+choose_platforms()  # before jax is imported: no libtpu start-up on machines without a TPU
+
 # Public name -> the module that defines it.
 _PUBLIC = {
     "TrainState": "functrain.core.state",

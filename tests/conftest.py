@@ -12,9 +12,13 @@ import sys
 import textwrap
 from pathlib import Path
 
-import jax
-import numpy as np
-import pytest
+from functrain.parallel.platform import choose_platforms
+
+choose_platforms()  # before jax: the suite starts no libtpu where no TPU is attached (the tpu extra installs it)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

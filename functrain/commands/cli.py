@@ -18,9 +18,9 @@ from functrain.run.signals import CommandSignals, Interrupted
 
 # The verbs, in the order `functrain --help` lists them; each module has HELP, add_arguments() and run().
 VERBS = {"train": "train", "inspect": "inspect", "convert": "convert", "plot": "plot", "generate": "generate",
-         "rewind": "rewind", "verify-resume": "verify_resume", "tokenize": "tokenize"}
+         "rewind": "rewind", "verify-resume": "verify_resume", "tokenize": "tokenize", "plan": "plan"}
 # Verbs whose trailing key=value words are config overrides.
-TAKES_OVERRIDES = ("train", "rewind", "verify-resume")
+TAKES_OVERRIDES = ("train", "rewind", "verify-resume", "plan")
 # Verbs that train in this process, and so take stop signals from their first instant.
 TRAINS = ("train", "rewind")
 

@@ -7,6 +7,8 @@
 - ``array_file``: a ``.npz`` file with ``x``/``y`` (classification) or ``tokens`` (language modelling).
 - ``tokens``: a token store written by ``functrain tokenize`` (see :mod:`functrain.data.token_windows`; it is
   opened as sources, not loaded as arrays).
+- ``synthetic``: random token ids below ``model.vocab_size`` (see :mod:`functrain.data.synthetic`; computed
+  per batch, not loaded).
 
 Each loader returns ``(train, eval)`` as dicts of numpy arrays with a leading record dimension; the
 evaluation split is the last ``data.eval_fraction`` of the records, so it never depends on the seed.
@@ -150,7 +152,8 @@ def open_source(path: str, name: str | None, data_config: Any, vocab_size: int |
 def load_dataset(data_config: Any) -> tuple[Arrays, Arrays]:
     """The (train, eval) arrays named by a ``data`` config section."""
     if data_config.name not in LOADERS:
-        raise DataError(f"unknown data.name {data_config.name!r}; choose one of {', '.join(sorted(LOADERS))}")
+        names = sorted([*LOADERS, "synthetic", "tokens"])  # the last two are sources (functrain.run.parts)
+        raise DataError(f"unknown data.name {data_config.name!r}; choose one of {', '.join(names)}")
     arrays = LOADERS[data_config.name](data_config)
     train, evaluation = _split(arrays, data_config.eval_fraction)
     if len(next(iter(train.values()))) == 0:

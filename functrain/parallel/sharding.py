@@ -116,7 +116,12 @@ def make_mesh(mesh_config: Any, devices: list | None = None) -> Mesh:
     devices = list(jax.devices() if devices is None else devices)
     sizes = resolve_mesh_shape(mesh_config, len(devices))
     shape = tuple(sizes[axis] for axis in MESH_AXES)
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+    try:
+        return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+    except NotImplementedError as exc:  # a TPU torus that these axis sizes cannot be laid along
+        raise ConfigError(f"{_format_mesh(sizes)} cannot be laid on the {len(devices)} devices' torus "
+                          f"({str(exc).splitlines()[0][:160]}); make each mesh axis a product of the torus "
+                          f"dimensions (e.g. mesh.tensor equal to one of them)") from None
 
 
 # ---------------------------------------------------------------------------------------------- rules

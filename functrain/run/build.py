@@ -111,10 +111,11 @@ def check_batch_split(config: Config, ways: int, what: str) -> None:
 
 def jax_backend(config: Config, example_batch: dict[str, np.ndarray], max_steps: int, *, model: Any,
                 kind: str | None = None, fields: Fields | None = None, loss_fn: Callable | None = None,
-                optimizer: tuple[Any, str] | None = None) -> Backend:
+                optimizer: tuple[Any, str] | None = None, devices: list | None = None) -> Backend:
     """The JAX backend: the program of the model and loss (``kind``: the built-in loss, ``fields``: the
-    data's roles, see :mod:`functrain.core.fields`), the optax
-    transformation (``optimizer``: a user's, with its name for errors; None: the config's), the mesh."""
+    data's roles, see :mod:`functrain.core.fields`), the optax transformation (``optimizer``: a user's, with
+    its name for errors; None: the config's), the mesh over ``devices`` (None: all; a TPU topology's when
+    planning). Building it allocates nothing on the devices."""
     from functrain.core.optim import as_transformation
     from functrain.core.program import as_program
     from functrain.parallel import sharding
@@ -133,7 +134,7 @@ def jax_backend(config: Config, example_batch: dict[str, np.ndarray], max_steps:
     else:
         schedule = schedule_settings(config.optimizer, max_steps).optax()
         tx, reported = as_transformation(optimizer[0], schedule, optimizer[1])
-    mesh = sharding.make_mesh(config.mesh)
+    mesh = sharding.make_mesh(config.mesh, devices)
     check_batch_split(config, sharding.batch_devices(mesh), "data-parallel devices")
     return JaxBackend(program, tx, reported, mesh=mesh, rules=sharding.logical_rules(config.mesh),
                       param_rules=config.mesh.param_rules,
@@ -176,12 +177,64 @@ def torch_backend(config: Config, example_batch: dict[str, np.ndarray], max_step
 
 # ------------------------------------------------------------------------------------------------- build
 
-def _callbacks(config: Config, parts: Parts, trackers: list[Callback], extra: list[Callback]) -> CallbackList:
+def _order(config: Config, parts: Parts) -> tuple[Order, int, dict[str, np.ndarray]]:
+    """The training data's order, the run's length and its first batch (whose shapes the step is built for)."""
+    data = config.data
+    sampler = order_for(parts.train_data, data.global_batch_size, data_seed(config), shuffle=data.shuffle,
+                        last_batch=data.last_batch)
+    example_batch, _ = loader_for(parts.train_data, sampler, prefetch=0, transform=parts.transform).host_batch(0)
+    return sampler, total_steps(config, sampler), example_batch
+
+
+def data_seed(config: Config) -> int:
+    """``data.seed``, or the run's seed when it is not set."""
+    return config.seed if config.data.seed is None else config.data.seed
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A run's JAX backend and the shapes of its train call, built as :func:`build_run` builds them."""
+    parts: Parts
+    backend: Any                                # JaxBackend
+    example_batch: dict[str, np.ndarray]        # one global batch (host arrays: tokens, not weights)
+    max_steps: int
+
+
+def plan_run(config: Config, devices: list | None = None) -> Planned:
+    """The backend a ``train`` of ``config`` would build, over ``devices`` (None: the local ones; a TPU
+    topology's for a pod that is not here), with no state initialised and nothing written or allocated."""
+    if config.backend != "jax":
+        raise ConfigError("functrain plan compiles the JAX step; set backend=jax")
+    parts = build_parts(config)
+    check_data(parts)
+    _, max_steps, example_batch = _order(config, parts)
+    backend = jax_backend(config, example_batch, max_steps, model=parts.model, kind=parts.kind, fields=parts.fields,
+                          loss_fn=parts.loss_fn, optimizer=parts.optimizer, devices=devices)
+    return Planned(parts=parts, backend=backend, example_batch=example_batch, max_steps=max_steps)
+
+
+def _profile_window(config: Config, max_steps: int) -> list[Callback]:
+    """The profiler callback ``profile.steps`` asks for, or a one-line refusal of a window the run never reaches."""
+    profile = config.profile
+    if not profile.steps:
+        return []
+    if config.backend != "jax":
+        raise ConfigError("profile.steps traces the JAX backend with jax.profiler; set backend=jax or profile.steps=0")
+    if profile.start_step >= max_steps:
+        raise ConfigError(f"profile.start_step={profile.start_step} is past the end of the run ({max_steps} steps); "
+                          f"set profile.start_step below {max_steps}")
+    from functrain.run.profile import ProfileWindow
+    return [ProfileWindow(profile.start_step, profile.steps)]
+
+
+def _callbacks(config: Config, parts: Parts, trackers: list[Callback], extra: list[Callback], max_steps: int
+               ) -> CallbackList:
     """The built-in callbacks the config asks for, the user's, then the summary (it reads what the others
     wrote and closed)."""
     tensorboard = config.log.tensorboard and "tensorboard" in config.log.trackers
     builtins: list[Callback] = [EveryNSteps(config.eval.every_steps, config.checkpoint.every_steps),
-                                MetricsWriter(tensorboard=tensorboard), RunEvents(), *trackers]
+                                MetricsWriter(tensorboard=tensorboard), RunEvents(), *trackers,
+                                *_profile_window(config, max_steps)]
     if config.eval.samples.count:
         from functrain.run.samples import SampleWriter
         builtins.append(SampleWriter(config.eval.samples, config.model, config.backend, tensorboard))
@@ -205,12 +258,8 @@ def build_run(config: Config, *, model: Any = None, loss_fn: Callable | None = N
     trackers = make_trackers(config.log.trackers)  # before anything is read or written: a missing package
     run_dir = Path(config.run.dir).absolute()  # Orbax needs absolute paths
     check_data(parts)  # what the model reads, before the first step (and again on every batch)
-    data_seed = config.seed if config.data.seed is None else config.data.seed
-    data = config.data
-    sampler = order_for(parts.train_data, data.global_batch_size, data_seed, shuffle=data.shuffle,
-                        last_batch=data.last_batch)
-    max_steps = total_steps(config, sampler)
-    example_batch, _ = loader_for(parts.train_data, sampler, prefetch=0, transform=parts.transform).host_batch(0)
+    data, seed = config.data, data_seed(config)
+    sampler, max_steps, example_batch = _order(config, parts)
     objects = {"model": parts.model, "fields": parts.fields, "loss_fn": parts.loss_fn, "optimizer": parts.optimizer}
     backend = (torch_backend(config, example_batch, max_steps, **objects) if config.backend == "torch"
                else jax_backend(config, example_batch, max_steps, kind=parts.kind, **objects))
@@ -220,7 +269,7 @@ def build_run(config: Config, *, model: Any = None, loss_fn: Callable | None = N
     if parts.eval_data is not None:
         def eval_loader() -> BatchLoader:
             """The evaluation set in a fixed order, padded so that every record counts once."""
-            order = IndexSampler(len(parts.eval_data), data.global_batch_size, data_seed, shuffle=False,
+            order = IndexSampler(len(parts.eval_data), data.global_batch_size, seed, shuffle=False,
                                  last_batch="pad")
             return BatchLoader(parts.eval_data, order, backend.process_index, backend.process_count, prefetch=0,
                                check=parts.batch_check, transform=parts.transform)
@@ -229,7 +278,7 @@ def build_run(config: Config, *, model: Any = None, loss_fn: Callable | None = N
         Checkpointer, run_dir, keep=checkpoint.keep, keep_best=checkpoint.keep_best,
         best_metric=checkpoint.best_metric, best_mode=checkpoint.best_mode, async_save=checkpoint.async_save,
         on_error=checkpoint.on_error, is_primary=backend.process_index == 0)
-    resume = ResumePolicy(run_dir, checkpoint.resume, data.ignore_skip, data.skip_samples, data_seed, config.backend,
+    resume = ResumePolicy(run_dir, checkpoint.resume, data.ignore_skip, data.skip_samples, seed, config.backend,
                           config.optimizer.model_dump(mode="json"),
                           {"config_digest": config.digest(), "model": config.model.model_dump(mode="json")})
     # A torch user model's shape is its own (a transformers model's config), not the config's model section.
@@ -241,5 +290,5 @@ def build_run(config: Config, *, model: Any = None, loss_fn: Callable | None = N
                parts=parts, run_dir=run_dir, sampler=sampler, loader=loader, eval_loader=eval_loader,
                optimizer=optimizer, backend=backend, open_checkpointer=open_checkpointer,
                adapter_checkpoints=getattr(config.model, "lora", None) is not None,
-               callbacks=_callbacks(config, parts, trackers, callbacks or []), resume=resume, speed=speed,
+               callbacks=_callbacks(config, parts, trackers, callbacks or [], max_steps), resume=resume, speed=speed,
                warnings=tuple(likely_mistakes(config, max_steps, has_eval_data=parts.eval_data is not None)))

@@ -91,9 +91,11 @@ class DataConfig(Section):
     function is streamed as it is (called with the start offset on resume when it takes one).
     ``sources: [{path, weight}, ...]`` replaces ``name`` and ``path``: a mixture of those files. ``packing``
     (token stores: ``name: tokens`` or token-store entries of ``sources``) adds segment ids and positions so
-    that documents never see one another. ``fields``: see :class:`FieldsConfig`. ``transform: "pkg.module:fn"``:
-    ``fn(record, rng) -> record`` reshapes every record as it is read (training and evaluation; map-style
-    data), so records of another shape need no data source of their own (``fit(..., transform=)`` wins)."""
+    that documents never see one another. ``name: synthetic`` draws random token ids below ``model.vocab_size``
+    (no corpus: :mod:`functrain.data.synthetic`). ``fields``: see :class:`FieldsConfig`. ``transform:
+    "pkg.module:fn"``: ``fn(record, rng) -> record`` reshapes every record as it is read (training and
+    evaluation; map-style data), so records of another shape need no data source of their own
+    (``fit(..., transform=)`` wins)."""
     name: str = "char_text"
     target: Target = None
     kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -305,6 +307,13 @@ class PythonModelConfig(Section):
     python_object: str  # the name is PYTHON_OBJECT
 
 
+class ProfileConfig(Section):
+    """``profile.*``: trace ``steps`` training steps from ``start_step`` with the JAX profiler into
+    ``RUN_DIR/profile/`` (0 steps: no trace; see :mod:`functrain.run.profile`)."""
+    start_step: int = Field(0, ge=0)
+    steps: int = Field(0, ge=0)
+
+
 class Config(Section):
     """The whole run configuration; ``model`` holds the chosen model's own validated config."""
     seed: int = 0
@@ -318,6 +327,7 @@ class Config(Section):
     mesh: MeshConfig = MeshConfig()
     log: LogConfig = LogConfig()
     eval: EvalConfig = EvalConfig()
+    profile: ProfileConfig = ProfileConfig()
 
     @pydantic.field_validator("model", mode="before")
     @classmethod

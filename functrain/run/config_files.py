@@ -1,6 +1,5 @@
-"""Config files and overrides: reading a YAML mapping, applying dotted ``key=value`` overrides.
-
-Kept apart from the typed schema (:mod:`functrain.run.config`), which validates what these produce.
+"""Config files and overrides as plain data: reading a YAML mapping and applying dotted ``key=value`` overrides
+(before :func:`functrain.run.config.validate_config` types them), and the inverse for ``fit(config, **overrides)``.
 """
 
 import json
@@ -74,7 +73,6 @@ def read_yaml(path: str | Path) -> dict:
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys, not {type(raw).__name__}")
     return raw
-
 
 
 def override_list(overrides: dict[str, Any]) -> list[str]:

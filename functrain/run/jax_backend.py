@@ -44,7 +44,7 @@ class JaxBackend:
         self.program, self.mesh, self.seed = program, mesh, seed
         self.process_index, self.process_count = jax.process_index(), jax.process_count()
         self.writes_checkpoints = True  # Orbax writes a checkpoint with every process
-        self.devices = jax.devices()
+        self.devices = list(mesh.devices.flat)  # jax.devices(), or a TPU topology's when planning
         if step.offload_optimizer:
             check_offload()
         compute_dtype = COMPUTE_DTYPES[step.compute_dtype]
@@ -146,6 +146,15 @@ class JaxBackend:
         ``cost_analysis``); running the call goes through :meth:`train_call`."""
         with jax.set_mesh(self.mesh):
             return self._train_call.lower(state, batches).compile()
+
+    def abstract_train_args(self, example_batch: dict[str, np.ndarray], steps_per_call: int
+                            ) -> tuple[TrainState, dict[str, jax.ShapeDtypeStruct]]:
+        """The train call's arguments as shapes with their shardings (the state, and ``steps_per_call`` batches
+        shaped like ``example_batch``): :meth:`compile_train_call` of them plans a run without allocating it."""
+        batches = {name: jax.ShapeDtypeStruct((steps_per_call, *np.shape(value)), np.asarray(value).dtype,
+                                              sharding=self.stacked_batch_sharding)
+                   for name, value in example_batch.items()}
+        return _with_shardings(self.abstract_state, self.state_shardings), batches
 
     def eval_batch(self, state: TrainState, host_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Metric sums of one evaluation batch ``[B_local, ...]``."""

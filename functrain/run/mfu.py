@@ -21,23 +21,14 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from functrain.run.chips import TERA, chip_of
+
 log = logging.getLogger("functrain")
-
-# Dense bf16 peak TFLOP/s per device, matched against jax's device_kind (first match wins).
-PEAK_TFLOPS = (
-    ("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("GH200", 989.0), ("H800", 989.0),
-    ("B200", 2250.0), ("A100", 312.0), ("A10G", 125.0), ("L40S", 362.0), ("L4", 121.0), ("V100", 125.0),
-    ("TPU v4", 275.0), ("TPU v5 lite", 197.0), ("TPU v5e", 197.0), ("TPU v5p", 459.0), ("TPU v5", 459.0),
-    ("TPU v6", 918.0),
-)
-
 
 def peak_tflops(device_kind: str) -> float | None:
     """Dense bf16 peak TFLOP/s of one device of this kind, or None when unknown (CPUs among them)."""
-    for name, tflops in PEAK_TFLOPS:
-        if name.lower() in device_kind.lower():
-            return tflops
-    return None
+    chip = chip_of(device_kind)
+    return chip.peak_flops / TERA if chip else None
 
 
 @dataclass(frozen=True)
@@ -113,6 +104,6 @@ def speed_report(model_config: Any, kind: str, global_batch_size: int, seq_len: 
     peak = peak_tflops(device_kind)
     if flops and peak is None and devices and devices[0].platform != "cpu":
         log.warning("functrain: warning: no known peak FLOP/s for device kind %r: MFU is not reported (add it to "
-                    "functrain.run.mfu.PEAK_TFLOPS)", device_kind)
+                    "functrain.run.chips.CHIPS)", device_kind)
     return SpeedReport(samples_per_step=global_batch_size, tokens_per_step=tokens, flops_per_token=flops,
                        devices=max(len(devices), 1), peak_flops_per_device=peak * 1e12 if peak else None)

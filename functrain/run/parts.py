@@ -27,6 +27,7 @@ from functrain.data.stream import is_stream
 from functrain.data.transforms import Transform, apply_transform
 from functrain.data.validate import BatchCheck, check_arrays
 from functrain.data.datasets import load_dataset, open_source, token_store
+from functrain.data.synthetic import synthetic_splits
 from functrain.errors import ConfigError, DataError
 from functrain.models import build_model, model_spec
 from functrain.core.fields import Fields, require_builtin, resolve_fields
@@ -179,6 +180,9 @@ def resolve_data(config: Any, train_data: Any, eval_data: Any) -> tuple[Source |
                           "fit(..., train_data=) or set data.name or data.target")
     if section.name == "tokens":
         return token_store(section, getattr(config.model, "vocab_size", None))
+    if section.name == "synthetic":
+        return synthetic_splits(section.seq_len, getattr(config.model, "vocab_size", None),
+                                config.seed if section.seed is None else section.seed, section.eval_fraction)
     train, evaluation = load_dataset(section)
     return as_source(train), (as_source(evaluation) if len(next(iter(evaluation.values()))) else None)
 

@@ -1,0 +1,184 @@
+"""Plan a run before renting the hardware: compile its train call ahead of time and read what XLA says.
+
+:func:`plan` builds the run exactly as ``functrain train`` would (the same builder, sharding rules and step; see
+:func:`functrain.run.build.plan_run`) on abstract arrays (``jax.ShapeDtypeStruct`` with shardings: nothing the
+size of the model is allocated), compiles the train call for the local devices or for a TPU topology through
+libtpu, and reports per chip: state bytes by part, XLA's temporaries (activations), the total against the chip's
+HBM, FLOPs and HBM bytes of a step (``cost_analysis``), a roofline step time and the MFU it implies.
+
+XLA's ``cost_analysis`` counts a loop body once: the call's scan over ``train.steps_per_call`` steps therefore
+counts one step, and the scan over ``train.micro_batches`` one micro-batch, so FLOPs and bytes are multiplied by
+``micro_batches`` (the optimizer update, outside that loop, is then over-counted: under 1% for LMs). The models
+unroll their layers (no scan), so nothing else is undercounted.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+
+from functrain.errors import ConfigError
+from functrain.parallel.sharding import state_bytes_per_device
+from functrain.run.build import plan_run
+from functrain.run.chips import chip_of
+from functrain.run.config import Config
+from functrain.run.mfu import decoder_shape, train_flops_per_token
+
+TOPOLOGY_EXAMPLES = ("v4:2x2x2", "v5e:4x4", "v5p:4x4x8", "v6e:16x16")
+# Part of HBM a plan may fill: the runtime, the compiled program and fragmentation take the rest.
+HBM_USABLE = 0.95
+
+
+def topology_devices(name: str) -> list:
+    """The devices of TPU topology ``name`` (``v5p:2x2x2``), described by libtpu; no TPU needs to be attached."""
+    if importlib.util.find_spec("libtpu") is None:
+        raise ConfigError(f"--topology {name} compiles through libtpu, which is not installed; "
+                          f"pip install 'functrain[tpu]'")
+    # Planning only compiles: it may share libtpu with a training process that holds libtpu's lockfile.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from jax.experimental import topologies
+    try:
+        return list(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
+    except Exception as exc:  # libtpu raises XlaRuntimeError/JaxRuntimeError or ValueError for a bad name
+        raise ConfigError(f"unknown TPU topology {name!r} ({str(exc).splitlines()[0][:120]}); give GENERATION:SHAPE, "
+                          f"one of the generations v4, v5e, v5p, v6e, e.g. {', '.join(TOPOLOGY_EXAMPLES)}") from None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one compile of a run's train call says, per chip (bytes, FLOPs) unless named otherwise."""
+    device_kind: str
+    chips: int
+    mesh: dict[str, int]
+    parameters: int
+    seq_len: int
+    global_batch_size: int
+    micro_batches: int
+    steps_per_call: int
+    per_chip_bytes: dict[str, int]           # params, optimizer, model_state, batch, activations, total
+    hbm_bytes: int | None
+    flops_per_step: float                    # per chip, as compiled
+    bytes_per_step: float                    # HBM bytes accessed per chip
+    model_flops_per_step: float | None       # analytic, all chips (causal attention halved, as MaxText)
+    step_time_s: float | None                # roofline: max(FLOPs / peak, bytes / bandwidth)
+    mfu: float | None
+    tokens_per_sec_per_chip: float | None
+    fits: bool | None
+    compiled: bool = True                    # False: the compiler refused it (too large); FLOPs unknown (0)
+    advice: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        """The plan as one JSON-able object (``functrain plan --json``)."""
+        return asdict(self)
+
+
+def _first(cost: Any) -> dict:
+    return (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
+
+
+class _RefusedMemory:
+    """``memory_analysis()``'s fields for a program the compiler refused: the arguments (state and batches, from
+    their shardings), the state as output, donated, and the temporaries the refusal named."""
+
+    def __init__(self, backend: Any, example_batch: dict[str, np.ndarray], steps_per_call: int,
+                 temporaries: int) -> None:
+        state, batches = backend.abstract_train_args(example_batch, steps_per_call)
+        whole = state_bytes_per_device(state, backend.state_shardings)[0]
+        batch = state_bytes_per_device(batches, jax.tree.map(lambda leaf: leaf.sharding, batches))[0]
+        self.argument_size_in_bytes, self.output_size_in_bytes = whole + batch, whole
+        self.alias_size_in_bytes, self.temp_size_in_bytes = whole, temporaries
+
+
+def per_chip_bytes(backend: Any, memory: Any) -> dict[str, int]:
+    """State bytes per chip by part (from the shardings' shard shapes), the batch, XLA's temporaries and the total
+    (arguments + outputs - donated aliases + temporaries)."""
+    state, shardings = backend.abstract_state, backend.state_shardings
+    params = state_bytes_per_device(state.params, shardings.params)[0]
+    optimizer = state_bytes_per_device(state.opt_state, shardings.opt_state)[0]
+    whole = state_bytes_per_device(state, shardings)[0]
+    arguments = int(memory.argument_size_in_bytes)
+    total = arguments + int(memory.output_size_in_bytes) - int(memory.alias_size_in_bytes) + int(
+        memory.temp_size_in_bytes)
+    return {"params": params, "optimizer": optimizer, "model_state": whole - params - optimizer,
+            "batch": max(arguments - whole, 0), "activations": int(memory.temp_size_in_bytes), "total": total}
+
+
+def advice(config: Config, sizes: dict[str, int], chips: int, mesh: dict[str, int]) -> list[str]:
+    """Settings that would shrink the largest parts, most effective first."""
+    tips = []
+    state = sizes["params"] + sizes["optimizer"]
+    if mesh["fsdp"] < chips and state > sizes["activations"] / 2:
+        tips.append(f"raise mesh.fsdp (now {mesh['fsdp']}; up to {chips}) to shard parameters and optimizer state")
+    if sizes["activations"] > state / 4:
+        tips.append(f"raise train.micro_batches (now {config.train.micro_batches}) to hold fewer activations")
+        if getattr(config.model, "remat", "full") != "full":
+            tips.append(f"set model.remat=full (now {config.model.remat}) to recompute activations in the backward pass")
+    if config.train.param_dtype == "float32" and not config.train.offload_optimizer:
+        tips.append("set train.offload_optimizer=true to keep optimizer state in host memory")
+    return tips
+
+
+def plan(config: Config, topology: str | None = None) -> Plan:
+    """Compile ``config``'s train call for the local devices or TPU ``topology`` and report (see the module)."""
+    planned = plan_run(config, topology_devices(topology) if topology else None)
+    backend = planned.backend
+    try:
+        compiled = backend.compile_train_call(*backend.abstract_train_args(planned.example_batch,
+                                                                          config.train.steps_per_call))
+    except jax.errors.JaxRuntimeError as exc:
+        required = _required_temporaries(str(exc))
+        if required is None:
+            raise
+        return report(config, planned, None, temporaries=required)
+    return report(config, planned, compiled)
+
+
+def _required_temporaries(message: str) -> int | None:
+    """The temporaries' bytes from the TPU compiler's refusal of a program that does not fit in HBM, or None
+    for another error ("... memory required for HLO temporaries (114.76G) exceeds available HBM (95.74G)")."""
+    found = re.search(r"RESOURCE_EXHAUSTED.*?temporaries \(([0-9.]+)([KMGT])\)", message)
+    if found is None:
+        return None
+    return int(float(found.group(1)) * 1024 ** "KMGT".index(found.group(2)) * 1024)
+
+
+def report(config: Config, planned: Any, compiled: jax.stages.Compiled | None, temporaries: int = 0) -> Plan:
+    """The :class:`Plan` of a compiled train call; without one (the compiler refused a program that needs
+    ``temporaries`` bytes more than HBM holds) memory is state + batch + temporaries and FLOPs are unknown (0)."""
+    backend, train = planned.backend, config.train
+    chips, device_kind = len(backend.devices), backend.devices[0].device_kind
+    chip = chip_of(device_kind)
+    if compiled is None:
+        sizes = per_chip_bytes(backend, _RefusedMemory(backend, planned.example_batch, train.steps_per_call,
+                                                       temporaries))
+        cost = {}
+    else:
+        sizes = per_chip_bytes(backend, compiled.memory_analysis())
+        cost = _first(compiled.cost_analysis())
+    flops = float(cost.get("flops", 0.0)) * train.micro_batches
+    bytes_accessed = float(cost.get("bytes accessed", 0.0)) * train.micro_batches
+    tokens = config.data.global_batch_size * config.data.seq_len if planned.parts.kind == "causal_lm" else None
+    shape = decoder_shape(config.model) if tokens else None
+    model_flops = train_flops_per_token(shape, config.data.seq_len) * tokens if shape else None
+    step_time = mfu = tokens_per_chip = fits = hbm = None
+    if chip:
+        hbm = chip.hbm_bytes
+        if compiled is not None:
+            step_time = max(flops / chip.peak_flops, bytes_accessed / chip.hbm_bandwidth)
+            mfu = (model_flops or flops * chips) / (chips * chip.peak_flops * step_time) if step_time else None
+            tokens_per_chip = tokens / step_time / chips if tokens and step_time else None
+        fits = compiled is not None and sizes["total"] <= HBM_USABLE * hbm
+    mesh = {axis: int(size) for axis, size in backend.mesh.shape.items()}
+    parameters = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(backend.abstract_state.params))
+    return Plan(device_kind=device_kind, chips=chips, mesh=mesh, parameters=parameters, seq_len=config.data.seq_len,
+                global_batch_size=config.data.global_batch_size, micro_batches=train.micro_batches,
+                steps_per_call=train.steps_per_call, per_chip_bytes=sizes, hbm_bytes=hbm, flops_per_step=flops,
+                bytes_per_step=bytes_accessed, model_flops_per_step=model_flops, step_time_s=step_time, mfu=mfu,
+                tokens_per_sec_per_chip=tokens_per_chip, fits=fits, compiled=compiled is not None,
+                advice=advice(config, sizes, chips, mesh) if fits is False else [])

@@ -1,0 +1,130 @@
+"""functrain plan: the run's own train call compiled ahead of time on abstract arrays, for the local devices or a
+TPU topology; its figures agree with the real run's compile and with arithmetic; bad input is one line."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import jax
+import numpy as np
+import pytest
+
+from functrain.run.build import build_run
+from functrain.run.config import load_config
+from functrain.run.plan import per_chip_bytes, plan
+from tests.conftest import REPO_ROOT, cli_env, run_python
+
+TINY = ["data.name=synthetic", "model.n_layers=1", "model.d_model=32", "model.d_ff=64", "data.seq_len=16",
+        "data.global_batch_size=8", "train.steps_per_call=2", "eval.samples.count=0"]
+needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                  reason="the tpu extra (libtpu) is not installed")
+
+
+def functrain(*args: str, devices: int | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "functrain", *args], capture_output=True, text=True,
+                          env=cli_env(devices), cwd=REPO_ROOT, timeout=300)
+
+
+def test_plan_on_local_devices_reports_the_memory_the_real_run_compiles(tmp_path):
+    config = load_config("configs/char_gpt.yaml", TINY + [f"run.dir={tmp_path / 'r'}"])
+    planned = plan(config)
+    run = build_run(config)
+    backend = run.backend
+    host = run.loader.host_batch(0)[0]
+    batches = {name: np.stack([value] * config.train.steps_per_call) for name, value in host.items()}
+    real = backend.compile_train_call(backend.init_state(), batches)
+    assert planned.per_chip_bytes == per_chip_bytes(backend, real.memory_analysis())
+    cost = real.cost_analysis()
+    assert planned.flops_per_step == (cost[0] if isinstance(cost, list) else cost)["flops"]
+    assert planned.parameters == sum(int(np.prod(leaf.shape)) for leaf in
+                                     jax.tree.leaves(jax.eval_shape(run.parts.model.init, jax.random.PRNGKey(0),
+                                                                    host["tokens"][:, :-1])))
+
+
+def test_state_bytes_per_chip_are_parameters_times_bytes_over_fsdp_shards():
+    # AdamW in float32: 4 bytes of weight and 8 of moments per parameter, split over 4 FSDP shards.
+    result = run_python("""
+        import json
+        from functrain.run.config import load_config
+        from functrain.run.plan import plan
+        config = load_config("configs/char_gpt.yaml", ["data.name=synthetic", "mesh.fsdp=4", "mesh.data=1",
+                                                       "model.d_model=128", "model.n_layers=2", "data.seq_len=32"])
+        print("RESULT", json.dumps(plan(config).to_json()))
+    """, devices=4)
+    report = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("RESULT"))[7:])
+    state = report["per_chip_bytes"]["params"] + report["per_chip_bytes"]["optimizer"]
+    assert report["chips"] == 4 and report["mesh"]["fsdp"] == 4
+    assert abs(state / (12 * report["parameters"] / 4) - 1) < 0.10
+
+
+@needs_libtpu
+def test_a_small_config_compiles_for_a_v5e_topology_and_fits():
+    proc = functrain("plan", "configs/char_gpt.yaml", *TINY, "--topology", "v5e:2x2", "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["device_kind"].startswith("TPU v5") and report["chips"] == 4
+    assert report["hbm_bytes"] == 16 * 2 ** 30 and report["fits"] is True
+    assert 0 < report["mfu"] < 1 and report["step_time_s"] > 0
+    for key in ("parameters", "seq_len", "flops_per_step", "bytes_per_step"):
+        assert report[key] > 0
+    assert set(report["per_chip_bytes"]) >= {"params", "optimizer", "activations", "total"}
+
+
+def test_plan_prints_a_readable_table_for_local_devices():
+    proc = functrain("plan", "configs/char_gpt.yaml", *TINY)
+    assert proc.returncode == 0, proc.stderr
+    assert "per chip:" in proc.stdout and "activations" in proc.stdout and "fits: unknown" in proc.stdout
+
+
+@needs_libtpu
+@pytest.mark.parametrize("args, words", [
+    (["--topology", "v9z:2x2"], ["unknown TPU topology 'v9z:2x2'", "v5p:4x4x8"]),
+    (["--topology", "v5e:2x2", "mesh.fsdp=3"], ["mesh.fsdp=3", "4 devices"]),
+    (["--topology", "v5e:2x2", "data.global_batch_size=6"], ["data.global_batch_size", "6"]),
+])
+def test_bad_plans_are_one_line_exit_2(args, words):
+    proc = functrain("plan", "configs/char_gpt.yaml", *TINY, *args)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("functrain: error:")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr
+    for word in words:
+        assert word in errors[0]
+
+
+def test_search_takes_the_cheapest_remat_that_fits_then_doubles_the_batch(monkeypatch):
+    from functrain.run import plan_search
+
+    def fake_plan(config, topology):
+        # Memory grows with the batch and shrinks with remat; 64 samples fit with remat=dots_saveable.
+        need = config.data.global_batch_size * {"none": 8, "dots_saveable": 1, "full": 0.5}[config.model.remat]
+        return SimpleNamespace(fits=need <= 64, mesh={"data": 2, "fsdp": 2, "tensor": 1})
+
+    monkeypatch.setattr(plan_search, "plan", fake_plan)
+    config = load_config("configs/gpt_350m.yaml", ["data.name=synthetic", "data.global_batch_size=16"])
+    tried, chosen = plan_search.search(config)
+    assert [(c.remat, c.global_batch_size) for c in tried] == [
+        ("none", 16), ("dots_saveable", 16), ("dots_saveable", 32), ("dots_saveable", 64), ("dots_saveable", 128)]
+    assert (chosen.remat, chosen.global_batch_size, chosen.per_chip_batch) == ("dots_saveable", 64, 16)
+
+
+def test_a_program_the_tpu_compiler_refuses_is_reported_as_not_fitting():
+    from functrain.run.plan import _required_temporaries
+    message = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
+               "(114.76G) exceeds available HBM (95.74G).")
+    assert _required_temporaries(message) == int(114.76 * 2 ** 30)
+    assert _required_temporaries("INTERNAL: something else") is None
+
+
+def test_a_mesh_the_torus_cannot_hold_is_one_line(monkeypatch):
+    from functrain.errors import ConfigError
+    from functrain.parallel import sharding
+
+    def refuse(*args, **kwargs):
+        raise NotImplementedError("Failed to find assignment for logical_axis_index 1 of size 256 with remaining "
+                                  "assignable mesh [8, 8, 8].\nmore")
+
+    monkeypatch.setattr(sharding.jax, "make_mesh", refuse)
+    config = load_config("configs/char_gpt.yaml", ["mesh.data=1"])
+    with pytest.raises(ConfigError, match=r"mesh.data=1 mesh.fsdp=1 mesh.tensor=1 cannot be laid .*size 256"):
+        sharding.make_mesh(config.mesh)

@@ -1,0 +1,51 @@
+"""Without a TPU attached, processes start only the platforms the machine has: no libtpu burst on stderr and no
+libtpu start-up time, even with the tpu extra installed; a JAX_PLATFORMS the user set wins."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+from functrain.parallel import platform
+from tests.conftest import REPO_ROOT
+
+LIBTPU_MARKERS = ("libtpu", "TPU_", "InitGoogle", "tpu")
+
+
+def test_no_tpu_device_nodes_means_cpu(monkeypatch):
+    monkeypatch.setattr(platform.glob, "glob", lambda pattern: [])
+    assert platform.platforms_without_tpu() == "cpu"
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    platform.choose_platforms()
+    assert os.environ["JAX_PLATFORMS"] == "cpu"
+
+
+def test_an_attached_tpu_leaves_the_choice_to_jax(monkeypatch):
+    monkeypatch.setattr(platform.glob, "glob", lambda pattern: ["/dev/accel0"] if "accel" in pattern else [])
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    platform.choose_platforms()
+    assert "JAX_PLATFORMS" not in os.environ
+
+
+def test_a_user_setting_wins(monkeypatch):
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu,tpu")
+    platform.choose_platforms()
+    assert os.environ["JAX_PLATFORMS"] == "cpu,tpu"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="the tpu extra is not installed")
+@pytest.mark.skipif(bool(platform.platforms_without_tpu() is None), reason="a TPU is attached")
+def test_functrain_train_prints_no_libtpu_lines(tmp_path):
+    env = {key: value for key, value in os.environ.items() if key not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    proc = subprocess.run([sys.executable, "-m", "functrain", "train", "configs/char_gpt.yaml",
+                           f"run.dir={tmp_path / 'r'}", "train.max_steps=2", "train.steps_per_call=1",
+                           "model.n_layers=1", "model.d_model=32", "model.d_ff=64", "data.seq_len=16",
+                           "eval.every_steps=0", "eval.samples.count=0", "checkpoint.every_steps=0", "log.plot=false",
+                           "log.progress=false"],
+                          capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    noisy = [line for line in proc.stderr.splitlines() if any(marker in line for marker in LIBTPU_MARKERS)]
+    assert noisy == []
