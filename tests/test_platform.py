@@ -40,11 +40,10 @@ def test_a_user_setting_wins(monkeypatch):
 def test_functrain_train_prints_no_libtpu_lines(tmp_path):
     env = {key: value for key, value in os.environ.items() if key not in ("JAX_PLATFORMS", "XLA_FLAGS")}
     env["PYTHONPATH"] = str(REPO_ROOT)
-    proc = subprocess.run([sys.executable, "-m", "functrain", "train", "configs/char_gpt.yaml",
+    proc = subprocess.run([sys.executable, "-m", "functrain", "train", "configs/mlp_digits.yaml",
                            f"run.dir={tmp_path / 'r'}", "train.max_steps=2", "train.steps_per_call=1",
-                           "model.n_layers=1", "model.d_model=32", "model.d_ff=64", "data.seq_len=16",
-                           "eval.every_steps=0", "eval.samples.count=0", "checkpoint.every_steps=0", "log.plot=false",
-                           "log.progress=false"],
+                           "log.every_steps=1", "model.hidden=[8]", "data.eval_fraction=0", "eval.every_steps=0",
+                           "checkpoint.every_steps=0", "log.progress=false"],
                           capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr
     noisy = [line for line in proc.stderr.splitlines() if any(marker in line for marker in LIBTPU_MARKERS)]
