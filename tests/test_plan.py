@@ -93,7 +93,7 @@ def test_bad_plans_are_one_line_exit_2(args, words):
 
 
 def test_search_takes_the_cheapest_remat_that_fits_then_doubles_the_batch(monkeypatch):
-    from functrain.run import plan_search
+    from functrain.commands import plan_search
 
     def fake_plan(config, topology):
         # Memory grows with the batch and shrinks with remat; 64 samples fit with remat=dots_saveable.

@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     from functrain.run.plan import plan
     config = load_config(args.config, args.overrides)
     if args.search:
-        from functrain.run.plan_search import search
+        from functrain.commands.plan_search import search
         tried, chosen = search(config, args.topology)
         record = {"tried": [dict(remat=c.remat, global_batch_size=c.global_batch_size, plan=c.plan.to_json())
                             for c in tried],

@@ -193,11 +193,17 @@ def data_seed(config: Config) -> int:
 
 @dataclass(frozen=True)
 class Planned:
-    """A run's JAX backend and the shapes of its train call, built as :func:`build_run` builds them."""
+    """A run's JAX backend and the shapes of its train call, built as :func:`build_run` builds them, with the
+    settings a plan reports against (read from the config here, so the planner reads none)."""
     parts: Parts
     backend: Any                                # JaxBackend
     example_batch: dict[str, np.ndarray]        # one global batch (host arrays: tokens, not weights)
     max_steps: int
+    step: StepSettings
+    steps_per_call: int
+    global_batch_size: int
+    seq_len: int
+    model_config: Any                           # the model section (its decoder shape, its remat policy)
 
 
 def plan_run(config: Config, devices: list | None = None) -> Planned:
@@ -210,7 +216,10 @@ def plan_run(config: Config, devices: list | None = None) -> Planned:
     _, max_steps, example_batch = _order(config, parts)
     backend = jax_backend(config, example_batch, max_steps, model=parts.model, kind=parts.kind, fields=parts.fields,
                           loss_fn=parts.loss_fn, optimizer=parts.optimizer, devices=devices)
-    return Planned(parts=parts, backend=backend, example_batch=example_batch, max_steps=max_steps)
+    return Planned(parts=parts, backend=backend, example_batch=example_batch, max_steps=max_steps,
+                   step=step_settings(config), steps_per_call=config.train.steps_per_call,
+                   global_batch_size=config.data.global_batch_size, seq_len=config.data.seq_len,
+                   model_config=config.model)
 
 
 def _profile_window(config: Config, max_steps: int) -> list[Callback]:

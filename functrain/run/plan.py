@@ -25,7 +25,7 @@ import numpy as np
 
 from functrain.errors import ConfigError
 from functrain.parallel.sharding import state_bytes_per_device
-from functrain.run.build import plan_run
+from functrain.run.build import Planned, plan_run
 from functrain.run.chips import chip_of
 from functrain.run.config import Config
 from functrain.run.mfu import decoder_shape, train_flops_per_token
@@ -109,17 +109,18 @@ def per_chip_bytes(backend: Any, memory: Any) -> dict[str, int]:
             "batch": max(arguments - whole, 0), "activations": int(memory.temp_size_in_bytes), "total": total}
 
 
-def advice(config: Config, sizes: dict[str, int], chips: int, mesh: dict[str, int]) -> list[str]:
+def advice(planned: Planned, sizes: dict[str, int], chips: int, mesh: dict[str, int]) -> list[str]:
     """Settings that would shrink the largest parts, most effective first."""
+    step, model = planned.step, planned.model_config
     tips = []
     state = sizes["params"] + sizes["optimizer"]
     if mesh["fsdp"] < chips and state > sizes["activations"] / 2:
         tips.append(f"raise mesh.fsdp (now {mesh['fsdp']}; up to {chips}) to shard parameters and optimizer state")
     if sizes["activations"] > state / 4:
-        tips.append(f"raise train.micro_batches (now {config.train.micro_batches}) to hold fewer activations")
-        if getattr(config.model, "remat", "full") != "full":
-            tips.append(f"set model.remat=full (now {config.model.remat}) to recompute activations in the backward pass")
-    if config.train.param_dtype == "float32" and not config.train.offload_optimizer:
+        tips.append(f"raise train.micro_batches (now {step.micro_batches}) to hold fewer activations")
+        if getattr(model, "remat", "full") != "full":
+            tips.append(f"set model.remat=full (now {model.remat}) to recompute activations in the backward pass")
+    if step.param_dtype == "float32" and not step.offload_optimizer:
         tips.append("set train.offload_optimizer=true to keep optimizer state in host memory")
     return tips
 
@@ -130,13 +131,13 @@ def plan(config: Config, topology: str | None = None) -> Plan:
     backend = planned.backend
     try:
         compiled = backend.compile_train_call(*backend.abstract_train_args(planned.example_batch,
-                                                                          config.train.steps_per_call))
+                                                                          planned.steps_per_call))
     except jax.errors.JaxRuntimeError as exc:
         required = _required_temporaries(str(exc))
         if required is None:
             raise
-        return report(config, planned, None, temporaries=required)
-    return report(config, planned, compiled)
+        return report(planned, None, temporaries=required)
+    return report(planned, compiled)
 
 
 def _required_temporaries(message: str) -> int | None:
@@ -148,24 +149,24 @@ def _required_temporaries(message: str) -> int | None:
     return int(float(found.group(1)) * 1024 ** "KMGT".index(found.group(2)) * 1024)
 
 
-def report(config: Config, planned: Any, compiled: jax.stages.Compiled | None, temporaries: int = 0) -> Plan:
+def report(planned: Planned, compiled: jax.stages.Compiled | None, temporaries: int = 0) -> Plan:
     """The :class:`Plan` of a compiled train call; without one (the compiler refused a program that needs
     ``temporaries`` bytes more than HBM holds) memory is state + batch + temporaries and FLOPs are unknown (0)."""
-    backend, train = planned.backend, config.train
+    backend, step = planned.backend, planned.step
     chips, device_kind = len(backend.devices), backend.devices[0].device_kind
     chip = chip_of(device_kind)
     if compiled is None:
-        sizes = per_chip_bytes(backend, _RefusedMemory(backend, planned.example_batch, train.steps_per_call,
+        sizes = per_chip_bytes(backend, _RefusedMemory(backend, planned.example_batch, planned.steps_per_call,
                                                        temporaries))
         cost = {}
     else:
         sizes = per_chip_bytes(backend, compiled.memory_analysis())
         cost = _first(compiled.cost_analysis())
-    flops = float(cost.get("flops", 0.0)) * train.micro_batches
-    bytes_accessed = float(cost.get("bytes accessed", 0.0)) * train.micro_batches
-    tokens = config.data.global_batch_size * config.data.seq_len if planned.parts.kind == "causal_lm" else None
-    shape = decoder_shape(config.model) if tokens else None
-    model_flops = train_flops_per_token(shape, config.data.seq_len) * tokens if shape else None
+    flops = float(cost.get("flops", 0.0)) * step.micro_batches
+    bytes_accessed = float(cost.get("bytes accessed", 0.0)) * step.micro_batches
+    tokens = planned.global_batch_size * planned.seq_len if planned.parts.kind == "causal_lm" else None
+    shape = decoder_shape(planned.model_config) if tokens else None
+    model_flops = train_flops_per_token(shape, planned.seq_len) * tokens if shape else None
     step_time = mfu = tokens_per_chip = fits = hbm = None
     if chip:
         hbm = chip.hbm_bytes
@@ -176,9 +177,9 @@ def report(config: Config, planned: Any, compiled: jax.stages.Compiled | None, t
         fits = compiled is not None and sizes["total"] <= HBM_USABLE * hbm
     mesh = {axis: int(size) for axis, size in backend.mesh.shape.items()}
     parameters = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(backend.abstract_state.params))
-    return Plan(device_kind=device_kind, chips=chips, mesh=mesh, parameters=parameters, seq_len=config.data.seq_len,
-                global_batch_size=config.data.global_batch_size, micro_batches=train.micro_batches,
-                steps_per_call=train.steps_per_call, per_chip_bytes=sizes, hbm_bytes=hbm, flops_per_step=flops,
+    return Plan(device_kind=device_kind, chips=chips, mesh=mesh, parameters=parameters, seq_len=planned.seq_len,
+                global_batch_size=planned.global_batch_size, micro_batches=step.micro_batches,
+                steps_per_call=planned.steps_per_call, per_chip_bytes=sizes, hbm_bytes=hbm, flops_per_step=flops,
                 bytes_per_step=bytes_accessed, model_flops_per_step=model_flops, step_time_s=step_time, mfu=mfu,
                 tokens_per_sec_per_chip=tokens_per_chip, fits=fits, compiled=compiled is not None,
-                advice=advice(config, sizes, chips, mesh) if fits is False else [])
+                advice=advice(planned, sizes, chips, mesh) if fits is False else [])

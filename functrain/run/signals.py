@@ -23,13 +23,11 @@ def check_interrupted() -> None:
 
 
 class _Handlers:
-    """Installs ``handle`` for SIGTERM/SIGINT while entered (main thread only) and restores what was there."""
+    """Installs the subclass's ``handle`` for SIGTERM/SIGINT while entered (main thread only) and restores what
+    was there."""
 
     def __init__(self) -> None:
         self.previous: dict[int, Any] = {}
-
-    def handle(self, signum: int, frame: Any) -> None:
-        raise NotImplementedError
 
     def __enter__(self) -> Any:
         if threading.current_thread() is threading.main_thread():
