@@ -23,7 +23,7 @@ $(VENV)/.core: pyproject.toml | $(VENV)/bin/python
 # build is chosen where no GPU is present (an unpinned torch would pull several GB of CUDA packages).
 $(VENV)/.dev: $(VENV)/.core tools/install_torch.sh
 	sh tools/install_torch.sh $(PY)
-	$(PIP) install --quiet -e ".[torch,hf,dev,tpu]"
+	$(PIP) install --quiet -e ".[torch,hf,dev,tpu,eval]"
 	touch $@
 
 train: $(VENV)/.core
