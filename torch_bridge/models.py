@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from functrain.core.losses import ArrayOps, example_weights, lm_targets, model_keywords, target_weights, weighted_sums
+from functrain.core.losses import (ArrayOps, example_weights, label_hits, lm_targets, model_keywords, target_weights,
+                                   weighted_sums)
 from functrain.core.tree import flatten_dotted
 
 Tensor = torch.Tensor
@@ -188,11 +189,16 @@ def binder(model: nn.Module) -> Callable[[Mapping[str, Tensor], Mapping[str, Ten
 TORCH_OPS = ArrayOps(as_float=lambda x: x.to(torch.float32), broadcast_to=torch.broadcast_to)
 
 
+def _hits(logits: Tensor, labels: Tensor) -> Tensor:
+    """The shared accuracy rule (``functrain.core.losses.label_hits``) on torch logits."""
+    return label_hits(logits.gather(-1, labels[..., None]).squeeze(-1), logits.amax(-1))
+
+
 def classifier_sums(logits: Tensor, batch: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """Weighted softmax cross-entropy of ``logits [B, classes]`` against ``batch["y"]``; aux: correct count."""
     labels = batch["y"].long()
     losses = F.cross_entropy(logits, labels, reduction="none")
-    return weighted_sums(losses, logits.argmax(-1), labels, example_weights(batch, TORCH_OPS), TORCH_OPS)
+    return weighted_sums(losses, _hits(logits, labels), example_weights(batch, TORCH_OPS), TORCH_OPS)
 
 
 def causal_lm_sums(logits: Tensor, batch: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
@@ -201,7 +207,7 @@ def causal_lm_sums(logits: Tensor, batch: Mapping[str, Tensor]) -> tuple[Tensor,
     ``labels`` of -100 and ``attention_mask``)."""
     targets = lm_targets(batch).long()
     losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view(targets.shape)
-    return weighted_sums(losses, logits.argmax(-1), targets, target_weights(batch, TORCH_OPS), TORCH_OPS)
+    return weighted_sums(losses, _hits(logits, targets), target_weights(batch, TORCH_OPS), TORCH_OPS)
 
 
 def classifier_loss(model: nn.Module) -> Callable:

@@ -13,7 +13,7 @@ import sys
 from typing import Any
 
 from functrain.errors import EXIT_BAD_INPUT, EXIT_SIGNAL, FunctrainError
-from functrain.run.signals import CommandSignals, Interrupted
+from functrain.run.signals import CommandSignals, Interrupted, check_interrupted
 
 
 # The verbs, in the order `functrain --help` lists them; each module has HELP, add_arguments() and run().
@@ -91,6 +91,8 @@ def _run(argv: list[str]) -> int:
         args.argv = argv  # `train --processes N` relaunches itself with the same words
         return _verb(args.command).run(args)
     except FunctrainError as exc:
+        # A stop signal that code swallowed (a GC callback) came first: it is the outcome, not this error.
+        check_interrupted()
         if args.debug:
             raise
         print(f"functrain: error: {exc}", file=sys.stderr)
