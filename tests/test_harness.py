@@ -13,6 +13,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
 import functrain
 from conftest import REPO_ROOT
+from functrain.checkpoint import load_params_and_meta
 from functrain.commands.cli import main
 from functrain.errors import ConfigError
 from test_cli import snapshot
@@ -83,10 +84,12 @@ def test_scores_and_generations_match_lm_eval_hf_model_on_the_exported_checkpoin
 
 GPT_RUN = {"model": {"name": "gpt", "vocab_size": 256, "max_len": 64, "d_model": 32, "n_layers": 1, "n_heads": 2,
                      "d_ff": 64, "dropout": 0.0},
-           "data": {"name": "char_text", "seq_len": 32, "global_batch_size": 8, "eval_fraction": 0.05},
+           # No eval data: the harness alone evaluates, and keep-best reads its score.
+           "data": {"name": "char_text", "seq_len": 32, "global_batch_size": 8, "eval_fraction": 0.0},
            "train": {"max_steps": 2}, "log": {"every_steps": 1, "progress": False, "tensorboard": False,
                                               "plot": True},
-           "checkpoint": {"async_save": False},
+           "checkpoint": {"async_save": False, "keep_best": 1, "best_metric": "harness/functrain_choice/acc",
+                          "best_mode": "max"},
            "eval": {"every_steps": 2, "max_batches": 1,
                     "harness": {"tasks": TASKS, "include_path": str(TASKS_DIR), "limit": 2, "batch_size": 4}}}
 
@@ -107,6 +110,9 @@ def test_eval_harness_logs_finite_scores_of_every_task_during_training(gpt_run):
     assert {"functrain_choice/acc", "functrain_choice/acc_norm", "functrain_perplexity/word_perplexity",
             "functrain_perplexity/bits_per_byte", "functrain_generate/exact_match"} <= set(scores)
     assert all(math.isfinite(value) for value in scores.values())
+    assert not [record for record in records if record["split"] == "eval"]
+    _, meta = load_params_and_meta(gpt_run)
+    assert meta["best_metric"]["value"] == scores["functrain_choice/acc"]
     assert (gpt_run / "plot.png").is_file()
 
 

@@ -120,7 +120,7 @@ class FunctrainLM(TemplateLM):
         self._max_length = context_length(model.config) or 2048  # lm-eval's default for a model without one
         self.hf_tokenizer = tokenizer
         self.text_codec = _Bytes() if tokenizer is None else None
-        if batch_size in (None, "", "auto"):
+        if batch_size in (None, "") or str(batch_size).startswith("auto"):  # lm-eval's "auto": our default
             batch_size = DEFAULT_BATCH_SIZE
         self.batch_size = int(batch_size)
         if self.batch_size < 1:
