@@ -243,11 +243,11 @@ def load_language_model(run_dir: str | os.PathLike, step: int | None = None) -> 
         raise ConfigError(f"the checkpoint in {run_dir} does not record its model; it was not written by "
                           f"functrain train or convert")
     if meta.get("backend", "jax") != "jax":
-        raise ConfigError(f"{run_dir} was trained with backend {meta['backend']}; generate reads JAX runs (and "
-                          f"converted HF checkpoints)")
+        raise ConfigError(f"{run_dir} was trained with backend {meta['backend']}; generate and eval read JAX runs "
+                          f"(and converted HF checkpoints)")
     if model_spec(raw_model["name"])["kind"] != "causal_lm":
-        raise ConfigError(f"model {raw_model['name']!r} of {run_dir} is not a language model; generate needs "
-                          f"a causal LM (gpt, gpt2, llama, ...)")
+        raise ConfigError(f"model {raw_model['name']!r} of {run_dir} is not a language model; generate and eval "
+                          f"need a causal LM (gpt, gpt2, llama, ...)")
     model_config = model_config_class(raw_model["name"]).model_validate(raw_model)
     from functrain.models.lora import merged_for_inference  # a LoRA run decodes with its adapters merged in
     return (build_model(for_sampling(model_config)), merged_for_inference(params, model_config),
