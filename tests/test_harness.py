@@ -138,6 +138,7 @@ def test_bad_eval_input_is_one_line_exit_2_and_keeps_the_run(gpt_run, tmp_path, 
                                                "checkpoint.async_save": False})
     (tmp_path / "empty").mkdir()
     before = snapshot(gpt_run)
+    capsys.readouterr()  # what training printed (and earlier commands' log handlers, whose streams are gone)
     bad = {(str(gpt_run), "--tasks", "functrain_choise", "--include-path", str(TASKS_DIR)):
            "lm-eval task 'functrain_choise' does not exist; did you mean 'functrain_choice'?",
            (str(mlp_dir), "--tasks", "functrain_choice"): "is not a language model",
