@@ -16,7 +16,8 @@ def test_an_upward_import_is_reported():
     assert layers.upward({("core", "run"): ["functrain/core/step.py"]}) == ["core -> run (functrain/core/step.py)"]
 
 
-def test_import_functrain_imports_no_torch():
-    code = "import sys, functrain, functrain.run.build, functrain.run.loop; print('torch' in sys.modules)"
+def test_import_functrain_imports_no_torch_nor_lm_eval():
+    code = ("import sys, functrain, functrain.run.build, functrain.run.loop; "
+            "print('torch' in sys.modules, 'lm_eval' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          check=True).stdout.strip() == "False"
+                          check=True).stdout.strip() == "False False"

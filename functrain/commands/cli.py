@@ -18,7 +18,8 @@ from functrain.run.signals import CommandSignals, Interrupted, check_interrupted
 
 # The verbs, in the order `functrain --help` lists them; each module has HELP, add_arguments() and run().
 VERBS = {"train": "train", "inspect": "inspect", "convert": "convert", "plot": "plot", "generate": "generate",
-         "rewind": "rewind", "verify-resume": "verify_resume", "tokenize": "tokenize", "plan": "plan"}
+         "rewind": "rewind", "verify-resume": "verify_resume", "tokenize": "tokenize", "plan": "plan",
+         "eval": "eval"}
 # Verbs whose trailing key=value words are config overrides.
 TAKES_OVERRIDES = ("train", "rewind", "verify-resume", "plan")
 # Verbs that train in this process, and so take stop signals from their first instant.
@@ -31,7 +32,7 @@ def _verb(name: str) -> Any:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="functrain",
-                                     description="functrain: train, inspect, convert, plot, generate, tokenize.")
+                                     description="functrain: train, inspect, convert, plot, generate, tokenize, plan, eval.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     commands = parser.add_subparsers(dest="command", required=True)
     for name in VERBS:

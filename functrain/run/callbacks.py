@@ -47,6 +47,12 @@ class RunView:
     stop_reason: str | None = None
     last_metrics: dict[str, dict[str, float]] = field(default_factory=dict)
     state: Any = None  # the train state during on_evaluate (e.g. to draw samples), else None
+    reported: dict[str, dict[str, float]] = field(default_factory=dict)  # see report()
+
+    def report(self, split: str, metrics: dict[str, float]) -> None:
+        """During ``on_evaluate``: metrics a callback measured under a split of its own (``harness``), which
+        the loop logs (``on_log``) after the evaluation's."""
+        self.reported.setdefault(split, {}).update(metrics)
 
 
 class Callback:

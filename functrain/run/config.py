@@ -19,12 +19,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from functrain.errors import ConfigError
 from functrain.run.config_files import apply_overrides, read_yaml
 
-METRIC_SPLITS = ("train", "eval")  # the "split" of metrics.jsonl lines, and of metric names like "eval/loss"
+# The "split" of metrics.jsonl lines, and of metric names like "eval/loss" (harness: eval.harness's lm-eval
+# scores, named "harness/<task>/<metric>").
+METRIC_SPLITS = ("train", "eval", "harness")
 
 
 def _split_and_name(value: str) -> str:
     if value.partition("/")[0] not in METRIC_SPLITS or not value.partition("/")[2]:
-        raise ValueError("must be 'split/name' with split train or eval, like 'eval/loss'")
+        raise ValueError("must be 'split/name' with split train, eval or harness, like 'eval/loss'")
     return value
 
 
@@ -278,6 +280,18 @@ class SamplesConfig(Section):
     tokenizer: str | None = None
 
 
+class HarnessConfig(Section):
+    """``eval.harness.*``: lm-evaluation-harness ``tasks`` scored at each evaluation of a language model, on
+    the current params, and logged as ``harness/<task>/<metric>`` (none: no harness). ``include_path``: a
+    folder of task YAMLs (``lm_eval --include_path``); ``limit``: at most that many documents per task;
+    ``tokenizer``: an HF tokenizer directory (default: UTF-8 bytes)."""
+    tasks: list[str] = Field(default_factory=list)
+    include_path: str | None = None
+    limit: int | None = Field(None, ge=1)
+    batch_size: int = Field(16, ge=1)
+    tokenizer: str | None = None
+
+
 class EvalConfig(Section):
     """``eval.*``: evaluation interval and size, and early stopping on a metric like ``eval/loss``."""
     every_steps: int = Field(0, ge=0)  # 0: no periodic evaluation (one at the end if there is eval data)
@@ -287,6 +301,7 @@ class EvalConfig(Section):
     early_stopping_mode: Literal["min", "max"] = "min"
     early_stopping_min_delta: float = Field(0.0, ge=0)
     samples: SamplesConfig = SamplesConfig()
+    harness: HarnessConfig = HarnessConfig()
 
 
 class TargetModelConfig(BaseModel):

@@ -103,9 +103,27 @@ class _Driver:
             check_metric_logged(key, metric, "eval", names)
 
     def evaluate(self, state: Any) -> Control:
-        """Sum the eval metrics over the evaluation set (every record counted once), divide once."""
-        if self.run.eval_loader is None:
+        """Evaluate the state: the eval metrics (when the run has eval data), then the callbacks' own
+        (``on_evaluate``), each logged under its split."""
+        if self.run.eval_loader is None and not self.settings.evaluate_without_data:
             return Control()
+        metrics = self.eval_metrics(state) if self.run.eval_loader is not None else {}
+        self.last_eval_step = self.view.step
+        self.view.state = state
+        control = self.run.callbacks.fire("on_evaluate", self.view, metrics)
+        self.view.state = None  # donated by the next call
+        if self.run.eval_loader is not None:
+            logged = {**metrics, **self.metrics.position_fields(self.view.samples_consumed)}
+            control = control.merge(self.run.callbacks.fire("on_log", self.view, "eval", self.view.step, logged))
+        reported, self.view.reported = self.view.reported, {}
+        for split, split_metrics in reported.items():
+            self.view.last_metrics[split] = split_metrics
+            control = control.merge(self.run.callbacks.fire("on_log", self.view, split, self.view.step,
+                                                            split_metrics))
+        return control
+
+    def eval_metrics(self, state: Any) -> dict[str, float]:
+        """Sum the eval metrics over the evaluation set (every record counted once), divide once."""
         loader = self.run.eval_loader()
         batches = loader.sampler.steps_per_epoch
         if self.settings.eval_max_batches:
@@ -122,12 +140,7 @@ class _Driver:
         if self.settings.best_metric:
             check_metric_logged("checkpoint.best_metric", self.settings.best_metric, "eval", metrics)
         self.view.last_metrics["eval"] = metrics
-        self.last_eval_step = self.view.step
-        self.view.state = state
-        control = self.run.callbacks.fire("on_evaluate", self.view, metrics)
-        self.view.state = None  # donated by the next call
-        logged = {**metrics, **self.metrics.position_fields(self.view.samples_consumed)}
-        return control.merge(self.run.callbacks.fire("on_log", self.view, "eval", self.view.step, logged))
+        return metrics
 
     def save(self, state: Any, step: int, position: int) -> None:
         if step == self.last_saved_step or not self.backend.writes_checkpoints:
@@ -135,7 +148,7 @@ class _Driver:
         metrics = dict(self.view.last_metrics)
         if self.last_eval_step != step:
             # Stale eval metrics would let a never-evaluated step outrank the evaluated one (keep-best).
-            metrics.pop("eval", None)
+            metrics = {"train": metrics["train"]} if "train" in metrics else {}
         meta = self.run.resume.meta(step, self.run.sampler, position, self.last_meta, self.start.position_jump,
                                     metrics, self.backend)
         saver = self.adapter_saves or self.checkpointer

@@ -1,10 +1,11 @@
 """``functrain plot RUN_DIR [RUN_DIR ...] [-o FILE.png]``: the curves of one or several runs in one PNG.
 
 Panels against step: train and eval loss (log scale when it spans more than a decade), learning rate,
-gradient norm, throughput (tokens/s, else samples/s, else steps/s), and MFU and accuracy when a run logs
-them. Each run has one colour; a smoothed line (TensorBoard's debiased moving average) is drawn over the faint
-raw values. Steps whose update was skipped for a non-finite loss or gradient are red crosses; resumes (from
-``events.jsonl``) are dotted vertical lines. matplotlib renders headless (Agg).
+gradient norm, throughput (tokens/s, else samples/s, else steps/s), MFU and accuracy when a run logs
+them, and one panel per lm-eval score (``harness/<task>/<metric>``, see ``eval.harness``). Each run has one
+colour; a smoothed line (TensorBoard's debiased moving average) is drawn over the faint raw values. Steps
+whose update was skipped for a non-finite loss or gradient are red crosses; resumes (from ``events.jsonl``)
+are dotted vertical lines. matplotlib renders headless (Agg).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ PANELS = [("loss", "mean loss", "loss", True, True),
           ("MFU", "model FLOPs utilisation", "mfu", False, True),
           ("accuracy", "accuracy", "accuracy", True, True)]
 ALWAYS_SHOWN = 4  # the first four panels; MFU and accuracy only when some run logs them
+HARNESS = "harness"  # the split of lm-eval scores: a panel each
 
 
 @dataclass
@@ -115,31 +117,31 @@ def _wants_log_scale(values: list[np.ndarray]) -> bool:
 
 
 def _draw_panel(ax: Any, runs: list[RunCurves], colours: list[Any], metric: str, with_eval: bool,
-                noisy: bool) -> None:
+                noisy: bool, split: str = "train") -> None:
     drawn = []
     for run, colour in zip(runs, colours):
-        train = run.series("train", metric)
+        train = run.series(split, metric)
         if train is not None:
             steps, values = train
             drawn.append(values)
             if noisy and len(values) > 3:
                 ax.plot(steps, values, color=colour, alpha=0.25, linewidth=0.8)
-                ax.plot(steps, smooth(values), color=colour, linewidth=1.6, label=f"{run.name} train")
+                ax.plot(steps, smooth(values), color=colour, linewidth=1.6, label=f"{run.name} {split}")
             else:
                 ax.plot(steps, values, color=colour, marker="." if len(values) <= 3 else None,
-                        label=f"{run.name} train")
+                        label=f"{run.name} {split}")
         evaluated = run.series("eval", metric) if with_eval else None
         if evaluated is not None:
             drawn.append(evaluated[1])
             ax.plot(*evaluated, color=colour, linestyle="--", marker="o", markersize=3, label=f"{run.name} eval")
         for step in run.resume_steps:
             ax.axvline(step, color=colour, linestyle=":", linewidth=1.0, alpha=0.8)
-        if run.nonfinite_steps and train is not None:
+        if run.nonfinite_steps and train is not None and split == "train":
             finite = train[1][np.isfinite(train[1])]
             floor = float(finite.min()) if len(finite) else 0.0
             ax.plot(run.nonfinite_steps, [floor] * len(run.nonfinite_steps), linestyle="none", marker="x",
                     color="red", markersize=7, label=f"{run.name} skipped (non-finite)")
-    if metric == "loss" and _wants_log_scale(drawn):
+    if (metric == "loss" or "perplexity" in metric) and _wants_log_scale(drawn):
         ax.set_yscale("log")
     if not drawn:
         ax.text(0.5, 0.5, "not logged", transform=ax.transAxes, ha="center", va="center", color="grey")
@@ -168,12 +170,15 @@ def plot_runs(run_dirs: list[str | os.PathLike], out: str | os.PathLike) -> Path
     panels = [_resolve(panel, runs) for panel in PANELS]
     panels = panels[:ALWAYS_SHOWN] + [p for p in panels[ALWAYS_SHOWN:]
                                       if any(run.series("train", p[2]) is not None for run in runs)]
+    scores = sorted({name for run in runs for name in run.curves.get(HARNESS, {})})
+    panels = [(*panel, "train") for panel in panels] + [(f"lm-eval {name}", name.rpartition("/")[2], name, False,
+                                                         False, HARNESS) for name in scores]
     columns = 3
     rows = -(-len(panels) // columns)
     colours = [plt.get_cmap("tab10")(i % 10) for i in range(len(runs))]
     fig, axes = plt.subplots(rows, columns, figsize=(5.2 * columns, 3.6 * rows), squeeze=False)
-    for ax, (title, ylabel, metric, with_eval, noisy) in zip(axes.flat, panels):
-        _draw_panel(ax, runs, colours, metric, with_eval, noisy)
+    for ax, (title, ylabel, metric, with_eval, noisy, split) in zip(axes.flat, panels):
+        _draw_panel(ax, runs, colours, metric, with_eval, noisy, split)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)

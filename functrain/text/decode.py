@@ -104,6 +104,40 @@ def _generate_uncached(model: Any, params: Any, prompt: jax.Array, key: jax.Arra
     return jax.lax.fori_loop(0, max_new_tokens, one_token, tokens)[:, prompt_len:]
 
 
+def _generate_ragged(model: Any, params: Any, prompts: jax.Array, lengths: jax.Array, key: jax.Array, *,
+                     prefill: int, max_new_tokens: int, temperature: float, top_k: int | None) -> jax.Array:
+    """Prompts of several lengths in one batch, without a padding mask: ``prompts`` [B, W] is right-padded,
+    row ``b`` holds ``lengths[b] >= prefill`` tokens. The first ``prefill`` positions are fed at once, then one
+    position per step for every row: a row's own prompt token while it lasts (forced), its picked token after.
+    Every row attends only to real tokens, so each gets what it would get alone. Returns the token at each
+    position ``prefill .. W + max_new_tokens - 1`` [B, W + max_new_tokens - prefill]."""
+    batch, width = prompts.shape
+    total = width + max_new_tokens
+    shapes = jax.eval_shape(lambda: model.apply({"params": params}, jnp.zeros((batch, total), jnp.int32),
+                                                mutable=["cache"])[1]["cache"])
+
+    def feed(cache: Any, tokens: jax.Array) -> tuple[jax.Array, Any]:
+        logits, updated = model.apply({"params": params, "cache": cache}, tokens, mutable=["cache"])
+        return logits[:, -1], updated["cache"]
+
+    forced = jnp.pad(prompts, ((0, 0), (0, max_new_tokens)))
+
+    def one_position(carry: tuple[Any, jax.Array], position: jax.Array) -> tuple[tuple[Any, jax.Array], jax.Array]:
+        cache, logits = carry
+        picked = _pick(logits, jax.random.fold_in(key, position), temperature, top_k)
+        token = jnp.where(position < lengths, forced[:, position], picked)
+        logits, cache = feed(cache, token[:, None])
+        return (cache, logits), token
+
+    logits, cache = feed(zeros_like_shapes(shapes), prompts[:, :prefill])
+    _, tokens = jax.lax.scan(one_position, (cache, logits), jnp.arange(prefill, total))
+    return tokens.T
+
+
+def _power_of_two_at_most(value: int) -> int:
+    return 1 << (value.bit_length() - 1)
+
+
 _STATIC = ("max_new_tokens", "temperature", "top_k")
 
 
@@ -114,6 +148,7 @@ class Generator:
         self.model = model
         self._compiled = {True: jax.jit(partial(_generate_cached, model), static_argnames=_STATIC),
                           False: jax.jit(partial(_generate_uncached, model), static_argnames=_STATIC)}
+        self._ragged = jax.jit(partial(_generate_ragged, model), static_argnames=("prefill", *_STATIC))
 
     def __call__(self, params: Any, prompt_ids: np.ndarray, sampling: Sampling, use_cache: bool = True
                  ) -> np.ndarray:
@@ -127,6 +162,32 @@ class Generator:
                                         max_new_tokens=sampling.max_new_tokens,
                                         temperature=float(sampling.temperature), top_k=sampling.top_k)
         return np.asarray(out)
+
+
+    def ragged(self, params: Any, prompts: list[np.ndarray], sampling: Sampling, rows: int | None = None,
+               context: int | None = None) -> list[np.ndarray]:
+        """New token ids ``[max_new_tokens]`` continuing each of ``prompts`` (of any lengths >= 1), in one
+        batch of ``rows`` (default: as many as prompts; more are padded). Batches compile per power-of-two
+        width (at most ``context - max_new_tokens`` when given) and shortest prompt, so few shapes compile."""
+        lengths = np.array([len(prompt) for prompt in prompts], np.int32)
+        if lengths.min() < 1:
+            raise DataError("a prompt is empty; give every prompt at least one token")
+        width = 1 << (int(lengths.max()) - 1).bit_length()
+        if context is not None:
+            width = max(min(width, context - sampling.max_new_tokens), int(lengths.max()))
+        rows = max(rows or len(prompts), len(prompts))
+        padded = np.zeros((rows, width), np.int32)
+        for row, prompt in enumerate(prompts):
+            padded[row, :len(prompt)] = prompt
+        padded[len(prompts):] = padded[0]
+        lengths = np.concatenate([lengths, np.full(rows - len(prompts), lengths[0], np.int32)])
+        prefill = _power_of_two_at_most(int(lengths.min()))
+        out = np.asarray(self._ragged(params, jnp.asarray(padded), jnp.asarray(lengths),
+                                      jax.random.PRNGKey(sampling.seed), prefill=prefill,
+                                      max_new_tokens=sampling.max_new_tokens,
+                                      temperature=float(sampling.temperature), top_k=sampling.top_k))
+        return [out[row, length - prefill:length - prefill + sampling.max_new_tokens]
+                for row, length in enumerate(lengths[:len(prompts)])]
 
 
 def generate_tokens(model: Any, params: Any, prompt_ids: np.ndarray, sampling: Sampling,
@@ -182,11 +243,11 @@ def load_language_model(run_dir: str | os.PathLike, step: int | None = None) -> 
         raise ConfigError(f"the checkpoint in {run_dir} does not record its model; it was not written by "
                           f"functrain train or convert")
     if meta.get("backend", "jax") != "jax":
-        raise ConfigError(f"{run_dir} was trained with backend {meta['backend']}; generate reads JAX runs (and "
-                          f"converted HF checkpoints)")
+        raise ConfigError(f"{run_dir} was trained with backend {meta['backend']}; generate and eval read JAX runs "
+                          f"(and converted HF checkpoints)")
     if model_spec(raw_model["name"])["kind"] != "causal_lm":
-        raise ConfigError(f"model {raw_model['name']!r} of {run_dir} is not a language model; generate needs "
-                          f"a causal LM (gpt, gpt2, llama, ...)")
+        raise ConfigError(f"model {raw_model['name']!r} of {run_dir} is not a language model; generate and eval "
+                          f"need a causal LM (gpt, gpt2, llama, ...)")
     model_config = model_config_class(raw_model["name"]).model_validate(raw_model)
     from functrain.models.lora import merged_for_inference  # a LoRA run decodes with its adapters merged in
     return (build_model(for_sampling(model_config)), merged_for_inference(params, model_config),

@@ -1,0 +1,51 @@
+"""``eval.harness``: lm-evaluation-harness tasks scored at each evaluation of a language-model run.
+
+At every evaluation the current params (LoRA adapters merged in) are scored in this process, with no
+checkpoint reload, by lm-eval's ``functrain`` model (:mod:`functrain.text.harness`); the scores are logged under
+the ``harness`` split as ``harness/<task>/<metric>`` (metrics.jsonl, TensorBoard, trackers, plot), so
+``eval.early_stopping_metric`` and ``checkpoint.best_metric`` may name them. The tasks are looked up when the
+run is built: a task that does not exist stops the run before its first step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from functrain.errors import ConfigError
+from functrain.run.callbacks import Callback, RunView
+
+HARNESS_SPLIT = "harness"
+
+
+class HarnessEvaluation(Callback):
+    """Scores lm-eval ``tasks`` on the run's current params at each evaluation."""
+
+    def __init__(self, tasks: list[str], include_path: str | None, limit: int | None, batch_size: int,
+                 tokenizer: str | None, model_config: Any, backend: str) -> None:
+        """``model_config``: the run's model section (a built-in causal LM); ``backend``: the run's (jax)."""
+        from functrain.models import build_model, model_spec
+        from functrain.models.options import for_sampling
+        name = getattr(model_config, "name", None)
+        if name is None or model_spec(name)["kind"] != "causal_lm":
+            raise ConfigError(f"eval.harness.tasks needs a built-in language model (model.name gpt, gpt2, llama, "
+                              f"...), not {name or 'a user model'}; remove eval.harness.tasks")
+        if backend != "jax":
+            raise ConfigError("eval.harness.tasks works with backend: jax; remove eval.harness.tasks")
+        from functrain.text.decode import load_tokenizer
+        from functrain.text.harness import FunctrainLM, task_manager
+        self.tasks, self.limit = list(tasks), limit
+        self.manager = task_manager(self.tasks, include_path, where="eval.harness.tasks")
+        self.model = build_model(for_sampling(model_config))
+        tokenizer_object = load_tokenizer(tokenizer) if tokenizer else None
+        self.lm = FunctrainLM.from_params(self.model, None, tokenizer_object, batch_size)  # params: each evaluation's
+
+    def on_evaluate(self, view: RunView, metrics: dict[str, float]) -> None:
+        from functrain.models.lora import merged_for_inference
+        from functrain.text.harness import task_scores
+        if view.state is None:
+            return
+        self.lm.params = merged_for_inference(view.state.params, self.model.config)
+        try:
+            view.report(HARNESS_SPLIT, task_scores(self.lm, self.tasks, self.manager, limit=self.limit))
+        finally:
+            self.lm.params = None  # the state is donated to the next call
