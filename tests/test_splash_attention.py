@@ -83,24 +83,19 @@ def test_first_training_steps_match_xla_for_a_gpt_and_a_grouped_query_windowed_l
     first = {name: value[0] for name, value in batches.items()}
     tx = optax.sgd(0.5)  # AdamW would only add compile time
 
-    def train_calls(kernel):
-        calls = {}
-        for name, config in configs.items():
-            model = build_model(config.model_copy(update={"attention": kernel}))
-            program = as_program(model, first, kind="causal_lm")
-            params = random_params(model, first["tokens"][:, :-1])
-            state = TrainState.create(params, tx, jax.random.PRNGKey(0))
-            calls[name] = (make_train_call(make_train_step(program.loss_fn, tx, stateful=True)), state)
-        return calls
-
-    losses = {}
-    with pallas_interpreted(), jax.set_mesh(one_device_mesh()):
+    calls, states = {}, {}
+    with pallas_interpreted():
         for kernel in ("splash", "xla"):
-            calls = train_calls(kernel)
-            metrics = jax.jit(lambda states: {name: call(states[name], batches)[1]["loss"]
-                                              for name, (call, _) in calls.items()}
-                              )({name: state for name, (_, state) in calls.items()})
-            losses[kernel] = {name: np.asarray(loss) for name, loss in metrics.items()}
+            for name, config in configs.items():
+                model = build_model(config.model_copy(update={"attention": kernel}))
+                program = as_program(model, first, kind="causal_lm")
+                calls[kernel, name] = make_train_call(make_train_step(program.loss_fn, tx, stateful=True))
+                params = random_params(model, first["tokens"][:, :-1])
+                states[kernel, name] = TrainState.create(params, tx, jax.random.PRNGKey(0))
+        with jax.set_mesh(one_device_mesh()):  # all four runs in one compile
+            losses = jax.jit(lambda states: {run: call(states[run], batches)[1]["loss"]
+                                             for run, call in calls.items()})(states)
+    losses = {kernel: {name: np.asarray(losses[kernel, name]) for name in configs} for kernel in ("splash", "xla")}
     for name in configs:
         assert losses["splash"][name].shape == (3,) and np.all(np.isfinite(losses["splash"][name]))
         assert losses["xla"][name][0] != losses["xla"][name][2]  # the steps train
