@@ -177,6 +177,12 @@ def report(planned: Planned, compiled: jax.stages.Compiled | None, temporaries: 
     tokens = planned.global_batch_size * planned.seq_len if planned.parts.kind == "causal_lm" else None
     shape = decoder_shape(planned.model_config) if tokens else None
     model_flops = train_flops_per_token(shape, planned.seq_len) * tokens if shape else None
+    attention = None if compiled is None else attention_kernel_of(compiled, planned.parts.kind)
+    if attention == "splash" and shape:
+        # cost_analysis does not see into a Pallas kernel: add the attention FLOPs it computes (causal: half the
+        # score matrix, forward and backward), else the roofline would leave attention out.
+        attention_flops = train_flops_per_token(shape, planned.seq_len) - train_flops_per_token(shape, 0)
+        flops += attention_flops * tokens / chips
     step_time = mfu = tokens_per_chip = fits = hbm = None
     if chip:
         hbm = chip.hbm_bytes
@@ -193,4 +199,4 @@ def report(planned: Planned, compiled: jax.stages.Compiled | None, temporaries: 
                 bytes_per_step=bytes_accessed, model_flops_per_step=model_flops, step_time_s=step_time, mfu=mfu,
                 tokens_per_sec_per_chip=tokens_per_chip, fits=fits, compiled=compiled is not None,
                 advice=advice(planned, sizes, chips, mesh) if fits is False else [],
-                attention=None if compiled is None else attention_kernel_of(compiled, planned.parts.kind))
+                attention=attention)
