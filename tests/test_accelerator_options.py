@@ -8,6 +8,8 @@ from functrain.commands import cli
 
 @pytest.mark.parametrize("override,expected", [
     ("model.attention=cudnn", "model.attention=cudnn needs an NVIDIA GPU"),
+    ("model.attention=splash", "model.attention=splash needs a TPU and this run's devices are cpu; set "
+                               "model.attention=auto or model.attention=xla"),
     ("model.remat=sometimes", "model.remat"),
     ("model.remat=offload", "model.remat=offload needs a GPU or TPU with a pinned_host memory space"),
     ("train.offload_optimizer=true", "train.offload_optimizer needs a GPU or TPU with a pinned_host memory space"),

@@ -65,6 +65,7 @@ def test_a_small_config_compiles_for_a_v5e_topology_and_fits():
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["device_kind"].startswith("TPU v5") and report["chips"] == 4
+    assert report["attention"] == "splash"  # model.attention=auto, decided for the TPU, not this CPU process
     assert report["hbm_bytes"] == 16 * 2 ** 30 and report["fits"] is True
     assert 0 < report["mfu"] < 1 and report["step_time_s"] > 0
     for key in ("parameters", "seq_len", "flops_per_step", "bytes_per_step"):
@@ -76,6 +77,7 @@ def test_plan_prints_a_readable_table_for_local_devices():
     proc = functrain("plan", "configs/char_gpt.yaml", *TINY)
     assert proc.returncode == 0, proc.stderr
     assert "per chip:" in proc.stdout and "activations" in proc.stdout and "fits: unknown" in proc.stdout
+    assert "; xla attention" in proc.stdout.splitlines()[0]
 
 
 @needs_libtpu

@@ -26,7 +26,8 @@ def format_plan(plan) -> str:
     sizes = plan.per_chip_bytes
     mesh = " ".join(f"{axis}={size}" for axis, size in plan.mesh.items())
     lines = [f"{plan.chips} x {plan.device_kind} (mesh {mesh}); {plan.parameters:,} parameters; batch "
-             f"{plan.global_batch_size} x {plan.seq_len} tokens in {plan.micro_batches} micro-batch(es)",
+             f"{plan.global_batch_size} x {plan.seq_len} tokens in {plan.micro_batches} micro-batch(es)"
+             + (f"; {plan.attention} attention" if plan.attention else ""),
              "per chip:"]
     lines += [f"  {name:<12}{human_bytes(sizes[name]):>12}" for name in ("params", "optimizer", "model_state", "batch",
                                                                 "activations")]

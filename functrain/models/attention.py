@@ -1,17 +1,27 @@
-"""Fused attention for the built-in models (GPT, GPT-2, Llama): one call to ``jax.nn.dot_product_attention``.
+"""Fused attention for the built-in models (GPT, GPT-2, Llama and its family, Gemma 2).
 
 ``model.attention`` picks the kernel:
 
-- ``xla``: any platform; scores and softmax in float32, the output in the compute dtype;
+- ``xla``: any platform, ``jax.nn.dot_product_attention``: scores and softmax in float32, the output in the
+  compute dtype; it materialises each layer's ``[T, T]`` scores per head;
 - ``cudnn``: cuDNN flash attention (NVIDIA GPU of compute capability 8.0+, bfloat16/float16 compute, a head
-  width that is a multiple of 8 up to 256); asking for it elsewhere is a one-line ConfigError;
-- ``auto``: ``cudnn`` where it can run, else ``xla``.
+  width that is a multiple of 8 up to 256);
+- ``splash``: the Pallas splash (flash) attention kernel for TPU (:mod:`functrain.models.splash`: bfloat16 or
+  float32 compute, a head width up to 256, any sequence length);
+- ``auto``: ``cudnn`` on a GPU and ``splash`` on a TPU where they take the compute dtype and head width, else
+  ``xla``.
+
+Asking for ``cudnn`` or ``splash`` where it cannot run is a one-line ConfigError. The platform is the one the
+run is compiled for (:mod:`functrain.parallel.target`): ``functrain plan --topology`` picks ``splash`` from a
+CPU process. :func:`pallas_interpreted` makes ``splash`` available anywhere, run by the Pallas interpreter
+(the tests compare it with ``xla`` on CPU).
 
 Masks: always causal; with ``segment_ids`` [B, T] (packed sequences) a token also attends only to tokens of
 its own segment; with ``window`` only to the keys of its last ``window`` positions (sliding-window attention,
-Mistral, Qwen2, Phi-3, Gemma). Soft-capped scores (Gemma 2) have no fused form: those layers run the same
-maths written out (scores and softmax in float32). Grouped-query heads (fewer key/value heads than query heads) are grouped under their shared
-key/value head by the kernel; keys and values are never repeated in memory. When decoding with a KV cache
+Mistral, Qwen2, Phi-3, Gemma). Soft-capped scores (Gemma 2) run in ``splash``, which caps inside the kernel;
+the other kernels have no fused form and run the same maths written out (scores and softmax in float32).
+Grouped-query heads (fewer key/value heads than query heads) are grouped under their shared key/value head by
+every kernel; keys and values are never repeated in memory. When decoding with a KV cache
 (:mod:`functrain.models.kv_cache`) the queries sit at given slots of a longer cache, so the mask is written
 out and the XLA kernel runs (one new token gains nothing from a flash kernel).
 """
@@ -22,43 +32,68 @@ import jax
 import jax.numpy as jnp
 
 from functrain.errors import ConfigError
-from functrain.parallel.memory import platform_name
 from functrain.models.kv_cache import causal_mask
+from functrain.models.splash import interpreted as pallas_interpreted
+from functrain.models.splash import is_interpreted, splash_attention, splash_problem
+from functrain.parallel.target import target_name, target_platform
 
 Array = jax.Array
-AttentionChoice = Literal["auto", "xla", "cudnn"]
+AttentionChoice = Literal["auto", "xla", "cudnn", "splash"]
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+
+__all__ = ["AttentionChoice", "attend", "attention_kernel", "cudnn_available", "pallas_interpreted",
+           "segment_mask", "splash_available"]
 
 
 def cudnn_available() -> bool:
-    """True when the default devices are NVIDIA GPUs that run cuDNN flash attention (Ampere or newer)."""
-    device = jax.devices()[0]
+    """True when the run is compiled for NVIDIA GPUs that run cuDNN flash attention (Ampere or newer)."""
+    if target_platform() not in ("gpu", "cuda"):
+        return False
+    device = jax.devices()[0]  # a GPU run is compiled where it runs: the device has its compute capability
     capability = getattr(device, "compute_capability", None)
     return device.platform in ("gpu", "cuda") and capability is not None and float(capability) >= 8.0
+
+
+def splash_available() -> bool:
+    """True when the run is compiled for TPUs, or inside :func:`pallas_interpreted`."""
+    return target_platform() == "tpu" or is_interpreted()
 
 
 def _cudnn_fits(dtype: Any, head_dim: int) -> bool:
     return any(jnp.dtype(dtype) == jnp.dtype(d) for d in CUDNN_DTYPES) and head_dim % 8 == 0 and head_dim <= 256
 
 
-def attention_kernel(choice: AttentionChoice, dtype: Any, head_dim: int) -> Literal["xla", "cudnn"]:
+def attention_kernel(choice: AttentionChoice, dtype: Any, head_dim: int) -> Literal["xla", "cudnn", "splash"]:
     """The kernel ``model.attention=choice`` runs for ``dtype`` compute and ``head_dim``-wide heads.
 
-    Raises ConfigError (one line) when ``cudnn`` is asked for where it cannot run.
+    Raises ConfigError (one line) when ``cudnn`` or ``splash`` is asked for where it cannot run.
     """
     if choice == "xla":
         return "xla"
-    available, fits = cudnn_available(), _cudnn_fits(dtype, head_dim)
     if choice == "auto":
-        return "cudnn" if available and fits else "xla"
-    if not available:
+        if cudnn_available() and _cudnn_fits(dtype, head_dim):
+            return "cudnn"
+        return "splash" if splash_available() and splash_problem(dtype, head_dim) is None else "xla"
+    if choice == "splash":
+        return _checked_splash(dtype, head_dim)
+    if not cudnn_available():
         raise ConfigError(f"model.attention=cudnn needs an NVIDIA GPU (compute capability 8.0+) and this run's "
-                          f"devices are {platform_name()}; set model.attention=auto or model.attention=xla")
-    if not fits:
+                          f"devices are {target_name()}; set model.attention=auto or model.attention=xla")
+    if not _cudnn_fits(dtype, head_dim):
         raise ConfigError(f"model.attention=cudnn needs train.compute_dtype bfloat16 or float16 and a head width "
                           f"that is a multiple of 8 up to 256 (got {jnp.dtype(dtype).name}, {head_dim}); change "
                           f"those or set model.attention=auto")
     return "cudnn"
+
+
+def _checked_splash(dtype: Any, head_dim: int) -> Literal["splash"]:
+    if not splash_available():
+        raise ConfigError(f"model.attention=splash needs a TPU and this run's devices are {target_name()}; "
+                          f"set model.attention=auto or model.attention=xla")
+    problem = splash_problem(dtype, head_dim)
+    if problem is not None:
+        raise ConfigError(f"model.attention=splash needs {problem}; set model.attention=xla (or auto)")
+    return "splash"
 
 
 def segment_mask(segment_ids: Array) -> Array:
@@ -74,7 +109,7 @@ def attend(query: Array, key: Array, value: Array, *, scale: float, kernel: str,
     Args:
       query: ``[B, T, H, D]``; key, value: ``[B, S, KV, D]`` with H a multiple of KV, all of one dtype.
       scale: multiplies the scores.
-      kernel: ``xla`` or ``cudnn`` (see :func:`attention_kernel`).
+      kernel: ``xla``, ``cudnn`` or ``splash`` (see :func:`attention_kernel`).
       segment_ids: optional ``[B, T]`` int: tokens attend only within their segment (whole sequences only).
       query_slots: when decoding with a cache, the queries' ``[T]`` slots among the S cached keys (keys at
         later slots are masked); None for a whole sequence (S == T).
@@ -85,6 +120,9 @@ def attend(query: Array, key: Array, value: Array, *, scale: float, kernel: str,
     """
     if query_slots is not None and segment_ids is not None:
         raise ValueError("segment_ids are for whole sequences, not for decoding with a KV cache")
+    if kernel == "splash" and query_slots is None:
+        return splash_attention(query, key, value, scale=scale, segment_ids=segment_ids, window=window,
+                                softcap=softcap)
     if softcap is not None:
         return _written_out(query, key, value, scale, query_slots, segment_ids, window, softcap)
     if query_slots is not None:

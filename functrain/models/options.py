@@ -13,7 +13,7 @@ RUNTIME_KEYS = frozenset({"attention", "remat"})
 
 
 class RuntimeOptions(pydantic.BaseModel):
-    """``model.attention: auto|xla|cudnn`` and ``model.remat: none|full|dots_saveable|offload``."""
+    """``model.attention: auto|xla|cudnn|splash`` and ``model.remat: none|full|dots_saveable|offload``."""
 
     attention: AttentionChoice = "auto"
     remat: RematPolicy = "none"
@@ -21,5 +21,5 @@ class RuntimeOptions(pydantic.BaseModel):
 
 def for_sampling(model_config: RuntimeOptions) -> RuntimeOptions:
     """``model_config`` with the default kernel choices: sampling (no backward pass, one token at a time) then
-    runs wherever the weights load, whatever the training machine could use (cudnn, host offload)."""
+    runs wherever the weights load, whatever the training machine could use (cudnn, splash, host offload)."""
     return model_config.model_copy(update={"attention": "auto", "remat": "none"})

@@ -24,6 +24,7 @@ from functrain.data import BatchLoader, IndexSampler, loader_for, order_for
 from functrain.data.loader import batch_split_problem
 from functrain.data.kinds import Order
 from functrain.errors import ConfigError
+from functrain.parallel.target import compiling_for
 from functrain.run.callbacks import Callback, CallbackList, EarlyStopping, EveryNSteps, MetricsWriter, ProgressBar
 from functrain.run.config import Config
 from functrain.run.config_checks import likely_mistakes
@@ -213,11 +214,13 @@ def plan_run(config: Config, devices: list | None = None) -> Planned:
     topology's for a pod that is not here), with no state initialised and nothing written or allocated."""
     if config.backend != "jax":
         raise ConfigError("functrain plan compiles the JAX step; set backend=jax")
-    parts = build_parts(config)
-    check_data(parts)
-    _, max_steps, example_batch = _order(config, parts)
-    backend = jax_backend(config, example_batch, max_steps, model=parts.model, kind=parts.kind, fields=parts.fields,
-                          loss_fn=parts.loss_fn, optimizer=parts.optimizer, devices=devices)
+    # Choices that depend on the hardware (model.attention=auto) are made for the devices planned for.
+    with compiling_for(devices):
+        parts = build_parts(config)
+        check_data(parts)
+        _, max_steps, example_batch = _order(config, parts)
+        backend = jax_backend(config, example_batch, max_steps, model=parts.model, kind=parts.kind,
+                              fields=parts.fields, loss_fn=parts.loss_fn, optimizer=parts.optimizer, devices=devices)
     return Planned(parts=parts, backend=backend, example_batch=example_batch, max_steps=max_steps,
                    step=step_settings(config), steps_per_call=config.train.steps_per_call,
                    global_batch_size=config.data.global_batch_size, seq_len=config.data.seq_len,

@@ -72,6 +72,7 @@ class Plan:
     fits: bool | None
     compiled: bool = True                    # False: the compiler refused it (too large); FLOPs unknown (0)
     advice: list[str] = field(default_factory=list)
+    attention: str | None = None             # the attention kernel compiled: splash, cudnn, xla (None: no LM)
 
     def to_json(self) -> dict[str, Any]:
         """The plan as one JSON-able object (``functrain plan --json``)."""
@@ -149,6 +150,15 @@ def _required_temporaries(message: str) -> int | None:
     return int(float(found.group(1)) * 1024 ** "KMGT".index(found.group(2)) * 1024)
 
 
+def attention_kernel_of(compiled: jax.stages.Compiled, kind: str | None) -> str | None:
+    """The attention kernel in a compiled causal LM's program (read from its HLO: the Pallas splash kernels or
+    cuDNN's fused attention; neither is XLA's own); None for other models."""
+    if kind != "causal_lm":
+        return None
+    text = compiled.as_text()
+    return "splash" if "splash_mha" in text else "cudnn" if "__cudnn$fmha" in text else "xla"
+
+
 def report(planned: Planned, compiled: jax.stages.Compiled | None, temporaries: int = 0) -> Plan:
     """The :class:`Plan` of a compiled train call; without one (the compiler refused a program that needs
     ``temporaries`` bytes more than HBM holds) memory is state + batch + temporaries and FLOPs are unknown (0)."""
@@ -167,6 +177,12 @@ def report(planned: Planned, compiled: jax.stages.Compiled | None, temporaries: 
     tokens = planned.global_batch_size * planned.seq_len if planned.parts.kind == "causal_lm" else None
     shape = decoder_shape(planned.model_config) if tokens else None
     model_flops = train_flops_per_token(shape, planned.seq_len) * tokens if shape else None
+    attention = None if compiled is None else attention_kernel_of(compiled, planned.parts.kind)
+    if attention == "splash" and shape:
+        # cost_analysis does not see into a Pallas kernel: add the attention FLOPs it computes (causal: half the
+        # score matrix, forward and backward), else the roofline would leave attention out.
+        attention_flops = train_flops_per_token(shape, planned.seq_len) - train_flops_per_token(shape, 0)
+        flops += attention_flops * tokens / chips
     step_time = mfu = tokens_per_chip = fits = hbm = None
     if chip:
         hbm = chip.hbm_bytes
@@ -182,4 +198,5 @@ def report(planned: Planned, compiled: jax.stages.Compiled | None, temporaries: 
                 steps_per_call=planned.steps_per_call, per_chip_bytes=sizes, hbm_bytes=hbm, flops_per_step=flops,
                 bytes_per_step=bytes_accessed, model_flops_per_step=model_flops, step_time_s=step_time, mfu=mfu,
                 tokens_per_sec_per_chip=tokens_per_chip, fits=fits, compiled=compiled is not None,
-                advice=advice(planned, sizes, chips, mesh) if fits is False else [])
+                advice=advice(planned, sizes, chips, mesh) if fits is False else [],
+                attention=attention)
