@@ -11,7 +11,6 @@ model bytes + 2 × largest tensor), and the stricter peak RSS above the baseline
 """
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path

@@ -119,7 +119,6 @@ def test_resume_at_every_step_equals_never_stopping(last_batch):
     loader = BatchLoader(_arrays(23), sampler, transform=_noise, prefetch=0)
     total = 13  # crosses three epoch boundaries
     reference, _ = _run(loader, 0, total)
-    position = 0
     for stop in range(total):
         head, position_at_stop = _run(loader, 0, stop)
         tail, _ = _run(BatchLoader(_arrays(23), sampler, transform=_noise, prefetch=1), position_at_stop,

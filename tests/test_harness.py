@@ -1,5 +1,5 @@
 """lm-evaluation-harness: the ``functrain`` model scores and generates as lm-eval's own ``hf`` model does on the
-exported checkpoint, ``eval.harness`` logs the scores during training, ``functrain eval`` writes lm-eval's results
+exported checkpoint, ``eval.harness_tasks`` logs the scores during training, ``functrain eval`` writes lm-eval's results
 object, and bad input is one line with exit status 2."""
 
 import json
@@ -91,12 +91,13 @@ GPT_RUN = {"model": {"name": "gpt", "vocab_size": 256, "max_len": 64, "d_model":
            "checkpoint": {"async_save": False, "keep_best": 1, "best_metric": "harness/functrain_choice/acc",
                           "best_mode": "max"},
            "eval": {"every_steps": 2, "max_batches": 1,
-                    "harness": {"tasks": TASKS, "include_path": str(TASKS_DIR), "limit": 2, "batch_size": 4}}}
+                    "harness_tasks": TASKS, "harness_include_path": str(TASKS_DIR), "harness_limit": 2,
+                    "harness_batch_size": 4}}
 
 
 @pytest.fixture(scope="module")
 def gpt_run(tmp_path_factory):
-    """A byte-level GPT trained 2 steps with the bundled tasks scored at its evaluation (eval.harness)."""
+    """A byte-level GPT trained 2 steps with the bundled tasks scored at its evaluation (eval.harness_tasks)."""
     run_dir = tmp_path_factory.mktemp("harness") / "gpt"
     functrain.fit({**GPT_RUN, "run": {"dir": str(run_dir)}})
     return run_dir
@@ -149,7 +150,7 @@ def test_bad_eval_input_is_one_line_exit_2_and_keeps_the_run(gpt_run, tmp_path, 
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
     assert snapshot(gpt_run) == before
-    with pytest.raises(ConfigError, match="eval.harness.tasks: lm-eval task 'no_such_task' does not exist"):
+    with pytest.raises(ConfigError, match="eval.harness_tasks: lm-eval task 'no_such_task' does not exist"):
         functrain.fit({**GPT_RUN, "run": {"dir": str(tmp_path / "never")},
-                       "eval": {"harness": {"tasks": ["no_such_task"], "include_path": str(TASKS_DIR)}}})
+                       "eval": {"harness_tasks": ["no_such_task"], "harness_include_path": str(TASKS_DIR)}})
     assert not (tmp_path / "never").exists()

@@ -47,7 +47,7 @@ class Settings:
     eval_max_batches: int | None
     best_metric: str | None                     # checkpoint.best_metric when keep_best is on
     watched_metrics: tuple[tuple[str, str], ...]  # (key, metric) that early stopping / keep-best read
-    evaluate_without_data: bool = False         # callbacks evaluate on their own (eval.harness) without eval data
+    evaluate_without_data: bool = False         # callbacks evaluate on their own (eval.harness_tasks) without eval data
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ def loop_settings(config: Config, max_steps: int) -> Settings:
                     log_every=config.log.every_steps, stop_on_nonfinite=config.train.nonfinite == "stop",
                     max_skipped_fraction=config.train.max_skipped_fraction, eval_max_batches=config.eval.max_batches,
                     best_metric=best_metric, watched_metrics=watched,
-                    evaluate_without_data=bool(config.eval.harness.tasks))
+                    evaluate_without_data=bool(config.eval.harness_tasks))
 
 
 # ---------------------------------------------------------------------------------------------- backends
@@ -249,11 +249,12 @@ def _callbacks(config: Config, parts: Parts, trackers: list[Callback], extra: li
     builtins: list[Callback] = [EveryNSteps(config.eval.every_steps, config.checkpoint.every_steps),
                                 MetricsWriter(tensorboard=tensorboard), RunEvents(), *trackers,
                                 *_profile_window(config, max_steps)]
-    if config.eval.harness.tasks:
+    if config.eval.harness_tasks:
         from functrain.run.harness_eval import HarnessEvaluation
-        harness = config.eval.harness
-        builtins.append(HarnessEvaluation(harness.tasks, harness.include_path, harness.limit, harness.batch_size,
-                                          harness.tokenizer, config.model, config.backend))
+        evaluation = config.eval
+        builtins.append(HarnessEvaluation(evaluation.harness_tasks, evaluation.harness_include_path,
+                                          evaluation.harness_limit, evaluation.harness_batch_size,
+                                          evaluation.harness_tokenizer, config.model, config.backend))
     if config.eval.samples.count:
         from functrain.run.samples import SampleWriter
         builtins.append(SampleWriter(config.eval.samples, config.model, config.backend, tensorboard))

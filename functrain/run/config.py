@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from functrain.errors import ConfigError
 from functrain.run.config_files import apply_overrides, read_yaml
 
-# The "split" of metrics.jsonl lines, and of metric names like "eval/loss" (harness: eval.harness's lm-eval
+# The "split" of metrics.jsonl lines, and of metric names like "eval/loss" (harness: eval.harness_tasks' lm-eval
 # scores, named "harness/<task>/<metric>").
 METRIC_SPLITS = ("train", "eval", "harness")
 
@@ -280,18 +280,6 @@ class SamplesConfig(Section):
     tokenizer: str | None = None
 
 
-class HarnessConfig(Section):
-    """``eval.harness.*``: lm-evaluation-harness ``tasks`` scored at each evaluation of a language model, on
-    the current params, and logged as ``harness/<task>/<metric>`` (none: no harness). ``include_path``: a
-    folder of task YAMLs (``lm_eval --include_path``); ``limit``: at most that many documents per task;
-    ``tokenizer``: an HF tokenizer directory (default: UTF-8 bytes)."""
-    tasks: list[str] = Field(default_factory=list)
-    include_path: str | None = None
-    limit: int | None = Field(None, ge=1)
-    batch_size: int = Field(16, ge=1)
-    tokenizer: str | None = None
-
-
 class EvalConfig(Section):
     """``eval.*``: evaluation interval and size, and early stopping on a metric like ``eval/loss``."""
     every_steps: int = Field(0, ge=0)  # 0: no periodic evaluation (one at the end if there is eval data)
@@ -301,7 +289,14 @@ class EvalConfig(Section):
     early_stopping_mode: Literal["min", "max"] = "min"
     early_stopping_min_delta: float = Field(0.0, ge=0)
     samples: SamplesConfig = SamplesConfig()
-    harness: HarnessConfig = HarnessConfig()
+    # lm-evaluation-harness tasks scored at each evaluation of a language model on the current params, logged as
+    # harness/<task>/<metric> (none: off); a folder of task YAMLs (lm_eval --include_path); at most that many
+    # documents per task; requests per forward pass; an HF tokenizer directory (none: UTF-8 bytes).
+    harness_tasks: list[str] = Field(default_factory=list)
+    harness_include_path: str | None = None
+    harness_limit: int | None = Field(None, ge=1)
+    harness_batch_size: int = Field(16, ge=1)
+    harness_tokenizer: str | None = None
 
 
 class TargetModelConfig(BaseModel):

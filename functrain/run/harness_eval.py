@@ -1,4 +1,4 @@
-"""``eval.harness``: lm-evaluation-harness tasks scored at each evaluation of a language-model run.
+"""``eval.harness_tasks``: lm-evaluation-harness tasks scored at each evaluation of a language-model run.
 
 At every evaluation the current params (LoRA adapters merged in) are scored in this process, with no
 checkpoint reload, by lm-eval's ``functrain`` model (:mod:`functrain.text.harness`); the scores are logged under
@@ -27,14 +27,14 @@ class HarnessEvaluation(Callback):
         from functrain.models.options import for_sampling
         name = getattr(model_config, "name", None)
         if name is None or model_spec(name)["kind"] != "causal_lm":
-            raise ConfigError(f"eval.harness.tasks needs a built-in language model (model.name gpt, gpt2, llama, "
-                              f"...), not {name or 'a user model'}; remove eval.harness.tasks")
+            raise ConfigError(f"eval.harness_tasks needs a built-in language model (model.name gpt, gpt2, llama, "
+                              f"...), not {name or 'a user model'}; remove eval.harness_tasks")
         if backend != "jax":
-            raise ConfigError("eval.harness.tasks works with backend: jax; remove eval.harness.tasks")
+            raise ConfigError("eval.harness_tasks works with backend: jax; remove eval.harness_tasks")
         from functrain.text.decode import load_tokenizer
         from functrain.text.harness import FunctrainLM, task_manager
         self.tasks, self.limit = list(tasks), limit
-        self.manager = task_manager(self.tasks, include_path, where="eval.harness.tasks")
+        self.manager = task_manager(self.tasks, include_path, where="eval.harness_tasks")
         self.model = build_model(for_sampling(model_config))
         tokenizer_object = load_tokenizer(tokenizer) if tokenizer else None
         self.lm = FunctrainLM.from_params(self.model, None, tokenizer_object, batch_size)  # params: each evaluation's

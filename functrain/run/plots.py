@@ -2,7 +2,7 @@
 
 Panels against step: train and eval loss (log scale when it spans more than a decade), learning rate,
 gradient norm, throughput (tokens/s, else samples/s, else steps/s), MFU and accuracy when a run logs
-them, and one panel per lm-eval score (``harness/<task>/<metric>``, see ``eval.harness``). Each run has one
+them, and one panel per lm-eval score (``harness/<task>/<metric>``, see ``eval.harness_tasks``). Each run has one
 colour; a smoothed line (TensorBoard's debiased moving average) is drawn over the faint raw values. Steps
 whose update was skipped for a non-finite loss or gradient are red crosses; resumes (from ``events.jsonl``)
 are dotted vertical lines. matplotlib renders headless (Agg).
