@@ -160,12 +160,13 @@ def main() -> None:
                         help="model size (default: gpu, configs/gpt_350m.yaml, when a GPU/TPU is present, else cpu)")
     parser.add_argument("--config", type=Path, default=None, help="a run config to measure instead of a preset")
     parser.add_argument("--peak-tflops", type=float, default=None, help="override the per-device dense peak")
-    parser.add_argument("--calls", type=int, default=5, help="timed calls per variant (after one warm-up call)")
+    parser.add_argument("--calls", type=int, default=None,
+                        help="timed calls per variant after one warm-up call (default: 40 on CPU, 5 elsewhere)")
     parser.add_argument("--only", choices=["functrain"], default=None, help="measure functrain alone")
     args = parser.parse_args()
     device = jax.devices()[0]
     config = preset_config(args.config or PRESETS[args.preset or ("cpu" if device.platform == "cpu" else "gpu")])
-    calls = args.calls
+    calls = args.calls or (40 if device.platform == "cpu" else 5)
     batch, seq, k = config.data.global_batch_size, config.data.seq_len, config.train.steps_per_call
     rng = np.random.default_rng(0)
     host_batches = {"tokens": rng.integers(0, config.model.vocab_size, (k, batch, seq + 1), np.int32),
@@ -178,8 +179,8 @@ def main() -> None:
         runners[name].call()
         print(f"{name}: first call incl. compile {time.perf_counter() - start:.1f} s", flush=True)
     times = {name: [] for name in runners}
-    for _ in range(calls):  # interleaved, so a slow spell of a shared machine hits every variant alike
-        for name, runner in runners.items():
+    for round_ in range(calls):  # interleaved, so a slow spell of a shared machine hits every variant alike
+        for name, runner in (runners.items() if round_ % 2 == 0 else reversed(runners.items())):
             start = time.perf_counter()
             runner.call()
             times[name].append((time.perf_counter() - start) / k)
@@ -204,7 +205,10 @@ def main() -> None:
               f"{batch * seq / seconds:12,.0f} tokens/s, {step_time / seconds:5.2f}x functrain's tokens/s, "
               f"device memory {_device_bytes(compiled[name]) / 2**30:.3f} GiB")
     if "hand-written" in step_s:
-        print(f"functrain / hand-written Flax + optax tokens/s: {step_s['hand-written'] / step_time:.3f}")
+        # Each round times both calls back to back, so a slow spell of a shared machine hits both alike.
+        paired = np.array(times["hand-written"]) / np.array(times["functrain"])
+        print(f"functrain / hand-written Flax + optax tokens/s: {np.median(paired):.3f} (median of {calls} "
+              f"interleaved rounds; quartiles {np.quantile(paired, 0.25):.3f}-{np.quantile(paired, 0.75):.3f})")
     print(f"model FLOPs/step (functrain.run.mfu): {_flops(needed)} with causal attention, {_flops(executed)} with full")
     achieved = needed / step_time / devices / 1e12
     achieved_full = executed / step_time / devices / 1e12
