@@ -29,6 +29,7 @@ from functrain.run.config import Config
 from functrain.run.config_checks import likely_mistakes
 from functrain.run.events import RunEvents
 from functrain.run.mfu import SpeedReport, speed_report
+from functrain.run import parts as parts_module
 from functrain.run.parts import (PREFERENCE, Parts, build_parts, check_data, make_optimizer, optimizer_settings,
                                  preference_settings, schedule_settings)
 from functrain.run.resume import ResumePolicy
@@ -281,6 +282,18 @@ def _callbacks(config: Config, parts: Parts, trackers: list[Callback], extra: li
     return CallbackList(builtins + list(extra) + [summary])
 
 
+def _init_from(config: Config) -> Path | None:
+    """``preference.init_from`` of a preference run (absolute), or None."""
+    if not (parts_module.is_preference(config) and config.preference.init_from):
+        return None
+    path = Path(config.preference.init_from).absolute()
+    if not (path / "checkpoints").is_dir():
+        raise ConfigError(f"preference.init_from={config.preference.init_from!r} holds no checkpoints/; train that "
+                          f"run first (configs/dpo_char_gpt.yaml starts from `make train`'s runs/char_gpt) or fix "
+                          f"the path")
+    return path
+
+
 def build_run(config: Config, *, model: Any = None, loss_fn: Callable | None = None, optimizer: Any = None,
           train_data: Any = None, eval_data: Any = None, callbacks: list[Callback] | None = None,
           transform: Callable | None = None) -> Run:
@@ -313,7 +326,8 @@ def build_run(config: Config, *, model: Any = None, loss_fn: Callable | None = N
         on_error=checkpoint.on_error, is_primary=backend.process_index == 0)
     resume = ResumePolicy(run_dir, checkpoint.resume, data.ignore_skip, data.skip_samples, seed, config.backend,
                           config.optimizer.model_dump(mode="json"),
-                          {"config_digest": config.digest(), "model": config.model.model_dump(mode="json")})
+                          {"config_digest": config.digest(), "model": config.model.model_dump(mode="json")},
+                          init_from=_init_from(config))
     # A torch user model's shape is its own (a transformers model's config), not the config's model section.
     shape_source = getattr(parts.model, "config", None) if config.backend == "torch" and parts.model is not None \
         else config.model

@@ -46,6 +46,7 @@ class ResumePolicy:
     backend: str
     optimizer: dict[str, Any]           # the optimizer section as recorded (its name must match on resume)
     record: dict[str, Any] = field(default_factory=dict)  # config digest, model section: written in every meta
+    init_from: Path | None = None       # another run whose weights start this one when it has no checkpoint
 
     def data_override(self) -> dict[str, Any]:
         """The one-time data position settings of this run, recorded in its checkpoints."""
@@ -90,7 +91,10 @@ class ResumePolicy:
         self.check_saved_run_fits(request)
         restored = checkpointer.restore(backend.restore_targets(), step=request)
         if restored is None:
-            return Start(backend.init_state(), resume_position(None, self.ignore_skip, self.skip_samples))
+            fresh = resume_position(None, self.ignore_skip, self.skip_samples)
+            if self.init_from is not None:
+                return Start(initial_state_from(self.init_from, backend), fresh)
+            return Start(backend.init_state(), fresh)
         items, meta, step = restored
         if adapter_saves is not None:
             adapter_saves.restored(meta, step)
@@ -116,6 +120,26 @@ class ResumePolicy:
                 "layout": backend.describe(), "processes": backend.process_count,
                 "data_override": self.data_override(),
                 "resume_request": self.request if isinstance(self.request, int) else None}
+
+
+def initial_state_from(run_dir: Path, backend: Backend) -> Any:
+    """A step-0 state (fresh optimizer) whose weights are those of ``run_dir``'s newest checkpoint; weights that
+    do not fit the model are a one-line CheckpointError naming the first mismatch."""
+    from flax.traverse_util import flatten_dict
+    from functrain.checkpoint import load_params_and_meta
+    from functrain.models.lora import is_adapter
+    params, meta = load_params_and_meta(run_dir)
+    abstract = getattr(backend, "abstract_state", None)
+    if abstract is not None:
+        wanted = {path: tuple(leaf.shape) for path, leaf in flatten_dict(abstract.params).items()
+                  if not is_adapter(path)}
+        given = {path: tuple(leaf.shape) for path, leaf in flatten_dict(params).items() if not is_adapter(path)}
+        for path in sorted(set(wanted) | set(given)):
+            if wanted.get(path) != given.get(path):
+                raise CheckpointError(f"the weights of {run_dir} (step {meta.get('step')}) do not fit this model: "
+                                      f"{'/'.join(path)} is {given.get(path)} there and {wanted.get(path)} here; "
+                                      f"use the same model section as that run")
+    return backend.state_from_items({"params": params, "state": None})
 
 
 def write_run_config(run_dir: Path, config: dict[str, Any]) -> None:
