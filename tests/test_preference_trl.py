@@ -26,6 +26,9 @@ PAIRS = [{"prompt": "2+2=", "chosen": "4", "rejected": "five"},
 STEPS, LEARNING_RATE, SEQ_LEN = 3, 1e-3, 32
 # Loss type -> the TRL DPOConfig arguments it is run with (label_smoothing for robust).
 DPO_LOSSES = {"sigmoid": {}, "ipo": {}, "hinge": {}, "robust": {"label_smoothing": 0.1}}
+# IPO (length-averaged, the most sensitive to how a batch is divided) accumulates 2 micro-batches of 2 pairs:
+# exact accumulation divides once by the pairs, so it still equals TRL's mean over the batch of 4.
+MICRO_BATCHES = {"ipo": 2}
 METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
            "logps/rejected")
 
@@ -97,7 +100,7 @@ def test_loss_rewards_and_logps_match_trl_over_training(setup, loss_type, tmp_pa
     overrides = {"run.dir": str(run), "data.name": "preference", "data.path": str(setup.root / "pairs.jsonl"),
                  "data.tokenizer": str(setup.root / "tok"), "data.seq_len": SEQ_LEN,
                  "data.global_batch_size": len(PAIRS), "data.eval_fraction": 0.0, "train.max_steps": STEPS,
-                 "train.clip_norm": 1.0, "optimizer.learning_rate": LEARNING_RATE, "preference.loss_type": loss_type,
+                 "train.micro_batches": MICRO_BATCHES.get(loss_type, 1), "train.clip_norm": 1.0, "optimizer.learning_rate": LEARNING_RATE, "preference.loss_type": loss_type,
                  "log.every_steps": 1, "log.progress": False, "log.tensorboard": False,
                  "checkpoint.async_save": False, "checkpoint.every_steps": 0,
                  **{f"preference.{key}": value for key, value in options.items()}}
