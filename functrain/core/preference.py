@@ -156,11 +156,8 @@ def preference_loss(apply: Apply, reference: Reference | None, settings: Prefere
         policy = completion_logps(getattr(output, "logits", output), tokens, mask)
         ref_logps = None
         if settings.uses_reference:
-            if "ref_logps" in batch:  # precomputed once before training
-                ref_logps = jnp.concatenate([batch["ref_logps"][:, 0], batch["ref_logps"][:, 1]])
-            else:
-                ref_logits = jax.lax.stop_gradient(reference(params, model_state, inputs))
-                ref_logps = completion_logps(ref_logits, tokens, mask)[0]
+            ref_logits = jax.lax.stop_gradient(reference(params, model_state, inputs))
+            ref_logps = completion_logps(ref_logits, tokens, mask)[0]
         return (*preference_sums(settings, policy, ref_logps, batch["weight"]), new_state)
     return loss_fn
 
