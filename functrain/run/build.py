@@ -282,8 +282,9 @@ def _callbacks(config: Config, parts: Parts, trackers: list[Callback], extra: li
     return CallbackList(builtins + list(extra) + [summary])
 
 
-def _init_from(config: Config) -> Path | None:
-    """``preference.init_from`` of a preference run (absolute), or None."""
+def _initial_state(config: Config) -> Callable[[Backend], Any] | None:
+    """How a preference run with ``preference.init_from`` gets its first state (when it has no checkpoint of
+    its own), or None."""
     if not (parts_module.is_preference(config) and config.preference.init_from):
         return None
     path = Path(config.preference.init_from).absolute()
@@ -291,7 +292,8 @@ def _init_from(config: Config) -> Path | None:
         raise ConfigError(f"preference.init_from={config.preference.init_from!r} holds no checkpoints/; train that "
                           f"run first (configs/dpo_char_gpt.yaml starts from `make train`'s runs/char_gpt) or fix "
                           f"the path")
-    return path
+    from functrain.run.init_from import initial_state_from
+    return functools.partial(initial_state_from, path)
 
 
 def build_run(config: Config, *, model: Any = None, loss_fn: Callable | None = None, optimizer: Any = None,
@@ -327,7 +329,7 @@ def build_run(config: Config, *, model: Any = None, loss_fn: Callable | None = N
     resume = ResumePolicy(run_dir, checkpoint.resume, data.ignore_skip, data.skip_samples, seed, config.backend,
                           config.optimizer.model_dump(mode="json"),
                           {"config_digest": config.digest(), "model": config.model.model_dump(mode="json")},
-                          init_from=_init_from(config))
+                          initial_state=_initial_state(config))
     # A torch user model's shape is its own (a transformers model's config), not the config's model section.
     shape_source = getattr(parts.model, "config", None) if config.backend == "torch" and parts.model is not None \
         else config.model

@@ -14,7 +14,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -46,7 +46,8 @@ class ResumePolicy:
     backend: str
     optimizer: dict[str, Any]           # the optimizer section as recorded (its name must match on resume)
     record: dict[str, Any] = field(default_factory=dict)  # config digest, model section: written in every meta
-    init_from: Path | None = None       # another run whose weights start this one when it has no checkpoint
+    # The state of a run started from another run's weights (preference.init_from) when it has no checkpoint.
+    initial_state: Callable[[Backend], Any] | None = None
 
     def data_override(self) -> dict[str, Any]:
         """The one-time data position settings of this run, recorded in its checkpoints."""
@@ -92,8 +93,8 @@ class ResumePolicy:
         restored = checkpointer.restore(backend.restore_targets(), step=request)
         if restored is None:
             fresh = resume_position(None, self.ignore_skip, self.skip_samples)
-            if self.init_from is not None:
-                return Start(initial_state_from(self.init_from, backend), fresh)
+            if self.initial_state is not None:
+                return Start(self.initial_state(backend), fresh)
             return Start(backend.init_state(), fresh)
         items, meta, step = restored
         if adapter_saves is not None:
@@ -120,26 +121,6 @@ class ResumePolicy:
                 "layout": backend.describe(), "processes": backend.process_count,
                 "data_override": self.data_override(),
                 "resume_request": self.request if isinstance(self.request, int) else None}
-
-
-def initial_state_from(run_dir: Path, backend: Backend) -> Any:
-    """A step-0 state (fresh optimizer) whose weights are those of ``run_dir``'s newest checkpoint; weights that
-    do not fit the model are a one-line CheckpointError naming the first mismatch."""
-    from flax.traverse_util import flatten_dict
-    from functrain.checkpoint import load_params_and_meta
-    from functrain.models.lora import is_adapter
-    params, meta = load_params_and_meta(run_dir)
-    abstract = getattr(backend, "abstract_state", None)
-    if abstract is not None:
-        wanted = {path: tuple(leaf.shape) for path, leaf in flatten_dict(abstract.params).items()
-                  if not is_adapter(path)}
-        given = {path: tuple(leaf.shape) for path, leaf in flatten_dict(params).items() if not is_adapter(path)}
-        for path in sorted(set(wanted) | set(given)):
-            if wanted.get(path) != given.get(path):
-                raise CheckpointError(f"the weights of {run_dir} (step {meta.get('step')}) do not fit this model: "
-                                      f"{'/'.join(path)} is {given.get(path)} there and {wanted.get(path)} here; "
-                                      f"use the same model section as that run")
-    return backend.state_from_items({"params": params, "state": None})
 
 
 def write_run_config(run_dir: Path, config: dict[str, Any]) -> None:
