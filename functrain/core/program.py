@@ -1,6 +1,6 @@
 """A Program: what the JAX backend needs from a model, whatever framework wrote it.
 
-    Program(init, loss_fn, eval_loss_fn, logical_specs, trainable=None, complete_params=None)
+    Program(init, loss_fn, eval_loss_fn, logical_specs, trainable=None, complete_params=None, state_for_params=None)
       init(rng) -> (params, model_state)                          # float32 params; {} when nothing mutable
       loss_fn(params, model_state, batch, rng) -> (loss_sum, weight, aux_sums, model_state)   # training mode
       eval_loss_fn(...)                                            # the same in evaluation mode
@@ -8,6 +8,9 @@
       trainable(params) -> tree of bools: the leaves the step trains (None: all); the rest stay frozen
       complete_params(restored_params, init_rng) -> params: fills what a restored checkpoint lacks (LoRA
         adapters on a converted base model); None: checkpoints restore straight onto the params' shardings
+      state_for_params(params, model_state) -> model_state: the model state of a run starting from ``params``
+        that come without one (a converted model): a preference run's frozen reference copy is those params;
+        None: ``init``'s model state
 
 Adapters turn user code into one (:func:`as_program`):
 
@@ -61,6 +64,7 @@ class Program:
     logical_specs: Callable[[], Any]
     trainable: Callable[[Any], Any] | None = None
     complete_params: Callable[[Any, jax.Array], Any] | None = None
+    state_for_params: Callable[[Any, Any], Any] | None = None
 
 
 class FunctionalModel(NamedTuple):

@@ -27,7 +27,8 @@ from functrain.errors import DataError
 Arrays = dict[str, np.ndarray]
 
 
-def _split(arrays: Arrays, eval_fraction: float) -> tuple[Arrays, Arrays]:
+def split_records(arrays: Arrays, eval_fraction: float) -> tuple[Arrays, Arrays]:
+    """``(train, eval)``: the last ``eval_fraction`` of the records evaluate (independent of the seed)."""
     num_records = len(next(iter(arrays.values())))
     num_eval = int(round(num_records * eval_fraction))
     cut = num_records - num_eval
@@ -141,7 +142,7 @@ def open_source(path: str, name: str | None, data_config: Any, vocab_size: int |
                         f"{', '.join(sorted(SOURCE_OPENERS))} (.npz files are array_file)")
     opened = SOURCE_OPENERS[kind](data_config.model_copy(update={"path": str(where), "sources": None}), vocab_size)
     if isinstance(opened, dict):
-        train, evaluation = _split(opened, data_config.eval_fraction)
+        train, evaluation = split_records(opened, data_config.eval_fraction)
         if len(next(iter(train.values()))) == 0:
             raise DataError(f"data.sources path {path!r} has no training records; add data or lower "
                             f"data.eval_fraction")
@@ -155,7 +156,7 @@ def load_dataset(data_config: Any) -> tuple[Arrays, Arrays]:
         names = sorted([*LOADERS, "synthetic", "tokens"])  # the last two are sources (functrain.run.parts)
         raise DataError(f"unknown data.name {data_config.name!r}; choose one of {', '.join(names)}")
     arrays = LOADERS[data_config.name](data_config)
-    train, evaluation = _split(arrays, data_config.eval_fraction)
+    train, evaluation = split_records(arrays, data_config.eval_fraction)
     if len(next(iter(train.values()))) == 0:
         raise DataError(f"data.name={data_config.name} has no training records; add data or lower "
                         f"data.eval_fraction")

@@ -155,18 +155,14 @@ def adapter_specs(specs: Any, paths: list[Path]) -> Any:
 _ADAPTER_KEY = 0x10AA
 
 
-def lora_program(module: nn.Module, example_batch: dict[str, Any], kind: str, settings: LoraConfig,
-                 fields: Any = None) -> Any:
-    """The :class:`functrain.core.program.Program` of a linen ``module`` with adapters on ``settings.targets``
-    and the built-in loss of ``kind``; only the adapters are trainable. ``fields``: the data's roles
-    (:class:`functrain.core.fields.Fields`) when its names are not the loss's own (HF ``input_ids``)."""
-    from functrain.core.fields import canonical
-    from functrain.core.program import Program, builtin_loss, linen_pieces
-    from functrain.core.losses import model_inputs
+def lora_pieces(module: nn.Module, example_inputs: Any, settings: LoraConfig, argument: str | None = None
+                ) -> tuple[Callable, Callable, Callable, Callable, Callable]:
+    """``(init, apply, base_apply, logical_specs, complete_params)`` of a linen ``module`` called on
+    ``example_inputs``-like inputs, with adapters on ``settings.targets``: ``apply`` runs them, ``base_apply``
+    is the same model with the adapters off (the base weights alone: a preference run's reference)."""
+    from functrain.core.program import linen_pieces
 
-    named = example_batch if fields is None else canonical(fields, example_batch)
-    base_init, base_apply, base_specs = linen_pieces(module, model_inputs(kind, named),
-                                                       getattr(fields, "argument", None))
+    base_init, base_apply, base_specs = linen_pieces(module, example_inputs, argument)
     paths = target_paths(jax.eval_shape(base_init, jax.random.PRNGKey(0))[0], settings.targets)
 
     def init(rng: jax.Array) -> tuple[Any, Any]:
@@ -179,7 +175,21 @@ def lora_program(module: nn.Module, example_batch: dict[str, Any], kind: str, se
             return params
         return add_adapters(params, paths, settings.rank, jax.random.fold_in(rng, _ADAPTER_KEY))
 
-    apply = with_adapters(base_apply, settings)
+    return (init, with_adapters(base_apply, settings), base_apply, lambda: adapter_specs(base_specs(), paths),
+            complete_params)
+
+
+def lora_program(module: nn.Module, example_batch: dict[str, Any], kind: str, settings: LoraConfig,
+                 fields: Any = None) -> Any:
+    """The :class:`functrain.core.program.Program` of a linen ``module`` with adapters on ``settings.targets``
+    and the built-in loss of ``kind``; only the adapters are trainable. ``fields``: the data's roles
+    (:class:`functrain.core.fields.Fields`) when its names are not the loss's own (HF ``input_ids``)."""
+    from functrain.core.fields import canonical
+    from functrain.core.program import Program, builtin_loss
+    from functrain.core.losses import model_inputs
+
+    named = example_batch if fields is None else canonical(fields, example_batch)
+    init, apply, _, specs, complete_params = lora_pieces(module, model_inputs(kind, named), settings,
+                                                         getattr(fields, "argument", None))
     return Program(init, builtin_loss(apply, kind, True, fields), builtin_loss(apply, kind, False, fields),
-                   lambda: adapter_specs(base_specs(), paths), trainable=trainable_mask,
-                   complete_params=complete_params)
+                   specs, trainable=trainable_mask, complete_params=complete_params)

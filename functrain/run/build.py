@@ -30,7 +30,9 @@ from functrain.run.config import Config
 from functrain.run.config_checks import likely_mistakes
 from functrain.run.events import RunEvents
 from functrain.run.mfu import SpeedReport, speed_report
-from functrain.run.parts import Parts, build_parts, check_data, make_optimizer, optimizer_settings, schedule_settings
+from functrain.run import parts as parts_module
+from functrain.run.parts import (PREFERENCE, Parts, build_parts, check_data, make_optimizer, optimizer_settings,
+                                 preference_settings, schedule_settings)
 from functrain.run.resume import ResumePolicy
 from functrain.run.summary import RunSummary
 from functrain.run.trackers import make_trackers
@@ -124,7 +126,9 @@ def jax_backend(config: Config, example_batch: dict[str, np.ndarray], max_steps:
     from functrain.parallel import sharding
     from functrain.run.jax_backend import JaxBackend
     lora = getattr(config.model, "lora", None)
-    if lora is not None:
+    if kind == PREFERENCE:
+        program = preference_program_of(model, example_batch, preference_settings(config), lora)
+    elif lora is not None:
         from functrain.models.lora import lora_program
         if loss_fn is not None or kind is None:
             raise ConfigError("model.lora trains a registry model with its built-in loss; remove loss_fn= or "
@@ -143,6 +147,27 @@ def jax_backend(config: Config, example_batch: dict[str, np.ndarray], max_steps:
                       param_rules=config.mesh.param_rules,
                       allow_replicated_fallback=config.mesh.allow_replicated_fallback,
                       step=step_settings(config), seed=config.seed)
+
+
+def preference_program_of(model: Any, example_batch: dict[str, np.ndarray], settings: Any, lora: Any) -> Any:
+    """The program of a preference run: the model's pieces (with LoRA adapters, whose base is the reference)
+    and the preference loss (:func:`functrain.core.preference.preference_program`)."""
+    from functrain.core.preference import preference_program
+    from functrain.core.program import linen_pieces, model_kind_of, nnx_pieces
+    framework = model_kind_of(model)
+    inputs = np.asarray(example_batch["chosen"])[:, :-1]
+    if lora is not None:
+        from functrain.models.lora import lora_pieces, trainable_mask
+        if framework != "linen":
+            raise ConfigError("model.lora adapts a Flax linen model; remove model.lora")
+        init, apply, base_apply, specs, complete = lora_pieces(model, inputs, lora)
+        return preference_program(init, apply, specs, settings, reference_apply=base_apply,
+                                  trainable=trainable_mask, complete_params=complete)
+    if framework == "functions":
+        raise ConfigError("data.name=preference trains a causal LM given as a Flax linen or NNX module; pass one "
+                          "of those, or a registry model (model.name)")
+    init, apply, specs = linen_pieces(model, inputs) if framework == "linen" else nnx_pieces(model)
+    return preference_program(init, apply, specs, settings)
 
 
 def torch_backend(config: Config, example_batch: dict[str, np.ndarray], max_steps: int, *, model: Any = None,
@@ -268,6 +293,20 @@ def _callbacks(config: Config, parts: Parts, trackers: list[Callback], extra: li
     return CallbackList(builtins + list(extra) + [summary])
 
 
+def _initial_state(config: Config) -> Callable[[Backend], Any] | None:
+    """How a preference run with ``preference.init_from`` gets its first state (when it has no checkpoint of
+    its own), or None."""
+    if not (parts_module.is_preference(config) and config.preference.init_from):
+        return None
+    path = Path(config.preference.init_from).absolute()
+    if not (path / "checkpoints").is_dir():
+        raise ConfigError(f"preference.init_from={config.preference.init_from!r} holds no checkpoints/; train that "
+                          f"run first (configs/dpo_char_gpt.yaml starts from `make train`'s runs/char_gpt) or fix "
+                          f"the path")
+    from functrain.run.init_from import initial_state_from
+    return functools.partial(initial_state_from, path)
+
+
 def build_run(config: Config, *, model: Any = None, loss_fn: Callable | None = None, optimizer: Any = None,
           train_data: Any = None, eval_data: Any = None, callbacks: list[Callback] | None = None,
           transform: Callable | None = None) -> Run:
@@ -300,7 +339,8 @@ def build_run(config: Config, *, model: Any = None, loss_fn: Callable | None = N
         on_error=checkpoint.on_error, is_primary=backend.process_index == 0)
     resume = ResumePolicy(run_dir, checkpoint.resume, data.ignore_skip, data.skip_samples, seed, config.backend,
                           config.optimizer.model_dump(mode="json"),
-                          {"config_digest": config.digest(), "model": config.model.model_dump(mode="json")})
+                          {"config_digest": config.digest(), "model": config.model.model_dump(mode="json")},
+                          initial_state=_initial_state(config))
     # A torch user model's shape is its own (a transformers model's config), not the config's model section.
     shape_source = getattr(parts.model, "config", None) if config.backend == "torch" and parts.model is not None \
         else config.model
@@ -311,4 +351,5 @@ def build_run(config: Config, *, model: Any = None, loss_fn: Callable | None = N
                optimizer=optimizer, backend=backend, open_checkpointer=open_checkpointer,
                adapter_checkpoints=getattr(config.model, "lora", None) is not None,
                callbacks=_callbacks(config, parts, trackers, callbacks or [], max_steps), resume=resume, speed=speed,
-               warnings=tuple(likely_mistakes(config, max_steps, has_eval_data=parts.eval_data is not None)))
+               warnings=(*likely_mistakes(config, max_steps, has_eval_data=parts.eval_data is not None),
+                         *parts.notes))

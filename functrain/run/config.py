@@ -116,6 +116,7 @@ class DataConfig(Section):
     mixture_block_size: int = Field(1024, ge=1)
     fields: FieldsConfig = Field(default_factory=FieldsConfig)
     transform: Target = None
+    tokenizer: str | None = None  # name: preference: an HF tokenizer directory (None: UTF-8 bytes)
 
     @pydantic.model_validator(mode="after")
     def _one_kind_of_data(self) -> "DataConfig":
@@ -324,6 +325,22 @@ class ProfileConfig(Section):
     steps: int = Field(0, ge=0)
 
 
+class PreferenceConfig(Section):
+    """``preference.*``: the loss of a ``data.name: preference`` run, with TRL's names (see
+    :mod:`functrain.core.preference`): ``loss_type`` (DPO ``sigmoid``, ``ipo``, ``hinge``, ``robust``; the
+    reference-free ``simpo`` and ``orpo``), ``beta`` (ORPO's lambda too), ``label_smoothing`` (``robust``,
+    ``simpo``), ``simpo_gamma``; ``truncation_mode`` (``keep_start`` / ``keep_end``) cuts a pair longer than
+    ``data.seq_len`` tokens as TRL does (None: such a pair is refused); ``init_from``: a run directory (a
+    trained run, or one ``functrain convert hf-to-functrain`` wrote) whose newest checkpoint's weights start
+    the policy and the reference, when this run has no checkpoint of its own yet."""
+    loss_type: Literal["sigmoid", "ipo", "hinge", "robust", "simpo", "orpo"] = "sigmoid"
+    beta: float = Field(0.1, gt=0.0)
+    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5)
+    simpo_gamma: float = 0.5
+    truncation_mode: Literal["keep_start", "keep_end"] | None = None
+    init_from: str | None = None
+
+
 class Config(Section):
     """The whole run configuration; ``model`` holds the chosen model's own validated config."""
     seed: int = 0
@@ -338,6 +355,7 @@ class Config(Section):
     log: LogConfig = LogConfig()
     eval: EvalConfig = EvalConfig()
     profile: ProfileConfig = ProfileConfig()
+    preference: PreferenceConfig = PreferenceConfig()
 
     @pydantic.field_validator("model", mode="before")
     @classmethod

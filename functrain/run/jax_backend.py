@@ -69,6 +69,8 @@ class JaxBackend:
         def state_for_params(params: Any, seed: int) -> TrainState:
             init_key, run_key = jax.random.split(jax.random.PRNGKey(seed))
             _, model_state = program.init(init_key)  # the initial params are unused (and compiled away)
+            if program.state_for_params is not None:
+                model_state = program.state_for_params(params, model_state)
             return fresh_state(params, model_state, run_key)
 
         def create_state(seed: int) -> TrainState:

@@ -25,13 +25,14 @@ from functrain.run.config import PYTHON_OBJECT
 from functrain.data import ConcatSource, Mixture, Source, Stream, as_data, as_source
 from functrain.data.stream import is_stream
 from functrain.data.transforms import Transform, apply_transform
-from functrain.data.validate import BatchCheck, check_arrays
-from functrain.data.datasets import load_dataset, open_source, token_store
+from functrain.data.validate import BatchCheck, FieldRule, check_arrays
+from functrain.data.datasets import load_dataset, open_source, split_records, token_store
 from functrain.data.synthetic import synthetic_splits
 from functrain.errors import ConfigError, DataError
 from functrain.models import build_model, model_spec
 from functrain.core.fields import Fields, require_builtin, resolve_fields
 from functrain.core.losses import batch_check
+from functrain.core.preference import PreferenceSettings
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,10 @@ class Parts:
       batch_check: what the built-in loss reads, checked on every batch (None with a user ``loss_fn``).
       transform: ``transform(record, rng) -> record`` applied to every record read (``fit(transform=)`` or
         ``data.transform``), or None.
+      notes: warnings found while reading the data, shown when the run starts.
+
+    ``data.name: preference`` makes ``kind`` ``preference``: pairs tokenised by :mod:`functrain.text.preference`,
+    trained with the loss of :mod:`functrain.core.preference` (``preference.*``).
     """
     model: Any
     kind: str | None
@@ -62,6 +67,7 @@ class Parts:
     eval_data: Source | None
     batch_check: BatchCheck | None
     transform: Transform | None = None
+    notes: tuple[str, ...] = ()   # warnings about the data (identical preference pairs, dropped pairs)
 
 
 def describe_object(obj: Any) -> str:
@@ -253,12 +259,56 @@ def first_record(train: Source | Stream, transform: Transform | None, seed: int)
     return example if transform is None else apply_transform(example, transform, seed, np.arange(1))
 
 
+PREFERENCE = "preference"  # data.name and Parts.kind of preference runs
+
+
+def is_preference(config: Any) -> bool:
+    """Whether the config trains on preference pairs (``data.name: preference``)."""
+    section = config.data
+    return section.name == PREFERENCE and section.target is None and section.sources is None
+
+
+def preference_settings(config: Any) -> PreferenceSettings:
+    """The ``preference.*`` loss settings."""
+    section = config.preference
+    return PreferenceSettings(section.loss_type, section.beta, section.label_smoothing, section.simpo_gamma)
+
+
+def preference_parts(config: Any, model: Any, loss_fn: Callable | None, optimizer: Any) -> Parts:
+    """The parts of a ``data.name: preference`` run: the pairs of ``data.path`` tokenised with
+    ``data.tokenizer`` (UTF-8 bytes when unset), split by ``data.eval_fraction``, and the preference loss."""
+    from functrain.text.preference import load_preference_tokenizer, preference_arrays
+    section = config.data
+    if loss_fn is not None:
+        raise ConfigError("data.name=preference trains with the preference loss (preference.loss_type); remove "
+                          "loss_fn= or use other data")
+    if config.backend == "torch":
+        raise ConfigError("data.name=preference (DPO and its variants) needs backend: jax; set backend=jax")
+    if not section.path:
+        raise ConfigError("data.name=preference needs data.path; set data.path=PAIRS.jsonl (prompt, chosen, "
+                          "rejected per line)")
+    arrays, stats = preference_arrays(section.path, load_preference_tokenizer(section.tokenizer), section.seq_len,
+                                      config.preference.truncation_mode)
+    train, evaluation = split_records(arrays, section.eval_fraction)
+    if not len(train["chosen"]):
+        raise DataError(f"{section.path} has no training pairs; add pairs or lower data.eval_fraction")
+    vocab = getattr(config.model, "vocab_size", None)
+    check = BatchCheck([FieldRule(name, upper=vocab, bound_key="model.vocab_size", what="token id")
+                        for name in ("chosen", "rejected")], source=f"the data ({section.path})")
+    return Parts(model=model, kind=PREFERENCE, fields=None, loss_fn=None,
+                 optimizer=resolve_optimizer(config, optimizer), train_data=as_source(train),
+                 eval_data=as_source(evaluation) if len(evaluation["chosen"]) else None, batch_check=check,
+                 notes=tuple(stats.notes(section.path)))
+
+
 def build_parts(config: Any, *, model: Any = None, loss_fn: Callable | None = None, optimizer: Any = None,
                 train_data: Any = None, eval_data: Any = None, transform: Transform | None = None) -> Parts:
     """Every part of a run, from the objects given and the config for the rest."""
     if eval_data is not None and train_data is None:
         raise ConfigError("eval_data= was given without train_data=; pass both, or neither (the config's data)")
     model, kind = resolve_model(config, model)
+    if train_data is None and is_preference(config):
+        return preference_parts(config, model, loss_fn, optimizer)
     train, evaluation = resolve_data(config, train_data, eval_data)
     transform = resolve_transform(config, transform)
     check, fields = None, None

@@ -1,11 +1,12 @@
 """``functrain plot RUN_DIR [RUN_DIR ...] [-o FILE.png]``: the curves of one or several runs in one PNG.
 
 Panels against step: train and eval loss (log scale when it spans more than a decade), learning rate,
-gradient norm, throughput (tokens/s, else samples/s, else steps/s), MFU and accuracy when a run logs
-them, and one panel per lm-eval score (``harness/<task>/<metric>``, see ``eval.harness_tasks``). Each run has one
-colour; a smoothed line (TensorBoard's debiased moving average) is drawn over the faint raw values. Steps
-whose update was skipped for a non-finite loss or gradient are red crosses; resumes (from ``events.jsonl``)
-are dotted vertical lines. matplotlib renders headless (Agg).
+gradient norm, throughput (tokens/s, else samples/s, else steps/s), and MFU, accuracy and a preference run's
+reward margin and accuracy (TRL's ``rewards/margins``, ``rewards/accuracies``) when a run logs them, and one
+panel per lm-eval score (``harness/<task>/<metric>``, see ``eval.harness_tasks``). Each run has one colour; a
+smoothed line (TensorBoard's debiased moving average) is drawn over the faint raw values. Steps whose update
+was skipped for a non-finite loss or gradient are red crosses; resumes (from ``events.jsonl``) are dotted
+vertical lines. matplotlib renders headless (Agg).
 """
 
 from __future__ import annotations
@@ -29,8 +30,11 @@ PANELS = [("loss", "mean loss", "loss", True, True),
           ("gradient norm", "global grad norm", "grad_norm", False, True),
           ("throughput", None, ("tokens_per_sec", "samples_per_sec", "steps_per_sec"), False, True),
           ("MFU", "model FLOPs utilisation", "mfu", False, True),
-          ("accuracy", "accuracy", "accuracy", True, True)]
-ALWAYS_SHOWN = 4  # the first four panels; MFU and accuracy only when some run logs them
+          ("accuracy", "accuracy", "accuracy", True, True),
+          ("reward margin", "rewards/margins", "rewards/margins", True, True),
+          ("reward accuracy", "rewards/accuracies", "rewards/accuracies", True, True)]
+# The first four panels; MFU, accuracy and the preference rewards only when some run logs them.
+ALWAYS_SHOWN = 4
 HARNESS = "harness"  # the split of lm-eval scores: a panel each
 
 

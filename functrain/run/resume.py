@@ -14,7 +14,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -46,6 +46,8 @@ class ResumePolicy:
     backend: str
     optimizer: dict[str, Any]           # the optimizer section as recorded (its name must match on resume)
     record: dict[str, Any] = field(default_factory=dict)  # config digest, model section: written in every meta
+    # The state of a run started from another run's weights (preference.init_from) when it has no checkpoint.
+    initial_state: Callable[[Backend], Any] | None = None
 
     def data_override(self) -> dict[str, Any]:
         """The one-time data position settings of this run, recorded in its checkpoints."""
@@ -90,7 +92,10 @@ class ResumePolicy:
         self.check_saved_run_fits(request)
         restored = checkpointer.restore(backend.restore_targets(), step=request)
         if restored is None:
-            return Start(backend.init_state(), resume_position(None, self.ignore_skip, self.skip_samples))
+            fresh = resume_position(None, self.ignore_skip, self.skip_samples)
+            if self.initial_state is not None:
+                return Start(self.initial_state(backend), fresh)
+            return Start(backend.init_state(), fresh)
         items, meta, step = restored
         if adapter_saves is not None:
             adapter_saves.restored(meta, step)

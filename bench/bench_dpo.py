@@ -1,0 +1,106 @@
+"""Benchmark: a DPO step against an SFT step of the same model on the same tokens, in the same run.
+
+SFT trains the causal-LM loss on the ``2B`` sequences (the chosen and the rejected rows of ``B`` pairs); DPO
+trains the sigmoid preference loss on the same rows as ``B`` pairs, with the frozen reference (a copy of the
+starting weights in the model state) run in the same compiled step, outside the gradient. A forward costs
+about a third of a forward + backward, so the reference should add about one forward: DPO / SFT step time
+near 4/3, not 5/3 (a second backward) nor 2 (a second model trained). Both use the pieces `functrain train`
+uses (the Program, ``make_train_step`` with AdamW, jitted with the state donated). Reports XLA's FLOPs of each
+compiled step and steps/s (interleaved repeats, median of the paired ratios; wall clock, and CPU time of the
+process, which other jobs on a shared machine disturb less).
+
+    python bench/bench_dpo.py [--layers 2] [--hidden 512] [--pairs 4] [--seq 128] [--steps 4] [--repeats 3]
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from functrain.core.preference import PreferenceSettings, preference_program  # noqa: E402
+from functrain.core.program import as_program, linen_pieces  # noqa: E402
+from functrain.core.state import TrainState  # noqa: E402
+from functrain.core.step import make_train_step  # noqa: E402
+from functrain.models import llama  # noqa: E402
+
+
+def build(program, batch):
+    tx = optax.adamw(1e-4)
+    step = make_train_step(program.loss_fn, tx, stateful=True)
+
+    def create(key):
+        params, model_state = program.init(key)
+        return TrainState.create(params, tx, jax.random.PRNGKey(1), model_state=model_state)
+    # Created under jit, as the backend creates it: the reference copy gets buffers of its own.
+    state = jax.jit(create)(jax.random.PRNGKey(0))
+    return jax.jit(step, donate_argnums=0), state
+
+
+def compiled_flops(step, state, batch) -> float:
+    """XLA's FLOP count of one compiled step."""
+    analysis = step.lower(state, batch).compile().cost_analysis()
+    return (analysis[0] if isinstance(analysis, list) else analysis).get("flops", 0.0)
+
+
+def timed(step, state, batch, steps):
+    state, metrics = step(state, batch)  # compiled on the first call
+    jax.block_until_ready(metrics)
+    start, cpu_start = time.perf_counter(), time.process_time()
+    for _ in range(steps):
+        state, metrics = step(state, batch)
+    jax.block_until_ready(metrics)
+    return (time.perf_counter() - start) / steps, (time.process_time() - cpu_start) / steps, state
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--pairs", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    config = llama.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3,
+                               num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
+                               num_key_value_heads=max(1, args.hidden // 128), max_position_embeddings=args.seq + 1)
+    rng = np.random.default_rng(0)
+    rows = rng.integers(0, args.vocab, (2 * args.pairs, args.seq + 1)).astype(np.int32)
+    completion = np.zeros_like(rows, np.int8)
+    completion[:, args.seq // 2:] = 1  # the second half of each sequence is its completion
+    pairs = {"chosen": rows[:args.pairs], "rejected": rows[args.pairs:], "chosen_mask": completion[:args.pairs],
+             "rejected_mask": completion[args.pairs:], "weight": np.ones(args.pairs, np.float32)}
+    sft = {"tokens": rows, "weight": np.ones(2 * args.pairs, np.float32)}
+    module = llama.build(config)
+    init, apply, specs = linen_pieces(module, rows[:, :-1])
+    dpo_step, dpo_state = build(preference_program(init, apply, specs, PreferenceSettings("sigmoid")), pairs)
+    sft_step, sft_state = build(as_program(module, sft, kind="causal_lm"), sft)
+
+    params = sum(leaf.size for leaf in jax.tree.leaves(sft_state.params))
+    print(f"Llama-shaped: {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, {params:,} params; "
+          f"{args.pairs} pairs = {2 * args.pairs} x {args.seq} tokens per step; {jax.devices()[0].device_kind}")
+    sft_flops, dpo_flops = compiled_flops(sft_step, sft_state, sft), compiled_flops(dpo_step, dpo_state, pairs)
+    print(f"XLA FLOPs per step: SFT {sft_flops / 1e9:.2f} G, DPO {dpo_flops / 1e9:.2f} G "
+          f"(DPO / SFT {dpo_flops / sft_flops:.2f}x; one more forward ~1.33x)")
+    ratios, cpu_ratios = [], []
+    for _ in range(args.repeats):
+        sft_time, sft_cpu, sft_state = timed(sft_step, sft_state, sft, args.steps)
+        dpo_time, dpo_cpu, dpo_state = timed(dpo_step, dpo_state, pairs, args.steps)
+        ratios.append(dpo_time / sft_time)
+        cpu_ratios.append(dpo_cpu / sft_cpu)
+        print(f"  SFT {1e3 * sft_time:8.2f} ms/step   DPO {1e3 * dpo_time:8.2f} ms/step   ratio "
+              f"{dpo_time / sft_time:.2f}x   (CPU time: {dpo_cpu / sft_cpu:.2f}x)")
+    print(f"DPO / SFT step time: median of paired ratios {statistics.median(ratios):.2f}x wall, "
+          f"{statistics.median(cpu_ratios):.2f}x CPU time (one more forward: ~1.33x)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""Preference losses (DPO and its variants), as TRL 1.16 defines them: pure functions of sequence log-probs.
+
+A preference batch holds pairs: ``chosen`` and ``rejected`` token ids ``[B, L]`` (prompt + completion, right
+padded) with ``chosen_mask`` / ``rejected_mask`` ``[B, L]`` marking the completion tokens, and the per-pair
+``weight`` (0 for padding rows). Chosen and rejected of a pair sit in the same row, so a micro-batch always
+holds whole pairs and the step's single division by the total weight is a mean over pairs, exact under
+accumulation and across devices.
+
+A sequence's log-prob is the sum over its completion tokens of ``log p(token | tokens before)``; TRL's
+``DPOTrainer`` losses (``h`` = chosen log-ratio - rejected log-ratio against the reference model):
+
+- ``sigmoid`` (DPO): ``-log sigmoid(beta h)``;
+- ``robust``: ``((1 - e) * -log sigmoid(beta h) - e * -log sigmoid(-beta h)) / (1 - 2e)``, ``e`` =
+  ``label_smoothing`` in [0, 0.5);
+- ``hinge``: ``relu(1 - beta h)``;
+- ``ipo``: ``(h' - 1 / (2 beta))^2`` with ``h'`` of log-ratios averaged over each completion's tokens.
+
+Rewards are ``beta * (logp - ref_logp)``; ``rewards/accuracies`` counts a pair only when the chosen reward is
+strictly larger (a tie, as at the first step where the policy is its own reference, counts 0).
+
+Reference-free losses (TRL's experimental ``CPOTrainer`` with ``loss_type="simpo"``, ``ORPOTrainer``), on
+log-probs averaged over each completion's tokens, with rewards ``beta * logp``:
+
+- ``simpo``: ``-(1 - e) log sigmoid(beta d - gamma) - e log sigmoid(-(beta d - gamma))``, ``d`` = chosen -
+  rejected average log-prob, ``gamma`` = ``simpo_gamma`` (CPO's ``cpo_alpha`` NLL term is not included, as
+  TRL recommends ``cpo_alpha=0`` for SimPO);
+- ``orpo``: ``NLL(chosen) - beta * log sigmoid(log odds_c - log odds_r)`` with ``log odds = logp -
+  log(1 - exp(logp))``; ``beta`` is ORPO's lambda, as in TRL. The NLL is the chosen completion's mean token
+  NLL, per pair (TRL averages over all chosen tokens of the batch: the same when completions are equally
+  long; per pair keeps accumulation exact).
+"""
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "simpo", "orpo")
+REFERENCE_FREE = ("simpo", "orpo")
+# The losses whose log-probs are averaged over the completion's tokens before anything else.
+LENGTH_AVERAGED = ("simpo", "orpo")
+PAIR_FIELDS = ("chosen", "rejected", "chosen_mask", "rejected_mask")
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+           "logps/rejected")
+
+
+@dataclass(frozen=True)
+class PreferenceSettings:
+    """The loss and its parameters, named as TRL names them."""
+    loss_type: str = "sigmoid"
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    simpo_gamma: float = 0.5
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the loss compares against a reference model."""
+        return self.loss_type not in REFERENCE_FREE
+
+
+def completion_logps(logits: jax.Array, tokens: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(sum of log-probs, token count)`` ``[N]`` of each sequence's completion: ``logits`` ``[N, L-1, V]`` of
+    ``tokens[:, :-1]``; position ``t`` predicts token ``t + 1``, counted where ``mask[:, t + 1]`` is set."""
+    targets, counted = tokens[:, 1:], mask[:, 1:].astype(jnp.float32)
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    token_logps = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+    return (token_logps * counted).sum(-1), counted.sum(-1)
+
+
+def _log1mexp(x: jax.Array) -> jax.Array:
+    """``log(1 - exp(x))`` for ``x < 0``, stable at both ends (TRL's ``log1mexp``)."""
+    return jnp.where(x > -jnp.log(2.0), jnp.log(-jnp.expm1(x)), jnp.log1p(-jnp.exp(x)))
+
+
+def pair_losses(settings: PreferenceSettings, chosen: jax.Array, rejected: jax.Array,
+                ref_chosen: jax.Array | None, ref_rejected: jax.Array | None,
+                chosen_count: jax.Array, rejected_count: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(losses, chosen_rewards, rejected_rewards)`` ``[B]`` from summed completion log-probs ``[B]`` of the
+    policy and (for the losses that use one) the reference; counts are the completions' token counts."""
+    beta, smoothing, loss_type = settings.beta, settings.label_smoothing, settings.loss_type
+    # TRL clamps the token count at 1, so a padding row (no tokens) divides by 1, never by 0.
+    chosen_count, rejected_count = jnp.maximum(chosen_count, 1.0), jnp.maximum(rejected_count, 1.0)
+    if loss_type in REFERENCE_FREE:
+        chosen_avg, rejected_avg = chosen / chosen_count, rejected / rejected_count
+        if loss_type == "simpo":
+            logits = beta * (chosen_avg - rejected_avg) - settings.simpo_gamma
+            losses = -(1 - smoothing) * jax.nn.log_sigmoid(logits) - smoothing * jax.nn.log_sigmoid(-logits)
+        else:
+            log_odds = (chosen_avg - rejected_avg) - (_log1mexp(chosen_avg) - _log1mexp(rejected_avg))
+            losses = -chosen_avg - beta * jax.nn.log_sigmoid(log_odds)
+        return losses, beta * chosen_avg, beta * rejected_avg
+    chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
+    delta = chosen_ratio - rejected_ratio
+    if loss_type == "sigmoid":
+        losses = -jax.nn.log_sigmoid(beta * delta)
+    elif loss_type == "hinge":
+        losses = jax.nn.relu(1 - beta * delta)
+    elif loss_type == "ipo":
+        averaged = chosen_ratio / chosen_count - rejected_ratio / rejected_count
+        losses = (averaged - 1 / (2 * beta)) ** 2
+    elif loss_type == "robust":
+        clean = -(1 - smoothing) * jax.nn.log_sigmoid(beta * delta)
+        flipped = -smoothing * jax.nn.log_sigmoid(-beta * delta)
+        losses = (clean - flipped) / (1 - 2 * smoothing)
+    else:
+        raise ValueError(f"unknown preference loss {loss_type!r}; choose one of {', '.join(LOSS_TYPES)}")
+    return losses, beta * chosen_ratio, beta * rejected_ratio
+
+
+def preference_sums(settings: PreferenceSettings, policy: tuple[jax.Array, jax.Array],
+                    reference: jax.Array | None, weight: jax.Array) -> tuple[jax.Array, jax.Array, dict]:
+    """``(loss_sum, pair_count, metric sums)`` of a batch of ``B`` pairs: ``policy`` is ``(log-prob sums,
+    token counts)`` ``[2B]`` of the chosen rows then the rejected rows, ``reference`` the reference's log-prob
+    sums ``[2B]`` (None for the reference-free losses), ``weight`` ``[B]`` per pair. Sums, never means: the
+    step divides once by the total weight (the number of real pairs)."""
+    logps, counts = policy
+    chosen, rejected = jnp.split(logps, 2)
+    chosen_count, rejected_count = jnp.split(counts, 2)
+    ref_chosen, ref_rejected = (None, None) if reference is None else jnp.split(reference, 2)
+    losses, chosen_rewards, rejected_rewards = pair_losses(settings, chosen, rejected, ref_chosen, ref_rejected,
+                                                           chosen_count, rejected_count)
+    if settings.loss_type in LENGTH_AVERAGED:  # TRL logs the log-probs its loss reads
+        chosen, rejected = chosen / jnp.maximum(chosen_count, 1.0), rejected / jnp.maximum(rejected_count, 1.0)
+    weight = weight.astype(jnp.float32)
+    total = lambda values: (values * weight).sum()  # noqa: E731
+    aux = {"rewards/chosen": total(chosen_rewards), "rewards/rejected": total(rejected_rewards),
+           "rewards/margins": total(chosen_rewards - rejected_rewards),
+           "rewards/accuracies": total((chosen_rewards > rejected_rewards).astype(jnp.float32)),
+           "logps/chosen": total(chosen), "logps/rejected": total(rejected)}
+    return total(losses), weight.sum(), aux
+
+
+def pair_rows(batch: dict[str, Any]) -> tuple[jax.Array, jax.Array]:
+    """``(tokens, completion mask)`` ``[2B, L]``: the chosen rows, then the rejected rows."""
+    tokens = jnp.concatenate([batch["chosen"], batch["rejected"]])
+    mask = jnp.concatenate([batch["chosen_mask"], batch["rejected_mask"]])
+    return tokens, mask
+
+
+# apply(params, model_state, inputs, train, rng) -> (output, model_state), the program's form.
+Apply = Callable[[Any, Any, Any, bool, jax.Array], tuple[Any, Any]]
+# reference(params, model_state, inputs) -> logits of the frozen reference model.
+Reference = Callable[[Any, Any, Any], Any]
+
+
+def preference_loss(apply: Apply, reference: Reference | None, settings: PreferenceSettings, train: bool
+                    ) -> Callable:
+    """The program's stateful ``loss_fn(params, model_state, batch, rng)`` of a preference batch: one forward
+    of the policy over the chosen and rejected rows together, and (losses with a reference) one of the
+    reference, outside the gradient, in the same compiled step."""
+    def loss_fn(params, model_state, batch, rng):
+        tokens, mask = pair_rows(batch)
+        inputs = tokens[:, :-1]
+        output, new_state = apply(params, model_state, inputs, train, rng)
+        policy = completion_logps(getattr(output, "logits", output), tokens, mask)
+        ref_logps = None
+        if settings.uses_reference:
+            ref_logits = jax.lax.stop_gradient(reference(params, model_state, inputs))
+            ref_logps = completion_logps(ref_logits, tokens, mask)[0]
+        return (*preference_sums(settings, policy, ref_logps, batch["weight"]), new_state)
+    return loss_fn
+
+
+# The model-state entry holding the frozen reference weights (runs without adapters).
+REFERENCE = "reference"
+
+
+def preference_program(init: Callable, apply: Apply, logical_specs: Callable, settings: PreferenceSettings, *,
+                       reference_apply: Apply | None = None, trainable: Callable | None = None,
+                       complete_params: Callable | None = None) -> Any:
+    """The :class:`~functrain.core.program.Program` of a model's pieces trained on preference pairs.
+
+    The reference is ``reference_apply`` on the same params when given (LoRA: the model with its adapters off,
+    no second copy), else a frozen copy of the starting weights in the model state under ``reference``: never
+    differentiated nor seen by the optimizer, sharded like the params, checkpointed with the state, and set to
+    the loaded weights when a run starts from a converted checkpoint. Reference-free losses hold none."""
+    from functrain.core.program import Program
+
+    def inner(model_state):
+        return {name: value for name, value in model_state.items() if name != REFERENCE}
+
+    if not settings.uses_reference or reference_apply is not None:
+        def reference(params, model_state, inputs):
+            return reference_apply(params, model_state, inputs, False, jax.random.PRNGKey(0))[0]
+        return Program(init, preference_loss(apply, reference, settings, True),
+                       preference_loss(apply, reference, settings, False), logical_specs, trainable=trainable,
+                       complete_params=complete_params)
+
+    def init_with_reference(rng):
+        params, model_state = init(rng)
+        return params, {**model_state, REFERENCE: params}
+
+    def apply_policy(params, model_state, inputs, train, rng):
+        output, new_state = apply(params, inner(model_state), inputs, train, rng)
+        return output, {**new_state, REFERENCE: model_state[REFERENCE]}
+
+    def frozen_reference(params, model_state, inputs):
+        # In the params' dtype (train.compute_dtype), so the first step compares like with like.
+        weights = jax.tree.map(lambda ref, p: ref.astype(p.dtype), model_state[REFERENCE], params)
+        return apply(weights, inner(model_state), inputs, False, jax.random.PRNGKey(0))[0]
+
+    def state_for_params(params, model_state):
+        return {**inner(model_state), REFERENCE: params}
+
+    return Program(init_with_reference, preference_loss(apply_policy, frozen_reference, settings, True),
+                   preference_loss(apply_policy, frozen_reference, settings, False), logical_specs,
+                   trainable=trainable, complete_params=complete_params, state_for_params=state_for_params)
