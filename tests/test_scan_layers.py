@@ -1,7 +1,7 @@
-"""``model.scan_layers``: scanned models train as the unrolled ones do (GPT, Llama with GQA on packed documents,
-Gemma 3 with alternating windows and per-layer RoPE plus an unrolled remainder), their stacked params export to
-HF with transformers' logits, checkpoints restore across the two layouts and resume bit for bit scanned,
-sampling reads a scanned run, and models that do not scan are refused in one line."""
+"""``model.scan_layers``: scanned models train as the unrolled ones do (Llama with GQA on packed documents, Gemma 3
+with alternating windows and per-layer RoPE plus an unrolled remainder; GPT through ``fit``), their stacked
+params export to HF with transformers' logits, checkpoints restore across the two layouts and resume bit for bit
+scanned, sampling reads a scanned run, and models that do not scan are refused in one line."""
 
 import json
 import shutil
@@ -29,9 +29,8 @@ TOKENS = np.random.default_rng(0).integers(0, 64, (2, 16))
 SEGMENTS = np.array([[1] * 9 + [2] * 7, [1] * 16], np.int32)  # two packed documents in the first row
 POSITIONS = np.array([list(range(9)) + list(range(7)), list(range(16))], np.int32)
 FAMILIES = {
-    "gpt": dict(vocab_size=64, max_len=16, d_model=32, n_layers=2, n_heads=2, d_ff=64, remat="full"),
     "llama": dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2),
+                  num_key_value_heads=2, remat="full"),
     # Period 2 (local, global): one scanned group and one unrolled layer; sliding layers use the local theta.
     "gemma3_text": dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8, sliding_window=4,
@@ -95,7 +94,7 @@ def test_scanned_params_export_to_hf_with_transformers_logits(tmp_path, highest_
 
 RUN = {
     "model": {"name": "gpt", "vocab_size": 256, "max_len": 32, "d_model": 32, "n_layers": 2, "n_heads": 2,
-              "d_ff": 64, "scan_layers": True},
+              "d_ff": 64, "remat": "full", "scan_layers": True},
     "data": {"name": "char_text", "seq_len": 16, "global_batch_size": 4, "eval_fraction": 0.0},
     "optimizer": {"name": "adamw", "learning_rate": 0.01, "warmup_steps": 0},
     "train": {"max_steps": 4, "steps_per_call": 2},
@@ -116,41 +115,34 @@ def _halfway(whole, to):
     return to
 
 
-@pytest.fixture(scope="module")
-def scanned_run(tmp_path_factory):
-    whole = tmp_path_factory.mktemp("scan") / "whole"
+def test_a_scanned_run_resumes_bitwise_restores_unrolled_and_samples(tmp_path, compilation_cache):
+    """GPT trained scanned: resumed scanned it ends bit-identical; its stacked checkpoint (params and Adam's
+    moments) resumed unrolled trains on the same numbers, and back; ``generate`` reads it. The compilation
+    cache compiles each layout's train call once."""
+    whole = tmp_path / "whole"
     functrain.fit(RUN, **{"run.dir": str(whole)})
-    return whole
-
-
-def test_a_scanned_run_resumes_bitwise_and_restores_unrolled(scanned_run, tmp_path):
-    saved = load_params(scanned_run, 4)
+    saved = load_params(whole, 4)
     assert is_stacked(saved) and saved["block_stack"]["slot_0"]["mlp_in"]["kernel"].shape == (2, 32, 64)
-    resumed = _halfway(scanned_run, tmp_path / "resumed")
+    resumed = _halfway(whole, tmp_path / "resumed")
     functrain.fit(RUN, **{"run.dir": str(resumed)})
     assert params_digest(load_params(resumed, 4)) == params_digest(saved)
-    assert _losses(resumed) == _losses(scanned_run)
+    assert _losses(resumed) == _losses(whole)
 
-    # The step-2 checkpoint (params and Adam's moments stacked) resumed by an unrolled run: the same training.
-    unrolled = _halfway(scanned_run, tmp_path / "unrolled")
+    unrolled = _halfway(whole, tmp_path / "unrolled")
     functrain.fit(RUN, **{"run.dir": str(unrolled), "model.scan_layers": False})
     params = load_params(unrolled, 4)
     assert not is_stacked(params)
-    np.testing.assert_allclose(_losses(unrolled)[4], _losses(scanned_run)[4], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(_losses(unrolled)[4], _losses(whole)[4], atol=1e-5, rtol=0)
     flat = dict(jax.tree_util.tree_flatten_with_path(unstack_layers(saved))[0])
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         np.testing.assert_allclose(leaf, flat[path], atol=1e-5, rtol=0)
-
     # And back: the unrolled step-4 checkpoint resumed scanned for two more steps.
     functrain.fit(RUN, **{"run.dir": str(unrolled), "train.max_steps": 6})
     assert is_stacked(load_params(unrolled, 6)) and np.isfinite(_losses(unrolled)[6])
 
-
-def test_sampling_reads_a_scanned_run(scanned_run):
-    model, params, step = load_language_model(scanned_run)
+    model, params, step = load_language_model(whole)
     assert step == 4 and not model.config.scan_layers and not is_stacked(params)
-    tokens = Generator(model)(params, np.array([[5, 17, 42]]), Sampling(4))
-    assert tokens.shape == (1, 4)
+    assert Generator(model)(params, np.array([[5, 17, 42]]), Sampling(4)).shape == (1, 4)
 
 
 @pytest.mark.parametrize("model, backend, named", [
