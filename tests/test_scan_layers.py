@@ -34,7 +34,7 @@ FAMILIES = {
     # Period 2 (local, global): one scanned group and one unrolled layer; sliding layers use the local theta.
     "gemma3_text": dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8, sliding_window=4,
-                        rope_local_base_freq=100.0, remat="dots_saveable",
+                        rope_local_base_freq=100.0,
                         layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
 }
 
