@@ -78,6 +78,20 @@ def test_scanned_models_train_as_the_unrolled_ones(name):
         np.testing.assert_allclose(flat[path], leaf, atol=1e-5, rtol=0)
 
 
+def test_stacks_hold_layer_g_times_period_plus_j_and_unstack_back():
+    """Seven layers with a period of three: two groups of three stacked, layer 6 unrolled (pure tree code)."""
+    layers = {f"layers_{i}": {"mlp": {"kernel": np.full((2, 3), float(i))}} for i in range(7)}
+    like = {"layers_stack": {f"slot_{j}": {"mlp": {"kernel": jax.ShapeDtypeStruct((2, 2, 3), np.float32)}}
+                             for j in range(3)},
+            "layers_6": {"mlp": {"kernel": jax.ShapeDtypeStruct((2, 3), np.float32)}}}
+    stacked = relayout_like({"norm": np.ones(3), **layers}, {"norm": jax.ShapeDtypeStruct((3,), np.float32), **like})
+    assert [stacked["layers_stack"]["slot_1"]["mlp"]["kernel"][g, 0, 0] for g in range(2)] == [1.0, 4.0]
+    assert stacked["layers_6"]["mlp"]["kernel"][0, 0] == 6.0 and is_stacked(stacked)
+    back = unstack_layers(stacked)
+    assert sorted(back) == sorted(["norm", *layers])
+    assert all((back[name]["mlp"]["kernel"] == layers[name]["mlp"]["kernel"]).all() for name in layers)
+
+
 def test_scanned_params_export_to_hf_with_transformers_logits(tmp_path, highest_precision):  # noqa: F811
     reference_model = build_family_model("gemma2_softcap_alternating")
     reference = hf_logits(reference_model)
