@@ -2,7 +2,8 @@
 
 Paths are written ``"a/b/0/c"`` for both sides: dict keys, attribute names (flax / optax
 dataclasses and namedtuples) and sequence indices, so a saved namedtuple (stored by orbax as a dict)
-and the live one compare equal.
+and the live one compare equal. Layers saved scanned (stacked) and expected unrolled, or the other way
+(``model.scan_layers`` changed between runs), compare in the expected layout: the restore converts them.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import jax
 import numpy as np
 
 from functrain.core.tree import path_string
+from functrain.models.stacking import relayout_flat
 
 _MAX_LISTED = 8
 
@@ -22,6 +24,15 @@ def flat_shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     return {path_string(path): (tuple(leaf.shape), np.dtype(leaf.dtype).name)
             for path, leaf in leaves if hasattr(leaf, "shape") and hasattr(leaf, "dtype")}
+
+
+def in_layout_of(saved: dict[str, tuple[tuple[int, ...], str]], expected: dict[str, tuple[tuple[int, ...], str]]
+                 ) -> dict[str, tuple[tuple[int, ...], str]]:
+    """``saved`` (``{path: (shape, dtype)}``) with its layers stacked or unrolled as in ``expected``."""
+    def structs(flat: dict) -> dict[str, jax.ShapeDtypeStruct]:
+        return {path: jax.ShapeDtypeStruct(shape, dtype) for path, (shape, dtype) in flat.items()}
+    relaid = relayout_flat(structs(saved), structs(expected))
+    return {path: (tuple(leaf.shape), np.dtype(leaf.dtype).name) for path, leaf in relaid.items()}
 
 
 def describe(shape: tuple[int, ...], dtype: str) -> str:

@@ -18,11 +18,13 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from functrain.checkpoint import checksum, compat, layout
 from functrain.checkpoint.meta import LORA_BASE_FINGERPRINT, LORA_BASE_STEP, check_format_version, saved_items
+from functrain.models.stacking import relayout_like
 from functrain.parallel.distributed import every_process
 from functrain.errors import CheckpointError
 
@@ -94,6 +96,18 @@ def _restore_item(step_path: Path, item: str, target: Any) -> Any:
         handler.close()
 
 
+def _placed(tree: Any, target: Any) -> Any:
+    """Numpy ``tree`` as ``target`` restores: each leaf on its target's sharding (any mesh, any number of
+    processes), in its target's dtype; leaves of targets without a sharding stay numpy."""
+    def place(array: Any, want: Any) -> Any:
+        array = np.asarray(array, dtype=want.dtype)
+        sharding = getattr(want, "sharding", None)
+        if sharding is None:
+            return array
+        return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+    return jax.tree.map(place, tree, target)
+
+
 def check_whole(step_path: Path, meta: dict) -> None:
     """Raise ``DamagedCheckpoint`` unless every item the step was saved with is there and committed.
 
@@ -150,7 +164,9 @@ def check_compatible(step_path: Path, meta: dict, targets: Targets) -> dict[str,
             continue
         trees[item] = saved_tree_metadata(step_path, item)
         if target is not None:
-            problems += compat.mismatches(item, compat.flat_shapes(trees[item]), compat.flat_shapes(target))
+            expected = compat.flat_shapes(target)
+            saved = compat.in_layout_of(compat.flat_shapes(trees[item]), expected)
+            problems += compat.mismatches(item, saved, expected)
     if problems:
         raise CheckpointError(
             f"checkpoint {step_path} does not fit this model ({len(problems)} differences): "
@@ -209,8 +225,15 @@ def restore_step(step_path: Path, targets: Targets) -> tuple[dict, dict]:
         verified = pool.submit(verify_checksums, step_path, meta, list(trees))
         items = {}
         for item, saved_tree in trees.items():
-            target = targets[item] if targets[item] is not None else _numpy_target(saved_tree)
-            items[item] = _restore_item(step_path, item, target)
+            target = targets[item]
+            if target is None:
+                items[item] = _restore_item(step_path, item, _numpy_target(saved_tree))
+            elif compat.flat_shapes(saved_tree).keys() != compat.flat_shapes(target).keys():
+                # Another layer layout (model.scan_layers changed): read as saved, convert, then place.
+                saved = _restore_item(step_path, item, _numpy_target(saved_tree))
+                items[item] = _placed(relayout_like(saved, target), target)
+            else:
+                items[item] = _restore_item(step_path, item, target)
         verified.result()
     if layout.PARAMS in items and LORA_BASE_STEP in meta:
         items[layout.PARAMS] = _with_base_params(step_path, meta, items[layout.PARAMS])

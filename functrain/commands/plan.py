@@ -33,7 +33,10 @@ def format_plan(plan) -> str:
                                                                 "activations")]
     hbm = f" of {plan.hbm_bytes / GIB:.2f} GiB HBM" if plan.hbm_bytes else " (HBM of this device kind unknown)"
     lines.append(f"  {'total':<12}{human_bytes(sizes['total']):>12}{hbm}")
-    if plan.compiled:
+    if plan.compiled and plan.layers_scanned:
+        lines.append("FLOPs and step time not estimated: XLA counts the scanned layer loop once; plan with "
+                     "model.scan_layers=false for them (the memory figures above are the scanned run's)")
+    elif plan.compiled:
         lines.append(f"FLOPs per step per chip {plan.flops_per_step:.3e}; HBM bytes accessed "
                      f"{plan.bytes_per_step:.3e}")
     else:

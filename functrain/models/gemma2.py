@@ -23,6 +23,7 @@ from functrain.models.hf_common import (HFModelConfig, check_activation, dense, 
 from functrain.models.kv_cache import decoding, extend_cache, next_positions
 from functrain.models.llama import LlamaMLP
 from functrain.models.remat import check_remat, remat_block
+from functrain.models.scan import apply_layers
 from functrain.models.rope import RopeScaling, apply_rope, frequencies, hf_rope_parameters, parse_hf_rope
 
 LayerType = Literal["full_attention", "sliding_attention"]
@@ -52,6 +53,8 @@ class Gemma2Config(HFModelConfig):
     final_logit_softcapping: float | None = pydantic.Field(30.0, gt=0)
     tie_word_embeddings: Literal[True] = True
     initializer_range: float = 0.02
+
+    scans_layers: ClassVar[bool] = True
 
     @pydantic.model_validator(mode="after")
     def _consistent(self):
@@ -218,9 +221,11 @@ class Gemma2ForCausalLM(nn.Module):
         # HF multiplies by sqrt(hidden) rounded to the compute dtype.
         x = tokens(input_ids) * jnp.asarray(cfg.hidden_size ** 0.5, self.dtype)
         x = constrain_batch(x)
-        block = remat_block(Gemma2Block, cfg.remat)
-        for i in range(cfg.num_hidden_layers):
-            x = constrain_batch(block(cfg, i, self.dtype, name=f"layers_{i}")(x, segment_ids, positions))
+        block = remat_block(Gemma2Block, cfg.remat, prevent_cse=not cfg.scan_layers)
+        # A layer's window decides its RoPE too (Gemma 3), so the windows give the period a scan repeats.
+        x = apply_layers(x, kinds=[cfg.attention_window(i) for i in range(cfg.num_hidden_layers)],
+                         make_block=lambda i, name: block(cfg, i, self.dtype, name=name), prefix="layers_",
+                         scan=cfg.scan_layers, args=(segment_ids, positions))
         x = GemmaRMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(x)
         return soft_cap(tokens.attend(x).astype(jnp.float32), cfg.final_logit_softcapping)
 

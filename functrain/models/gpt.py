@@ -3,11 +3,12 @@
 ``GPT(config)(tokens[B, T], deterministic, segment_ids=None, positions=None) -> float32 logits [B, T, vocab]``.
 For packed sequences, ``segment_ids`` [B, T] int32 keep attention within each document and ``positions``
 [B, T] int32 (restarting at 0 per document) index the position embeddings; without them the sequence is one
-document at positions ``0..T-1``. ``model.attention`` and ``model.remat`` choose the attention kernel and
-what the backward pass recomputes (:mod:`functrain.models.options`).
+document at positions ``0..T-1``. ``model.attention``, ``model.remat`` and ``model.scan_layers`` choose the
+attention kernel, what the backward pass recomputes and whether the blocks are one scan
+(:mod:`functrain.models.options`).
 """
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ from functrain.models.attention import attend, attention_kernel
 from functrain.models.kv_cache import decoding, extend_cache, next_positions
 from functrain.models.options import RuntimeOptions
 from functrain.models.remat import check_remat, remat_block
+from functrain.models.scan import apply_layers
 from functrain.parallel.sharding import constrain_batch
 
 
@@ -31,6 +33,8 @@ class GPTConfig(RuntimeOptions):
     n_heads: int = Field(4, ge=1)
     d_ff: int = Field(512, ge=1)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
+
+    scans_layers: ClassVar[bool] = True
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> "GPTConfig":
@@ -103,9 +107,10 @@ class GPT(nn.Module):
         # Pinning the residual stream's batch axis makes XLA gather FSDP-sharded weights (ZeRO-3)
         # instead of resharding activations.
         x = constrain_batch(x)
-        block = remat_block(Block, cfg.remat, static_argnums=(2,))  # deterministic is a Python bool
-        for i in range(cfg.n_layers):
-            x = constrain_batch(block(cfg, self.dtype, name=f"block_{i}")(x, deterministic, segment_ids))
+        # deterministic is a Python bool
+        block = remat_block(Block, cfg.remat, static_argnums=(2,), prevent_cse=not cfg.scan_layers)
+        x = apply_layers(x, kinds=[None] * cfg.n_layers, make_block=lambda i, name: block(cfg, self.dtype, name=name),
+                         prefix="block_", scan=cfg.scan_layers, leading_args=(deterministic,), args=(segment_ids,))
         x = nn.LayerNorm(dtype=self.dtype, name="ln_final", scale_init=_param(nn.initializers.ones, ("norm",)),
                          bias_init=_param(nn.initializers.zeros, ("norm",)))(x)
         logits = nn.Dense(cfg.vocab_size, dtype=self.dtype, name="head", kernel_init=_param(init, ("embed", "vocab")),

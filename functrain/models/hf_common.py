@@ -22,7 +22,7 @@ Array = jax.Array
 
 class HFModelConfig(RuntimeOptions):
     """Base for model configs whose fields are named like the keys of an HF ``config.json`` (plus the
-    runtime options ``attention`` and ``remat``, which an HF config never sets)."""
+    runtime options ``attention``, ``remat`` and ``scan_layers``, which an HF config never sets)."""
 
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
 
@@ -32,6 +32,14 @@ class HFModelConfig(RuntimeOptions):
     pad_token_id: int | None = None
     # Fine-tuning with low-rank adapters (functrain.models.lora); not part of the HF config.
     lora: LoraConfig | None = None
+
+    @pydantic.model_validator(mode="after")
+    def _lora_unrolled(self):
+        # Adapters are matched and saved per layer (PEFT's keys); they are not stacked for a scan.
+        if self.lora is not None and self.scan_layers:
+            raise ValueError("model.lora does not combine with model.scan_layers (adapters are per layer); "
+                             "set model.scan_layers=false for LoRA fine-tuning")
+        return self
 
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any], **overrides: Any):

@@ -6,10 +6,11 @@ optional attention/MLP biases, and a tied or separate LM head. Parameter names m
 
 ``LlamaForCausalLM(config)(input_ids[B, T], segment_ids=None, positions=None)``: for packed sequences,
 ``segment_ids`` [B, T] int32 keep attention within each document and ``positions`` [B, T] int32 (restarting
-at 0 per document) drive RoPE. ``model.attention`` / ``model.remat``: :mod:`functrain.models.options`.
+at 0 per document) drive RoPE. ``model.attention`` / ``model.remat`` / ``model.scan_layers``:
+:mod:`functrain.models.options`.
 """
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -22,6 +23,7 @@ from functrain.models.hf_common import (HFModelConfig, RMSNorm, activation, chec
                                         hf_config_dict, token_positions)
 from functrain.models.kv_cache import decoding, extend_cache, next_positions
 from functrain.models.remat import check_remat, remat_block
+from functrain.models.scan import apply_layers
 from functrain.models.rope import RopeScaling, apply_rope, frequencies, hf_rope_parameters, parse_hf_rope
 
 
@@ -45,6 +47,8 @@ class LlamaConfig(HFModelConfig):
     mlp_bias: bool = False
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
+
+    scans_layers: ClassVar[bool] = True
 
     @pydantic.model_validator(mode="after")
     def _consistent_heads(self):
@@ -202,9 +206,10 @@ class LlamaForCausalLM(nn.Module):
                        init_std=cfg.initializer_range, name="embed_tokens")
         x = tokens(input_ids)
         x = constrain_batch(x)  # the batch axis stays put; FSDP weights are gathered (see sharding.py)
-        block = remat_block(LlamaBlock, cfg.remat)
-        for i in range(cfg.num_hidden_layers):
-            x = constrain_batch(block(cfg, self.dtype, i, name=f"layers_{i}")(x, segment_ids, positions))
+        block = remat_block(LlamaBlock, cfg.remat, prevent_cse=not cfg.scan_layers)
+        x = apply_layers(x, kinds=[cfg.attention_window(i) for i in range(cfg.num_hidden_layers)],
+                         make_block=lambda i, name: block(cfg, self.dtype, i, name=name), prefix="layers_",
+                         scan=cfg.scan_layers, args=(segment_ids, positions))
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(x)
         if cfg.tie_word_embeddings:
             logits = tokens.attend(x)

@@ -1,25 +1,46 @@
 """Model options that change how a built-in model computes, never what: ``model.attention`` (the attention
-kernel, :mod:`functrain.models.attention`) and ``model.remat`` (:mod:`functrain.models.remat`).
+kernel, :mod:`functrain.models.attention`), ``model.remat`` (:mod:`functrain.models.remat`) and
+``model.scan_layers`` (:mod:`functrain.models.scan`: the layers as one scan over stacked parameters).
 
 They are config keys of every built-in model but no part of an HF config.json (see ``RUNTIME_KEYS``).
 """
+
+from typing import ClassVar
 
 import pydantic
 
 from functrain.models.attention import AttentionChoice
 from functrain.models.remat import RematPolicy
 
-RUNTIME_KEYS = frozenset({"attention", "remat"})
+RUNTIME_KEYS = frozenset({"attention", "remat", "scan_layers"})
+
+SCANNING_MODELS = "gpt, llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3_text"
+
+
+def scan_refusal(model_name: str) -> str:
+    """The one-line refusal of ``model.scan_layers`` for a model that does not scan its layers."""
+    return (f"model.scan_layers is not supported by model {model_name} (only by {SCANNING_MODELS}); "
+            f"remove model.scan_layers or set it to false")
 
 
 class RuntimeOptions(pydantic.BaseModel):
-    """``model.attention: auto|xla|cudnn|splash`` and ``model.remat: none|full|dots_saveable|offload``."""
+    """``model.attention: auto|xla|cudnn|splash``, ``model.remat: none|full|dots_saveable|offload`` and
+    ``model.scan_layers: bool``."""
 
     attention: AttentionChoice = "auto"
     remat: RematPolicy = "none"
+    scan_layers: bool = False
+
+    scans_layers: ClassVar[bool] = False  # set by the families whose modules can scan their layers
+
+    @pydantic.model_validator(mode="after")
+    def _scan_supported(self):
+        if self.scan_layers and not self.scans_layers:
+            raise ValueError(scan_refusal(getattr(self, "name", type(self).__name__)))
+        return self
 
 
 def for_sampling(model_config: RuntimeOptions) -> RuntimeOptions:
     """``model_config`` with the default kernel choices: sampling (no backward pass, one token at a time) then
-    runs wherever the weights load, whatever the training machine could use (cudnn, splash, host offload)."""
-    return model_config.model_copy(update={"attention": "auto", "remat": "none"})
+    """``model.attention: auto|xla|cudnn|splash``, ``model.remat: none|full|dots_saveable|offload`` and
+    ``model.scan_layers: bool``."""

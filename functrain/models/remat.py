@@ -36,13 +36,16 @@ def check_remat(name: RematPolicy) -> None:
                           f"devices are {platform_name()}; set model.remat=full or model.remat=dots_saveable")
 
 
-def remat_block(block: type[nn.Module], name: RematPolicy, static_argnums: tuple[int, ...] = ()) -> type[nn.Module]:
+def remat_block(block: type[nn.Module], name: RematPolicy, static_argnums: tuple[int, ...] = (),
+                prevent_cse: bool = True) -> type[nn.Module]:
     """``block`` wrapped in ``nn.remat`` with the policy ``name`` (``block`` itself for ``none``).
 
     ``static_argnums`` count ``self`` as 0, as ``nn.remat`` does: Python values such as ``deterministic``.
+    ``prevent_cse=False`` inside a scan, where XLA cannot merge the recomputation with the forward pass anyway
+    and the barriers would only slow it (jax.checkpoint's advice).
     Parameter names are those of the unwrapped block, so checkpoints do not depend on the policy.
     """
     if name == "none":
         return block
     check_remat(name)
-    return nn.remat(block, policy=_policy(name), static_argnums=static_argnums)
+    return nn.remat(block, policy=_policy(name), static_argnums=static_argnums, prevent_cse=prevent_cse)

@@ -53,6 +53,7 @@ DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
     "max_len": None,
     "classes": None,
     "norm": None,
+    "layers": None,  # the stacked axis of scanned layers (model.scan_layers): each device holds every layer
 }
 
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]

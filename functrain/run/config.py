@@ -361,8 +361,14 @@ class Config(Section):
     @classmethod
     def _validate_model(cls, value: Any) -> Any:
         from functrain.models import model_config_class  # the registry imports model code lazily
+        from functrain.models.options import scan_refusal
         if isinstance(value, BaseModel):
             return value
+        if isinstance(value, dict) and value.get("scan_layers") and "name" not in value:
+            raise ValueError(scan_refusal(f"target {value.get('target')!r}"))  # a user model's own layout
+        if (isinstance(value, dict) and value.get("scan_layers") and isinstance(value.get("name"), str)
+                and not getattr(model_config_class(value["name"]), "scans_layers", False)):
+            raise ValueError(scan_refusal(value["name"]))
         if isinstance(value, dict) and "target" in value:
             if "name" in value:
                 raise ValueError("the model section has both 'name' and 'target'; keep one")

@@ -71,6 +71,7 @@ class Plan:
     tokens_per_sec_per_chip: float | None
     fits: bool | None
     compiled: bool = True                    # False: the compiler refused it (too large); FLOPs unknown (0)
+    layers_scanned: bool = False             # model.scan_layers: FLOPs and bytes count one pass of the layer loop
     advice: list[str] = field(default_factory=list)
     attention: str | None = None             # the attention kernel compiled: splash, cudnn, xla (None: no LM)
 
@@ -184,9 +185,12 @@ def report(planned: Planned, compiled: jax.stages.Compiled | None, temporaries: 
         attention_flops = train_flops_per_token(shape, planned.seq_len) - train_flops_per_token(shape, 0)
         flops += attention_flops * tokens / chips
     step_time = mfu = tokens_per_chip = fits = hbm = None
+    # XLA's cost analysis counts a loop body once: with the layers scanned, the layer loop's work is counted
+    # for one group of layers only, so a roofline from it would be far too fast.
+    scanned = bool(getattr(planned.model_config, "scan_layers", False))
     if chip:
         hbm = chip.hbm_bytes
-        if compiled is not None:
+        if compiled is not None and not scanned:
             step_time = max(flops / chip.peak_flops, bytes_accessed / chip.hbm_bandwidth)
             mfu = (model_flops or flops * chips) / (chips * chip.peak_flops * step_time) if step_time else None
             tokens_per_chip = tokens / step_time / chips if tokens and step_time else None
@@ -198,5 +202,6 @@ def report(planned: Planned, compiled: jax.stages.Compiled | None, temporaries: 
                 steps_per_call=planned.steps_per_call, per_chip_bytes=sizes, hbm_bytes=hbm, flops_per_step=flops,
                 bytes_per_step=bytes_accessed, model_flops_per_step=model_flops, step_time_s=step_time, mfu=mfu,
                 tokens_per_sec_per_chip=tokens_per_chip, fits=fits, compiled=compiled is not None,
+                layers_scanned=scanned,
                 advice=advice(planned, sizes, chips, mesh) if fits is False else [],
                 attention=attention)

@@ -57,10 +57,12 @@ class SampleWriter(Callback):
     def on_evaluate(self, view: RunView, metrics: dict[str, float]) -> None:
         from functrain.text.decode import Sampling, decode_tokens, encode_prompt, prepare_prompt
         from functrain.models.lora import merged_for_inference
+        from functrain.models.stacking import unstack_layers
         if view.state is None:
             return
         settings = self.settings
         params = merged_for_inference(view.state.params, self.model.config)  # LoRA: the adapters take part
+        params = unstack_layers(params)  # the sampling model is unrolled (model.scan_layers: per-layer cache)
         ids = prepare_prompt(encode_prompt(settings.prompt, self.model.config.vocab_size, self.tokenizer),
                              self.model.config, settings.max_new_tokens)
         records = []

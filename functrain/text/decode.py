@@ -26,6 +26,7 @@ from functrain.errors import ConfigError, DataError
 from functrain.models import build_model, model_config_class, model_spec
 from functrain.models.options import for_sampling
 from functrain.models.kv_cache import zeros_like_shapes
+from functrain.models.stacking import unstack_layers
 
 
 @dataclass(frozen=True)
@@ -250,7 +251,8 @@ def load_language_model(run_dir: str | os.PathLike, step: int | None = None) -> 
                           f"need a causal LM (gpt, gpt2, llama, ...)")
     model_config = model_config_class(raw_model["name"]).model_validate(raw_model)
     from functrain.models.lora import merged_for_inference  # a LoRA run decodes with its adapters merged in
-    return (build_model(for_sampling(model_config)), merged_for_inference(params, model_config),
+    # The sampling model is unrolled (one KV cache per layer): a scanned run's stacked layers are split.
+    return (build_model(for_sampling(model_config)), unstack_layers(merged_for_inference(params, model_config)),
             int(meta.get("step", step or 0)))
 
 

@@ -15,6 +15,7 @@ import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from functrain.errors import CheckpointError
+from functrain.models.stacking import unstack_layers
 
 from torch_bridge.hf import reader, writer
 from torch_bridge.hf.mappings import ARCHITECTURES, Architecture, Path, Rule
@@ -33,8 +34,9 @@ def architecture_for(hf_config: dict[str, Any]) -> Architecture:
 
 
 def expected_shapes(arch: Architecture, config: Any) -> dict[Path, tuple[int, ...]]:
-    """Shape of every functrain parameter leaf for ``config``, computed abstractly (no memory used)."""
-    module = arch.model.build(config)
+    """Shape of every functrain parameter leaf for ``config`` with its layers unrolled (HF's tensors are per
+    layer; scanned params convert with ``stacking``), computed abstractly (no memory used)."""
+    module = arch.model.build(config.model_copy(update={"scan_layers": False}))
     abstract = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32)))
     return {path: leaf.shape for path, leaf in flatten_dict(nn.meta.unbox(abstract["params"])).items()}
 
@@ -130,7 +132,7 @@ def save_pretrained(params: Any, config: Any, out_dir: str | os.PathLike,
     if arch is None:
         raise CheckpointError(f"cannot export a {getattr(config, 'name', type(config).__name__)!r} model; "
                               f"supported: {', '.join(sorted(ARCHITECTURES))}")
-    flat = flatten_dict(nn.meta.unbox(params))
+    flat = flatten_dict(unstack_layers(nn.meta.unbox(params)))  # model.scan_layers: one HF tensor per layer
     shapes = expected_shapes(arch, config)
     missing = sorted("/".join(p) for p in shapes if p not in flat)
     unexpected = sorted("/".join(p) for p in flat if p not in shapes)

@@ -1,0 +1,69 @@
+"""Scan over layers (``model.scan_layers``): a decoder's layers as one ``nn.scan`` over stacked parameters.
+
+Unrolled, a model of ``n`` layers traces and compiles ``n`` copies of its block; scanned, XLA compiles the block
+once, so compile time stops growing with depth, and the backward pass keeps one layer's temporaries at a time.
+
+Layers that differ (Gemma 2's alternating local/global windows, Gemma 3's 5 local : 1 global with its own RoPE,
+Qwen2's windows) are scanned by their repeating *group*: ``period`` consecutive layers whose settings repeat
+through the stack. The body applies the group's ``period`` blocks, each with the settings of its layer, so the
+scanned model computes what the unrolled one does; layers after the last whole group stay unrolled.
+
+Parameter layout (what :mod:`functrain.models.stacking` converts to and from the unrolled ``{prefix}{i}``)::
+
+    {prefix}stack/slot_{j}/...   leading axis "layers" of length groups: layer g * period + j at index g
+    {prefix}{i}/...               the unrolled remainder, i >= groups * period
+"""
+
+from typing import Any, Callable, Hashable, Sequence
+
+import flax.linen as nn
+import jax
+
+from functrain.models.stacking import SLOT_PREFIX, STACK_SUFFIX
+from functrain.parallel.sharding import constrain_batch
+
+LAYERS_AXIS = "layers"  # the logical name of the stacked axis: never sharded (sharding.DEFAULT_RULES)
+
+MakeBlock = Callable[[int, str], nn.Module]  # (layer index, module name) -> a block module
+
+
+def layer_period(kinds: Sequence[Hashable]) -> int:
+    """The smallest ``p`` with ``kinds[i] == kinds[i % p]`` for every layer ``i`` (``kinds``: what sets each
+    layer apart, e.g. its attention window): the group a scan repeats."""
+    count = len(kinds)
+    return next(p for p in range(1, count + 1) if all(kinds[i] == kinds[i % p] for i in range(count)))
+
+
+class _Group(nn.Module):
+    """One scan step: the ``period`` blocks of a group, block ``j`` built as layer ``j`` (its settings are those
+    of every layer ``g * period + j``)."""
+
+    make_block: MakeBlock
+    period: int
+    leading_args: tuple = ()  # Python values (e.g. GPT's ``deterministic``) passed before the scanned inputs
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *args: Any) -> tuple[jax.Array, None]:
+        for j in range(self.period):
+            x = constrain_batch(self.make_block(j, f"{SLOT_PREFIX}{j}")(x, *self.leading_args, *args))
+        return x, None
+
+
+def apply_layers(x: jax.Array, *, kinds: Sequence[Hashable], make_block: MakeBlock, prefix: str, scan: bool,
+                 leading_args: tuple = (), args: tuple = ()) -> jax.Array:
+    """``x`` through ``len(kinds)`` blocks, inside a compact ``__call__``: unrolled as ``{prefix}{i}``, or with
+    ``scan`` by groups of the layers' period (module docstring). ``make_block(i, name)`` builds layer ``i``
+    (remat-wrapped as the model wants: a scan keeps its remat per layer); each block is called as
+    ``block(x, *leading_args, *args)``."""
+    count = len(kinds)
+    first_unrolled = 0
+    if scan:
+        period = layer_period(kinds)
+        groups = count // period
+        first_unrolled = groups * period
+        stack = nn.scan(_Group, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
+                        in_axes=nn.broadcast, length=groups, metadata_params={nn.PARTITION_NAME: LAYERS_AXIS})
+        x, _ = stack(make_block, period, tuple(leading_args), name=f"{prefix}{STACK_SUFFIX}")(x, *args)
+    for i in range(first_unrolled, count):
+        x = constrain_batch(make_block(i, f"{prefix}{i}")(x, *leading_args, *args))
+    return x

@@ -1,0 +1,129 @@
+"""Convert parameter trees between the unrolled layer layout and the scanned one (:mod:`functrain.models.scan`).
+
+Unrolled, layer ``i`` lives at ``.../{prefix}{i}/...``; scanned, at ``.../{prefix}stack/slot_{j}/...`` index
+``g`` of the leading axis, with ``i = g * period + j`` (``period``: the number of slots). Any tree whose leaves
+mirror the params (Adam's ``mu``/``nu``, orbax's saved metadata) converts the same way, so checkpoints, HF
+conversion and sampling read either layout. Leaves may be numpy or JAX arrays or ``jax.ShapeDtypeStruct``.
+"""
+
+import re
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from functrain.core.tree import path_string
+
+STACK_SUFFIX = "stack"
+SLOT_PREFIX = "slot_"
+_STACKED = re.compile(rf"^(.+_){STACK_SUFFIX}$")
+_SLOT = re.compile(rf"^{SLOT_PREFIX}(\d+)$")
+
+
+def flat_paths(tree: Any) -> dict[str, Any]:
+    """``{"a/b/c": leaf}`` for every leaf of ``tree`` (dicts, dataclasses, namedtuples alike)."""
+    return {path_string(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _stack_position(parts: list[str]) -> int | None:
+    """The index of the ``{prefix}stack`` segment of a path split on ``/`` (followed by ``slot_{j}``), or None."""
+    return next((k for k in range(len(parts) - 1) if _STACKED.match(parts[k]) and _SLOT.match(parts[k + 1])), None)
+
+
+def _periods(flat: Mapping[str, Any]) -> dict[str, int]:
+    """``{path of a stack: its number of slots}``."""
+    periods: dict[str, int] = {}
+    for path in flat:
+        parts = path.split("/")
+        k = _stack_position(parts)
+        if k is not None:
+            location = "/".join(parts[:k + 1])
+            periods[location] = max(periods.get(location, 0), int(_SLOT.match(parts[k + 1]).group(1)) + 1)
+    return periods
+
+
+def _take(leaf: Any, index: int) -> Any:
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(tuple(leaf.shape[1:]), leaf.dtype)
+    return leaf[index]
+
+
+def _stack(leaves: list[Any]) -> Any:
+    first = leaves[0]
+    if isinstance(first, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct((len(leaves), *first.shape), first.dtype)
+    return jnp.stack(leaves) if isinstance(first, jax.Array) else np.stack(leaves)
+
+
+def is_stacked(tree: Any) -> bool:
+    """Whether ``tree`` holds scanned (stacked) layers."""
+    return bool(_periods(flat_paths(tree)))
+
+
+def unstack_flat(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """``flat`` (``{path: leaf}``) with every stack split into its unrolled layers."""
+    periods = _periods(flat)
+    out: dict[str, Any] = {}
+    for path, leaf in flat.items():
+        parts = path.split("/")
+        k = _stack_position(parts)
+        if k is None:
+            out[path] = leaf
+            continue
+        prefix, period = _STACKED.match(parts[k]).group(1), periods["/".join(parts[:k + 1])]
+        slot = int(_SLOT.match(parts[k + 1]).group(1))
+        for group in range(leaf.shape[0]):
+            out["/".join([*parts[:k], f"{prefix}{group * period + slot}", *parts[k + 2:]])] = _take(leaf, group)
+    return out
+
+
+def relayout_flat(flat: Mapping[str, Any], like: Mapping[str, Any]) -> dict[str, Any]:
+    """``flat`` in the layer layout of ``like`` (both ``{path: leaf}``; ``like``'s stacked leaves give the group
+    counts). Paths ``like`` lacks are kept, layers ``flat`` lacks are left out: a comparison then names them."""
+    unrolled = unstack_flat(flat)
+    periods = _periods(like)
+    out: dict[str, Any] = {}
+    used: set[str] = set()
+    for path, target in like.items():
+        parts = path.split("/")
+        k = _stack_position(parts)
+        if k is None:
+            if path in unrolled:
+                out[path] = unrolled[path]
+                used.add(path)
+            continue
+        prefix, period = _STACKED.match(parts[k]).group(1), periods["/".join(parts[:k + 1])]
+        slot = int(_SLOT.match(parts[k + 1]).group(1))
+        sources = ["/".join([*parts[:k], f"{prefix}{group * period + slot}", *parts[k + 2:]])
+                   for group in range(target.shape[0])]
+        if all(source in unrolled for source in sources):
+            out[path] = _stack([unrolled[source] for source in sources])
+            used.update(sources)
+    out.update({path: leaf for path, leaf in unrolled.items() if path not in used and path not in out})
+    return out
+
+
+def _nested(flat: Mapping[str, Any]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for path, leaf in flat.items():
+        *parents, name = path.split("/")
+        node = tree
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        node[name] = leaf
+    return tree
+
+
+def unstack_layers(params: Mapping[str, Any]) -> dict[str, Any]:
+    """A nested dict of params with every stack split into unrolled layers (unchanged when none is stacked)."""
+    flat = flat_paths(params)
+    return _nested(unstack_flat(flat)) if _periods(flat) else params
+
+
+def relayout_like(tree: Any, like: Any) -> Any:
+    """``tree`` converted to the layer layout and the structure of ``like`` (a tree of the same model, scanned
+    or not: its leaves give the shapes); a KeyError names a leaf ``tree`` cannot provide."""
+    flat = relayout_flat(flat_paths(tree), flat_paths(like))
+    paths, treedef = jax.tree_util.tree_flatten_with_path(like)
+    return jax.tree_util.tree_unflatten(treedef, [flat[path_string(path)] for path, _ in paths])
