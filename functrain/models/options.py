@@ -42,5 +42,6 @@ class RuntimeOptions(pydantic.BaseModel):
 
 def for_sampling(model_config: RuntimeOptions) -> RuntimeOptions:
     """``model_config`` with the default kernel choices: sampling (no backward pass, one token at a time) then
-    """``model.attention: auto|xla|cudnn|splash``, ``model.remat: none|full|dots_saveable|offload`` and
-    ``model.scan_layers: bool``."""
+    runs wherever the weights load, whatever the training machine could use (cudnn, splash, host offload). Its
+    layers are unrolled (the KV cache is per layer): sample with ``stacking.unstack_layers(params)``."""
+    return model_config.model_copy(update={"attention": "auto", "remat": "none", "scan_layers": False})
