@@ -135,3 +135,38 @@ def test_the_torch_twin_refuses_splash():
     with pytest.raises(ConfigError, match=r"^model.attention=splash is not implemented by the torch gpt twin "
                                           r"\(backend: torch\); remove model.attention or set backend=jax$"):
         refuse_untwinned(GPTConfig(attention="splash"))
+
+
+SPLASH_RUN = {
+    "model": {"name": "gpt", "vocab_size": 256, "max_len": 32, "d_model": 32, "n_layers": 1, "n_heads": 2,
+              "d_ff": 64, "attention": "splash"},
+    "data": {"name": "char_text", "seq_len": 16, "global_batch_size": 4, "eval_fraction": 0.0},
+    "optimizer": {"name": "adamw", "learning_rate": 0.01, "warmup_steps": 0},
+    "train": {"max_steps": 4, "steps_per_call": 2},
+    "checkpoint": {"every_steps": 2, "async_save": False},
+    "log": {"every_steps": 2, "progress": False, "tensorboard": False},
+}
+
+
+def test_a_splash_run_resumes_bitwise(tmp_path, compilation_cache):
+    """A run with the Pallas kernel (interpreted here), stopped at its step-2 checkpoint and resumed, ends with
+    the params and losses of the run that never stopped (the compilation cache compiles its call once)."""
+    import json
+    import shutil
+
+    import functrain
+    from functrain.checkpoint import load_params
+    from functrain.checkpoint.digest import params_digest
+
+    def losses(run_dir):
+        lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return {line["step"]: line["loss"] for line in lines if line["split"] == "train"}
+
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    with pallas_interpreted():
+        functrain.fit(SPLASH_RUN, **{"run.dir": str(whole)})
+        shutil.copytree(whole, resumed)
+        shutil.rmtree(resumed / "checkpoints" / "4")
+        functrain.fit(SPLASH_RUN, **{"run.dir": str(resumed)})
+    assert params_digest(load_params(resumed, 4)) == params_digest(load_params(whole, 4))
+    assert losses(resumed) == losses(whole) and len(losses(whole)) == 2
