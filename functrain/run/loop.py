@@ -229,6 +229,8 @@ class _Driver:
             self.metrics.stop_kind = ALREADY_FINISHED
             reason = f"already finished (train.max_steps={max_steps}: raise it to train further)"
             return self.result(state, step, position, reason, 0)
+        if self.run.start_data is not None:  # data computed from the start (precomputed reference log-probs)
+            self.run.start_data(self.backend, state, self.start.restored_step)
         self.check_eval_metric_names(state)
         self.update_view(step, position)
         self.announce(step, position)

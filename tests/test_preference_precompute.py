@@ -1,0 +1,123 @@
+"""preference.precompute_ref: the reference's log-probs computed once before the first step, saved beside the
+run, carried by the batches; the same training as with the frozen copy, one params copy less in the state, a
+resume that reads the file back, and a file that does not fit the data refused in one line."""
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import functrain
+from functrain.checkpoint import list_checkpoints
+from functrain.commands.cli import main
+from functrain.core.preference import REFERENCE, REFERENCE_LOGPS
+from functrain.run.config import load_config
+from functrain.run.reference_logps import FILE_NAME
+from tests.test_preference import PAIRS, write_config, write_pairs
+
+METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+           "logps/rejected")
+# 8 pairs: 6 train (shuffled batches of 4, the last one wrapping into the next epoch), 2 eval.
+EIGHT = PAIRS + [{"prompt": "dog ", "chosen": "ran", "rejected": "flew"},
+                 {"prompt": "up ", "chosen": "down", "rejected": "up"}]
+
+
+def train_metrics(run_dir):
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {line["step"]: line for line in lines if line.get("split") == "train"}
+
+
+@pytest.fixture(scope="module")
+def module_compilation_cache(_compilation_cache_dir):
+    """conftest's ``compilation_cache`` for this module's runs: each leg of a precomputed run compiles the same
+    programs, so the later legs read them from the cache."""
+    from jax.experimental.compilation_cache import compilation_cache as jax_cache
+    values = {"jax_compilation_cache_dir": _compilation_cache_dir, "jax_persistent_cache_min_compile_time_secs": 0.0,
+              "jax_persistent_cache_min_entry_size_bytes": 0}
+    saved = {name: getattr(jax.config, name) for name in values}
+    for name, value in values.items():
+        jax.config.update(name, value)
+    jax_cache.reset_cache()
+    yield
+    for name, value in saved.items():
+        jax.config.update(name, value)
+    jax_cache.reset_cache()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, module_compilation_cache):
+    """The same 4 steps with the frozen copy, and with precomputed log-probs in two legs (2 steps, then a
+    resume to 4), with the file's bytes and mtime as the first leg left them."""
+    root = tmp_path_factory.mktemp("precompute")
+    sections = {"data": {"eval_fraction": 0.25}, "eval": {"every_steps": 2}}
+    frozen_dir, precomputed_dir = root / "frozen", root / "precomputed"
+    frozen_dir.mkdir()
+    precomputed_dir.mkdir()
+    frozen = functrain.fit(str(write_config(frozen_dir, EIGHT, **sections)))
+    config = write_config(precomputed_dir, EIGHT, preference={"precompute_ref": True}, **sections)
+    first = functrain.fit(str(config), **{"train.max_steps": 2})
+    saved = precomputed_dir / "run" / FILE_NAME
+    before = saved.read_bytes(), saved.stat().st_mtime_ns
+    resumed = functrain.fit(str(config))
+    return {"frozen": frozen, "first": first, "resumed": resumed, "file": saved, "before": before,
+            "config": config}
+
+
+def test_precomputed_log_probs_train_as_the_frozen_copy_does(runs):
+    """Every step's loss, rewards and log-probs equal the frozen copy's (fp32), the eval's too: the batches
+    carry each pair's own values, whatever the shuffled order and across the resume."""
+    frozen, precomputed = train_metrics(runs["frozen"].run_dir), train_metrics(runs["resumed"].run_dir)
+    assert sorted(precomputed) == sorted(frozen) == [1, 2, 3, 4]
+    assert frozen[1]["loss"] == pytest.approx(np.log(2.0), abs=1e-6)
+    for step in frozen:
+        for name in METRICS:
+            assert precomputed[step][name] == pytest.approx(frozen[step][name], abs=1e-6), (step, name)
+    for name in METRICS:
+        assert runs["resumed"].metrics["eval"][name] == pytest.approx(runs["frozen"].metrics["eval"][name],
+                                                                     abs=1e-6), name
+
+
+def test_the_state_holds_no_reference_copy(runs):
+    """The frozen copy is one params copy in the model state; precomputed runs hold none."""
+    frozen, precomputed = runs["frozen"].state, runs["resumed"].state
+    assert REFERENCE in frozen.model_state and REFERENCE not in precomputed.model_state
+    size = lambda tree: sum(leaf.size for leaf in jax.tree.leaves(tree))  # noqa: E731
+    assert size(frozen) - size(precomputed) == size(frozen.params) > 0
+
+
+def test_the_file_is_saved_and_a_resume_reads_it_back(runs):
+    """The values of every train and eval pair and what identifies them; the resumed leg did not rewrite it,
+    and its final weights equal an uninterrupted run's."""
+    with np.load(runs["file"]) as saved:
+        assert int(saved["train_pairs"]) == 6 and int(saved["eval_pairs"]) == 2
+        assert all(saved[f"{split}_{name}"].shape == (pairs,) for split, pairs in (("train", 6), ("eval", 2))
+                   for name in REFERENCE_LOGPS)
+        assert np.all(saved["train_ref_chosen_logps"] < 0) and len(str(saved["weights_digest"])) == 64
+    assert runs["file"].read_bytes() == runs["before"][0]
+    assert runs["file"].stat().st_mtime_ns == runs["before"][1]
+    assert runs["first"].step == 2 and runs["resumed"].step == 4
+    again = functrain.fit(str(runs["config"]), **{"run.dir": str(runs["file"].parent.parent / "again")})
+    for got, want in zip(jax.tree.leaves(runs["resumed"].state.params), jax.tree.leaves(again.state.params)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_a_file_that_does_not_fit_is_one_line_and_kept(runs, tmp_path, capsys):
+    """Pairs changed under a resumed run: one line naming the file and the fix, exit 2, nothing deleted."""
+    config = load_config(runs["config"])
+    changed = write_pairs(tmp_path / "changed.jsonl", EIGHT[::-1])
+    before = runs["file"].read_bytes()
+    args = ["train", str(runs["config"]), f"data.path={changed}", "train.max_steps=6"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"{runs['file']} does not fit this run: the tokenised pairs differ" in err, err
+    assert "point data.path at the pairs this run started with" in err
+    assert runs["file"].read_bytes() == before
+    assert list_checkpoints(Path(config.run.dir))[-1].step == 4
+
+
+def test_reference_free_losses_refuse_it(tmp_path, capsys):
+    path = write_config(tmp_path, preference={"precompute_ref": True, "loss_type": "simpo"})
+    assert main(["train", str(path)]) == 2
+    assert "loss_type=simpo uses no reference; remove preference.precompute_ref" in capsys.readouterr().err
