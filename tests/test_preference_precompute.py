@@ -6,16 +6,20 @@ import json
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import functrain
 from functrain.checkpoint import list_checkpoints
 from functrain.commands.cli import main
-from functrain.core.preference import REFERENCE, REFERENCE_LOGPS
+from functrain.core.preference import REFERENCE, REFERENCE_LOGPS, PreferenceSettings
+from functrain.models import build_model, gpt
+from functrain.models.lora import LoraConfig
+from functrain.run.build import preference_program_of
 from functrain.run.config import load_config
 from functrain.run.reference_logps import FILE_NAME
-from tests.test_preference import PAIRS, write_config, write_pairs
+from tests.test_preference import MODEL, PAIRS, batch_of, write_config, write_pairs
 
 METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
            "logps/rejected")
@@ -61,7 +65,8 @@ def runs(tmp_path_factory, module_compilation_cache):
     saved = precomputed_dir / "run" / FILE_NAME
     before = saved.read_bytes(), saved.stat().st_mtime_ns
     resumed = functrain.fit(str(config))
-    return {"frozen": frozen, "first": first, "resumed": resumed, "file": saved, "before": before,
+    again = functrain.fit(str(config), **{"run.dir": str(precomputed_dir / "again")})  # uninterrupted
+    return {"frozen": frozen, "first": first, "resumed": resumed, "again": again, "file": saved, "before": before,
             "config": config}
 
 
@@ -89,7 +94,7 @@ def test_the_state_holds_no_reference_copy(runs):
 
 def test_the_file_is_saved_and_a_resume_reads_it_back(runs):
     """The values of every train and eval pair and what identifies them; the resumed leg did not rewrite it,
-    and its final weights equal an uninterrupted run's."""
+    and its final weights equal an uninterrupted run's, whose own file holds the same values and digests."""
     with np.load(runs["file"]) as saved:
         assert int(saved["train_pairs"]) == 6 and int(saved["eval_pairs"]) == 2
         assert all(saved[f"{split}_{name}"].shape == (pairs,) for split, pairs in (("train", 6), ("eval", 2))
@@ -98,9 +103,12 @@ def test_the_file_is_saved_and_a_resume_reads_it_back(runs):
     assert runs["file"].read_bytes() == runs["before"][0]
     assert runs["file"].stat().st_mtime_ns == runs["before"][1]
     assert runs["first"].step == 2 and runs["resumed"].step == 4
-    again = functrain.fit(str(runs["config"]), **{"run.dir": str(runs["file"].parent.parent / "again")})
-    for got, want in zip(jax.tree.leaves(runs["resumed"].state.params), jax.tree.leaves(again.state.params)):
+    for got, want in zip(jax.tree.leaves(runs["resumed"].state.params), jax.tree.leaves(runs["again"].state.params)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    with np.load(runs["file"]) as saved, np.load(runs["again"].run_dir / FILE_NAME) as again:
+        assert sorted(saved.files) == sorted(again.files)
+        for key in saved.files:
+            np.testing.assert_array_equal(saved[key], again[key])
 
 
 def test_a_file_that_does_not_fit_is_one_line_and_kept(runs, tmp_path, capsys):
@@ -121,3 +129,28 @@ def test_reference_free_losses_refuse_it(tmp_path, capsys):
     path = write_config(tmp_path, preference={"precompute_ref": True, "loss_type": "simpo"})
     assert main(["train", str(path)]) == 2
     assert "loss_type=simpo uses no reference; remove preference.precompute_ref" in capsys.readouterr().err
+
+
+def test_with_lora_the_precomputed_reference_is_the_base_with_adapters_off(tmp_path):
+    """LoRA: the values come from the base (adapters off) even when the adapters already move the policy
+    (a run started from trained adapters): the same eval sums as the in-step base reference."""
+    batch = batch_of(tmp_path, PAIRS[:4])
+    model = build_model(gpt.GPTConfig(**{k: v for k, v in MODEL.items() if k != "name"}), jnp.float32)
+    lora = LoraConfig(rank=2, alpha=4.0, targets=("mlp_in", "mlp_out"))
+    settings = PreferenceSettings("ipo", beta=0.1)  # ipo also reads the token counts
+    in_step = preference_program_of(model, batch, settings, lora)
+    precomputed = preference_program_of(model, batch, settings, lora, precompute_ref=True)
+    rng = np.random.default_rng(0)  # random weights, adapters included (cheaper than compiling init)
+    params, model_state = jax.tree.map(lambda leaf: (0.2 * rng.standard_normal(leaf.shape)).astype(leaf.dtype),
+                                       jax.eval_shape(in_step.init, jax.random.PRNGKey(0)))
+
+    @jax.jit
+    def both(params, model_state, batch, key):
+        carried = {**batch, **precomputed.precompute(params, model_state, batch)}
+        return (in_step.eval_loss_fn(params, model_state, batch, key),
+                precomputed.eval_loss_fn(params, model_state, carried, key))
+    want, got = both(params, model_state, batch, jax.random.PRNGKey(0))
+    assert float(got[0]) == pytest.approx(float(want[0]), abs=1e-6) and float(got[1]) == 4.0
+    for name in ("rewards/chosen", "rewards/rejected", "logps/chosen"):
+        assert float(got[2][name]) == pytest.approx(float(want[2][name]), abs=1e-6), name
+    assert abs(float(got[2]["rewards/margins"])) > 1e-4  # the policy moved away from its reference
