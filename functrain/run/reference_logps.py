@@ -82,17 +82,18 @@ class PrecomputedReference:
             raise CheckpointError(f"{self.path} is missing: the run resumes from checkpoint {restored_step}, and its "
                                   f"reference log-probs came from the starting weights, which no checkpoint holds; "
                                   f"restore the file, or start again in a new run.dir")
+        counted = " and ".join(f"{n} {split} pairs" for split, n in pairs.items() if n)
         if self.path.exists():
             values = self._read(identity, restored_step is not None)
-            log.info("reference log-probs of %s pairs read from %s", " + ".join(map(str, pairs.values())), self.path)
+            log.info("reference log-probs of %s read from %s", counted, self.path)
         else:
             started = time.perf_counter()
             values = {split: self._compute(backend, state, source) for split, source in self.sources.items()
                       if source is not None}
             if backend.process_index == 0:
                 self._write(values, identity)
-            log.info("reference log-probs of %s pairs computed in %.1fs, saved to %s",
-                     " + ".join(map(str, pairs.values())), time.perf_counter() - started, self.path)
+            log.info("reference log-probs of %s computed in %.1fs, saved to %s", counted,
+                     time.perf_counter() - started, self.path)
         for split, columns in self.columns.items():
             if columns is not None:
                 columns.set(values[split])
