@@ -8,7 +8,8 @@ framework and reads no config.
 
 The order of operations that must not change:
 1. the run directory is ours (its lock) before a checkpointer opens it, and the start is decided (restore or
-   init) before anything is written: bad input leaves an existing run as it was;
+   init) before anything is written: bad input leaves an existing run as it was; data computed from the
+   starting state (``Run.start_data``) is filled in then, before any batch is read;
 2. a call's steps are dispatched under the backend's hot-path guard; the loop looks at older calls only
    while newer ones are queued;
 3. at a boundary, every call in flight is finished before an evaluation or a save, an evaluation sees the
