@@ -4,7 +4,9 @@ SFT trains the causal-LM loss on the ``2B`` sequences (the chosen and the reject
 trains the sigmoid preference loss on the same rows as ``B`` pairs, with the frozen reference (a copy of the
 starting weights in the model state) run in the same compiled step, outside the gradient. A forward costs
 about a third of a forward + backward, so the reference should add about one forward: DPO / SFT step time
-near 4/3, not 5/3 (a second backward) nor 2 (a second model trained). Both use the pieces `functrain train`
+near 4/3, not 5/3 (a second backward) nor 2 (a second model trained). With ``preference.precompute_ref``
+(``DPO pre``) the batch carries the reference's log-probs, computed once before training: no reference forward,
+so about the SFT step (and no copy of the weights in the state). All use the pieces `functrain train`
 uses (the Program, ``make_train_step`` with AdamW, jitted with the state donated). Reports XLA's FLOPs of each
 compiled step and steps/s (interleaved repeats, median of the paired ratios; wall clock, and CPU time of the
 process, which other jobs on a shared machine disturb less).
@@ -24,7 +26,7 @@ import optax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from functrain.core.preference import PreferenceSettings, preference_program  # noqa: E402
+from functrain.core.preference import REFERENCE_LOGPS, PreferenceSettings, preference_program  # noqa: E402
 from functrain.core.program import as_program, linen_pieces  # noqa: E402
 from functrain.core.state import TrainState  # noqa: E402
 from functrain.core.step import make_train_step  # noqa: E402
@@ -83,23 +85,33 @@ def main() -> None:
     init, apply, specs = linen_pieces(module, rows[:, :-1])
     dpo_step, dpo_state = build(preference_program(init, apply, specs, PreferenceSettings("sigmoid")), pairs)
     sft_step, sft_state = build(as_program(module, sft, kind="causal_lm"), sft)
+    precomputed = preference_program(init, apply, specs, PreferenceSettings("sigmoid"), precompute_reference=True)
+    pre_pairs = {**pairs, **{name: np.zeros(args.pairs, np.float32) for name in REFERENCE_LOGPS}}
+    pre_step, pre_state = build(precomputed, pre_pairs)
+    pre_pairs.update(jax.jit(precomputed.precompute)(pre_state.params, pre_state.model_state, pairs))
 
     params = sum(leaf.size for leaf in jax.tree.leaves(sft_state.params))
     print(f"Llama-shaped: {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, {params:,} params; "
           f"{args.pairs} pairs = {2 * args.pairs} x {args.seq} tokens per step; {jax.devices()[0].device_kind}")
     sft_flops, dpo_flops = compiled_flops(sft_step, sft_state, sft), compiled_flops(dpo_step, dpo_state, pairs)
+    pre_flops = compiled_flops(pre_step, pre_state, pre_pairs)
     print(f"XLA FLOPs per step: SFT {sft_flops / 1e9:.2f} G, DPO {dpo_flops / 1e9:.2f} G "
-          f"(DPO / SFT {dpo_flops / sft_flops:.2f}x; one more forward ~1.33x)")
-    ratios, cpu_ratios = [], []
+          f"(DPO / SFT {dpo_flops / sft_flops:.2f}x; one more forward ~1.33x), DPO pre {pre_flops / 1e9:.2f} G "
+          f"({pre_flops / sft_flops:.2f}x)")
+    ratios, cpu_ratios, pre_ratios = [], [], []
     for _ in range(args.repeats):
         sft_time, sft_cpu, sft_state = timed(sft_step, sft_state, sft, args.steps)
         dpo_time, dpo_cpu, dpo_state = timed(dpo_step, dpo_state, pairs, args.steps)
+        pre_time, _, pre_state = timed(pre_step, pre_state, pre_pairs, args.steps)
         ratios.append(dpo_time / sft_time)
         cpu_ratios.append(dpo_cpu / sft_cpu)
+        pre_ratios.append(pre_time / sft_time)
         print(f"  SFT {1e3 * sft_time:8.2f} ms/step   DPO {1e3 * dpo_time:8.2f} ms/step   ratio "
-              f"{dpo_time / sft_time:.2f}x   (CPU time: {dpo_cpu / sft_cpu:.2f}x)")
+              f"{dpo_time / sft_time:.2f}x   (CPU time: {dpo_cpu / sft_cpu:.2f}x)   DPO pre {1e3 * pre_time:8.2f} "
+              f"ms/step ({pre_time / sft_time:.2f}x)")
     print(f"DPO / SFT step time: median of paired ratios {statistics.median(ratios):.2f}x wall, "
-          f"{statistics.median(cpu_ratios):.2f}x CPU time (one more forward: ~1.33x)")
+          f"{statistics.median(cpu_ratios):.2f}x CPU time (one more forward: ~1.33x); DPO pre / SFT "
+          f"{statistics.median(pre_ratios):.2f}x wall")
 
 
 if __name__ == "__main__":

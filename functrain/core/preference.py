@@ -142,22 +142,39 @@ def pair_rows(batch: dict[str, Any]) -> tuple[jax.Array, jax.Array]:
 Apply = Callable[[Any, Any, Any, bool, jax.Array], tuple[Any, Any]]
 # reference(params, model_state, inputs) -> logits of the frozen reference model.
 Reference = Callable[[Any, Any, Any], Any]
+# reference_logps(params, model_state, batch) -> the reference's completion log-prob sums [2B].
+ReferenceLogps = Callable[[Any, Any, Any], jax.Array]
+
+# TRL's names of the reference's log-prob sums a batch carries when they were computed once before training
+# (``preference.precompute_ref``, TRL's ``precompute_ref_log_probs``): float32 ``[B]`` per pair.
+REFERENCE_LOGPS = ("ref_chosen_logps", "ref_rejected_logps")
 
 
-def preference_loss(apply: Apply, reference: Reference | None, settings: PreferenceSettings, train: bool
-                    ) -> Callable:
+def forward_reference_logps(reference: Reference) -> ReferenceLogps:
+    """The reference's log-prob sums ``[2B]`` of a batch from its forward, outside the gradient."""
+    def reference_logps(params, model_state, batch):
+        tokens, mask = pair_rows(batch)
+        output = jax.lax.stop_gradient(reference(params, model_state, tokens[:, :-1]))
+        return completion_logps(getattr(output, "logits", output), tokens, mask)[0]
+    return reference_logps
+
+
+def carried_reference_logps(params, model_state, batch) -> jax.Array:
+    """The reference's log-prob sums ``[2B]`` the batch carries (precomputed: no reference forward)."""
+    return jnp.concatenate([batch[name] for name in REFERENCE_LOGPS]).astype(jnp.float32)
+
+
+def preference_loss(apply: Apply, reference_logps: ReferenceLogps | None, settings: PreferenceSettings,
+                    train: bool) -> Callable:
     """The program's stateful ``loss_fn(params, model_state, batch, rng)`` of a preference batch: one forward
-    of the policy over the chosen and rejected rows together, and (losses with a reference) one of the
-    reference, outside the gradient, in the same compiled step."""
+    of the policy over the chosen and rejected rows together, and (losses with a reference) the reference's
+    log-probs: one forward of the reference outside the gradient in the same compiled step, or the ones the
+    batch carries."""
     def loss_fn(params, model_state, batch, rng):
         tokens, mask = pair_rows(batch)
-        inputs = tokens[:, :-1]
-        output, new_state = apply(params, model_state, inputs, train, rng)
+        output, new_state = apply(params, model_state, tokens[:, :-1], train, rng)
         policy = completion_logps(getattr(output, "logits", output), tokens, mask)
-        ref_logps = None
-        if settings.uses_reference:
-            ref_logits = jax.lax.stop_gradient(reference(params, model_state, inputs))
-            ref_logps = completion_logps(ref_logits, tokens, mask)[0]
+        ref_logps = reference_logps(params, model_state, batch) if settings.uses_reference else None
         return (*preference_sums(settings, policy, ref_logps, batch["weight"]), new_state)
     return loss_fn
 
@@ -168,23 +185,41 @@ REFERENCE = "reference"
 
 def preference_program(init: Callable, apply: Apply, logical_specs: Callable, settings: PreferenceSettings, *,
                        reference_apply: Apply | None = None, trainable: Callable | None = None,
-                       complete_params: Callable | None = None) -> Any:
+                       complete_params: Callable | None = None, precompute_reference: bool = False) -> Any:
     """The :class:`~functrain.core.program.Program` of a model's pieces trained on preference pairs.
 
     The reference is ``reference_apply`` on the same params when given (LoRA: the model with its adapters off,
-    no second copy), else a frozen copy of the starting weights in the model state under ``reference``: never
-    differentiated nor seen by the optimizer, sharded like the params, checkpointed with the state, and set to
-    the loaded weights when a run starts from a converted checkpoint. Reference-free losses hold none."""
+    no second copy), else the starting weights. With ``precompute_reference`` its log-probs are computed once
+    from the starting state by the program's ``precompute`` (the same forward as in the step) and the batches
+    carry them (:data:`REFERENCE_LOGPS`): no reference forward in the step and no copy of the weights.
+    Otherwise, without ``reference_apply``, a frozen copy of the starting weights sits in the model state under
+    ``reference``: never differentiated nor seen by the optimizer, sharded like the params, checkpointed with
+    the state, and set to the loaded weights when a run starts from a converted checkpoint. Reference-free
+    losses hold none."""
     from functrain.core.program import Program
 
     def inner(model_state):
         return {name: value for name, value in model_state.items() if name != REFERENCE}
 
-    if not settings.uses_reference or reference_apply is not None:
-        def reference(params, model_state, inputs):
-            return reference_apply(params, model_state, inputs, False, jax.random.PRNGKey(0))[0]
-        return Program(init, preference_loss(apply, reference, settings, True),
-                       preference_loss(apply, reference, settings, False), logical_specs, trainable=trainable,
+    def reference(params, model_state, inputs):  # the base (adapters off), or the weights given (the start)
+        return (reference_apply or apply)(params, model_state, inputs, False, jax.random.PRNGKey(0))[0]
+
+    if not settings.uses_reference:
+        return Program(init, preference_loss(apply, None, settings, True),
+                       preference_loss(apply, None, settings, False), logical_specs, trainable=trainable,
+                       complete_params=complete_params)
+    if precompute_reference:
+        in_step = forward_reference_logps(reference)
+
+        def precompute(params, model_state, batch):
+            return dict(zip(REFERENCE_LOGPS, jnp.split(in_step(params, model_state, batch), 2)))
+        return Program(init, preference_loss(apply, carried_reference_logps, settings, True),
+                       preference_loss(apply, carried_reference_logps, settings, False), logical_specs,
+                       trainable=trainable, complete_params=complete_params, precompute=precompute)
+    if reference_apply is not None:
+        reference_logps = forward_reference_logps(reference)
+        return Program(init, preference_loss(apply, reference_logps, settings, True),
+                       preference_loss(apply, reference_logps, settings, False), logical_specs, trainable=trainable,
                        complete_params=complete_params)
 
     def init_with_reference(rng):
@@ -203,6 +238,7 @@ def preference_program(init: Callable, apply: Apply, logical_specs: Callable, se
     def state_for_params(params, model_state):
         return {**inner(model_state), REFERENCE: params}
 
-    return Program(init_with_reference, preference_loss(apply_policy, frozen_reference, settings, True),
-                   preference_loss(apply_policy, frozen_reference, settings, False), logical_specs,
+    frozen_logps = forward_reference_logps(frozen_reference)
+    return Program(init_with_reference, preference_loss(apply_policy, frozen_logps, settings, True),
+                   preference_loss(apply_policy, frozen_logps, settings, False), logical_specs,
                    trainable=trainable, complete_params=complete_params, state_for_params=state_for_params)

@@ -1,6 +1,7 @@
 """A Program: what the JAX backend needs from a model, whatever framework wrote it.
 
-    Program(init, loss_fn, eval_loss_fn, logical_specs, trainable=None, complete_params=None, state_for_params=None)
+    Program(init, loss_fn, eval_loss_fn, logical_specs, trainable=None, complete_params=None, state_for_params=None,
+            precompute=None)
       init(rng) -> (params, model_state)                          # float32 params; {} when nothing mutable
       loss_fn(params, model_state, batch, rng) -> (loss_sum, weight, aux_sums, model_state)   # training mode
       eval_loss_fn(...)                                            # the same in evaluation mode
@@ -11,6 +12,9 @@
       state_for_params(params, model_state) -> model_state: the model state of a run starting from ``params``
         that come without one (a converted model): a preference run's frozen reference copy is those params;
         None: ``init``'s model state
+      precompute(params, model_state, batch) -> {field: [B]}: per-record values the loss reads from its batches,
+        computed once from the starting state before the first step (a preference run's reference log-probs,
+        ``preference.precompute_ref``); None: the batches carry none
 
 Adapters turn user code into one (:func:`as_program`):
 
@@ -65,6 +69,7 @@ class Program:
     trainable: Callable[[Any], Any] | None = None
     complete_params: Callable[[Any, jax.Array], Any] | None = None
     state_for_params: Callable[[Any, Any], Any] | None = None
+    precompute: Callable[[Any, Any, Any], dict[str, Any]] | None = None
 
 
 class FunctionalModel(NamedTuple):

@@ -75,6 +75,9 @@ class Run:
     resume: ResumePolicy
     speed: SpeedReport
     warnings: tuple[str, ...]
+    # start_data(backend, state, restored_step): fills data computed from the starting state once the start is
+    # known, before any batch is read (preference.precompute_ref's reference log-probs); None: nothing to fill.
+    start_data: Callable[[Backend, Any, int | None], None] | None = None
 
 
 def total_steps(config: Config, sampler: Order) -> int:
@@ -127,7 +130,8 @@ def jax_backend(config: Config, example_batch: dict[str, np.ndarray], max_steps:
     from functrain.run.jax_backend import JaxBackend
     lora = getattr(config.model, "lora", None)
     if kind == PREFERENCE:
-        program = preference_program_of(model, example_batch, preference_settings(config), lora)
+        program = preference_program_of(model, example_batch, preference_settings(config), lora,
+                                        precompute_ref=config.preference.precompute_ref)
     elif lora is not None:
         from functrain.models.lora import lora_program
         if loss_fn is not None or kind is None:
@@ -149,9 +153,12 @@ def jax_backend(config: Config, example_batch: dict[str, np.ndarray], max_steps:
                       step=step_settings(config), seed=config.seed)
 
 
-def preference_program_of(model: Any, example_batch: dict[str, np.ndarray], settings: Any, lora: Any) -> Any:
+def preference_program_of(model: Any, example_batch: dict[str, np.ndarray], settings: Any, lora: Any, *,
+                          precompute_ref: bool = False) -> Any:
     """The program of a preference run: the model's pieces (with LoRA adapters, whose base is the reference)
-    and the preference loss (:func:`functrain.core.preference.preference_program`)."""
+    and the preference loss (:func:`functrain.core.preference.preference_program`); ``precompute_ref``: the
+    batches carry the reference's log-probs, computed once before training (with LoRA too: the base never
+    moves, and the step saves the reference's forward)."""
     from functrain.core.preference import preference_program
     from functrain.core.program import linen_pieces, model_kind_of, nnx_pieces
     framework = model_kind_of(model)
@@ -162,12 +169,13 @@ def preference_program_of(model: Any, example_batch: dict[str, np.ndarray], sett
             raise ConfigError("model.lora adapts a Flax linen model; remove model.lora")
         init, apply, base_apply, specs, complete = lora_pieces(model, inputs, lora)
         return preference_program(init, apply, specs, settings, reference_apply=base_apply,
-                                  trainable=trainable_mask, complete_params=complete)
+                                  trainable=trainable_mask, complete_params=complete,
+                                  precompute_reference=precompute_ref)
     if framework == "functions":
         raise ConfigError("data.name=preference trains a causal LM given as a Flax linen or NNX module; pass one "
                           "of those, or a registry model (model.name)")
     init, apply, specs = linen_pieces(model, inputs) if framework == "linen" else nnx_pieces(model)
-    return preference_program(init, apply, specs, settings)
+    return preference_program(init, apply, specs, settings, precompute_reference=precompute_ref)
 
 
 def torch_backend(config: Config, example_batch: dict[str, np.ndarray], max_steps: int, *, model: Any = None,
@@ -211,7 +219,15 @@ def _order(config: Config, parts: Parts) -> tuple[Order, int, dict[str, np.ndarr
     sampler = order_for(parts.train_data, data.global_batch_size, data_seed(config), shuffle=data.shuffle,
                         last_batch=data.last_batch)
     example_batch, _ = loader_for(parts.train_data, sampler, prefetch=0, transform=parts.transform).host_batch(0)
+    if precomputes_reference(config, parts):
+        from functrain.run.reference_logps import with_reference_fields
+        example_batch = with_reference_fields(example_batch)
     return sampler, total_steps(config, sampler), example_batch
+
+
+def precomputes_reference(config: Config, parts: Parts) -> bool:
+    """Whether the batches carry reference log-probs computed before training (``preference.precompute_ref``)."""
+    return parts.kind == PREFERENCE and config.preference.precompute_ref
 
 
 def data_seed(config: Config) -> int:
@@ -307,6 +323,19 @@ def _initial_state(config: Config) -> Callable[[Backend], Any] | None:
     return functools.partial(initial_state_from, path)
 
 
+def _precomputed_reference(config: Config, parts: Parts, run_dir: Path) -> tuple[Any, Any, Callable]:
+    """The train and eval data with the reference log-probs added once the run's start computes or reads
+    them, and the function that does (``Run.start_data``)."""
+    from functrain.core.preference import REFERENCE_LOGPS
+    from functrain.data.computed_columns import ComputedColumns
+    from functrain.run.reference_logps import PrecomputedReference
+    sources = {"train": parts.train_data, "eval": parts.eval_data}
+    columns = {split: None if source is None else ComputedColumns(source, REFERENCE_LOGPS)
+               for split, source in sources.items()}
+    fill = PrecomputedReference(run_dir, sources, columns, config.data.global_batch_size, config.train.compute_dtype)
+    return columns["train"], columns["eval"], fill
+
+
 def build_run(config: Config, *, model: Any = None, loss_fn: Callable | None = None, optimizer: Any = None,
           train_data: Any = None, eval_data: Any = None, callbacks: list[Callback] | None = None,
           transform: Callable | None = None) -> Run:
@@ -322,15 +351,18 @@ def build_run(config: Config, *, model: Any = None, loss_fn: Callable | None = N
     objects = {"model": parts.model, "fields": parts.fields, "loss_fn": parts.loss_fn, "optimizer": parts.optimizer}
     backend = (torch_backend(config, example_batch, max_steps, **objects) if config.backend == "torch"
                else jax_backend(config, example_batch, max_steps, kind=parts.kind, **objects))
-    loader = loader_for(parts.train_data, sampler, backend.process_index, backend.process_count,
+    train_source, eval_source, start_data = parts.train_data, parts.eval_data, None
+    if precomputes_reference(config, parts):
+        train_source, eval_source, start_data = _precomputed_reference(config, parts, run_dir)
+    loader = loader_for(train_source, sampler, backend.process_index, backend.process_count,
                         prefetch=data.prefetch, check=parts.batch_check, transform=parts.transform)
     eval_loader = None
-    if parts.eval_data is not None:
+    if eval_source is not None:
         def eval_loader() -> BatchLoader:
             """The evaluation set in a fixed order, padded so that every record counts once."""
-            order = IndexSampler(len(parts.eval_data), data.global_batch_size, seed, shuffle=False,
+            order = IndexSampler(len(eval_source), data.global_batch_size, seed, shuffle=False,
                                  last_batch="pad")
-            return BatchLoader(parts.eval_data, order, backend.process_index, backend.process_count, prefetch=0,
+            return BatchLoader(eval_source, order, backend.process_index, backend.process_count, prefetch=0,
                                check=parts.batch_check, transform=parts.transform)
     checkpoint = config.checkpoint
     open_checkpointer = functools.partial(
@@ -352,4 +384,4 @@ def build_run(config: Config, *, model: Any = None, loss_fn: Callable | None = N
                adapter_checkpoints=getattr(config.model, "lora", None) is not None,
                callbacks=_callbacks(config, parts, trackers, callbacks or [], max_steps), resume=resume, speed=speed,
                warnings=(*likely_mistakes(config, max_steps, has_eval_data=parts.eval_data is not None),
-                         *parts.notes))
+                         *parts.notes), start_data=start_data)

@@ -332,13 +332,16 @@ class PreferenceConfig(Section):
     ``simpo``), ``simpo_gamma``; ``truncation_mode`` (``keep_start`` / ``keep_end``) cuts a pair longer than
     ``data.seq_len`` tokens as TRL does (None: such a pair is refused); ``init_from``: a run directory (a
     trained run, or one ``functrain convert hf-to-functrain`` wrote) whose newest checkpoint's weights start
-    the policy and the reference, when this run has no checkpoint of its own yet."""
+    the policy and the reference, when this run has no checkpoint of its own yet; ``precompute_ref``: compute
+    the reference's log-probs of every pair once before the first step, save them beside the run
+    (``reference_logps.npz``) and hold no reference in the step (TRL's ``precompute_ref_log_probs``)."""
     loss_type: Literal["sigmoid", "ipo", "hinge", "robust", "simpo", "orpo"] = "sigmoid"
     beta: float = Field(0.1, gt=0.0)
     label_smoothing: float = Field(0.0, ge=0.0, lt=0.5)
     simpo_gamma: float = 0.5
     truncation_mode: Literal["keep_start", "keep_end"] | None = None
     init_from: str | None = None
+    precompute_ref: bool = False
 
 
 class Config(Section):

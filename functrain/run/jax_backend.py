@@ -5,6 +5,8 @@ a mesh and its rules, :class:`~functrain.core.step.StepSettings`); the builder m
 """
 
 import contextlib
+import hashlib
+import json
 from typing import Any
 
 import jax
@@ -24,6 +26,21 @@ from functrain.core.program import Program
 # TrainState fields saved in the checkpoint's "state" item (params are an item of their own).
 STATE_FIELDS = ("step", "opt_state", "rng", "model_state", "loss_scale", "good_steps", "skipped_steps",
                 "nonfinite_steps")
+
+
+def weight_sums(params: Any) -> dict[str, jax.Array]:
+    """Per leaf (by path) two position-weighted sums of its float32 bit patterns, modulo 2**32: integer sums do
+    not depend on the order of the reduction, so any sharding of the same values gives the same."""
+    def sums(leaf: jax.Array) -> jax.Array:
+        leaf = jnp.atleast_1d(leaf)
+        bits = jax.lax.bitcast_convert_type(leaf.astype(jnp.float32), jnp.uint32)
+        position = jax.lax.broadcasted_iota(jnp.uint32, leaf.shape, 0)
+        for axis in range(1, leaf.ndim):  # the C-order flat index of every element
+            position = position * jnp.uint32(leaf.shape[axis]) + jax.lax.broadcasted_iota(jnp.uint32, leaf.shape,
+                                                                                            axis)
+        mixed = (bits ^ (position * jnp.uint32(0x9E3779B9))) * jnp.uint32(0x85EBCA6B)
+        return jnp.stack([jnp.sum(bits * (2 * position + 1), dtype=jnp.uint32), jnp.sum(mixed, dtype=jnp.uint32)])
+    return {jax.tree_util.keystr(path): sums(leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
 
 
 def _with_shardings(abstract: Any, shardings: Any) -> Any:
@@ -96,6 +113,14 @@ class JaxBackend:
                                    out_shardings=(self.state_shardings, replicated))
         self._eval_step = jax.jit(eval_step, in_shardings=(self.state_shardings, self.batch_sharding),
                                   out_shardings=replicated)
+        self._precompute = None
+        if program.precompute is not None:
+            def precompute(state: TrainState, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+                # The parameters as the step's forward sees them (train.compute_dtype).
+                return program.precompute(cast_floating(state.params, compute_dtype), state.model_state, batch)
+            self._precompute = jax.jit(precompute, in_shardings=(self.state_shardings, self.batch_sharding),
+                                       out_shardings=replicated)
+        self._weight_sums = jax.jit(weight_sums, out_shardings=replicated)
 
     def init_state(self) -> TrainState:
         """A fresh step-0 state from the config's seed, created in its shardings."""
@@ -163,6 +188,23 @@ class JaxBackend:
         batch = to_global(host_batch, self.batch_sharding, batch_axis=0)
         with jax.set_mesh(self.mesh):
             return self._eval_step(state, batch)
+
+    def precompute_batch(self, state: TrainState, host_batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The program's per-record values (:attr:`Program.precompute`) of one batch ``[B_local, ...]`` from
+        ``state``, as host arrays ``[B]`` of the whole global batch (every process gets all of them)."""
+        batch = to_global(host_batch, self.batch_sharding, batch_axis=0)
+        with jax.set_mesh(self.mesh):
+            return self.to_host(self._precompute(state, batch))
+
+    def params_digest(self, state: TrainState) -> str:
+        """A hex digest of the state's params computed on the devices: the same for the same values on any
+        mesh or process count (integer sums), with no host copy of the weights."""
+        with jax.set_mesh(self.mesh):
+            sums = self.to_host(self._weight_sums(state.params))
+        leaves = jax.tree_util.tree_flatten_with_path(state.params)[0]
+        named = {jax.tree_util.keystr(path): leaf for path, leaf in leaves}
+        record = {path: [str(leaf.dtype), list(leaf.shape), sums[path].tolist()] for path, leaf in named.items()}
+        return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
     @staticmethod
     def hot_path() -> contextlib.AbstractContextManager:

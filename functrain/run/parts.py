@@ -284,6 +284,10 @@ def preference_parts(config: Any, model: Any, loss_fn: Callable | None, optimize
                           "loss_fn= or use other data")
     if config.backend == "torch":
         raise ConfigError("data.name=preference (DPO and its variants) needs backend: jax; set backend=jax")
+    settings = preference_settings(config)
+    if config.preference.precompute_ref and not settings.uses_reference:
+        raise ConfigError(f"preference.precompute_ref precomputes the reference's log-probs and "
+                          f"loss_type={settings.loss_type} uses no reference; remove preference.precompute_ref")
     if not section.path:
         raise ConfigError("data.name=preference needs data.path; set data.path=PAIRS.jsonl (prompt, chosen, "
                           "rejected per line)")
