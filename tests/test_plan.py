@@ -28,15 +28,9 @@ def functrain(*args: str, devices: int | None = None) -> subprocess.CompletedPro
                           env=cli_env(devices), cwd=REPO_ROOT, timeout=300)
 
 
-@pytest.fixture(scope="module")
-def three_layer_plan():
-    """The plan of TINY with 3 layers, unrolled (compiled once for the tests below)."""
-    return plan(load_config("configs/char_gpt.yaml", THREE_LAYERS))
-
-
-def test_plan_on_local_devices_reports_the_memory_the_real_run_compiles(tmp_path, three_layer_plan):
+def test_plan_on_local_devices_reports_the_memory_the_real_run_compiles(tmp_path, compilation_cache):
     config = load_config("configs/char_gpt.yaml", THREE_LAYERS + [f"run.dir={tmp_path / 'r'}"])
-    planned = three_layer_plan
+    planned = plan(config)
     run = build_run(config)
     backend = run.backend
     host = run.loader.host_batch(0)[0]
@@ -50,7 +44,7 @@ def test_plan_on_local_devices_reports_the_memory_the_real_run_compiles(tmp_path
                                                                     host["tokens"][:, :-1])))
 
 
-def test_a_scanned_run_plans_the_flops_and_bytes_of_the_same_run_unrolled(monkeypatch, three_layer_plan):
+def test_a_scanned_run_plans_the_flops_and_bytes_of_the_same_run_unrolled(monkeypatch, compilation_cache):
     # XLA counts the layer loop once (and every layer's optimizer update, outside it): plan measures the cost
     # on the run unrolled with 1 and 2 of its 3 layers, so it must match the whole run unrolled.
     from functrain.commands.plan import format_plan
@@ -59,7 +53,7 @@ def test_a_scanned_run_plans_the_flops_and_bytes_of_the_same_run_unrolled(monkey
     chip = Chip("test", 2 ** 30, 1e12, 1e11)
     monkeypatch.setattr(plan_module, "chip_of", lambda kind: chip)  # a roofline on CPU devices
     scanned = plan(load_config("configs/char_gpt.yaml", THREE_LAYERS + ["model.scan_layers=true"]))
-    unrolled = three_layer_plan
+    unrolled = plan(load_config("configs/char_gpt.yaml", THREE_LAYERS))  # compiled by the test above: cached
     assert scanned.layers_scanned and not unrolled.layers_scanned
     assert abs(scanned.flops_per_step / unrolled.flops_per_step - 1) < 0.01
     assert abs(scanned.bytes_per_step / unrolled.bytes_per_step - 1) < 0.01
