@@ -18,6 +18,7 @@ from tests.conftest import REPO_ROOT, cli_env, run_python
 
 TINY = ["data.name=synthetic", "model.n_layers=1", "model.d_model=32", "model.d_ff=64", "data.seq_len=16",
         "data.global_batch_size=8", "train.steps_per_call=2", "eval.samples.count=0"]
+THREE_LAYERS = TINY + ["model.n_layers=3"]
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                   reason="the tpu extra (libtpu) is not installed")
 
@@ -27,8 +28,8 @@ def functrain(*args: str, devices: int | None = None) -> subprocess.CompletedPro
                           env=cli_env(devices), cwd=REPO_ROOT, timeout=300)
 
 
-def test_plan_on_local_devices_reports_the_memory_the_real_run_compiles(tmp_path):
-    config = load_config("configs/char_gpt.yaml", TINY + [f"run.dir={tmp_path / 'r'}"])
+def test_plan_on_local_devices_reports_the_memory_the_real_run_compiles(tmp_path, compilation_cache):
+    config = load_config("configs/char_gpt.yaml", THREE_LAYERS + [f"run.dir={tmp_path / 'r'}"])
     planned = plan(config)
     run = build_run(config)
     backend = run.backend
@@ -41,6 +42,24 @@ def test_plan_on_local_devices_reports_the_memory_the_real_run_compiles(tmp_path
     assert planned.parameters == sum(int(np.prod(leaf.shape)) for leaf in
                                      jax.tree.leaves(jax.eval_shape(run.parts.model.init, jax.random.PRNGKey(0),
                                                                     host["tokens"][:, :-1])))
+
+
+def test_a_scanned_run_plans_the_flops_and_bytes_of_the_same_run_unrolled(monkeypatch, compilation_cache):
+    # XLA counts the layer loop once (and every layer's optimizer update, outside it): plan measures the cost
+    # on the run unrolled with 1 and 2 of its 3 layers, so it must match the whole run unrolled.
+    from functrain.commands.plan import format_plan
+    from functrain.run import plan as plan_module
+    from functrain.run.chips import Chip
+    chip = Chip("test", 2 ** 30, 1e12, 1e11)
+    monkeypatch.setattr(plan_module, "chip_of", lambda kind: chip)  # a roofline on CPU devices
+    scanned = plan(load_config("configs/char_gpt.yaml", THREE_LAYERS + ["model.scan_layers=true"]))
+    unrolled = plan(load_config("configs/char_gpt.yaml", THREE_LAYERS))  # compiled by the test above: cached
+    assert scanned.layers_scanned and not unrolled.layers_scanned
+    assert abs(scanned.flops_per_step / unrolled.flops_per_step - 1) < 0.01
+    assert abs(scanned.bytes_per_step / unrolled.bytes_per_step - 1) < 0.01
+    roofline = max(unrolled.flops_per_step / chip.peak_flops, unrolled.bytes_per_step / chip.hbm_bandwidth)
+    assert scanned.step_time_s == pytest.approx(roofline, rel=0.01) and 0 < scanned.mfu < 1
+    assert "roofline step time" in format_plan(scanned)
 
 
 def test_state_bytes_per_chip_are_parameters_times_bytes_over_fsdp_shards():

@@ -33,12 +33,11 @@ def format_plan(plan) -> str:
                                                                 "activations")]
     hbm = f" of {plan.hbm_bytes / GIB:.2f} GiB HBM" if plan.hbm_bytes else " (HBM of this device kind unknown)"
     lines.append(f"  {'total':<12}{human_bytes(sizes['total']):>12}{hbm}")
-    if plan.compiled and plan.layers_scanned:
-        lines.append("FLOPs and step time not estimated: XLA counts the scanned layer loop once; plan with "
-                     "model.scan_layers=false for them (the memory figures above are the scanned run's)")
-    elif plan.compiled:
+    if plan.compiled:
+        scanned = " (scanned layers: one group's cost measured unrolled, times the groups)" if plan.layers_scanned \
+            else ""
         lines.append(f"FLOPs per step per chip {plan.flops_per_step:.3e}; HBM bytes accessed "
-                     f"{plan.bytes_per_step:.3e}")
+                     f"{plan.bytes_per_step:.3e}{scanned}")
     else:
         lines.append("FLOPs and step time unknown: the compiler refused a program larger than HBM")
     if plan.step_time_s is not None:

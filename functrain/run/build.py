@@ -24,6 +24,7 @@ from functrain.data import BatchLoader, IndexSampler, loader_for, order_for
 from functrain.data.loader import batch_split_problem
 from functrain.data.kinds import Order
 from functrain.errors import ConfigError
+from functrain.models.scan import fewer_groups_unrolled, scan_groups
 from functrain.parallel.target import compiling_for
 from functrain.run.callbacks import Callback, CallbackList, EarlyStopping, EveryNSteps, MetricsWriter, ProgressBar
 from functrain.run.config import Config
@@ -248,6 +249,10 @@ class Planned:
     global_batch_size: int
     seq_len: int
     model_config: Any                           # the model section (its decoder shape, its remat policy)
+    scan_groups: int = 0                        # model.scan_layers: the whole groups of layers scanned; else 0
+    # The backend of the same run (mesh, shardings, batch, step) with the model cut to ``k`` groups of layers
+    # and its remainder, unrolled: XLA counts a loop body once, so a plan measures the layers' cost from these.
+    unrolled_groups_backend: Callable[[int], Any] | None = None
 
 
 def plan_run(config: Config, devices: list | None = None) -> Planned:
@@ -262,10 +267,20 @@ def plan_run(config: Config, devices: list | None = None) -> Planned:
         _, max_steps, example_batch = _order(config, parts)
         backend = jax_backend(config, example_batch, max_steps, model=parts.model, kind=parts.kind,
                               fields=parts.fields, loss_fn=parts.loss_fn, optimizer=parts.optimizer, devices=devices)
+
+    def unrolled_groups_backend(groups: int) -> Any:
+        variant = config.model_copy(update={"model": fewer_groups_unrolled(config.model, groups)})
+        with compiling_for(devices):
+            model, _ = parts_module.resolve_model(variant, None)
+            return jax_backend(variant, example_batch, max_steps, model=model, kind=parts.kind, fields=parts.fields,
+                               loss_fn=parts.loss_fn, optimizer=parts.optimizer, devices=devices)
+
+    groups = scan_groups(config.model)
     return Planned(parts=parts, backend=backend, example_batch=example_batch, max_steps=max_steps,
                    step=step_settings(config), steps_per_call=config.train.steps_per_call,
                    global_batch_size=config.data.global_batch_size, seq_len=config.data.seq_len,
-                   model_config=config.model)
+                   model_config=config.model, scan_groups=groups,
+                   unrolled_groups_backend=unrolled_groups_backend if groups else None)
 
 
 def _profile_window(config: Config, max_steps: int) -> list[Callback]:

@@ -8,8 +8,15 @@ HBM, FLOPs and HBM bytes of a step (``cost_analysis``), a roofline step time and
 
 XLA's ``cost_analysis`` counts a loop body once: the call's scan over ``train.steps_per_call`` steps therefore
 counts one step, and the scan over ``train.micro_batches`` one micro-batch, so FLOPs and bytes are multiplied by
-``micro_batches`` (the optimizer update, outside that loop, is then over-counted: under 1% for LMs). The models
-unroll their layers (no scan), so nothing else is undercounted.
+``micro_batches`` (the optimizer update, outside that loop, is then over-counted: under 1% for LMs).
+
+With ``model.scan_layers`` the layers are a loop too, over ``G`` groups of ``period`` layers: the scanned
+program's count holds one group's forward and backward pass but the optimizer update of all ``G`` groups'
+stacked parameters (outside the loop), so no multiple of it is right. The step's FLOPs and bytes are measured
+instead on the same run (mesh, shardings, batch, remat, attention) compiled unrolled with one group and with two
+(each with the remainder layers after the last whole group): ``cost(1) + (G - 1) * (cost(2) - cost(1))``, which
+is, layer for layer, the cost of the whole run unrolled (:func:`scanned_run_cost`). Memory is the scanned
+program's own.
 """
 
 from __future__ import annotations
@@ -71,7 +78,7 @@ class Plan:
     tokens_per_sec_per_chip: float | None
     fits: bool | None
     compiled: bool = True                    # False: the compiler refused it (too large); FLOPs unknown (0)
-    layers_scanned: bool = False             # model.scan_layers: FLOPs and bytes count one pass of the layer loop
+    layers_scanned: bool = False             # model.scan_layers: FLOPs and bytes measured unrolled (module)
     advice: list[str] = field(default_factory=list)
     attention: str | None = None             # the attention kernel compiled: splash, cudnn, xla (None: no LM)
 
@@ -127,19 +134,35 @@ def advice(planned: Planned, sizes: dict[str, int], chips: int, mesh: dict[str, 
     return tips
 
 
+COST_KEYS = ("flops", "bytes accessed")
+
+
 def plan(config: Config, topology: str | None = None) -> Plan:
     """Compile ``config``'s train call for the local devices or TPU ``topology`` and report (see the module)."""
     planned = plan_run(config, topology_devices(topology) if topology else None)
-    backend = planned.backend
     try:
-        compiled = backend.compile_train_call(*backend.abstract_train_args(planned.example_batch,
-                                                                          planned.steps_per_call))
+        compiled = _compile(planned.backend, planned)
     except jax.errors.JaxRuntimeError as exc:
         required = _required_temporaries(str(exc))
         if required is None:
             raise
         return report(planned, None, temporaries=required)
-    return report(planned, compiled)
+    return report(planned, compiled, cost=scanned_run_cost(planned) if planned.scan_groups > 1 else None)
+
+
+def _compile(backend: Any, planned: Planned) -> jax.stages.Compiled:
+    return backend.compile_train_call(*backend.abstract_train_args(planned.example_batch, planned.steps_per_call))
+
+
+def scanned_run_cost(planned: Planned) -> dict[str, float]:
+    """XLA's cost (``COST_KEYS``, per chip, one micro-batch) of a scanned run's train call with all its layers
+    counted: the same run compiled with one group of layers and with two, unrolled, extrapolated to its
+    ``scan_groups`` groups (identical groups cost the same; what lies outside the layers is in both)."""
+    one, two = (_first(_compile(planned.unrolled_groups_backend(groups), planned).cost_analysis())
+                for groups in (1, 2))
+    return {key: float(one.get(key, 0.0)) + (planned.scan_groups - 1) * (float(two.get(key, 0.0))
+                                                                         - float(one.get(key, 0.0)))
+            for key in COST_KEYS}
 
 
 def _required_temporaries(message: str) -> int | None:
@@ -160,9 +183,12 @@ def attention_kernel_of(compiled: jax.stages.Compiled, kind: str | None) -> str 
     return "splash" if "splash_mha" in text else "cudnn" if "__cudnn$fmha" in text else "xla"
 
 
-def report(planned: Planned, compiled: jax.stages.Compiled | None, temporaries: int = 0) -> Plan:
+def report(planned: Planned, compiled: jax.stages.Compiled | None, temporaries: int = 0,
+           cost: dict[str, float] | None = None) -> Plan:
     """The :class:`Plan` of a compiled train call; without one (the compiler refused a program that needs
-    ``temporaries`` bytes more than HBM holds) memory is state + batch + temporaries and FLOPs are unknown (0)."""
+    ``temporaries`` bytes more than HBM holds) memory is state + batch + temporaries and FLOPs are unknown (0).
+    ``cost``: the step's FLOPs and bytes when not the compiled program's count (a scanned run's,
+    :func:`scanned_run_cost`)."""
     backend, step = planned.backend, planned.step
     chips, device_kind = len(backend.devices), backend.devices[0].device_kind
     chip = chip_of(device_kind)
@@ -172,7 +198,7 @@ def report(planned: Planned, compiled: jax.stages.Compiled | None, temporaries: 
         cost = {}
     else:
         sizes = per_chip_bytes(backend, compiled.memory_analysis())
-        cost = _first(compiled.cost_analysis())
+        cost = cost or _first(compiled.cost_analysis())
     flops = float(cost.get("flops", 0.0)) * step.micro_batches
     bytes_accessed = float(cost.get("bytes accessed", 0.0)) * step.micro_batches
     tokens = planned.global_batch_size * planned.seq_len if planned.parts.kind == "causal_lm" else None
@@ -185,12 +211,9 @@ def report(planned: Planned, compiled: jax.stages.Compiled | None, temporaries: 
         attention_flops = train_flops_per_token(shape, planned.seq_len) - train_flops_per_token(shape, 0)
         flops += attention_flops * tokens / chips
     step_time = mfu = tokens_per_chip = fits = hbm = None
-    # XLA's cost analysis counts a loop body once: with the layers scanned, the layer loop's work is counted
-    # for one group of layers only, so a roofline from it would be far too fast.
-    scanned = bool(getattr(planned.model_config, "scan_layers", False))
     if chip:
         hbm = chip.hbm_bytes
-        if compiled is not None and not scanned:
+        if compiled is not None:
             step_time = max(flops / chip.peak_flops, bytes_accessed / chip.hbm_bandwidth)
             mfu = (model_flops or flops * chips) / (chips * chip.peak_flops * step_time) if step_time else None
             tokens_per_chip = tokens / step_time / chips if tokens and step_time else None
@@ -202,6 +225,6 @@ def report(planned: Planned, compiled: jax.stages.Compiled | None, temporaries: 
                 steps_per_call=planned.steps_per_call, per_chip_bytes=sizes, hbm_bytes=hbm, flops_per_step=flops,
                 bytes_per_step=bytes_accessed, model_flops_per_step=model_flops, step_time_s=step_time, mfu=mfu,
                 tokens_per_sec_per_chip=tokens_per_chip, fits=fits, compiled=compiled is not None,
-                layers_scanned=scanned,
+                layers_scanned=planned.scan_groups > 0,
                 advice=advice(planned, sizes, chips, mesh) if fits is False else [],
                 attention=attention)
