@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from functrain.errors import ConfigError
 from functrain.run.callbacks import Callback, RunView
+from functrain.run.samples import check_language_model_run
 
 HARNESS_SPLIT = "harness"
 
@@ -23,14 +23,9 @@ class HarnessEvaluation(Callback):
     def __init__(self, tasks: list[str], include_path: str | None, limit: int | None, batch_size: int,
                  tokenizer: str | None, model_config: Any, backend: str) -> None:
         """``model_config``: the run's model section (a built-in causal LM); ``backend``: the run's (jax)."""
-        from functrain.models import build_model, model_spec
+        from functrain.models import build_model
         from functrain.models.options import for_sampling
-        name = getattr(model_config, "name", None)
-        if name is None or model_spec(name)["kind"] != "causal_lm":
-            raise ConfigError(f"eval.harness_tasks needs a built-in language model (model.name gpt, gpt2, llama, "
-                              f"...), not {name or 'a user model'}; remove eval.harness_tasks")
-        if backend != "jax":
-            raise ConfigError("eval.harness_tasks works with backend: jax; remove eval.harness_tasks")
+        check_language_model_run(model_config, backend, "eval.harness_tasks", "remove eval.harness_tasks")
         from functrain.text.decode import load_tokenizer
         from functrain.text.harness import FunctrainLM, task_manager
         self.tasks, self.limit = list(tasks), limit

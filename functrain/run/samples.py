@@ -33,6 +33,18 @@ def last_samples(run_dir: str | Path) -> list[dict[str, Any]]:
     return [r for r in records if r.get("step") == newest]
 
 
+def check_language_model_run(model_config: Any, backend: str, key: str, fix: str) -> None:
+    """A one-line ConfigError unless the run trains a built-in causal LM on JAX, which ``key`` (a callback that
+    decodes or scores with the model) needs; ``fix`` says how to turn ``key`` off."""
+    from functrain.models import model_spec
+    name = getattr(model_config, "name", None)
+    if name is None or model_spec(name)["kind"] != "causal_lm":
+        raise ConfigError(f"{key} needs a built-in language model (model.name gpt, gpt2, llama, ...), not "
+                          f"{name or 'a user model'}; {fix}")
+    if backend != "jax":
+        raise ConfigError(f"{key} works with backend: jax; {fix}")
+
+
 class SampleWriter(Callback):
     """Generates ``eval.samples.count`` continuations of ``eval.samples.prompt`` at each evaluation."""
 
@@ -40,14 +52,9 @@ class SampleWriter(Callback):
         """``settings``: the ``eval.samples`` section; ``model_config``: the run's model section;
         ``tensorboard``: also write the samples as TensorBoard text."""
         from functrain.text.decode import Generator, load_tokenizer
-        from functrain.models import build_model, model_spec
+        from functrain.models import build_model
         from functrain.models.options import for_sampling
-        name = getattr(model_config, "name", None)
-        if name is None or model_spec(name)["kind"] != "causal_lm":
-            raise ConfigError(f"eval.samples needs a built-in language model (model.name gpt, gpt2 or llama), not "
-                              f"{name or 'a user model'}; set eval.samples.count=0")
-        if backend != "jax":
-            raise ConfigError("eval.samples works with backend: jax; set eval.samples.count=0")
+        check_language_model_run(model_config, backend, "eval.samples", "set eval.samples.count=0")
         self.settings, self.tensorboard = settings, tensorboard
         self.tokenizer = load_tokenizer(self.settings.tokenizer) if self.settings.tokenizer else None
         self.model = build_model(for_sampling(model_config))

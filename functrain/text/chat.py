@@ -21,7 +21,6 @@ conversation and the loss never predicts one conversation from another, so each 
 one it has alone.
 """
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -30,24 +29,15 @@ import numpy as np
 
 from functrain.data.token_windows import packing_fields
 from functrain.errors import DataError
+from functrain.text.jsonl import jsonl_records
 
 ROLES = ("system", "user", "assistant", "tool")
 
 
 def read_conversations(path: str | os.PathLike) -> list[list[dict[str, str]]]:
     """The conversations of a chat jsonl file; a malformed line is a DataError naming it."""
-    file = Path(path)
-    if not file.is_file():
-        raise DataError(f"chat file {str(file)!r} does not exist; fix data.kwargs.path")
     conversations = []
-    for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{file.name} line {number}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise DataError(f"{where} is not JSON ({err.msg}); write one JSON object per line") from None
+    for where, _, record in jsonl_records(path, "chat", "data.kwargs.path"):
         messages = record.get("messages") if isinstance(record, dict) else None
         if not isinstance(messages, list) or not messages:
             raise DataError(f"{where} has no \"messages\" list; write {{\"messages\": [{{\"role\": ..., "
@@ -60,7 +50,7 @@ def read_conversations(path: str | os.PathLike) -> list[list[dict[str, str]]]:
                 raise DataError(f"{where} has a {role} message without a text \"content\"")
         conversations.append(messages)
     if not conversations:
-        raise DataError(f"chat file {str(file)!r} holds no conversations")
+        raise DataError(f"chat file {str(path)!r} holds no conversations")
     return conversations
 
 

@@ -21,7 +21,6 @@ byte 0), as ``data.name: char_text`` feeds them.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from functrain.errors import DataError
+from functrain.text.jsonl import jsonl_records
 
 KEYS = ("prompt", "chosen", "rejected")
 TRUNCATION_MODES = ("keep_start", "keep_end")
@@ -70,18 +70,8 @@ def _is_messages(value: Any) -> bool:
 def read_pairs(path: str | os.PathLike) -> list[tuple[int, dict[str, Any]]]:
     """``(line number, pair)`` of every line of a preference JSONL file; a malformed pair is a one-line
     DataError naming its line."""
-    file = Path(path)
-    if not file.is_file():
-        raise DataError(f"preference file {str(file)!r} does not exist; fix data.path")
     pairs = []
-    for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{file.name} line {number}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise DataError(f"{where} is not JSON ({err.msg}); write one JSON object per line") from None
+    for where, number, record in jsonl_records(path, "preference", "data.path"):
         if not isinstance(record, dict):
             raise DataError(f"{where} is not a JSON object; write {{\"prompt\": ..., \"chosen\": ..., "
                             f"\"rejected\": ...}}")
@@ -101,7 +91,7 @@ def read_pairs(path: str | os.PathLike) -> list[tuple[int, dict[str, Any]]]:
                 raise DataError(f"{where} has an empty {key!r} completion; give it text or remove the pair")
         pairs.append((number, record))
     if not pairs:
-        raise DataError(f"preference file {str(file)!r} holds no pairs")
+        raise DataError(f"preference file {str(path)!r} holds no pairs")
     return pairs
 
 
