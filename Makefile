@@ -14,17 +14,16 @@ $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 
-# Core install: everything `make train` needs (no torch). --no-compile: Python compiles only the modules a
-# run imports, when it first imports them, instead of every file of every package (half the set-up time).
+# Core install: everything `make train` needs (no torch).
 $(VENV)/.core: pyproject.toml | $(VENV)/bin/python
-	$(PIP) install --quiet --no-compile -e .
+	$(PIP) install --quiet -e .
 	touch $@
 
 # Test install: the torch bridge, HF conversion, libtpu (plan --topology tests) and test tools. Torch comes first so that the CPU
 # build is chosen where no GPU is present (an unpinned torch would pull several GB of CUDA packages).
 $(VENV)/.dev: $(VENV)/.core tools/install_torch.sh
 	sh tools/install_torch.sh $(PY)
-	$(PIP) install --quiet --no-compile -e ".[torch,hf,dev,tpu,eval]"
+	$(PIP) install --quiet -e ".[torch,hf,dev,tpu,eval]"
 	touch $@
 
 train: $(VENV)/.core

@@ -6,9 +6,11 @@ imported) never leak into the rest of the suite.
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -21,12 +23,25 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# One persistent XLA compilation cache for every subprocess of this test session (xdist workers share their
+# parent's): the many runs of the same small programs compile once. A cache hit is the executable the compiler
+# would produce, so results stay bitwise the same. Removed when the session ends.
+_SESSION = os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid()  # the controller's pid
+SUBPROCESS_XLA_CACHE = Path(tempfile.gettempdir()) / f"functrain-tests-xla-cache-{_SESSION}"
+SUBPROCESS_CACHE_ENV = {"JAX_COMPILATION_CACHE_DIR": str(SUBPROCESS_XLA_CACHE),
+                        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
+def pytest_sessionfinish(session):
+    if not hasattr(session.config, "workerinput"):  # the controller (or a run without xdist)
+        shutil.rmtree(SUBPROCESS_XLA_CACHE, ignore_errors=True)
 
 
 def cli_env(devices: int | None = None, **extra: str) -> dict[str, str]:
     """The environment of a subprocess that runs this checkout on CPU: ``devices`` simulated CPU devices
-    (None: no XLA_FLAGS, the platform's one device) plus ``extra`` variables."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", **extra)
+    (None: no XLA_FLAGS, the platform's one device), the session's compilation cache, plus ``extra`` variables."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **{**SUBPROCESS_CACHE_ENV, **extra})
     env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     if devices is None:
         env.pop("XLA_FLAGS", None)
