@@ -109,12 +109,9 @@ def highest_precision():
         yield
 
 
-@pytest.mark.parametrize("case, layout", [
-    ("gpt2", "safetensors"), ("gpt2", "safetensors_sharded"), ("gpt2", "bin"),
-    ("gpt2_relu_inverse_idx", "bin_sharded"),
-    ("llama_gqa_untied", "safetensors"), ("llama_gqa_untied", "bin_sharded"),
-    ("llama_tied", "safetensors_sharded"), ("llama_tied", "bin"),
-    ("llama_bias_headdim_llama3", "safetensors"),
+@pytest.mark.parametrize("case, layout", [  # every model case and every file layout, not their product
+    ("gpt2", "safetensors"), ("gpt2_relu_inverse_idx", "bin_sharded"), ("llama_gqa_untied", "safetensors_sharded"),
+    ("llama_tied", "bin"), ("llama_bias_headdim_llama3", "safetensors"),
 ])
 def test_logits_match_transformers(tmp_path, highest_precision, case, layout):
     arch, extra = CASES[case]
