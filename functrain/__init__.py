@@ -26,7 +26,7 @@ _PUBLIC = {
     "drive": "functrain.run.loop", "FitResult": "functrain.run.outcome",
 }
 
-__all__ = sorted(_PUBLIC)
+__all__ = sorted(_PUBLIC)  # noqa: PLE0605 -- the names __getattr__ imports on first use
 __version__ = "0.1.0"
 
 

@@ -52,9 +52,9 @@ from functrain.checkpoint.manager import Checkpointer
 from functrain.checkpoint.meta import FORMAT_VERSION, metric_value, package_versions
 
 __all__ = [
-    "Checkpointer",
-    "CheckpointInfo",
     "FORMAT_VERSION",
+    "CheckpointInfo",
+    "Checkpointer",
     "list_checkpoints",
     "load_params",
     "load_params_and_meta",

@@ -193,7 +193,7 @@ class Checkpointer:
         try:
             self._manager.save(step, args=ocp.args.Composite(**args, meta=ocp.args.JsonSave(full_meta)),
                                force=True)
-        except Exception as error:  # the directory or disk refused the write
+        except Exception as error:  # noqa: BLE001 -- the directory or disk refused the write
             self._failed(step, error)
             return False
         self._pending = step
@@ -218,7 +218,7 @@ class Checkpointer:
             self._closed = True
             self._manager.close()
 
-    def __enter__(self) -> "Checkpointer":
+    def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -235,7 +235,7 @@ class Checkpointer:
         step, self._pending = self._pending, None
         try:
             self._manager.wait_until_finished()
-        except Exception as error:  # the background write failed; the step never committed
+        except Exception as error:  # noqa: BLE001 -- the background write failed; the step never committed
             self._failed(step, error)
             return
         if step not in self.steps():
@@ -255,7 +255,7 @@ class Checkpointer:
         for step in doomed:
             try:
                 self._manager.delete(step)
-            except Exception as error:  # a leftover old checkpoint is harmless; say so and go on
+            except Exception as error:  # noqa: BLE001 -- a leftover old checkpoint is harmless; say so and go on
                 log.warning("could not delete old checkpoint step %d in %s (%s)", step, self.directory,
                             _save_failure_reason(error))
             self._metrics.pop(step, None)

@@ -29,7 +29,7 @@ LORA_BASE_STEP, LORA_BASE_FINGERPRINT = "lora_base_step", "lora_base_fingerprint
 _VERSIONED_PACKAGES = ("functrain", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "torch")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def package_versions(packages: tuple[str, ...] = _VERSIONED_PACKAGES) -> dict[str, str]:
     """Installed versions of the packages that shape a checkpoint (absent ones are left out)."""
     versions: dict[str, str] = {}

@@ -31,8 +31,8 @@ def _verb(name: str) -> Any:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="functrain",
-                                     description="functrain: train, inspect, convert, plot, generate, tokenize, plan, eval.")
+    parser = argparse.ArgumentParser(
+        prog="functrain", description="functrain: train, inspect, convert, plot, generate, tokenize, plan, eval.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     commands = parser.add_subparsers(dest="command", required=True)
     for name in VERBS:

@@ -42,7 +42,7 @@ def _row(info: CheckpointInfo) -> str:
     meta = info.meta or {}
     status = "whole" if info.whole else ("interrupted" if info.problem.startswith("uncommitted") else "damaged")
     row = (f"{info.step:<8} {when:<19}  {human_bytes(info.size):>10}  {status:<11} {'best' if info.is_best else '':<4} "
-           f"{str(meta.get('epoch', '-')):>5} {str(meta.get('samples_consumed', '-')):>9}  {_metrics_text(info.metrics)}")
+           f"{meta.get('epoch', '-')!s:>5} {meta.get('samples_consumed', '-')!s:>9}  {_metrics_text(info.metrics)}")
     return row.rstrip() + (f"  [{info.problem}]" if info.problem else "")
 
 
@@ -76,9 +76,10 @@ def inspect_report(run_dir: str | os.PathLike, step: int | None = None, digest: 
     whole = [i for i in infos if i.whole]
     checked = ("every array read and its checksums verified" if verify
                else "metadata checked; --verify reads every array and verifies its checksums")
-    lines = [f"checkpoints: {ckpt_dir} ({len(whole)} whole, {len(infos) - len(whole)} damaged or interrupted; "
-             f"{checked})",
-             f"{'step':<8} {'time (UTC)':<19}  {'size':>10}  {'status':<11} {'':<4} {'epoch':>5} {'samples':>9}  metrics"]
+    lines = [(f"checkpoints: {ckpt_dir} ({len(whole)} whole, {len(infos) - len(whole)} damaged or interrupted; "
+              f"{checked})"),
+             (f"{'step':<8} {'time (UTC)':<19}  {'size':>10}  {'status':<11} {'':<4} {'epoch':>5} "
+              f"{'samples':>9}  metrics")]
     lines += [_row(info) for info in infos]
     newest_meta = whole[-1].meta if whole and whole[-1].meta else {}
     if newest_meta.get("layout"):  # mesh, shardings of the largest params, state bytes per device

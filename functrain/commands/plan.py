@@ -59,8 +59,8 @@ def format_plan(plan) -> str:
 def format_search(tried, chosen) -> str:
     """The candidates ``plan --search`` compiled, one row each, and the choice."""
     from functrain.parallel.sharding import human_bytes
-    lines = [f"{'model.remat':<14}{'global batch':>13}{'per chip':>10}{'total/chip':>13}{'fits':>6}{'step ms':>9}"
-             f"{'MFU':>7}"]
+    lines = [(f"{'model.remat':<14}{'global batch':>13}{'per chip':>10}{'total/chip':>13}{'fits':>6}{'step ms':>9}"
+              f"{'MFU':>7}")]
     for candidate in tried:
         result = candidate.plan
         step = f"{result.step_time_s * 1e3:.1f}" if result.step_time_s is not None else "-"

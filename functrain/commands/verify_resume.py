@@ -28,8 +28,8 @@ from functrain.run.callbacks import Callback, RunView
 from functrain.errors import EXIT_BAD_INPUT, FunctrainError
 
 # Metrics that are functions of the computation; throughput and positions are left out.
-COMPARED = ("loss", "grad_norm", "learning_rate", "accuracy", "nonfinite_steps", "rewards/margins", "rewards/accuracies",
-            "logps/chosen", "logps/rejected")
+COMPARED = ("loss", "grad_norm", "learning_rate", "accuracy", "nonfinite_steps", "rewards/margins",
+            "rewards/accuracies", "logps/chosen", "logps/rejected")
 
 
 @dataclass

@@ -236,7 +236,8 @@ def make_eval_step(loss_fn: Callable, *, compute_dtype: Any = None, stateful: bo
 
     def eval_step(state: TrainState, batch: Batch) -> Metrics:
         params = cast_floating(state.params, compute_dtype)
-        loss_sum, weight, aux, _ = full_loss(params, state.model_state, batch, jax.random.fold_in(state.rng, EVAL_KEY_DATA))
+        eval_rng = jax.random.fold_in(state.rng, EVAL_KEY_DATA)
+        loss_sum, weight, aux, _ = full_loss(params, state.model_state, batch, eval_rng)
         sums = {"loss": loss_sum.astype(jnp.float32), "weight": jnp.asarray(weight, jnp.float32)}
         sums.update({name: value.astype(jnp.float32) for name, value in aux.items()})
         return sums

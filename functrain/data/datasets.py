@@ -76,7 +76,8 @@ def _char_text(data_config: Any) -> Arrays:
         try:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError:
-            raise DataError(f"data file {str(path)!r} is not UTF-8 text; convert it or use data.name=array_file") from None
+            raise DataError(f"data file {str(path)!r} is not UTF-8 text; convert it or use data.name=array_file") \
+                from None
     else:
         text = bundled_text()
     return text_windows(text, data_config.seq_len)

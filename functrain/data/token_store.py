@@ -90,7 +90,7 @@ class StoreWriter:
         self._close_shard()
         name = f"tokens-{len(self.shards):05d}.bin"
         self.shards.append({"file": name})
-        self._handle = open(self.tmp / name, "wb")
+        self._handle = open(self.tmp / name, "wb")  # noqa: SIM115 -- held across writes; _close_shard closes it
         self._digest, self._in_shard = xxhash.xxh64(), 0
 
     def _close_shard(self) -> None:

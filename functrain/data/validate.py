@@ -45,7 +45,8 @@ class BatchCheck:
             if rule.name not in batch:
                 present = ", ".join(sorted(k for k in batch if k != "weight")) or "none"
                 raise DataError(f"{self.source} has no field {rule.name!r} (the model reads its {rule.what}s there); "
-                                f"fields present: {present}; provide {rule.name!r} or choose a model that fits the data")
+                                f"fields present: {present}; provide {rule.name!r} or choose a model that fits the "
+                                f"data")
             values = np.asarray(batch[rule.name])
             if rule.integer and not np.issubdtype(values.dtype, np.integer):
                 raise DataError(f"{self.source} field {rule.name!r} has dtype {values.dtype}, but {rule.what}s must "

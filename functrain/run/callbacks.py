@@ -150,7 +150,7 @@ class MetricsWriter(Callback):
         path = view.run_dir / "metrics.jsonl"
         if path.exists():
             set_aside_lines_after(path, view.start_step)
-        self.jsonl = open(path, "a", buffering=1)
+        self.jsonl = open(path, "a", buffering=1)  # noqa: SIM115 -- held for the run; on_train_end closes it
         if self.tensorboard:
             from tensorboardX import SummaryWriter
             self.writer = SummaryWriter(str(view.run_dir / "tensorboard"))

@@ -113,7 +113,7 @@ class RunLock:
             json.dump(record, handle)
         return True
 
-    def acquire(self) -> "RunLock":
+    def acquire(self) -> RunLock:
         """Take the lock (taking over a stale one with a warning) and start the heartbeat."""
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -177,7 +177,7 @@ class RunLock:
                 self.path.unlink(missing_ok=True)
         self.held = False
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> RunLock:
         return self.acquire()
 
     def __exit__(self, *exc_info: Any) -> None:

@@ -56,8 +56,9 @@ def decoder_shape(model_config: Any) -> DecoderShape | None:
     head_dim = get("attn_head_dim", "head_dim") or width // heads
     gated = getattr(model_config, "intermediate_size", None) is not None
     mlp_width = get("intermediate_size", "inner_size", "d_ff") or 4 * width
-    return DecoderShape(layers=layers, width=width, heads=heads, kv_heads=get("kv_heads", "num_key_value_heads") or heads,
-                        head_dim=head_dim, mlp_width=mlp_width, mlp_matrices=3 if gated else 2, vocab=vocab)
+    kv_heads = get("kv_heads", "num_key_value_heads") or heads
+    return DecoderShape(layers=layers, width=width, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                        mlp_width=mlp_width, mlp_matrices=3 if gated else 2, vocab=vocab)
 
 
 def train_flops_per_token(shape: DecoderShape, context: int, attention: str = "causal") -> float:

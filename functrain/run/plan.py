@@ -52,7 +52,7 @@ def topology_devices(name: str) -> list:
     from jax.experimental import topologies
     try:
         return list(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
-    except Exception as exc:  # libtpu raises XlaRuntimeError/JaxRuntimeError or ValueError for a bad name
+    except Exception as exc:  # noqa: BLE001 -- libtpu: XlaRuntimeError/JaxRuntimeError/ValueError
         raise ConfigError(f"unknown TPU topology {name!r} ({str(exc).splitlines()[0][:120]}); give GENERATION:SHAPE, "
                           f"one of the generations v4, v5e, v5p, v6e, e.g. {', '.join(TOPOLOGY_EXAMPLES)}") from None
 

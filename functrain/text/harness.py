@@ -104,7 +104,7 @@ class FunctrainLM(TemplateLM):
 
     @classmethod
     def from_params(cls, model: Any, params: Any, tokenizer: Any = None, batch_size: int | None = None,
-                    max_gen_toks: int | None = None) -> "FunctrainLM":
+                    max_gen_toks: int | None = None) -> FunctrainLM:
         """An lm-eval model of a Flax causal LM (built for sampling) and its params, with an HF tokenizer
         object (None: UTF-8 bytes)."""
         self = cls.__new__(cls)

@@ -17,7 +17,6 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Union
 
 from functrain.errors import ConfigError, DataError
 
@@ -64,7 +63,7 @@ class JsonLines:
         return texts
 
 
-Batch = Union[list[str], JsonLines]
+Batch = list[str] | JsonLines
 
 
 def texts_of(batch: Batch) -> list[str]:

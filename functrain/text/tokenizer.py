@@ -104,7 +104,7 @@ def _load_hf(file: str) -> Any:
         raise ConfigError("--tokenizer needs the HF tokenizers library; pip install 'functrain[lm]'") from None
     try:
         return Tokenizer.from_file(file)
-    except Exception as exc:  # the Rust side raises plain Exception subclasses for any malformed file
+    except Exception as exc:  # noqa: BLE001 -- the Rust side raises plain Exception subclasses for any malformed file
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ConfigError(f"tokenizer file {file!r} does not load ({reason}); pass a tokenizer.json written by "
                           f"HF tokenizers (Tokenizer.save) or a transformers tokenizer directory") from None

@@ -117,7 +117,7 @@ def _header(file: Path, fmt: str) -> list[tuple[str, tuple[int, ...], str]]:
 def _open_safetensors(file: Path):
     try:
         return safe_open(str(file), framework="np")
-    except Exception as err:  # safetensors raises its own SafetensorError (and OSError) for bad files
+    except Exception as err:  # noqa: BLE001 -- safetensors raises its own SafetensorError (and OSError) for bad files
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise CheckpointError(f"{file} is not a readable safetensors file ({reason}); "
                               "re-download or re-export it") from None
@@ -128,7 +128,7 @@ def _load_bin(file: Path) -> dict[str, Any]:
 
     try:
         state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as err:
+    except Exception as err:  # noqa: BLE001 -- unpickling raises whatever the damaged file provokes
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise CheckpointError(f"{file} is not a readable PyTorch state dict ({reason}); "
                               "re-download or re-export it") from None
