@@ -39,7 +39,7 @@ _DISK_PROBLEMS = ("No space left on device", "Disk quota exceeded", "Permission 
 
 def _save_failure_reason(error: BaseException) -> str:
     """The most useful one-line reason for a failed save: the OS error if there is one in the chain."""
-    seen = error
+    seen: BaseException | None = error
     while seen is not None:
         if isinstance(seen, OSError) and seen.errno is not None:
             where = f" ({seen.filename})" if seen.filename else ""
@@ -117,7 +117,7 @@ class Checkpointer:
         self._line_head: int | None = None  # newest committed step of this run's line of history
         self._resumed_from: int | None = None
         self._closed = False
-        self._metrics = {step: self._read_metric(step) for step in self.steps()} if best_metric else {}
+        self._metrics = {step: self._read_metric(step, best_metric) for step in self.steps()} if best_metric else {}
 
     def _open_manager(self, barrier_timeout_s: int) -> ocp.CheckpointManager:
         if self.directory.exists() and not self.directory.is_dir():
@@ -248,10 +248,13 @@ class Checkpointer:
         # Steps newer than this run's head belong to an abandoned line of history (resume from an
         # older step): not ours to rotate; a save that reaches one of them moves it aside first.
         # Orbax's own list: a step whose deletion is still running in the background is already gone.
-        steps = [s for s in self._manager.all_steps() if self._line_head is not None and s <= self._line_head]
+        head = self._line_head
+        if head is None:  # nothing committed by this run yet
+            return
+        steps = [s for s in self._manager.all_steps() if s <= head]
         doomed = retention.steps_to_delete(
             steps, keep=self._keep, keep_best=self._keep_best, metrics=self._metrics, mode=self._best_mode,
-            protected=self._protected | {self._line_head})
+            protected=self._protected | {head})
         for step in doomed:
             try:
                 self._manager.delete(step)
@@ -302,9 +305,9 @@ class Checkpointer:
         self._manager.reload()
         self._metrics.pop(step, None)
 
-    def _read_metric(self, step: int) -> float | None:
+    def _read_metric(self, step: int, name: str) -> float | None:
         try:
-            return metric_value(reader.read_meta(layout.step_dir(self.directory, step)), self._best_metric)
+            return metric_value(reader.read_meta(layout.step_dir(self.directory, step)), name)
         except reader.DamagedCheckpoint:
             return None
 

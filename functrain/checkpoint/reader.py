@@ -241,17 +241,17 @@ def restore_step(step_path: Path, targets: Targets) -> tuple[dict, dict]:
 
 
 def _restore_everywhere(ckpt_dir: Path, step: int, targets: Targets
-                        ) -> tuple[tuple[dict, dict, int] | None, str | None]:
-    """``((items, meta, step), None)`` when every process read ``step``, else ``(None, why not)``.
+                        ) -> tuple[tuple[dict, dict, int] | None, str]:
+    """``((items, meta, step), "")`` when every process read ``step``, else ``(None, why not)``.
 
     Every process must resume from the same step: one that fails anywhere counts as damaged everywhere.
     """
     try:
-        restored, reason = (*restore_step(layout.step_dir(ckpt_dir, step), targets), step), None
+        restored, reason = (*restore_step(layout.step_dir(ckpt_dir, step), targets), step), ""
     except DamagedCheckpoint as damaged:
         restored, reason = None, damaged.reason
     if every_process(restored is not None):
-        return restored, None
+        return restored, ""
     return None, reason or "another process could not read it"
 
 

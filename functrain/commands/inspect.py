@@ -40,7 +40,7 @@ def _row(info: CheckpointInfo) -> str:
     when = datetime.datetime.fromtimestamp(info.time, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S") \
         if info.time else "-"
     meta = info.meta or {}
-    status = "whole" if info.whole else ("interrupted" if info.problem.startswith("uncommitted") else "damaged")
+    status = "whole" if info.whole else ("interrupted" if (info.problem or "").startswith("uncommitted") else "damaged")
     row = (f"{info.step:<8} {when:<19}  {human_bytes(info.size):>10}  {status:<11} {'best' if info.is_best else '':<4} "
            f"{meta.get('epoch', '-')!s:>5} {meta.get('samples_consumed', '-')!s:>9}  {_metrics_text(info.metrics)}")
     return row.rstrip() + (f"  [{info.problem}]" if info.problem else "")

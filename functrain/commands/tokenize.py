@@ -39,6 +39,7 @@ def _start_worker(spec: TokenizerSpec) -> None:
 
 
 def _encode_in_worker(batch: Batch) -> tuple[np.ndarray, np.ndarray]:
+    assert _worker_tokenizer is not None, "set by _start_worker, the pool's initializer"
     return _worker_tokenizer.encode_batch(texts_of(batch))
 
 

@@ -126,7 +126,7 @@ def _resolve(batch: Mapping[str, Any], inputs: str | None, labels: str | None, k
         if name is not None:
             _check_named(batch, name, key)
     explicit = inputs is not None
-    if not explicit:
+    if inputs is None:
         inputs = next((name for name in ("tokens", "input_ids") if name in batch), None) or \
             _one_of(batch, CLASSIFIER_INPUTS, "input", INPUTS_FIX)
         if inputs is None:
@@ -166,6 +166,7 @@ def canonical(fields: Fields, batch: Mapping[str, Any]) -> dict[str, Any]:
     ``tokens`` with ``mask``/``segment_ids``/``positions`` or with HF ``labels``/``attention_mask`` for an LM."""
     out = {"weight": batch["weight"]}
     if fields.kind == "classifier":
+        assert fields.labels is not None, "a classifier's fields name its labels"
         return {**out, "x": batch[fields.inputs], "y": batch[fields.labels]}
     out["tokens"] = batch[fields.inputs]
     if not fields.hf:

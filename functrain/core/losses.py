@@ -149,6 +149,7 @@ def batch_check(fields: Fields, model_config: Any, source: str = "the data") -> 
     """What the built-in loss of ``fields`` reads from a batch, with the bounds ``model_config`` gives (if any).
     HF ``labels`` are not range-checked: ``-100`` is theirs by design."""
     if fields.kind == "classifier":
+        assert fields.labels is not None, "a classifier's fields name its labels"
         rules = [FieldRule(fields.inputs, integer=False, what="input"),
                  FieldRule(fields.labels, upper=getattr(model_config, "num_classes", None),
                            bound_key="model.num_classes", what="label")]

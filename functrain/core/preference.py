@@ -90,6 +90,8 @@ def pair_losses(settings: PreferenceSettings, chosen: jax.Array, rejected: jax.A
             log_odds = (chosen_avg - rejected_avg) - (_log1mexp(chosen_avg) - _log1mexp(rejected_avg))
             losses = -chosen_avg - beta * jax.nn.log_sigmoid(log_odds)
         return losses, beta * chosen_avg, beta * rejected_avg
+    if ref_chosen is None or ref_rejected is None:
+        raise ValueError(f"the {loss_type} preference loss compares against a reference; pass its log-probs")
     chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
     delta = chosen_ratio - rejected_ratio
     if loss_type == "sigmoid":
@@ -172,9 +174,12 @@ def preference_loss(apply: Apply, reference_logps: ReferenceLogps | None, settin
     batch carries."""
     def loss_fn(params, model_state, batch, rng):
         tokens, mask = pair_rows(batch)
+        output: Any  # an array or an object with .logits (typeshed's getattr would add None to a tuple's Any)
         output, new_state = apply(params, model_state, tokens[:, :-1], train, rng)
         policy = completion_logps(getattr(output, "logits", output), tokens, mask)
-        ref_logps = reference_logps(params, model_state, batch) if settings.uses_reference else None
+        ref_logps = None
+        if settings.uses_reference and reference_logps is not None:
+            ref_logps = reference_logps(params, model_state, batch)
         return (*preference_sums(settings, policy, ref_logps, batch["weight"]), new_state)
     return loss_fn
 

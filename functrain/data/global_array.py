@@ -35,9 +35,10 @@ def batch_sharding(mesh: Mesh, batch_axis: int = 1, mesh_axes: Sequence[str] | N
 def _check_process_rows(sharding: Sharding, global_shape: tuple[int, ...], batch_axis: int) -> None:
     """Raise unless this process's devices hold exactly its contiguous block of batch rows."""
     process, processes = jax.process_index(), jax.process_count()
-    rows = set()
+    rows: set[int] = set()
     for index in sharding.addressable_devices_indices_map(global_shape).values():
-        rows.update(range(global_shape[batch_axis])[index[batch_axis]])
+        if index is not None:  # None: the device holds no part of the array
+            rows.update(range(global_shape[batch_axis])[index[batch_axis]])
     local = global_shape[batch_axis] // processes
     expected = set(range(process * local, (process + 1) * local))
     if rows != expected:
@@ -60,7 +61,7 @@ def to_global(host_batch: Any, sharding_or_mesh: Sharding | Mesh, batch_axis: in
     sharded ``device_put``.
     """
     if isinstance(sharding_or_mesh, Mesh):
-        sharding = batch_sharding(sharding_or_mesh, batch_axis)
+        sharding: Sharding = batch_sharding(sharding_or_mesh, batch_axis)
     else:
         sharding = sharding_or_mesh
     processes = jax.process_count()
@@ -71,9 +72,9 @@ def to_global(host_batch: Any, sharding_or_mesh: Sharding | Mesh, batch_axis: in
 
     def place(local: Any) -> jax.Array:
         local = np.asarray(local)
-        global_shape = list(local.shape)
-        global_shape[batch_axis] *= processes
-        global_shape = tuple(global_shape)
+        shape = list(local.shape)
+        shape[batch_axis] *= processes
+        global_shape = tuple(shape)
         _check_process_rows(sharding, global_shape, batch_axis)
         return jax.make_array_from_process_local_data(sharding, local, global_shape)
 

@@ -21,6 +21,7 @@ from functrain.data.validate import BatchCheck
 from functrain.errors import DataError
 
 Order = IndexSampler | MixtureSampler | StreamOrder
+_ORDER_MISMATCH = "a stream is read in a StreamOrder, other data in a sampler; build the order with order_for(source)"
 
 
 def order_for(source: Any, global_batch_size: int, seed: int, shuffle: bool = True,
@@ -40,7 +41,11 @@ def loader_for(source: Any, order: Order, process_index: int = 0, process_count:
         if transform is not None:
             raise DataError("data.transform applies to map-style data (arrays, an HF or Grain dataset), and this "
                             "data is a stream; transform the records in the stream itself or remove data.transform")
+        if not isinstance(order, StreamOrder):
+            raise DataError(_ORDER_MISMATCH)
         return StreamLoader(source, order, process_index, process_count, prefetch=prefetch, check=check)
+    if isinstance(order, StreamOrder):
+        raise DataError(_ORDER_MISMATCH)
     return BatchLoader(source, order, process_index, process_count, prefetch=prefetch, check=check,
                        transform=transform)
 

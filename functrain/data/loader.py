@@ -7,11 +7,12 @@ Starting at any position costs one batch's work: the batch is a function of the 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from typing import Any
 
 import numpy as np
 
+from functrain.data.mixture import MixtureSampler
 from functrain.data.prefetch import BackgroundIterator
 from functrain.data.sampler import IndexSampler
 from functrain.data.sources import Batch, as_source
@@ -26,7 +27,7 @@ Call = tuple[Any, int, int]
 class _Synchronous:
     """The ``prefetch=0`` counterpart of :class:`BackgroundIterator`: same interface, no thread."""
 
-    def __init__(self, source: Iterator[Call]) -> None:
+    def __init__(self, source: Generator[Call, None, None]) -> None:
         self._source = source
 
     def __iter__(self) -> _Synchronous:
@@ -94,9 +95,10 @@ class BatchLoader:
     ``"weight"`` field the source already has).
     """
 
-    def __init__(self, source: Any, sampler: IndexSampler, process_index: int = 0, process_count: int = 1,
-                 transform: Transform | None = None, prefetch: int = 2, transform_seed: int | None = None,
-                 keys: tuple[str, ...] | None = None, check: BatchCheck | None = None) -> None:
+    def __init__(self, source: Any, sampler: IndexSampler | MixtureSampler, process_index: int = 0,
+                 process_count: int = 1, transform: Transform | None = None, prefetch: int = 2,
+                 transform_seed: int | None = None, keys: tuple[str, ...] | None = None,
+                 check: BatchCheck | None = None) -> None:
         self.source = as_source(source, keys=keys)
         self.check = check
         self.sampler = sampler
@@ -150,7 +152,7 @@ class StreamEnded(Exception):
 
 def stacked_calls(host_batch: Callable[[int], tuple[Batch, int]], position: int, steps_per_call: int,
                   num_steps: int | None, place: Callable[[Batch], Any] | None,
-                  first_call_steps: int | None) -> Iterator[Call]:
+                  first_call_steps: int | None) -> Generator[Call, None, None]:
     """Calls of ``steps_per_call`` batches from ``host_batch``, stacked on a new leading axis; a source that
     ends (:class:`StreamEnded`) ends the calls after its last whole batch."""
     steps_left = num_steps

@@ -47,7 +47,7 @@ class ArraySource:
         if len(set(lengths.values())) != 1 or None in lengths.values():
             raise DataError(f"the data fields have different numbers of records {lengths}; give every field "
                             f"the same leading length")
-        self._length = next(iter(lengths.values()))
+        self._length = len(next(iter(self.arrays.values())))  # the common length: every field has one
         if self._length == 0:
             raise DataError(f"the data source is empty (fields {sorted(self.arrays)} have 0 records); "
                             f"point data.name/data.path at data with records")

@@ -8,6 +8,8 @@ never imports the others.
 import importlib
 from typing import Any
 
+import pydantic
+
 MODEL_MODULES = {
     "mlp": "functrain.models.mlp",
     "gpt": "functrain.models.gpt",
@@ -29,7 +31,7 @@ def model_spec(name: str) -> dict[str, Any]:
     return importlib.import_module(MODEL_MODULES[name]).MODEL_SPEC
 
 
-def model_config_class(name: str) -> type:
+def model_config_class(name: str) -> type[pydantic.BaseModel]:
     """The pydantic schema of model ``name``'s config section."""
     return model_spec(name)["config_cls"]
 

@@ -101,7 +101,7 @@ def segment_mask(segment_ids: Array) -> Array:
     return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
 
 
-def attend(query: Array, key: Array, value: Array, *, scale: float, kernel: str,
+def attend(query: Array, key: Array, value: Array, *, scale: float, kernel: Literal["xla", "cudnn", "splash"],
            segment_ids: Array | None = None, query_slots: Array | None = None, window: int | None = None,
            softcap: float | None = None) -> Array:
     """Causal softmax attention.
@@ -126,12 +126,12 @@ def attend(query: Array, key: Array, value: Array, *, scale: float, kernel: str,
     if softcap is not None:
         return _written_out(query, key, value, scale, query_slots, segment_ids, window, softcap)
     if query_slots is not None:
-        mask = causal_mask(query_slots, key.shape[1], window)[None, None]
-        return jax.nn.dot_product_attention(query, key, value, mask=mask, scale=scale, implementation="xla")
+        causal = causal_mask(query_slots, key.shape[1], window)[None, None]
+        return jax.nn.dot_product_attention(query, key, value, mask=causal, scale=scale, implementation="xla")
     mask = None if segment_ids is None else segment_mask(segment_ids)
     local = None if window is None else (window - 1, 0)
-    return jax.nn.dot_product_attention(query, key, value, mask=mask, scale=scale, is_causal=True,
-                                        local_window_size=local, implementation=kernel)
+    return jax.nn.dot_product_attention(query, key, value, mask=mask, scale=scale, is_causal=True,  # not splash here
+                                        local_window_size=local, implementation="cudnn" if kernel == "cudnn" else "xla")
 
 
 def _written_out(query: Array, key: Array, value: Array, scale: float, query_slots: Array | None,

@@ -8,7 +8,7 @@ MLP (``hidden_activation``, Llama's MLP module); the LM head tied to the embeddi
 ``final_logit_softcapping``. Parameter names mirror HF's.
 """
 
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, TypeVar
 
 import flax.linen as nn
 import jax
@@ -98,7 +98,10 @@ class Gemma2Config(HFModelConfig):
         return self
 
 
-def config_from_hf(cls: type[Gemma2Config], hf: dict[str, Any]) -> Gemma2Config:
+_Config = TypeVar("_Config", bound=Gemma2Config)
+
+
+def config_from_hf(cls: type[_Config], hf: dict[str, Any]) -> _Config:
     """``cls`` (Gemma2Config or Gemma 3's) from an HF config.json dict; unimplemented settings are named."""
     name = cls.model_fields["name"].default
     if hf.get("use_bidirectional_attention"):
@@ -141,7 +144,7 @@ class GemmaRMSNorm(nn.Module):
                            (x.shape[-1],), jnp.float32)
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.epsilon)
-        return (x32 * (1.0 + scale.astype(jnp.float32))).astype(self.dtype)
+        return (x32 * (1.0 + jnp.asarray(scale, jnp.float32))).astype(self.dtype)
 
 
 def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:

@@ -15,7 +15,7 @@ from functrain.models.rope import hf_rope_parameters
 class Gemma3TextConfig(gemma2.Gemma2Config):
     """Gemma 3 text hyper-parameters, named as in HF's config.json (old layout: ``rope_local_base_freq``)."""
 
-    name: Literal["gemma3_text"] = "gemma3_text"
+    name: Literal["gemma3_text"] = "gemma3_text"  # type: ignore[assignment]  # each family's own tag
     vocab_size: int = pydantic.Field(262208, gt=0)
     max_position_embeddings: int = pydantic.Field(131072, gt=0)
     rope_theta: float = 1000000.0

@@ -103,7 +103,7 @@ def dense(features: int, axes: tuple[str, str], *, use_bias: bool, dtype: Any, i
     )
 
 
-def embed(num: int, features: int, axes: tuple[str, str], *, dtype: Any, init_std: float,
+def embed(num: int, features: int, axes: tuple[str | None, str], *, dtype: Any, init_std: float,
           name: str) -> nn.Embed:
     """A float32 embedding table with logical axis names."""
     return nn.Embed(

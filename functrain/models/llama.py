@@ -10,7 +10,8 @@ at 0 per document) drive RoPE. ``model.attention`` / ``model.remat`` / ``model.s
 :mod:`functrain.models.options`.
 """
 
-from typing import Any, ClassVar, Literal
+from collections.abc import Collection
+from typing import Any, ClassVar, Literal, Protocol, TypeVar
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -93,7 +94,10 @@ class LlamaConfig(HFModelConfig):
         return None
 
 
-def config_from_hf(cls: type[LlamaConfig], hf: dict[str, Any], **overrides: Any) -> LlamaConfig:
+_Config = TypeVar("_Config", bound=LlamaConfig)
+
+
+def config_from_hf(cls: type[_Config], hf: dict[str, Any], **overrides: Any) -> _Config:
     """``cls`` (LlamaConfig or a family's subclass) from an HF config.json dict, old (``rope_theta``/
     ``rope_scaling``) or v5 (``rope_parameters``) layout; a rope setting it does not implement is named."""
     try:
@@ -103,7 +107,7 @@ def config_from_hf(cls: type[LlamaConfig], hf: dict[str, Any], **overrides: Any)
     return cls.from_hf_dict(hf, **({"rope_scaling": scaling} if scaling else {}), **overrides)
 
 
-def config_to_hf(config: LlamaConfig, model_type: str, architecture: str, exclude: set[str] = frozenset(),
+def config_to_hf(config: LlamaConfig, model_type: str, architecture: str, exclude: Collection[str] = (),
                  **extra: Any) -> dict[str, Any]:
     """An HF config.json dict (transformers 5 layout) for ``config``'s family (``exclude``: fields HF lacks)."""
     hf = hf_config_dict(config, exclude={"rope_theta", "rope_scaling", *exclude})
@@ -157,10 +161,25 @@ class LlamaAttention(nn.Module):
                      name="o_proj")(out.reshape(batch, length, heads * head_dim))
 
 
+class MLPConfig(Protocol):
+    """What :class:`LlamaMLP` reads from a config (Llama's family and Gemma's)."""
+
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...
+    @property
+    def hidden_act(self) -> str: ...
+    @property
+    def mlp_bias(self) -> bool: ...
+    @property
+    def initializer_range(self) -> float: ...
+
+
 class LlamaMLP(nn.Module):
     """SwiGLU: down(act(gate(x)) * up(x))."""
 
-    config: LlamaConfig
+    config: MLPConfig
     dtype: Any
 
     @nn.compact

@@ -125,8 +125,8 @@ def adapter_interceptor(settings: LoraConfig, train: bool, rng: jax.Array) -> Ca
             key = jax.random.fold_in(rng, zlib.crc32("/".join(module.path).encode()))
             keep = jax.random.bernoulli(key, 1.0 - settings.dropout, x.shape)
             x = jnp.where(keep, x / (1.0 - settings.dropout), 0).astype(x.dtype)
-        a = module.get_variable("params", ADAPTER_A).astype(x.dtype)
-        b = module.get_variable("params", ADAPTER_B).astype(x.dtype)
+        a: jax.Array = module.get_variable("params", ADAPTER_A).astype(x.dtype)
+        b: jax.Array = module.get_variable("params", ADAPTER_B).astype(x.dtype)
         return output + ((x @ a) @ b * settings.scale).astype(output.dtype)
     return intercept
 

@@ -13,7 +13,7 @@ from functrain.models import llama
 class MistralConfig(llama.LlamaConfig):
     """Mistral hyper-parameters, named as in HF's config.json (``sliding_window`` None: full attention)."""
 
-    name: Literal["mistral"] = "mistral"
+    name: Literal["mistral"] = "mistral"  # type: ignore[assignment]  # each family's own tag
     attention_bias: Literal[False] = False
     mlp_bias: Literal[False] = False
     sliding_window: int | None = pydantic.Field(None, gt=0)

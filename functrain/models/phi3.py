@@ -15,7 +15,7 @@ from functrain.models import llama, mistral
 class Phi3Config(mistral.MistralConfig):
     """Phi-3 hyper-parameters, named as in HF's config.json (Mistral's: no biases, a window on every layer)."""
 
-    name: Literal["phi3"] = "phi3"
+    name: Literal["phi3"] = "phi3"  # type: ignore[assignment]  # each family's own tag
     original_max_position_embeddings: int = pydantic.Field(4096, gt=0)
 
     @pydantic.model_validator(mode="after")

@@ -16,7 +16,7 @@ LayerType = Literal["full_attention", "sliding_attention"]
 class Qwen2Config(llama.LlamaConfig):
     """Qwen2 hyper-parameters, named as in HF's config.json (``sliding_window`` is None unless used)."""
 
-    name: Literal["qwen2"] = "qwen2"
+    name: Literal["qwen2"] = "qwen2"  # type: ignore[assignment]  # each family's own tag
     attention_bias: Literal[False] = False  # not an HF Qwen2 key: q/k/v always have a bias, o_proj never
     mlp_bias: Literal[False] = False
     sliding_window: int | None = pydantic.Field(None, gt=0)

@@ -11,13 +11,20 @@ from functrain.models import llama, qwen2
 class Qwen3Config(qwen2.Qwen2Config):
     """Qwen3 hyper-parameters, named as in HF's config.json."""
 
-    name: Literal["qwen3"] = "qwen3"
-    attention_bias: bool = False
+    name: Literal["qwen3"] = "qwen3"  # type: ignore[assignment]  # each family's own tag
+    attention_bias: bool = False  # type: ignore[assignment]  # an HF key again (Qwen2 pins it)
     head_dim: int | None = pydantic.Field(128, gt=0)  # HF's default, not hidden_size // heads
 
     # ``attention_bias`` covers all four projections, as on Llama (Qwen2 fixes q/k/v on and o off).
-    qkv_bias = llama.LlamaConfig.qkv_bias
-    o_bias = llama.LlamaConfig.o_bias
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether q/k/v projections carry a bias."""
+        return self.attention_bias
+
+    @property
+    def o_bias(self) -> bool:
+        """Whether the output projection carries a bias."""
+        return self.attention_bias
 
     @property
     def qk_norm(self) -> bool:

@@ -65,6 +65,8 @@ def _base_frequencies(theta: float | jax.Array, dim: int, xp: Any = np) -> Any:
 
 def _llama3(inv_freq: np.ndarray, scaling: RopeScaling) -> np.ndarray:
     # Llama 3.x: slow down low frequencies by `factor`, blend smoothly in the medium band.
+    assert (scaling.factor is not None and scaling.low_freq_factor is not None and scaling.high_freq_factor is not None
+            and scaling.original_max_position_embeddings is not None), "set: RopeScaling requires them for llama3"
     low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
     high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
@@ -77,7 +79,8 @@ def _llama3(inv_freq: np.ndarray, scaling: RopeScaling) -> np.ndarray:
 
 
 def _yarn(theta: float, dim: int, scaling: RopeScaling) -> tuple[np.ndarray, float]:
-    factor = scaling.factor
+    factor, original = scaling.factor, scaling.original_max_position_embeddings
+    assert factor is not None and original is not None, "set: RopeScaling requires them for yarn"
 
     def mscale(scale: float, m: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
@@ -88,7 +91,7 @@ def _yarn(theta: float, dim: int, scaling: RopeScaling) -> tuple[np.ndarray, flo
                             if scaling.mscale and scaling.mscale_all_dim else mscale(factor))
 
     def correction_dim(rotations: float) -> float:
-        return (dim * math.log(scaling.original_max_position_embeddings / (rotations * 2 * math.pi))
+        return (dim * math.log(original / (rotations * 2 * math.pi))
                 / (2 * math.log(theta)))
 
     low, high = correction_dim(scaling.beta_fast or 32), correction_dim(scaling.beta_slow or 1)

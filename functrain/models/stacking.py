@@ -31,6 +31,13 @@ def _stack_position(parts: list[str]) -> int | None:
     return next((k for k in range(len(parts) - 1) if _STACKED.match(parts[k]) and _SLOT.match(parts[k + 1])), None)
 
 
+def _captured(pattern: re.Pattern[str], part: str) -> str:
+    """The group ``pattern`` captures in a path segment :func:`_stack_position` found it to match."""
+    match = pattern.match(part)
+    assert match is not None, part
+    return match.group(1)
+
+
 def _periods(flat: Mapping[str, Any]) -> dict[str, int]:
     """``{path of a stack: its number of slots}``."""
     periods: dict[str, int] = {}
@@ -39,7 +46,7 @@ def _periods(flat: Mapping[str, Any]) -> dict[str, int]:
         k = _stack_position(parts)
         if k is not None:
             location = "/".join(parts[:k + 1])
-            periods[location] = max(periods.get(location, 0), int(_SLOT.match(parts[k + 1]).group(1)) + 1)
+            periods[location] = max(periods.get(location, 0), int(_captured(_SLOT, parts[k + 1])) + 1)
     return periods
 
 
@@ -71,8 +78,8 @@ def unstack_flat(flat: Mapping[str, Any]) -> dict[str, Any]:
         if k is None:
             out[path] = leaf
             continue
-        prefix, period = _STACKED.match(parts[k]).group(1), periods["/".join(parts[:k + 1])]
-        slot = int(_SLOT.match(parts[k + 1]).group(1))
+        prefix, period = _captured(_STACKED, parts[k]), periods["/".join(parts[:k + 1])]
+        slot = int(_captured(_SLOT, parts[k + 1]))
         for group in range(leaf.shape[0]):
             out["/".join([*parts[:k], f"{prefix}{group * period + slot}", *parts[k + 2:]])] = _take(leaf, group)
     return out
@@ -93,8 +100,8 @@ def relayout_flat(flat: Mapping[str, Any], like: Mapping[str, Any]) -> dict[str,
                 out[path] = unrolled[path]
                 used.add(path)
             continue
-        prefix, period = _STACKED.match(parts[k]).group(1), periods["/".join(parts[:k + 1])]
-        slot = int(_SLOT.match(parts[k + 1]).group(1))
+        prefix, period = _captured(_STACKED, parts[k]), periods["/".join(parts[:k + 1])]
+        slot = int(_captured(_SLOT, parts[k + 1]))
         sources = ["/".join([*parts[:k], f"{prefix}{group * period + slot}", *parts[k + 2:]])
                    for group in range(target.shape[0])]
         if all(source in unrolled for source in sources):
@@ -115,7 +122,7 @@ def _nested(flat: Mapping[str, Any]) -> dict[str, Any]:
     return tree
 
 
-def unstack_layers(params: Mapping[str, Any]) -> dict[str, Any]:
+def unstack_layers(params: Mapping[str, Any]) -> Mapping[str, Any]:
     """A nested dict of params with every stack split into unrolled layers (unchanged when none is stacked)."""
     flat = flat_paths(params)
     return _nested(unstack_flat(flat)) if _periods(flat) else params

@@ -9,8 +9,8 @@ names a factory (``model.target``) whose keyword arguments are the section's oth
 import difflib
 import hashlib
 import json
+import os
 import re
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import pydantic
@@ -482,7 +482,7 @@ def validate_config(raw: dict) -> Config:
         raise ConfigError(str(exc)) from None
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None,
                 base: dict | None = None) -> Config:
     """Load ``path`` (or start from ``base``), apply ``overrides`` and validate."""
     raw = read_yaml(path) if path is not None else dict(base or {})

@@ -3,6 +3,7 @@
 """
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,7 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     return merged
 
 
-def read_yaml(path: str | Path) -> dict:
+def read_yaml(path: str | os.PathLike) -> dict:
     """Read a YAML mapping; a missing file or malformed YAML is a one-line ConfigError."""
     path = Path(path)
     if not path.is_file():

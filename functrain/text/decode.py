@@ -24,7 +24,7 @@ import numpy as np
 
 from functrain.errors import ConfigError, DataError
 from functrain.models import build_model, model_config_class, model_spec
-from functrain.models.options import for_sampling
+from functrain.models.options import RuntimeOptions, for_sampling
 from functrain.models.kv_cache import zeros_like_shapes
 from functrain.models.stacking import unstack_layers
 
@@ -250,6 +250,7 @@ def load_language_model(run_dir: str | os.PathLike, step: int | None = None) -> 
         raise ConfigError(f"model {raw_model['name']!r} of {run_dir} is not a language model; generate and eval "
                           f"need a causal LM (gpt, gpt2, llama, ...)")
     model_config = model_config_class(raw_model["name"]).model_validate(raw_model)
+    assert isinstance(model_config, RuntimeOptions), "a causal LM's config has the runtime options"
     from functrain.models.lora import merged_for_inference  # a LoRA run decodes with its adapters merged in
     # The sampling model is unrolled (one KV cache per layer): a scanned run's stacked layers are split.
     return (build_model(for_sampling(model_config)), unstack_layers(merged_for_inference(params, model_config)),
