@@ -8,8 +8,7 @@ import jax.numpy as jnp
 import optax
 
 
-@flax.struct.dataclass
-class TrainState:
+class TrainState(flax.struct.PyTreeNode):  # flax.struct.dataclass, with a typed ``replace``
     """Immutable training state.
 
     ``rng`` is the run's base key: the key of step ``s`` is ``fold_in(rng, s)``, so no random number depends

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from functrain.data.kinds import Order
 
 
-def check_resume(meta: Mapping[str, Any] | None, num_records: int, seed: int, ignore_skip: bool,
+def check_resume(meta: Mapping[str, Any] | None, num_records: int | None, seed: int, ignore_skip: bool,
                  skip_samples: int | None = None) -> None:
     """Raise :class:`DataError` if the checkpoint meta was written for a different dataset size or data seed.
 

@@ -86,7 +86,7 @@ def any_process(flags: list[bool]) -> list[bool]:
     if jax.process_count() == 1:
         return list(flags)
     votes = multihost_utils.process_allgather(np.asarray(flags, np.int32))
-    return [bool(vote) for vote in np.asarray(votes).reshape(-1, len(flags)).any(axis=0)]
+    return [bool(vote) for vote in np.asarray(votes).reshape(-1, len(flags)).max(axis=0)]  # max of 0/1: OR
 
 
 def every_process(flag: bool) -> bool:
@@ -209,9 +209,10 @@ def supervise(procs: list[subprocess.Popen], logs: list[Path | None]) -> int:
                 continue
             finished[index] = code
             if code not in PLANNED_EXITS:  # a crash: the others would wait for it in a collective
-                if logs[index] is not None:
+                log_path = logs[index]
+                if log_path is not None:
                     print(f"--- process {index} exited with status {code}; its last output:\n"
-                          f"{_tail(logs[index])}", file=sys.stderr)
+                          f"{_tail(log_path)}", file=sys.stderr)
                 _stop(procs)
                 # Processes stopped by us report the signal, not a problem of their own.
                 for other, other_proc in enumerate(procs):

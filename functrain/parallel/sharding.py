@@ -315,7 +315,7 @@ def constrain_batch(x: jax.Array, batch_axis: int = 0) -> jax.Array:
     axes = tuple(axis for axis in BATCH_AXES if axis in mesh.axis_names)
     if not axes or x.shape[batch_axis] % math.prod(mesh.shape[axis] for axis in axes):
         return x
-    spec = [PartitionSpec.UNCONSTRAINED] * x.ndim
+    spec: list[Any] = [PartitionSpec.UNCONSTRAINED] * x.ndim
     spec[batch_axis] = axes
     return jax.lax.with_sharding_constraint(x, PartitionSpec(*spec))
 

@@ -11,7 +11,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 
@@ -120,7 +120,8 @@ def _json_safe(value: float) -> float | None:
 def set_aside_lines_after(path: Path, step: int) -> None:
     """Move records of steps after ``step`` (logged by a run that crashed after its last checkpoint) to
     ``<name>.abandoned.jsonl``, so the file holds one line of history; nothing is deleted."""
-    keep, abandoned = [], []
+    keep: list[str] = []
+    abandoned: list[str] = []
     for line in path.read_text().splitlines(keepends=True):
         try:
             later = json.loads(line)["step"] > step
@@ -141,8 +142,8 @@ class MetricsWriter(Callback):
 
     def __init__(self, tensorboard: bool = True) -> None:
         self.tensorboard = tensorboard
-        self.jsonl = None
-        self.writer = None
+        self.jsonl: TextIO | None = None
+        self.writer: Any = None  # a tensorboardX SummaryWriter
 
     def on_train_begin(self, view: RunView) -> None:
         if not view.is_primary:

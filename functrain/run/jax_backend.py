@@ -7,6 +7,7 @@ a mesh and its rules, :class:`~functrain.core.step.StepSettings`); the builder m
 import contextlib
 import hashlib
 import json
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -113,11 +114,11 @@ class JaxBackend:
                                    out_shardings=(self.state_shardings, replicated))
         self._eval_step = jax.jit(eval_step, in_shardings=(self.state_shardings, self.batch_sharding),
                                   out_shardings=replicated)
-        self._precompute = None
-        if program.precompute is not None:
+        self._precompute: Callable | None = None
+        if (values_of := program.precompute) is not None:
             def precompute(state: TrainState, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
                 # The parameters as the step's forward sees them (train.compute_dtype).
-                return program.precompute(cast_floating(state.params, compute_dtype), state.model_state, batch)
+                return values_of(cast_floating(state.params, compute_dtype), state.model_state, batch)
             self._precompute = jax.jit(precompute, in_shardings=(self.state_shardings, self.batch_sharding),
                                        out_shardings=replicated)
         self._weight_sums = jax.jit(weight_sums, out_shardings=replicated)
@@ -192,6 +193,8 @@ class JaxBackend:
     def precompute_batch(self, state: TrainState, host_batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The program's per-record values (:attr:`Program.precompute`) of one batch ``[B_local, ...]`` from
         ``state``, as host arrays ``[B]`` of the whole global batch (every process gets all of them)."""
+        if self._precompute is None:
+            raise ValueError("precompute_batch needs a program with a precompute function")
         batch = to_global(host_batch, self.batch_sharding, batch_axis=0)
         with jax.set_mesh(self.mesh):
             return self.to_host(self._precompute(state, batch))

@@ -24,6 +24,7 @@ from collections import deque
 from typing import Any
 
 from functrain.checkpoint.lora_saves import AdapterSaves
+from functrain.data import BatchLoader
 from functrain.run.build import Run
 from functrain.run.callbacks import Control, RunView
 from functrain.run.call_metrics import CallMetrics
@@ -108,7 +109,7 @@ class _Driver:
         (``on_evaluate``), each logged under its split."""
         if self.run.eval_loader is None and not self.settings.evaluate_without_data:
             return Control()
-        metrics = self.eval_metrics(state) if self.run.eval_loader is not None else {}
+        metrics = self.eval_metrics(state, self.run.eval_loader()) if self.run.eval_loader is not None else {}
         self.last_eval_step = self.view.step
         self.view.state = state
         control = self.run.callbacks.fire("on_evaluate", self.view, metrics)
@@ -123,9 +124,8 @@ class _Driver:
                                                             split_metrics))
         return control
 
-    def eval_metrics(self, state: Any) -> dict[str, float]:
+    def eval_metrics(self, state: Any, loader: BatchLoader) -> dict[str, float]:
         """Sum the eval metrics over the evaluation set (every record counted once), divide once."""
-        loader = self.run.eval_loader()
         batches = loader.sampler.steps_per_epoch
         if self.settings.eval_max_batches:
             batches = min(batches, self.settings.eval_max_batches)
@@ -150,7 +150,7 @@ class _Driver:
         if self.last_eval_step != step:
             # Stale eval metrics would let a never-evaluated step outrank the evaluated one (keep-best).
             metrics = {"train": metrics["train"]} if "train" in metrics else {}
-        meta = self.run.resume.meta(step, self.run.sampler, position, self.last_meta, self.start.position_jump,
+        meta = self.run.resume.meta(step, self.run.sampler, position, self.last_meta, self.started.position_jump,
                                     metrics, self.backend)
         saver = self.adapter_saves or self.checkpointer
         saver.save(step, self.backend.state_to_items(state), meta)
@@ -162,6 +162,12 @@ class _Driver:
                          metrics=dict(self.view.last_metrics), run_dir=self.run.run_dir,
                          stop_kind=self.metrics.stop_kind, steps_run=step - self.view.start_step,
                          skipped_steps=skipped_steps, max_skipped_fraction=self.settings.max_skipped_fraction)
+
+    @property
+    def started(self) -> Start:
+        """The start :meth:`begin` decided (restored or fresh)."""
+        assert self.start is not None, "begin() runs first"
+        return self.start
 
     # -- the loop ----------------------------------------------------------------------------------------------
     def begin(self) -> tuple[Any, int, int]:
@@ -180,7 +186,7 @@ class _Driver:
         check_interrupted()  # a stop signal before the loop: leave the run directory as it was
         if not self.is_primary:
             return
-        if self.start.restored_step is not None:
+        if self.started.restored_step is not None:
             log.info("resumed from checkpoint %d (epoch %d, samples consumed %d)", step,
                      self.run.sampler.epoch_of(position), position)
         write_run_config(self.run.run_dir, self.run.config_record)
@@ -225,13 +231,13 @@ class _Driver:
     def train(self) -> FitResult:
         state, step, position = self.begin()
         max_steps, steps_per_call = self.settings.max_steps, self.settings.steps_per_call
-        if self.start.restored_step is not None and step >= max_steps:
+        if self.started.restored_step is not None and step >= max_steps:
             # Rerunning a finished job leaves its directory as it was: no config, metrics or event files.
             self.metrics.stop_kind = ALREADY_FINISHED
             reason = f"already finished (train.max_steps={max_steps}: raise it to train further)"
             return self.result(state, step, position, reason, 0)
         if self.run.start_data is not None:  # data computed from the start (precomputed reference log-probs)
-            self.run.start_data(self.backend, state, self.start.restored_step)
+            self.run.start_data(self.backend, state, self.started.restored_step)
         self.check_eval_metric_names(state)
         self.update_view(step, position)
         self.announce(step, position)

@@ -158,8 +158,10 @@ def scanned_run_cost(planned: Planned) -> dict[str, float]:
     """XLA's cost (``COST_KEYS``, per chip, one micro-batch) of a scanned run's train call with all its layers
     counted: the same run compiled with one group of layers and with two, unrolled, extrapolated to its
     ``scan_groups`` groups (identical groups cost the same; what lies outside the layers is in both)."""
-    one, two = (_first(_compile(planned.unrolled_groups_backend(groups), planned).cost_analysis())
-                for groups in (1, 2))
+    unrolled = planned.unrolled_groups_backend
+    if unrolled is None:
+        raise ValueError("scanned_run_cost needs the plan of a run that scans its layers (model.scan_layers)")
+    one, two = (_first(_compile(unrolled(groups), planned).cost_analysis()) for groups in (1, 2))
     return {key: float(one.get(key, 0.0)) + (planned.scan_groups - 1) * (float(two.get(key, 0.0))
                                                                          - float(one.get(key, 0.0)))
             for key in COST_KEYS}
@@ -179,7 +181,7 @@ def attention_kernel_of(compiled: jax.stages.Compiled, kind: str | None) -> str 
     cuDNN's fused attention; neither is XLA's own); None for other models."""
     if kind != "causal_lm":
         return None
-    text = compiled.as_text()
+    text = compiled.as_text() or ""
     return "splash" if "splash_mha" in text else "cudnn" if "__cudnn$fmha" in text else "xla"
 
 
@@ -203,9 +205,9 @@ def report(planned: Planned, compiled: jax.stages.Compiled | None, temporaries: 
     bytes_accessed = float(cost.get("bytes accessed", 0.0)) * step.micro_batches
     tokens = planned.global_batch_size * planned.seq_len if planned.parts.kind == "causal_lm" else None
     shape = decoder_shape(planned.model_config) if tokens else None
-    model_flops = train_flops_per_token(shape, planned.seq_len) * tokens if shape else None
+    model_flops = train_flops_per_token(shape, planned.seq_len) * tokens if shape and tokens else None
     attention = None if compiled is None else attention_kernel_of(compiled, planned.parts.kind)
-    if attention == "splash" and shape:
+    if attention == "splash" and shape and tokens:
         # cost_analysis does not see into a Pallas kernel: add the attention FLOPs it computes (causal: half the
         # score matrix, forward and backward), else the roofline would leave attention out.
         attention_flops = train_flops_per_token(shape, planned.seq_len) - train_flops_per_token(shape, 0)

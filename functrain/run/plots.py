@@ -91,7 +91,7 @@ def read_run(run_dir: str | os.PathLike, name: str | None = None) -> RunCurves:
 
 def _nonfinite_steps(run: RunCurves) -> list[int]:
     """Log steps at which the cumulative count of skipped non-finite steps rose, or the loss was not finite."""
-    marked = set()
+    marked: set[int] = set()
     counts = run.series("train", "nonfinite_steps")
     if counts is not None:
         steps, values = counts

@@ -73,7 +73,7 @@ class ResumePolicy:
                           if info.whole and info.meta and (request == "auto" or info.step == request)]
             if not candidates:
                 return
-            meta, step = candidates[-1].meta, candidates[-1].step
+            meta, step = candidates[-1].meta or {}, candidates[-1].step  # meta: set, as filtered
         where = f"checkpoint {step} in {self.run_dir}"
         saved_backend = meta.get("backend", "jax")
         if saved_backend != self.backend:

@@ -59,7 +59,7 @@ class SampleWriter(Callback):
         self.tokenizer = load_tokenizer(self.settings.tokenizer) if self.settings.tokenizer else None
         self.model = build_model(for_sampling(model_config))
         self.generator = Generator(self.model)
-        self.writer = None
+        self.writer: Any = None  # a tensorboardX SummaryWriter, opened at the first samples
 
     def on_evaluate(self, view: RunView, metrics: dict[str, float]) -> None:
         from functrain.text.decode import Sampling, decode_tokens, encode_prompt, prepare_prompt

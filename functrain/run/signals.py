@@ -3,6 +3,7 @@ as a clean exit (status 75, nothing written) before the loop takes over."""
 
 import signal
 import threading
+from collections.abc import Callable
 from typing import Any
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -25,6 +26,8 @@ def check_interrupted() -> None:
 class _Handlers:
     """Installs the subclass's ``handle`` for SIGTERM/SIGINT while entered (main thread only) and restores what
     was there."""
+
+    handle: Callable[[int, Any], None]  # the subclass's handler: (signal number, frame)
 
     def __init__(self) -> None:
         self.previous: dict[int, Any] = {}

@@ -98,7 +98,7 @@ class MlflowTracker(Callback):
 
     def __init__(self) -> None:
         self.mlflow = _require("mlflow", "mlflow")
-        self.client = None
+        self.client: Any = None  # an MlflowClient, made when training begins (process 0)
         self.run_id: str | None = None
         self.pending: list[Any] = []
         self.flushed_at = 0.0

@@ -91,8 +91,12 @@ class FunctrainLM(TemplateLM):
     newest whole one by default); :meth:`from_params` wraps a model and params already in memory (the
     training loop's evaluation callback)."""
 
-    def __init__(self, run: str | os.PathLike | None = None, step: int | None = None, tokenizer: str | None = None,
-                 batch_size: int | str | None = None, max_gen_toks: int | None = None, **ignored: Any) -> None:
+    run_dir: str | None  # None: made by from_params
+    step: int | None
+
+    def __init__(self, run: str | os.PathLike | None = None, step: int | str | None = None,
+                 tokenizer: str | None = None, batch_size: int | str | None = None, max_gen_toks: int | None = None,
+                 **ignored: Any) -> None:
         """``ignored``: what ``simple_evaluate`` passes every model (``device``, ``max_batch_size``): a JAX model
         runs on JAX's devices."""
         super().__init__()
@@ -119,7 +123,6 @@ class FunctrainLM(TemplateLM):
         self.vocab_size = int(model.config.vocab_size)
         self._max_length = context_length(model.config) or 2048  # lm-eval's default for a model without one
         self.hf_tokenizer = tokenizer
-        self.text_codec = _Bytes() if tokenizer is None else None
         if batch_size in (None, "") or str(batch_size).startswith("auto"):  # lm-eval's "auto": our default
             batch_size = DEFAULT_BATCH_SIZE
         self.batch_size = int(batch_size)
@@ -168,7 +171,7 @@ class FunctrainLM(TemplateLM):
         """Token ids of ``string``; special tokens as lm-eval's hf model adds them (none before a text that
         already starts with BOS)."""
         if self.hf_tokenizer is None:
-            ids = self.text_codec.encode(string)
+            ids = _Bytes.encode(string)
         else:
             options = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
             if add_special_tokens is None and has_bos_prefix(string, self.hf_tokenizer.decode(self.prefix_token_id)):
@@ -183,7 +186,7 @@ class FunctrainLM(TemplateLM):
 
     def tok_decode(self, ids: list[int]) -> str:
         if self.hf_tokenizer is None:
-            return self.text_codec.decode(ids)
+            return _Bytes.decode(ids)
         return self.hf_tokenizer.decode(ids, skip_special_tokens=True)
 
     # -- log-likelihoods ----------------------------------------------------------------------------------------
@@ -280,7 +283,7 @@ class FunctrainLM(TemplateLM):
     def tok_decode_special(self, token: int) -> str:
         """The text of one token with special tokens kept (what an ``until`` list holds for EOS)."""
         if self.hf_tokenizer is None:
-            return self.text_codec.decode([token])
+            return _Bytes.decode([token])
         return self.hf_tokenizer.decode([token], skip_special_tokens=False)
 
     def _continuation_text(self, tokens: list[int], until: list[str]) -> str:

@@ -70,6 +70,7 @@ class TextTokenizer:
     def __init__(self, spec: TokenizerSpec) -> None:
         self.spec = spec
         self._hf = _load_hf(spec.file) if spec.file else None
+        self.eos_id: int | None  # None: the tokenizer has no end-of-document token
         if self._hf is None:
             self.vocab_size, self.eos_id = 256, BYTE_EOS
         else:
