@@ -171,7 +171,7 @@ class TorchBackend:
         saved = items.get("state")
         if saved is None:
             return TorchState.create(params, self.optimizer, fresh.seed, fresh.buffers)
-        opt_state = {}
+        opt_state: dict[str, Tensor | dict[str, Tensor]] = {}
         for key, value in fresh.opt_state.items():
             if isinstance(value, dict):
                 opt_state[key] = self._tensors(flatten(saved["opt_state"][key]), value, f"opt_state/{key}")

@@ -88,9 +88,9 @@ class Block(nn.Module):
         """``mask``: a :func:`block_causal_mask` for packed rows; None is plain causal attention."""
         batch, length, d_model = x.shape
         h = self.ln_attn(x)
-        heads = [proj(h).view(batch, length, self.n_heads, -1).transpose(1, 2)
-                 for proj in (self.query, self.key, self.value)]
-        attended = F.scaled_dot_product_attention(*heads, attn_mask=mask, is_causal=mask is None)
+        query, key, value = (proj(h).view(batch, length, self.n_heads, -1).transpose(1, 2)
+                             for proj in (self.query, self.key, self.value))
+        attended = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=mask is None)
         attended = self.attn_out(attended.transpose(1, 2).reshape(batch, length, d_model))
         x = x + dropout(attended, self.dropout_rate, generator)
         h = self.mlp_out(F.gelu(self.mlp_in(self.ln_mlp(x)), approximate="tanh"))

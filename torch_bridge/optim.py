@@ -22,6 +22,7 @@ from functrain.errors import ConfigError
 Tensor = torch.Tensor
 Params = dict[str, Tensor]
 OptState = dict
+Tensors = list[Tensor] | tuple[Tensor, ...]  # torch's foreach functions take either and return tuples
 Schedule = Callable[[Tensor], Tensor]
 
 
@@ -121,7 +122,7 @@ def _zeros_like(params: Params, dtype: torch.dtype | None = None) -> Params:
     return {name: torch.zeros_like(value, dtype=dtype) for name, value in params.items()}
 
 
-def _decayed(moments: list[Tensor], decay: float) -> list[Tensor]:
+def _decayed(moments: Tensors, decay: float) -> Tensors:
     """``decay * m`` as optax's jitted update computes it for a moment stored in any dtype.
 
     jnp turns the Python ``decay`` into the moment's dtype (bfloat16(0.9) is 0.8984375), and XLA (allowed
@@ -133,7 +134,7 @@ def _decayed(moments: list[Tensor], decay: float) -> list[Tensor]:
     return [m.to(torch.float32) * torch.tensor(decay, dtype=m.dtype).item() for m in moments]
 
 
-def _update_moment(grads: list[Tensor], moments: list[Tensor], decay: float, order: int = 1) -> list[Tensor]:
+def _update_moment(grads: Tensors, moments: Tensors, decay: float, order: int = 1) -> Tensors:
     """optax.tree.update_moment: ``(1 - decay) * g**order + decay * m``, in float32 (not yet cast back)."""
     updated = _decayed(moments, decay)
     if order == 1:
@@ -143,7 +144,7 @@ def _update_moment(grads: list[Tensor], moments: list[Tensor], decay: float, ord
     return updated
 
 
-def _cast(tensors: list[Tensor], dtype: torch.dtype | None) -> list[Tensor]:
+def _cast(tensors: Tensors, dtype: torch.dtype | None) -> Tensors:
     """optax.tree.cast: the moments as stored (``dtype`` None keeps them as computed)."""
     return tensors if dtype is None else [t.to(dtype) for t in tensors]
 
@@ -153,7 +154,7 @@ def _count(params: Params) -> Tensor:
     return torch.zeros((), dtype=torch.int32, device=device)
 
 
-def _add_decayed_weights_(updates: list[Tensor], params: list[Tensor], mask: Iterable[bool],
+def _add_decayed_weights_(updates: Tensors, params: Tensors, mask: Iterable[bool],
                           weight_decay: float) -> None:
     """optax.add_decayed_weights, in place on freshly computed ``updates``: ``u += wd * p`` where masked."""
     if weight_decay == 0.0:  # optax skips a zero constant decay too
@@ -163,7 +164,7 @@ def _add_decayed_weights_(updates: list[Tensor], params: list[Tensor], mask: Ite
         torch._foreach_add_([u for u, _ in chosen], [p for _, p in chosen], alpha=weight_decay)
 
 
-def _apply(params: list[Tensor], updates: list[Tensor], learning_rate: Tensor) -> list[Tensor]:
+def _apply(params: Tensors, updates: Tensors, learning_rate: Tensor) -> Tensors:
     """optax.scale_by_learning_rate + apply_updates: ``p + (-lr) * u`` (``updates`` are scaled in place)."""
     torch._foreach_mul_(updates, -learning_rate)
     return torch._foreach_add(params, updates)
@@ -212,11 +213,9 @@ def sgd(schedule: Schedule, momentum: float | None = None, nesterov: bool = Fals
     ``momentum`` None or 0 is plain SGD (no trace in the state); ``accumulator_dtype`` is the trace's
     stored dtype (the update uses the trace before the cast, as optax does).
     """
-    use_trace = bool(momentum)
-
     def init(params: Params) -> OptState:
-        state = {"count": _count(params)}
-        if use_trace:
+        state: OptState = {"count": _count(params)}
+        if momentum:
             state["trace"] = _zeros_like(params, accumulator_dtype)
         return state
 
@@ -227,7 +226,7 @@ def sgd(schedule: Schedule, momentum: float | None = None, nesterov: bool = Fals
         steps = [grads[n].clone() for n in names]  # fresh buffers: everything below works in place on them
         _add_decayed_weights_(steps, p, decay_mask(params).values(), weight_decay)
         new_state = {"count": opt_state["count"] + 1}
-        if use_trace:
+        if momentum:
             # optax.trace: t' = g + m * t; nesterov applies the same rule once more to g and t'.
             trace = _decayed([opt_state["trace"][n] for n in names], momentum)
             torch._foreach_add_(trace, steps)
@@ -287,7 +286,7 @@ TORCH_OPTIONS = {"adamw": ("b1", "b2", "eps", "mu_dtype"), "sgd": ("momentum", "
 DTYPE_OPTIONS = ("mu_dtype", "accumulator_dtype")
 # The config key an optax argument comes from, where the names differ (functrain.run.config.OPTIMIZER_KEYS).
 CONFIG_KEYS = {"accumulator_dtype": "mu_dtype"}
-FACTORIES = {"adamw": adamw, "sgd": sgd, "lion": lion}
+FACTORIES: dict[str, Callable[..., Optimizer]] = {"adamw": adamw, "sgd": sgd, "lion": lion}
 
 
 def _dtype(key: str, value: Any) -> torch.dtype | None:

@@ -22,7 +22,7 @@ import torch
 
 from functrain.errors import ConfigError, DataError
 from torch_bridge import distributed
-from torch_bridge.optim import Optimizer
+from torch_bridge.optim import Optimizer, Tensors
 
 Tensor = torch.Tensor
 Params = dict[str, Tensor]
@@ -135,7 +135,7 @@ def _micro_batch(batch: Batch, index: int, count: int) -> dict[str, Tensor]:
     return {key: value[index::count] for key, value in batch.items()}
 
 
-def _global_norm(tensors: list[Tensor]) -> Tensor:
+def _global_norm(tensors: Tensors) -> Tensor:
     """optax.tree.norm: the L2 norm of all elements of all tensors (the norm of the per-tensor norms)."""
     return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors)))
 
@@ -170,13 +170,15 @@ def make_train_step(loss_fn: LossFn, optimizer: Optimizer, *, micro_batches: int
     if micro_batches < 1:
         raise ConfigError(f"train.micro_batches={micro_batches} must be >= 1")
 
-    def gradient_sums(state: TorchState, batch: Batch) -> tuple[Tensor, Tensor, dict, list[Tensor], Params]:
+    def gradient_sums(state: TorchState, batch: Batch) -> tuple[Tensor, Tensor, dict, Tensors, Params]:
         """Loss, weight, aux and gradient summed over the local micro-batches; the updated buffers."""
         names = list(state.params)
         buffers = {key: value.clone() for key, value in state.buffers.items()}
         device = next(iter(state.params.values())).device
         rank = distributed.rank()
-        loss_sum = weight_sum = grads = None
+        loss_sum: Tensor | None = None
+        weight_sum: Tensor | None = None
+        grads: Tensors | None = None
         aux_sums: dict[str, Tensor] = {}
         for index in range(micro_batches):
             leaves = {name: value.detach().requires_grad_() for name, value in state.params.items()}
@@ -185,17 +187,18 @@ def make_train_step(loss_fn: LossFn, optimizer: Optimizer, *, micro_batches: int
                 output = loss_fn(leaves, buffers, _micro_batch(batch, index, micro_batches), generator)
             loss, weight, aux = _check_loss_output(output, loss_fn)
             leaf_list = [leaves[name] for name in names]
-            micro_grads = torch.autograd.grad(loss, leaf_list, allow_unused=True) if loss.requires_grad \
+            unused_as_none = torch.autograd.grad(loss, leaf_list, allow_unused=True) if loss.requires_grad \
                 else [None] * len(names)
-            micro_grads = [torch.zeros_like(p) if g is None else g for g, p in zip(micro_grads, leaf_list)]
+            micro_grads = [torch.zeros_like(p) if g is None else g for g, p in zip(unused_as_none, leaf_list)]
             loss, weight = loss.detach(), weight.detach()
-            if grads is None:
+            if loss_sum is None or weight_sum is None or grads is None:  # the first micro-batch
                 loss_sum, weight_sum, grads = loss, weight, list(micro_grads)
                 aux_sums = {key: value.detach() for key, value in aux.items()}
             else:
                 loss_sum, weight_sum = loss_sum + loss, weight_sum + weight
                 grads = torch._foreach_add(grads, micro_grads)
                 aux_sums = {key: aux_sums[key] + value.detach() for key, value in aux.items()}
+        assert loss_sum is not None and weight_sum is not None and grads is not None, "micro_batches >= 1"
         return loss_sum, weight_sum, aux_sums, grads, buffers
 
     def step(state: TorchState, batch: Batch) -> tuple[TorchState, dict[str, Tensor]]:

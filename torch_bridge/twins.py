@@ -41,6 +41,7 @@ def twin_model(model_config: Any, example_batch: Mapping[str, np.ndarray], seed:
     :func:`refuse_untwinned`."""
     refuse_untwinned(model_config)
     c = model_config
+    model: MLP | GPT
     if c.name == "mlp":
         model = MLP(int(np.shape(example_batch["x"])[-1]), list(c.hidden), c.num_classes)
     else:

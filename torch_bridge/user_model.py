@@ -33,7 +33,7 @@ Randomness inside a module (dropout) draws from torch's global generator, which 
 
 import functools
 import inspect
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, cast
 
 import torch
 from torch import nn
@@ -41,7 +41,7 @@ from torch import nn
 from functrain.core.fields import Fields, canonical
 from functrain.errors import ConfigError
 from torch_bridge.models import binder, block_causal_mask, causal_lm_sums, classifier_sums, loss_for
-from torch_bridge.step import LossFn, LossOutput
+from torch_bridge.step import LossFn, LossOutput, Params
 
 Tensor = torch.Tensor
 UserLoss = Callable[[nn.Module, Mapping[str, Tensor], "torch.Generator | None"], LossOutput]
@@ -172,7 +172,7 @@ def trainable_module(model: Any) -> nn.Module:
     if not any(True for _ in model.parameters()):
         raise ConfigError(f"model {type(model).__name__} has no parameters to train; pass a module with parameters")
     config = getattr(model, "config", None)
-    if getattr(config, "use_cache", False):
+    if config is not None and getattr(config, "use_cache", False):
         config.use_cache = False
     return model
 
@@ -187,8 +187,10 @@ def step_loss(model: nn.Module, *, builtin: bool, loss_fn: UserLoss | None, fiel
                               f"model.target); the built-in {type(model).__name__.lower()} twin runs eagerly: "
                               f"remove train.torch_compile")
         return twin_loss(loss_for(model), fields)
-    return module_loss(model, loss_fn if loss_fn is not None else default_loss(fields),
-                       compiled(model) if torch_compile else None)
+    if loss_fn is None:
+        assert fields is not None, "the builder resolves the data's fields for the built-in loss"
+        loss_fn = default_loss(fields)
+    return module_loss(model, loss_fn, compiled(model) if torch_compile else None)
 
 
 def twin_loss(loss: LossFn, fields: Fields | None) -> LossFn:
@@ -197,7 +199,7 @@ def twin_loss(loss: LossFn, fields: Fields | None) -> LossFn:
         return loss
 
     @functools.wraps(loss)
-    def renamed(params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], batch: Mapping[str, Tensor],
+    def renamed(params: Params, buffers: Params, batch: Mapping[str, Tensor],
                 generator: torch.Generator | None) -> LossOutput:
         return loss(params, buffers, canonical(fields, batch), generator)
     return renamed
@@ -212,7 +214,8 @@ def compiled(model: nn.Module) -> nn.Module:
     :func:`torch_bridge.models.binder` binds the step's tensors for it too; they are graph inputs, so new
     tensors every step do not recompile.
     """
-    return torch.compile(model, options={"fallback_random": True})
+    # An OptimizedModule (an nn.Module) at run time; torch's stub types the result as a plain function.
+    return cast(nn.Module, torch.compile(model, options={"fallback_random": True}))
 
 
 def module_loss(model: nn.Module, loss_fn: UserLoss, compiled_model: nn.Module | None = None) -> LossFn:
@@ -231,7 +234,7 @@ def module_loss(model: nn.Module, loss_fn: UserLoss, compiled_model: nn.Module |
         training = generator is not None
         if model.training != training:
             model.train(training)
-        if training:
+        if generator is not None:  # training
             seed = generator.initial_seed() ^ GLOBAL_RNG_SALT
             if generator.device.type == "cuda":
                 torch.cuda.manual_seed(seed)

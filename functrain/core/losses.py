@@ -21,6 +21,7 @@ tensors share and the two framework-specific operations passed in as :class:`Arr
 calls the same functions with its own ops (this module never imports torch).
 """
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -61,12 +62,12 @@ class ArrayOps:
 JAX_OPS = ArrayOps(as_float=lambda x: jnp.asarray(x).astype(jnp.float32), broadcast_to=jnp.broadcast_to)
 
 
-def example_weights(batch: dict, ops: ArrayOps) -> Any:
+def example_weights(batch: Mapping[str, Any], ops: ArrayOps) -> Any:
     """``[B]``: how much each example counts (its ``weight``; 0 for padding rows)."""
     return ops.as_float(batch["weight"])
 
 
-def lm_targets(batch: dict) -> Any:
+def lm_targets(batch: Mapping[str, Any]) -> Any:
     """``[B, L-1]``: the next-token targets, ``labels[:, 1:]`` (HF) or ``tokens[:, 1:]``, with ``-100`` read as
     0 (any valid id: :func:`target_weights` does not count it, and an out-of-range id would make the
     cross-entropy NaN, which a weight of 0 does not cancel)."""
@@ -74,7 +75,7 @@ def lm_targets(batch: dict) -> Any:
     return targets * (targets != IGNORE_INDEX)
 
 
-def target_weights(batch: dict, ops: ArrayOps) -> Any:
+def target_weights(batch: Mapping[str, Any], ops: ArrayOps) -> Any:
     """``[B, L-1]``: how much each next-token target counts: the example's ``weight``, times the optional
     per-target ``mask``, times 0 where the target starts a new segment (``segment_ids``), where its HF label
     is ``-100`` and where its ``attention_mask`` is 0 (padding)."""

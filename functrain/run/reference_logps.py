@@ -112,7 +112,8 @@ class PrecomputedReference:
 
     def _write(self, values: dict[str, dict[str, np.ndarray]], identity: dict[str, Any]) -> None:
         """The values and what identifies them, written to a temporary file and renamed (never half a file)."""
-        arrays: dict[str, Any] = {f"{split}_{name}": column for split, columns in values.items() for name, column in columns.items()}
+        arrays: dict[str, Any] = {f"{split}_{name}": column  # Any: numpy's savez stub reads **kwds as options
+                                  for split, columns in values.items() for name, column in columns.items()}
         arrays.update({key: np.asarray(value) for key, value in identity.items()})
         self.run_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.run_dir / f".{FILE_NAME}.tmp-{os.getpid()}"

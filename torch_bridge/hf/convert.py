@@ -84,7 +84,7 @@ def run_dir_to_hf(run_dir: str, out_dir: str, step: int | None, merge_lora: bool
     """
     params, meta = load_params_and_meta(Path(run_dir).resolve(), step)
     model = dict(meta.get("model") or {})
-    arch = ARCHITECTURES.get(model.get("name"))
+    arch = ARCHITECTURES.get(model.get("name", ""))
     if arch is None:
         raise CheckpointError(f"{run_dir}: model {model.get('name')!r} cannot be exported to HF; "
                               f"supported: {', '.join(sorted(ARCHITECTURES))}")

@@ -128,7 +128,7 @@ def save_pretrained(params: Any, config: Any, out_dir: str | os.PathLike,
     Shards are ``model-0000i-of-0000N.safetensors`` plus ``model.safetensors.index.json`` when the
     weights exceed ``max_shard_size``. Returns the output directory path.
     """
-    arch = ARCHITECTURES.get(getattr(config, "name", None))
+    arch = ARCHITECTURES.get(getattr(config, "name", ""))
     if arch is None:
         raise CheckpointError(f"cannot export a {getattr(config, 'name', type(config).__name__)!r} model; "
                               f"supported: {', '.join(sorted(ARCHITECTURES))}")
