@@ -94,7 +94,7 @@ class SpeedReport:
         return values
 
 
-def speed_report(model_config: Any, kind: str, global_batch_size: int, seq_len: int, devices: list[Any]
+def speed_report(model_config: Any, kind: str | None, global_batch_size: int, seq_len: int, devices: list[Any]
                  ) -> SpeedReport:
     """The report for a run: LM token counts and FLOPs when the model is a known decoder, the peak of its
     devices when their kind is known (an accelerator of unknown kind gets a warning naming it)."""

@@ -16,6 +16,7 @@ import math
 import os
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -161,7 +162,7 @@ class MlflowTracker(Callback):
 TRACKERS = {"wandb": WandbTracker, "mlflow": MlflowTracker}
 
 
-def make_trackers(names: list[str]) -> list[Callback]:
+def make_trackers(names: Sequence[str]) -> list[Callback]:
     """The tracker callbacks named in ``log.trackers`` (``jsonl`` and ``tensorboard`` are the built-in
     :class:`~functrain.run.callbacks.MetricsWriter`); a missing package is a ConfigError naming its extra."""
     return [TRACKERS[name]() for name in dict.fromkeys(names) if name in TRACKERS]
