@@ -88,7 +88,7 @@ def logits_of(output: Any) -> Any:
 
 # ------------------------------------------------------------------------------------------ adapters
 
-def _mode_kwargs(module: nn.Module, train: bool) -> dict[str, bool]:
+def _mode_kwargs(module: nn.Module, train: bool) -> dict[str, Any]:
     """``deterministic=not train`` or ``train=train``, whichever the module's ``__call__`` takes."""
     parameters = inspect.signature(type(module).__call__).parameters
     if "deterministic" in parameters:
@@ -128,7 +128,7 @@ def linen_pieces(module: nn.Module, example_inputs: Any, argument: str | None = 
                  ) -> tuple[Callable, Apply, Callable]:
     """``(init, apply, logical_specs)`` of a linen module called on ``example_inputs``-like inputs
     (positionally, or as the keyword ``argument``)."""
-    def init_variables(rng: jax.Array) -> dict:
+    def init_variables(rng: jax.Array) -> Any:  # a dict or FrozenDict of the variable collections
         args, named = _call_inputs(example_inputs, argument)
         return module.init({"params": rng, "dropout": rng}, *args, **named, **_mode_kwargs(module, False))
 
@@ -167,7 +167,8 @@ def nnx_pieces(module: nnx.Module, argument: str | None = None) -> tuple[Callabl
     """``(init, apply, logical_specs)`` of an NNX module: params are the ``nnx.Param`` variables as a pure
     dict, model state every other variable except RNG streams (reseeded from the step key on each call);
     inputs go positionally, or as the keyword ``argument``."""
-    graphdef, params, rng_state, rest = nnx.split(module, nnx.Param, nnx.RngState, ...)
+    # nnx.split's stub returns a variadic tuple; three filters and the rest give four parts (ignore below).
+    graphdef, params, rng_state, rest = nnx.split(module, nnx.Param, nnx.RngState, ...)  # type: ignore[misc]
     initial = (nnx.to_pure_dict(params), nnx.to_pure_dict(rest))
 
     def init(rng: jax.Array) -> tuple[Any, Any]:
@@ -191,7 +192,7 @@ def nnx_pieces(module: nnx.Module, argument: str | None = None) -> tuple[Callabl
         output = model(*args, **keywords, **named)
         if not train:
             return output, model_state
-        return output, nnx.to_pure_dict(nnx.split(model, nnx.Param, nnx.RngState, ...)[3])
+        return output, nnx.to_pure_dict(nnx.split(model, nnx.Param, nnx.RngState, ...)[-1])  # the rest
 
     def logical_specs() -> Any:
         specs = nnx.get_partition_spec(params)
@@ -329,7 +330,8 @@ def check_user_loss(loss_fn: Callable, params: Any, batch: Batch, model_state: A
             raise DataError(f"loss_fn reads field {exc} which the data does not have (fields: {_fields(batch)}); "
                             f"add the field to the data or fix loss_fn") from None
         _check_result(result, stateful)
-        if stateful and jax.tree.structure(result[3]) != jax.tree.structure(model_state or {}):
+        # jaxlib ships no type stub for PyTreeDef, so mypy cannot compare two (ignore below).
+        if stateful and jax.tree.structure(result[3]) != jax.tree.structure(model_state or {}):  # type: ignore[operator]
             raise ConfigError(f"loss_fn returned a new model state of another structure than the one it was given "
                               f"({sorted(model_state or {})}); return the updated model_state itself (e.g. the "
                               f"updates of apply(..., mutable=list(model_state)))")
@@ -372,12 +374,12 @@ def _pieces(model: Any, framework: str, fields: Fields | None, example_batch: Ba
         return nnx_pieces(model, argument)
     if framework == "linen":
         if fields is None:
-            require_builtin(fields, example_batch)  # names the missing input and the setting that fixes it
+            fields = require_builtin(fields, example_batch)  # raises: names the missing input and its setting
         inputs = (model_inputs(fields.kind, canonical(fields, example_batch)) if fields.kind
                   else example_batch[fields.inputs])
         return linen_pieces(model, inputs, argument)
-    if argument is not None:
-        raise ConfigError(f"data.fields.inputs maps {fields.inputs!r} to the keyword {argument!r}, and "
+    if fields is not None and fields.argument is not None:
+        raise ConfigError(f"data.fields.inputs maps {fields.inputs!r} to the keyword {fields.argument!r}, and "
                           f"FunctionalModel's apply(params, inputs) takes its inputs positionally; name the field "
                           f"alone (inputs={fields.inputs!r})")
     return functional_pieces(model, example_batch)
@@ -407,12 +409,15 @@ def as_program(model: Any, example_batch: Batch, *, kind: str | None = None, los
     params, model_state = jax.eval_shape(init, jax.random.PRNGKey(0))
     if loss_fn is None:
         fields = require_builtin(fields, example_batch)
-        check_logits(apply, fields.kind, params, model_state, canonical(fields, example_batch))
-        return Program(init, builtin_loss(apply, fields.kind, True, fields),
-                       builtin_loss(apply, fields.kind, False, fields), logical_specs)
+        loss_kind = fields.kind
+        assert loss_kind is not None, "require_builtin returns fields a built-in loss fits"
+        check_logits(apply, loss_kind, params, model_state, canonical(fields, example_batch))
+        return Program(init, builtin_loss(apply, loss_kind, True, fields),
+                       builtin_loss(apply, loss_kind, False, fields), logical_specs)
     if not callable(loss_fn):
         raise ConfigError(f"loss_fn is a {type(loss_fn).__name__}, not a function; pass "
                           f"loss_fn(params, batch, rng) -> (loss_sum, weight, aux_sums)")
     check_user_loss(loss_fn, params, example_batch, model_state)
-    check_weight_is_a_count(user_loss(loss_fn), *init(jax.random.PRNGKey(0)), example_batch)
+    initial_params, initial_state = init(jax.random.PRNGKey(0))
+    check_weight_is_a_count(user_loss(loss_fn), initial_params, initial_state, example_batch)
     return Program(init, user_loss(loss_fn), user_loss(loss_fn, train=False), logical_specs)

@@ -20,7 +20,7 @@ from functrain.checkpoint import Checkpointer
 from functrain.core.backend import Backend
 from functrain.core.fields import Fields, require_builtin, resolve_fields
 from functrain.core.step import StepSettings
-from functrain.data import BatchLoader, IndexSampler, loader_for, order_for
+from functrain.data import BatchLoader, IndexSampler, Stream, loader_for, order_for
 from functrain.data.loader import batch_split_problem
 from functrain.data.kinds import Order
 from functrain.errors import ConfigError
@@ -83,10 +83,10 @@ class Run:
 
 def total_steps(config: Config, sampler: Order) -> int:
     """``train.max_steps`` when set (it wins over epochs, as in the HF Trainer), else ``train.epochs`` of steps."""
-    if config.train.max_steps is None and config.train.epochs is None:
-        raise ConfigError("the run has no length; set train.max_steps or train.epochs")
     if config.train.max_steps is not None:
         return config.train.max_steps
+    if config.train.epochs is None:
+        raise ConfigError("the run has no length; set train.max_steps or train.epochs")
     return max(1, int(np.ceil(config.train.epochs * sampler.steps_per_epoch)))
 
 
@@ -344,6 +344,9 @@ def _precomputed_reference(config: Config, parts: Parts, run_dir: Path) -> tuple
     from functrain.core.preference import REFERENCE_LOGPS
     from functrain.data.computed_columns import ComputedColumns
     from functrain.run.reference_logps import PrecomputedReference
+    if isinstance(parts.train_data, Stream):
+        raise ConfigError("preference.precompute_ref reads the training pairs whole, and this training data is a "
+                          "stream; give the pairs as a dataset or set preference.precompute_ref=false")
     sources = {"train": parts.train_data, "eval": parts.eval_data}
     columns = {split: None if source is None else ComputedColumns(source, REFERENCE_LOGPS)
                for split, source in sources.items()}

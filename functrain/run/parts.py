@@ -148,7 +148,9 @@ def _eval_source(data: Any, what: str) -> Source:
         raise DataError(f"{what}: evaluation data is read whole, in order, every evaluation, so it must be random "
                         f"access (len and getitem: a dict of arrays, a datasets.Dataset); materialise it (e.g. "
                         f"datasets.Dataset.from_list(list(stream.take(n))))")
-    return _source(data, what)
+    source = _source(data, what)
+    assert not isinstance(source, Stream), "is_stream refused it above"
+    return source
 
 
 def mixture_from_config(section: Any, vocab_size: int | None) -> tuple[Mixture, Source | None]:
