@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 CONFIG ?= configs/char_gpt.yaml
 ARGS ?=
 
-.PHONY: train train-tokens test bench clean-venv
+.PHONY: train train-tokens lint test bench clean-venv
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,7 +36,14 @@ runs/stdlib_tokens: | $(VENV)/.core
 train-tokens: runs/stdlib_tokens
 	$(VENV)/bin/functrain train configs/gpt_tokens.yaml $(ARGS)
 
-test: $(VENV)/.dev
+# Static checks (pyproject.toml configures them): lint, formatting, types. Seconds once mypy's .mypy_cache is warm.
+LINTED := functrain torch_bridge
+lint: $(VENV)/.dev
+	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/ruff format --check $(LINTED)
+	$(VENV)/bin/mypy
+
+test: lint
 	$(PY) -m pytest -n 2 --dist loadfile tests
 
 bench: $(VENV)/.dev
