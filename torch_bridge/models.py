@@ -18,8 +18,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from functrain.core.losses import (ArrayOps, example_weights, label_hits, lm_targets, model_keywords, target_weights,
-                                   weighted_sums)
+from functrain.core.losses import (
+    ArrayOps,
+    example_weights,
+    label_hits,
+    lm_targets,
+    model_keywords,
+    target_weights,
+    weighted_sums,
+)
 from functrain.core.tree import flatten_dotted
 
 Tensor = torch.Tensor

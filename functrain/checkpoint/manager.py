@@ -28,8 +28,8 @@ import orbax.checkpoint as ocp
 
 from functrain.checkpoint import checksum, layout, reader, retention
 from functrain.checkpoint.meta import complete_meta, metric_value
-from functrain.parallel.distributed import primary_view
 from functrain.errors import CheckpointError, ConfigError
+from functrain.parallel.distributed import primary_view
 
 log = logging.getLogger("functrain.checkpoint")
 

@@ -24,9 +24,9 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 
 from functrain.checkpoint import checksum, compat, layout
 from functrain.checkpoint.meta import LORA_BASE_FINGERPRINT, LORA_BASE_STEP, check_format_version, saved_items
+from functrain.errors import CheckpointError
 from functrain.models.stacking import relayout_like
 from functrain.parallel.distributed import every_process
-from functrain.errors import CheckpointError
 
 log = logging.getLogger("functrain.checkpoint")
 

@@ -15,7 +15,6 @@ from typing import Any
 from functrain.errors import EXIT_BAD_INPUT, EXIT_SIGNAL, FunctrainError
 from functrain.run.signals import CommandSignals, Interrupted, check_interrupted
 
-
 # The verbs, in the order `functrain --help` lists them; each module has HELP, add_arguments() and run().
 VERBS = {"train": "train", "inspect": "inspect", "convert": "convert", "plot": "plot", "generate": "generate",
          "rewind": "rewind", "verify-resume": "verify_resume", "tokenize": "tokenize", "plan": "plan",

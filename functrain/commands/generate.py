@@ -19,8 +19,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from functrain.text.decode import (Sampling, encode_prompt, fitting_new_tokens, load_language_model,
-                                       load_tokenizer, sample_text)
+    from functrain.text.decode import (
+        Sampling,
+        encode_prompt,
+        fitting_new_tokens,
+        load_language_model,
+        load_tokenizer,
+        sample_text,
+    )
     Sampling(args.max_new_tokens or 1, args.temperature, args.top_k, args.seed)  # bad flags before any loading
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
     model, params, _ = load_language_model(args.run_dir, args.step)

@@ -7,7 +7,6 @@ metrics), an optional SHA-256 of the parameters, and the last lines of metrics.j
 from __future__ import annotations
 
 import argparse
-
 import datetime
 import os
 from pathlib import Path

@@ -12,7 +12,6 @@ lines after ``STEP`` move to ``metrics.abandoned.jsonl`` as on any resume.
 from __future__ import annotations
 
 import argparse
-
 import os
 from pathlib import Path
 from typing import Any

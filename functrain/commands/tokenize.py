@@ -9,7 +9,6 @@ on the number of workers. The store appears only when every document is written.
 from __future__ import annotations
 
 import argparse
-
 import contextlib
 import ctypes
 import multiprocessing

@@ -13,7 +13,6 @@ first (code that registers a model or a dataset).
 from __future__ import annotations
 
 import argparse
-
 import json
 import os
 import random
@@ -24,8 +23,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from functrain.run.callbacks import Callback, RunView
 from functrain.errors import EXIT_BAD_INPUT, FunctrainError
+from functrain.run.callbacks import Callback, RunView
 
 # Metrics that are functions of the computation; throughput and positions are left out.
 COMPARED = ("loss", "grad_norm", "learning_rate", "accuracy", "nonfinite_steps", "rewards/margins",

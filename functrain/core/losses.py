@@ -32,7 +32,6 @@ import optax
 from functrain.core.fields import Fields
 from functrain.data.validate import BatchCheck, FieldRule
 
-
 # Per-token fields of a packed LM batch that the model takes as keyword arguments.
 SEQUENCE_FIELDS = ("segment_ids", "positions")
 # HF's label for a token that carries no loss.

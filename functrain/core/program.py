@@ -50,9 +50,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from functrain.errors import ConfigError, DataError
 from functrain.core.fields import Fields, canonical, require_builtin, resolve_fields
 from functrain.core.losses import LOSSES, model_inputs, model_keywords
+from functrain.errors import ConfigError, DataError
 
 Batch = dict[str, Any]
 # apply(params, model_state, inputs, train, rng, **keywords) -> (output, model_state)

@@ -18,7 +18,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from functrain.errors import DataError
 
-
 # The mesh axes a batch is split over (the rest of the mesh holds replicas of each row).
 BATCH_AXES = ("data", "fsdp")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
+
 from functrain.errors import DataError
 
 if TYPE_CHECKING:

@@ -16,15 +16,14 @@ import jax.numpy as jnp
 import pydantic
 
 from functrain.errors import ConfigError
-from functrain.parallel.sharding import constrain_batch
 from functrain.models.attention import attend, attention_kernel
-from functrain.models.hf_common import (HFModelConfig, check_activation, dense, embed, hf_config_dict,
-                                        token_positions)
+from functrain.models.hf_common import HFModelConfig, check_activation, dense, embed, hf_config_dict, token_positions
 from functrain.models.kv_cache import decoding, extend_cache, next_positions
 from functrain.models.llama import LlamaMLP
 from functrain.models.remat import check_remat, remat_block
-from functrain.models.scan import apply_layers
 from functrain.models.rope import RopeScaling, apply_rope, frequencies, hf_rope_parameters, parse_hf_rope
+from functrain.models.scan import apply_layers
+from functrain.parallel.sharding import constrain_batch
 
 LayerType = Literal["full_attention", "sliding_attention"]
 

@@ -16,12 +16,20 @@ import flax.linen as nn
 import jax.numpy as jnp
 import pydantic
 
-from functrain.parallel.sharding import constrain_batch
 from functrain.models.attention import attend, attention_kernel
-from functrain.models.hf_common import (HFModelConfig, activation, check_activation, dense, embed,
-                                        hf_config_dict, layer_norm, token_positions)
+from functrain.models.hf_common import (
+    HFModelConfig,
+    activation,
+    check_activation,
+    dense,
+    embed,
+    hf_config_dict,
+    layer_norm,
+    token_positions,
+)
 from functrain.models.kv_cache import decoding, extend_cache, next_positions
 from functrain.models.remat import check_remat, remat_block
+from functrain.parallel.sharding import constrain_batch
 
 
 class GPT2Config(HFModelConfig):

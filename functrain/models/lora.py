@@ -185,8 +185,8 @@ def lora_program(module: nn.Module, example_batch: dict[str, Any], kind: str, se
     and the built-in loss of ``kind``; only the adapters are trainable. ``fields``: the data's roles
     (:class:`functrain.core.fields.Fields`) when its names are not the loss's own (HF ``input_ids``)."""
     from functrain.core.fields import canonical
-    from functrain.core.program import Program, builtin_loss
     from functrain.core.losses import model_inputs
+    from functrain.core.program import Program, builtin_loss
 
     named = example_batch if fields is None else canonical(fields, example_batch)
     init, apply, _, specs, complete_params = lora_pieces(module, model_inputs(kind, named), settings,

@@ -27,8 +27,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from functrain.errors import ConfigError
-from functrain.errors import PLANNED_EXITS
+from functrain.errors import PLANNED_EXITS, ConfigError
 
 ENV_COORDINATOR = "FUNCTRAIN_COORDINATOR"
 ENV_NUM_PROCESSES = "FUNCTRAIN_NUM_PROCESSES"

@@ -10,9 +10,9 @@ from typing import Any, Callable
 
 import jax
 
+from functrain.core.state import TrainState
 from functrain.errors import ConfigError
 from functrain.parallel.memory import HOST_MEMORY_KIND, host_offload_available, platform_name
-from functrain.core.state import TrainState
 
 
 def check_offload() -> None:

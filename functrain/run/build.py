@@ -21,19 +21,27 @@ from functrain.core.backend import Backend
 from functrain.core.fields import Fields, require_builtin, resolve_fields
 from functrain.core.step import StepSettings
 from functrain.data import BatchLoader, IndexSampler, Stream, loader_for, order_for
-from functrain.data.loader import batch_split_problem
 from functrain.data.kinds import Order
+from functrain.data.loader import batch_split_problem
 from functrain.errors import ConfigError
 from functrain.models.scan import fewer_groups_unrolled, scan_groups
 from functrain.parallel.target import compiling_for
+from functrain.run import parts as parts_module
 from functrain.run.callbacks import Callback, CallbackList, EarlyStopping, EveryNSteps, MetricsWriter, ProgressBar
 from functrain.run.config import Config
 from functrain.run.config_checks import likely_mistakes
 from functrain.run.events import RunEvents
 from functrain.run.mfu import SpeedReport, speed_report
-from functrain.run import parts as parts_module
-from functrain.run.parts import (PREFERENCE, Parts, build_parts, check_data, make_optimizer, optimizer_settings,
-                                 preference_settings, schedule_settings)
+from functrain.run.parts import (
+    PREFERENCE,
+    Parts,
+    build_parts,
+    check_data,
+    make_optimizer,
+    optimizer_settings,
+    preference_settings,
+    schedule_settings,
+)
 from functrain.run.resume import ResumePolicy
 from functrain.run.summary import RunSummary
 from functrain.run.trackers import make_trackers

@@ -16,13 +16,13 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from functrain.parallel import distributed, sharding
-from functrain.data import batch_sharding, to_global
-from functrain.parallel.offload import check_offload, offload_opt_state, streaming_optimizer
 from functrain.core.precision import COMPUTE_DTYPES, LOSS_SCALE_INIT, PARAM_DTYPES, cast_floating
+from functrain.core.program import Program
 from functrain.core.state import TrainState
 from functrain.core.step import StepSettings, make_eval_step, make_train_call, make_train_step, trainable_only
-from functrain.core.program import Program
+from functrain.data import batch_sharding, to_global
+from functrain.parallel import distributed, sharding
+from functrain.parallel.offload import check_offload, offload_opt_state, streaming_optimizer
 
 # TrainState fields saved in the checkpoint's "state" item (params are an item of their own).
 STATE_FIELDS = ("step", "opt_state", "rng", "model_state", "loss_scale", "good_steps", "skipped_steps",

@@ -25,15 +25,15 @@ from typing import Any
 
 from functrain.checkpoint.lora_saves import AdapterSaves
 from functrain.data import BatchLoader
+from functrain.errors import ConfigError
 from functrain.run.build import Run
-from functrain.run.callbacks import Control, RunView
 from functrain.run.call_metrics import CallMetrics
+from functrain.run.callbacks import Control, RunView
 from functrain.run.config_checks import check_metric_logged
 from functrain.run.lock import RunLock
 from functrain.run.outcome import ALREADY_FINISHED, EARLY_STOPPED, FINISHED, SIGNAL, FitResult, skipped_report
 from functrain.run.resume import Start, write_run_config
 from functrain.run.signals import StopSignals, check_interrupted
-from functrain.errors import ConfigError
 
 log = logging.getLogger("functrain")
 

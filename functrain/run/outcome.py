@@ -21,8 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from functrain.errors import (EXIT_BAD_INPUT, EXIT_FINISHED, EXIT_MOSTLY_SKIPPED, EXIT_NONFINITE,  # noqa: F401
-                              EXIT_SIGNAL, PLANNED_EXITS)
+from functrain.errors import (  # noqa: F401
+    EXIT_BAD_INPUT,
+    EXIT_FINISHED,
+    EXIT_MOSTLY_SKIPPED,
+    EXIT_NONFINITE,
+    EXIT_SIGNAL,
+    PLANNED_EXITS,
+)
 
 # How a run ended (``FitResult.stop_kind``).
 FINISHED, ALREADY_FINISHED, EARLY_STOPPED, NONFINITE, SIGNAL = (

@@ -20,19 +20,19 @@ from typing import Any, Callable
 import numpy as np
 import optax
 
-from functrain.core.optim import OptimizerSettings, ScheduleSettings, named_optimizer
-from functrain.run.config import PYTHON_OBJECT
-from functrain.data import ConcatSource, Mixture, Source, Stream, as_data, as_source
-from functrain.data.stream import is_stream
-from functrain.data.transforms import Transform, apply_transform
-from functrain.data.validate import BatchCheck, FieldRule, check_arrays
-from functrain.data.datasets import load_dataset, open_source, split_records, token_store
-from functrain.data.synthetic import synthetic_splits
-from functrain.errors import ConfigError, DataError
-from functrain.models import build_model, model_spec
 from functrain.core.fields import Fields, require_builtin, resolve_fields
 from functrain.core.losses import batch_check
+from functrain.core.optim import OptimizerSettings, ScheduleSettings, named_optimizer
 from functrain.core.preference import PreferenceSettings
+from functrain.data import ConcatSource, Mixture, Source, Stream, as_data, as_source
+from functrain.data.datasets import load_dataset, open_source, split_records, token_store
+from functrain.data.stream import is_stream
+from functrain.data.synthetic import synthetic_splits
+from functrain.data.transforms import Transform, apply_transform
+from functrain.data.validate import BatchCheck, FieldRule, check_arrays
+from functrain.errors import ConfigError, DataError
+from functrain.models import build_model, model_spec
+from functrain.run.config import PYTHON_OBJECT
 
 
 @dataclass(frozen=True)

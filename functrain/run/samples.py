@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from functrain.run.callbacks import Callback, RunView
 from functrain.errors import ConfigError
+from functrain.run.callbacks import Callback, RunView
 
 SAMPLES_FILE = "samples.jsonl"
 
@@ -51,9 +51,9 @@ class SampleWriter(Callback):
     def __init__(self, settings: Any, model_config: Any, backend: str, tensorboard: bool) -> None:
         """``settings``: the ``eval.samples`` section; ``model_config``: the run's model section;
         ``tensorboard``: also write the samples as TensorBoard text."""
-        from functrain.text.decode import Generator, load_tokenizer
         from functrain.models import build_model
         from functrain.models.options import for_sampling
+        from functrain.text.decode import Generator, load_tokenizer
         check_language_model_run(model_config, backend, "eval.samples", "set eval.samples.count=0")
         self.settings, self.tensorboard = settings, tensorboard
         self.tokenizer = load_tokenizer(self.settings.tokenizer) if self.settings.tokenizer else None
@@ -62,9 +62,9 @@ class SampleWriter(Callback):
         self.writer: Any = None  # a tensorboardX SummaryWriter, opened at the first samples
 
     def on_evaluate(self, view: RunView, metrics: dict[str, float]) -> None:
-        from functrain.text.decode import Sampling, decode_tokens, encode_prompt, prepare_prompt
         from functrain.models.lora import merged_for_inference
         from functrain.models.stacking import unstack_layers
+        from functrain.text.decode import Sampling, decode_tokens, encode_prompt, prepare_prompt
         if view.state is None:
             return
         settings = self.settings

@@ -12,8 +12,8 @@ import math
 import time
 from pathlib import Path
 
-from functrain.run.callbacks import Callback, RunView
 from functrain.errors import FunctrainError
+from functrain.run.callbacks import Callback, RunView
 
 log = logging.getLogger("functrain")
 

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from functrain.core.tree import flatten_dotted
-from functrain.run.callbacks import Callback, RunView
 from functrain.errors import ConfigError
+from functrain.run.callbacks import Callback, RunView
 
 RUN_IDS_FILE = "trackers.json"
 EXPERIMENT = "functrain"

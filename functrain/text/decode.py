@@ -24,8 +24,8 @@ import numpy as np
 
 from functrain.errors import ConfigError, DataError
 from functrain.models import build_model, model_config_class, model_spec
-from functrain.models.options import RuntimeOptions, for_sampling
 from functrain.models.kv_cache import zeros_like_shapes
+from functrain.models.options import RuntimeOptions, for_sampling
 from functrain.models.stacking import unstack_layers
 
 

@@ -40,8 +40,13 @@ try:
     from lm_eval import utils as lm_utils
     from lm_eval.api.model import TemplateLM
     from lm_eval.api.registry import register_model
-    from lm_eval.models.utils import (Collator, handle_stop_sequences, has_bos_prefix, normalize_gen_kwargs,
-                                      postprocess_generated_text)
+    from lm_eval.models.utils import (
+        Collator,
+        handle_stop_sequences,
+        has_bos_prefix,
+        normalize_gen_kwargs,
+        postprocess_generated_text,
+    )
 except ImportError as exc:
     raise ConfigError(f"lm-evaluation-harness is not installed ({exc}); pip install 'functrain[eval]'") from None
 

@@ -15,7 +15,6 @@ import yaml
 from functrain.checkpoint import load_params_and_meta
 from functrain.errors import CheckpointError
 from functrain.models.lora import adapter_paths, merged_params
-
 from torch_bridge.hf import run_store
 from torch_bridge.hf.mappings import ARCHITECTURES
 from torch_bridge.hf.peft_adapter import write_adapter_dir

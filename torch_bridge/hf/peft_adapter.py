@@ -18,7 +18,6 @@ from safetensors.numpy import save_file
 
 from functrain.errors import CheckpointError
 from functrain.models.lora import ADAPTER_A, ADAPTER_B, adapter_paths
-
 from torch_bridge.hf import writer
 from torch_bridge.hf.mappings import Architecture, transpose_copy
 

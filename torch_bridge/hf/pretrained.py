@@ -16,7 +16,6 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 
 from functrain.errors import CheckpointError
 from functrain.models.stacking import unstack_layers
-
 from torch_bridge.hf import reader, writer
 from torch_bridge.hf.mappings import ARCHITECTURES, Architecture, Path, Rule
 

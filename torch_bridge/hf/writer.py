@@ -18,7 +18,6 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from functrain.errors import CheckpointError
-
 from torch_bridge.hf.reader import CONFIG_FILE, SAFETENSORS_FILE, SAFETENSORS_INDEX
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
