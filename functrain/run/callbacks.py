@@ -85,7 +85,7 @@ class ProgressBar(Callback):
     """A tqdm bar with steps/s, ETA and the latest loss (primary process only)."""
 
     def __init__(self) -> None:
-        self.bar = None
+        self.bar: Any = None  # a tqdm bar, opened when training begins (process 0)
 
     def on_train_begin(self, view: RunView) -> None:
         if view.is_primary:
