@@ -60,9 +60,11 @@ class Block(nn.Module):
         init = nn.initializers.normal(0.02)
         # Residual projections are scaled down with depth (GPT-2) so the residual stream stays O(1).
         out_init = nn.initializers.normal(0.02 / (2 * cfg.n_layers) ** 0.5)
-        norm = lambda name: nn.LayerNorm(dtype=self.dtype, name=name,  # noqa: E731
-                                         scale_init=_param(nn.initializers.ones, ("norm",)),
-                                         bias_init=_param(nn.initializers.zeros, ("norm",)))
+
+        def norm(name: str) -> nn.LayerNorm:
+            return nn.LayerNorm(dtype=self.dtype, name=name, scale_init=_param(nn.initializers.ones, ("norm",)),
+                                bias_init=_param(nn.initializers.zeros, ("norm",)))
+
         h = norm("ln_attn")(x)
         qkv = [nn.DenseGeneral((cfg.n_heads, head_dim), dtype=self.dtype, name=name,
                                kernel_init=_param(init, ("embed", "heads", "head_dim")),
