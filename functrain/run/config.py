@@ -457,19 +457,28 @@ class RunSections(Section):
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
 
 
-def _with_task_sections(base: type[RunSections]) -> type[RunSections]:
-    """``base`` with a top-level section per registered task, named after it (``preference``, ``distill``)."""
+_CONFIG_CLASSES: dict[tuple[str, ...], type[RunSections]] = {}
+
+
+def config_class() -> type[RunSections]:
+    """The run config's class: :class:`RunSections` with a top-level section per registered task, named after it
+    (``preference``, ``distill``), made again when a task registers at run time
+    (:func:`functrain.tasks.register_task`)."""
     from functrain.tasks import task_sections
-    fields: dict[str, Any] = {name: (section, Field(default_factory=section))
-                              for name, section in task_sections().items()}
-    return pydantic.create_model("Config", __base__=base, __module__=__name__,
-                                 __doc__="The whole run configuration, the tasks' sections included.", **fields)
+    sections = task_sections()
+    key = tuple(sorted(sections))
+    if key not in _CONFIG_CLASSES:
+        fields: dict[str, Any] = {name: (section, Field(default_factory=section)) for name, section in sections.items()}
+        _CONFIG_CLASSES[key] = pydantic.create_model(
+            "Config", __base__=RunSections, __module__=__name__,
+            __doc__="The whole run configuration, the tasks' sections included.", **fields)
+    return _CONFIG_CLASSES[key]
 
 
 if TYPE_CHECKING:
     Config = RunSections
 else:
-    Config = _with_task_sections(RunSections)
+    Config = config_class()  # the registry's tasks as the package ships them; isinstance checks use RunSections
 
 
 def _all_keys(schema: type[BaseModel], prefix: str = "") -> list[str]:
@@ -484,7 +493,7 @@ def _all_keys(schema: type[BaseModel], prefix: str = "") -> list[str]:
 
 
 def _suggest(key: str, model_name: str | None) -> str:
-    valid = _all_keys(Config)
+    valid = _all_keys(config_class())
     if model_name:
         from functrain.models import model_config_class
         try:
@@ -513,7 +522,7 @@ def _format_validation_error(error: pydantic.ValidationError, raw: dict) -> str:
 def validate_config(raw: dict) -> Config:
     """Validate a nested dict into a :class:`Config`, or raise a one-line ConfigError."""
     try:
-        return Config.model_validate(raw)
+        return config_class().model_validate(raw)
     except pydantic.ValidationError as exc:
         raise ConfigError(_format_validation_error(exc, raw)) from None
     except ValueError as exc:  # the model registry's unknown-name error
