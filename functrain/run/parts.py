@@ -180,14 +180,14 @@ def resolve_data(config: Any, train_data: Any, eval_data: Any) -> tuple[Source |
         what = f"data.target={section.target!r} returned"
         return _source(train, what), None if evaluation is None else _eval_source(evaluation, what)
     if section.sources is not None:
-        return mixture_from_config(section, getattr(config.model, "vocab_size", None))
+        return mixture_from_config(section, config.model.vocabulary_size())
     if section.name == PYTHON_OBJECT:
         raise ConfigError("data.name=python_object records data passed to fit; pass it again with "
                           "fit(..., train_data=) or set data.name or data.target")
     if section.name == "tokens":
-        return token_store(section, getattr(config.model, "vocab_size", None))
+        return token_store(section, config.model.vocabulary_size())
     if section.name == "synthetic":
-        return synthetic_splits(section.seq_len, getattr(config.model, "vocab_size", None),
+        return synthetic_splits(section.seq_len, config.model.vocabulary_size(),
                                 config.seed if section.seed is None else section.seed, section.eval_fraction)
     train, evaluation = load_dataset(section)
     return as_source(train), (as_source(evaluation) if len(next(iter(evaluation.values()))) else None)
@@ -296,7 +296,7 @@ def preference_parts(config: Any, model: Any, loss_fn: Callable | None, optimize
     train, evaluation = split_records(arrays, section.eval_fraction)
     if not len(train["chosen"]):
         raise DataError(f"{section.path} has no training pairs; add pairs or lower data.eval_fraction")
-    vocab = getattr(config.model, "vocab_size", None)
+    vocab = config.model.vocabulary_size()
     check = BatchCheck([FieldRule(name, upper=vocab, bound_key="model.vocab_size", what="token id")
                         for name in ("chosen", "rejected")], source=f"the data ({section.path})")
     return Parts(model=model, kind=PREFERENCE, fields=None, loss_fn=None,
