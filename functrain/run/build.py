@@ -129,7 +129,7 @@ def jax_backend(config: Config, example_batch: dict[str, np.ndarray], max_steps:
     from functrain.core.program import as_program
     from functrain.parallel import sharding
     from functrain.run.jax_backend import JaxBackend
-    lora = getattr(config.model, "lora", None)
+    lora = config.model.lora_settings()
     if kind == PREFERENCE:
         program = preference_program_of(model, example_batch, preference_settings(config), lora,
                                         precompute_ref=config.preference.precompute_ref)
@@ -191,7 +191,7 @@ def torch_backend(config: Config, example_batch: dict[str, np.ndarray], max_step
         from torch_bridge.twins import twin_model
     except ImportError as exc:
         raise ConfigError(f"backend: torch needs PyTorch ({exc}); pip install 'functrain[torch]'") from None
-    if getattr(config.model, "lora", None) is not None:
+    if config.model.lora_settings() is not None:
         raise ConfigError("model.lora needs backend: jax; remove model.lora or set backend: jax")
     if optimizer is not None:
         raise ConfigError(f"{optimizer[1]} is an optax optimizer, which backend: torch does not run; "
@@ -388,15 +388,17 @@ def build_run(config: Config, *, model: Any = None, loss_fn: Callable | None = N
                           config.optimizer.model_dump(mode="json"),
                           {"config_digest": config.digest(), "model": config.model.model_dump(mode="json")},
                           initial_state=_initial_state(config))
-    # A torch user model's shape is its own (a transformers model's config), not the config's model section.
-    shape_source = getattr(parts.model, "config", None) if config.backend == "torch" and parts.model is not None \
-        else config.model
-    speed = speed_report(shape_source, parts.kind, data.global_batch_size, data.seq_len, backend.devices)
+    if config.backend == "torch" and parts.model is not None:  # a torch user model's shape is its own
+        from torch_bridge.user_model import decoder_shape as module_shape
+        shape = module_shape(parts.model)
+    else:
+        shape = config.model.decoder_shape()
+    speed = speed_report(shape, parts.kind, data.global_batch_size, data.seq_len, backend.devices)
     optimizer = parts.optimizer[0] if parts.optimizer is not None else optimizer_settings(config.optimizer, max_steps)
     return Run(config=config, config_record=config.to_dict(), settings=loop_settings(config, max_steps),
                parts=parts, run_dir=run_dir, sampler=sampler, loader=loader, eval_loader=eval_loader,
                optimizer=optimizer, backend=backend, open_checkpointer=open_checkpointer,
-               adapter_checkpoints=getattr(config.model, "lora", None) is not None,
+               adapter_checkpoints=config.model.lora_settings() is not None,
                callbacks=_callbacks(config, parts, trackers, callbacks or [], max_steps), resume=resume, speed=speed,
                warnings=(*likely_mistakes(config, max_steps, has_eval_data=parts.eval_data is not None),
                          *parts.notes), start_data=start_data)
