@@ -485,11 +485,14 @@ class Config(Section):
 
 
 def _section_class(annotation: Any) -> type[BaseModel] | None:
-    """The section class a field holds (alone, or with None: ``model.lora``, ``model.rope_scaling``)."""
-    members = typing.get_args(annotation) if typing.get_origin(annotation) in (Union, types.UnionType) \
-        else (annotation,)
-    classes = [member for member in members if isinstance(member, type) and issubclass(member, BaseModel)]
-    return classes[0] if len(classes) == 1 and len(members) - 1 <= int(type(None) in members) else None
+    """The section class a field holds, alone or optional (``model.lora``, ``model.rope_scaling``); None for
+    other fields."""
+    union = typing.get_origin(annotation) in (Union, types.UnionType)
+    members = [member for member in (typing.get_args(annotation) if union else (annotation,))
+               if member is not type(None)]
+    if len(members) == 1 and isinstance(members[0], type) and issubclass(members[0], BaseModel):
+        return members[0]
+    return None
 
 
 def _all_keys(schema: type[BaseModel], prefix: str = "") -> list[str]:
