@@ -34,7 +34,6 @@ from functrain.data import BatchLoader, IndexSampler, loader_for, order_for
 from functrain.data.loader import batch_split_problem
 from functrain.data.kinds import Order
 from functrain.errors import ConfigError
-from functrain.models.lora import lora_settings
 from functrain.models.scan import fewer_groups_unrolled, scan_groups
 from functrain.parallel.target import compiling_for
 from functrain.run.callbacks import Callback, CallbackList, EarlyStopping, EveryNSteps, MetricsWriter, ProgressBar
@@ -162,7 +161,7 @@ def torch_backend(config: Config, example_batch: dict[str, np.ndarray], max_step
         from torch_bridge.twins import twin_model
     except ImportError as exc:
         raise ConfigError(f"backend: torch needs PyTorch ({exc}); pip install 'functrain[torch]'") from None
-    if lora_settings(config.model) is not None:
+    if config.model.lora_settings() is not None:
         raise ConfigError("model.lora needs backend: jax; remove model.lora or set backend: jax")
     if optimizer is not None:
         raise ConfigError(f"{optimizer[1]} is an optax optimizer, which backend: torch does not run; "
@@ -353,10 +352,12 @@ def build_run(config: Config, *, model: Any = None, loss_fn: Callable | None = N
                           config.backend, config.optimizer.model_dump(mode="json"),
                           {"config_digest": config.digest(), "model": config.model.model_dump(mode="json")},
                           initial_state=_initial_state(config))
-    # A torch user model's shape is its own (a transformers model's config), not the config's model section.
-    shape_source = getattr(parts.model, "config", None) if config.backend == "torch" and parts.model is not None \
-        else config.model
-    speed = speed_report(shape_source, task_data.tokens_per_sample, data.global_batch_size, backend.devices)
+    if config.backend == "torch" and parts.model is not None:  # a torch user model's shape is its own
+        from torch_bridge.user_model import decoder_shape as module_shape
+        shape = module_shape(parts.model)
+    else:
+        shape = config.model.decoder_shape()
+    speed = speed_report(shape, task_data.tokens_per_sample, data.global_batch_size, backend.devices)
     optimizer = parts.optimizer[0] if parts.optimizer is not None else optimizer_settings(config.optimizer, max_steps)
     hooks = tuple(parts.task.start_hooks(parts.context, task_data, pieces)) if pieces is not None else ()
     return Run(config=config, config_record=config.to_dict(), settings=loop_settings(config, max_steps),

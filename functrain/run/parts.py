@@ -23,7 +23,7 @@ import optax
 
 from functrain.core.optim import OptimizerSettings, ScheduleSettings, named_optimizer
 from functrain.core.program import ModelPieces, Program, model_pieces
-from functrain.run.config import PYTHON_OBJECT
+from functrain.run.config import PYTHON_OBJECT, PythonModelConfig, TargetModelConfig
 from functrain.data import ConcatSource, Mixture, Source, Stream, as_data, as_source
 from functrain.data.stream import is_stream
 from functrain.data.transforms import Transform
@@ -32,7 +32,7 @@ from functrain.data.datasets import load_dataset, open_source, token_store
 from functrain.data.synthetic import synthetic_splits
 from functrain.errors import ConfigError, DataError
 from functrain.models import build_model, model_spec
-from functrain.models.lora import lora_settings, lora_transform
+from functrain.models.lora import lora_transform
 from functrain.tasks import task_for
 from functrain.tasks.base import Task, TaskContext, TaskData
 
@@ -79,7 +79,7 @@ def build_parts(config: Any, *, model: Any = None, loss_fn: Callable | None = No
 
 def transformed(pieces: ModelPieces, config: Any, loss_fn: Callable | None) -> ModelPieces:
     """The model's pieces after the config's transforms (``model.lora``: adapters, the base frozen)."""
-    lora = lora_settings(config.model)
+    lora = config.model.lora_settings()
     if lora is None:
         return pieces
     if loss_fn is not None:
@@ -146,7 +146,7 @@ def resolve_model(config: Any, model: Any) -> tuple[Any, str | None]:
     if model is not None:
         return model, None
     section = config.model
-    if hasattr(section, "target"):
+    if isinstance(section, TargetModelConfig):
         built = call_target(section.target, section.factory_kwargs(), "model.target")
         if config.backend == "jax":
             from functrain.core.program import model_kind_of
@@ -155,8 +155,8 @@ def resolve_model(config: Any, model: Any) -> tuple[Any, str | None]:
             except ConfigError as exc:
                 raise ConfigError(f"model.target={section.target!r} returned: {exc}") from None
         return built, section.kind
-    if hasattr(section, PYTHON_OBJECT):
-        raise ConfigError(f"model.python_object={getattr(section, PYTHON_OBJECT)!r} records a model passed to fit; "
+    if isinstance(section, PythonModelConfig):
+        raise ConfigError(f"model.python_object={section.python_object!r} records a model passed to fit; "
                           f"pass it again with fit(..., model=) or set model.name or model.target")
     kind = model_spec(section.name)["kind"]
     if config.backend == "torch":
@@ -212,14 +212,14 @@ def resolve_data(config: Any, train_data: Any, eval_data: Any) -> tuple[Source |
         what = f"data.target={section.target!r} returned"
         return _source(train, what), None if evaluation is None else _eval_source(evaluation, what)
     if section.sources is not None:
-        return mixture_from_config(section, getattr(config.model, "vocab_size", None))
+        return mixture_from_config(section, config.model.vocabulary_size())
     if section.name == PYTHON_OBJECT:
         raise ConfigError("data.name=python_object records data passed to fit; pass it again with "
                           "fit(..., train_data=) or set data.name or data.target")
     if section.name == "tokens":
-        return token_store(section, getattr(config.model, "vocab_size", None))
+        return token_store(section, config.model.vocabulary_size())
     if section.name == "synthetic":
-        return synthetic_splits(section.seq_len, getattr(config.model, "vocab_size", None),
+        return synthetic_splits(section.seq_len, config.model.vocabulary_size(),
                                 config.seed if section.seed is None else section.seed, section.eval_fraction)
     train, evaluation = load_dataset(section)
     return as_source(train), (as_source(evaluation) if len(next(iter(evaluation.values()))) else None)
