@@ -22,7 +22,7 @@ from functrain.run.outcome import StopKind
 from functrain.run.view import RunView
 
 
-@dataclass
+@dataclass(slots=True)
 class Control:
     """What a callback asks of the loop at the current call boundary.
 
@@ -41,8 +41,8 @@ class Control:
     def merge(self, other: "Control | None") -> "Control":
         """Any request from either side stands; of two stops, the first, unless the other has an exit status of
         its own (a signal, a non-finite step) and the first has not."""
-        if other is None:
-            return self
+        if other is None or not (other.should_stop or other.should_save or other.should_evaluate or other.metrics):
+            return self  # the common case at a call boundary: nothing asked
         stop = other if other.should_stop and (not self.should_stop or (
             other.stop_kind.sets_exit_status and not self.stop_kind.sets_exit_status)) else self
         return Control(self.should_stop or other.should_stop, self.should_save or other.should_save,
