@@ -73,7 +73,7 @@ def test_an_accelerator_without_a_known_peak_is_named_in_a_warning(caplog):
     model = load_config(None, [], base={"model": MODELS["gpt"]}).model
     device = SimpleNamespace(device_kind="Mystery Accelerator X1", platform="gpu")
     with caplog.at_level(logging.WARNING, logger="functrain"):
-        report = speed_report(model, "causal_lm", 8, SEQ, [device])
+        report = speed_report(model, SEQ, 8, [device])
     assert report.flops_per_token and report.peak_flops_per_device is None
     assert "'Mystery Accelerator X1'" in caplog.text and "MFU is not reported" in caplog.text
     assert "mfu" not in report.fields(1.0) and "model_tflops_per_sec_per_device" in report.fields(1.0)

@@ -11,11 +11,12 @@ import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
+from functrain.core.section import Section
 from functrain.errors import ConfigError
 from functrain.run.config_files import apply_overrides, read_yaml
 
@@ -31,12 +32,6 @@ def _split_and_name(value: str) -> str:
 
 
 MetricName = Annotated[str, pydantic.AfterValidator(_split_and_name)]
-
-
-class Section(BaseModel):
-    """A config section: unknown keys are errors, values are validated on assignment too, and no number is
-    infinite or NaN (``optimizer.learning_rate=inf`` would train to NaN)."""
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class RunConfig(Section):
@@ -189,8 +184,8 @@ class OptimizerConfig(Section):
 
 
 class TrainConfig(Section):
-    """``train.*``: run length (``max_steps`` wins over ``epochs``), accumulation, steps per compiled
-    call, clipping, the non-finite policy, the precision (``compute_dtype`` for the forward/backward pass,
+    """``train.*``: run length (``max_steps`` wins over ``epochs``), the starting weights (``init_from``),
+    accumulation, steps per compiled call, clipping, the non-finite policy, the precision (``compute_dtype`` for the forward/backward pass,
     ``param_dtype`` for the stored parameters), ``offload_optimizer`` (optimizer state in pinned host
     memory, streamed to the device for each update; GPU/TPU only) and (torch) ``torch.compile``."""
     max_steps: int | None = Field(None, ge=1)
@@ -207,6 +202,9 @@ class TrainConfig(Section):
     offload_optimizer: bool = False
     # backend: torch only: the module's training forward through torch.compile (minutes to compile on CPU).
     torch_compile: bool = False
+    # A run directory (a trained run, or one `functrain convert hf-to-functrain` wrote) whose newest checkpoint's
+    # weights start this run (fresh optimizer, step 0) when it has no checkpoint of its own yet; any task.
+    init_from: str | None = None
 
 
 class CheckpointConfig(Section):
@@ -325,29 +323,13 @@ class ProfileConfig(Section):
     steps: int = Field(0, ge=0)
 
 
-class PreferenceConfig(Section):
-    """``preference.*``: the loss of a ``data.name: preference`` run, with TRL's names (see
-    :mod:`functrain.core.preference`): ``loss_type`` (DPO ``sigmoid``, ``ipo``, ``hinge``, ``robust``; the
-    reference-free ``simpo`` and ``orpo``), ``beta`` (ORPO's lambda too), ``label_smoothing`` (``robust``,
-    ``simpo``), ``simpo_gamma``; ``truncation_mode`` (``keep_start`` / ``keep_end``) cuts a pair longer than
-    ``data.seq_len`` tokens as TRL does (None: such a pair is refused); ``init_from``: a run directory (a
-    trained run, or one ``functrain convert hf-to-functrain`` wrote) whose newest checkpoint's weights start
-    the policy and the reference, when this run has no checkpoint of its own yet; ``precompute_ref``: compute
-    the reference's log-probs of every pair once before the first step, save them beside the run
-    (``reference_logps.npz``) and hold no reference in the step (TRL's ``precompute_ref_log_probs``)."""
-    loss_type: Literal["sigmoid", "ipo", "hinge", "robust", "simpo", "orpo"] = "sigmoid"
-    beta: float = Field(0.1, gt=0.0)
-    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5)
-    simpo_gamma: float = 0.5
-    truncation_mode: Literal["keep_start", "keep_end"] | None = None
-    init_from: str | None = None
-    precompute_ref: bool = False
-
-
-class Config(Section):
-    """The whole run configuration; ``model`` holds the chosen model's own validated config."""
+class RunSections(Section):
+    """The whole run configuration but the tasks' sections (:class:`Config` adds one per registered task);
+    ``model`` holds the chosen model's own validated config; ``task`` names the training mode
+    (:mod:`functrain.tasks`; None: what the data implies)."""
     seed: int = 0
     backend: Literal["jax", "torch"] = "jax"
+    task: str | None = None
     run: RunConfig = RunConfig()
     model: Any = None
     data: DataConfig = DataConfig()
@@ -358,7 +340,14 @@ class Config(Section):
     log: LogConfig = LogConfig()
     eval: EvalConfig = EvalConfig()
     profile: ProfileConfig = ProfileConfig()
-    preference: PreferenceConfig = PreferenceConfig()
+    # Keys given under an old name (``preference.init_from``) -> that name, for messages about them.
+    _given_as: dict[str, str] = pydantic.PrivateAttr(default_factory=dict)
+
+    @pydantic.field_validator("task")
+    @classmethod
+    def _known_task(cls, value: str | None) -> str | None:
+        from functrain.tasks import check_task_name
+        return value if value is None else check_task_name(value)
 
     @pydantic.field_validator("model", mode="before")
     @classmethod
@@ -384,7 +373,7 @@ class Config(Section):
         return model_config_class(value["name"]).model_validate(value)
 
     @pydantic.model_validator(mode="after")
-    def _check_model_fits_data(self) -> "Config":
+    def _check_model_fits_data(self) -> "RunSections":
         if self.model is None:
             raise ValueError("the config has no model section; add model.name (e.g. model.name=mlp) or "
                              "model.target, or pass model= to fit")
@@ -401,7 +390,35 @@ class Config(Section):
         return self
 
     @pydantic.model_validator(mode="after")
-    def _check_intervals(self) -> "Config":
+    def _resolve_task(self) -> "RunSections":
+        """The task the data implies when none is named; a task's section given for another task is refused;
+        the running task's moved keys (``preference.init_from``) land where they live now."""
+        from functrain.tasks import implied_task, task_sections
+        if self.task is None:
+            self.__dict__["task"] = implied_task(self)  # plain set: assignment would validate the model again
+        for name, section_class in task_sections().items():
+            # A section at its defaults configures nothing (older run configs record every task's section).
+            if name != self.task and getattr(self, name) != section_class():
+                raise ValueError(f"the {name} section configures task {name} and this config trains "
+                                 f"{self.task or 'a classifier or causal LM (no task set)'}; set task: {name} or "
+                                 f"remove the {name} section")
+        section = getattr(self, self.task, None) if self.task else None
+        for dotted, (own_key, value) in (section.aliases().items() if section is not None else ()):
+            where, key = dotted.split(".")
+            current, old_name = getattr(getattr(self, where), key), f"{self.task}.{own_key}"
+            if current is not None and current != value:
+                raise ValueError(f"{old_name}={value!r} and {dotted}={current!r} differ; {old_name} is the old "
+                                 f"name of {dotted}: keep {dotted} alone")
+            getattr(self, where).__dict__[key] = value
+            self._given_as[dotted] = old_name
+        return self
+
+    def given_as(self, dotted: str) -> str:
+        """The name the config gave ``dotted`` under (an old alias), for messages about its value."""
+        return self._given_as.get(dotted, dotted)
+
+    @pydantic.model_validator(mode="after")
+    def _check_intervals(self) -> "RunSections":
         k = self.train.steps_per_call
         for key, every in (("log.every_steps", self.log.every_steps),
                            ("eval.every_steps", self.eval.every_steps),
@@ -425,13 +442,34 @@ class Config(Section):
                              f"step is always compiled); remove it or set backend=torch")
         return self
 
+    def section(self, task: str) -> Any:
+        """The config section of task ``task``."""
+        return getattr(self, task)
+
     def to_dict(self) -> dict:
-        """The resolved config as plain data (what ``config.yaml`` in the run directory holds)."""
-        return self.model_dump(mode="json")
+        """The resolved config as plain data (what ``config.yaml`` in the run directory holds): the task's own
+        section, not the other tasks'."""
+        from functrain.tasks import task_sections
+        return self.model_dump(mode="json", exclude={name for name in task_sections() if name != self.task})
 
     def digest(self) -> str:
         """SHA-256 of the resolved config, recorded in checkpoints."""
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
+
+
+def _with_task_sections(base: type[RunSections]) -> type[RunSections]:
+    """``base`` with a top-level section per registered task, named after it (``preference``, ``distill``)."""
+    from functrain.tasks import task_sections
+    fields: dict[str, Any] = {name: (section, Field(default_factory=section))
+                              for name, section in task_sections().items()}
+    return pydantic.create_model("Config", __base__=base, __module__=__name__,
+                                 __doc__="The whole run configuration, the tasks' sections included.", **fields)
+
+
+if TYPE_CHECKING:
+    Config = RunSections
+else:
+    Config = _with_task_sections(RunSections)
 
 
 def _all_keys(schema: type[BaseModel], prefix: str = "") -> list[str]:

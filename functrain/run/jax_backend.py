@@ -7,7 +7,7 @@ a mesh and its rules, :class:`~functrain.core.step.StepSettings`); the builder m
 import contextlib
 import hashlib
 import json
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -113,13 +113,7 @@ class JaxBackend:
                                    out_shardings=(self.state_shardings, replicated))
         self._eval_step = jax.jit(eval_step, in_shardings=(self.state_shardings, self.batch_sharding),
                                   out_shardings=replicated)
-        self._precompute = None
-        if program.precompute is not None:
-            def precompute(state: TrainState, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
-                # The parameters as the step's forward sees them (train.compute_dtype).
-                return program.precompute(cast_floating(state.params, compute_dtype), state.model_state, batch)
-            self._precompute = jax.jit(precompute, in_shardings=(self.state_shardings, self.batch_sharding),
-                                       out_shardings=replicated)
+        self._compute_dtype = compute_dtype
         self._weight_sums = jax.jit(weight_sums, out_shardings=replicated)
 
     def init_state(self) -> TrainState:
@@ -189,12 +183,24 @@ class JaxBackend:
         with jax.set_mesh(self.mesh):
             return self._eval_step(state, batch)
 
-    def precompute_batch(self, state: TrainState, host_batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The program's per-record values (:attr:`Program.precompute`) of one batch ``[B_local, ...]`` from
-        ``state``, as host arrays ``[B]`` of the whole global batch (every process gets all of them)."""
-        batch = to_global(host_batch, self.batch_sharding, batch_axis=0)
-        with jax.set_mesh(self.mesh):
-            return self.to_host(self._precompute(state, batch))
+    def batch_function(self, fn: Callable[[Any, Any, dict[str, jax.Array]], dict[str, jax.Array]]
+                       ) -> Callable[[TrainState, dict[str, np.ndarray]], dict[str, np.ndarray]]:
+        """``fn(params, model_state, batch) -> {field: [B]}`` compiled on the mesh: the returned function takes the
+        state and a host batch ``[B_local, ...]`` and gives host arrays ``[B]`` of the whole global batch (every
+        process gets all of them). The params are cast as the step's forward sees them (``train.compute_dtype``),
+        so values computed here match the step's (a task's start hook: precomputed reference log-probs)."""
+        compute_dtype = self._compute_dtype
+
+        def on_state(state: TrainState, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+            return fn(cast_floating(state.params, compute_dtype), state.model_state, batch)
+        compiled = jax.jit(on_state, in_shardings=(self.state_shardings, self.batch_sharding),
+                           out_shardings=NamedSharding(self.mesh, PartitionSpec()))
+
+        def run(state: TrainState, host_batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            batch = to_global(host_batch, self.batch_sharding, batch_axis=0)
+            with jax.set_mesh(self.mesh):
+                return self.to_host(compiled(state, batch))
+        return run
 
     def params_digest(self, state: TrainState) -> str:
         """A hex digest of the state's params computed on the devices: the same for the same values on any

@@ -9,7 +9,7 @@ framework and reads no config.
 The order of operations that must not change:
 1. the run directory is ours (its lock) before a checkpointer opens it, and the start is decided (restore or
    init) before anything is written: bad input leaves an existing run as it was; data computed from the
-   starting state (``Run.start_data``) is filled in then, before any batch is read;
+   starting state (the task's ``Run.start_hooks``) is filled in then, before any batch is read;
 2. a call's steps are dispatched under the backend's hot-path guard; the loop looks at older calls only
    while newer ones are queued;
 3. at a boundary, every call in flight is finished before an evaluation or a save, an evaluation sees the
@@ -230,8 +230,8 @@ class _Driver:
             self.metrics.stop_kind = ALREADY_FINISHED
             reason = f"already finished (train.max_steps={max_steps}: raise it to train further)"
             return self.result(state, step, position, reason, 0)
-        if self.run.start_data is not None:  # data computed from the start (precomputed reference log-probs)
-            self.run.start_data(self.backend, state, self.start.restored_step)
+        for hook in self.run.start_hooks:  # the task's: data or state parts computed from the start
+            state = hook(self.backend, state, self.start.restored_step)
         self.check_eval_metric_names(state)
         self.update_view(step, position)
         self.announce(step, position)

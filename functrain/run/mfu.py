@@ -93,13 +93,14 @@ class SpeedReport:
         return values
 
 
-def speed_report(model_config: Any, kind: str, global_batch_size: int, seq_len: int, devices: list[Any]
+def speed_report(model_config: Any, tokens_per_sample: int | None, global_batch_size: int, devices: list[Any]
                  ) -> SpeedReport:
-    """The report for a run: LM token counts and FLOPs when the model is a known decoder, the peak of its
-    devices when their kind is known (an accelerator of unknown kind gets a warning naming it)."""
-    tokens = global_batch_size * seq_len if kind == "causal_lm" else None
+    """The report for a run: token counts when a sample is ``tokens_per_sample`` tokens (None: not a token
+    window) and FLOPs when the model is a known decoder, the peak of its devices when their kind is known (an
+    accelerator of unknown kind gets a warning naming it)."""
+    tokens = global_batch_size * tokens_per_sample if tokens_per_sample else None
     shape = decoder_shape(model_config) if tokens else None
-    flops = train_flops_per_token(shape, seq_len) if shape else None
+    flops = train_flops_per_token(shape, tokens_per_sample) if shape and tokens_per_sample else None
     device_kind = devices[0].device_kind if devices else "unknown"
     peak = peak_tflops(device_kind)
     if flops and peak is None and devices and devices[0].platform != "cpu":

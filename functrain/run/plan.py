@@ -174,10 +174,10 @@ def _required_temporaries(message: str) -> int | None:
     return int(float(found.group(1)) * 1024 ** "KMGT".index(found.group(2)) * 1024)
 
 
-def attention_kernel_of(compiled: jax.stages.Compiled, kind: str | None) -> str | None:
-    """The attention kernel in a compiled causal LM's program (read from its HLO: the Pallas splash kernels or
-    cuDNN's fused attention; neither is XLA's own); None for other models."""
-    if kind != "causal_lm":
+def attention_kernel_of(compiled: jax.stages.Compiled, trains_tokens: bool) -> str | None:
+    """The attention kernel in a compiled language model's program (read from its HLO: the Pallas splash kernels
+    or cuDNN's fused attention; neither is XLA's own); None for other models."""
+    if not trains_tokens:
         return None
     text = compiled.as_text()
     return "splash" if "splash_mha" in text else "cudnn" if "__cudnn$fmha" in text else "xla"
@@ -201,10 +201,10 @@ def report(planned: Planned, compiled: jax.stages.Compiled | None, temporaries: 
         cost = cost or _first(compiled.cost_analysis())
     flops = float(cost.get("flops", 0.0)) * step.micro_batches
     bytes_accessed = float(cost.get("bytes accessed", 0.0)) * step.micro_batches
-    tokens = planned.global_batch_size * planned.seq_len if planned.parts.kind == "causal_lm" else None
+    tokens = planned.tokens_per_step
     shape = decoder_shape(planned.model_config) if tokens else None
     model_flops = train_flops_per_token(shape, planned.seq_len) * tokens if shape else None
-    attention = None if compiled is None else attention_kernel_of(compiled, planned.parts.kind)
+    attention = None if compiled is None else attention_kernel_of(compiled, tokens is not None)
     if attention == "splash" and shape:
         # cost_analysis does not see into a Pallas kernel: add the attention FLOPs it computes (causal: half the
         # score matrix, forward and backward), else the roofline would leave attention out.

@@ -1,0 +1,63 @@
+"""Training modes as plugins: ``task:`` in a config -> a :class:`~functrain.tasks.base.Task`.
+
+Each task lives in a folder of its own (``functrain/tasks/<name>/``) and registers here by name, like a model
+family: the module that defines it (imported on first use, so a run never imports the modes it does not train)
+and, for a task with settings, the light module of its config section, a top-level key named after the task
+(``preference:``, ``distill:``). A config without ``task`` trains what it implies: a section's ``implied_by``
+(``data.name: preference``), else the data's fields (a classifier or a causal LM: the supervised task).
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from typing import Any
+
+from functrain.errors import ConfigError
+
+# name -> the module whose ``TASKS`` dict holds it.
+TASK_MODULES = {
+    "classify": "functrain.tasks.supervised.task",
+    "causal_lm": "functrain.tasks.supervised.task",
+    "preference": "functrain.tasks.preference.task",
+}
+# name -> the module whose ``SECTION`` is the task's config section (tasks with settings only).
+SECTION_MODULES = {
+    "preference": "functrain.tasks.preference.config",
+}
+# What a config naming no task trains (the data's fields decide between a classifier and a causal LM).
+SUPERVISED = "supervised"
+
+
+def task_names() -> list[str]:
+    """Every registered task name."""
+    return sorted(TASK_MODULES)
+
+
+def task_sections() -> dict[str, type]:
+    """Each task's config section class by the task's name (the run config's top-level keys)."""
+    return {name: importlib.import_module(module).SECTION for name, module in SECTION_MODULES.items()}
+
+
+def check_task_name(name: str) -> str:
+    """``name`` when registered; otherwise a ValueError naming the nearest one and the list."""
+    if name not in TASK_MODULES:
+        close = difflib.get_close_matches(name, TASK_MODULES, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(f"unknown task {name!r}; {hint}choose one of {', '.join(task_names())}")
+    return name
+
+
+def implied_task(config: Any) -> str | None:
+    """The task a config trains when it names none: the first section whose ``implied_by`` holds, else None
+    (the supervised task, decided by the data's fields)."""
+    return next((name for name, section in task_sections().items() if section.implied_by(config)), None)
+
+
+def task_for(config: Any) -> Any:
+    """The :class:`~functrain.tasks.base.Task` a validated config trains."""
+    name = config.task or SUPERVISED
+    module = TASK_MODULES.get(name, TASK_MODULES["classify"] if name == SUPERVISED else None)
+    if module is None:
+        raise ConfigError(f"unknown task {name!r}; choose one of {', '.join(task_names())}")
+    return importlib.import_module(module).TASKS[name]
