@@ -1,7 +1,8 @@
 """The frozen teacher of a distillation run: a functrain run directory or an HF checkpoint directory.
 
-:func:`open_teacher` reads what the program is built from (the teacher's model config, its Flax module, the
-logical axes of its params) and checks its vocabulary against the student's, without reading any weights;
+:func:`open_teacher` reads what the program is built from (the teacher's model config and its Flax module, whose
+pieces give the logical axes of its params) without reading any weights, and :func:`check_teacher` checks it
+against the student's vocabulary and the data's windows;
 ``Teacher.load_params()`` reads them (numpy), which a fresh start does once: a resumed run restores them with
 its own state. A run directory gives its ``config.yaml`` model section and its newest whole checkpoint (or
 ``distill.teacher_step``), LoRA adapters merged in; an HF directory (config.json + safetensors of a supported
@@ -15,7 +16,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import pydantic
 import yaml
@@ -24,33 +24,19 @@ from functrain.checkpoint import load_params
 from functrain.checkpoint.layout import CHECKPOINTS_SUBDIR, committed_steps
 from functrain.errors import ConfigError
 from functrain.models import build_model, model_spec
+from functrain.text.decode import context_length
 
 HF_CONFIG = "config.json"
 
 
 @dataclass(frozen=True)
 class Teacher:
-    """A teacher model: ``config`` (its validated model config), ``module`` (its Flax module), ``logical_specs``
-    (a tree of PartitionSpecs of logical axis names, shaped like its params) and ``load_params()`` (its weights
-    as numpy arrays, read when called)."""
+    """A teacher model: ``config`` (its validated model config), ``module`` (its Flax module) and
+    ``load_params()`` (its weights as numpy arrays, read when called)."""
     source: Path
     config: Any
     module: nn.Module
-    logical_specs: Any
     load_params: Callable[[], Any]
-
-
-def params_logical_specs(module: nn.Module) -> Any:
-    """The logical axes of ``module``'s params, from an abstract init (nothing allocated)."""
-    variables = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32)))
-    return nn.get_partition_spec(variables["params"])
-
-
-def check_vocabulary(teacher: int, student: int, source: Path) -> None:
-    """The teacher's and the student's logits must index the same tokens."""
-    if teacher != student:
-        raise ConfigError(f"the teacher {source} has a vocabulary of {teacher} tokens and the student "
-                          f"{student}; distill.teacher must share the student's tokenizer and vocabulary size")
 
 
 def _run_dir_model(run_dir: Path, step: int | None) -> tuple[Any, Callable[[], Any]]:
@@ -98,10 +84,9 @@ def _hf_model(hf_dir: Path) -> tuple[Any, Callable[[], Any]]:
     return config, lambda: read_params(hf_dir)[0]
 
 
-def open_teacher(path: str, *, student_vocab_size: int, step: int | None = None, dtype: Any = jnp.float32
-                 ) -> Teacher:
-    """The teacher at ``path`` (a functrain run directory, or an HF directory), computing in ``dtype``, checked
-    to share the student's vocabulary; ``step``: a run directory's checkpoint (None: the newest whole one)."""
+def open_teacher(path: str, *, step: int | None = None, dtype: Any = jnp.float32) -> Teacher:
+    """The teacher at ``path`` (a functrain run directory, or an HF directory), computing in ``dtype``;
+    ``step``: a run directory's checkpoint (None: the newest whole one)."""
     source = Path(path).absolute()
     if not source.is_dir():
         raise ConfigError(f"distill.teacher={path} is not a directory; point it at a functrain run directory or "
@@ -113,6 +98,17 @@ def open_teacher(path: str, *, student_vocab_size: int, step: int | None = None,
                           f"directory; remove distill.teacher_step")
     else:
         config, load = _hf_model(source)
-    check_vocabulary(config.vocab_size, student_vocab_size, source)
-    module = build_model(config, dtype)
-    return Teacher(source, config, module, params_logical_specs(module), load)
+    return Teacher(source, config, build_model(config, dtype), load)
+
+
+def check_teacher(teacher: Teacher, *, vocab_size: int, positions: int) -> None:
+    """The teacher must predict the student's tokens (``vocab_size``: the student's logits') over the data's
+    windows (``positions``: the inputs' length)."""
+    if teacher.config.vocab_size != vocab_size:
+        raise ConfigError(f"the teacher {teacher.source} has a vocabulary of {teacher.config.vocab_size} tokens and "
+                          f"the student {vocab_size}; distill.teacher must share the student's tokenizer and "
+                          f"vocabulary size")
+    context = context_length(teacher.config)
+    if context is not None and context < positions:
+        raise ConfigError(f"the teacher {teacher.source} attends over {context} positions and the data's windows "
+                          f"have {positions}; lower data.seq_len or distil from a teacher with a longer context")

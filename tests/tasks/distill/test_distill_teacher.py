@@ -13,7 +13,7 @@ from functrain.errors import ConfigError
 from functrain.models import build_model
 from functrain.models.gpt import GPTConfig
 from functrain.models.gpt2 import GPT2Config
-from functrain.tasks.distill.teacher import open_teacher
+from functrain.tasks.distill.teacher import check_teacher, open_teacher
 
 TEACHER = {"name": "gpt", "vocab_size": 32, "max_len": 16, "d_model": 16, "n_layers": 2, "n_heads": 2, "d_ff": 32}
 
@@ -46,13 +46,11 @@ def assert_same_tree(got, want):
 
 def test_run_directory_teacher(teacher_run):
     run, params = teacher_run
-    teacher = open_teacher(str(run), student_vocab_size=32)
+    teacher = open_teacher(str(run))
     assert teacher.config == GPTConfig(**TEACHER)
+    check_teacher(teacher, vocab_size=32, positions=16)
     assert_same_tree(teacher.load_params(), jax.tree.map(lambda leaf: leaf + 1.0, params))  # the newest step
-    assert_same_tree(open_teacher(str(run), student_vocab_size=32, step=1).load_params(), params)
-    specs = flatten_dict(teacher.logical_specs)
-    assert specs.keys() == flatten_dict(params).keys()
-    assert tuple(specs[("token_embed", "embedding")]) == ("vocab", "embed")
+    assert_same_tree(open_teacher(str(run), step=1).load_params(), params)
     logits = teacher.module.apply({"params": teacher.load_params()}, np.zeros((2, 5), np.int32))
     assert logits.shape == (2, 5, 32)
 
@@ -62,18 +60,20 @@ def test_hf_directory_teacher(tmp_path):
     config = GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2)
     params = init_params(config)
     save_pretrained(params, config, tmp_path / "hf")
-    teacher = open_teacher(str(tmp_path / "hf"), student_vocab_size=32)
+    teacher = open_teacher(str(tmp_path / "hf"))
     assert teacher.config.name == "gpt2" and teacher.config.n_layer == 1
     assert_same_tree(teacher.load_params(), params)
     with pytest.raises(ConfigError, match="distill.teacher_step picks a checkpoint of a run directory"):
-        open_teacher(str(tmp_path / "hf"), student_vocab_size=32, step=0)
+        open_teacher(str(tmp_path / "hf"), step=0)
 
 
-def test_teacher_with_another_vocabulary_is_refused(teacher_run):
-    run, _ = teacher_run
+def test_teacher_with_another_vocabulary_or_a_shorter_context_is_refused(teacher_run):
+    teacher = open_teacher(str(teacher_run[0]))
     with pytest.raises(ConfigError, match="vocabulary of 32 tokens and the student 256") as caught:
-        open_teacher(str(run), student_vocab_size=256)
+        check_teacher(teacher, vocab_size=256, positions=16)
     assert "\n" not in str(caught.value)
+    with pytest.raises(ConfigError, match="attends over 16 positions and the data's windows have 63"):
+        check_teacher(teacher, vocab_size=32, positions=63)
 
 
 def test_directory_without_a_checkpoint_is_refused(tmp_path):
@@ -82,7 +82,7 @@ def test_directory_without_a_checkpoint_is_refused(tmp_path):
     (tmp_path / "untrained" / "config.yaml").write_text(yaml.safe_dump({"model": TEACHER}))
     for name in ("empty", "untrained"):
         with pytest.raises(ConfigError, match=f"distill.teacher=.*{name} holds no checkpoint") as caught:
-            open_teacher(str(tmp_path / name), student_vocab_size=32)
+            open_teacher(str(tmp_path / name))
         assert "\n" not in str(caught.value)
     with pytest.raises(ConfigError, match="is not a directory"):
-        open_teacher(str(tmp_path / "missing"), student_vocab_size=32)
+        open_teacher(str(tmp_path / "missing"))
