@@ -58,7 +58,7 @@ def teacher(tmp_path_factory):
 
 
 def assert_teacher_loaded(config, weights):
-    """A fresh start of ``config``, once its start hooks ran, holds ``weights`` as the teacher's."""
+    """A fresh start of ``config``, once its start hooks ran, holds ``weights`` as the teacher's; returns it."""
     run = build_run(load_config(config))
     start = run.resume.start(run.open_checkpointer(), run.backend, run.sampler)
     for hook in run.start_hooks:
@@ -68,6 +68,7 @@ def assert_teacher_loaded(config, weights):
     assert jax.tree.structure(held["params"]) == jax.tree.structure(weights)
     for got, want in zip(jax.tree.leaves(held["params"]), jax.tree.leaves(weights)):
         np.testing.assert_array_equal(np.asarray(got), want)
+    return start.state
 
 
 def test_the_teacher_is_loaded_into_the_state_and_the_run_resumes_bitwise(tmp_path, teacher, capsys):
@@ -78,6 +79,16 @@ def test_the_teacher_is_loaded_into_the_state_and_the_run_resumes_bitwise(tmp_pa
     assert main(["verify-resume", str(config), "--steps", "6"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("PASS") and "params sha256 equal" in out
+
+
+def test_a_student_started_from_another_run_gets_the_teacher_too(tmp_path, teacher):
+    """train.init_from: the student's weights from a run (here the teacher's own), the teacher's from
+    distill.teacher: the state built for the given weights holds no teacher until the start hook loads it."""
+    directory, weights = teacher
+    config = write_config(tmp_path, directory, model=TEACHER_MODEL, train={"init_from": str(directory)})
+    state = assert_teacher_loaded(config, weights)
+    for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(weights)):
+        np.testing.assert_array_equal(np.asarray(got), want)
 
 
 def test_a_distillation_run_trains_and_logs_its_terms(tmp_path, teacher):
