@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import yaml
 
+from conftest import run_python
 from functrain.checkpoint import Checkpointer
 from functrain.commands.cli import main
 from functrain.models import build_model
@@ -153,3 +154,30 @@ def test_bad_input_is_one_line_exit_2_and_nothing_is_written(tmp_path, capsys, t
     assert err.startswith("functrain: error:") and expected in err and "\n" not in err, err
     assert sorted(path.name for path in (tmp_path / "run").iterdir()) == ["metrics.jsonl"]
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == "{}\n"
+
+
+def test_the_teacher_is_sharded_by_its_logical_axes(tmp_path, teacher):
+    """On 4 devices (fsdp 2 x tensor 2) the teacher's weights are sharded by their own logical axes (no student
+    weight has their shapes) and the run's losses are those of one device."""
+    config = write_config(tmp_path, teacher[0], train={"max_steps": 3, "steps_per_call": 1},
+                          eval={"every_steps": 0}, checkpoint={"every_steps": 0})
+    code = f"""
+        import json
+        from functrain.commands.cli import main
+        from functrain.run.build import build_run
+        from functrain.run.config import load_config
+        mesh = ["mesh.fsdp=2", "mesh.tensor=2", "run.dir={tmp_path / 'sharded'}"]
+        teacher = build_run(load_config({str(config)!r}, mesh)).backend.state_shardings.model_state["teacher"]
+        print(json.dumps([list(teacher["params"]["token_embed"]["embedding"].spec),
+                          list(teacher["params"]["block_0"]["mlp_in"]["kernel"].spec)]))
+        assert main(["train", {str(config)!r}, *mesh]) == 0
+    """
+    sharded = run_python(code, devices=4)
+    assert json.dumps([["tensor", "fsdp"], ["fsdp", "tensor"]]) in sharded.stdout.splitlines()
+    assert main(["train", str(config)]) == 0
+
+    def losses(run):
+        lines = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        return [(line["loss"], line["distill"]) for line in lines if line["split"] == "train"]
+    assert len(losses("run")) == 3
+    np.testing.assert_allclose(losses("sharded"), losses("run"), atol=1e-5, rtol=0)
