@@ -54,7 +54,8 @@ def token_divergence(student_logits: Any, teacher_logits: Any, *, loss: str, bet
                      temperature: float) -> jax.Array:
     """``[..., V] -> [...]``: the ``loss`` divergence (``forward_kl``, ``reverse_kl`` or ``jsd`` with ``beta``) of
     each position's tempered distributions."""
-    beta = DIVERGENCE_BETA[loss] if DIVERGENCE_BETA[loss] is not None else beta
+    fixed = DIVERGENCE_BETA[loss]
+    beta = beta if fixed is None else fixed
     return generalized_jsd(tempered_log_probs(student_logits, temperature),
                            tempered_log_probs(teacher_logits, temperature), beta)
 

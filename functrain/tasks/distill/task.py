@@ -23,7 +23,7 @@ import numpy as np
 from flax.traverse_util import flatten_dict
 from jax.sharding import PartitionSpec
 
-from functrain.core.fields import Fields, canonical
+from functrain.core.fields import Fields, canonical, require_builtin
 from functrain.core.losses import model_inputs, model_keywords
 from functrain.core.precision import COMPUTE_DTYPES
 from functrain.core.program import ModelPieces, Program, check_logits, logits_of, model_pieces, program_on
@@ -44,10 +44,9 @@ class Distill(Task):
     name = "distill"
 
     def check(self, context: TaskContext) -> None:
-        super().check(context)  # backend jax, no user loss
-        if context.config.section(self.name).teacher is None:
-            raise ConfigError("task distill needs a teacher; set distill.teacher to a functrain run directory or an "
-                              "HF checkpoint directory")
+        """Backend jax and no user loss (the base's checks), and a teacher that opens, before any data is read."""
+        super().check(context)
+        self.teacher(context)
 
     def data(self, context: TaskContext) -> TaskData:
         """The causal-LM task's data (its fields, checks and tokens per sample)."""
@@ -59,6 +58,9 @@ class Distill(Task):
     def teacher(self, context: TaskContext) -> Teacher:
         """The teacher of ``distill.teacher``, computing in ``train.compute_dtype``."""
         section: DistillConfig = context.config.section(self.name)
+        if section.teacher is None:
+            raise ConfigError("task distill needs a teacher; set distill.teacher to a functrain run directory or an "
+                              "HF checkpoint directory")
         return open_teacher(section.teacher, step=section.teacher_step,
                             dtype=COMPUTE_DTYPES[context.config.train.compute_dtype])
 
@@ -66,7 +68,8 @@ class Distill(Task):
                 example_batch: dict[str, np.ndarray]) -> Program:
         """The student's pieces and the teacher's frozen forward in one loss, once the teacher is checked against
         the student's logits and the data's windows."""
-        batch = canonical(data.fields, example_batch)
+        fields = require_builtin(data.fields, example_batch)
+        batch = canonical(fields, example_batch)
         inputs, keywords = model_inputs("causal_lm", batch), model_keywords("causal_lm", batch)
         params, model_state = jax.eval_shape(pieces.init, jax.random.PRNGKey(0))
         check_logits(pieces.apply, "causal_lm", params, model_state, batch)
@@ -75,7 +78,7 @@ class Distill(Task):
         teacher = self.teacher(context)
         check_teacher(teacher, vocab_size=logits.shape[-1], positions=inputs.shape[1])
         teacher_pieces = model_pieces(teacher.module, inputs, example_batch)
-        return distill_program(pieces, teacher_pieces, data.fields, context.config.section(self.name))
+        return distill_program(pieces, teacher_pieces, fields, context.config.section(self.name))
 
     def start_hooks(self, context: TaskContext, data: TaskData, pieces: ModelPieces) -> list[StartHook]:
         """Load the teacher's weights where the starting state does not hold them."""
@@ -85,7 +88,7 @@ class Distill(Task):
 def distill_program(student: ModelPieces, teacher: ModelPieces, fields: Fields, section: DistillConfig) -> Program:
     """The Program of ``student`` distilled from ``teacher``: its model state holds the teacher's weights under
     :data:`TEACHER` (zeros until :class:`LoadTeacher` loads them)."""
-    settings = dict(loss=section.loss, beta=section.beta, temperature=section.temperature, alpha=section.alpha)
+    settings = {"loss": section.loss, "beta": section.beta, "temperature": section.temperature, "alpha": section.alpha}
 
     def init(rng: jax.Array) -> tuple[Any, Any]:
         params, model_state = student.init(rng)

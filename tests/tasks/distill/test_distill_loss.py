@@ -1,6 +1,8 @@
 """The distillation losses against TRL 1.16's ``GKDTrainer.generalized_jsd_loss`` on the same logits, and the
 mix with the hard-label cross-entropy as sums over the tokens the causal-LM loss counts."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +17,7 @@ BATCH, LENGTH, VOCAB = 3, 7, 11
 
 @pytest.fixture(scope="module")
 def trl_jsd():
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # TRL warns that trl.experimental may change
     from trl.experimental.gkd import GKDTrainer
     return GKDTrainer.generalized_jsd_loss
 

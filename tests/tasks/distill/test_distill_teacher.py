@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 import yaml
-from flax.traverse_util import flatten_dict
+from flax.traverse_util import flatten_dict, unflatten_dict
 
 from functrain.checkpoint import Checkpointer
 from functrain.errors import ConfigError
@@ -31,7 +31,8 @@ def teacher_run(tmp_path):
     params = init_params(GPTConfig(**TEACHER))
     checkpointer = Checkpointer(run, keep=None, async_save=False)
     for step, offset in ((1, 0.0), (2, 1.0)):
-        checkpointer.save(step, {"params": jax.tree.map(lambda leaf: leaf + offset, params)}, {"model": TEACHER})
+        shifted = {path: leaf + offset for path, leaf in flatten_dict(params).items()}
+        checkpointer.save(step, {"params": unflatten_dict(shifted)}, {"model": TEACHER})
     checkpointer.close()
     (run / "config.yaml").write_text(yaml.safe_dump({"model": TEACHER}))
     return run, params
