@@ -41,7 +41,7 @@ import optax  # noqa: E402
 from functrain.core.program import as_program  # noqa: E402
 from functrain.run.build import jax_backend  # noqa: E402
 from functrain.run.config import Config, load_config  # noqa: E402
-from functrain.run.mfu import decoder_shape, peak_tflops, train_flops_per_token  # noqa: E402
+from functrain.run.mfu import peak_tflops, train_flops_per_token  # noqa: E402
 from functrain.models import build_model  # noqa: E402
 from functrain.parallel.memory import host_offload_available  # noqa: E402
 from functrain.core.optim import decay_mask  # noqa: E402
@@ -189,7 +189,7 @@ def main() -> None:
     compiled = {name: runner.compiled() for name, runner in runners.items()}
     state = runners["functrain"].state
     step_time = step_s["functrain"]
-    shape = decoder_shape(config.model)
+    shape = config.model.decoder_shape()
     tokens = batch * seq
     devices = jax.device_count()
     needed = train_flops_per_token(shape, seq, attention="causal") * tokens

@@ -18,7 +18,8 @@ from functrain.core.state import TrainState
 from functrain.core.step import make_train_step, trainable_only
 from functrain.models import build_model, gpt
 from functrain.models.lora import LoraConfig
-from functrain.run.build import build_parts, build_run
+from functrain.run.build import build_run
+from functrain.run.parts import build_parts
 from functrain.run.config import load_config
 from functrain.tasks.preference.task import preference_program_of
 from functrain.tasks.preference.pairs import ByteTokenizer, preference_arrays, tokenize_pair

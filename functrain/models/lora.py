@@ -16,30 +16,15 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import pydantic
 from flax.traverse_util import flatten_dict, unflatten_dict
 from jax.sharding import PartitionSpec
 
 from functrain.errors import ConfigError
+from functrain.models.configs.base import ModelConfig
+from functrain.models.configs.lora import LoraConfig
 
 ADAPTER_A, ADAPTER_B = "lora_a", "lora_b"
 Path = tuple[str, ...]
-
-
-class LoraConfig(pydantic.BaseModel):
-    """The ``model.lora`` section."""
-
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
-
-    rank: int = pydantic.Field(8, gt=0)
-    alpha: float = pydantic.Field(16.0, gt=0)
-    dropout: float = pydantic.Field(0.0, ge=0.0, lt=1.0)
-    targets: tuple[str, ...] = pydantic.Field(("q_proj", "v_proj"), min_length=1)
-
-    @property
-    def scale(self) -> float:
-        """What the adapters' product is multiplied by: ``alpha / rank``."""
-        return self.alpha / self.rank
 
 
 def projection_paths(params: Any) -> list[Path]:
@@ -104,9 +89,9 @@ def merged_params(params: Any, scale: float) -> Any:
     return unflatten_dict(flat)
 
 
-def merged_for_inference(params: Any, model_config: Any) -> Any:
+def merged_for_inference(params: Any, model_config: ModelConfig) -> Any:
     """``params`` ready for the plain model: adapters merged when the run trained some (as they are otherwise)."""
-    settings = getattr(model_config, "lora", None)
+    settings = model_config.lora_settings()
     if settings is None or not adapter_paths(params):
         return params
     return merged_params(params, settings.scale)
@@ -153,11 +138,6 @@ def adapter_specs(specs: Any, paths: list[Path]) -> Any:
 # Folded into the model's init key for the adapters, so a converted base model gets the same adapters
 # as a fresh init with the same seed.
 _ADAPTER_KEY = 0x10AA
-
-
-def lora_settings(model_config: Any) -> LoraConfig | None:
-    """The ``model.lora`` section of a model config, or None (models without one, LoRA off)."""
-    return getattr(model_config, "lora", None)
 
 
 def lora_transform(pieces: Any, settings: LoraConfig) -> Any:

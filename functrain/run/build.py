@@ -22,18 +22,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import jax
 import numpy as np
 
 from functrain.checkpoint import Checkpointer
 from functrain.core.backend import Backend
 from functrain.core.fields import Fields, require_builtin, resolve_fields
-from functrain.core.program import ModelPieces, Program, model_pieces
+from functrain.core.program import ModelPieces, Program
 from functrain.core.step import StepSettings
 from functrain.data import BatchLoader, IndexSampler, loader_for, order_for
 from functrain.data.loader import batch_split_problem
 from functrain.data.kinds import Order
 from functrain.errors import ConfigError
-from functrain.models.lora import lora_settings, lora_transform
 from functrain.models.scan import fewer_groups_unrolled, scan_groups
 from functrain.parallel.target import compiling_for
 from functrain.run.callbacks import Callback, CallbackList, EarlyStopping, EveryNSteps, MetricsWriter, ProgressBar
@@ -41,13 +41,12 @@ from functrain.run.config import Config
 from functrain.run.config_checks import likely_mistakes
 from functrain.run.events import RunEvents
 from functrain.run.mfu import SpeedReport, speed_report
-from functrain.run.parts import (check_data, make_optimizer, optimizer_settings, resolve_data, resolve_model,
-                                 resolve_optimizer, resolve_transform, schedule_settings)
+from functrain.run.parts import (Parts, build_parts, check_data, data_seed, make_optimizer, optimizer_settings,
+                                 resolve_model, schedule_settings, task_program)
 from functrain.run.resume import ResumePolicy
 from functrain.run.summary import RunSummary
 from functrain.run.trackers import make_trackers
-from functrain.tasks import task_for
-from functrain.tasks.base import StartHook, Task, TaskContext, TaskData
+from functrain.tasks.base import ExperienceStage, StartHook
 
 
 @dataclass(frozen=True)
@@ -119,68 +118,6 @@ def loop_settings(config: Config, max_steps: int) -> Settings:
                     evaluate_without_data=bool(config.eval.harness_tasks))
 
 
-# ------------------------------------------------------------------------------------------------- parts
-
-@dataclass(frozen=True)
-class Parts:
-    """What a run is built from: the task, what it was handed, its data, the model and a user optimizer.
-
-    ``model`` is None with ``backend: torch`` and a registry model (the bridge builds it); ``optimizer`` is a
-    user optimizer (transformation or function of the schedule) with what to call it in errors, or None
-    (``optimizer.name``)."""
-    task: Task
-    context: TaskContext
-    data: TaskData
-    model: Any
-    optimizer: tuple[Any, str] | None
-
-
-def data_seed(config: Config) -> int:
-    """``data.seed``, or the run's seed when it is not set."""
-    return config.seed if config.data.seed is None else config.data.seed
-
-
-def build_parts(config: Config, *, model: Any = None, loss_fn: Callable | None = None, optimizer: Any = None,
-                train_data: Any = None, eval_data: Any = None, transform: Callable | None = None) -> Parts:
-    """The task the config trains, with its data, from the objects given and the config for the rest."""
-    if eval_data is not None and train_data is None:
-        raise ConfigError("eval_data= was given without train_data=; pass both, or neither (the config's data)")
-    model, model_kind = resolve_model(config, model)
-    task = task_for(config)
-    context = TaskContext(config=config, run_dir=Path(config.run.dir).absolute(), model=model,
-                          model_kind=model_kind, loss_fn=loss_fn, transform=resolve_transform(config, transform),
-                          data_given=train_data is not None,
-                          read_data=functools.partial(resolve_data, config, train_data, eval_data),
-                          data_seed=data_seed(config))
-    task.check(context)
-    return Parts(task=task, context=context, data=task.data(context), model=model,
-                 optimizer=resolve_optimizer(config, optimizer))
-
-
-# ------------------------------------------------------------------------------------------------ program
-
-def transformed(pieces: ModelPieces, config: Config, loss_fn: Callable | None) -> ModelPieces:
-    """The model's pieces after the config's transforms (``model.lora``: adapters, the base frozen)."""
-    lora = lora_settings(config.model)
-    if lora is None:
-        return pieces
-    if loss_fn is not None:
-        raise ConfigError("model.lora trains a registry model with its built-in loss; remove loss_fn= or model.lora")
-    return lora_transform(pieces, lora)
-
-
-def task_program(config: Config, parts: Parts, example_batch: dict[str, np.ndarray], model: Any = None
-                 ) -> tuple[Program, ModelPieces]:
-    """The task's program on the model's pieces (``model``: another build of the model than the parts', for
-    plans), and the pieces it was built on."""
-    task, data = parts.task, parts.data
-    inputs = task.model_inputs(parts.context, data, example_batch)
-    argument = data.fields.argument if data.fields is not None else None
-    pieces = transformed(model_pieces(parts.model if model is None else model, inputs, example_batch, argument),
-                         config, parts.context.loss_fn)
-    return task.program(parts.context, data, pieces, example_batch), pieces
-
-
 # ---------------------------------------------------------------------------------------------- backends
 
 def check_batch_split(config: Config, ways: int, what: str) -> None:
@@ -191,10 +128,11 @@ def check_batch_split(config: Config, ways: int, what: str) -> None:
 
 
 def jax_backend(config: Config, program: Program, max_steps: int, *, optimizer: tuple[Any, str] | None = None,
-                devices: list | None = None) -> Backend:
+                devices: list | None = None, experience: ExperienceStage | None = None) -> Backend:
     """The JAX backend: the ``program`` (a task's, or :func:`functrain.core.program.as_program`'s), the optax
     transformation (``optimizer``: a user's, with its name for errors; None: the config's), the mesh over
-    ``devices`` (None: all; a TPU topology's when planning). Building it allocates nothing on the devices."""
+    ``devices`` (None: all; a TPU topology's when planning), the task's experience stage (or None). Building it
+    allocates nothing on the devices."""
     from functrain.core.optim import as_transformation
     from functrain.parallel import sharding
     from functrain.run.jax_backend import JaxBackend
@@ -208,7 +146,7 @@ def jax_backend(config: Config, program: Program, max_steps: int, *, optimizer: 
     return JaxBackend(program, tx, reported, mesh=mesh, rules=sharding.logical_rules(config.mesh),
                       param_rules=config.mesh.param_rules,
                       allow_replicated_fallback=config.mesh.allow_replicated_fallback,
-                      step=step_settings(config), seed=config.seed)
+                      step=step_settings(config), seed=config.seed, experience=experience)
 
 
 def torch_backend(config: Config, example_batch: dict[str, np.ndarray], max_steps: int, *, model: Any = None,
@@ -223,7 +161,7 @@ def torch_backend(config: Config, example_batch: dict[str, np.ndarray], max_step
         from torch_bridge.twins import twin_model
     except ImportError as exc:
         raise ConfigError(f"backend: torch needs PyTorch ({exc}); pip install 'functrain[torch]'") from None
-    if lora_settings(config.model) is not None:
+    if config.model.lora_settings() is not None:
         raise ConfigError("model.lora needs backend: jax; remove model.lora or set backend: jax")
     if optimizer is not None:
         raise ConfigError(f"{optimizer[1]} is an optax optimizer, which backend: torch does not run; "
@@ -248,11 +186,16 @@ def backend_of(config: Config, parts: Parts, example_batch: dict[str, np.ndarray
                devices: list | None = None) -> tuple[Backend, ModelPieces | None]:
     """The backend the config names, built from the parts, and the model's pieces its program runs (None: the
     torch twin, which runs modules)."""
+    experience = parts.task.experience(parts.context)
+    if experience is not None and jax.process_count() > 1:
+        raise ConfigError(f"task {parts.task.name} makes its batches with an experience stage, which runs on one "
+                          f"process for now; run it on one host")
     if config.backend == "torch":
         return torch_backend(config, example_batch, max_steps, model=parts.model, fields=parts.data.fields,
                              loss_fn=parts.context.loss_fn, optimizer=parts.optimizer), None
     program, pieces = task_program(config, parts, example_batch)
-    return jax_backend(config, program, max_steps, optimizer=parts.optimizer, devices=devices), pieces
+    return jax_backend(config, program, max_steps, optimizer=parts.optimizer, devices=devices,
+                       experience=experience), pieces
 
 
 # ------------------------------------------------------------------------------------------------- build
@@ -409,10 +352,12 @@ def build_run(config: Config, *, model: Any = None, loss_fn: Callable | None = N
                           config.backend, config.optimizer.model_dump(mode="json"),
                           {"config_digest": config.digest(), "model": config.model.model_dump(mode="json")},
                           initial_state=_initial_state(config))
-    # A torch user model's shape is its own (a transformers model's config), not the config's model section.
-    shape_source = getattr(parts.model, "config", None) if config.backend == "torch" and parts.model is not None \
-        else config.model
-    speed = speed_report(shape_source, task_data.tokens_per_sample, data.global_batch_size, backend.devices)
+    if config.backend == "torch" and parts.model is not None:  # a torch user model's shape is its own
+        from torch_bridge.user_model import decoder_shape as module_shape
+        shape = module_shape(parts.model)
+    else:
+        shape = config.model.decoder_shape()
+    speed = speed_report(shape, task_data.tokens_per_sample, data.global_batch_size, backend.devices)
     optimizer = parts.optimizer[0] if parts.optimizer is not None else optimizer_settings(config.optimizer, max_steps)
     hooks = tuple(parts.task.start_hooks(parts.context, task_data, pieces)) if pieces is not None else ()
     return Run(config=config, config_record=config.to_dict(), settings=loop_settings(config, max_steps),

@@ -2,22 +2,28 @@
 
 ``load_config("configs/char_gpt.yaml", ["train.max_steps=100"])`` returns a validated :class:`Config`.
 Unknown keys and wrong types raise :class:`~functrain.errors.ConfigError` naming the key (and, for a
-misspelt key, the nearest valid one). The ``model`` section is checked by the chosen model's own schema, or
-names a factory (``model.target``) whose keyword arguments are the section's other keys.
+misspelt key, the nearest valid one). The ``model`` section is a union discriminated by ``model.name``: the
+registered family's own config class (:data:`functrain.models.MODEL_FAMILIES`), or a factory
+(``model.target``) whose keyword arguments are the section's other keys.
 """
 
 import difflib
 import hashlib
 import json
 import re
+import types
+import typing
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
 from functrain.core.section import Section
 from functrain.errors import ConfigError
+from functrain.models import MODEL_FAMILIES, model_config_class
+from functrain.models.configs.base import ModelConfig
+from functrain.models.options import scan_refusal
 from functrain.run.config_files import apply_overrides, read_yaml
 
 # The "split" of metrics.jsonl lines, and of metric names like "eval/loss" (harness: eval.harness_tasks' lm-eval
@@ -298,10 +304,14 @@ class EvalConfig(Section):
     harness_tokenizer: str | None = None
 
 
-class TargetModelConfig(BaseModel):
+class TargetModelConfig(ModelConfig):
     """``model.target: "pkg.module:factory"``: the factory is called with the section's other keys (except
     ``kind``, the built-in loss when the data's fields do not say: ``classifier`` or ``causal_lm``) and
-    returns the model (linen, NNX, ``FunctionalModel`` or, with ``backend: torch``, an ``nn.Module``)."""
+    returns the model (linen, NNX, ``FunctionalModel`` or, with ``backend: torch``, an ``nn.Module``).
+
+    The keys are the factory's own: functrain reads only ``vocab_size`` and ``num_classes`` among them (an
+    integer given there bounds the token ids or labels the data may hold, and ``data.name: synthetic`` draws
+    ids below ``vocab_size``); the model's context, decoder shape (MFU) and layers are its own business."""
     model_config = ConfigDict(extra="allow")
     target: Annotated[str, pydantic.AfterValidator(check_target)]
     kind: Literal["classifier", "causal_lm"] | None = None
@@ -310,10 +320,54 @@ class TargetModelConfig(BaseModel):
         """The keyword arguments for the factory."""
         return dict(self.model_extra or {})
 
+    def _integer_keyword(self, key: str) -> int | None:
+        value = self.factory_kwargs().get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
 
-class PythonModelConfig(Section):
-    """Recorded in place of a model section when ``fit`` is given a model object: its type, for the record."""
+    def vocabulary_size(self) -> int | None:
+        """The factory's ``vocab_size`` keyword, when it is given as an integer."""
+        return self._integer_keyword("vocab_size")
+
+    def class_count(self) -> int | None:
+        """The factory's ``num_classes`` keyword, when it is given as an integer."""
+        return self._integer_keyword("num_classes")
+
+
+class PythonModelConfig(Section, ModelConfig):
+    """Recorded in place of a model section when ``fit`` is given a model object: its type, for the record
+    (every question about the model is answered None: functrain knows nothing of it)."""
     python_object: str  # the name is PYTHON_OBJECT
+
+
+# The tags of the model section's union besides the registered names.
+TARGET_TAG = "target"
+
+
+def model_section_tag(value: Any) -> str | None:
+    """Which member of the ``model`` union ``value`` (a dict from YAML, or a validated section) belongs to:
+    the family's ``name``, ``target`` or ``python_object``; None when it names none."""
+    if isinstance(value, TargetModelConfig):
+        return TARGET_TAG
+    if isinstance(value, PythonModelConfig):
+        return PYTHON_OBJECT
+    if isinstance(value, ModelConfig):
+        return value.registry_name()
+    if isinstance(value, dict):
+        if TARGET_TAG in value:
+            return TARGET_TAG
+        if set(value) == {PYTHON_OBJECT}:
+            return PYTHON_OBJECT
+        name = value.get("name")
+        return name if isinstance(name, str) else None
+    return None
+
+
+ModelSection = Annotated[
+    Union[tuple(Annotated[cls, pydantic.Tag(name)] for name, (cls, _) in MODEL_FAMILIES.items())
+          + (Annotated[TargetModelConfig, pydantic.Tag(TARGET_TAG)],
+             Annotated[PythonModelConfig, pydantic.Tag(PYTHON_OBJECT)])],
+    pydantic.Discriminator(model_section_tag)]
+MODEL_TAGS = frozenset({*MODEL_FAMILIES, TARGET_TAG, PYTHON_OBJECT})
 
 
 class ProfileConfig(Section):
@@ -331,7 +385,7 @@ class RunSections(Section):
     backend: Literal["jax", "torch"] = "jax"
     task: str | None = None
     run: RunConfig = RunConfig()
-    model: Any = None
+    model: ModelSection | None = None
     data: DataConfig = DataConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     train: TrainConfig = TrainConfig()
@@ -351,38 +405,34 @@ class RunSections(Section):
 
     @pydantic.field_validator("model", mode="before")
     @classmethod
-    def _validate_model(cls, value: Any) -> Any:
-        from functrain.models import model_config_class  # the registry imports model code lazily
-        from functrain.models.options import scan_refusal
-        if isinstance(value, BaseModel):
+    def _refuse_unnamed_model(cls, value: Any) -> Any:
+        # The one-line refusals a section gets before the union picks its member (model_section_tag).
+        if isinstance(value, ModelConfig):
             return value
         if isinstance(value, dict) and value.get("scan_layers") and "name" not in value:
             raise ValueError(scan_refusal(f"target {value.get('target')!r}"))  # a user model's own layout
         if (isinstance(value, dict) and value.get("scan_layers") and isinstance(value.get("name"), str)
-                and not getattr(model_config_class(value["name"]), "scans_layers", False)):
+                and not model_config_class(value["name"]).scans_layers):
             raise ValueError(scan_refusal(value["name"]))
-        if isinstance(value, dict) and "target" in value:
-            if "name" in value:
-                raise ValueError("the model section has both 'name' and 'target'; keep one")
-            return TargetModelConfig.model_validate(value)
-        if isinstance(value, dict) and set(value) == {PYTHON_OBJECT}:
-            return PythonModelConfig.model_validate(value)
-        if not isinstance(value, dict) or "name" not in value:
+        if isinstance(value, dict) and TARGET_TAG in value and "name" in value:
+            raise ValueError("the model section has both 'name' and 'target'; keep one")
+        if isinstance(value, dict) and "name" in value:
+            model_config_class(value["name"])  # an unknown name: the registry's error, naming the known ones
+        elif model_section_tag(value) is None:
             raise ValueError("the model section needs a 'name' (one of the registered models) or a 'target' "
                              "('package.module:factory')")
-        return model_config_class(value["name"]).model_validate(value)
+        return value
 
     @pydantic.model_validator(mode="after")
     def _check_model_fits_data(self) -> "RunSections":
         if self.model is None:
             raise ValueError("the config has no model section; add model.name (e.g. model.name=mlp) or "
                              "model.target, or pass model= to fit")
-        context = next((getattr(self.model, key) for key in ("max_len", "n_positions", "max_position_embeddings")
-                        if getattr(self.model, key, None) is not None), None)
+        context = self.model.max_positions()
         if context is not None and self.data.seq_len > context:
             raise ValueError(f"data.seq_len={self.data.seq_len} is longer than the model's context of {context} "
                              f"positions; lower data.seq_len or raise the model's context length")
-        vocab = getattr(self.model, "vocab_size", None)
+        vocab = self.model.vocabulary_size()
         if (self.data.target is None and self.data.sources is None and self.data.name == "char_text"
                 and vocab is not None and vocab < 256):
             raise ValueError(f"data.name=char_text feeds bytes (ids 0-255) but the model's vocab_size is {vocab}; "
@@ -457,19 +507,39 @@ class RunSections(Section):
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
 
 
-def _with_task_sections(base: type[RunSections]) -> type[RunSections]:
-    """``base`` with a top-level section per registered task, named after it (``preference``, ``distill``)."""
+_CONFIG_CLASSES: dict[tuple[str, ...], type[RunSections]] = {}
+
+
+def config_class() -> type[RunSections]:
+    """The run config's class: :class:`RunSections` with a top-level section per registered task, named after it
+    (``preference``, ``distill``), made again when a task registers at run time
+    (:func:`functrain.tasks.register_task`)."""
     from functrain.tasks import task_sections
-    fields: dict[str, Any] = {name: (section, Field(default_factory=section))
-                              for name, section in task_sections().items()}
-    return pydantic.create_model("Config", __base__=base, __module__=__name__,
-                                 __doc__="The whole run configuration, the tasks' sections included.", **fields)
+    sections = task_sections()
+    key = tuple(sorted(sections))
+    if key not in _CONFIG_CLASSES:
+        fields: dict[str, Any] = {name: (section, Field(default_factory=section)) for name, section in sections.items()}
+        _CONFIG_CLASSES[key] = pydantic.create_model(
+            "Config", __base__=RunSections, __module__=__name__,
+            __doc__="The whole run configuration, the tasks' sections included.", **fields)
+    return _CONFIG_CLASSES[key]
 
 
 if TYPE_CHECKING:
     Config = RunSections
 else:
-    Config = _with_task_sections(RunSections)
+    Config = config_class()  # the registry's tasks as the package ships them; isinstance checks use RunSections
+
+
+def _section_class(annotation: Any) -> type[BaseModel] | None:
+    """The section class a field holds, alone or optional (``model.lora``, ``model.rope_scaling``); None for
+    other fields."""
+    union = typing.get_origin(annotation) in (Union, types.UnionType)
+    members = [member for member in (typing.get_args(annotation) if union else (annotation,))
+               if member is not type(None)]
+    if len(members) == 1 and isinstance(members[0], type) and issubclass(members[0], BaseModel):
+        return members[0]
+    return None
 
 
 def _all_keys(schema: type[BaseModel], prefix: str = "") -> list[str]:
@@ -477,20 +547,16 @@ def _all_keys(schema: type[BaseModel], prefix: str = "") -> list[str]:
     keys = []
     for name, field in schema.model_fields.items():
         keys.append(prefix + name)
-        annotation = field.annotation
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            keys.extend(_all_keys(annotation, prefix + name + "."))
+        section = _section_class(field.annotation)
+        if section is not None:
+            keys.extend(_all_keys(section, prefix + name + "."))
     return keys
 
 
 def _suggest(key: str, model_name: str | None) -> str:
-    valid = _all_keys(Config)
-    if model_name:
-        from functrain.models import model_config_class
-        try:
-            valid += _all_keys(model_config_class(model_name), "model.")
-        except ValueError:
-            pass
+    valid = _all_keys(config_class())
+    if isinstance(model_name, str) and model_name in MODEL_FAMILIES:
+        valid += _all_keys(model_config_class(model_name), "model.")
     match = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     return f"; did you mean '{match[0]}'?" if match else ""
 
@@ -498,7 +564,10 @@ def _suggest(key: str, model_name: str | None) -> str:
 def _format_validation_error(error: pydantic.ValidationError, raw: dict) -> str:
     """One line for the first problem: the dotted key, what is wrong and the nearest valid key."""
     first = error.errors()[0]
-    key = ".".join(str(part) for part in first["loc"] if not str(part).startswith("function-"))
+    loc = [str(part) for part in first["loc"] if not str(part).startswith("function-")]
+    if loc[:1] == ["model"] and len(loc) > 1 and loc[1] in MODEL_TAGS:
+        del loc[1]  # the union's member (model.name), which pydantic puts in the path
+    key = ".".join(loc)
     model_name = raw.get("model", {}).get("name") if isinstance(raw.get("model"), dict) else None
     if first["type"] == "extra_forbidden":
         return f"unknown config key '{key}'{_suggest(key, model_name)}"
@@ -513,7 +582,7 @@ def _format_validation_error(error: pydantic.ValidationError, raw: dict) -> str:
 def validate_config(raw: dict) -> Config:
     """Validate a nested dict into a :class:`Config`, or raise a one-line ConfigError."""
     try:
-        return Config.model_validate(raw)
+        return config_class().model_validate(raw)
     except pydantic.ValidationError as exc:
         raise ConfigError(_format_validation_error(exc, raw)) from None
     except ValueError as exc:  # the model registry's unknown-name error

@@ -23,6 +23,9 @@ from functrain.core.state import TrainState
 from functrain.core.step import StepSettings, make_eval_step, make_train_call, make_train_step, trainable_only
 from functrain.core.program import Program
 
+# Folded into the seed's key for the experience stage's keys (then the step): a stream of its own.
+EXPERIENCE_STREAM = 0xE4E7
+
 # TrainState fields saved in the checkpoint's "state" item (params are an item of their own).
 STATE_FIELDS = ("step", "opt_state", "rng", "model_state", "loss_scale", "good_steps", "skipped_steps",
                 "nonfinite_steps")
@@ -55,10 +58,13 @@ class JaxBackend:
 
     def __init__(self, program: Program, tx: optax.GradientTransformation, schedule: optax.Schedule | None, *,
                  mesh: Mesh, rules: Any, param_rules: Any = (), allow_replicated_fallback: bool = False,
-                 step: StepSettings = StepSettings(), seed: int = 0) -> None:
+                 step: StepSettings = StepSettings(), seed: int = 0,
+                 experience: Callable[[Any, dict[str, Any], jax.Array], dict[str, Any]] | None = None) -> None:
         """``schedule`` is reported as the ``learning_rate`` metric (None: not reported); ``rules`` map logical
-        axes to mesh axes and ``param_rules`` parameter paths to specs (:mod:`functrain.parallel.sharding`)."""
-        self.program, self.mesh, self.seed = program, mesh, seed
+        axes to mesh axes and ``param_rules`` parameter paths to specs (:mod:`functrain.parallel.sharding`);
+        ``experience``: a task's stage that makes each step's training batch from the loader's with the current
+        weights (:class:`functrain.tasks.base.ExperienceStage`), or None."""
+        self.program, self.mesh, self.seed, self.experience = program, mesh, seed, experience
         self.process_index, self.process_count = jax.process_index(), jax.process_count()
         self.writes_checkpoints = True  # Orbax writes a checkpoint with every process
         self.devices = list(mesh.devices.flat)  # jax.devices(), or a TPU topology's when planning
@@ -166,7 +172,23 @@ class JaxBackend:
         """Run ``K`` steps (asynchronously dispatched); metrics stay on device."""
         # The mesh in context lets the models pin activations' batch axis (sharding.constrain_batch).
         with jax.set_mesh(self.mesh):
+            if self.experience is not None:
+                return self._experience_steps(state, batches)
             return self._train_call(state, batches)
+
+    def _experience_steps(self, state: TrainState, batches: dict[str, Any]) -> tuple[TrainState, dict]:
+        """``K`` steps one at a time, each on the batch the experience stage made with the weights of that step:
+        a rollout needs the newest weights, so it waits for the step before it. The stage's key is a function of
+        the seed and the step, so the batches (and a resumed run) are the same however the run was cut."""
+        step = int(jax.device_get(state.step))
+        stream = jax.random.fold_in(jax.random.PRNGKey(self.seed), EXPERIENCE_STREAM)
+        per_step = []
+        for k in range(len(next(iter(batches.values())))):
+            batch = self.experience(state.params, {name: value[k] for name, value in batches.items()},
+                                    jax.random.fold_in(stream, step + k))
+            state, metrics = self._train_call(state, {name: jnp.asarray(value)[None] for name, value in batch.items()})
+            per_step.append(metrics)
+        return state, jax.tree.map(lambda *values: jnp.concatenate(values), *per_step)
 
     def compile_train_call(self, state: TrainState, batches: dict[str, jax.Array]) -> jax.stages.Compiled:
         """The train call compiled for these arguments, for XLA's analyses (``memory_analysis``,

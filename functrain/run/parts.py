@@ -1,5 +1,5 @@
-"""Resolve a run's parts: the config's names (and the objects given to ``fit``) as objects, for the CLI,
-``fit(path)`` and ``fit(config, model=..., ...)`` alike.
+"""Resolve a run's parts: the task the config trains with its data and program, and the config's names (and
+the objects given to ``fit``) as objects, for the CLI, ``fit(path)`` and ``fit(config, model=..., ...)`` alike.
 
 An object passed to ``fit`` wins; otherwise the config names it: ``model.name`` (the registry in
 :mod:`functrain.models`) or ``model.target``; ``data.name`` (:mod:`functrain.data.datasets`; ``tokens``: a token
@@ -14,13 +14,16 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import optax
 
 from functrain.core.optim import OptimizerSettings, ScheduleSettings, named_optimizer
-from functrain.run.config import PYTHON_OBJECT
+from functrain.core.program import ModelPieces, Program, model_pieces
+from functrain.run.config import PYTHON_OBJECT, PythonModelConfig, TargetModelConfig
 from functrain.data import ConcatSource, Mixture, Source, Stream, as_data, as_source
 from functrain.data.stream import is_stream
 from functrain.data.transforms import Transform
@@ -29,7 +32,75 @@ from functrain.data.datasets import load_dataset, open_source, token_store
 from functrain.data.synthetic import synthetic_splits
 from functrain.errors import ConfigError, DataError
 from functrain.models import build_model, model_spec
+from functrain.models.lora import lora_transform
+from functrain.tasks import task_for
+from functrain.tasks.base import Task, TaskContext, TaskData
 
+
+# ------------------------------------------------------------------------------------------------ the task
+
+@dataclass(frozen=True)
+class Parts:
+    """What a run is built from: the task, what it was handed, its data, the model and a user optimizer.
+
+    ``model`` is None with ``backend: torch`` and a registry model (the bridge builds it); ``optimizer`` is a
+    user optimizer (transformation or function of the schedule) with what to call it in errors, or None
+    (``optimizer.name``)."""
+    task: Task
+    context: TaskContext
+    data: TaskData
+    model: Any
+    optimizer: tuple[Any, str] | None
+
+
+def data_seed(config: Any) -> int:
+    """``data.seed``, or the run's seed when it is not set."""
+    return config.seed if config.data.seed is None else config.data.seed
+
+
+def build_parts(config: Any, *, model: Any = None, loss_fn: Callable | None = None, optimizer: Any = None,
+                train_data: Any = None, eval_data: Any = None, transform: Callable | None = None) -> Parts:
+    """The task the config trains, with its data, from the objects given and the config for the rest."""
+    if eval_data is not None and train_data is None:
+        raise ConfigError("eval_data= was given without train_data=; pass both, or neither (the config's data)")
+    model, model_kind = resolve_model(config, model)
+    task = task_for(config)
+    context = TaskContext(config=config, run_dir=Path(config.run.dir).absolute(), model=model,
+                          model_kind=model_kind, loss_fn=loss_fn, transform=resolve_transform(config, transform),
+                          data_given=train_data is not None,
+                          read_data=functools.partial(resolve_data, config, train_data, eval_data),
+                          data_seed=data_seed(config))
+    task.check(context)
+    return Parts(task=task, context=context, data=task.data(context), model=model,
+                 optimizer=resolve_optimizer(config, optimizer))
+
+
+# ------------------------------------------------------------------------------------------------ program
+
+def transformed(pieces: ModelPieces, config: Any, loss_fn: Callable | None) -> ModelPieces:
+    """The model's pieces after the config's transforms (``model.lora``: adapters, the base frozen)."""
+    lora = config.model.lora_settings()
+    if lora is None:
+        return pieces
+    if loss_fn is not None:
+        raise ConfigError("model.lora trains a registry model with its built-in loss; remove loss_fn= or model.lora")
+    return lora_transform(pieces, lora)
+
+
+def task_program(config: Any, parts: Parts, example_batch: dict[str, np.ndarray], model: Any = None
+                 ) -> tuple[Program, ModelPieces]:
+    """The task's program on the model's pieces (``model``: another build of the model than the parts', for
+    plans), and the pieces it was built on."""
+    task, data = parts.task, parts.data
+    inputs = task.model_inputs(parts.context, data, example_batch)
+    argument = data.fields.argument if data.fields is not None else None
+    pieces = transformed(model_pieces(parts.model if model is None else model, inputs, example_batch, argument),
+                         config, parts.context.loss_fn)
+    return task.program(parts.context, data, pieces, example_batch), pieces
+
+
+
+# ------------------------------------------------------------------------------------------------ objects
 
 def describe_object(obj: Any) -> str:
     """``package.module.Name`` of an object's type (of a function pair: of its ``init``), for the record."""
@@ -75,7 +146,7 @@ def resolve_model(config: Any, model: Any) -> tuple[Any, str | None]:
     if model is not None:
         return model, None
     section = config.model
-    if hasattr(section, "target"):
+    if isinstance(section, TargetModelConfig):
         built = call_target(section.target, section.factory_kwargs(), "model.target")
         if config.backend == "jax":
             from functrain.core.program import model_kind_of
@@ -84,8 +155,8 @@ def resolve_model(config: Any, model: Any) -> tuple[Any, str | None]:
             except ConfigError as exc:
                 raise ConfigError(f"model.target={section.target!r} returned: {exc}") from None
         return built, section.kind
-    if hasattr(section, PYTHON_OBJECT):
-        raise ConfigError(f"model.python_object={getattr(section, PYTHON_OBJECT)!r} records a model passed to fit; "
+    if isinstance(section, PythonModelConfig):
+        raise ConfigError(f"model.python_object={section.python_object!r} records a model passed to fit; "
                           f"pass it again with fit(..., model=) or set model.name or model.target")
     kind = model_spec(section.name)["kind"]
     if config.backend == "torch":
@@ -141,14 +212,14 @@ def resolve_data(config: Any, train_data: Any, eval_data: Any) -> tuple[Source |
         what = f"data.target={section.target!r} returned"
         return _source(train, what), None if evaluation is None else _eval_source(evaluation, what)
     if section.sources is not None:
-        return mixture_from_config(section, getattr(config.model, "vocab_size", None))
+        return mixture_from_config(section, config.model.vocabulary_size())
     if section.name == PYTHON_OBJECT:
         raise ConfigError("data.name=python_object records data passed to fit; pass it again with "
                           "fit(..., train_data=) or set data.name or data.target")
     if section.name == "tokens":
-        return token_store(section, getattr(config.model, "vocab_size", None))
+        return token_store(section, config.model.vocabulary_size())
     if section.name == "synthetic":
-        return synthetic_splits(section.seq_len, getattr(config.model, "vocab_size", None),
+        return synthetic_splits(section.seq_len, config.model.vocabulary_size(),
                                 config.seed if section.seed is None else section.seed, section.eval_fraction)
     train, evaluation = load_dataset(section)
     return as_source(train), (as_source(evaluation) if len(next(iter(evaluation.values()))) else None)
@@ -214,7 +285,7 @@ def resolve_transform(config: Any, transform: Transform | None) -> Transform | N
     return transform
 
 
-def check_data(data: Any) -> None:
+def check_data(data: TaskData) -> None:
     """Check what a task's loss reads before the first step (a :class:`~functrain.tasks.base.TaskData`): whole
     in-memory arrays at once (fields, dtypes, ranges), other sources by the fields of their first record (their
     ranges are checked batch by batch)."""

@@ -29,22 +29,34 @@ SECTION_MODULES = {
 }
 # What a config naming no task trains (the data's fields decide between a classifier and a causal LM).
 SUPERVISED = "supervised"
+# Tasks registered at run time (research code, examples/): name -> (task, section class or None).
+_REGISTERED: dict[str, tuple[Any, type | None]] = {}
+
+
+def register_task(task: Any, section: type | None = None) -> None:
+    """Register ``task`` (a :class:`~functrain.tasks.base.Task`) under ``task.name``, with its config section
+    class (a :class:`~functrain.core.section.TaskSection`, the top-level key named after the task) or None; a
+    config naming it can be loaded from then on. A name the package ships is refused."""
+    if task.name in TASK_MODULES:
+        raise ValueError(f"task {task.name!r} ships with functrain; register yours under another name")
+    _REGISTERED[task.name] = (task, section)
 
 
 def task_names() -> list[str]:
     """Every registered task name."""
-    return sorted(TASK_MODULES)
+    return sorted([*TASK_MODULES, *_REGISTERED])
 
 
 def task_sections() -> dict[str, type]:
     """Each task's config section class by the task's name (the run config's top-level keys)."""
-    return {name: importlib.import_module(module).SECTION for name, module in SECTION_MODULES.items()}
+    shipped = {name: importlib.import_module(module).SECTION for name, module in SECTION_MODULES.items()}
+    return {**shipped, **{name: section for name, (_, section) in _REGISTERED.items() if section is not None}}
 
 
 def check_task_name(name: str) -> str:
     """``name`` when registered; otherwise a ValueError naming the nearest one and the list."""
-    if name not in TASK_MODULES:
-        close = difflib.get_close_matches(name, TASK_MODULES, n=1)
+    if name not in task_names():
+        close = difflib.get_close_matches(name, task_names(), n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise ValueError(f"unknown task {name!r}; {hint}choose one of {', '.join(task_names())}")
     return name
@@ -59,6 +71,8 @@ def implied_task(config: Any) -> str | None:
 def task_for(config: Any) -> Any:
     """The :class:`~functrain.tasks.base.Task` a validated config trains."""
     name = config.task or SUPERVISED
+    if name in _REGISTERED:
+        return _REGISTERED[name][0]
     module = TASK_MODULES.get(name, TASK_MODULES["classify"] if name == SUPERVISED else None)
     if module is None:
         raise ConfigError(f"unknown task {name!r}; choose one of {', '.join(task_names())}")

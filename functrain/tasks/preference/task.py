@@ -61,7 +61,7 @@ class Preference(Task):
         train, evaluation = split_records(arrays, data.eval_fraction)
         if not len(train["chosen"]):
             raise DataError(f"{data.path} has no training pairs; add pairs or lower data.eval_fraction")
-        vocab = getattr(config.model, "vocab_size", None)
+        vocab = config.model.vocabulary_size()
         check = BatchCheck([FieldRule(name, upper=vocab, bound_key="model.vocab_size", what="token id")
                             for name in ("chosen", "rejected")], source=f"the data ({data.path})")
         eval_source = as_source(evaluation) if len(evaluation["chosen"]) else None

@@ -1,0 +1,26 @@
+"""``model.name: qwen3``: Qwen2's windows, Llama's ``attention_bias``, RMSNorm on each query and key head
+(:mod:`functrain.models.qwen3`)."""
+
+from typing import Literal
+
+import pydantic
+
+from functrain.models.configs.llama import LlamaConfig
+from functrain.models.configs.qwen2 import Qwen2Config
+
+
+class Qwen3Config(Qwen2Config):
+    """Qwen3 hyper-parameters, named as in HF's config.json."""
+
+    name: Literal["qwen3"] = "qwen3"
+    attention_bias: bool = False
+    head_dim: int | None = pydantic.Field(128, gt=0)  # HF's default, not hidden_size // heads
+
+    # ``attention_bias`` covers all four projections, as on Llama (Qwen2 fixes q/k/v on and o off).
+    qkv_bias = LlamaConfig.qkv_bias
+    o_bias = LlamaConfig.o_bias
+
+    @property
+    def qk_norm(self) -> bool:
+        """Qwen3 normalises each query and key head."""
+        return True
