@@ -23,8 +23,7 @@ import yaml
 from functrain.checkpoint import load_params
 from functrain.checkpoint.layout import CHECKPOINTS_SUBDIR, committed_steps
 from functrain.errors import ConfigError
-from functrain.models import build_model, model_spec
-from functrain.text.decode import context_length
+from functrain.models import build_model, is_language_model, model_config_class
 
 HF_CONFIG = "config.json"
 
@@ -54,13 +53,12 @@ def _run_dir_model(run_dir: Path, step: int | None) -> tuple[Any, Callable[[], A
         raise ConfigError(f"the teacher {run_dir} is not a registry model (its config.yaml has no model.name); a "
                           f"teacher must be one of functrain's models, trained or converted from HF")
     try:
-        spec = model_spec(section["name"])
-        config = spec["config_cls"].model_validate(section)
+        config = model_config_class(section["name"]).model_validate(section)
     except ValueError as exc:  # an unknown model name, or a pydantic ValidationError
         detail = exc.errors()[0]["msg"] if isinstance(exc, pydantic.ValidationError) else str(exc)
         raise ConfigError(f"the model section of {config_file} is not valid here ({detail}); point "
                           f"distill.teacher at a run of this functrain version") from None
-    if spec["kind"] != "causal_lm":
+    if not is_language_model(config.name):
         raise ConfigError(f"the teacher {run_dir} is model {section['name']!r}, not a language model; distill "
                           f"from a causal LM")
 
@@ -104,11 +102,12 @@ def open_teacher(path: str, *, step: int | None = None, dtype: Any = jnp.float32
 def check_teacher(teacher: Teacher, *, vocab_size: int, positions: int) -> None:
     """The teacher must predict the student's tokens (``vocab_size``: the student's logits') over the data's
     windows (``positions``: the inputs' length)."""
-    if teacher.config.vocab_size != vocab_size:
-        raise ConfigError(f"the teacher {teacher.source} has a vocabulary of {teacher.config.vocab_size} tokens and "
-                          f"the student {vocab_size}; distill.teacher must share the student's tokenizer and "
-                          f"vocabulary size")
-    context = context_length(teacher.config)
+    teacher_vocab_size = teacher.config.vocabulary_size()
+    if teacher_vocab_size != vocab_size:
+        raise ConfigError(f"the teacher {teacher.source} has a vocabulary of {teacher_vocab_size} tokens and the "
+                          f"student {vocab_size}; distill.teacher must share the student's tokenizer and vocabulary "
+                          f"size")
+    context = teacher.config.max_positions()
     if context is not None and context < positions:
         raise ConfigError(f"the teacher {teacher.source} attends over {context} positions and the data's windows "
                           f"have {positions}; lower data.seq_len or distil from a teacher with a longer context")
