@@ -10,12 +10,16 @@
         adapters on a converted base model); None: checkpoints restore straight onto the params' shardings
       adapter_checkpoints: saves hold the base weights once, then the trainable adapters only (LoRA's policy)
 
-    Program(init, loss_fn, eval_loss_fn, logical_specs, trainable=None, complete_params=None, state_for_params=None)
+    Program(init, loss_fn, eval_loss_fn, logical_specs, trainable=None, complete_params=None, state_for_params=None,
+            state_logical_specs=None)
       loss_fn(params, model_state, batch, rng) -> (loss_sum, weight, aux_sums, model_state)   # training mode
       eval_loss_fn(...)                                            # the same in evaluation mode
       state_for_params(params, model_state) -> model_state: the model state of a run starting from ``params``
         that come without one (a converted model): a task's entries seeded from the starting weights (a
         preference run's frozen reference copy); None: ``init``'s model state
+      state_logical_specs() -> {entry: tree of PartitionSpec}: model-state entries sharded by logical axes of
+        their own under the mesh rules (a distillation teacher's weights); None: every model-state leaf takes the
+        sharding of a param with its path suffix and shape, else is replicated
 
 A task (:mod:`functrain.tasks`) builds its Program on the model's pieces (:func:`program_on`), after transforms
 (LoRA: :func:`functrain.models.lora.lora_transform`) turned the pieces into others.
@@ -86,15 +90,18 @@ class Program:
     trainable: Callable[[Any], Any] | None = None
     complete_params: Callable[[Any, jax.Array], Any] | None = None
     state_for_params: Callable[[Any, Any], Any] | None = None
+    state_logical_specs: Callable[[], dict[str, Any]] | None = None
 
 
 def program_on(pieces: ModelPieces, loss_fn: Callable, eval_loss_fn: Callable, *,
                init: Callable[[jax.Array], tuple[Any, Any]] | None = None,
-               state_for_params: Callable[[Any, Any], Any] | None = None) -> Program:
+               state_for_params: Callable[[Any, Any], Any] | None = None,
+               state_logical_specs: Callable[[], dict[str, Any]] | None = None) -> Program:
     """The Program of a loss built on ``pieces``, keeping what their transforms froze (``init``: the pieces'
-    unless the task adds model-state entries of its own)."""
+    unless the task adds model-state entries of its own, ``state_logical_specs`` the logical axes of those)."""
     return Program(init or pieces.init, loss_fn, eval_loss_fn, pieces.logical_specs, trainable=pieces.trainable,
-                   complete_params=pieces.complete_params, state_for_params=state_for_params)
+                   complete_params=pieces.complete_params, state_for_params=state_for_params,
+                   state_logical_specs=state_logical_specs)
 
 
 class FunctionalModel(NamedTuple):

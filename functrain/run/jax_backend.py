@@ -105,6 +105,12 @@ class JaxBackend:
             program.logical_specs(), self.abstract_state.params, self.mesh, rules,
             allow_replicated_fallback=allow_replicated_fallback, param_rules=param_rules)
         self.state_shardings = sharding.state_shardings(self.abstract_state, self.param_shardings, self.mesh)
+        if program.state_logical_specs is not None:  # model-state entries with logical axes of their own (a teacher)
+            entries = {name: sharding.param_shardings(specs, self.abstract_state.model_state[name], self.mesh, rules,
+                                                      allow_replicated_fallback=allow_replicated_fallback)
+                       for name, specs in program.state_logical_specs().items()}
+            self.state_shardings = self.state_shardings.replace(
+                model_state={**self.state_shardings.model_state, **entries})
         if step.offload_optimizer:
             train_step = streaming_optimizer(train_step, self.state_shardings.opt_state)
             self.state_shardings = offload_opt_state(self.state_shardings)
