@@ -26,7 +26,7 @@ import optax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from functrain.core.preference import REFERENCE_LOGPS, PreferenceSettings, preference_program  # noqa: E402
+from functrain.tasks.preference.loss import REFERENCE_LOGPS, PreferenceSettings, preference_program  # noqa: E402
 from functrain.core.program import as_program, linen_pieces  # noqa: E402
 from functrain.core.state import TrainState  # noqa: E402
 from functrain.core.step import make_train_step  # noqa: E402

@@ -38,9 +38,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
+from functrain.core.program import as_program  # noqa: E402
 from functrain.run.build import jax_backend  # noqa: E402
 from functrain.run.config import Config, load_config  # noqa: E402
-from functrain.run.mfu import decoder_shape, peak_tflops, train_flops_per_token  # noqa: E402
+from functrain.run.mfu import peak_tflops, train_flops_per_token  # noqa: E402
 from functrain.models import build_model  # noqa: E402
 from functrain.parallel.memory import host_offload_available  # noqa: E402
 from functrain.core.optim import decay_mask  # noqa: E402
@@ -83,7 +84,7 @@ class Functrain:
     def __init__(self, config: Config, host_batches: dict, total_steps: int) -> None:
         model = build_model(config.model, COMPUTE_DTYPES[config.train.compute_dtype])
         example = {name: value[0] for name, value in host_batches.items()}
-        self.backend = jax_backend(config, example, total_steps, model=model, kind="causal_lm")  # as a run builds it
+        self.backend = jax_backend(config, as_program(model, example, kind="causal_lm"), total_steps)  # as a run builds it
         self.state = self.backend.init_state()
         self.batches = self.backend.place(host_batches)
 
@@ -188,7 +189,7 @@ def main() -> None:
     compiled = {name: runner.compiled() for name, runner in runners.items()}
     state = runners["functrain"].state
     step_time = step_s["functrain"]
-    shape = decoder_shape(config.model)
+    shape = config.model.decoder_shape()
     tokens = batch * seq
     devices = jax.device_count()
     needed = train_flops_per_token(shape, seq, attention="causal") * tokens

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench_loop import LogClock  # noqa: E402
 
-import functrain.run.parts  # noqa: E402
+import functrain.tasks.supervised.task  # noqa: E402
 from functrain import fit  # noqa: E402
 from functrain.run.config import load_config  # noqa: E402
 from functrain.data import BatchLoader, IndexSampler  # noqa: E402
@@ -38,7 +38,7 @@ JOBS = {  # config, steps, steps per call, first timed step (a multiple of the l
 
 def run_fit(config_path: str, steps: int, steps_per_call: int, warmup: int, checked: bool) -> float:
     unchecked = lambda fields, model_config, source="": BatchCheck([])  # noqa: E731
-    functrain.run.parts.batch_check = batch_check if checked else unchecked
+    functrain.tasks.supervised.task.batch_check = batch_check if checked else unchecked
     clock = LogClock(warmup, steps)
     with tempfile.TemporaryDirectory() as run_dir:
         fit(config_path, callbacks=[clock], **{

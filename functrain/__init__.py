@@ -23,7 +23,7 @@ _PUBLIC = {
     "make_train_step": "functrain.core.step",
     "FunctionalModel": "functrain.core.program", "Program": "functrain.core.program",
     "Run": "functrain.run.build", "build": "functrain.run.fit", "fit": "functrain.run.fit",
-    "drive": "functrain.run.loop", "FitResult": "functrain.run.outcome",
+    "drive": "functrain.run.loop", "FitResult": "functrain.run.outcome", "StopKind": "functrain.run.outcome",
 }
 
 __all__ = sorted(_PUBLIC)  # noqa: PLE0605 -- the names __getattr__ imports on first use

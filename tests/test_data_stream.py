@@ -15,6 +15,7 @@ from functrain.checkpoint import list_checkpoints
 from functrain.data import Stream, StreamLoader, StreamOrder
 from functrain.errors import DataError
 from functrain.commands.inspect import inspect_report
+from functrain.run.outcome import StopKind
 from test_data_mixture import RUN
 from test_resume_bitwise import DRIVER
 
@@ -135,3 +136,12 @@ def test_stream_errors_are_one_line(tmp_path):
     with pytest.raises(DataError, match="fewer than one batch"):
         StreamLoader(Stream(tuple(short)), StreamOrder(8, 0)).host_batch(0)
     assert not any((tmp_path / name).exists() for name in "abc")
+
+
+def test_a_run_whose_stream_ends_before_max_steps_says_so(tmp_path):
+    def records(start=0):
+        yield from ({"x": np.full(4, i, np.float32), "y": np.int32(i % 10)} for i in range(start, 40))
+
+    result = functrain.fit(RUN, train_data=records, **{"run.dir": str(tmp_path / "run"), "train.max_steps": 100})
+    assert result.step == 5 and result.stop_kind is StopKind.DATA_ENDED
+    assert "stream ended after 40 samples" in result.stop_reason and result.exit_code == 0

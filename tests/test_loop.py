@@ -9,8 +9,11 @@ import numpy as np
 import pytest
 
 from functrain import fit
-from functrain.run.callbacks import Callback, Control
+from functrain.run.callbacks import Callback, CallbackList, Control
+from functrain.run.outcome import StopKind
+from functrain.run.view import RunRecord, RunView
 from functrain.checkpoint import load_params
+from functrain.errors import ConfigError
 
 BASE = {"config": "configs/mlp_digits.yaml", "model.hidden": [16], "log.progress": False,
         "log.tensorboard": False, "train.steps_per_call": 4, "log.every_steps": 4, "eval.every_steps": 8,
@@ -65,12 +68,12 @@ def test_events_fire_at_call_boundaries_in_order(tmp_path):
     assert ("save", 32) in events
     # 1617 records / 256 = 6 steps per epoch (tail dropped): epochs end along the way.
     assert sum(1 for e in events if e[0] == "epoch_end") >= 4
-    assert result.step == 32 and result.stop_reason == "finished"
+    assert result.step == 32 and result.stop_reason == "finished" and result.stop_kind is StopKind.FINISHED
 
 
 def test_a_callback_can_stop_and_save(tmp_path):
     result = run(tmp_path, [Recorder(stop_at=12)], **{"train.max_steps": 40})
-    assert result.step == 12 and "callback" in result.stop_reason
+    assert result.step == 12 and "callback" in result.stop_reason and result.stop_kind is StopKind.CALLBACK
     assert sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit()) == [12]
 
 
@@ -79,7 +82,86 @@ def test_early_stopping_on_a_metric_that_does_not_improve(tmp_path):
                               "eval.early_stopping_metric": "eval/loss", "eval.early_stopping_patience": 2,
                               "eval.early_stopping_min_delta": 0.01})
     assert result.step == 24  # first eval sets the best, two more without improvement
-    assert "early stopping" in result.stop_reason
+    assert "early stopping" in result.stop_reason and result.stop_kind is StopKind.EARLY_STOPPED
+    assert result.exit_code == 0
+
+
+class Asks(Callback):
+    """Sends its requests back in Controls: its own metrics at each evaluation, a stop with a reason."""
+
+    def __init__(self, stop_at):
+        self.stop_at, self.seen_at_end = stop_at, None
+
+    def on_evaluate(self, view, metrics):
+        return Control(metrics={"probe": {"step_seen": float(view.step), "has_state": float(view.state is not None)}})
+
+    def on_step_end(self, view):
+        if view.step == self.stop_at:
+            return Control(should_stop=True, stop_reason="the probe is satisfied")
+
+    def on_train_end(self, view):
+        self.seen_at_end = (view.stop_kind, view.stop_reason)
+
+
+def test_a_callback_stop_carries_its_reason_and_its_metrics_are_logged(tmp_path):
+    asks = Asks(stop_at=16)
+    result = run(tmp_path, [asks], **{"train.max_steps": 40})
+    assert result.step == 16 and result.stop_reason == "the probe is satisfied"
+    assert result.stop_kind is StopKind.CALLBACK and result.exit_code == 0
+    assert asks.seen_at_end == (StopKind.CALLBACK, "the probe is satisfied")
+    probe = [line for line in map(json.loads, (tmp_path / "run" / "metrics.jsonl").open()) if line["split"] == "probe"]
+    assert [(line["step"], line["step_seen"], line["has_state"]) for line in probe] == [(8, 8.0, 1.0), (16, 16.0, 1.0)]
+    assert result.metrics["probe"] == {"step_seen": 16.0, "has_state": 1.0}
+
+
+class WritesTheView(Callback):
+    def on_step_end(self, view):
+        if view.step == 8:
+            view.stop_reason = "mine"
+
+
+def test_a_callback_that_writes_to_the_view_gets_a_clear_error(tmp_path):
+    with pytest.raises(AttributeError, match="read-only.*view.stop_reason.*Control"):
+        run(tmp_path, [WritesTheView()], **{"train.max_steps": 16})
+
+
+def test_the_view_reads_the_record_and_changes_none_of_it():
+    record = RunRecord(config=None, run_dir=None, max_steps=10, is_primary=True)
+    view = RunView(record)
+    record.step, record.last_metrics["train"] = 4, {"loss": 1.0}
+    assert view.step == 4 and view.last_metrics["train"]["loss"] == 1.0
+    for write in (lambda: setattr(view, "step", 5), lambda: delattr(view, "state")):
+        with pytest.raises(AttributeError, match="read-only"):
+            write()
+    with pytest.raises(TypeError):
+        view.last_metrics["eval"] = {}
+    with pytest.raises(TypeError):
+        view.last_metrics["train"]["loss"] = 0.0
+    assert record.step == 4 and record.last_metrics == {"train": {"loss": 1.0}}
+
+
+def test_a_stop_with_an_exit_status_outranks_a_callback_stop_and_the_first_stop_stands():
+    callback = Control(should_stop=True, stop_reason="mine")
+    signal_stop = Control(should_stop=True, should_save=True, stop_kind=StopKind.SIGNAL, stop_reason="SIGTERM")
+    for merged in (callback.merge(signal_stop), signal_stop.merge(callback)):
+        assert (merged.stop_kind, merged.stop_reason, merged.should_save) == (StopKind.SIGNAL, "SIGTERM", True)
+    first = Control(should_stop=True, stop_kind=StopKind.NONFINITE, stop_reason="at step 3")
+    later = Control(should_stop=True, stop_kind=StopKind.NONFINITE, stop_reason="at step 5")
+    assert first.merge(later).stop_reason == "at step 3"
+    assert Control(should_evaluate=True).merge(callback).stop_reason == "mine"
+    both = Control(metrics={"a": {"x": 1.0}}).merge(Control(metrics={"a": {"y": 2.0}, "b": {"z": 3.0}}))
+    assert both.metrics == {"a": {"x": 1.0, "y": 2.0}, "b": {"z": 3.0}}
+
+
+class MetricsOutsideEvaluate(Callback):
+    def on_step_end(self, view):
+        return Control(metrics={"probe": {"x": 1.0}})
+
+
+def test_metrics_in_a_control_outside_on_evaluate_are_refused():
+    view = RunView(RunRecord(config=None, run_dir=None, max_steps=10, is_primary=True))
+    with pytest.raises(ConfigError, match="MetricsOutsideEvaluate.on_step_end.*on_evaluate"):
+        CallbackList([MetricsOutsideEvaluate()]).fire("on_step_end", view)
 
 
 class SendSignal(Callback):
@@ -95,6 +177,7 @@ class SendSignal(Callback):
 def test_a_stop_signal_saves_at_the_next_call_boundary_and_stops(tmp_path, signum):
     result = run(tmp_path, [SendSignal(8, signum)], **{"train.max_steps": 40})
     assert result.step == 8 and signal.Signals(signum).name in result.stop_reason
+    assert result.stop_kind is StopKind.SIGNAL and result.exit_code == 75
     steps = sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit())
     assert steps == [8]
     # The handler is gone afterwards.
@@ -105,6 +188,7 @@ def test_nonfinite_stop_keeps_params_finite(tmp_path):
     result = run(tmp_path, **{"train.max_steps": 40, "optimizer.learning_rate": 1e25, "train.nonfinite": "stop",
                               "train.clip_norm": None})
     assert "non-finite" in result.stop_reason and result.step < 40
+    assert result.stop_kind is StopKind.NONFINITE and result.exit_code == 3
     params = load_params(tmp_path / "run")
     assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(params))
 
@@ -131,6 +215,8 @@ def test_a_second_run_resumes_where_the_first_stopped(tmp_path):
     first = run(tmp_path, **{"train.max_steps": 16})
     second = run(tmp_path, **{"train.max_steps": 32})
     assert first.step == 16 and second.step == 32
+    again = run(tmp_path, **{"train.max_steps": 32})
+    assert again.stop_kind is StopKind.ALREADY_FINISHED and "already finished" in again.stop_reason
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     train_steps = [line["step"] for line in lines if line["split"] == "train"]
     assert train_steps == list(range(4, 33, 4))  # no step trained twice, none missing

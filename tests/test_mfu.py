@@ -11,7 +11,7 @@ import pytest
 
 from functrain import fit
 from functrain.run.config import load_config
-from functrain.run.mfu import SpeedReport, decoder_shape, peak_tflops, speed_report, train_flops_per_token
+from functrain.run.mfu import SpeedReport, peak_tflops, speed_report, train_flops_per_token
 from functrain.core.state import TrainState
 from functrain.core.step import make_train_step
 from functrain.models import build_model
@@ -38,9 +38,9 @@ def test_the_flops_formula_matches_xla_cost_analysis_of_the_train_step(name):
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     # XLA executes the dense masked attention, so compare with the full count; norms, softmax and the
     # optimizer update are the few percent the formula leaves out.
-    analytic = train_flops_per_token(decoder_shape(config.model), SEQ, attention="full") * BATCH * SEQ
+    analytic = train_flops_per_token(config.model.decoder_shape(), SEQ, attention="full") * BATCH * SEQ
     assert 0.95 < analytic / cost["flops"] <= 1.0
-    causal = train_flops_per_token(decoder_shape(config.model), SEQ)
+    causal = train_flops_per_token(config.model.decoder_shape(), SEQ)
     assert causal < analytic / (BATCH * SEQ)
 
 
@@ -73,7 +73,7 @@ def test_an_accelerator_without_a_known_peak_is_named_in_a_warning(caplog):
     model = load_config(None, [], base={"model": MODELS["gpt"]}).model
     device = SimpleNamespace(device_kind="Mystery Accelerator X1", platform="gpu")
     with caplog.at_level(logging.WARNING, logger="functrain"):
-        report = speed_report(model, "causal_lm", 8, SEQ, [device])
+        report = speed_report(model.decoder_shape(), SEQ, 8, [device])
     assert report.flops_per_token and report.peak_flops_per_device is None
     assert "'Mystery Accelerator X1'" in caplog.text and "MFU is not reported" in caplog.text
     assert "mfu" not in report.fields(1.0) and "model_tflops_per_sec_per_device" in report.fields(1.0)

@@ -13,15 +13,16 @@ import yaml
 
 from functrain.checkpoint import Checkpointer
 from functrain.commands.cli import main
-from functrain.core.preference import REFERENCE, PreferenceSettings
+from functrain.tasks.preference.loss import REFERENCE, PreferenceSettings
 from functrain.core.state import TrainState
 from functrain.core.step import make_train_step, trainable_only
 from functrain.models import build_model, gpt
 from functrain.models.lora import LoraConfig
-from functrain.run.build import build_run, preference_program_of
-from functrain.run.config import load_config
+from functrain.run.build import build_run
 from functrain.run.parts import build_parts
-from functrain.text.preference import ByteTokenizer, preference_arrays, tokenize_pair
+from functrain.run.config import load_config
+from functrain.tasks.preference.task import preference_program_of
+from functrain.tasks.preference.pairs import ByteTokenizer, preference_arrays, tokenize_pair
 
 PAIRS = [{"prompt": "2+2=", "chosen": "4", "rejected": "five"},
          {"prompt": "The sky is ", "chosen": "blue", "rejected": "green"},
@@ -111,10 +112,10 @@ def test_truncation_cuts_as_trl_collator_does(mode, tmp_path):
 
 def test_identical_pairs_warn_once_and_are_counted(tmp_path):
     pairs = PAIRS + [{"prompt": "p", "chosen": "same", "rejected": "same"}] * 2
-    parts = build_parts(load_config(write_config(tmp_path, pairs)))
-    assert len(parts.notes) == 1
-    assert "2 pair(s) have identical chosen and rejected" in parts.notes[0] and "line 7" in parts.notes[0]
-    assert len(parts.train_data) == len(pairs)  # kept: they weigh nothing in the margin, not an error
+    data = build_parts(load_config(write_config(tmp_path, pairs))).data
+    assert len(data.notes) == 1
+    assert "2 pair(s) have identical chosen and rejected" in data.notes[0] and "line 7" in data.notes[0]
+    assert len(data.train) == len(pairs)  # kept: they weigh nothing in the margin, not an error
 
 
 @pytest.mark.parametrize("change, expected", [

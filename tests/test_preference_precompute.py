@@ -12,11 +12,12 @@ import pytest
 
 import functrain
 from functrain.commands.cli import main
-from functrain.core.preference import REFERENCE, REFERENCE_LOGPS, PreferenceSettings
+from functrain.tasks.preference.loss import (REFERENCE, REFERENCE_LOGPS, PreferenceSettings,
+                                             precomputed_reference_logps)
 from functrain.models import build_model, gpt
 from functrain.models.lora import LoraConfig
-from functrain.run.build import preference_program_of
-from functrain.run.reference_logps import FILE_NAME
+from functrain.tasks.preference.task import preference_pieces, preference_program_of
+from functrain.tasks.preference.reference import FILE_NAME
 from tests.test_preference import MODEL, PAIRS, batch_of, write_config, write_pairs
 
 METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
@@ -155,13 +156,15 @@ def test_with_lora_the_precomputed_reference_is_the_base_with_adapters_off(tmp_p
     settings = PreferenceSettings("ipo", beta=0.1)  # ipo also reads the token counts
     in_step = preference_program_of(model, batch, settings, lora)
     precomputed = preference_program_of(model, batch, settings, lora, precompute_ref=True)
+    pieces = preference_pieces(model, batch, lora)
+    precompute = precomputed_reference_logps(pieces.apply, pieces.frozen_apply)
     rng = np.random.default_rng(0)  # random weights, adapters included (cheaper than compiling init)
     params, model_state = jax.tree.map(lambda leaf: (0.2 * rng.standard_normal(leaf.shape)).astype(leaf.dtype),
                                        jax.eval_shape(in_step.init, jax.random.PRNGKey(0)))
 
     @jax.jit
     def both(params, model_state, batch, key):
-        carried = {**batch, **precomputed.precompute(params, model_state, batch)}
+        carried = {**batch, **precompute(params, model_state, batch)}
         return (in_step.eval_loss_fn(params, model_state, batch, key),
                 precomputed.eval_loss_fn(params, model_state, carried, key))
     want, got = both(params, model_state, batch, jax.random.PRNGKey(0))

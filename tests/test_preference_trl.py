@@ -16,8 +16,8 @@ from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
 import functrain
 from functrain.commands.cli import main
-from functrain.core.preference import PreferenceSettings, pair_losses
-from functrain.text.preference import load_preference_tokenizer, preference_arrays
+from functrain.tasks.preference.loss import PreferenceSettings, pair_losses
+from functrain.tasks.preference.pairs import load_preference_tokenizer, preference_arrays
 
 PAIRS = [{"prompt": "2+2=", "chosen": "4", "rejected": "five"},
          {"prompt": "sky? ", "chosen": "blue", "rejected": "red"},

@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # Highest first: a room imports only rooms on its own floor or below.
-FLOORS = [("commands",), ("run",), ("text", "torch_bridge"), ("checkpoint",), ("models",), ("parallel",),
+FLOORS = [("commands",), ("run",), ("tasks",), ("text", "torch_bridge"), ("checkpoint",), ("models",), ("parallel",),
           ("core",), ("data",), ("errors",)]
 LEVEL = {room: len(FLOORS) - index for index, rooms in enumerate(FLOORS) for room in rooms}
 

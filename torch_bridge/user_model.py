@@ -33,6 +33,7 @@ Randomness inside a module (dropout) draws from torch's global generator, which 
 
 import functools
 import inspect
+import sys
 from typing import Any, Callable, Mapping, cast
 
 import torch
@@ -40,6 +41,7 @@ from torch import nn
 
 from functrain.core.fields import Fields, canonical
 from functrain.errors import ConfigError
+from functrain.models.configs.base import DecoderShape
 from torch_bridge.models import binder, block_causal_mask, causal_lm_sums, classifier_sums, loss_for
 from torch_bridge.step import LossFn, LossOutput, Params
 
@@ -175,6 +177,27 @@ def trainable_module(model: Any) -> nn.Module:
     if config is not None and getattr(config, "use_cache", False):
         config.use_cache = False
     return model
+
+
+def decoder_shape(model: nn.Module) -> DecoderShape | None:
+    """The FLOPs formula's shape (MFU in the logs) of a transformers decoder, read from its ``config`` under
+    the names every transformers config answers to (``num_hidden_layers``, ``hidden_size``,
+    ``num_attention_heads``, ``vocab_size``; GPT-2's ``n_layer`` and the like map onto them), with
+    ``num_key_value_heads``, ``head_dim`` and ``intermediate_size`` (a gated MLP) where the family has them.
+    None for a module that is no transformers model: functrain does not guess the shape of a user's own."""
+    transformers = sys.modules.get("transformers")  # imported already wherever a transformers model exists
+    config = getattr(model, "config", None)
+    if transformers is None or not isinstance(config, transformers.PretrainedConfig):
+        return None
+    layers, width, heads, vocab = (getattr(config, key, None) for key in
+                                   ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size"))
+    if not (layers and width and heads and vocab):
+        return None
+    mlp_width = getattr(config, "intermediate_size", None)
+    return DecoderShape(layers=layers, width=width, heads=heads,
+                        kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+                        head_dim=getattr(config, "head_dim", None) or width // heads,
+                        mlp_width=mlp_width or 4 * width, mlp_matrices=2 if mlp_width is None else 3, vocab=vocab)
 
 
 def step_loss(model: nn.Module, *, builtin: bool, loss_fn: UserLoss | None, fields: Fields | None,

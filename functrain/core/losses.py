@@ -23,7 +23,7 @@ calls the same functions with its own ops (this module never imports torch).
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -145,15 +145,25 @@ def causal_lm_loss(model: nn.Module, deterministic: bool) -> Callable:
     return _bound_loss("causal_lm", model, deterministic)
 
 
-def batch_check(fields: Fields, model_config: Any, source: str = "the data") -> BatchCheck:
+class ModelBounds(Protocol):
+    """What a batch check asks of the model's config (:class:`functrain.models.configs.base.ModelConfig`)."""
+
+    def class_count(self) -> int | None:
+        """Labels lie below it (None: unbounded)."""
+
+    def vocabulary_size(self) -> int | None:
+        """Token ids lie below it (None: unbounded)."""
+
+
+def batch_check(fields: Fields, model_config: ModelBounds, source: str = "the data") -> BatchCheck:
     """What the built-in loss of ``fields`` reads from a batch, with the bounds ``model_config`` gives (if any).
     HF ``labels`` are not range-checked: ``-100`` is theirs by design."""
     if fields.kind == "classifier":
         assert fields.labels is not None, "a classifier's fields name its labels"
         rules = [FieldRule(fields.inputs, integer=False, what="input"),
-                 FieldRule(fields.labels, upper=getattr(model_config, "num_classes", None),
-                           bound_key="model.num_classes", what="label")]
+                 FieldRule(fields.labels, upper=model_config.class_count(), bound_key="model.num_classes",
+                           what="label")]
     else:
-        rules = [FieldRule(fields.inputs, upper=getattr(model_config, "vocab_size", None),
-                           bound_key="model.vocab_size", what="token id")]
+        rules = [FieldRule(fields.inputs, upper=model_config.vocabulary_size(), bound_key="model.vocab_size",
+                           what="token id")]
     return BatchCheck(rules, source)

@@ -1,20 +1,28 @@
-"""A Program: what the JAX backend needs from a model, whatever framework wrote it.
+"""A Program: what the JAX backend needs from a model and a task's loss, whatever framework wrote the model.
 
-    Program(init, loss_fn, eval_loss_fn, logical_specs, trainable=None, complete_params=None, state_for_params=None,
-            precompute=None)
+    ModelPieces(init, apply, logical_specs, framework, frozen_apply=None, trainable=None, complete_params=None)
       init(rng) -> (params, model_state)                          # float32 params; {} when nothing mutable
-      loss_fn(params, model_state, batch, rng) -> (loss_sum, weight, aux_sums, model_state)   # training mode
-      eval_loss_fn(...)                                            # the same in evaluation mode
+      apply(params, model_state, inputs, train, rng, **keywords) -> (output, model_state)
       logical_specs() -> tree of PartitionSpec of logical axis names (PartitionSpec() where none)
+      frozen_apply: the same params with a transform's trainable delta off (LoRA's base model), or None
       trainable(params) -> tree of bools: the leaves the step trains (None: all); the rest stay frozen
       complete_params(restored_params, init_rng) -> params: fills what a restored checkpoint lacks (LoRA
         adapters on a converted base model); None: checkpoints restore straight onto the params' shardings
+      adapter_checkpoints: saves hold the base weights once, then the trainable adapters only (LoRA's policy)
+
+    Program(init, loss_fn, eval_loss_fn, logical_specs, trainable=None, complete_params=None, state_for_params=None,
+            state_logical_specs=None)
+      loss_fn(params, model_state, batch, rng) -> (loss_sum, weight, aux_sums, model_state)   # training mode
+      eval_loss_fn(...)                                            # the same in evaluation mode
       state_for_params(params, model_state) -> model_state: the model state of a run starting from ``params``
-        that come without one (a converted model): a preference run's frozen reference copy is those params;
-        None: ``init``'s model state
-      precompute(params, model_state, batch) -> {field: [B]}: per-record values the loss reads from its batches,
-        computed once from the starting state before the first step (a preference run's reference log-probs,
-        ``preference.precompute_ref``); None: the batches carry none
+        that come without one (a converted model): a task's entries seeded from the starting weights (a
+        preference run's frozen reference copy); None: ``init``'s model state
+      state_logical_specs() -> {entry: tree of PartitionSpec}: model-state entries sharded by logical axes of
+        their own under the mesh rules (a distillation teacher's weights); None: every model-state leaf takes the
+        sharding of a param with its path suffix and shape, else is replicated
+
+A task (:mod:`functrain.tasks`) builds its Program on the model's pieces (:func:`program_on`), after transforms
+(LoRA: :func:`functrain.models.lora.lora_transform`) turned the pieces into others.
 
 Adapters turn user code into one (:func:`as_program`):
 
@@ -60,6 +68,19 @@ Apply = Callable[[Any, Any, Any, bool, jax.Array], tuple[Any, Any]]
 
 
 @dataclass(frozen=True)
+class ModelPieces:
+    """A model as pure functions, and what a transform froze (see the module docstring)."""
+    init: Callable[[jax.Array], tuple[Any, Any]]
+    apply: Apply
+    logical_specs: Callable[[], Any]
+    framework: str                                      # linen / nnx / functions (see model_kind_of)
+    frozen_apply: Apply | None = None
+    trainable: Callable[[Any], Any] | None = None
+    complete_params: Callable[[Any, jax.Array], Any] | None = None
+    adapter_checkpoints: bool = False                   # checkpoints hold the trainable leaves once the base is saved
+
+
+@dataclass(frozen=True)
 class Program:
     """The pure pieces of one model and loss (see the module docstring)."""
     init: Callable[[jax.Array], tuple[Any, Any]]
@@ -69,7 +90,18 @@ class Program:
     trainable: Callable[[Any], Any] | None = None
     complete_params: Callable[[Any, jax.Array], Any] | None = None
     state_for_params: Callable[[Any, Any], Any] | None = None
-    precompute: Callable[[Any, Any, Any], dict[str, Any]] | None = None
+    state_logical_specs: Callable[[], dict[str, Any]] | None = None
+
+
+def program_on(pieces: ModelPieces, loss_fn: Callable, eval_loss_fn: Callable, *,
+               init: Callable[[jax.Array], tuple[Any, Any]] | None = None,
+               state_for_params: Callable[[Any, Any], Any] | None = None,
+               state_logical_specs: Callable[[], dict[str, Any]] | None = None) -> Program:
+    """The Program of a loss built on ``pieces``, keeping what their transforms froze (``init``: the pieces'
+    unless the task adds model-state entries of its own, ``state_logical_specs`` the logical axes of those)."""
+    return Program(init or pieces.init, loss_fn, eval_loss_fn, pieces.logical_specs, trainable=pieces.trainable,
+                   complete_params=pieces.complete_params, state_for_params=state_for_params,
+                   state_logical_specs=state_logical_specs)
 
 
 class FunctionalModel(NamedTuple):
@@ -366,28 +398,57 @@ def check_weight_is_a_count(loss_fn: Callable, params: Any, model_state: Any, ba
 
 # ---------------------------------------------------------------------------------------------- entry
 
-def _pieces(model: Any, framework: str, fields: Fields | None, example_batch: Batch
-            ) -> tuple[Callable, Apply, Callable]:
-    """The adapter's ``(init, apply, logical_specs)``; a linen model is initialised on the input ``fields`` name."""
-    argument = fields.argument if fields is not None else None
+def model_inputs_of(fields: Fields | None, example_batch: Batch) -> Any:
+    """What a model is called on in a batch of these ``fields``: the built-in loss's inputs, or the named input
+    field (the batch itself when no field is named: a FunctionalModel's ``init`` reads it whole)."""
+    if fields is None:
+        return example_batch
+    return (model_inputs(fields.kind, canonical(fields, example_batch)) if fields.kind
+            else example_batch[fields.inputs])
+
+
+def model_pieces(model: Any, inputs: Any, example_batch: Batch, argument: str | None = None) -> ModelPieces:
+    """The :class:`ModelPieces` of a linen module (initialised on ``inputs``, passed positionally or as the
+    keyword ``argument``), an NNX module or a :class:`FunctionalModel` (``init`` reads ``example_batch``)."""
+    framework = model_kind_of(model)
     if framework == "nnx":
-        return nnx_pieces(model, argument)
+        return ModelPieces(*nnx_pieces(model, argument), framework=framework)
     if framework == "linen":
-        if fields is None:
-            fields = require_builtin(fields, example_batch)  # raises: names the missing input and its setting
-        inputs = (model_inputs(fields.kind, canonical(fields, example_batch)) if fields.kind
-                  else example_batch[fields.inputs])
-        return linen_pieces(model, inputs, argument)
-    if fields is not None and fields.argument is not None:
-        raise ConfigError(f"data.fields.inputs maps {fields.inputs!r} to the keyword {fields.argument!r}, and "
-                          f"FunctionalModel's apply(params, inputs) takes its inputs positionally; name the field "
-                          f"alone (inputs={fields.inputs!r})")
-    return functional_pieces(model, example_batch)
+        return ModelPieces(*linen_pieces(model, inputs, argument), framework=framework)
+    if argument is not None:
+        raise ConfigError(f"data.fields.inputs passes the input as the keyword {argument!r}, and FunctionalModel's "
+                          f"apply(params, inputs) takes its inputs positionally; name the field alone")
+    return ModelPieces(*functional_pieces(model, example_batch), framework=framework)
+
+
+def builtin_program(pieces: ModelPieces, fields: Fields, example_batch: Batch) -> Program:
+    """The built-in loss of ``fields.kind`` on the model's logits, after checking the model returns logits that
+    fit it (shapes only)."""
+    loss_kind = fields.kind
+    if loss_kind is None:
+        raise ValueError("builtin_program needs fields of a built-in loss (require_builtin gives them)")
+    params, model_state = jax.eval_shape(pieces.init, jax.random.PRNGKey(0))
+    check_logits(pieces.apply, loss_kind, params, model_state, canonical(fields, example_batch))
+    return program_on(pieces, builtin_loss(pieces.apply, loss_kind, True, fields),
+                      builtin_loss(pieces.apply, loss_kind, False, fields))
+
+
+def user_program(pieces: ModelPieces, loss_fn: Callable, example_batch: Batch) -> Program:
+    """A user loss (either form of the module docstring) on the model's parameters, after checking its
+    structure and that it returns sums."""
+    if not callable(loss_fn):
+        raise ConfigError(f"loss_fn is a {type(loss_fn).__name__}, not a function; pass "
+                          f"loss_fn(params, batch, rng) -> (loss_sum, weight, aux_sums)")
+    params, model_state = jax.eval_shape(pieces.init, jax.random.PRNGKey(0))
+    check_user_loss(loss_fn, params, example_batch, model_state)
+    check_weight_is_a_count(user_loss(loss_fn), *pieces.init(jax.random.PRNGKey(0)), example_batch)
+    return program_on(pieces, user_loss(loss_fn), user_loss(loss_fn, train=False))
 
 
 def as_program(model: Any, example_batch: Batch, *, kind: str | None = None, loss_fn: Callable | None = None,
                fields: Fields | None = None) -> Program:
-    """The :class:`Program` of a linen module, an NNX module, a :class:`FunctionalModel` or a Program.
+    """The :class:`Program` of a linen module, an NNX module, a :class:`FunctionalModel` or a Program, with the
+    built-in loss its data calls for or a user loss (research code's entry; runs go through a task).
 
     Args:
       model: the model object.
@@ -405,19 +466,10 @@ def as_program(model: Any, example_batch: Batch, *, kind: str | None = None, los
     framework = model_kind_of(model)
     if fields is None and (framework == "linen" or loss_fn is None):  # only what reads the fields needs them
         fields = resolve_fields(example_batch, kind=kind)
-    init, apply, logical_specs = _pieces(model, framework, fields, example_batch)
-    params, model_state = jax.eval_shape(init, jax.random.PRNGKey(0))
+    if framework == "linen" and fields is None:
+        require_builtin(fields, example_batch)  # names the missing input and the setting that fixes it
+    pieces = model_pieces(model, model_inputs_of(fields, example_batch), example_batch,
+                          fields.argument if fields is not None else None)
     if loss_fn is None:
-        fields = require_builtin(fields, example_batch)
-        loss_kind = fields.kind
-        assert loss_kind is not None, "require_builtin returns fields a built-in loss fits"
-        check_logits(apply, loss_kind, params, model_state, canonical(fields, example_batch))
-        return Program(init, builtin_loss(apply, loss_kind, True, fields),
-                       builtin_loss(apply, loss_kind, False, fields), logical_specs)
-    if not callable(loss_fn):
-        raise ConfigError(f"loss_fn is a {type(loss_fn).__name__}, not a function; pass "
-                          f"loss_fn(params, batch, rng) -> (loss_sum, weight, aux_sums)")
-    check_user_loss(loss_fn, params, example_batch, model_state)
-    initial_params, initial_state = init(jax.random.PRNGKey(0))
-    check_weight_is_a_count(user_loss(loss_fn), initial_params, initial_state, example_batch)
-    return Program(init, user_loss(loss_fn), user_loss(loss_fn, train=False), logical_specs)
+        return builtin_program(pieces, require_builtin(fields, example_batch), example_batch)
+    return user_program(pieces, loss_fn, example_batch)

@@ -33,12 +33,12 @@ import jax.numpy as jnp
 
 from functrain.errors import ConfigError
 from functrain.models.kv_cache import causal_mask
+from functrain.models.options import AttentionChoice
 from functrain.models.splash import interpreted as pallas_interpreted
 from functrain.models.splash import is_interpreted, splash_attention, splash_problem
 from functrain.parallel.target import target_name, target_platform
 
 Array = jax.Array
-AttentionChoice = Literal["auto", "xla", "cudnn", "splash"]
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 __all__ = ["AttentionChoice", "attend", "attention_kernel", "cudnn_available", "pallas_interpreted",

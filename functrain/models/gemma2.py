@@ -8,94 +8,22 @@ MLP (``hidden_activation``, Llama's MLP module); the LM head tied to the embeddi
 ``final_logit_softcapping``. Parameter names mirror HF's.
 """
 
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Any, TypeVar
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import pydantic
 
 from functrain.errors import ConfigError
 from functrain.models.attention import attend, attention_kernel
-from functrain.models.hf_common import HFModelConfig, check_activation, dense, embed, hf_config_dict, token_positions
+from functrain.models.configs.gemma2 import Gemma2Config
+from functrain.models.hf_common import dense, embed, hf_config_dict, token_positions
 from functrain.models.kv_cache import decoding, extend_cache, next_positions
 from functrain.models.llama import LlamaMLP
 from functrain.models.remat import check_remat, remat_block
-from functrain.models.rope import RopeScaling, apply_rope, frequencies, hf_rope_parameters, parse_hf_rope
+from functrain.models.rope import apply_rope, frequencies, hf_rope_parameters, parse_hf_rope
 from functrain.models.scan import apply_layers
 from functrain.parallel.sharding import constrain_batch
-
-LayerType = Literal["full_attention", "sliding_attention"]
-
-
-class Gemma2Config(HFModelConfig):
-    """Gemma 2 hyper-parameters, named as in HF's config.json."""
-
-    name: Literal["gemma2"] = "gemma2"
-    vocab_size: int = pydantic.Field(256000, gt=0)
-    hidden_size: int = pydantic.Field(2304, gt=0)
-    intermediate_size: int = pydantic.Field(9216, gt=0)
-    num_hidden_layers: int = pydantic.Field(26, gt=0)
-    num_attention_heads: int = pydantic.Field(8, gt=0)
-    num_key_value_heads: int = pydantic.Field(4, gt=0)
-    head_dim: int = pydantic.Field(256, gt=0)
-    hidden_activation: str = "gelu_pytorch_tanh"
-    max_position_embeddings: int = pydantic.Field(8192, gt=0)
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | None = None
-    attention_bias: bool = False
-    query_pre_attn_scalar: int = pydantic.Field(256, gt=0)
-    sliding_window: int | None = pydantic.Field(4096, gt=0)
-    layer_types: tuple[LayerType, ...] | None = None
-    attn_logit_softcapping: float | None = pydantic.Field(50.0, gt=0)
-    final_logit_softcapping: float | None = pydantic.Field(30.0, gt=0)
-    tie_word_embeddings: Literal[True] = True
-    initializer_range: float = 0.02
-
-    scans_layers: ClassVar[bool] = True
-
-    @pydantic.model_validator(mode="after")
-    def _consistent(self):
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
-                             f"num_key_value_heads {self.num_key_value_heads}")
-        if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
-        check_activation(self.hidden_activation)
-        return self
-
-    @property
-    def attn_head_dim(self) -> int:
-        """Per-head width (``head_dim``)."""
-        return self.head_dim
-
-    # Llama's MLP reads these: Gemma's gated MLP has no biases, its activation is ``hidden_activation``.
-    mlp_bias: ClassVar[bool] = False
-
-    @property
-    def hidden_act(self) -> str:
-        """The MLP's activation (``hidden_activation``), under the name Llama's MLP reads."""
-        return self.hidden_activation
-
-    # What Gemma 3 changes, overridden by its config subclass (functrain.models.gemma3).
-    sliding_window_pattern: ClassVar[int] = 2  # default layer_types: every n-th layer global, the others sliding
-
-    def attention_window(self, layer: int) -> int | None:
-        """``sliding_window`` on ``sliding_attention`` layers (by default all but every n-th), else None."""
-        types = self.layer_types or tuple("full_attention" if (i + 1) % self.sliding_window_pattern == 0
-                                          else "sliding_attention" for i in range(self.num_hidden_layers))
-        return self.sliding_window if types[layer] == "sliding_attention" else None
-
-    @property
-    def qk_norm(self) -> bool:
-        """Whether queries and keys are RMS-normalised per head (``q_norm``/``k_norm``)."""
-        return False
-
-    def rope_for(self, layer: int) -> Any:
-        """The rope settings (``rope_theta``, ``rope_scaling``) of ``layer``: the same on every Gemma 2 layer."""
-        return self
-
 
 _Config = TypeVar("_Config", bound=Gemma2Config)
 
@@ -225,7 +153,7 @@ class Gemma2ForCausalLM(nn.Module):
         x = constrain_batch(x)
         block = remat_block(Gemma2Block, cfg.remat, prevent_cse=not cfg.scan_layers)
         # A layer's window decides its RoPE too (Gemma 3), so the windows give the period a scan repeats.
-        x = apply_layers(x, kinds=[cfg.attention_window(i) for i in range(cfg.num_hidden_layers)],
+        x = apply_layers(x, kinds=cfg.layer_kinds(),
                          make_block=lambda i, name: block(cfg, i, self.dtype, name=name), prefix="layers_",
                          scan=cfg.scan_layers, args=(segment_ids, positions))
         x = GemmaRMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(x)

@@ -3,38 +3,12 @@ query and key head (``q_norm``/``k_norm``), no soft-capping by default, one glob
 RoPE per layer type: ``rope_theta`` (and any scaling) on global layers, ``rope_local_base_freq`` on sliding ones.
 """
 
-from typing import Any, ClassVar, Literal
-
-import pydantic
+from typing import Any
 
 from functrain.errors import ConfigError
 from functrain.models import gemma2
+from functrain.models.configs.gemma3 import Gemma3TextConfig
 from functrain.models.rope import hf_rope_parameters
-
-
-class Gemma3TextConfig(gemma2.Gemma2Config):
-    """Gemma 3 text hyper-parameters, named as in HF's config.json (old layout: ``rope_local_base_freq``)."""
-
-    name: Literal["gemma3_text"] = "gemma3_text"  # type: ignore[assignment]  # each family's own tag
-    vocab_size: int = pydantic.Field(262208, gt=0)
-    max_position_embeddings: int = pydantic.Field(131072, gt=0)
-    rope_theta: float = 1000000.0
-    rope_local_base_freq: float = 10000.0
-    attn_logit_softcapping: float | None = pydantic.Field(None, gt=0)
-    final_logit_softcapping: float | None = pydantic.Field(None, gt=0)
-
-    sliding_window_pattern: ClassVar[int] = 6
-
-    @property
-    def qk_norm(self) -> bool:
-        """Gemma 3 normalises each query and key head."""
-        return True
-
-    def rope_for(self, layer: int) -> Any:
-        """Sliding layers use the plain local theta; global ones ``rope_theta`` and ``rope_scaling``."""
-        if self.attention_window(layer) is None:
-            return self
-        return self.model_copy(update={"rope_theta": self.rope_local_base_freq, "rope_scaling": None})
 
 
 def from_hf_config(hf: dict[str, Any]) -> Gemma3TextConfig:

@@ -8,40 +8,17 @@ attention kernel, what the backward pass recomputes and whether the blocks are o
 (:mod:`functrain.models.options`).
 """
 
-from typing import Any, ClassVar, Literal
+from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
-from pydantic import ConfigDict, Field, model_validator
 
 from functrain.models.attention import attend, attention_kernel
+from functrain.models.configs.gpt import GPTConfig
 from functrain.models.kv_cache import decoding, extend_cache, next_positions
-from functrain.models.options import RuntimeOptions
 from functrain.models.remat import check_remat, remat_block
 from functrain.models.scan import apply_layers
 from functrain.parallel.sharding import constrain_batch
-
-
-class GPTConfig(RuntimeOptions):
-    """``model.*`` keys of the GPT."""
-    model_config = ConfigDict(extra="forbid")
-    name: Literal["gpt"] = "gpt"
-    vocab_size: int = Field(256, ge=2)  # byte-level text
-    max_len: int = Field(256, ge=1)
-    d_model: int = Field(128, ge=1)
-    n_layers: int = Field(2, ge=1)
-    n_heads: int = Field(4, ge=1)
-    d_ff: int = Field(512, ge=1)
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
-
-    scans_layers: ClassVar[bool] = True
-
-    @model_validator(mode="after")
-    def _heads_divide_width(self) -> "GPTConfig":
-        if self.d_model % self.n_heads:
-            raise ValueError(f"model.n_heads={self.n_heads} does not divide model.d_model={self.d_model}; "
-                             f"choose n_heads so that d_model / n_heads is a whole head width")
-        return self
 
 
 def _param(init: Any, names: tuple[str, ...]) -> Any:
@@ -111,7 +88,7 @@ class GPT(nn.Module):
         x = constrain_batch(x)
         # deterministic is a Python bool
         block = remat_block(Block, cfg.remat, static_argnums=(2,), prevent_cse=not cfg.scan_layers)
-        x = apply_layers(x, kinds=[None] * cfg.n_layers, make_block=lambda i, name: block(cfg, self.dtype, name=name),
+        x = apply_layers(x, kinds=cfg.layer_kinds(), make_block=lambda i, name: block(cfg, self.dtype, name=name),
                          prefix="block_", scan=cfg.scan_layers, leading_args=(deterministic,), args=(segment_ids,))
         x = nn.LayerNorm(dtype=self.dtype, name="ln_final", scale_init=_param(nn.initializers.ones, ("norm",)),
                          bias_init=_param(nn.initializers.zeros, ("norm",)))(x)

@@ -10,56 +10,17 @@ line by line; the fused ``c_attn`` is split into ``q``/``k``/``v`` here so each 
 at 0 per document) index ``wpe``. ``model.attention`` / ``model.remat``: :mod:`functrain.models.options`.
 """
 
-from typing import Any, Literal
+from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
-import pydantic
 
 from functrain.models.attention import attend, attention_kernel
-from functrain.models.hf_common import (
-    HFModelConfig,
-    activation,
-    check_activation,
-    dense,
-    embed,
-    hf_config_dict,
-    layer_norm,
-    token_positions,
-)
+from functrain.models.configs.gpt2 import GPT2Config
+from functrain.models.hf_common import activation, dense, embed, hf_config_dict, layer_norm, token_positions
 from functrain.models.kv_cache import decoding, extend_cache, next_positions
 from functrain.models.remat import check_remat, remat_block
 from functrain.parallel.sharding import constrain_batch
-
-
-class GPT2Config(HFModelConfig):
-    """GPT-2 hyper-parameters, named as in HF's config.json."""
-
-    name: Literal["gpt2"] = "gpt2"
-    vocab_size: int = pydantic.Field(50257, gt=0)
-    n_positions: int = pydantic.Field(1024, gt=0)
-    n_embd: int = pydantic.Field(768, gt=0)
-    n_layer: int = pydantic.Field(12, gt=0)
-    n_head: int = pydantic.Field(12, gt=0)
-    n_inner: int | None = None
-    activation_function: str = "gelu_new"
-    layer_norm_epsilon: float = 1e-5
-    initializer_range: float = 0.02
-    scale_attn_weights: bool = True
-    scale_attn_by_inverse_layer_idx: bool = False
-    tie_word_embeddings: Literal[True] = True
-
-    @pydantic.model_validator(mode="after")
-    def _heads_divide_width(self):
-        if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd {self.n_embd} is not a multiple of n_head {self.n_head}")
-        check_activation(self.activation_function)
-        return self
-
-    @property
-    def inner_size(self) -> int:
-        """MLP width: ``n_inner`` or 4 × ``n_embd`` as in HF."""
-        return self.n_inner or 4 * self.n_embd
 
 
 def from_hf_config(hf: dict[str, Any]) -> GPT2Config:

@@ -1,4 +1,4 @@
-"""Pieces shared by the HF-compatible models (GPT-2, Llama): config base, layers, position handling.
+"""Pieces shared by the HF-compatible models (GPT-2, Llama): layers, position handling, the config as HF keys.
 
 The maths follows the PyTorch reference implementations in `transformers` so that a converted checkpoint
 gives the same logits to float32 precision; see `torch_bridge.hf` for the weight conversion. Attention is
@@ -11,82 +11,25 @@ from typing import Any, Callable, Iterable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import pydantic
 
-from functrain.errors import ConfigError
-from functrain.models.lora import LoraConfig
-from functrain.models.options import RUNTIME_KEYS, RuntimeOptions
+from functrain.models.configs.hf import ACTIVATIONS, HFModelConfig, check_activation
+from functrain.models.options import RUNTIME_KEYS
 
 Array = jax.Array
 
 
-class HFModelConfig(RuntimeOptions):
-    """Base for model configs whose fields are named like the keys of an HF ``config.json`` (plus the
-    runtime options ``attention``, ``remat`` and ``scan_layers``, which an HF config never sets)."""
-
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
-
-    # Special tokens are not used by the model but travel with it, so generation works after export.
-    bos_token_id: int | list[int] | None = None
-    eos_token_id: int | list[int] | None = None
-    pad_token_id: int | None = None
-    # Fine-tuning with low-rank adapters (functrain.models.lora); not part of the HF config.
-    lora: LoraConfig | None = None
-
-    @pydantic.model_validator(mode="after")
-    def _lora_unrolled(self):
-        # Adapters are matched and saved per layer (PEFT's keys); they are not stacked for a scan.
-        if self.lora is not None and self.scan_layers:
-            raise ValueError("model.lora does not combine with model.scan_layers (adapters are per layer); "
-                             "set model.scan_layers=false for LoRA fine-tuning")
-        return self
-
-    @classmethod
-    def from_hf_dict(cls, hf: dict[str, Any], **overrides: Any):
-        """Build from an HF config dict, keeping only the keys this config knows (HF adds many more)."""
-        known = {k: v for k, v in hf.items()
-                 if k in cls.model_fields and k != "name" and k not in RUNTIME_KEYS and v is not None}
-        known.update(overrides)
-        try:
-            return cls(**known)
-        except pydantic.ValidationError as err:
-            first = err.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            message = first["msg"].removeprefix("Value error, ")
-            where = f"{where}: " if where else ""
-            raise ConfigError(f"config.json: {where}{message}; fix config.json") from None
-
-
-def _gelu_tanh(x: Array) -> Array:
-    return jax.nn.gelu(x, approximate=True)
-
-
-def _gelu_exact(x: Array) -> Array:
-    return jax.nn.gelu(x, approximate=False)
-
-
-# HF activation names (transformers.activations.ACT2FN) that these models support.
-ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
-    "gelu_new": _gelu_tanh,
-    "gelu_pytorch_tanh": _gelu_tanh,
-    "gelu_fast": _gelu_tanh,
-    "gelu": _gelu_exact,
+# What each supported HF activation name (configs.hf.ACTIVATIONS) computes.
+FUNCTIONS: dict[str, Callable[[Array], Array]] = {
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_exact": lambda x: jax.nn.gelu(x, approximate=False),
     "relu": jax.nn.relu,
     "silu": jax.nn.silu,
-    "swish": jax.nn.silu,
 }
-
-
-def check_activation(name: str) -> str:
-    """``name`` if it is a supported HF activation; a ValueError naming the supported ones otherwise."""
-    if name not in ACTIVATIONS:
-        raise ValueError(f"activation {name!r} is not supported; use one of {', '.join(sorted(ACTIVATIONS))}")
-    return name
 
 
 def activation(name: str) -> Callable[[Array], Array]:
     """The activation function HF calls ``name``."""
-    return ACTIVATIONS[check_activation(name)]
+    return FUNCTIONS[ACTIVATIONS[check_activation(name)]]
 
 
 def dense(features: int, axes: tuple[str, str], *, use_bias: bool, dtype: Any, init_std: float,

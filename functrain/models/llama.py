@@ -11,96 +11,20 @@ at 0 per document) drive RoPE. ``model.attention`` / ``model.remat`` / ``model.s
 """
 
 from collections.abc import Collection
-from typing import Any, ClassVar, Literal, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import flax.linen as nn
 import jax.numpy as jnp
-import pydantic
 
 from functrain.errors import ConfigError
 from functrain.models.attention import attend, attention_kernel
-from functrain.models.hf_common import (
-    HFModelConfig,
-    RMSNorm,
-    activation,
-    check_activation,
-    dense,
-    embed,
-    hf_config_dict,
-    token_positions,
-)
+from functrain.models.configs.llama import LlamaConfig
+from functrain.models.hf_common import RMSNorm, activation, dense, embed, hf_config_dict, token_positions
 from functrain.models.kv_cache import decoding, extend_cache, next_positions
 from functrain.models.remat import check_remat, remat_block
-from functrain.models.rope import RopeScaling, apply_rope, frequencies, hf_rope_parameters, parse_hf_rope
+from functrain.models.rope import apply_rope, frequencies, hf_rope_parameters, parse_hf_rope
 from functrain.models.scan import apply_layers
 from functrain.parallel.sharding import constrain_batch
-
-
-class LlamaConfig(HFModelConfig):
-    """Llama hyper-parameters, named as in HF's config.json."""
-
-    name: Literal["llama"] = "llama"
-    vocab_size: int = pydantic.Field(32000, gt=0)
-    hidden_size: int = pydantic.Field(4096, gt=0)
-    intermediate_size: int = pydantic.Field(11008, gt=0)
-    num_hidden_layers: int = pydantic.Field(32, gt=0)
-    num_attention_heads: int = pydantic.Field(32, gt=0)
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    hidden_act: str = "silu"
-    max_position_embeddings: int = pydantic.Field(2048, gt=0)
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | None = None
-    attention_bias: bool = False
-    mlp_bias: bool = False
-    tie_word_embeddings: bool = False
-    initializer_range: float = 0.02
-
-    scans_layers: ClassVar[bool] = True
-
-    @pydantic.model_validator(mode="after")
-    def _consistent_heads(self):
-        if self.num_attention_heads % self.kv_heads:
-            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
-                             f"num_key_value_heads {self.kv_heads}")
-        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads")
-        if self.attn_head_dim % 2:
-            raise ValueError(f"head_dim {self.attn_head_dim} must be even for rotary embeddings")
-        check_activation(self.hidden_act)
-        return self
-
-    @property
-    def kv_heads(self) -> int:
-        """Key/value heads (``num_key_value_heads``, defaulting to one per query head)."""
-        return self.num_key_value_heads or self.num_attention_heads
-
-    @property
-    def attn_head_dim(self) -> int:
-        """Per-head width: ``head_dim`` or ``hidden_size // num_attention_heads``."""
-        return self.head_dim or self.hidden_size // self.num_attention_heads
-
-    # What the Llama-shaped families (Qwen2/3, Mistral) change, overridden by their config subclasses.
-    @property
-    def qkv_bias(self) -> bool:
-        """Whether q/k/v projections carry a bias."""
-        return self.attention_bias
-
-    @property
-    def o_bias(self) -> bool:
-        """Whether the output projection carries a bias."""
-        return self.attention_bias
-
-    @property
-    def qk_norm(self) -> bool:
-        """Whether queries and keys are RMS-normalised per head before RoPE (``q_norm``/``k_norm``)."""
-        return False
-
-    def attention_window(self, layer: int) -> int | None:
-        """Sliding-window size of ``layer``'s attention (keys within the last ``window`` positions); None: full."""
-        return None
-
 
 _Config = TypeVar("_Config", bound=LlamaConfig)
 
@@ -169,7 +93,7 @@ class LlamaAttention(nn.Module):
                      name="o_proj")(out.reshape(batch, length, heads * head_dim))
 
 
-class MLPConfig(Protocol):
+class LlamaMLPConfig(Protocol):
     """What :class:`LlamaMLP` reads from a config (Llama's family and Gemma's)."""
 
     @property
@@ -187,7 +111,7 @@ class MLPConfig(Protocol):
 class LlamaMLP(nn.Module):
     """SwiGLU: down(act(gate(x)) * up(x))."""
 
-    config: MLPConfig
+    config: LlamaMLPConfig
     dtype: Any
 
     @nn.compact
@@ -234,7 +158,7 @@ class LlamaForCausalLM(nn.Module):
         x = tokens(input_ids)
         x = constrain_batch(x)  # the batch axis stays put; FSDP weights are gathered (see sharding.py)
         block = remat_block(LlamaBlock, cfg.remat, prevent_cse=not cfg.scan_layers)
-        x = apply_layers(x, kinds=[cfg.attention_window(i) for i in range(cfg.num_hidden_layers)],
+        x = apply_layers(x, kinds=cfg.layer_kinds(),
                          make_block=lambda i, name: block(cfg, self.dtype, i, name=name), prefix="layers_",
                          scan=cfg.scan_layers, args=(segment_ids, positions))
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(x)

@@ -16,30 +16,15 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import pydantic
 from flax.traverse_util import flatten_dict, unflatten_dict
 from jax.sharding import PartitionSpec
 
 from functrain.errors import ConfigError
+from functrain.models.configs.base import ModelConfig
+from functrain.models.configs.lora import LoraConfig
 
 ADAPTER_A, ADAPTER_B = "lora_a", "lora_b"
 Path = tuple[str, ...]
-
-
-class LoraConfig(pydantic.BaseModel):
-    """The ``model.lora`` section."""
-
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
-
-    rank: int = pydantic.Field(8, gt=0)
-    alpha: float = pydantic.Field(16.0, gt=0)
-    dropout: float = pydantic.Field(0.0, ge=0.0, lt=1.0)
-    targets: tuple[str, ...] = pydantic.Field(("q_proj", "v_proj"), min_length=1)
-
-    @property
-    def scale(self) -> float:
-        """What the adapters' product is multiplied by: ``alpha / rank``."""
-        return self.alpha / self.rank
 
 
 def projection_paths(params: Any) -> list[Path]:
@@ -104,9 +89,9 @@ def merged_params(params: Any, scale: float) -> Any:
     return unflatten_dict(flat)
 
 
-def merged_for_inference(params: Any, model_config: Any) -> Any:
+def merged_for_inference(params: Any, model_config: ModelConfig) -> Any:
     """``params`` ready for the plain model: adapters merged when the run trained some (as they are otherwise)."""
-    settings = getattr(model_config, "lora", None)
+    settings = model_config.lora_settings()
     if settings is None or not adapter_paths(params):
         return params
     return merged_params(params, settings.scale)
@@ -155,14 +140,17 @@ def adapter_specs(specs: Any, paths: list[Path]) -> Any:
 _ADAPTER_KEY = 0x10AA
 
 
-def lora_pieces(module: nn.Module, example_inputs: Any, settings: LoraConfig, argument: str | None = None
-                ) -> tuple[Callable, Callable, Callable, Callable, Callable]:
-    """``(init, apply, base_apply, logical_specs, complete_params)`` of a linen ``module`` called on
-    ``example_inputs``-like inputs, with adapters on ``settings.targets``: ``apply`` runs them, ``base_apply``
-    is the same model with the adapters off (the base weights alone: a preference run's reference)."""
-    from functrain.core.program import linen_pieces
+def lora_transform(pieces: Any, settings: LoraConfig) -> Any:
+    """The model's :class:`~functrain.core.program.ModelPieces` with adapters on ``settings.targets``: ``apply``
+    runs them, ``frozen_apply`` is the same model with them off (the base weights alone: a preference run's
+    reference, with no second copy), only the adapters are trainable, and a restored base-only checkpoint
+    (a converted model) gets fresh adapters. A Flax linen model only: the adapters are added by intercepting
+    its Dense layers."""
+    from functrain.core.program import ModelPieces
 
-    base_init, base_apply, base_specs = linen_pieces(module, example_inputs, argument)
+    if pieces.framework != "linen":
+        raise ConfigError("model.lora adapts a Flax linen model; remove model.lora")
+    base_init, base_apply, base_specs = pieces.init, pieces.apply, pieces.logical_specs
     paths = target_paths(jax.eval_shape(base_init, jax.random.PRNGKey(0))[0], settings.targets)
 
     def init(rng: jax.Array) -> tuple[Any, Any]:
@@ -175,21 +163,19 @@ def lora_pieces(module: nn.Module, example_inputs: Any, settings: LoraConfig, ar
             return params
         return add_adapters(params, paths, settings.rank, jax.random.fold_in(rng, _ADAPTER_KEY))
 
-    return (init, with_adapters(base_apply, settings), base_apply, lambda: adapter_specs(base_specs(), paths),
-            complete_params)
+    return ModelPieces(init, with_adapters(base_apply, settings), lambda: adapter_specs(base_specs(), paths),
+                       framework=pieces.framework, frozen_apply=base_apply, trainable=trainable_mask,
+                       complete_params=complete_params, adapter_checkpoints=True)
 
 
 def lora_program(module: nn.Module, example_batch: dict[str, Any], kind: str, settings: LoraConfig,
                  fields: Any = None) -> Any:
     """The :class:`functrain.core.program.Program` of a linen ``module`` with adapters on ``settings.targets``
-    and the built-in loss of ``kind``; only the adapters are trainable. ``fields``: the data's roles
-    (:class:`functrain.core.fields.Fields`) when its names are not the loss's own (HF ``input_ids``)."""
-    from functrain.core.fields import canonical
-    from functrain.core.losses import model_inputs
-    from functrain.core.program import Program, builtin_loss
+    and the built-in loss of ``kind`` (research code's entry; runs apply :func:`lora_transform` through their
+    task). ``fields``: the data's roles when its names are not the loss's own (HF ``input_ids``)."""
+    from functrain.core.fields import resolve_fields
+    from functrain.core.program import builtin_program, model_inputs_of, model_pieces
 
-    named = example_batch if fields is None else canonical(fields, example_batch)
-    init, apply, _, specs, complete_params = lora_pieces(module, model_inputs(kind, named), settings,
-                                                         getattr(fields, "argument", None))
-    return Program(init, builtin_loss(apply, kind, True, fields), builtin_loss(apply, kind, False, fields),
-                   specs, trainable=trainable_mask, complete_params=complete_params)
+    fields = fields if fields is not None else resolve_fields(example_batch, kind=kind)
+    pieces = model_pieces(module, model_inputs_of(fields, example_batch), example_batch, fields.argument)
+    return builtin_program(lora_transform(pieces, settings), fields, example_batch)

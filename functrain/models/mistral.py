@@ -3,24 +3,10 @@
 The module is Llama's (`functrain.models.llama`); only the config differs.
 """
 
-from typing import Any, Literal
-
-import pydantic
+from typing import Any
 
 from functrain.models import llama
-
-
-class MistralConfig(llama.LlamaConfig):
-    """Mistral hyper-parameters, named as in HF's config.json (``sliding_window`` None: full attention)."""
-
-    name: Literal["mistral"] = "mistral"  # type: ignore[assignment]  # each family's own tag
-    attention_bias: Literal[False] = False
-    mlp_bias: Literal[False] = False
-    sliding_window: int | None = pydantic.Field(None, gt=0)
-
-    def attention_window(self, layer: int) -> int | None:
-        """``sliding_window`` on every layer (HF's Mistral ignores ``layer_types``)."""
-        return self.sliding_window
+from functrain.models.configs.mistral import MistralConfig
 
 
 def from_hf_config(hf: dict[str, Any]) -> MistralConfig:

@@ -1,20 +1,12 @@
 """A multi-layer perceptron classifier (the digits job)."""
 
-from typing import Any, Literal
+from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
-from pydantic import BaseModel, ConfigDict, Field
 
+from functrain.models.configs.mlp import MLPConfig
 from functrain.parallel.sharding import constrain_batch
-
-
-class MLPConfig(BaseModel):
-    """``model.*`` keys of the MLP."""
-    model_config = ConfigDict(extra="forbid")
-    name: Literal["mlp"] = "mlp"
-    hidden: list[int] = Field(default_factory=lambda: [128, 128])
-    num_classes: int = Field(10, ge=2)
 
 
 def hidden_axis_names(num_hidden: int) -> list[str]:

@@ -5,12 +5,14 @@ kernel, :mod:`functrain.models.attention`), ``model.remat`` (:mod:`functrain.mod
 They are config keys of every built-in model but no part of an HF config.json (see ``RUNTIME_KEYS``).
 """
 
-from typing import ClassVar
+from typing import Literal
 
 import pydantic
 
-from functrain.models.attention import AttentionChoice
-from functrain.models.remat import RematPolicy
+from functrain.models.configs.base import FamilyConfig
+
+AttentionChoice = Literal["auto", "xla", "cudnn", "splash"]
+RematPolicy = Literal["none", "full", "dots_saveable", "offload"]
 
 RUNTIME_KEYS = frozenset({"attention", "remat", "scan_layers"})
 
@@ -23,7 +25,7 @@ def scan_refusal(model_name: str) -> str:
             f"remove model.scan_layers or set it to false")
 
 
-class RuntimeOptions(pydantic.BaseModel):
+class RuntimeOptions(FamilyConfig):
     """``model.attention: auto|xla|cudnn|splash``, ``model.remat: none|full|dots_saveable|offload`` and
     ``model.scan_layers: bool``."""
 
@@ -31,13 +33,19 @@ class RuntimeOptions(pydantic.BaseModel):
     remat: RematPolicy = "none"
     scan_layers: bool = False
 
-    scans_layers: ClassVar[bool] = False  # set by the families whose modules can scan their layers
-
     @pydantic.model_validator(mode="after")
     def _scan_supported(self):
         if self.scan_layers and not self.scans_layers:
-            raise ValueError(scan_refusal(getattr(self, "name", type(self).__name__)))
+            raise ValueError(scan_refusal(self.name))
         return self
+
+    def remat_policy(self) -> RematPolicy:
+        """``model.remat``."""
+        return self.remat
+
+    def layers_scanned(self) -> bool:
+        """``model.scan_layers``."""
+        return self.scan_layers
 
 
 def for_sampling(model_config: RuntimeOptions) -> RuntimeOptions:

@@ -5,28 +5,10 @@ separate (as GPT-2's ``c_attn``), so each can be sharded by head, and the conver
 The module is Llama's (`functrain.models.llama`); only the config differs.
 """
 
-from typing import Any, Literal
+from typing import Any
 
-import pydantic
-
-from functrain.models import llama, mistral
-
-
-class Phi3Config(mistral.MistralConfig):
-    """Phi-3 hyper-parameters, named as in HF's config.json (Mistral's: no biases, a window on every layer)."""
-
-    name: Literal["phi3"] = "phi3"  # type: ignore[assignment]  # each family's own tag
-    original_max_position_embeddings: int = pydantic.Field(4096, gt=0)
-
-    @pydantic.model_validator(mode="after")
-    def _longrope_fits_heads(self):
-        scaling = self.rope_scaling
-        if scaling is not None and scaling.rope_type == "longrope":
-            for name in ("short_factor", "long_factor"):
-                if len(getattr(scaling, name)) != self.attn_head_dim // 2:
-                    raise ValueError(f"rope {name} has {len(getattr(scaling, name))} entries; head_dim "
-                                     f"{self.attn_head_dim} needs {self.attn_head_dim // 2}")
-        return self
+from functrain.models import llama
+from functrain.models.configs.phi3 import Phi3Config
 
 
 def from_hf_config(hf: dict[str, Any]) -> Phi3Config:

@@ -1,35 +1,10 @@
 """Qwen3 (dense): Qwen2's sliding-window layers, no fixed q/k/v bias (``attention_bias`` covers all four
 projections), an explicit ``head_dim`` and RMSNorm over each query and key head (``q_norm``/``k_norm``)."""
 
-from typing import Any, Literal
-
-import pydantic
+from typing import Any
 
 from functrain.models import llama, qwen2
-
-
-class Qwen3Config(qwen2.Qwen2Config):
-    """Qwen3 hyper-parameters, named as in HF's config.json."""
-
-    name: Literal["qwen3"] = "qwen3"  # type: ignore[assignment]  # each family's own tag
-    attention_bias: bool = False  # type: ignore[assignment]  # an HF key again (Qwen2 pins it)
-    head_dim: int | None = pydantic.Field(128, gt=0)  # HF's default, not hidden_size // heads
-
-    # ``attention_bias`` covers all four projections, as on Llama (Qwen2 fixes q/k/v on and o off).
-    @property
-    def qkv_bias(self) -> bool:
-        """Whether q/k/v projections carry a bias."""
-        return self.attention_bias
-
-    @property
-    def o_bias(self) -> bool:
-        """Whether the output projection carries a bias."""
-        return self.attention_bias
-
-    @property
-    def qk_norm(self) -> bool:
-        """Qwen3 normalises each query and key head."""
-        return True
+from functrain.models.configs.qwen3 import Qwen3Config
 
 
 def from_hf_config(hf: dict[str, Any]) -> Qwen3Config:

@@ -9,15 +9,14 @@
 The gradients are those of ``none``; only memory and time change.
 """
 
-from typing import Any, Literal
+from typing import Any
 
 import flax.linen as nn
 import jax
 
 from functrain.errors import ConfigError
+from functrain.models.options import RematPolicy
 from functrain.parallel.memory import HOST_MEMORY_KIND, host_offload_available, platform_name
-
-RematPolicy = Literal["none", "full", "dots_saveable", "offload"]
 
 
 def _policy(name: RematPolicy) -> Any:

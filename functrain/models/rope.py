@@ -8,54 +8,13 @@ the positions at run time (HF switches them once a sequence outgrows ``max_posit
 """
 
 import math
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pydantic
 
-# Keys of each scaling type's HF ``rope_parameters`` that this module implements (besides rope_type/theta).
-_REQUIRED = {
-    "linear": {"factor"},
-    "dynamic": {"factor"},
-    "yarn": {"factor", "original_max_position_embeddings"},
-    "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
-    "longrope": {"short_factor", "long_factor", "original_max_position_embeddings"},
-}
-_OPTIONAL = {"yarn": {"attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"},
-             "longrope": {"factor", "attention_factor"}}
-
-
-class RopeScaling(pydantic.BaseModel):
-    """HF ``rope_parameters``/``rope_scaling`` beyond the plain theta; unknown keys are errors naming them."""
-
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
-
-    rope_type: Literal["linear", "dynamic", "yarn", "llama3", "longrope"]
-    factor: float | None = None
-    low_freq_factor: float | None = None
-    high_freq_factor: float | None = None
-    original_max_position_embeddings: int | None = None
-    attention_factor: float | None = None
-    beta_fast: float | None = None
-    beta_slow: float | None = None
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    truncate: bool | None = None
-    short_factor: tuple[float, ...] | None = None
-    long_factor: tuple[float, ...] | None = None
-
-    @pydantic.model_validator(mode="after")
-    def _keys_fit_the_type(self):
-        given = {k for k, v in self.model_dump(exclude={"rope_type"}).items() if v is not None}
-        required, optional = _REQUIRED[self.rope_type], _OPTIONAL.get(self.rope_type, set())
-        if required - given:
-            raise ValueError(f"rope type {self.rope_type!r} needs {', '.join(sorted(required - given))}")
-        if given - required - optional:
-            raise ValueError(f"rope type {self.rope_type!r} does not implement "
-                             f"{', '.join(sorted(given - required - optional))}")
-        return self
+from functrain.models.configs.rope import REQUIRED_KEYS, RopeScaling
 
 
 def _base_frequencies(theta: float | jax.Array, dim: int, xp: Any = np) -> Any:
@@ -168,8 +127,8 @@ def parse_hf_rope(hf: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | 
     partial = rope.pop("partial_rotary_factor", None) or hf.pop("partial_rotary_factor", None) or 1.0
     if partial != 1.0:
         raise ValueError("partial_rotary_factor other than 1.0 is not supported")
-    if rope_type not in ("default", *_REQUIRED):
-        raise ValueError(f"rope type {rope_type!r} is not supported; use one of default, {', '.join(_REQUIRED)}")
+    if rope_type not in ("default", *REQUIRED_KEYS):
+        raise ValueError(f"rope type {rope_type!r} is not supported; use one of default, {', '.join(REQUIRED_KEYS)}")
     if rope_type == "default":
         if rope:
             raise ValueError(f"rope type 'default' does not implement {', '.join(sorted(rope))}")

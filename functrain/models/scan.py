@@ -19,6 +19,7 @@ from typing import Any, Callable, Hashable, Sequence
 import flax.linen as nn
 import jax
 
+from functrain.models.configs.base import ModelConfig
 from functrain.models.stacking import SLOT_PREFIX, STACK_SUFFIX
 from functrain.parallel.sharding import constrain_batch
 
@@ -69,37 +70,19 @@ def apply_layers(x: jax.Array, *, kinds: Sequence[Hashable], make_block: MakeBlo
     return x
 
 
-# The layer count's field in a scanning model's config: GPT's, then the HF families'.
-LAYER_COUNT_FIELDS = ("n_layers", "num_hidden_layers")
-
-
-def _layer_count_field(model_config: Any) -> str:
-    return next(name for name in LAYER_COUNT_FIELDS if hasattr(model_config, name))
-
-
-def layer_kinds(model_config: Any) -> list[Hashable]:
-    """What sets each layer of a scanning model's config apart, as its module passes ``kinds`` to
-    :func:`apply_layers`: the attention window (HF families), nothing for GPT."""
-    window = getattr(model_config, "attention_window", None)
-    return [window(i) if window else None for i in range(getattr(model_config, _layer_count_field(model_config)))]
-
-
-def scan_groups(model_config: Any) -> int:
+def scan_groups(model_config: ModelConfig) -> int:
     """The whole groups of layers the scan of ``model_config`` runs (0: its layers are not scanned)."""
-    if not getattr(model_config, "scan_layers", False):
-        return 0
-    kinds = layer_kinds(model_config)
-    return len(kinds) // layer_period(kinds)
+    kinds = model_config.layer_kinds() if model_config.layers_scanned() else None
+    return 0 if kinds is None else len(kinds) // layer_period(kinds)
 
 
-def fewer_groups_unrolled(model_config: Any, groups: int) -> Any:
+def fewer_groups_unrolled(model_config: ModelConfig, groups: int) -> ModelConfig:
     """A copy of a scanning model's config with ``groups`` of its groups of layers, then its remainder layers,
     all unrolled: every other setting (width, attention, remat) kept, and each layer of the same kind as the
     layer it stands for, so the copy computes what those layers do scanned."""
-    kinds = layer_kinds(model_config)
+    kinds = model_config.layer_kinds()
+    if kinds is None:
+        raise TypeError(f"{type(model_config).__name__} does not scan its layers")
     period = layer_period(kinds)
     count = groups * period + len(kinds) % period
-    update: dict[str, Any] = {_layer_count_field(model_config): count, "scan_layers": False}
-    if getattr(model_config, "layer_types", None) is not None:  # one entry a layer (Gemma, Qwen2); periodic
-        update["layer_types"] = tuple(model_config.layer_types[i % period] for i in range(count))
-    return model_config.model_copy(update=update)
+    return model_config.unrolled([i % period for i in range(count)])

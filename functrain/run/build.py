@@ -1,10 +1,18 @@
 """Build a run once: a resolved config plus any objects the caller passed become a :class:`Run`.
 
-Every name -> object lookup happens here or in :mod:`functrain.run.parts` (models, data, optimizers,
-schedules, losses, trackers, the backend): the loop (:func:`functrain.run.loop.drive`) takes the built Run and
-reads no config, and each backend receives built pieces (a program or module, a loss, optimizer settings,
-step settings), never the config. What a backend cannot honour is refused here, in one line, before anything
-is written.
+A fixed sequence that never asks which task it builds (:func:`build_run`):
+
+1. the parts: the model (``model.name`` / ``model.target`` / ``fit``'s), the task by name
+   (:func:`functrain.tasks.task_for`), the task's data, the optimizer;
+2. the order of the data, the run's length and the first batch the step is built for;
+3. the program: the model's pieces, transformed (LoRA), then the task's loss on them; the backend from it;
+4. the loaders, the checkpointer, the resume policy with the starting weights (``train.init_from``), the task's
+   start hooks, the callbacks.
+
+Every name -> object lookup happens here, in :mod:`functrain.run.parts` or in a task: the loop
+(:func:`functrain.run.loop.drive`) takes the built Run and reads no config, and each backend receives built
+pieces (a program or module, a loss, optimizer settings, step settings), never the config. What a backend or a
+task cannot honour is refused here, in one line, before anything is written.
 """
 
 from __future__ import annotations
@@ -14,37 +22,40 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import jax
 import numpy as np
 
 from functrain.checkpoint import Checkpointer
 from functrain.core.backend import Backend
 from functrain.core.fields import Fields, require_builtin, resolve_fields
+from functrain.core.program import ModelPieces, Program
 from functrain.core.step import StepSettings
-from functrain.data import BatchLoader, IndexSampler, Stream, loader_for, order_for
+from functrain.data import BatchLoader, IndexSampler, loader_for, order_for
 from functrain.data.kinds import Order
 from functrain.data.loader import batch_split_problem
 from functrain.errors import ConfigError
 from functrain.models.scan import fewer_groups_unrolled, scan_groups
 from functrain.parallel.target import compiling_for
-from functrain.run import parts as parts_module
 from functrain.run.callbacks import Callback, CallbackList, EarlyStopping, EveryNSteps, MetricsWriter, ProgressBar
 from functrain.run.config import Config
 from functrain.run.config_checks import likely_mistakes
 from functrain.run.events import RunEvents
 from functrain.run.mfu import SpeedReport, speed_report
 from functrain.run.parts import (
-    PREFERENCE,
     Parts,
     build_parts,
     check_data,
+    data_seed,
     make_optimizer,
     optimizer_settings,
-    preference_settings,
+    resolve_model,
     schedule_settings,
+    task_program,
 )
 from functrain.run.resume import ResumePolicy
 from functrain.run.summary import RunSummary
 from functrain.run.trackers import make_trackers
+from functrain.tasks.base import ExperienceStage, StartHook
 
 
 @dataclass(frozen=True)
@@ -66,8 +77,8 @@ class Run:
     """Everything one run is made of; :func:`functrain.run.loop.drive` trains it.
 
     ``config`` travels only to the callbacks' view and the run directory's ``config.yaml``; ``parts`` is
-    what was resolved (model, loss, data); the checkpointer is opened by the loop once the run directory's
-    lock is held (opening one tidies the directory)."""
+    what was resolved (the task, its data, the model); the checkpointer is opened by the loop once the run
+    directory's lock is held (opening one tidies the directory)."""
     config: Config
     config_record: dict[str, Any]
     settings: Settings
@@ -84,9 +95,8 @@ class Run:
     resume: ResumePolicy
     speed: SpeedReport
     warnings: tuple[str, ...]
-    # start_data(backend, state, restored_step): fills data computed from the starting state once the start is
-    # known, before any batch is read (preference.precompute_ref's reference log-probs); None: nothing to fill.
-    start_data: Callable[[Backend, Any, int | None], None] | None = None
+    # The task's hooks, run in order once the start is known and before any batch is read (see StartHook).
+    start_hooks: tuple[StartHook, ...] = ()
 
 
 def total_steps(config: Config, sampler: Order) -> int:
@@ -126,29 +136,15 @@ def check_batch_split(config: Config, ways: int, what: str) -> None:
         raise ConfigError(problem)
 
 
-def jax_backend(config: Config, example_batch: dict[str, np.ndarray], max_steps: int, *, model: Any,
-                kind: str | None = None, fields: Fields | None = None, loss_fn: Callable | None = None,
-                optimizer: tuple[Any, str] | None = None, devices: list | None = None) -> Backend:
-    """The JAX backend: the program of the model and loss (``kind``: the built-in loss, ``fields``: the
-    data's roles, see :mod:`functrain.core.fields`), the optax transformation (``optimizer``: a user's, with
-    its name for errors; None: the config's), the mesh over ``devices`` (None: all; a TPU topology's when
-    planning). Building it allocates nothing on the devices."""
+def jax_backend(config: Config, program: Program, max_steps: int, *, optimizer: tuple[Any, str] | None = None,
+                devices: list | None = None, experience: ExperienceStage | None = None) -> Backend:
+    """The JAX backend: the ``program`` (a task's, or :func:`functrain.core.program.as_program`'s), the optax
+    transformation (``optimizer``: a user's, with its name for errors; None: the config's), the mesh over
+    ``devices`` (None: all; a TPU topology's when planning), the task's experience stage (or None). Building it
+    allocates nothing on the devices."""
     from functrain.core.optim import as_transformation
-    from functrain.core.program import as_program
     from functrain.parallel import sharding
     from functrain.run.jax_backend import JaxBackend
-    lora = getattr(config.model, "lora", None)
-    if kind == PREFERENCE:
-        program = preference_program_of(model, example_batch, preference_settings(config), lora,
-                                        precompute_ref=config.preference.precompute_ref)
-    elif lora is not None:
-        from functrain.models.lora import lora_program
-        if loss_fn is not None or kind is None:
-            raise ConfigError("model.lora trains a registry model with its built-in loss; remove loss_fn= or "
-                              "model.lora")
-        program = lora_program(model, example_batch, kind, lora, fields)
-    else:
-        program = as_program(model, example_batch, kind=kind, loss_fn=loss_fn, fields=fields)
     if optimizer is None:
         tx, reported = make_optimizer(config.optimizer, max_steps)
     else:
@@ -159,32 +155,7 @@ def jax_backend(config: Config, example_batch: dict[str, np.ndarray], max_steps:
     return JaxBackend(program, tx, reported, mesh=mesh, rules=sharding.logical_rules(config.mesh),
                       param_rules=config.mesh.param_rules,
                       allow_replicated_fallback=config.mesh.allow_replicated_fallback,
-                      step=step_settings(config), seed=config.seed)
-
-
-def preference_program_of(model: Any, example_batch: dict[str, np.ndarray], settings: Any, lora: Any, *,
-                          precompute_ref: bool = False) -> Any:
-    """The program of a preference run: the model's pieces (with LoRA adapters, whose base is the reference)
-    and the preference loss (:func:`functrain.core.preference.preference_program`); ``precompute_ref``: the
-    batches carry the reference's log-probs, computed once before training (with LoRA too: the base never
-    moves, and the step saves the reference's forward)."""
-    from functrain.core.preference import preference_program
-    from functrain.core.program import linen_pieces, model_kind_of, nnx_pieces
-    framework = model_kind_of(model)
-    inputs = np.asarray(example_batch["chosen"])[:, :-1]
-    if lora is not None:
-        from functrain.models.lora import lora_pieces, trainable_mask
-        if framework != "linen":
-            raise ConfigError("model.lora adapts a Flax linen model; remove model.lora")
-        init, apply, base_apply, specs, complete = lora_pieces(model, inputs, lora)
-        return preference_program(init, apply, specs, settings, reference_apply=base_apply,
-                                  trainable=trainable_mask, complete_params=complete,
-                                  precompute_reference=precompute_ref)
-    if framework == "functions":
-        raise ConfigError("data.name=preference trains a causal LM given as a Flax linen or NNX module; pass one "
-                          "of those, or a registry model (model.name)")
-    init, apply, specs = linen_pieces(model, inputs) if framework == "linen" else nnx_pieces(model)
-    return preference_program(init, apply, specs, settings, precompute_reference=precompute_ref)
+                      step=step_settings(config), seed=config.seed, experience=experience)
 
 
 def torch_backend(config: Config, example_batch: dict[str, np.ndarray], max_steps: int, *, model: Any = None,
@@ -199,7 +170,7 @@ def torch_backend(config: Config, example_batch: dict[str, np.ndarray], max_step
         from torch_bridge.twins import twin_model
     except ImportError as exc:
         raise ConfigError(f"backend: torch needs PyTorch ({exc}); pip install 'functrain[torch]'") from None
-    if getattr(config.model, "lora", None) is not None:
+    if config.model.lora_settings() is not None:
         raise ConfigError("model.lora needs backend: jax; remove model.lora or set backend: jax")
     if optimizer is not None:
         raise ConfigError(f"{optimizer[1]} is an optax optimizer, which backend: torch does not run; "
@@ -220,28 +191,33 @@ def torch_backend(config: Config, example_batch: dict[str, np.ndarray], max_step
         probe_batch=None if builtin and loss_fn is None else example_batch)  # user code: tried before step 1
 
 
+def backend_of(config: Config, parts: Parts, example_batch: dict[str, np.ndarray], max_steps: int,
+               devices: list | None = None) -> tuple[Backend, ModelPieces | None]:
+    """The backend the config names, built from the parts, and the model's pieces its program runs (None: the
+    torch twin, which runs modules)."""
+    experience = parts.task.experience(parts.context)
+    if experience is not None and jax.process_count() > 1:
+        raise ConfigError(f"task {parts.task.name} makes its batches with an experience stage, which runs on one "
+                          f"process for now; run it on one host")
+    if config.backend == "torch":
+        return torch_backend(config, example_batch, max_steps, model=parts.model, fields=parts.data.fields,
+                             loss_fn=parts.context.loss_fn, optimizer=parts.optimizer), None
+    program, pieces = task_program(config, parts, example_batch)
+    return jax_backend(config, program, max_steps, optimizer=parts.optimizer, devices=devices,
+                       experience=experience), pieces
+
+
 # ------------------------------------------------------------------------------------------------- build
 
 def _order(config: Config, parts: Parts) -> tuple[Order, int, dict[str, np.ndarray]]:
     """The training data's order, the run's length and its first batch (whose shapes the step is built for)."""
-    data = config.data
-    sampler = order_for(parts.train_data, data.global_batch_size, data_seed(config), shuffle=data.shuffle,
+    data, task_data = config.data, parts.data
+    sampler = order_for(task_data.train, data.global_batch_size, data_seed(config), shuffle=data.shuffle,
                         last_batch=data.last_batch)
-    example_batch, _ = loader_for(parts.train_data, sampler, prefetch=0, transform=parts.transform).host_batch(0)
-    if precomputes_reference(config, parts):
-        from functrain.run.reference_logps import with_reference_fields
-        example_batch = with_reference_fields(example_batch)
+    example_batch, _ = loader_for(task_data.train, sampler, prefetch=0, transform=task_data.transform).host_batch(0)
+    if task_data.example_fields is not None:
+        example_batch = task_data.example_fields(example_batch)
     return sampler, total_steps(config, sampler), example_batch
-
-
-def precomputes_reference(config: Config, parts: Parts) -> bool:
-    """Whether the batches carry reference log-probs computed before training (``preference.precompute_ref``)."""
-    return parts.kind == PREFERENCE and config.preference.precompute_ref
-
-
-def data_seed(config: Config) -> int:
-    """``data.seed``, or the run's seed when it is not set."""
-    return config.seed if config.data.seed is None else config.data.seed
 
 
 @dataclass(frozen=True)
@@ -262,6 +238,12 @@ class Planned:
     # and its remainder, unrolled: XLA counts a loop body once, so a plan measures the layers' cost from these.
     unrolled_groups_backend: Callable[[int], Any] | None = None
 
+    @property
+    def tokens_per_step(self) -> int | None:
+        """Tokens one step trains on (None: the task's samples are not token windows)."""
+        tokens = self.parts.data.tokens_per_sample
+        return None if tokens is None else tokens * self.global_batch_size
+
 
 def plan_run(config: Config, devices: list | None = None) -> Planned:
     """The backend a ``train`` of ``config`` would build, over ``devices`` (None: the local ones; a TPU
@@ -271,17 +253,16 @@ def plan_run(config: Config, devices: list | None = None) -> Planned:
     # Choices that depend on the hardware (model.attention=auto) are made for the devices planned for.
     with compiling_for(devices):
         parts = build_parts(config)
-        check_data(parts)
+        check_data(parts.data)
         _, max_steps, example_batch = _order(config, parts)
-        backend = jax_backend(config, example_batch, max_steps, model=parts.model, kind=parts.kind,
-                              fields=parts.fields, loss_fn=parts.loss_fn, optimizer=parts.optimizer, devices=devices)
+        backend, _ = backend_of(config, parts, example_batch, max_steps, devices)
 
     def unrolled_groups_backend(groups: int) -> Any:
         variant = config.model_copy(update={"model": fewer_groups_unrolled(config.model, groups)})
         with compiling_for(devices):
-            model, _ = parts_module.resolve_model(variant, None)
-            return jax_backend(variant, example_batch, max_steps, model=model, kind=parts.kind, fields=parts.fields,
-                               loss_fn=parts.loss_fn, optimizer=parts.optimizer, devices=devices)
+            model, _ = resolve_model(variant, None)
+            program, _ = task_program(variant, parts, example_batch, model)
+            return jax_backend(variant, program, max_steps, optimizer=parts.optimizer, devices=devices)
 
     groups = scan_groups(config.model)
     return Planned(parts=parts, backend=backend, example_batch=example_batch, max_steps=max_steps,
@@ -327,87 +308,71 @@ def _callbacks(config: Config, parts: Parts, trackers: list[Callback], extra: li
     if config.eval.early_stopping_metric:
         builtins.append(EarlyStopping(config.eval.early_stopping_metric, config.eval.early_stopping_patience,
                                       config.eval.early_stopping_mode, config.eval.early_stopping_min_delta))
-    summary = RunSummary(tokens_per_sample=config.data.seq_len if parts.kind == "causal_lm" else None,
-                         plot=config.log.plot)
+    summary = RunSummary(tokens_per_sample=parts.data.tokens_per_sample, plot=config.log.plot)
     return CallbackList(builtins + list(extra) + [summary])
 
 
 def _initial_state(config: Config) -> Callable[[Backend], Any] | None:
-    """How a preference run with ``preference.init_from`` gets its first state (when it has no checkpoint of
-    its own), or None."""
-    if not (parts_module.is_preference(config) and config.preference.init_from):
+    """How a run with ``train.init_from`` gets its first state (when it has no checkpoint of its own), or None."""
+    if not config.train.init_from:
         return None
-    path = Path(config.preference.init_from).absolute()
+    path = Path(config.train.init_from).absolute()
     if not (path / "checkpoints").is_dir():
-        raise ConfigError(f"preference.init_from={config.preference.init_from!r} holds no checkpoints/; train that "
-                          f"run first (configs/dpo_char_gpt.yaml starts from `make train`'s runs/char_gpt) or fix "
-                          f"the path")
+        raise ConfigError(f"{config.given_as('train.init_from')}={config.train.init_from!r} holds no checkpoints/; "
+                          f"train that run first (configs/dpo_char_gpt.yaml starts from `make train`'s runs/char_gpt) "
+                          f"or fix the path")
+    if config.backend != "jax":
+        raise ConfigError("train.init_from starts a JAX run from another run's weights; set backend=jax")
     from functrain.run.init_from import initial_state_from
     return functools.partial(initial_state_from, path)
 
 
-def _precomputed_reference(config: Config, parts: Parts, run_dir: Path) -> tuple[Any, Any, Callable]:
-    """The train and eval data with the reference log-probs added once the run's start computes or reads
-    them, and the function that does (``Run.start_data``)."""
-    from functrain.core.preference import REFERENCE_LOGPS
-    from functrain.data.computed_columns import ComputedColumns
-    from functrain.run.reference_logps import PrecomputedReference
-    if isinstance(parts.train_data, Stream):
-        raise ConfigError("preference.precompute_ref reads the training pairs whole, and this training data is a "
-                          "stream; give the pairs as a dataset or set preference.precompute_ref=false")
-    sources = {"train": parts.train_data, "eval": parts.eval_data}
-    columns = {split: None if source is None else ComputedColumns(source, REFERENCE_LOGPS)
-               for split, source in sources.items()}
-    fill = PrecomputedReference(run_dir, sources, columns, config.data.global_batch_size, config.train.compute_dtype)
-    return columns["train"], columns["eval"], fill
-
-
 def build_run(config: Config, *, model: Any = None, loss_fn: Callable | None = None, optimizer: Any = None,
-          train_data: Any = None, eval_data: Any = None, callbacks: list[Callback] | None = None,
-          transform: Callable | None = None) -> Run:
+              train_data: Any = None, eval_data: Any = None, callbacks: list[Callback] | None = None,
+              transform: Callable | None = None) -> Run:
     """The Run of a resolved config, with any objects given in place of the config's (see
     :func:`functrain.fit` for what each may be)."""
     parts = build_parts(config, model=model, loss_fn=loss_fn, optimizer=optimizer, train_data=train_data,
                         eval_data=eval_data, transform=transform)
     trackers = make_trackers(config.log.trackers)  # before anything is read or written: a missing package
-    run_dir = Path(config.run.dir).absolute()  # Orbax needs absolute paths
-    check_data(parts)  # what the model reads, before the first step (and again on every batch)
-    data, seed = config.data, data_seed(config)
+    run_dir = parts.context.run_dir  # absolute: Orbax needs absolute paths
+    check_data(parts.data)  # what the task's loss reads, before the first step (and again on every batch)
+    data, task_data = config.data, parts.data
     sampler, max_steps, example_batch = _order(config, parts)
-    objects = {"model": parts.model, "fields": parts.fields, "loss_fn": parts.loss_fn, "optimizer": parts.optimizer}
-    backend = (torch_backend(config, example_batch, max_steps, **objects) if config.backend == "torch"
-               else jax_backend(config, example_batch, max_steps, kind=parts.kind, **objects))
-    train_source, eval_source, start_data = parts.train_data, parts.eval_data, None
-    if precomputes_reference(config, parts):
-        train_source, eval_source, start_data = _precomputed_reference(config, parts, run_dir)
+    backend, pieces = backend_of(config, parts, example_batch, max_steps)
+    train_source = task_data.train if task_data.loader_train is None else task_data.loader_train
+    eval_source = task_data.eval if task_data.loader_eval is None else task_data.loader_eval
     loader = loader_for(train_source, sampler, backend.process_index, backend.process_count,
-                        prefetch=data.prefetch, check=parts.batch_check, transform=parts.transform)
+                        prefetch=data.prefetch, check=task_data.batch_check, transform=task_data.transform)
     eval_loader = None
     if eval_source is not None:
         def eval_loader() -> BatchLoader:
             """The evaluation set in a fixed order, padded so that every record counts once."""
-            order = IndexSampler(len(eval_source), data.global_batch_size, seed, shuffle=False,
+            order = IndexSampler(len(eval_source), data.global_batch_size, data_seed(config), shuffle=False,
                                  last_batch="pad")
             return BatchLoader(eval_source, order, backend.process_index, backend.process_count, prefetch=0,
-                               check=parts.batch_check, transform=parts.transform)
+                               check=task_data.batch_check, transform=task_data.transform)
     checkpoint = config.checkpoint
     open_checkpointer = functools.partial(
         Checkpointer, run_dir, keep=checkpoint.keep, keep_best=checkpoint.keep_best,
         best_metric=checkpoint.best_metric, best_mode=checkpoint.best_mode, async_save=checkpoint.async_save,
         on_error=checkpoint.on_error, is_primary=backend.process_index == 0)
-    resume = ResumePolicy(run_dir, checkpoint.resume, data.ignore_skip, data.skip_samples, seed, config.backend,
-                          config.optimizer.model_dump(mode="json"),
+    resume = ResumePolicy(run_dir, checkpoint.resume, data.ignore_skip, data.skip_samples, data_seed(config),
+                          config.backend, config.optimizer.model_dump(mode="json"),
                           {"config_digest": config.digest(), "model": config.model.model_dump(mode="json")},
                           initial_state=_initial_state(config))
-    # A torch user model's shape is its own (a transformers model's config), not the config's model section.
-    shape_source = getattr(parts.model, "config", None) if config.backend == "torch" and parts.model is not None \
-        else config.model
-    speed = speed_report(shape_source, parts.kind, data.global_batch_size, data.seq_len, backend.devices)
+    if config.backend == "torch" and parts.model is not None:  # a torch user model's shape is its own
+        from torch_bridge.user_model import decoder_shape as module_shape
+        shape = module_shape(parts.model)
+    else:
+        shape = config.model.decoder_shape()
+    speed = speed_report(shape, task_data.tokens_per_sample, data.global_batch_size, backend.devices)
     optimizer = parts.optimizer[0] if parts.optimizer is not None else optimizer_settings(config.optimizer, max_steps)
+    hooks = tuple(parts.task.start_hooks(parts.context, task_data, pieces)) if pieces is not None else ()
     return Run(config=config, config_record=config.to_dict(), settings=loop_settings(config, max_steps),
                parts=parts, run_dir=run_dir, sampler=sampler, loader=loader, eval_loader=eval_loader,
                optimizer=optimizer, backend=backend, open_checkpointer=open_checkpointer,
-               adapter_checkpoints=getattr(config.model, "lora", None) is not None,
+               adapter_checkpoints=pieces is not None and pieces.adapter_checkpoints,
                callbacks=_callbacks(config, parts, trackers, callbacks or [], max_steps), resume=resume, speed=speed,
-               warnings=(*likely_mistakes(config, max_steps, has_eval_data=parts.eval_data is not None),
-                         *parts.notes), start_data=start_data)
+               warnings=(*likely_mistakes(config, max_steps, has_eval_data=task_data.eval is not None),
+                         *task_data.notes), start_hooks=hooks)

@@ -13,21 +13,23 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from functrain.run.callbacks import Control, RunView, Throughput
+from functrain.run.callbacks import Control, Throughput
 from functrain.run.config_checks import check_metric_logged
-from functrain.run.outcome import FINISHED, NONFINITE
+from functrain.run.outcome import StopKind
+from functrain.run.view import RunRecord, RunView
 
 if TYPE_CHECKING:
     from functrain.run.build import Run
 
 
 class CallMetrics:
-    """Reads finished calls for one run; ``stop_kind`` records why the run stopped."""
+    """Reads finished calls for one run, keeping the newest train metrics on the run's record."""
 
-    def __init__(self, run: Run, view: RunView) -> None:
-        self.run, self.backend, self.settings, self.view = run, run.backend, run.settings, view
+    def __init__(self, run: Run, record: RunRecord, view: RunView) -> None:
+        """``record``: where the run stands (the train metrics go there); ``view``: the callbacks' view of it."""
+        self.run, self.backend, self.settings = run, run.backend, run.settings
+        self.record, self.view = record, view
         self.throughput = Throughput()
-        self.stop_kind = FINISHED
         # The state's non-finite count when the loop last read a call's metrics (see check_nonfinite).
         self.nonfinite_seen, self.nonfinite_checked_at = 0, 0
 
@@ -84,7 +86,7 @@ class CallMetrics:
         steps = len(next(iter(metrics.values())))
         control = self.check_nonfinite(call_end_step, metrics)
         values = {name: float(series[steps - 1]) for name, series in metrics.items()}
-        self.view.last_metrics["train"] = values
+        self.record.last_metrics["train"] = values
         if self.is_log_step(call_end_step):
             steps_per_sec = self.throughput.rate(call_end_step)
             values = {**values, "steps_per_sec": steps_per_sec, **self.run.speed.fields(steps_per_sec),
@@ -96,19 +98,18 @@ class CallMetrics:
 
     def check_nonfinite(self, call_end_step: int, metrics: dict[str, np.ndarray]) -> Control:
         """With ``train.nonfinite: stop``, a stop request naming the first non-finite step of a finished call
-        (its per-step ``nonfinite`` flags and the state's cumulative ``nonfinite_steps``)."""
+        (its per-step ``nonfinite`` flags and the state's cumulative ``nonfinite_steps``). Of several, the
+        first request stands (:meth:`Control.merge`): the earliest incident is the one named."""
         steps = len(metrics["nonfinite"])
         nonfinite_steps = int(metrics["nonfinite_steps"][-1])
         control = Control()
-        if (self.settings.stop_on_nonfinite and nonfinite_steps > self.nonfinite_seen
-                and self.stop_kind != NONFINITE):  # the first incident is the one to name
+        if self.settings.stop_on_nonfinite and nonfinite_steps > self.nonfinite_seen:
             # The cumulative count also catches incidents in calls whose flags were never read.
             flagged = np.flatnonzero(metrics["nonfinite"])
             where = (f"at step {call_end_step - steps + 1 + int(flagged[0])}" if len(flagged)
                      else f"between steps {self.nonfinite_checked_at} and {call_end_step - steps}")
-            self.view.stop_reason = (f"non-finite loss or gradients {where} (update skipped, params intact); "
-                                     f"lower optimizer.learning_rate or set train.clip_norm")
-            self.stop_kind = NONFINITE
-            control = Control(should_stop=True)
+            control = Control(should_stop=True, stop_kind=StopKind.NONFINITE,
+                              stop_reason=(f"non-finite loss or gradients {where} (update skipped, params intact); "
+                                           f"lower optimizer.learning_rate or set train.clip_norm"))
         self.nonfinite_seen, self.nonfinite_checked_at = nonfinite_steps, call_end_step
         return control

@@ -1,7 +1,8 @@
 """Callbacks: the loop's events (as users know them from the HF Trainer) and the built-in callbacks.
 
-Every event gets a :class:`RunView` (where the run stands) and may return a :class:`Control` asking the
-loop to stop, save or evaluate at the current call boundary. Events fire at call boundaries: with
+Every event gets a read-only :class:`~functrain.run.view.RunView` (where the run stands) and may return a
+:class:`Control` asking the loop to stop (with its reason), save or evaluate at the current call boundary, or,
+from ``on_evaluate``, to log metrics the callback measured. Events fire at call boundaries: with
 ``train.steps_per_call = K``, ``on_step_end`` fires once per K steps with ``view.step`` the step reached.
 """
 
@@ -9,50 +10,51 @@ import json
 import math
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
 
+from functrain.errors import ConfigError
 from functrain.run.config_checks import check_metric_logged
+from functrain.run.outcome import StopKind
+from functrain.run.view import RunView
 
 
-@dataclass
+@dataclass(slots=True)
 class Control:
-    """What a callback asks of the loop at the current call boundary."""
+    """What a callback asks of the loop at the current call boundary.
+
+    With ``should_stop``, ``stop_reason`` is the sentence the run's result carries (``FitResult.stop_reason``)
+    and ``stop_kind`` how it ended (``FitResult.stop_kind``; it decides the exit status). ``metrics``, from
+    ``on_evaluate`` only: ``{split: {name: value}}`` the callback measured under a split of its own
+    (``harness``), which the loop logs (``on_log``) after the evaluation's.
+    """
     should_stop: bool = False
     should_save: bool = False
     should_evaluate: bool = False
+    stop_reason: str = "stopped by a callback"
+    stop_kind: StopKind = StopKind.CALLBACK
+    metrics: dict[str, dict[str, float]] | None = None
 
     def merge(self, other: "Control | None") -> "Control":
-        """Any request from either side stands."""
-        if other is None:
-            return self
+        """Any request from either side stands; of two stops, the first, unless the other has an exit status of
+        its own (a signal, a non-finite step) and the first has not."""
+        if other is None or not (other.should_stop or other.should_save or other.should_evaluate or other.metrics):
+            return self  # the common case at a call boundary: nothing asked
+        stop = other if other.should_stop and (not self.should_stop or (
+            other.stop_kind.sets_exit_status and not self.stop_kind.sets_exit_status)) else self
         return Control(self.should_stop or other.should_stop, self.should_save or other.should_save,
-                       self.should_evaluate or other.should_evaluate)
+                       self.should_evaluate or other.should_evaluate, stop.stop_reason, stop.stop_kind,
+                       _merged_metrics(self.metrics, other.metrics))
 
 
-@dataclass
-class RunView:
-    """Read-only facts about the run, refreshed by the loop before each event."""
-    config: Any
-    run_dir: Path
-    max_steps: int
-    is_primary: bool
-    step: int = 0
-    epoch: int = 0
-    samples_consumed: int = 0
-    start_step: int = 0
-    stop_reason: str | None = None
-    last_metrics: dict[str, dict[str, float]] = field(default_factory=dict)
-    state: Any = None  # the train state during on_evaluate (e.g. to draw samples), else None
-    reported: dict[str, dict[str, float]] = field(default_factory=dict)  # see report()
-
-    def report(self, split: str, metrics: dict[str, float]) -> None:
-        """During ``on_evaluate``: metrics a callback measured under a split of its own (``harness``), which
-        the loop logs (``on_log``) after the evaluation's."""
-        self.reported.setdefault(split, {}).update(metrics)
+def _merged_metrics(first: dict[str, dict[str, float]] | None, second: dict[str, dict[str, float]] | None
+                    ) -> dict[str, dict[str, float]] | None:
+    if not first or not second:
+        return first or second
+    return {split: {**first.get(split, {}), **second.get(split, {})} for split in {**first, **second}}
 
 
 class Callback:
@@ -77,7 +79,11 @@ class CallbackList:
     def fire(self, event: str, view: RunView, *args: Any) -> Control:
         control = Control()
         for callback in self.callbacks:
-            control = control.merge(getattr(callback, event)(view, *args))
+            request = getattr(callback, event)(view, *args)
+            if request is not None and request.metrics and event != "on_evaluate":
+                raise ConfigError(f"{type(callback).__name__}.{event} returned Control(metrics=...): a callback "
+                                  f"logs metrics of its own from on_evaluate only")
+            control = control.merge(request)
         return control
 
 
@@ -213,9 +219,9 @@ class EarlyStopping(Callback):
             return None
         self.bad_evaluations += 1
         if self.bad_evaluations >= self.patience:
-            view.stop_reason = (f"early stopping: {self.split}/{self.name} did not improve for "
-                                f"{self.patience} evaluations (best {self.best:.6g})")
-            return Control(should_stop=True)
+            return Control(should_stop=True, stop_kind=StopKind.EARLY_STOPPED,
+                           stop_reason=(f"early stopping: {self.split}/{self.name} did not improve for "
+                                        f"{self.patience} evaluations (best {self.best:.6g})"))
         return None
 
 

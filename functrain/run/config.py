@@ -2,8 +2,9 @@
 
 ``load_config("configs/char_gpt.yaml", ["train.max_steps=100"])`` returns a validated :class:`Config`.
 Unknown keys and wrong types raise :class:`~functrain.errors.ConfigError` naming the key (and, for a
-misspelt key, the nearest valid one). The ``model`` section is checked by the chosen model's own schema, or
-names a factory (``model.target``) whose keyword arguments are the section's other keys.
+misspelt key, the nearest valid one). The ``model`` section is a union discriminated by ``model.name``: the
+registered family's own config class (:data:`functrain.models.MODEL_FAMILIES`), or a factory
+(``model.target``) whose keyword arguments are the section's other keys.
 """
 
 import difflib
@@ -11,12 +12,18 @@ import hashlib
 import json
 import os
 import re
-from typing import Annotated, Any, Literal
+import types
+import typing
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
+from functrain.core.section import Section
 from functrain.errors import ConfigError
+from functrain.models import MODEL_FAMILIES, model_config_class
+from functrain.models.configs.base import FamilyConfig, ModelConfig
+from functrain.models.options import scan_refusal
 from functrain.run.config_files import apply_overrides, read_yaml
 
 # The "split" of metrics.jsonl lines, and of metric names like "eval/loss" (harness: eval.harness_tasks' lm-eval
@@ -31,12 +38,6 @@ def _split_and_name(value: str) -> str:
 
 
 MetricName = Annotated[str, pydantic.AfterValidator(_split_and_name)]
-
-
-class Section(BaseModel):
-    """A config section: unknown keys are errors, values are validated on assignment too, and no number is
-    infinite or NaN (``optimizer.learning_rate=inf`` would train to NaN)."""
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class RunConfig(Section):
@@ -189,10 +190,10 @@ class OptimizerConfig(Section):
 
 
 class TrainConfig(Section):
-    """``train.*``: run length (``max_steps`` wins over ``epochs``), accumulation, steps per compiled
-    call, clipping, the non-finite policy, the precision (``compute_dtype`` for the forward/backward pass,
-    ``param_dtype`` for the stored parameters), ``offload_optimizer`` (optimizer state in pinned host
-    memory, streamed to the device for each update; GPU/TPU only) and (torch) ``torch.compile``."""
+    """``train.*``: run length (``max_steps`` wins over ``epochs``), the starting weights (``init_from``),
+    accumulation, steps per compiled call, clipping, the non-finite policy, the precision (``compute_dtype`` for
+    the forward/backward pass, ``param_dtype`` for the stored parameters), ``offload_optimizer`` (optimizer state
+    in pinned host memory, streamed to the device for each update; GPU/TPU only) and (torch) ``torch.compile``."""
     max_steps: int | None = Field(None, ge=1)
     epochs: float | None = Field(None, gt=0)
     micro_batches: int = Field(1, ge=1)
@@ -207,6 +208,9 @@ class TrainConfig(Section):
     offload_optimizer: bool = False
     # backend: torch only: the module's training forward through torch.compile (minutes to compile on CPU).
     torch_compile: bool = False
+    # A run directory (a trained run, or one `functrain convert hf-to-functrain` wrote) whose newest checkpoint's
+    # weights start this run (fresh optimizer, step 0) when it has no checkpoint of its own yet; any task.
+    init_from: str | None = None
 
 
 class CheckpointConfig(Section):
@@ -265,7 +269,8 @@ class LogConfig(Section):
     every_steps: int = Field(10, ge=1)
     progress: bool = True
     tensorboard: bool = True
-    trackers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = ["jsonl", "tensorboard"]
+    # RUF012 cannot see that Section is a pydantic model, which copies a mutable default for each instance.
+    trackers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = ["jsonl", "tensorboard"]  # noqa: RUF012
     plot: bool = False  # the shipped char_gpt job (make train) turns it on
 
 
@@ -300,10 +305,14 @@ class EvalConfig(Section):
     harness_tokenizer: str | None = None
 
 
-class TargetModelConfig(BaseModel):
+class TargetModelConfig(ModelConfig):
     """``model.target: "pkg.module:factory"``: the factory is called with the section's other keys (except
     ``kind``, the built-in loss when the data's fields do not say: ``classifier`` or ``causal_lm``) and
-    returns the model (linen, NNX, ``FunctionalModel`` or, with ``backend: torch``, an ``nn.Module``)."""
+    returns the model (linen, NNX, ``FunctionalModel`` or, with ``backend: torch``, an ``nn.Module``).
+
+    The keys are the factory's own: functrain reads only ``vocab_size`` and ``num_classes`` among them (an
+    integer given there bounds the token ids or labels the data may hold, and ``data.name: synthetic`` draws
+    ids below ``vocab_size``); the model's context, decoder shape (MFU) and layers are its own business."""
     model_config = ConfigDict(extra="allow")
     target: Annotated[str, pydantic.AfterValidator(check_target)]
     kind: Literal["classifier", "causal_lm"] | None = None
@@ -312,10 +321,58 @@ class TargetModelConfig(BaseModel):
         """The keyword arguments for the factory."""
         return dict(self.model_extra or {})
 
+    def _integer_keyword(self, key: str) -> int | None:
+        value = self.factory_kwargs().get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
 
-class PythonModelConfig(Section):
-    """Recorded in place of a model section when ``fit`` is given a model object: its type, for the record."""
+    def vocabulary_size(self) -> int | None:
+        """The factory's ``vocab_size`` keyword, when it is given as an integer."""
+        return self._integer_keyword("vocab_size")
+
+    def class_count(self) -> int | None:
+        """The factory's ``num_classes`` keyword, when it is given as an integer."""
+        return self._integer_keyword("num_classes")
+
+
+class PythonModelConfig(Section, ModelConfig):
+    """Recorded in place of a model section when ``fit`` is given a model object: its type, for the record
+    (every question about the model is answered None: functrain knows nothing of it)."""
     python_object: str  # the name is PYTHON_OBJECT
+
+
+# The tags of the model section's union besides the registered names.
+TARGET_TAG = "target"
+
+
+def model_section_tag(value: Any) -> str | None:
+    """Which member of the ``model`` union ``value`` (a dict from YAML, or a validated section) belongs to:
+    the family's ``name``, ``target`` or ``python_object``; None when it names none."""
+    if isinstance(value, TargetModelConfig):
+        return TARGET_TAG
+    if isinstance(value, PythonModelConfig):
+        return PYTHON_OBJECT
+    if isinstance(value, ModelConfig):
+        return value.registry_name()
+    if isinstance(value, dict):
+        if TARGET_TAG in value:
+            return TARGET_TAG
+        if set(value) == {PYTHON_OBJECT}:
+            return PYTHON_OBJECT
+        name = value.get("name")
+        return name if isinstance(name, str) else None
+    return None
+
+
+# A member per registered family, tagged with its name, beside a factory's section and a Python object's.
+_TAGGED_SECTIONS = (*(Annotated[cls, pydantic.Tag(name)] for name, (cls, _) in MODEL_FAMILIES.items()),
+                    Annotated[TargetModelConfig, pydantic.Tag(TARGET_TAG)],
+                    Annotated[PythonModelConfig, pydantic.Tag(PYTHON_OBJECT)])
+if TYPE_CHECKING:  # the union is made from the registry at run time; to mypy it is the kinds of its members
+    ModelSection = FamilyConfig | TargetModelConfig | PythonModelConfig
+else:
+    # Members known at run time only: X | Y cannot spell them (hence the noqa).
+    ModelSection = Annotated[Union[_TAGGED_SECTIONS], pydantic.Discriminator(model_section_tag)]  # noqa: UP007
+MODEL_TAGS = frozenset({*MODEL_FAMILIES, TARGET_TAG, PYTHON_OBJECT})
 
 
 class ProfileConfig(Section):
@@ -325,31 +382,16 @@ class ProfileConfig(Section):
     steps: int = Field(0, ge=0)
 
 
-class PreferenceConfig(Section):
-    """``preference.*``: the loss of a ``data.name: preference`` run, with TRL's names (see
-    :mod:`functrain.core.preference`): ``loss_type`` (DPO ``sigmoid``, ``ipo``, ``hinge``, ``robust``; the
-    reference-free ``simpo`` and ``orpo``), ``beta`` (ORPO's lambda too), ``label_smoothing`` (``robust``,
-    ``simpo``), ``simpo_gamma``; ``truncation_mode`` (``keep_start`` / ``keep_end``) cuts a pair longer than
-    ``data.seq_len`` tokens as TRL does (None: such a pair is refused); ``init_from``: a run directory (a
-    trained run, or one ``functrain convert hf-to-functrain`` wrote) whose newest checkpoint's weights start
-    the policy and the reference, when this run has no checkpoint of its own yet; ``precompute_ref``: compute
-    the reference's log-probs of every pair once before the first step, save them beside the run
-    (``reference_logps.npz``) and hold no reference in the step (TRL's ``precompute_ref_log_probs``)."""
-    loss_type: Literal["sigmoid", "ipo", "hinge", "robust", "simpo", "orpo"] = "sigmoid"
-    beta: float = Field(0.1, gt=0.0)
-    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5)
-    simpo_gamma: float = 0.5
-    truncation_mode: Literal["keep_start", "keep_end"] | None = None
-    init_from: str | None = None
-    precompute_ref: bool = False
-
-
-class Config(Section):
-    """The whole run configuration; ``model`` holds the chosen model's own validated config."""
+class RunSections(Section):
+    """The whole run configuration but the tasks' sections (:class:`Config` adds one per registered task);
+    ``model`` holds the chosen model's own validated config; ``task`` names the training mode
+    (:mod:`functrain.tasks`; None: what the data implies)."""
     seed: int = 0
     backend: Literal["jax", "torch"] = "jax"
+    task: str | None = None
     run: RunConfig = RunConfig()
-    model: Any = None
+    # Every validated config has one (_check_model_fits_data names a missing one): None is a default only.
+    model: ModelSection = None  # type: ignore[assignment]
     data: DataConfig = DataConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     train: TrainConfig = TrainConfig()
@@ -358,42 +400,45 @@ class Config(Section):
     log: LogConfig = LogConfig()
     eval: EvalConfig = EvalConfig()
     profile: ProfileConfig = ProfileConfig()
-    preference: PreferenceConfig = PreferenceConfig()
+    # Keys given under an old name (``preference.init_from``) -> that name, for messages about them.
+    _given_as: dict[str, str] = pydantic.PrivateAttr(default_factory=dict)
+
+    @pydantic.field_validator("task")
+    @classmethod
+    def _known_task(cls, value: str | None) -> str | None:
+        from functrain.tasks import check_task_name
+        return value if value is None else check_task_name(value)
 
     @pydantic.field_validator("model", mode="before")
     @classmethod
-    def _validate_model(cls, value: Any) -> Any:
-        from functrain.models import model_config_class  # the registry imports model code lazily
-        from functrain.models.options import scan_refusal
-        if isinstance(value, BaseModel):
+    def _refuse_unnamed_model(cls, value: Any) -> Any:
+        # The one-line refusals a section gets before the union picks its member (model_section_tag).
+        if isinstance(value, ModelConfig):
             return value
         if isinstance(value, dict) and value.get("scan_layers") and "name" not in value:
             raise ValueError(scan_refusal(f"target {value.get('target')!r}"))  # a user model's own layout
         if (isinstance(value, dict) and value.get("scan_layers") and isinstance(value.get("name"), str)
-                and not getattr(model_config_class(value["name"]), "scans_layers", False)):
+                and not model_config_class(value["name"]).scans_layers):
             raise ValueError(scan_refusal(value["name"]))
-        if isinstance(value, dict) and "target" in value:
-            if "name" in value:
-                raise ValueError("the model section has both 'name' and 'target'; keep one")
-            return TargetModelConfig.model_validate(value)
-        if isinstance(value, dict) and set(value) == {PYTHON_OBJECT}:
-            return PythonModelConfig.model_validate(value)
-        if not isinstance(value, dict) or "name" not in value:
+        if isinstance(value, dict) and TARGET_TAG in value and "name" in value:
+            raise ValueError("the model section has both 'name' and 'target'; keep one")
+        if isinstance(value, dict) and "name" in value:
+            model_config_class(value["name"])  # an unknown name: the registry's error, naming the known ones
+        elif model_section_tag(value) is None:
             raise ValueError("the model section needs a 'name' (one of the registered models) or a 'target' "
                              "('package.module:factory')")
-        return model_config_class(value["name"]).model_validate(value)
+        return value
 
     @pydantic.model_validator(mode="after")
-    def _check_model_fits_data(self) -> "Config":
+    def _check_model_fits_data(self) -> "RunSections":
         if self.model is None:
             raise ValueError("the config has no model section; add model.name (e.g. model.name=mlp) or "
                              "model.target, or pass model= to fit")
-        context = next((getattr(self.model, key) for key in ("max_len", "n_positions", "max_position_embeddings")
-                        if getattr(self.model, key, None) is not None), None)
+        context = self.model.max_positions()
         if context is not None and self.data.seq_len > context:
             raise ValueError(f"data.seq_len={self.data.seq_len} is longer than the model's context of {context} "
                              f"positions; lower data.seq_len or raise the model's context length")
-        vocab = getattr(self.model, "vocab_size", None)
+        vocab = self.model.vocabulary_size()
         if (self.data.target is None and self.data.sources is None and self.data.name == "char_text"
                 and vocab is not None and vocab < 256):
             raise ValueError(f"data.name=char_text feeds bytes (ids 0-255) but the model's vocab_size is {vocab}; "
@@ -401,7 +446,35 @@ class Config(Section):
         return self
 
     @pydantic.model_validator(mode="after")
-    def _check_intervals(self) -> "Config":
+    def _resolve_task(self) -> "RunSections":
+        """The task the data implies when none is named; a task's section given for another task is refused;
+        the running task's moved keys (``preference.init_from``) land where they live now."""
+        from functrain.tasks import implied_task, task_sections
+        if self.task is None:
+            self.__dict__["task"] = implied_task(self)  # plain set: assignment would validate the model again
+        for name, section_class in task_sections().items():
+            # A section at its defaults configures nothing (older run configs record every task's section).
+            if name != self.task and getattr(self, name) != section_class():
+                raise ValueError(f"the {name} section configures task {name} and this config trains "
+                                 f"{self.task or 'a classifier or causal LM (no task set)'}; set task: {name} or "
+                                 f"remove the {name} section")
+        section = getattr(self, self.task, None) if self.task else None
+        for dotted, (own_key, value) in (section.aliases().items() if section is not None else ()):
+            where, key = dotted.split(".")
+            current, old_name = getattr(getattr(self, where), key), f"{self.task}.{own_key}"
+            if current is not None and current != value:
+                raise ValueError(f"{old_name}={value!r} and {dotted}={current!r} differ; {old_name} is the old "
+                                 f"name of {dotted}: keep {dotted} alone")
+            getattr(self, where).__dict__[key] = value
+            self._given_as[dotted] = old_name
+        return self
+
+    def given_as(self, dotted: str) -> str:
+        """The name the config gave ``dotted`` under (an old alias), for messages about its value."""
+        return self._given_as.get(dotted, dotted)
+
+    @pydantic.model_validator(mode="after")
+    def _check_intervals(self) -> "RunSections":
         k = self.train.steps_per_call
         for key, every in (("log.every_steps", self.log.every_steps),
                            ("eval.every_steps", self.eval.every_steps),
@@ -425,13 +498,54 @@ class Config(Section):
                              f"step is always compiled); remove it or set backend=torch")
         return self
 
+    def section(self, task: str) -> Any:
+        """The config section of task ``task``."""
+        return getattr(self, task)
+
     def to_dict(self) -> dict:
-        """The resolved config as plain data (what ``config.yaml`` in the run directory holds)."""
-        return self.model_dump(mode="json")
+        """The resolved config as plain data (what ``config.yaml`` in the run directory holds): the task's own
+        section, not the other tasks'."""
+        from functrain.tasks import task_sections
+        return self.model_dump(mode="json", exclude={name for name in task_sections() if name != self.task})
 
     def digest(self) -> str:
         """SHA-256 of the resolved config, recorded in checkpoints."""
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
+
+
+_CONFIG_CLASSES: dict[tuple[str, ...], type[RunSections]] = {}
+
+
+def config_class() -> type[RunSections]:
+    """The run config's class: :class:`RunSections` with a top-level section per registered task, named after it
+    (``preference``, ``distill``), made again when a task registers at run time
+    (:func:`functrain.tasks.register_task`)."""
+    from functrain.tasks import task_sections
+    sections = task_sections()
+    key = tuple(sorted(sections))
+    if key not in _CONFIG_CLASSES:
+        fields: dict[str, Any] = {name: (section, Field(default_factory=section)) for name, section in sections.items()}
+        _CONFIG_CLASSES[key] = pydantic.create_model(
+            "Config", __base__=RunSections, __module__=__name__,
+            __doc__="The whole run configuration, the tasks' sections included.", **fields)
+    return _CONFIG_CLASSES[key]
+
+
+if TYPE_CHECKING:
+    Config = RunSections
+else:
+    Config = config_class()  # the registry's tasks as the package ships them; isinstance checks use RunSections
+
+
+def _section_class(annotation: Any) -> type[BaseModel] | None:
+    """The section class a field holds, alone or optional (``model.lora``, ``model.rope_scaling``); None for
+    other fields."""
+    union = typing.get_origin(annotation) in (Union, types.UnionType)
+    members = [member for member in (typing.get_args(annotation) if union else (annotation,))
+               if member is not type(None)]
+    if len(members) == 1 and isinstance(members[0], type) and issubclass(members[0], BaseModel):
+        return members[0]
+    return None
 
 
 def _all_keys(schema: type[BaseModel], prefix: str = "") -> list[str]:
@@ -439,20 +553,16 @@ def _all_keys(schema: type[BaseModel], prefix: str = "") -> list[str]:
     keys = []
     for name, field in schema.model_fields.items():
         keys.append(prefix + name)
-        annotation = field.annotation
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            keys.extend(_all_keys(annotation, prefix + name + "."))
+        section = _section_class(field.annotation)
+        if section is not None:
+            keys.extend(_all_keys(section, prefix + name + "."))
     return keys
 
 
 def _suggest(key: str, model_name: str | None) -> str:
-    valid = _all_keys(Config)
-    if model_name:
-        from functrain.models import model_config_class
-        try:
-            valid += _all_keys(model_config_class(model_name), "model.")
-        except ValueError:
-            pass
+    valid = _all_keys(config_class())
+    if isinstance(model_name, str) and model_name in MODEL_FAMILIES:
+        valid += _all_keys(model_config_class(model_name), "model.")
     match = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     return f"; did you mean '{match[0]}'?" if match else ""
 
@@ -460,7 +570,10 @@ def _suggest(key: str, model_name: str | None) -> str:
 def _format_validation_error(error: pydantic.ValidationError, raw: dict) -> str:
     """One line for the first problem: the dotted key, what is wrong and the nearest valid key."""
     first = error.errors()[0]
-    key = ".".join(str(part) for part in first["loc"] if not str(part).startswith("function-"))
+    loc = [str(part) for part in first["loc"] if not str(part).startswith("function-")]
+    if loc[:1] == ["model"] and len(loc) > 1 and loc[1] in MODEL_TAGS:
+        del loc[1]  # the union's member (model.name), which pydantic puts in the path
+    key = ".".join(loc)
     model_name = raw.get("model", {}).get("name") if isinstance(raw.get("model"), dict) else None
     if first["type"] == "extra_forbidden":
         return f"unknown config key '{key}'{_suggest(key, model_name)}"
@@ -475,7 +588,7 @@ def _format_validation_error(error: pydantic.ValidationError, raw: dict) -> str:
 def validate_config(raw: dict) -> Config:
     """Validate a nested dict into a :class:`Config`, or raise a one-line ConfigError."""
     try:
-        return Config.model_validate(raw)
+        return config_class().model_validate(raw)
     except pydantic.ValidationError as exc:
         raise ConfigError(_format_validation_error(exc, raw)) from None
     except ValueError as exc:  # the model registry's unknown-name error

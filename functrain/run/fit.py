@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 from functrain.run.build import Run, build_run
 from functrain.run.callbacks import Callback
-from functrain.run.config import PYTHON_OBJECT, Config, load_config
+from functrain.run.config import PYTHON_OBJECT, Config, RunSections, load_config
 from functrain.run.config_files import override_list
 from functrain.run.loop import drive
 from functrain.run.outcome import FitResult
@@ -18,7 +18,7 @@ def resolve_config(config: Config | dict | str | os.PathLike, overrides: dict[st
     """A validated Config from a Config, a dict or a YAML path, with ``{"train.max_steps": 5}`` overrides
     (``train__max_steps=5`` works too, for keyword arguments)."""
     dotted = override_list({key.replace("__", "."): value for key, value in overrides.items()})
-    if isinstance(config, Config):
+    if isinstance(config, RunSections):
         return load_config(base=config.to_dict(), overrides=dotted)
     if isinstance(config, dict):
         return load_config(base=config, overrides=dotted)

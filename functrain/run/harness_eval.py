@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from functrain.run.callbacks import Callback, RunView
+from functrain.run.callbacks import Callback, Control, RunView
 from functrain.run.samples import check_language_model_run
 
 HARNESS_SPLIT = "harness"
@@ -34,13 +34,14 @@ class HarnessEvaluation(Callback):
         tokenizer_object = load_tokenizer(tokenizer) if tokenizer else None
         self.lm = FunctrainLM.from_params(self.model, None, tokenizer_object, batch_size)  # params: each evaluation's
 
-    def on_evaluate(self, view: RunView, metrics: dict[str, float]) -> None:
+    def on_evaluate(self, view: RunView, metrics: dict[str, float]) -> Control | None:
         from functrain.models.lora import merged_for_inference
         from functrain.text.harness import task_scores
         if view.state is None:
-            return
+            return None
         self.lm.params = merged_for_inference(view.state.params, self.model.config)
         try:
-            view.report(HARNESS_SPLIT, task_scores(self.lm, self.tasks, self.manager, limit=self.limit))
+            scores = task_scores(self.lm, self.tasks, self.manager, limit=self.limit)
         finally:
             self.lm.params = None  # the state is donated to the next call
+        return Control(metrics={HARNESS_SPLIT: scores})

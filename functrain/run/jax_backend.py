@@ -7,8 +7,7 @@ a mesh and its rules, :class:`~functrain.core.step.StepSettings`); the builder m
 import contextlib
 import hashlib
 import json
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +22,9 @@ from functrain.core.step import StepSettings, make_eval_step, make_train_call, m
 from functrain.data import batch_sharding, to_global
 from functrain.parallel import distributed, sharding
 from functrain.parallel.offload import check_offload, offload_opt_state, streaming_optimizer
+
+# Folded into the seed's key for the experience stage's keys (then the step): a stream of its own.
+EXPERIENCE_STREAM = 0xE4E7
 
 # TrainState fields saved in the checkpoint's "state" item (params are an item of their own).
 STATE_FIELDS = ("step", "opt_state", "rng", "model_state", "loss_scale", "good_steps", "skipped_steps",
@@ -56,10 +58,13 @@ class JaxBackend:
 
     def __init__(self, program: Program, tx: optax.GradientTransformation, schedule: optax.Schedule | None, *,
                  mesh: Mesh, rules: Any, param_rules: Any = (), allow_replicated_fallback: bool = False,
-                 step: StepSettings = StepSettings(), seed: int = 0) -> None:
+                 step: StepSettings = StepSettings(), seed: int = 0,
+                 experience: Callable[[Any, dict[str, Any], jax.Array], dict[str, Any]] | None = None) -> None:
         """``schedule`` is reported as the ``learning_rate`` metric (None: not reported); ``rules`` map logical
-        axes to mesh axes and ``param_rules`` parameter paths to specs (:mod:`functrain.parallel.sharding`)."""
-        self.program, self.mesh, self.seed = program, mesh, seed
+        axes to mesh axes and ``param_rules`` parameter paths to specs (:mod:`functrain.parallel.sharding`);
+        ``experience``: a task's stage that makes each step's training batch from the loader's with the current
+        weights (:class:`functrain.tasks.base.ExperienceStage`), or None."""
+        self.program, self.mesh, self.seed, self.experience = program, mesh, seed, experience
         self.process_index, self.process_count = jax.process_index(), jax.process_count()
         self.writes_checkpoints = True  # Orbax writes a checkpoint with every process
         self.devices = list(mesh.devices.flat)  # jax.devices(), or a TPU topology's when planning
@@ -100,6 +105,12 @@ class JaxBackend:
             program.logical_specs(), self.abstract_state.params, self.mesh, rules,
             allow_replicated_fallback=allow_replicated_fallback, param_rules=param_rules)
         self.state_shardings = sharding.state_shardings(self.abstract_state, self.param_shardings, self.mesh)
+        if program.state_logical_specs is not None:  # model-state entries with logical axes of their own (a teacher)
+            entries = {name: sharding.param_shardings(specs, self.abstract_state.model_state[name], self.mesh, rules,
+                                                      allow_replicated_fallback=allow_replicated_fallback)
+                       for name, specs in program.state_logical_specs().items()}
+            self.state_shardings = self.state_shardings.replace(
+                model_state={**self.state_shardings.model_state, **entries})
         if step.offload_optimizer:
             train_step = streaming_optimizer(train_step, self.state_shardings.opt_state)
             self.state_shardings = offload_opt_state(self.state_shardings)
@@ -114,13 +125,7 @@ class JaxBackend:
                                    out_shardings=(self.state_shardings, replicated))
         self._eval_step = jax.jit(eval_step, in_shardings=(self.state_shardings, self.batch_sharding),
                                   out_shardings=replicated)
-        self._precompute: Callable | None = None
-        if (values_of := program.precompute) is not None:
-            def precompute(state: TrainState, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
-                # The parameters as the step's forward sees them (train.compute_dtype).
-                return values_of(cast_floating(state.params, compute_dtype), state.model_state, batch)
-            self._precompute = jax.jit(precompute, in_shardings=(self.state_shardings, self.batch_sharding),
-                                       out_shardings=replicated)
+        self._compute_dtype = compute_dtype
         self._weight_sums = jax.jit(weight_sums, out_shardings=replicated)
 
     def init_state(self) -> TrainState:
@@ -167,7 +172,24 @@ class JaxBackend:
         """Run ``K`` steps (asynchronously dispatched); metrics stay on device."""
         # The mesh in context lets the models pin activations' batch axis (sharding.constrain_batch).
         with jax.set_mesh(self.mesh):
+            if (experience := self.experience) is not None:
+                return self._experience_steps(experience, state, batches)
             return self._train_call(state, batches)
+
+    def _experience_steps(self, experience: Callable[[Any, dict[str, Any], jax.Array], dict[str, Any]],
+                          state: TrainState, batches: dict[str, Any]) -> tuple[TrainState, dict]:
+        """``K`` steps one at a time, each on the batch the experience stage made with the weights of that step:
+        a rollout needs the newest weights, so it waits for the step before it. The stage's key is a function of
+        the seed and the step, so the batches (and a resumed run) are the same however the run was cut."""
+        step = int(jax.device_get(state.step))
+        stream = jax.random.fold_in(jax.random.PRNGKey(self.seed), EXPERIENCE_STREAM)
+        per_step = []
+        for k in range(len(next(iter(batches.values())))):
+            batch = experience(state.params, {name: value[k] for name, value in batches.items()},
+                                    jax.random.fold_in(stream, step + k))
+            state, metrics = self._train_call(state, {name: jnp.asarray(value)[None] for name, value in batch.items()})
+            per_step.append(metrics)
+        return state, jax.tree.map(lambda *values: jnp.concatenate(values), *per_step)
 
     def compile_train_call(self, state: TrainState, batches: dict[str, jax.Array]) -> jax.stages.Compiled:
         """The train call compiled for these arguments, for XLA's analyses (``memory_analysis``,
@@ -190,14 +212,24 @@ class JaxBackend:
         with jax.set_mesh(self.mesh):
             return self._eval_step(state, batch)
 
-    def precompute_batch(self, state: TrainState, host_batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The program's per-record values (:attr:`Program.precompute`) of one batch ``[B_local, ...]`` from
-        ``state``, as host arrays ``[B]`` of the whole global batch (every process gets all of them)."""
-        if self._precompute is None:
-            raise ValueError("precompute_batch needs a program with a precompute function")
-        batch = to_global(host_batch, self.batch_sharding, batch_axis=0)
-        with jax.set_mesh(self.mesh):
-            return self.to_host(self._precompute(state, batch))
+    def batch_function(self, fn: Callable[[Any, Any, dict[str, jax.Array]], dict[str, jax.Array]]
+                       ) -> Callable[[TrainState, dict[str, np.ndarray]], dict[str, np.ndarray]]:
+        """``fn(params, model_state, batch) -> {field: [B]}`` compiled on the mesh: the returned function takes the
+        state and a host batch ``[B_local, ...]`` and gives host arrays ``[B]`` of the whole global batch (every
+        process gets all of them). The params are cast as the step's forward sees them (``train.compute_dtype``),
+        so values computed here match the step's (a task's start hook: precomputed reference log-probs)."""
+        compute_dtype = self._compute_dtype
+
+        def on_state(state: TrainState, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+            return fn(cast_floating(state.params, compute_dtype), state.model_state, batch)
+        compiled = jax.jit(on_state, in_shardings=(self.state_shardings, self.batch_sharding),
+                           out_shardings=NamedSharding(self.mesh, PartitionSpec()))
+
+        def run(state: TrainState, host_batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            batch = to_global(host_batch, self.batch_sharding, batch_axis=0)
+            with jax.set_mesh(self.mesh):
+                return self.to_host(compiled(state, batch))
+        return run
 
     def params_digest(self, state: TrainState) -> str:
         """A hex digest of the state's params computed on the devices: the same for the same values on any

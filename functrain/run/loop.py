@@ -9,7 +9,7 @@ framework and reads no config.
 The order of operations that must not change:
 1. the run directory is ours (its lock) before a checkpointer opens it, and the start is decided (restore or
    init) before anything is written: bad input leaves an existing run as it was; data computed from the
-   starting state (``Run.start_data``) is filled in then, before any batch is read;
+   starting state (the task's ``Run.start_hooks``) is filled in then, before any batch is read;
 2. a call's steps are dispatched under the backend's hot-path guard; the loop looks at older calls only
    while newer ones are queued;
 3. at a boundary, every call in flight is finished before an evaluation or a save, an evaluation sees the
@@ -19,6 +19,7 @@ The order of operations that must not change:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections import deque
 from typing import Any
@@ -28,12 +29,13 @@ from functrain.data import BatchLoader
 from functrain.errors import ConfigError
 from functrain.run.build import Run
 from functrain.run.call_metrics import CallMetrics
-from functrain.run.callbacks import Control, RunView
+from functrain.run.callbacks import Control
 from functrain.run.config_checks import check_metric_logged
 from functrain.run.lock import RunLock
-from functrain.run.outcome import ALREADY_FINISHED, EARLY_STOPPED, FINISHED, SIGNAL, FitResult, skipped_report
+from functrain.run.outcome import FitResult, StopKind, skipped_report
 from functrain.run.resume import Start, write_run_config
 from functrain.run.signals import StopSignals, check_interrupted
+from functrain.run.view import RunRecord, RunView
 
 log = logging.getLogger("functrain")
 
@@ -48,9 +50,11 @@ class _Driver:
     def __init__(self, run: Run) -> None:
         self.run, self.backend, self.settings = run, run.backend, run.settings
         self.is_primary = self.backend.process_index == 0
-        self.view = RunView(config=run.config, run_dir=run.run_dir, max_steps=self.settings.max_steps,
-                            is_primary=self.is_primary)
-        self.metrics = CallMetrics(run, self.view)
+        # Where the run stands: written here only; callbacks read it through the view.
+        self.record = RunRecord(config=run.config, run_dir=run.run_dir, max_steps=self.settings.max_steps,
+                                is_primary=self.is_primary)
+        self.view = RunView(self.record)
+        self.metrics = CallMetrics(run, self.record, self.view)
         self.signals = StopSignals()
         self.checkpointer: Any = None
         self.adapter_saves: AdapterSaves | None = None
@@ -89,9 +93,9 @@ class _Driver:
                 lock.release()
 
     # -- positions, evaluation, saving ------------------------------------------------------------------------
-    def update_view(self, step: int, position: int) -> None:
-        self.view.step, self.view.samples_consumed = step, position
-        self.view.epoch = self.run.sampler.epoch_of(position)
+    def update_record(self, step: int, position: int) -> None:
+        self.record.step, self.record.samples_consumed = step, position
+        self.record.epoch = self.run.sampler.epoch_of(position)
 
     def check_eval_metric_names(self, state: Any) -> None:
         """Metrics that early stopping or keep-best read from evaluations must be ones the evaluation gives:
@@ -110,18 +114,20 @@ class _Driver:
         if self.run.eval_loader is None and not self.settings.evaluate_without_data:
             return Control()
         metrics = self.eval_metrics(state, self.run.eval_loader()) if self.run.eval_loader is not None else {}
-        self.last_eval_step = self.view.step
-        self.view.state = state
-        control = self.run.callbacks.fire("on_evaluate", self.view, metrics)
-        self.view.state = None  # donated by the next call
+        record, callbacks = self.record, self.run.callbacks
+        self.last_eval_step = record.step
+        record.state = state
+        try:
+            control = callbacks.fire("on_evaluate", self.view, metrics)
+        finally:
+            record.state = None  # donated by the next call
+        reported, control = control.metrics or {}, dataclasses.replace(control, metrics=None)
         if self.run.eval_loader is not None:
-            logged = {**metrics, **self.metrics.position_fields(self.view.samples_consumed)}
-            control = control.merge(self.run.callbacks.fire("on_log", self.view, "eval", self.view.step, logged))
-        reported, self.view.reported = self.view.reported, {}
+            logged = {**metrics, **self.metrics.position_fields(record.samples_consumed)}
+            control = control.merge(callbacks.fire("on_log", self.view, "eval", record.step, logged))
         for split, split_metrics in reported.items():
-            self.view.last_metrics[split] = split_metrics
-            control = control.merge(self.run.callbacks.fire("on_log", self.view, split, self.view.step,
-                                                            split_metrics))
+            record.last_metrics[split] = split_metrics
+            control = control.merge(callbacks.fire("on_log", self.view, split, record.step, split_metrics))
         return control
 
     def eval_metrics(self, state: Any, loader: BatchLoader) -> dict[str, float]:
@@ -140,13 +146,13 @@ class _Driver:
         metrics["weight"] = float(totals["weight"])
         if self.settings.best_metric:
             check_metric_logged("checkpoint.best_metric", self.settings.best_metric, "eval", metrics)
-        self.view.last_metrics["eval"] = metrics
+        self.record.last_metrics["eval"] = metrics
         return metrics
 
     def save(self, state: Any, step: int, position: int) -> None:
         if step == self.last_saved_step or not self.backend.writes_checkpoints:
             return
-        metrics = dict(self.view.last_metrics)
+        metrics = dict(self.record.last_metrics)
         if self.last_eval_step != step:
             # Stale eval metrics would let a never-evaluated step outrank the evaluated one (keep-best).
             metrics = {"train": metrics["train"]} if "train" in metrics else {}
@@ -157,11 +163,18 @@ class _Driver:
         self.last_meta, self.last_saved_step = meta, step
         self.run.callbacks.fire("on_save", self.view, step)
 
-    def result(self, state: Any, step: int, position: int, stop_reason: str, skipped_steps: int) -> FitResult:
-        return FitResult(state=state, step=step, samples_consumed=position, stop_reason=stop_reason,
-                         metrics=dict(self.view.last_metrics), run_dir=self.run.run_dir,
-                         stop_kind=self.metrics.stop_kind, steps_run=step - self.view.start_step,
-                         skipped_steps=skipped_steps, max_skipped_fraction=self.settings.max_skipped_fraction)
+    def stopped(self, kind: StopKind, reason: str) -> None:
+        """How the run ended: on the record (so ``on_train_end`` sees it), then in the result."""
+        self.record.stop_kind, self.record.stop_reason = kind, reason
+
+    def result(self, state: Any, step: int, position: int, skipped_steps: int) -> FitResult:
+        record = self.record
+        kind, reason = record.stop_kind, record.stop_reason
+        assert kind is not None and reason is not None, "stopped() runs first"
+        return FitResult(state=state, step=step, samples_consumed=position, stop_reason=reason,
+                         metrics=dict(record.last_metrics), run_dir=self.run.run_dir, stop_kind=kind,
+                         steps_run=step - record.start_step, skipped_steps=skipped_steps,
+                         max_skipped_fraction=self.settings.max_skipped_fraction)
 
     @property
     def started(self) -> Start:
@@ -178,7 +191,7 @@ class _Driver:
             self.last_saved_step = self.start.restored_step
         state, position = self.start.state, self.start.position
         step = self.backend.step_of(state)
-        self.view.start_step = step
+        self.record.start_step = step
         return state, step, position
 
     def announce(self, step: int, position: int) -> None:
@@ -194,7 +207,7 @@ class _Driver:
             log.warning("functrain: warning: %s", warning)
         records = self.run.sampler.num_records
         log.info("run %s: steps %d -> %d, epoch %d, samples consumed %d, %s\n%s", self.run.run_dir, step,
-                 self.settings.max_steps, self.view.epoch, position,
+                 self.settings.max_steps, self.record.epoch, position,
                  "streamed training data" if records is None else f"{records} training records",
                  self.backend.describe())
         if self.run.speed.flops_per_token:
@@ -211,15 +224,16 @@ class _Driver:
             control = control.merge(callbacks.fire("on_epoch_begin", self.view))
         control = control.merge(callbacks.fire("on_step_end", self.view))
         if self.signals.received:
-            self.view.stop_reason = (f"{self.signals.received} received: saved and stopped; run the same command "
-                                     f"again to resume")
-            self.metrics.stop_kind = SIGNAL
-            control = control.merge(Control(should_stop=True, should_save=True))
+            control = control.merge(Control(should_stop=True, should_save=True, stop_kind=StopKind.SIGNAL,
+                                            stop_reason=(f"{self.signals.received} received: saved and stopped; "
+                                                         f"run the same command again to resume")))
         if self.backend.process_count > 1:  # every process must take the same (collective) path
-            control = Control(*self.backend.any_process(
-                [control.should_stop, control.should_save, control.should_evaluate]))
-            if control.should_stop and not self.view.stop_reason:
-                self.view.stop_reason = "another process asked to stop (a signal or a callback)"
+            stop, save, evaluate = self.backend.any_process(
+                [control.should_stop, control.should_save, control.should_evaluate])
+            if stop and not control.should_stop:
+                control = Control(stop_kind=StopKind.OTHER_PROCESS,
+                                  stop_reason="another process asked to stop (a signal or a callback)")
+            control = dataclasses.replace(control, should_stop=stop, should_save=save, should_evaluate=evaluate)
         if control.should_evaluate or control.should_save or control.should_stop:
             control = control.merge(self.metrics.finish_all(in_flight))
         if control.should_evaluate:
@@ -233,13 +247,13 @@ class _Driver:
         max_steps, steps_per_call = self.settings.max_steps, self.settings.steps_per_call
         if self.started.restored_step is not None and step >= max_steps:
             # Rerunning a finished job leaves its directory as it was: no config, metrics or event files.
-            self.metrics.stop_kind = ALREADY_FINISHED
-            reason = f"already finished (train.max_steps={max_steps}: raise it to train further)"
-            return self.result(state, step, position, reason, 0)
-        if self.run.start_data is not None:  # data computed from the start (precomputed reference log-probs)
-            self.run.start_data(self.backend, state, self.started.restored_step)
+            self.stopped(StopKind.ALREADY_FINISHED,
+                         f"already finished (train.max_steps={max_steps}: raise it to train further)")
+            return self.result(state, step, position, 0)
+        for hook in self.run.start_hooks:  # the task's: data or state parts computed from the start
+            state = hook(self.backend, state, self.started.restored_step)
         self.check_eval_metric_names(state)
-        self.update_view(step, position)
+        self.update_record(step, position)
         self.announce(step, position)
         nonfinite_at_start = self.backend.nonfinite_steps_of(state)
         self.metrics.start(step, nonfinite_at_start)
@@ -247,7 +261,7 @@ class _Driver:
         callbacks.fire("on_train_begin", self.view)
         callbacks.fire("on_epoch_begin", self.view)
         in_flight: deque[tuple[int, Any, int]] = deque()  # (end step, device metrics, end position), unread
-        stop_reason = "finished"
+        ending = Control()  # the stop request that ends the run before its planned steps, if one does
         # Calls end on multiples of steps_per_call (where log/eval/save intervals fall), also after a resume
         # from a step that is not one (a SIGTERM save under another steps_per_call, say).
         calls = self.run.loader.iter_from(position, steps_per_call, num_steps=max(max_steps - step, 0),
@@ -257,30 +271,32 @@ class _Driver:
                 with self.backend.hot_path():
                     state, metrics = self.backend.train_call(state, batches)
                 step += self.metrics.dispatched(step, metrics)
-                epoch_before = self.view.epoch
-                self.update_view(step, position)
+                epoch_before = self.record.epoch
+                self.update_record(step, position)
                 in_flight.append((step, metrics, position))
-                control = self.boundary(in_flight, state, step, position, self.view.epoch != epoch_before)
-                if control.should_stop:
-                    stop_reason = self.view.stop_reason or "stopped by a callback"
-                    if self.metrics.stop_kind == FINISHED:
-                        self.metrics.stop_kind = EARLY_STOPPED
+                ending = self.boundary(in_flight, state, step, position, self.record.epoch != epoch_before)
+                if ending.should_stop:
                     break
-            self.metrics.finish_all(in_flight)
-        if stop_reason == "finished" and self.last_eval_step != step:
+            # The last calls are read here: a non-finite step among them stops the run as one read earlier does.
+            ending = ending.merge(self.metrics.finish_all(in_flight))
+        finished = not ending.should_stop
+        if finished and self.last_eval_step != step:
             self.evaluate(state)
         self.save(state, step, position)
         self.checkpointer.close()  # waits for the last save and surfaces its failure
-        if stop_reason == "finished":
+        if finished:
             callbacks.fire("on_epoch_end", self.view)
-        if stop_reason == "finished" and step < max_steps:  # only a stream ends before max_steps
-            stop_reason = (f"the training data stream ended after {position} samples, before "
-                           f"train.max_steps={max_steps}")
+        if not finished:
+            self.stopped(ending.stop_kind, ending.stop_reason)
+        elif step < max_steps:  # only a stream ends before max_steps
+            self.stopped(StopKind.DATA_ENDED, f"the training data stream ended after {position} samples, before "
+                                              f"train.max_steps={max_steps}")
+        else:
+            self.stopped(StopKind.FINISHED, "finished")
         callbacks.fire("on_train_end", self.view)
-        result = self.result(state, step, position, stop_reason,
-                             self.backend.nonfinite_steps_of(state) - nonfinite_at_start)
+        result = self.result(state, step, position, self.backend.nonfinite_steps_of(state) - nonfinite_at_start)
         if self.is_primary:
-            log.info("stopped at step %d (%s)", step, stop_reason)
+            log.info("stopped at step %d (%s)", step, result.stop_reason)
             report = skipped_report(result)
             if report:
                 log.warning("functrain: warning: %s", report)

@@ -21,6 +21,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from functrain.models.configs.base import DecoderShape
 from functrain.run.chips import TERA, chip_of
 
 log = logging.getLogger("functrain")
@@ -29,36 +30,6 @@ def peak_tflops(device_kind: str) -> float | None:
     """Dense bf16 peak TFLOP/s of one device of this kind, or None when unknown (CPUs among them)."""
     chip = chip_of(device_kind)
     return chip.peak_flops / TERA if chip else None
-
-
-@dataclass(frozen=True)
-class DecoderShape:
-    """The sizes the FLOPs formula needs (see the module docstring)."""
-    layers: int
-    width: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    mlp_width: int
-    mlp_matrices: int
-    vocab: int
-
-
-def decoder_shape(model_config: Any) -> DecoderShape | None:
-    """The shape of a built-in decoder (GPT, GPT-2, Llama and its relatives), or None for other models."""
-    get = lambda *names: next((getattr(model_config, n) for n in names if getattr(model_config, n, None)), None)  # noqa: E731
-    layers = get("n_layers", "n_layer", "num_hidden_layers")
-    width = get("d_model", "n_embd", "hidden_size")
-    heads = get("n_heads", "n_head", "num_attention_heads")
-    vocab = get("vocab_size")
-    if not (layers and width and heads and vocab):
-        return None
-    head_dim = get("attn_head_dim", "head_dim") or width // heads
-    gated = getattr(model_config, "intermediate_size", None) is not None
-    mlp_width = get("intermediate_size", "inner_size", "d_ff") or 4 * width
-    kv_heads = get("kv_heads", "num_key_value_heads") or heads
-    return DecoderShape(layers=layers, width=width, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                        mlp_width=mlp_width, mlp_matrices=3 if gated else 2, vocab=vocab)
 
 
 def train_flops_per_token(shape: DecoderShape, context: int, attention: str = "causal") -> float:
@@ -94,13 +65,13 @@ class SpeedReport:
         return values
 
 
-def speed_report(model_config: Any, kind: str | None, global_batch_size: int, seq_len: int, devices: list[Any]
-                 ) -> SpeedReport:
-    """The report for a run: LM token counts and FLOPs when the model is a known decoder, the peak of its
-    devices when their kind is known (an accelerator of unknown kind gets a warning naming it)."""
-    tokens = global_batch_size * seq_len if kind == "causal_lm" else None
-    shape = decoder_shape(model_config) if tokens else None
-    flops = train_flops_per_token(shape, seq_len) if shape else None
+def speed_report(shape: DecoderShape | None, tokens_per_sample: int | None, global_batch_size: int,
+                 devices: list[Any]) -> SpeedReport:
+    """The report for a run: token counts when a sample is ``tokens_per_sample`` tokens (None: not a token
+    window), FLOPs when the model's decoder ``shape`` is known (a model config's ``decoder_shape()``), the peak of
+    its devices when their kind is known (an accelerator of unknown kind gets a warning naming it)."""
+    tokens = global_batch_size * tokens_per_sample if tokens_per_sample else None
+    flops = train_flops_per_token(shape, tokens_per_sample) if tokens_per_sample and tokens and shape else None
     device_kind = devices[0].device_kind if devices else "unknown"
     peak = peak_tflops(device_kind)
     if flops and peak is None and devices and devices[0].platform != "cpu":

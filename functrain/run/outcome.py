@@ -17,6 +17,7 @@ Slurm with ``--requeue``) restart it, and the rerun resumes from the save.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,15 +31,33 @@ from functrain.errors import (  # noqa: F401
     PLANNED_EXITS,
 )
 
-# How a run ended (``FitResult.stop_kind``).
-FINISHED, ALREADY_FINISHED, EARLY_STOPPED, NONFINITE, SIGNAL = (
-    "finished", "already_finished", "early_stopped", "nonfinite", "signal")
+
+class StopKind(enum.Enum):
+    """How a run ended (``FitResult.stop_kind``); the sentence people read is ``FitResult.stop_reason``."""
+    FINISHED = "finished"                  # the planned steps ran
+    DATA_ENDED = "data_ended"              # the training data stream ended before train.max_steps
+    ALREADY_FINISHED = "already_finished"  # rerun of a finished job: nothing trained, nothing written
+    EARLY_STOPPED = "early_stopped"        # eval.early_stopping_metric stopped improving
+    CALLBACK = "callback"                  # a callback asked to stop
+    OTHER_PROCESS = "other_process"        # another process of the job asked to stop
+    NONFINITE = "nonfinite"                # a non-finite step with train.nonfinite: stop
+    SIGNAL = "signal"                      # SIGTERM/SIGINT: saved, to be resumed
+
+    @property
+    def sets_exit_status(self) -> bool:
+        """Whether this ending has an exit status of its own: it outranks any other stop asked for at the same
+        call boundary, so the status and the sentence always tell the same story."""
+        return self in _EXIT_STATUS
+
+
+_EXIT_STATUS = {StopKind.NONFINITE: EXIT_NONFINITE, StopKind.SIGNAL: EXIT_SIGNAL}
 
 
 @dataclass
 class FitResult:
     """What ``fit`` returns: the final state, where the run stopped and its last metrics.
 
+    ``stop_reason`` says in a sentence why the run stopped, ``stop_kind`` (a :class:`StopKind`) says it for code.
     ``skipped_steps`` and ``steps_run`` count this invocation's steps (not the resumed history);
     ``exit_code`` is what ``functrain train`` exits with (see the table in :mod:`functrain.run.outcome`).
     """
@@ -48,7 +67,7 @@ class FitResult:
     stop_reason: str
     metrics: dict[str, dict[str, float]]
     run_dir: Path
-    stop_kind: str = FINISHED
+    stop_kind: StopKind = StopKind.FINISHED
     steps_run: int = 0
     skipped_steps: int = 0
     max_skipped_fraction: float = 0.5
@@ -60,10 +79,8 @@ class FitResult:
 
     @property
     def exit_code(self) -> int:
-        if self.stop_kind == NONFINITE:
-            return EXIT_NONFINITE
-        if self.stop_kind == SIGNAL:
-            return EXIT_SIGNAL
+        if self.stop_kind in _EXIT_STATUS:
+            return _EXIT_STATUS[self.stop_kind]
         if self.skipped_steps and self.skipped_fraction > self.max_skipped_fraction:
             return EXIT_MOSTLY_SKIPPED
         return EXIT_FINISHED

@@ -1,12 +1,12 @@
-"""Resolve a run's parts: the config's names (and the objects given to ``fit``) as objects, for the CLI,
-``fit(path)`` and ``fit(config, model=..., ...)`` alike.
+"""Resolve a run's parts: the task the config trains with its data and program, and the config's names (and
+the objects given to ``fit``) as objects, for the CLI, ``fit(path)`` and ``fit(config, model=..., ...)`` alike.
 
 An object passed to ``fit`` wins; otherwise the config names it: ``model.name`` (the registry in
 :mod:`functrain.models`) or ``model.target``; ``data.name`` (:mod:`functrain.data.datasets`; ``tokens``: a token
 store, :mod:`functrain.data.token_windows`) or ``data.target``; ``optimizer.name`` (:mod:`functrain.core.optim`) or
 ``optimizer.target``. Import paths are ``"package.module:attribute"``; one that does not resolve or gives the
-wrong kind of object is a one-line ConfigError naming it. :func:`functrain.run.build.build` then makes the
-backend and the rest of the run from these parts.
+wrong kind of object is a one-line ConfigError naming it. :func:`functrain.run.build.build_run` then makes the
+task's data and program, the backend and the rest of the run from these.
 """
 
 from __future__ import annotations
@@ -15,60 +15,91 @@ import functools
 import importlib
 import inspect
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import optax
 
-from functrain.core.fields import Fields, require_builtin, resolve_fields
-from functrain.core.losses import batch_check
 from functrain.core.optim import OptimizerSettings, ScheduleSettings, named_optimizer
-from functrain.core.preference import PreferenceSettings
+from functrain.core.program import ModelPieces, Program, model_pieces
 from functrain.data import ConcatSource, Mixture, Source, Stream, as_data, as_source
-from functrain.data.datasets import load_dataset, open_source, split_records, token_store
+from functrain.data.datasets import load_dataset, open_source, token_store
 from functrain.data.stream import is_stream
 from functrain.data.synthetic import synthetic_splits
-from functrain.data.transforms import Transform, apply_transform
-from functrain.data.validate import BatchCheck, FieldRule, check_arrays
+from functrain.data.transforms import Transform
+from functrain.data.validate import check_arrays
 from functrain.errors import ConfigError, DataError
 from functrain.models import build_model, model_spec
-from functrain.run.config import PYTHON_OBJECT
+from functrain.models.lora import lora_transform
+from functrain.run.config import PYTHON_OBJECT, PythonModelConfig, TargetModelConfig
+from functrain.tasks import task_for
+from functrain.tasks.base import Task, TaskContext, TaskData
 
+# ------------------------------------------------------------------------------------------------ the task
 
 @dataclass(frozen=True)
 class Parts:
-    """What a run is built from.
+    """What a run is built from: the task, what it was handed, its data, the model and a user optimizer.
 
-    Attributes:
-      model: the model object; None with ``backend: torch`` and a registry model (the bridge builds it).
-      kind: the built-in loss (``classifier`` / ``causal_lm``): the registry's, ``model.kind`` or the one the
-        data's fields call for; None with a user ``loss_fn``.
-      fields: the roles of the data's fields (:mod:`functrain.core.fields`: conventions, or ``data.fields``);
-        None with a user ``loss_fn`` and no ``data.fields`` (the model adapter then follows the conventions).
-      loss_fn: a user ``loss_fn(params, batch, rng) -> (loss_sum, weight, aux_sums)``, or None (built-in).
-      optimizer: a user optimizer (transformation or function of the schedule) and what to call it in
-        errors, or None (``optimizer.name``).
-      train_data, eval_data: data sources (a :class:`Mixture` or, for training, a :class:`Stream` too;
-        ``eval_data`` None: no evaluation).
-      batch_check: what the built-in loss reads, checked on every batch (None with a user ``loss_fn``).
-      transform: ``transform(record, rng) -> record`` applied to every record read (``fit(transform=)`` or
-        ``data.transform``), or None.
-      notes: warnings found while reading the data, shown when the run starts.
-
-    ``data.name: preference`` makes ``kind`` ``preference``: pairs tokenised by :mod:`functrain.text.preference`,
-    trained with the loss of :mod:`functrain.core.preference` (``preference.*``).
-    """
+    ``model`` is None with ``backend: torch`` and a registry model (the bridge builds it); ``optimizer`` is a
+    user optimizer (transformation or function of the schedule) with what to call it in errors, or None
+    (``optimizer.name``)."""
+    task: Task
+    context: TaskContext
+    data: TaskData
     model: Any
-    kind: str | None
-    fields: Fields | None
-    loss_fn: Callable | None
     optimizer: tuple[Any, str] | None
-    train_data: Source | Stream
-    eval_data: Source | None
-    batch_check: BatchCheck | None
-    transform: Transform | None = None
-    notes: tuple[str, ...] = ()   # warnings about the data (identical preference pairs, dropped pairs)
 
+
+def data_seed(config: Any) -> int:
+    """``data.seed``, or the run's seed when it is not set."""
+    return config.seed if config.data.seed is None else config.data.seed
+
+
+def build_parts(config: Any, *, model: Any = None, loss_fn: Callable | None = None, optimizer: Any = None,
+                train_data: Any = None, eval_data: Any = None, transform: Callable | None = None) -> Parts:
+    """The task the config trains, with its data, from the objects given and the config for the rest."""
+    if eval_data is not None and train_data is None:
+        raise ConfigError("eval_data= was given without train_data=; pass both, or neither (the config's data)")
+    model, model_kind = resolve_model(config, model)
+    task = task_for(config)
+    context = TaskContext(config=config, run_dir=Path(config.run.dir).absolute(), model=model,
+                          model_kind=model_kind, loss_fn=loss_fn, transform=resolve_transform(config, transform),
+                          data_given=train_data is not None,
+                          read_data=functools.partial(resolve_data, config, train_data, eval_data),
+                          data_seed=data_seed(config))
+    task.check(context)
+    return Parts(task=task, context=context, data=task.data(context), model=model,
+                 optimizer=resolve_optimizer(config, optimizer))
+
+
+# ------------------------------------------------------------------------------------------------ program
+
+def transformed(pieces: ModelPieces, config: Any, loss_fn: Callable | None) -> ModelPieces:
+    """The model's pieces after the config's transforms (``model.lora``: adapters, the base frozen)."""
+    lora = config.model.lora_settings()
+    if lora is None:
+        return pieces
+    if loss_fn is not None:
+        raise ConfigError("model.lora trains a registry model with its built-in loss; remove loss_fn= or model.lora")
+    return lora_transform(pieces, lora)
+
+
+def task_program(config: Any, parts: Parts, example_batch: dict[str, np.ndarray], model: Any = None
+                 ) -> tuple[Program, ModelPieces]:
+    """The task's program on the model's pieces (``model``: another build of the model than the parts', for
+    plans), and the pieces it was built on."""
+    task, data = parts.task, parts.data
+    inputs = task.model_inputs(parts.context, data, example_batch)
+    argument = data.fields.argument if data.fields is not None else None
+    pieces = transformed(model_pieces(parts.model if model is None else model, inputs, example_batch, argument),
+                         config, parts.context.loss_fn)
+    return task.program(parts.context, data, pieces, example_batch), pieces
+
+
+
+# ------------------------------------------------------------------------------------------------ objects
 
 def describe_object(obj: Any) -> str:
     """``package.module.Name`` of an object's type (of a function pair: of its ``init``), for the record."""
@@ -114,7 +145,7 @@ def resolve_model(config: Any, model: Any) -> tuple[Any, str | None]:
     if model is not None:
         return model, None
     section = config.model
-    if hasattr(section, "target"):
+    if isinstance(section, TargetModelConfig):
         built = call_target(section.target, section.factory_kwargs(), "model.target")
         if config.backend == "jax":
             from functrain.core.program import model_kind_of
@@ -123,8 +154,8 @@ def resolve_model(config: Any, model: Any) -> tuple[Any, str | None]:
             except ConfigError as exc:
                 raise ConfigError(f"model.target={section.target!r} returned: {exc}") from None
         return built, section.kind
-    if hasattr(section, PYTHON_OBJECT):
-        raise ConfigError(f"model.python_object={getattr(section, PYTHON_OBJECT)!r} records a model passed to fit; "
+    if isinstance(section, PythonModelConfig):
+        raise ConfigError(f"model.python_object={section.python_object!r} records a model passed to fit; "
                           f"pass it again with fit(..., model=) or set model.name or model.target")
     kind = model_spec(section.name)["kind"]
     if config.backend == "torch":
@@ -182,14 +213,14 @@ def resolve_data(config: Any, train_data: Any, eval_data: Any) -> tuple[Source |
         what = f"data.target={section.target!r} returned"
         return _source(train, what), None if evaluation is None else _eval_source(evaluation, what)
     if section.sources is not None:
-        return mixture_from_config(section, getattr(config.model, "vocab_size", None))
+        return mixture_from_config(section, config.model.vocabulary_size())
     if section.name == PYTHON_OBJECT:
         raise ConfigError("data.name=python_object records data passed to fit; pass it again with "
                           "fit(..., train_data=) or set data.name or data.target")
     if section.name == "tokens":
-        return token_store(section, getattr(config.model, "vocab_size", None))
+        return token_store(section, config.model.vocabulary_size())
     if section.name == "synthetic":
-        return synthetic_splits(section.seq_len, getattr(config.model, "vocab_size", None),
+        return synthetic_splits(section.seq_len, config.model.vocabulary_size(),
                                 config.seed if section.seed is None else section.seed, section.eval_fraction)
     train, evaluation = load_dataset(section)
     return as_source(train), (as_source(evaluation) if len(next(iter(evaluation.values()))) else None)
@@ -255,91 +286,15 @@ def resolve_transform(config: Any, transform: Transform | None) -> Transform | N
     return transform
 
 
-def first_record(train: Source | Stream, transform: Transform | None, seed: int) -> dict[str, np.ndarray]:
-    """The training data's first record as a batch of one, transformed as the loader will."""
-    example = train.gather(np.arange(1))
-    return example if transform is None else apply_transform(example, transform, seed, np.arange(1))
-
-
-PREFERENCE = "preference"  # data.name and Parts.kind of preference runs
-
-
-def is_preference(config: Any) -> bool:
-    """Whether the config trains on preference pairs (``data.name: preference``)."""
-    section = config.data
-    return section.name == PREFERENCE and section.target is None and section.sources is None
-
-
-def preference_settings(config: Any) -> PreferenceSettings:
-    """The ``preference.*`` loss settings."""
-    section = config.preference
-    return PreferenceSettings(section.loss_type, section.beta, section.label_smoothing, section.simpo_gamma)
-
-
-def preference_parts(config: Any, model: Any, loss_fn: Callable | None, optimizer: Any) -> Parts:
-    """The parts of a ``data.name: preference`` run: the pairs of ``data.path`` tokenised with
-    ``data.tokenizer`` (UTF-8 bytes when unset), split by ``data.eval_fraction``, and the preference loss."""
-    from functrain.text.preference import load_preference_tokenizer, preference_arrays
-    section = config.data
-    if loss_fn is not None:
-        raise ConfigError("data.name=preference trains with the preference loss (preference.loss_type); remove "
-                          "loss_fn= or use other data")
-    if config.backend == "torch":
-        raise ConfigError("data.name=preference (DPO and its variants) needs backend: jax; set backend=jax")
-    settings = preference_settings(config)
-    if config.preference.precompute_ref and not settings.uses_reference:
-        raise ConfigError(f"preference.precompute_ref precomputes the reference's log-probs and "
-                          f"loss_type={settings.loss_type} uses no reference; remove preference.precompute_ref")
-    if not section.path:
-        raise ConfigError("data.name=preference needs data.path; set data.path=PAIRS.jsonl (prompt, chosen, "
-                          "rejected per line)")
-    arrays, stats = preference_arrays(section.path, load_preference_tokenizer(section.tokenizer), section.seq_len,
-                                      config.preference.truncation_mode)
-    train, evaluation = split_records(arrays, section.eval_fraction)
-    if not len(train["chosen"]):
-        raise DataError(f"{section.path} has no training pairs; add pairs or lower data.eval_fraction")
-    vocab = getattr(config.model, "vocab_size", None)
-    check = BatchCheck([FieldRule(name, upper=vocab, bound_key="model.vocab_size", what="token id")
-                        for name in ("chosen", "rejected")], source=f"the data ({section.path})")
-    return Parts(model=model, kind=PREFERENCE, fields=None, loss_fn=None,
-                 optimizer=resolve_optimizer(config, optimizer), train_data=as_source(train),
-                 eval_data=as_source(evaluation) if len(evaluation["chosen"]) else None, batch_check=check,
-                 notes=tuple(stats.notes(section.path)))
-
-
-def build_parts(config: Any, *, model: Any = None, loss_fn: Callable | None = None, optimizer: Any = None,
-                train_data: Any = None, eval_data: Any = None, transform: Transform | None = None) -> Parts:
-    """Every part of a run, from the objects given and the config for the rest."""
-    if eval_data is not None and train_data is None:
-        raise ConfigError("eval_data= was given without train_data=; pass both, or neither (the config's data)")
-    model, kind = resolve_model(config, model)
-    if train_data is None and is_preference(config):
-        return preference_parts(config, model, loss_fn, optimizer)
-    train, evaluation = resolve_data(config, train_data, eval_data)
-    transform = resolve_transform(config, transform)
-    check, fields = None, None
-    mapped = config.data.fields
-    if loss_fn is None or mapped.inputs is not None or mapped.labels is not None:
-        example = first_record(train, transform, config.seed if config.data.seed is None else config.data.seed)
-        fields = resolve_fields(example, inputs=mapped.inputs, labels=mapped.labels, kind=kind)
-    if loss_fn is None:
-        fields = require_builtin(fields, example)
-        kind = fields.kind
-        named = config.data.path or config.data.target or ("data.sources" if config.data.sources else config.data.name)
-        where = "train_data" if train_data is not None else f"the data ({named})"
-        check = batch_check(fields, config.model, source=where)
-    return Parts(model=model, kind=kind, fields=fields, loss_fn=loss_fn, optimizer=resolve_optimizer(config, optimizer),
-                 train_data=train, eval_data=evaluation, batch_check=check, transform=transform)
-
-
-def check_data(parts: Parts) -> None:
-    """Check what the built-in loss reads before the first step: whole in-memory arrays at once (fields, dtypes,
-    ranges), other sources by the fields of their first record (their ranges are checked batch by batch)."""
-    if parts.batch_check is None or parts.transform is not None:
+def check_data(data: TaskData) -> None:
+    """Check what a task's loss reads before the first step (a :class:`~functrain.tasks.base.TaskData`): whole
+    in-memory arrays at once (fields, dtypes, ranges), other sources by the fields of their first record (their
+    ranges are checked batch by batch)."""
+    if data.batch_check is None or data.transform is not None:
         return  # with a transform the checked fields are its output: every batch is checked as it is read
-    for source in (parts.train_data, parts.eval_data):
+    for source in (data.train, data.eval):
         arrays = getattr(source, "arrays", None)
         if arrays is not None:
-            check_arrays(parts.batch_check, arrays)
+            check_arrays(data.batch_check, arrays)
         elif source is not None:
-            parts.batch_check.check_fields(source.gather(np.arange(1)))
+            data.batch_check.check_fields(source.gather(np.arange(1)))

@@ -35,7 +35,7 @@ from functrain.parallel.sharding import state_bytes_per_device
 from functrain.run.build import Planned, plan_run
 from functrain.run.chips import chip_of
 from functrain.run.config import Config
-from functrain.run.mfu import decoder_shape, train_flops_per_token
+from functrain.run.mfu import train_flops_per_token
 
 TOPOLOGY_EXAMPLES = ("v4:2x2x2", "v5e:4x4", "v5p:4x4x8", "v6e:16x16")
 # Part of HBM a plan may fill: the runtime, the compiled program and fragmentation take the rest.
@@ -127,8 +127,9 @@ def advice(planned: Planned, sizes: dict[str, int], chips: int, mesh: dict[str, 
         tips.append(f"raise mesh.fsdp (now {mesh['fsdp']}; up to {chips}) to shard parameters and optimizer state")
     if sizes["activations"] > state / 4:
         tips.append(f"raise train.micro_batches (now {step.micro_batches}) to hold fewer activations")
-        if getattr(model, "remat", "full") != "full":
-            tips.append(f"set model.remat=full (now {model.remat}) to recompute activations in the backward pass")
+        remat = model.remat_policy()
+        if remat not in (None, "full"):  # a model without the option (a user's) gets no such tip
+            tips.append(f"set model.remat=full (now {remat}) to recompute activations in the backward pass")
     if step.param_dtype == "float32" and not step.offload_optimizer:
         tips.append("set train.offload_optimizer=true to keep optimizer state in host memory")
     return tips
@@ -176,10 +177,10 @@ def _required_temporaries(message: str) -> int | None:
     return int(float(found.group(1)) * 1024 ** "KMGT".index(found.group(2)) * 1024)
 
 
-def attention_kernel_of(compiled: jax.stages.Compiled, kind: str | None) -> str | None:
-    """The attention kernel in a compiled causal LM's program (read from its HLO: the Pallas splash kernels or
-    cuDNN's fused attention; neither is XLA's own); None for other models."""
-    if kind != "causal_lm":
+def attention_kernel_of(compiled: jax.stages.Compiled, trains_tokens: bool) -> str | None:
+    """The attention kernel in a compiled language model's program (read from its HLO: the Pallas splash kernels
+    or cuDNN's fused attention; neither is XLA's own); None for other models."""
+    if not trains_tokens:
         return None
     text = compiled.as_text() or ""
     return "splash" if "splash_mha" in text else "cudnn" if "__cudnn$fmha" in text else "xla"
@@ -203,10 +204,10 @@ def report(planned: Planned, compiled: jax.stages.Compiled | None, temporaries: 
         cost = cost or _first(compiled.cost_analysis())
     flops = float(cost.get("flops", 0.0)) * step.micro_batches
     bytes_accessed = float(cost.get("bytes accessed", 0.0)) * step.micro_batches
-    tokens = planned.global_batch_size * planned.seq_len if planned.parts.kind == "causal_lm" else None
-    shape = decoder_shape(planned.model_config) if tokens else None
+    tokens = planned.tokens_per_step
+    shape = planned.model_config.decoder_shape() if tokens else None
     model_flops = train_flops_per_token(shape, planned.seq_len) * tokens if shape and tokens else None
-    attention = None if compiled is None else attention_kernel_of(compiled, planned.parts.kind)
+    attention = None if compiled is None else attention_kernel_of(compiled, tokens is not None)
     if attention == "splash" and shape and tokens:
         # cost_analysis does not see into a Pallas kernel: add the attention FLOPs it computes (causal: half the
         # score matrix, forward and backward), else the roofline would leave attention out.

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from functrain.errors import ConfigError
+from functrain.models.configs.base import ModelConfig
 from functrain.run.callbacks import Callback, RunView
 
 SAMPLES_FILE = "samples.jsonl"
@@ -33,12 +34,12 @@ def last_samples(run_dir: str | Path) -> list[dict[str, Any]]:
     return [r for r in records if r.get("step") == newest]
 
 
-def check_language_model_run(model_config: Any, backend: str, key: str, fix: str) -> None:
+def check_language_model_run(model_config: ModelConfig, backend: str, key: str, fix: str) -> None:
     """A one-line ConfigError unless the run trains a built-in causal LM on JAX, which ``key`` (a callback that
     decodes or scores with the model) needs; ``fix`` says how to turn ``key`` off."""
-    from functrain.models import model_spec
-    name = getattr(model_config, "name", None)
-    if name is None or model_spec(name)["kind"] != "causal_lm":
+    from functrain.models import is_language_model
+    name = model_config.registry_name()
+    if name is None or not is_language_model(name):
         raise ConfigError(f"{key} needs a built-in language model (model.name gpt, gpt2, llama, ...), not "
                           f"{name or 'a user model'}; {fix}")
     if backend != "jax":

@@ -51,13 +51,12 @@ def summary_lines(view: RunView, wall_seconds: float, plot_path: Path | None,
     model's sequence length, for the tokens seen)."""
     from functrain.checkpoint import layout
     from functrain.run.samples import SAMPLES_FILE, last_samples
-    reason = view.stop_reason or "finished"
     seen = f"{view.samples_consumed:,} samples"
     tokens = tokens_per_sample
     if tokens:
         seen += f" ({view.samples_consumed * tokens:,} tokens)"
     lines = [f"summary of {view.run_dir}:",
-             f"  steps {view.start_step} -> {view.step} ({reason}) in {_duration(wall_seconds)}; {seen} seen"]
+             f"  steps {view.start_step} -> {view.step} ({view.stop_reason}) in {_duration(wall_seconds)}; {seen} seen"]
     lines += [f"  {line}" for line in eval_lines(view.run_dir)]
     kept = layout.committed_steps(layout.checkpoints_dir(view.run_dir))
     lines.append(f"  checkpoints kept: {', '.join(map(str, kept)) if kept else 'none'}")

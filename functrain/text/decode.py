@@ -24,6 +24,7 @@ import numpy as np
 
 from functrain.errors import ConfigError, DataError
 from functrain.models import build_model, model_config_class, model_spec
+from functrain.models.configs.base import ModelConfig
 from functrain.models.kv_cache import zeros_like_shapes
 from functrain.models.options import RuntimeOptions, for_sampling
 from functrain.models.stacking import unstack_layers
@@ -44,14 +45,6 @@ class Sampling:
                 raise ConfigError(f"--{name} {value} must be at least {least}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ConfigError(f"--temperature {self.temperature} must be 0 (greedy) or more")
-
-
-def context_length(model_config: Any) -> int | None:
-    """How many positions the model can attend over (None: no fixed limit)."""
-    for key in ("max_len", "n_positions", "max_position_embeddings"):
-        if getattr(model_config, key, None) is not None:
-            return int(getattr(model_config, key))
-    return None
 
 
 def _pick(logits: jax.Array, key: jax.Array, temperature: float, top_k: int | None) -> jax.Array:
@@ -257,15 +250,15 @@ def load_language_model(run_dir: str | os.PathLike, step: int | None = None) -> 
             int(meta.get("step", step or 0)))
 
 
-def fitting_new_tokens(prompt_tokens: int, model_config: Any, wanted: int) -> int:
+def fitting_new_tokens(prompt_tokens: int, model_config: ModelConfig, wanted: int) -> int:
     """``wanted`` new tokens, or fewer where the model's context ends first (prompt + new - 1 <= context)."""
-    limit = context_length(model_config)
+    limit = model_config.max_positions()
     return wanted if limit is None else min(wanted, limit - prompt_tokens + 1)
 
 
-def prepare_prompt(ids: np.ndarray, model_config: Any, max_new_tokens: int) -> np.ndarray:
+def prepare_prompt(ids: np.ndarray, model_config: ModelConfig, max_new_tokens: int) -> np.ndarray:
     """``ids`` checked against the model's context: prompt plus new tokens must fit in it."""
-    limit = context_length(model_config)
+    limit = model_config.max_positions()
     if limit is not None and len(ids) + max_new_tokens - 1 > limit:
         raise ConfigError(f"the prompt ({len(ids)} tokens) plus {max_new_tokens} new tokens exceeds the "
                           f"model's context of {limit} positions; shorten the prompt or ask for fewer tokens")

@@ -50,7 +50,7 @@ try:
 except ImportError as exc:
     raise ConfigError(f"lm-evaluation-harness is not installed ({exc}); pip install 'functrain[eval]'") from None
 
-from functrain.text.decode import Generator, Sampling, context_length, load_language_model, load_tokenizer
+from functrain.text.decode import Generator, Sampling, load_language_model, load_tokenizer
 from functrain.text.tokenizer import BYTE_EOS
 
 log = logging.getLogger("functrain")
@@ -126,7 +126,7 @@ class FunctrainLM(TemplateLM):
                max_gen_toks: int | None) -> None:
         self.model, self.params = model, params
         self.vocab_size = int(model.config.vocab_size)
-        self._max_length = context_length(model.config) or 2048  # lm-eval's default for a model without one
+        self._max_length = model.config.max_positions() or 2048  # lm-eval's default for a model without one
         self.hf_tokenizer = tokenizer
         if batch_size in (None, "") or str(batch_size).startswith("auto"):  # lm-eval's "auto": our default
             batch_size = DEFAULT_BATCH_SIZE

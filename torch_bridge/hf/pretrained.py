@@ -15,6 +15,7 @@ import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from functrain.errors import CheckpointError
+from functrain.models.configs.base import ModelConfig
 from functrain.models.stacking import unstack_layers
 from torch_bridge.hf import reader, writer
 from torch_bridge.hf.mappings import ARCHITECTURES, Architecture, Path, Rule
@@ -127,9 +128,10 @@ def save_pretrained(params: Any, config: Any, out_dir: str | os.PathLike,
     Shards are ``model-0000i-of-0000N.safetensors`` plus ``model.safetensors.index.json`` when the
     weights exceed ``max_shard_size``. Returns the output directory path.
     """
-    arch = ARCHITECTURES.get(getattr(config, "name", ""))
+    name = config.registry_name() if isinstance(config, ModelConfig) else None
+    arch = ARCHITECTURES.get(name) if name is not None else None
     if arch is None:
-        raise CheckpointError(f"cannot export a {getattr(config, 'name', type(config).__name__)!r} model; "
+        raise CheckpointError(f"cannot export a {name or type(config).__name__!r} model; "
                               f"supported: {', '.join(sorted(ARCHITECTURES))}")
     flat = flatten_dict(unstack_layers(nn.meta.unbox(params)))  # model.scan_layers: one HF tensor per layer
     shapes = expected_shapes(arch, config)

@@ -19,14 +19,14 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
-from functrain.core.preference import REFERENCE_LOGPS
 from functrain.data import BatchLoader, IndexSampler, Source
 from functrain.data.computed_columns import ComputedColumns
 from functrain.errors import CheckpointError, DataError
+from functrain.tasks.preference.loss import REFERENCE_LOGPS
 
 log = logging.getLogger("functrain")
 
@@ -57,23 +57,26 @@ def data_digest(sources: dict[str, Source | None]) -> str:
 
 @dataclass
 class PrecomputedReference:
-    """Fills the train and eval data's reference log-probs at the start of a run (``Run.start_data``).
+    """The preference task's start hook: fills the train and eval data's reference log-probs once the start is
+    known (see :class:`functrain.tasks.base.StartHook`).
 
     ``sources``: the tokenised pairs of each split (None: no eval pairs); ``columns``: the same wrapped as
-    :class:`ComputedColumns`, which the loaders read."""
+    :class:`ComputedColumns`, which the loaders read; ``reference_logps``: ``fn(params, model_state, batch)``
+    giving a batch's values (:func:`functrain.tasks.preference.loss.precomputed_reference_logps`)."""
     run_dir: Path
     sources: dict[str, Source | None]
     columns: dict[str, ComputedColumns | None]
     global_batch_size: int
     compute_dtype: str
+    reference_logps: Callable
 
     @property
     def path(self) -> Path:
         return self.run_dir / FILE_NAME
 
-    def __call__(self, backend: Any, state: Any, restored_step: int | None) -> None:
+    def __call__(self, backend: Any, state: Any, restored_step: int | None) -> Any:
         """Read the file (a resumed run, or a fresh one whose file fits), else compute and write it; then hand
-        the values to the data."""
+        the values to the data. The state is returned as it came."""
         pairs = {split: 0 if source is None else len(source) for split, source in self.sources.items()}
         identity = {**{f"{split}_pairs": n for split, n in pairs.items()}, "data_digest": data_digest(self.sources)}
         if restored_step is None:
@@ -88,8 +91,9 @@ class PrecomputedReference:
             log.info("reference log-probs of %s read from %s", counted, self.path)
         else:
             started = time.perf_counter()
-            values = {split: self._compute(backend, state, source) for split, source in self.sources.items()
-                      if source is not None}
+            compute = backend.batch_function(self.reference_logps)
+            values = {split: self._compute(backend, compute, state, source)
+                      for split, source in self.sources.items() if source is not None}
             if backend.process_index == 0:
                 self._write(values, identity)
             log.info("reference log-probs of %s computed in %.1fs, saved to %s", counted,
@@ -97,8 +101,9 @@ class PrecomputedReference:
         for split, columns in self.columns.items():
             if columns is not None:
                 columns.set(values[split])
+        return state
 
-    def _compute(self, backend: Any, state: Any, source: Source) -> dict[str, np.ndarray]:
+    def _compute(self, backend: Any, compute: Callable, state: Any, source: Source) -> dict[str, np.ndarray]:
         """The reference log-probs ``[N]`` of every pair of ``source``, a global batch at a time in record order
         (the last batch padded with pairs from the start, whose values are dropped)."""
         order = IndexSampler(len(source), self.global_batch_size, 0, shuffle=False, last_batch="pad")
@@ -106,7 +111,7 @@ class PrecomputedReference:
         parts, position = [], 0
         for _ in range(order.steps_per_epoch):
             host_batch, position = loader.host_batch(position)
-            parts.append(backend.precompute_batch(state, host_batch))
+            parts.append(compute(state, host_batch))
         return {name: np.concatenate([part[name] for part in parts])[:len(source)].astype(np.float32)
                 for name in REFERENCE_LOGPS}
 

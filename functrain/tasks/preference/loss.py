@@ -195,8 +195,9 @@ def preference_program(init: Callable, apply: Apply, logical_specs: Callable, se
 
     The reference is ``reference_apply`` on the same params when given (LoRA: the model with its adapters off,
     no second copy), else the starting weights. With ``precompute_reference`` its log-probs are computed once
-    from the starting state by the program's ``precompute`` (the same forward as in the step) and the batches
-    carry them (:data:`REFERENCE_LOGPS`): no reference forward in the step and no copy of the weights.
+    from the starting state (the same forward as in the step) and the batches
+    carry them (:data:`REFERENCE_LOGPS`, computed by :func:`precomputed_reference_logps` before the first step): no
+    reference forward in the step and no copy of the weights.
     Otherwise, without ``reference_apply``, a frozen copy of the starting weights sits in the model state under
     ``reference``: never differentiated nor seen by the optimizer, sharded like the params, checkpointed with
     the state, and set to the loaded weights when a run starts from a converted checkpoint. Reference-free
@@ -213,14 +214,10 @@ def preference_program(init: Callable, apply: Apply, logical_specs: Callable, se
         return Program(init, preference_loss(apply, None, settings, True),
                        preference_loss(apply, None, settings, False), logical_specs, trainable=trainable,
                        complete_params=complete_params)
-    if precompute_reference:
-        in_step = forward_reference_logps(reference)
-
-        def precompute(params, model_state, batch):
-            return dict(zip(REFERENCE_LOGPS, jnp.split(in_step(params, model_state, batch), 2)))
+    if precompute_reference:  # the batches carry them (see precomputed_reference_logps)
         return Program(init, preference_loss(apply, carried_reference_logps, settings, True),
                        preference_loss(apply, carried_reference_logps, settings, False), logical_specs,
-                       trainable=trainable, complete_params=complete_params, precompute=precompute)
+                       trainable=trainable, complete_params=complete_params)
     if reference_apply is not None:
         reference_logps = forward_reference_logps(reference)
         return Program(init, preference_loss(apply, reference_logps, settings, True),
@@ -247,3 +244,16 @@ def preference_program(init: Callable, apply: Apply, logical_specs: Callable, se
     return Program(init_with_reference, preference_loss(apply_policy, frozen_logps, settings, True),
                    preference_loss(apply_policy, frozen_logps, settings, False), logical_specs,
                    trainable=trainable, complete_params=complete_params, state_for_params=state_for_params)
+
+
+def precomputed_reference_logps(apply: Apply, reference_apply: Apply | None = None) -> Callable:
+    """``fn(params, model_state, batch) -> {ref_chosen_logps, ref_rejected_logps}`` ``[B]``: the reference's
+    log-prob sums of a batch of pairs, the forward the in-step reference would run (``reference_apply``: the base
+    model under LoRA; else the weights given), computed once before training (``preference.precompute_ref``)."""
+    def reference(params, model_state, inputs):
+        return (reference_apply or apply)(params, model_state, inputs, False, jax.random.PRNGKey(0))[0]
+    in_step = forward_reference_logps(reference)
+
+    def precompute(params, model_state, batch):
+        return dict(zip(REFERENCE_LOGPS, jnp.split(in_step(params, model_state, batch), 2)))
+    return precompute

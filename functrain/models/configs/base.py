@@ -1,0 +1,86 @@
+"""What the rest of functrain asks of any model config, as methods: the data checks (context, vocabulary,
+classes), the FLOPs formula (:class:`DecoderShape`, for MFU and ``functrain plan``), LoRA, remat and the
+scanned layers. Each family answers for itself; the defaults here are the answers of a model functrain knows
+nothing about (``None``: not known, or not that kind of model), which user models (``model.target``, a model
+passed to ``fit``) keep.
+"""
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Hashable, Sequence
+
+import pydantic
+
+from functrain.models.configs.lora import LoraConfig
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """The sizes of a decoder-only transformer the FLOPs formula needs (:mod:`functrain.run.mfu`)."""
+    layers: int
+    width: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    mlp_width: int
+    mlp_matrices: int  # 3 for a gated MLP (SwiGLU, GeGLU), 2 for a plain one
+    vocab: int
+
+
+class ModelConfig(pydantic.BaseModel):
+    """Base of every ``model`` section: a registered family's config, ``model.target`` or a model given to
+    ``fit``."""
+
+    # Whether the family's module can run its layers as one scan (``model.scan_layers``).
+    scans_layers: ClassVar[bool] = False
+
+    def registry_name(self) -> str | None:
+        """The family's ``model.name`` in the registry; None for a user model."""
+        return None
+
+    def max_positions(self) -> int | None:
+        """How many positions the model attends over (``data.seq_len`` and prompts must fit); None: no limit."""
+        return None
+
+    def vocabulary_size(self) -> int | None:
+        """The number of token ids the model embeds (ids lie below it); None for models that read no tokens."""
+        return None
+
+    def class_count(self) -> int | None:
+        """The number of classes a classifier scores (labels lie below it); None for other models."""
+        return None
+
+    def decoder_shape(self) -> DecoderShape | None:
+        """The model's shape for the FLOPs formula; None for models that are not decoder-only transformers."""
+        return None
+
+    def lora_settings(self) -> LoraConfig | None:
+        """The low-rank adapters the run trains on this model (``model.lora``); None: the whole model trains."""
+        return None
+
+    def remat_policy(self) -> str | None:
+        """What the backward pass recomputes (``model.remat``); None for models without that option."""
+        return None
+
+    def layers_scanned(self) -> bool:
+        """Whether the layers run as one scan over stacked parameters (``model.scan_layers``)."""
+        return False
+
+    def layer_kinds(self) -> list[Hashable] | None:
+        """What sets each layer apart (its attention window, ...), one entry a layer, as the module passes
+        ``kinds`` to :func:`functrain.models.scan.apply_layers`; None for models whose layers do not scan."""
+        return None
+
+    def unrolled(self, layers: Sequence[int]) -> Any:
+        """A copy of a scanning model's config whose ``i``-th layer is this config's layer ``layers[i]``, not
+        scanned, every other setting kept (:func:`functrain.models.scan.fewer_groups_unrolled`)."""
+        raise TypeError(f"{type(self).__name__} does not scan its layers (layer_kinds() is None)")
+
+
+class FamilyConfig(ModelConfig):
+    """A registered family's config: ``name`` (each family narrows it to its own) selects it in the union."""
+
+    name: str
+
+    def registry_name(self) -> str:
+        """The family's ``model.name``."""
+        return self.name

@@ -1,0 +1,72 @@
+"""The base of the configs whose fields are named like the keys of an HF ``config.json``."""
+
+from typing import Any, Literal
+
+import pydantic
+
+from functrain.errors import ConfigError
+from functrain.models.configs.lora import LoraConfig
+from functrain.models.options import RUNTIME_KEYS, RuntimeOptions
+
+# HF's ``layer_types`` entries (Qwen2, Gemma): a layer attends within a sliding window or to the whole context.
+LayerType = Literal["full_attention", "sliding_attention"]
+
+# HF activation names (transformers.activations.ACT2FN) that these models support -> the function each names
+# (computed by functrain.models.hf_common.activation).
+ACTIVATIONS: dict[str, str] = {
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+    "gelu": "gelu_exact",
+    "relu": "relu",
+    "silu": "silu",
+    "swish": "silu",
+}
+
+
+def check_activation(name: str) -> str:
+    """``name`` if it is a supported HF activation; a ValueError naming the supported ones otherwise."""
+    if name not in ACTIVATIONS:
+        raise ValueError(f"activation {name!r} is not supported; use one of {', '.join(sorted(ACTIVATIONS))}")
+    return name
+
+
+class HFModelConfig(RuntimeOptions):
+    """Base for model configs whose fields are named like the keys of an HF ``config.json`` (plus the
+    runtime options ``attention``, ``remat`` and ``scan_layers``, which an HF config never sets)."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+    # Special tokens are not used by the model but travel with it, so generation works after export.
+    bos_token_id: int | list[int] | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    # Fine-tuning with low-rank adapters (functrain.models.lora); not part of the HF config.
+    lora: LoraConfig | None = None
+
+    @pydantic.model_validator(mode="after")
+    def _lora_unrolled(self):
+        # Adapters are matched and saved per layer (PEFT's keys); they are not stacked for a scan.
+        if self.lora is not None and self.scan_layers:
+            raise ValueError("model.lora does not combine with model.scan_layers (adapters are per layer); "
+                             "set model.scan_layers=false for LoRA fine-tuning")
+        return self
+
+    def lora_settings(self) -> LoraConfig | None:
+        """``model.lora``."""
+        return self.lora
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any], **overrides: Any):
+        """Build from an HF config dict, keeping only the keys this config knows (HF adds many more)."""
+        known = {k: v for k, v in hf.items()
+                 if k in cls.model_fields and k != "name" and k not in RUNTIME_KEYS and v is not None}
+        known.update(overrides)
+        try:
+            return cls(**known)
+        except pydantic.ValidationError as err:
+            first = err.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            message = first["msg"].removeprefix("Value error, ")
+            where = f"{where}: " if where else ""
+            raise ConfigError(f"config.json: {where}{message}; fix config.json") from None

@@ -1,0 +1,20 @@
+"""``model.name: mistral``: Llama without biases, a sliding window on every layer (:mod:`functrain.models.mistral`)."""
+
+from typing import Literal
+
+import pydantic
+
+from functrain.models.configs.llama import LlamaConfig
+
+
+class MistralConfig(LlamaConfig):
+    """Mistral hyper-parameters, named as in HF's config.json (``sliding_window`` None: full attention)."""
+
+    name: Literal["mistral"] = "mistral"  # type: ignore[assignment]  # each family's own tag (a discriminator's Literal)
+    attention_bias: Literal[False] = False
+    mlp_bias: Literal[False] = False
+    sliding_window: int | None = pydantic.Field(None, gt=0)
+
+    def attention_window(self, layer: int) -> int | None:
+        """``sliding_window`` on every layer (HF's Mistral ignores ``layer_types``)."""
+        return self.sliding_window

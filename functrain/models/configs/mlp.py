@@ -1,0 +1,19 @@
+"""``model.name: mlp``: the multi-layer perceptron classifier (:mod:`functrain.models.mlp`)."""
+
+from typing import Literal
+
+from pydantic import ConfigDict, Field
+
+from functrain.models.configs.base import FamilyConfig
+
+
+class MLPConfig(FamilyConfig):
+    """``model.*`` keys of the MLP."""
+    model_config = ConfigDict(extra="forbid")
+    name: Literal["mlp"] = "mlp"
+    hidden: list[int] = Field(default_factory=lambda: [128, 128])
+    num_classes: int = Field(10, ge=2)
+
+    def class_count(self) -> int:
+        """``num_classes``."""
+        return self.num_classes

@@ -1,0 +1,24 @@
+"""``model.name: phi3``: Mistral's config with ``longrope`` RoPE scaling (:mod:`functrain.models.phi3`)."""
+
+from typing import Literal
+
+import pydantic
+
+from functrain.models.configs.mistral import MistralConfig
+
+
+class Phi3Config(MistralConfig):
+    """Phi-3 hyper-parameters, named as in HF's config.json (Mistral's: no biases, a window on every layer)."""
+
+    name: Literal["phi3"] = "phi3"  # type: ignore[assignment]  # each family's own tag (a discriminator's Literal)
+    original_max_position_embeddings: int = pydantic.Field(4096, gt=0)
+
+    @pydantic.model_validator(mode="after")
+    def _longrope_fits_heads(self):
+        scaling = self.rope_scaling
+        if scaling is not None and scaling.rope_type == "longrope":
+            for name, factors in (("short_factor", scaling.short_factor), ("long_factor", scaling.long_factor)):
+                if len(factors or ()) != self.attn_head_dim // 2:
+                    raise ValueError(f"rope {name} has {len(factors or ())} entries; head_dim "
+                                     f"{self.attn_head_dim} needs {self.attn_head_dim // 2}")
+        return self
