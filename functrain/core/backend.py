@@ -3,7 +3,7 @@
 The loop (:mod:`functrain.run.loop`) drives a built run through these methods and attributes alone; it
 imports no framework and probes nothing. :class:`functrain.run.jax_backend.JaxBackend` and
 ``torch_bridge.backend.TorchBackend`` implement it, each from pieces the builder resolved (never from the
-config); ``tests/test_backend_protocol.py`` checks both against it.
+config); ``tests/core/test_backend_protocol.py`` checks both against it.
 
 A *state* is the backend's own (a TrainState pytree, a TorchState); the loop only passes it back. Checkpoint
 *items* are nested dicts of arrays, the same layout for both: ``{"params": ..., "state": {"step", "opt_state",

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 import yaml
-from conftest import run_python
+from tests.conftest import run_python
 
 from functrain.checkpoint import Checkpointer
 from functrain.commands.cli import main

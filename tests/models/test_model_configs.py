@@ -1,0 +1,200 @@
+"""Typed model configs: every family answers what the rest of functrain asks of a model (context, vocabulary,
+classes, decoder shape, scanned layers) as the getattr guesses it replaces did; the ``model`` section is a union
+discriminated by ``name`` whose errors name the key (and the nearest valid one) for every family; and the config
+validates without importing model code."""
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+
+from functrain.errors import ConfigError
+from functrain.models import MODEL_FAMILIES, model_config_class, model_spec
+from functrain.models.configs.base import DecoderShape
+from functrain.models.configs.hf import ACTIVATIONS
+from functrain.models.hf_common import FUNCTIONS
+from functrain.models.scan import fewer_groups_unrolled, scan_groups
+from functrain.run.config import PythonModelConfig, TargetModelConfig, load_config
+from functrain.run.plan import advice
+from torch_bridge.user_model import decoder_shape as module_shape
+
+# Small configs away from the defaults where the shape has choices: grouped-query heads, an explicit head
+# width, GPT-2's n_inner, windows by layer.
+LLAMA = dict(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=5, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=48)
+SECTIONS: dict[str, dict[str, Any]] = {
+    "mlp": dict(hidden=[8], num_classes=3),
+    "gpt": dict(vocab_size=300, max_len=40, d_model=32, n_layers=3, n_heads=4, d_ff=48),
+    "gpt2": dict(vocab_size=80, n_positions=24, n_embd=32, n_layer=2, n_head=4, n_inner=72),
+    "llama": LLAMA,
+    "mistral": dict(LLAMA, sliding_window=8),
+    "phi3": dict(LLAMA, sliding_window=8),
+    "qwen2": dict(LLAMA, sliding_window=8, layer_types=["full_attention", "sliding_attention"] * 2 + ["full_attention"]),
+    "qwen3": dict(LLAMA, head_dim=24),
+    "gemma2": dict(LLAMA, head_dim=16, sliding_window=8),
+    "gemma3_text": dict(LLAMA, head_dim=16, sliding_window=8, num_hidden_layers=7),
+}
+
+
+DATA = {"name": "synthetic", "seq_len": 8}  # token ids below any vocabulary
+
+
+def family(name: str, **changes: Any) -> Any:
+    return model_config_class(name).model_validate({"name": name, **SECTIONS[name], **changes})
+
+
+def error_of(model: Any, **top: Any) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [], base={"model": model, "data": DATA, **top})
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+# ---------------------------------------------------------------- what the guesses gave (the previous release)
+
+def guessed_positions(config: Any) -> int | None:
+    return next((getattr(config, key) for key in ("max_len", "n_positions", "max_position_embeddings")
+                 if getattr(config, key, None) is not None), None)
+
+
+def guessed_shape(config: Any) -> DecoderShape | None:
+    get = lambda *names: next((getattr(config, n) for n in names if getattr(config, n, None)), None)  # noqa: E731
+    layers = get("n_layers", "n_layer", "num_hidden_layers")
+    width = get("d_model", "n_embd", "hidden_size")
+    heads = get("n_heads", "n_head", "num_attention_heads")
+    vocab = get("vocab_size")
+    if not (layers and width and heads and vocab):
+        return None
+    return DecoderShape(layers=layers, width=width, heads=heads, kv_heads=get("kv_heads", "num_key_value_heads") or heads,
+                        head_dim=get("attn_head_dim", "head_dim") or width // heads,
+                        mlp_width=get("intermediate_size", "inner_size", "d_ff") or 4 * width,
+                        mlp_matrices=3 if getattr(config, "intermediate_size", None) is not None else 2, vocab=vocab)
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_FAMILIES))
+@pytest.mark.parametrize("defaults", [True, False], ids=["defaults", "small"])
+def test_each_family_answers_as_the_guesses_did(name, defaults):
+    config = model_config_class(name)() if defaults else family(name)
+    assert config.registry_name() == name
+    assert config.max_positions() == guessed_positions(config)
+    assert config.decoder_shape() == guessed_shape(config)
+    assert config.vocabulary_size() == getattr(config, "vocab_size", None)
+    assert config.class_count() == getattr(config, "num_classes", None)
+
+
+def test_the_answers_of_each_kind_of_model():
+    assert family("gpt").max_positions() == 40 and family("gpt2").max_positions() == 24
+    assert family("llama").max_positions() == 48 and model_config_class("gemma3_text")().max_positions() == 131072
+    assert family("mlp").class_count() == 3 and family("mlp").vocabulary_size() is None
+    assert family("mlp").decoder_shape() is None and family("mlp").max_positions() is None
+    assert family("gpt2").decoder_shape() == DecoderShape(layers=2, width=32, heads=4, kv_heads=4, head_dim=8,
+                                                          mlp_width=72, mlp_matrices=2, vocab=80)
+    assert family("qwen3").decoder_shape() == DecoderShape(layers=5, width=64, heads=4, kv_heads=2, head_dim=24,
+                                                           mlp_width=80, mlp_matrices=3, vocab=96)
+    lora = family("llama", lora={"rank": 2}).lora_settings()
+    assert lora is not None and lora.rank == 2 and family("llama").lora_settings() is None
+    assert family("gpt", remat="full").remat_policy() == "full" and family("mlp").remat_policy() is None
+
+
+def test_user_models_are_answered_from_their_keywords_or_not_at_all():
+    target = TargetModelConfig(target="pkg.models:make", vocab_size=500, num_classes=7, max_len=16, n_layers=2,
+                               d_model=8, n_heads=2)
+    assert (target.vocabulary_size(), target.class_count()) == (500, 7)
+    # The factory's other keywords are its own: no context check, no MFU guessed from them.
+    assert target.max_positions() is None and target.decoder_shape() is None and target.registry_name() is None
+    assert TargetModelConfig(target="pkg.models:make", vocab_size="big").vocabulary_size() is None
+    recorded = PythonModelConfig(python_object="MyModel")
+    assert [recorded.max_positions(), recorded.vocabulary_size(), recorded.class_count(), recorded.decoder_shape(),
+            recorded.lora_settings(), recorded.remat_policy(), recorded.layer_kinds()] == [None] * 7
+    assert not recorded.layers_scanned()
+
+
+def test_a_transformers_models_shape_is_read_by_the_torch_adapter():
+    class Holder(torch.nn.Module):
+        def __init__(self, config: Any) -> None:
+            super().__init__()
+            self.config = config
+
+    gpt2 = transformers.GPT2Config(vocab_size=80, n_positions=24, n_embd=32, n_layer=2, n_head=4)
+    llama = transformers.LlamaConfig(**LLAMA)
+    # What the guesses read from these configs, and what the same models configured in functrain give.
+    assert module_shape(Holder(gpt2)) == guessed_shape(gpt2) == family("gpt2", n_inner=None).decoder_shape()
+    assert module_shape(Holder(llama)) == guessed_shape(llama) == family("llama").decoder_shape()
+    assert module_shape(torch.nn.Linear(2, 2)) is None
+    assert module_shape(Holder(family("gpt"))) is None  # a config of another kind is the user's own business
+
+
+def test_scanned_layers_are_grouped_and_unrolled_by_the_configs_methods():
+    qwen2 = family("qwen2", scan_layers=True)  # (full, sliding) x 2, then full: 2 groups of 2 and 1 unrolled
+    assert qwen2.layer_kinds() == [None, 8, None, 8, None] and scan_groups(qwen2) == 2
+    one = fewer_groups_unrolled(qwen2, 1)
+    assert one.num_hidden_layers == 3 and not one.scan_layers
+    assert one.layer_types == ("full_attention", "sliding_attention", "full_attention")
+    gemma3 = family("gemma3_text", scan_layers=True)  # 5 local : 1 global, then one local layer
+    assert scan_groups(gemma3) == 1 and gemma3.layer_kinds() == [8] * 5 + [None] + [8]
+    assert fewer_groups_unrolled(gemma3, 1).layer_kinds() == gemma3.layer_kinds()
+    assert fewer_groups_unrolled(family("gpt", scan_layers=True), 2).n_layers == 2
+    assert scan_groups(family("gpt")) == 0 and scan_groups(family("gpt2")) == 0
+    assert family("gpt2").layer_kinds() is None
+
+
+def test_plan_advises_remat_only_for_models_that_have_the_option():
+    from types import SimpleNamespace
+    sizes = {"params": 1, "optimizer": 1, "activations": 100}
+    step = SimpleNamespace(micro_batches=1, param_dtype="bfloat16", offload_optimizer=False)
+    tips = lambda model: advice(SimpleNamespace(step=step, model_config=model), sizes, 1, {"fsdp": 1})  # noqa: E731
+    assert any("model.remat=full (now none)" in tip for tip in tips(family("gpt")))
+    assert not any("model.remat" in tip for tip in tips(family("gpt", remat="full")))
+    assert not any("model.remat" in tip for tip in tips(TargetModelConfig(target="pkg.models:make")))
+
+
+# ------------------------------------------------------------------------------------ the union and its errors
+
+@pytest.mark.parametrize("name", sorted(MODEL_FAMILIES))
+def test_the_union_picks_each_family_by_name_and_its_spec_agrees(name):
+    config = load_config(None, [], base={"model": {"name": name, **SECTIONS[name]}, "data": DATA})
+    assert type(config.model) is model_config_class(name) and config.model == family(name)
+    assert model_spec(name)["config_cls"] is model_config_class(name)
+    assert load_config(None, [], base=config.to_dict()).model == config.model  # config.yaml reads back
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_FAMILIES))
+def test_a_misspelt_model_key_is_named_with_the_nearest_one_for_every_family(name):
+    key = next(iter(SECTIONS[name]))
+    message = error_of({"name": name, key[:-1] + "z" + key[-1]: 1})
+    assert message == f"unknown config key 'model.{key[:-1]}z{key[-1]}'; did you mean 'model.{key}'?"
+    assert error_of({"name": name, key: "many"}).startswith(f"config key 'model.{key}': ")
+
+
+def test_nested_model_keys_and_the_union_members_without_a_name():
+    assert error_of({"name": "llama", "lora": {"rnak": 2}}).endswith("did you mean 'model.lora.rank'?")
+    assert error_of({"name": "llama", "rope_scaling": {"rope_type": "linear", "factr": 2.0}}).endswith(
+        "did you mean 'model.rope_scaling.factor'?")
+    assert error_of({"name": "llama", "lora": {"rank": "two"}}).startswith("config key 'model.lora.rank': ")
+    assert error_of({"target": "no_colon"}).startswith("config key 'model.target': 'no_colon' is not an import path")
+    assert "unknown model.name 'lama'; choose one of gemma2, gemma3_text, gpt" in error_of({"name": "lama"})
+    assert "has both 'name' and 'target'" in error_of({"name": "gpt", "target": "pkg.models:make"})
+    assert "needs a 'name'" in error_of({"hidden": [3]}) and "needs a 'name'" in error_of(None)
+    assert "not supported by model mlp" in error_of({"name": "mlp", "scan_layers": True})
+    assert "longer than the model's context of 40" in error_of({"name": "gpt", "max_len": 40}, data={**DATA, "seq_len": 64})
+    assert type(load_config(None, [], base={"model": {"target": "pkg.models:make", "width": 3}}).model) \
+        is TargetModelConfig
+
+
+def test_every_hf_activation_name_computes_a_function():
+    assert set(ACTIVATIONS.values()) == set(FUNCTIONS)
+
+
+def test_the_config_validates_without_importing_model_code():
+    script = ("import sys; from functrain.run.config import load_config; "
+              "config = load_config('configs/char_gpt.yaml', ['model.n_layers=3']); "
+              "assert config.model.decoder_shape().layers == 3; "
+              "print(sorted(m for m in sys.modules if m in ('flax', 'functrain.models.gpt', 'torch')))")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                            cwd=Path(__file__).resolve().parents[2])
+    assert result.stdout.strip() == "[]"

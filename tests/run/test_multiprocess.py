@@ -1,0 +1,94 @@
+"""A real 2-process run (``functrain train --processes 2``, gloo collectives) against one process.
+
+Two processes with one CPU device each must compute exactly what one process with two devices computes
+(same mesh, same data order; a sum of two partial sums is the same in either order), so the parameter
+digests are equal bit for bit. Only process 0 writes metrics.
+"""
+
+import json
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.conftest import REPO_ROOT, cli_env
+from functrain.checkpoint import load_params, params_digest
+
+OVERRIDES = ["train.max_steps=4", "train.epochs=null", "train.steps_per_call=2", "log.every_steps=2",
+             "log.tensorboard=false", "log.progress=false", "eval.every_steps=0", "checkpoint.every_steps=0", "data.eval_fraction=0"]
+
+
+def _cli(args: list[str], devices: int = 1) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "functrain", *args], cwd=REPO_ROOT, env=cli_env(devices), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("multiprocess")
+    two_processes, one_process = root / "two_processes", root / "one_process"
+    procs = [
+        _cli(["train", "configs/mlp_digits.yaml", f"run.dir={two_processes}", *OVERRIDES, "--processes", "2"]),
+        _cli(["train", "configs/mlp_digits.yaml", f"run.dir={one_process}", *OVERRIDES], devices=2),
+    ]
+    outputs = []
+    for proc in procs:
+        output, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, output
+        outputs.append(output)
+    return {"two_processes": two_processes, "one_process": one_process, "output": outputs[0]}
+
+
+def test_two_processes_end_with_the_same_params_as_one(runs):
+    two, one = load_params(runs["two_processes"]), load_params(runs["one_process"])
+    assert params_digest(two) == params_digest(one)
+    assert np.any(two["dense_0"]["kernel"] != 0)
+
+
+def _metric_rows(run_dir) -> list[tuple]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(row["step"], row["split"], row.get("loss")) for row in rows]
+
+
+def test_only_process_zero_writes_metrics(runs):
+    rows = _metric_rows(runs["two_processes"])
+    assert rows == _metric_rows(runs["one_process"])  # each row once, and the same losses
+    assert [step for step, split, _ in rows if split == "train"] == [2, 4]
+    assert runs["output"].count("finished at step 4") == 1  # process 1's output is not streamed
+
+
+def test_port_in_use_is_one_line_and_exit_2(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = _cli(["train", "configs/mlp_digits.yaml", f"run.dir={tmp_path}", "--processes", "2",
+                     "--port", str(port)])
+        output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    assert f"port {port}" in output and "Traceback" not in output
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_sigterm_to_the_launcher_saves_on_every_process_and_exits_for_a_rerun(tmp_path):
+    """A preemption notice reaches all processes; they agree on the step, save together and exit with the
+    'stopped by a signal, rerun to resume' status (75)."""
+    import signal
+    import time
+    run_dir = tmp_path / "run"
+    long_run = [o for o in OVERRIDES if not o.startswith("train.max_steps")] + ["train.max_steps=100000"]
+    proc = _cli(["train", "configs/mlp_digits.yaml", f"run.dir={run_dir}", *long_run, "--processes", "2"])
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 75, output
+    assert "SIGTERM received" in output or "another process asked to stop" in output
+    steps = [int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()]
+    assert len(steps) == 1 and 0 < steps[0] < 100000
+    assert params_digest(load_params(run_dir)) is not None
