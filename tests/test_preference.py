@@ -16,7 +16,7 @@ from functrain.commands.cli import main
 from functrain.core.preference import REFERENCE, PreferenceSettings
 from functrain.core.state import TrainState
 from functrain.core.step import make_train_step, trainable_only
-from functrain.models import build_model, gpt
+from functrain.models import build_model, gpt, llama
 from functrain.models.lora import LoraConfig
 from functrain.run.build import build_run, preference_program_of
 from functrain.run.config import load_config
@@ -85,6 +85,39 @@ def test_with_lora_the_reference_is_the_base_model_with_adapters_off(tmp_path):
     for path, leaf in flat:  # the base (the reference) never moved
         if "lora" not in jax.tree_util.keystr(path):
             np.testing.assert_array_equal(new[path], leaf)
+
+
+def random_pairs(pairs, vocab, length, seed=0):
+    """``pairs`` pairs of random tokens, each completion from a random start to the end."""
+    rng = np.random.default_rng(seed)
+    rows = rng.integers(1, vocab, (2 * pairs, length)).astype(np.int32)
+    completion = (np.arange(length) >= rng.integers(2, length // 2, (2 * pairs, 1))).astype(np.int8)
+    return {"chosen": rows[:pairs], "rejected": rows[pairs:], "chosen_mask": completion[:pairs],
+            "rejected_mask": completion[pairs:], "weight": np.ones(pairs, np.float32)}
+
+
+@pytest.mark.parametrize("reference", ["frozen copy", "lora", "precomputed"])
+def test_at_the_first_step_the_policy_is_bitwise_its_own_reference(reference):
+    """Equal weights give bitwise equal policy and reference log-probs, on any CPU: the first step's rewards
+    are exactly 0 and no pair counts as won, as TRL counts it. The policy's forward is differentiated and
+    the reference's is not (or ran in another program, precomputed); a rotary model is where their compiled
+    code differed in the last bits (XLA fused them differently, and the FMAs rounded differently)."""
+    config = llama.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    batch = random_pairs(64, config.vocab_size, 33)  # before the fix, each path tied at random on this CPU
+    lora = LoraConfig(rank=2, alpha=4.0, targets=("q_proj", "k_proj", "up_proj")) if reference == "lora" else None
+    program = preference_program_of(llama.build(config), batch, PreferenceSettings("sigmoid", beta=0.1), lora,
+                                    precompute_ref=reference == "precomputed")
+    params, model_state = jax.jit(program.init)(jax.random.PRNGKey(0))
+    if reference == "precomputed":
+        batch = {**batch, **jax.jit(program.precompute)(params, model_state, batch)}
+    trainable = None if lora is None else program.trainable(params)
+    tx = optax.sgd(0.1) if lora is None else trainable_only(optax.sgd(0.1), trainable)
+    state = TrainState.create(params, tx, jax.random.PRNGKey(1), model_state=model_state)
+    _, first = jax.jit(make_train_step(program.loss_fn, tx, stateful=True, trainable=trainable))(state, batch)
+    for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
+        assert float(first[name]) == 0.0, (name, float(first[name]))
+    assert float(first["loss"]) == pytest.approx(LN2, abs=1e-6)
 
 
 @pytest.mark.parametrize("mode", ["keep_start", "keep_end"])

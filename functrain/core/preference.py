@@ -169,11 +169,21 @@ def preference_loss(apply: Apply, reference_logps: ReferenceLogps | None, settin
     """The program's stateful ``loss_fn(params, model_state, batch, rng)`` of a preference batch: one forward
     of the policy over the chosen and rejected rows together, and (losses with a reference) the reference's
     log-probs: one forward of the reference outside the gradient in the same compiled step, or the ones the
-    batch carries."""
+    batch carries.
+
+    The policy's forward is rematerialised: it keeps nothing for the backward, which runs it again (one
+    forward more per step), so XLA compiles it as it compiles the reference's plain forward. Equal weights
+    then give bitwise equal log-probs, and the first step's rewards are exactly 0 as TRL's are. A forward
+    that keeps its activations for the backward is fused otherwise, and XLA's CPU code contracts multiplies
+    and adds into FMAs as each fusion's code allows: its last bits differed, so first-step ties broke at
+    random."""
     def loss_fn(params, model_state, batch, rng):
         tokens, mask = pair_rows(batch)
-        output, new_state = apply(params, model_state, tokens[:, :-1], train, rng)
-        policy = completion_logps(getattr(output, "logits", output), tokens, mask)
+
+        def policy_logps(params, model_state):
+            output, new_state = apply(params, model_state, tokens[:, :-1], train, rng)
+            return completion_logps(getattr(output, "logits", output), tokens, mask), new_state
+        policy, new_state = jax.checkpoint(policy_logps)(params, model_state)
         ref_logps = reference_logps(params, model_state, batch) if settings.uses_reference else None
         return (*preference_sums(settings, policy, ref_logps, batch["weight"]), new_state)
     return loss_fn

@@ -140,6 +140,13 @@ def with_adapters(apply: Callable, settings: LoraConfig) -> Callable:
     return apply_with_adapters
 
 
+def without_adapters(params: Any) -> Any:
+    """``params`` with every ``lora_b`` zero: the adapted model then computes its base model exactly
+    (``x @ kernel + 0``)."""
+    return unflatten_dict({path: jnp.zeros_like(leaf) if path[-1] == ADAPTER_B else leaf
+                           for path, leaf in flatten_dict(params).items()})
+
+
 def adapter_specs(specs: Any, paths: list[Path]) -> Any:
     """Logical specs with the adapters': ``lora_a`` shares the kernel's input axis, ``lora_b`` its output axis."""
     flat = dict(flatten_dict(specs, is_leaf=lambda _, leaf: isinstance(leaf, PartitionSpec)))
@@ -159,7 +166,9 @@ def lora_pieces(module: nn.Module, example_inputs: Any, settings: LoraConfig, ar
                 ) -> tuple[Callable, Callable, Callable, Callable, Callable]:
     """``(init, apply, base_apply, logical_specs, complete_params)`` of a linen ``module`` called on
     ``example_inputs``-like inputs, with adapters on ``settings.targets``: ``apply`` runs them, ``base_apply``
-    is the same model with the adapters off (the base weights alone: a preference run's reference)."""
+    is the base model (a preference run's reference), computed as ``apply`` with every ``lora_b`` zero: the
+    same program as the adapted model's, so a policy whose adapters are still zero is bitwise its base (the
+    base alone compiles to other code, whose last bits may differ)."""
     from functrain.core.program import linen_pieces
 
     base_init, base_apply, base_specs = linen_pieces(module, example_inputs, argument)
@@ -175,8 +184,12 @@ def lora_pieces(module: nn.Module, example_inputs: Any, settings: LoraConfig, ar
             return params
         return add_adapters(params, paths, settings.rank, jax.random.fold_in(rng, _ADAPTER_KEY))
 
-    return (init, with_adapters(base_apply, settings), base_apply, lambda: adapter_specs(base_specs(), paths),
-            complete_params)
+    adapted = with_adapters(base_apply, settings)
+
+    def adapters_off(params, model_state, inputs, train, rng, **keywords):
+        return adapted(without_adapters(params), model_state, inputs, train, rng, **keywords)
+
+    return init, adapted, adapters_off, lambda: adapter_specs(base_specs(), paths), complete_params
 
 
 def lora_program(module: nn.Module, example_batch: dict[str, Any], kind: str, settings: LoraConfig,
