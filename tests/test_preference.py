@@ -15,11 +15,13 @@ from functrain.checkpoint import Checkpointer
 from functrain.commands.cli import main
 from functrain.core.preference import REFERENCE, PreferenceSettings
 from functrain.core.state import TrainState
-from functrain.core.step import make_train_step, trainable_only
+from functrain.core.step import StepSettings, make_train_step, trainable_only
 from functrain.models import build_model, gpt, llama
 from functrain.models.lora import LoraConfig
+from functrain.parallel import sharding
 from functrain.run.build import build_run, preference_program_of
-from functrain.run.config import load_config
+from functrain.run.config import MeshConfig, load_config
+from functrain.run.jax_backend import JaxBackend
 from functrain.run.parts import build_parts
 from functrain.text.preference import ByteTokenizer, preference_arrays, tokenize_pair
 
@@ -96,28 +98,31 @@ def random_pairs(pairs, vocab, length, seed=0):
             "rejected_mask": completion[pairs:], "weight": np.ones(pairs, np.float32)}
 
 
-@pytest.mark.parametrize("reference", ["frozen copy", "lora", "precomputed"])
-def test_at_the_first_step_the_policy_is_bitwise_its_own_reference(reference):
+@pytest.mark.parametrize("reference, micro_batches", [("frozen copy", 1), ("frozen copy", 2), ("lora", 2),
+                                                       ("precomputed", 1)])
+def test_at_the_first_step_the_policy_is_bitwise_its_own_reference(reference, micro_batches):
     """Equal weights give bitwise equal policy and reference log-probs, on any CPU: the first step's rewards
-    are exactly 0 and no pair counts as won, as TRL counts it. The policy's forward is differentiated and
-    the reference's is not (or ran in another program, precomputed); a rotary model is where their compiled
-    code differed in the last bits (XLA fused them differently, and the FMAs rounded differently)."""
+    are exactly 0 and no pair counts as won, as TRL counts it. The policy's forward is differentiated and the
+    reference's is not (or ran before training, precomputed a global batch at a time); on a rotary model their
+    compiled code differed in the last bits (XLA fused them differently, and the FMAs rounded differently).
+    With micro-batches the precomputed values are not bitwise: the step's forward runs in its accumulation
+    loop, which XLA compiles otherwise (see :func:`functrain.core.preference.preference_program`)."""
     config = llama.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
-    batch = random_pairs(64, config.vocab_size, 33)  # before the fix, each path tied at random on this CPU
+    batch = random_pairs(64, config.vocab_size, 33)  # before the fix, each case tied at random on this CPU
     lora = LoraConfig(rank=2, alpha=4.0, targets=("q_proj", "k_proj", "up_proj")) if reference == "lora" else None
     program = preference_program_of(llama.build(config), batch, PreferenceSettings("sigmoid", beta=0.1), lora,
                                     precompute_ref=reference == "precomputed")
-    params, model_state = jax.jit(program.init)(jax.random.PRNGKey(0))
+    mesh = MeshConfig()
+    backend = JaxBackend(program, optax.sgd(0.1), None, mesh=sharding.make_mesh(mesh),
+                         rules=sharding.logical_rules(mesh), step=StepSettings(micro_batches=micro_batches))
+    state = backend.init_state()
     if reference == "precomputed":
-        batch = {**batch, **jax.jit(program.precompute)(params, model_state, batch)}
-    trainable = None if lora is None else program.trainable(params)
-    tx = optax.sgd(0.1) if lora is None else trainable_only(optax.sgd(0.1), trainable)
-    state = TrainState.create(params, tx, jax.random.PRNGKey(1), model_state=model_state)
-    _, first = jax.jit(make_train_step(program.loss_fn, tx, stateful=True, trainable=trainable))(state, batch)
+        batch = {**batch, **backend.precompute_batch(state, batch)}
+    _, first = backend.train_call(state, backend.place(jax.tree.map(lambda x: x[None], batch)))
     for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
-        assert float(first[name]) == 0.0, (name, float(first[name]))
-    assert float(first["loss"]) == pytest.approx(LN2, abs=1e-6)
+        assert float(first[name][0]) == 0.0, (name, float(first[name][0]))
+    assert float(first["loss"][0]) == pytest.approx(LN2, abs=1e-6)
 
 
 @pytest.mark.parametrize("mode", ["keep_start", "keep_end"])

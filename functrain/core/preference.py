@@ -201,7 +201,10 @@ def preference_program(init: Callable, apply: Apply, logical_specs: Callable, se
     The reference is ``reference_apply`` on the same params when given (LoRA: the model with its adapters off,
     no second copy), else the starting weights. With ``precompute_reference`` its log-probs are computed once
     from the starting state by the program's ``precompute`` (the same forward as in the step) and the batches
-    carry them (:data:`REFERENCE_LOGPS`): no reference forward in the step and no copy of the weights.
+    carry them (:data:`REFERENCE_LOGPS`): no reference forward in the step and no copy of the weights. They
+    equal the policy's at the first step bitwise with one micro-batch per step; with ``train.micro_batches``
+    the step's forward runs in its accumulation loop, which XLA compiles otherwise, and a first-step tie may
+    break in the last bit (the in-step references are computed in the same loop, and stay exact).
     Otherwise, without ``reference_apply``, a frozen copy of the starting weights sits in the model state under
     ``reference``: never differentiated nor seen by the optimizer, sharded like the params, checkpointed with
     the state, and set to the loaded weights when a run starts from a converted checkpoint. Reference-free
