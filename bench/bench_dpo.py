@@ -3,10 +3,11 @@
 SFT trains the causal-LM loss on the ``2B`` sequences (the chosen and the rejected rows of ``B`` pairs); DPO
 trains the sigmoid preference loss on the same rows as ``B`` pairs, with the frozen reference (a copy of the
 starting weights in the model state) run in the same compiled step, outside the gradient. A forward costs
-about a third of a forward + backward, so the reference should add about one forward: DPO / SFT step time
-near 4/3, not 5/3 (a second backward) nor 2 (a second model trained). With ``preference.precompute_ref``
-(``DPO pre``) the batch carries the reference's log-probs, computed once before training: no reference forward,
-so about the SFT step (and no copy of the weights in the state). All use the pieces `functrain train`
+about a third of a forward + backward; the reference adds one forward, and the policy's forward is
+rematerialised (its backward runs it again, so that it compiles as the reference's does and equal weights give
+bitwise equal log-probs): DPO / SFT step time near 5/3, not 2 (a second model trained). With
+``preference.precompute_ref`` (``DPO pre``) the batch carries the reference's log-probs, computed once before
+training: no reference forward, so about 4/3 (and no copy of the weights in the state). All use the pieces `functrain train`
 uses (the Program, ``make_train_step`` with AdamW, jitted with the state donated). Reports XLA's FLOPs of each
 compiled step and steps/s (interleaved repeats, median of the paired ratios; wall clock, and CPU time of the
 process, which other jobs on a shared machine disturb less).
@@ -96,7 +97,7 @@ def main() -> None:
     sft_flops, dpo_flops = compiled_flops(sft_step, sft_state, sft), compiled_flops(dpo_step, dpo_state, pairs)
     pre_flops = compiled_flops(pre_step, pre_state, pre_pairs)
     print(f"XLA FLOPs per step: SFT {sft_flops / 1e9:.2f} G, DPO {dpo_flops / 1e9:.2f} G "
-          f"(DPO / SFT {dpo_flops / sft_flops:.2f}x; one more forward ~1.33x), DPO pre {pre_flops / 1e9:.2f} G "
+          f"(DPO / SFT {dpo_flops / sft_flops:.2f}x; two more forwards ~1.67x), DPO pre {pre_flops / 1e9:.2f} G "
           f"({pre_flops / sft_flops:.2f}x)")
     ratios, cpu_ratios, pre_ratios = [], [], []
     for _ in range(args.repeats):
@@ -110,7 +111,7 @@ def main() -> None:
               f"{dpo_time / sft_time:.2f}x   (CPU time: {dpo_cpu / sft_cpu:.2f}x)   DPO pre {1e3 * pre_time:8.2f} "
               f"ms/step ({pre_time / sft_time:.2f}x)")
     print(f"DPO / SFT step time: median of paired ratios {statistics.median(ratios):.2f}x wall, "
-          f"{statistics.median(cpu_ratios):.2f}x CPU time (one more forward: ~1.33x); DPO pre / SFT "
+          f"{statistics.median(cpu_ratios):.2f}x CPU time (two more forwards: ~1.67x); DPO pre / SFT "
           f"{statistics.median(pre_ratios):.2f}x wall")
 
 

@@ -38,15 +38,20 @@ def pytest_sessionfinish(session):
         shutil.rmtree(SUBPROCESS_XLA_CACHE, ignore_errors=True)
 
 
+def xla_flags(devices: int | None = None) -> str:
+    """The XLA_FLAGS of a subprocess: this process's, so a cap such as ``--xla_cpu_max_isa=AVX2`` (the suite run
+    as on an older CPU) reaches every process, with ``devices`` simulated CPU devices in place of its device
+    count (None: the platform's one device)."""
+    count = "--xla_force_host_platform_device_count"
+    flags = [flag for flag in os.environ.get("XLA_FLAGS", "").split() if not flag.startswith(count)]
+    return " ".join(flags + ([] if devices is None else [f"{count}={devices}"]))
+
+
 def cli_env(devices: int | None = None, **extra: str) -> dict[str, str]:
     """The environment of a subprocess that runs this checkout on CPU: ``devices`` simulated CPU devices
-    (None: no XLA_FLAGS, the platform's one device), the session's compilation cache, plus ``extra`` variables."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", **{**SUBPROCESS_CACHE_ENV, **extra})
+    (None: the platform's one device), the session's compilation cache, plus ``extra`` variables."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(devices), **{**SUBPROCESS_CACHE_ENV, **extra})
     env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    if devices is None:
-        env.pop("XLA_FLAGS", None)
-    else:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     return env
 
 

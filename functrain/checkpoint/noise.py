@@ -16,7 +16,7 @@ import sys
 import threading
 from traceback import walk_tb
 from types import TracebackType
-from typing import Any
+from typing import Any, Callable
 
 _BACKGROUND_LOGGERS = ("absl", "asyncio")  # Orbax logs through absl
 _BACKGROUND_PACKAGES = tuple(f"{os.sep}{name}{os.sep}" for name in ("orbax", "tensorstore", "asyncio"))
@@ -35,18 +35,24 @@ def _raised_in_checkpoint_io(traceback: TracebackType | None) -> bool:
                for frame, _ in walk_tb(traceback))
 
 
+def _silencing(show: Callable[[Any], None]) -> Callable[[Any], None]:
+    """A ``sys.unraisablehook`` / ``threading.excepthook`` that passes on to ``show`` what checkpoint I/O did not
+    raise."""
+    def hook(report: Any) -> None:
+        if not _raised_in_checkpoint_io(report.exc_traceback):
+            show(report)
+    hook.silences_checkpoint_io = True  # type: ignore[attr-defined]
+    return hook
+
+
 def silence_background_tracebacks() -> None:
-    """Drop error records of Orbax's logging, and exceptions that escape Orbax's threads or callbacks."""
+    """Drop error records of Orbax's logging, and exceptions that escape Orbax's threads or callbacks. Once: a
+    second call in the same process adds nothing."""
     for name in _BACKGROUND_LOGGERS:
-        logging.getLogger(name).addFilter(_DropErrors())
-    show_unraisable, show_thread_failure = sys.unraisablehook, threading.excepthook
-
-    def unraisable_hook(unraisable: Any) -> None:
-        if not _raised_in_checkpoint_io(unraisable.exc_traceback):
-            show_unraisable(unraisable)
-
-    def thread_hook(failure: Any) -> None:
-        if not _raised_in_checkpoint_io(failure.exc_traceback):
-            show_thread_failure(failure)
-
-    sys.unraisablehook, threading.excepthook = unraisable_hook, thread_hook
+        logger = logging.getLogger(name)
+        if not any(isinstance(existing, _DropErrors) for existing in logger.filters):
+            logger.addFilter(_DropErrors())
+    if not getattr(sys.unraisablehook, "silences_checkpoint_io", False):
+        sys.unraisablehook = _silencing(sys.unraisablehook)
+    if not getattr(threading.excepthook, "silences_checkpoint_io", False):
+        threading.excepthook = _silencing(threading.excepthook)

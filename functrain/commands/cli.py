@@ -40,11 +40,27 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes each line to ``sys.stderr`` as it is when the line is logged, never to the stream that was
+    ``sys.stderr`` when ``main()`` ran: that one may be closed since (a test's captured stream, a redirect)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter("%(message)s"))
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _: Any) -> None:  # StreamHandler.__init__ sets one; this handler has none of its own
+        pass
+
+
 def _configure_logging(debug: bool) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(message)s"))
     run_log = logging.getLogger("functrain")
-    run_log.addHandler(handler)
+    if not any(isinstance(handler, _StderrHandler) for handler in run_log.handlers):  # once per process
+        run_log.addHandler(_StderrHandler())
     run_log.propagate = False  # absl installs its own root handler; print the run's lines once, plainly
     # Orbax logs every save step through absl at INFO; keep the console for the run's own lines.
     for noisy in ("absl", "jax", "orbax"):

@@ -125,6 +125,13 @@ def with_adapters(apply: Callable, settings: LoraConfig) -> Callable:
     return apply_with_adapters
 
 
+def without_adapters(params: Any) -> Any:
+    """``params`` with every ``lora_b`` zero: the adapted model then computes its base model exactly
+    (``x @ kernel + 0``)."""
+    return unflatten_dict({path: jnp.zeros_like(leaf) if path[-1] == ADAPTER_B else leaf
+                           for path, leaf in flatten_dict(params).items()})
+
+
 def adapter_specs(specs: Any, paths: list[Path]) -> Any:
     """Logical specs with the adapters': ``lora_a`` shares the kernel's input axis, ``lora_b`` its output axis."""
     flat = dict(flatten_dict(specs, is_leaf=lambda _, leaf: isinstance(leaf, PartitionSpec)))
@@ -163,9 +170,16 @@ def lora_transform(pieces: Any, settings: LoraConfig) -> Any:
             return params
         return add_adapters(params, paths, settings.rank, jax.random.fold_in(rng, _ADAPTER_KEY))
 
-    return ModelPieces(init, with_adapters(base_apply, settings), lambda: adapter_specs(base_specs(), paths),
-                       framework=pieces.framework, frozen_apply=base_apply, trainable=trainable_mask,
-                       complete_params=complete_params, adapter_checkpoints=True)
+    adapted = with_adapters(base_apply, settings)
+
+    def adapters_off(params, model_state, inputs, train, rng, **keywords):
+        # The adapted program with every lora_b zero, not the base alone: a policy whose adapters are still zero
+        # is then bitwise its base (the base alone compiles to other code, whose last bits may differ).
+        return adapted(without_adapters(params), model_state, inputs, train, rng, **keywords)
+
+    return ModelPieces(init, adapted, lambda: adapter_specs(base_specs(), paths), framework=pieces.framework,
+                       frozen_apply=adapters_off, trainable=trainable_mask, complete_params=complete_params,
+                       adapter_checkpoints=True)
 
 
 def lora_program(module: nn.Module, example_batch: dict[str, Any], kind: str, settings: LoraConfig,

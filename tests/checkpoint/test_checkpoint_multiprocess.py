@@ -6,7 +6,7 @@ import subprocess
 import sys
 import textwrap
 
-from tests.conftest import REPO_ROOT, free_port, run_python
+from tests.conftest import REPO_ROOT, free_port, run_python, xla_flags
 from functrain.checkpoint import list_checkpoints
 
 # Each process holds only its own shards; the checkpoint must still hold the whole arrays.
@@ -45,7 +45,7 @@ def _two_processes(script: str, run_dir, devices_each: int) -> list[str]:
     port = free_port()
     procs = []
     for process_id in range(2):
-        env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_each}",
+        env = dict(os.environ, XLA_FLAGS=xla_flags(devices_each),
                    JAX_PLATFORMS="cpu", FUNCTRAIN_COORDINATOR=f"127.0.0.1:{port}", FUNCTRAIN_NUM_PROCESSES="2",
                    FUNCTRAIN_PROCESS_ID=str(process_id))
         env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")

@@ -1,13 +1,16 @@
 """The command line end to end: a tiny run, and bad input that gets one line, exit 2 and loses nothing."""
 
 import hashlib
+import io
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from functrain.commands.cli import main
 from tests.conftest import REPO_ROOT, cli_env
 
 TINY = ["train.max_steps=40", "train.steps_per_call=4", "log.every_steps=4", "eval.every_steps=20",
@@ -105,3 +108,19 @@ def test_token_ids_beyond_the_vocabulary_are_one_line(tmp_path):
                      f"data.path={data}", "data.seq_len=16")
     assert proc.returncode == 2 and "token id 300" in proc.stderr and "< 256 (model.vocab_size)" in proc.stderr
     assert not (tmp_path / "r").exists()
+
+
+def test_logging_is_configured_once_and_writes_to_the_current_stderr(tmp_path, monkeypatch):
+    """Two ``main()`` calls in one process print each line once; a line logged after the stream ``main()``
+    saw as stderr was closed goes to the new stderr, with no logging error."""
+    seen = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", seen)
+    for _ in range(2):
+        assert main(["inspect", str(tmp_path / "no_run")]) == 2
+    logging.getLogger("functrain").info("a line")
+    assert seen.getvalue().count("a line") == 1
+    seen.close()
+    now = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", now)
+    logging.getLogger("functrain.checkpoint").info("a line after the close")
+    assert now.getvalue() == "a line after the close\n"  # no "--- Logging error ---" either

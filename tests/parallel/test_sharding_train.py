@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from tests.conftest import REPO_ROOT, max_abs_diff
+from tests.conftest import REPO_ROOT, max_abs_diff, xla_flags
 from functrain.checkpoint import load_params
 
 TOLERANCE = 1e-5  # float32; only the order of cross-device sums differs
@@ -41,7 +41,7 @@ MESHES = {
 
 
 def _start(runs: list, devices: int) -> subprocess.Popen:
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(devices), JAX_PLATFORMS="cpu",
                PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.Popen([sys.executable, "-c", textwrap.dedent(WORKER), json.dumps(runs)], cwd=REPO_ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

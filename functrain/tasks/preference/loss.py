@@ -171,12 +171,22 @@ def preference_loss(apply: Apply, reference_logps: ReferenceLogps | None, settin
     """The program's stateful ``loss_fn(params, model_state, batch, rng)`` of a preference batch: one forward
     of the policy over the chosen and rejected rows together, and (losses with a reference) the reference's
     log-probs: one forward of the reference outside the gradient in the same compiled step, or the ones the
-    batch carries."""
+    batch carries.
+
+    The policy's forward is rematerialised: it keeps nothing for the backward, which runs it again (one
+    forward more per step), so XLA compiles it as it compiles the reference's plain forward. Equal weights
+    then give bitwise equal log-probs, and the first step's rewards are exactly 0 as TRL's are. A forward
+    that keeps its activations for the backward is fused otherwise, and XLA's CPU code contracts multiplies
+    and adds into FMAs as each fusion's code allows: its last bits differed, so first-step ties broke at
+    random."""
     def loss_fn(params, model_state, batch, rng):
         tokens, mask = pair_rows(batch)
-        output: Any  # an array or an object with .logits (typeshed's getattr would add None to a tuple's Any)
-        output, new_state = apply(params, model_state, tokens[:, :-1], train, rng)
-        policy = completion_logps(getattr(output, "logits", output), tokens, mask)
+
+        def policy_logps(params, model_state):
+            output: Any  # an array or an object with .logits (typeshed's getattr would add None to a tuple's Any)
+            output, new_state = apply(params, model_state, tokens[:, :-1], train, rng)
+            return completion_logps(getattr(output, "logits", output), tokens, mask), new_state
+        policy, new_state = jax.checkpoint(policy_logps)(params, model_state)
         ref_logps = None
         if settings.uses_reference and reference_logps is not None:
             ref_logps = reference_logps(params, model_state, batch)
@@ -195,9 +205,11 @@ def preference_program(init: Callable, apply: Apply, logical_specs: Callable, se
 
     The reference is ``reference_apply`` on the same params when given (LoRA: the model with its adapters off,
     no second copy), else the starting weights. With ``precompute_reference`` its log-probs are computed once
-    from the starting state (the same forward as in the step) and the batches
-    carry them (:data:`REFERENCE_LOGPS`, computed by :func:`precomputed_reference_logps` before the first step): no
-    reference forward in the step and no copy of the weights.
+    from the starting state (the same forward as in the step) and the batches carry them (:data:`REFERENCE_LOGPS`,
+    computed by :func:`precomputed_reference_logps` before the first step): no reference forward in the step and no
+    copy of the weights. They equal the policy's at the first step bitwise with one micro-batch per step; with
+    ``train.micro_batches`` the step's forward runs in its accumulation loop, which XLA compiles otherwise, and a
+    first-step tie may break in the last bit (the in-step references are computed in the same loop, and stay exact).
     Otherwise, without ``reference_apply``, a frozen copy of the starting weights sits in the model state under
     ``reference``: never differentiated nor seen by the optimizer, sharded like the params, checkpointed with
     the state, and set to the loaded weights when a run starts from a converted checkpoint. Reference-free

@@ -13,15 +13,17 @@ import yaml
 
 from functrain.checkpoint import Checkpointer
 from functrain.commands.cli import main
-from functrain.tasks.preference.loss import REFERENCE, PreferenceSettings
+from functrain.tasks.preference.loss import REFERENCE, PreferenceSettings, precomputed_reference_logps
 from functrain.core.state import TrainState
-from functrain.core.step import make_train_step, trainable_only
-from functrain.models import build_model, gpt
+from functrain.core.step import StepSettings, make_train_step, trainable_only
+from functrain.models import build_model, gpt, llama
 from functrain.models.lora import LoraConfig
+from functrain.parallel import sharding
 from functrain.run.build import build_run
+from functrain.run.config import MeshConfig, load_config
+from functrain.run.jax_backend import JaxBackend
 from functrain.run.parts import build_parts
-from functrain.run.config import load_config
-from functrain.tasks.preference.task import preference_program_of
+from functrain.tasks.preference.task import preference_pieces, preference_program_of
 from functrain.tasks.preference.pairs import ByteTokenizer, preference_arrays, tokenize_pair
 
 PAIRS = [{"prompt": "2+2=", "chosen": "4", "rejected": "five"},
@@ -86,6 +88,45 @@ def test_with_lora_the_reference_is_the_base_model_with_adapters_off(tmp_path):
     for path, leaf in flat:  # the base (the reference) never moved
         if "lora" not in jax.tree_util.keystr(path):
             np.testing.assert_array_equal(new[path], leaf)
+
+
+def random_pairs(pairs, vocab, length, seed=0):
+    """``pairs`` pairs of random tokens, each completion from a random start to the end."""
+    rng = np.random.default_rng(seed)
+    rows = rng.integers(1, vocab, (2 * pairs, length)).astype(np.int32)
+    completion = (np.arange(length) >= rng.integers(2, length // 2, (2 * pairs, 1))).astype(np.int8)
+    return {"chosen": rows[:pairs], "rejected": rows[pairs:], "chosen_mask": completion[:pairs],
+            "rejected_mask": completion[pairs:], "weight": np.ones(pairs, np.float32)}
+
+
+@pytest.mark.parametrize("reference, micro_batches", [("frozen copy", 1), ("frozen copy", 2), ("lora", 1),
+                                                       ("precomputed", 1)])
+def test_at_the_first_step_the_policy_is_bitwise_its_own_reference(reference, micro_batches):
+    """Equal weights give bitwise equal policy and reference log-probs, on any CPU: the first step's rewards
+    are exactly 0 and no pair counts as won, as TRL counts it. The policy's forward is differentiated and the
+    reference's is not (or ran before training, precomputed a global batch at a time); on a rotary model their
+    compiled code differed in the last bits (XLA fused them differently, and the FMAs rounded differently).
+    With micro-batches the precomputed values are not bitwise: the step's forward runs in its accumulation
+    loop, which XLA compiles otherwise (see :func:`functrain.tasks.preference.loss.preference_program`)."""
+    config = llama.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    batch = random_pairs(64, config.vocab_size, 33)  # before the fix, each case tied at random on this CPU
+    lora = LoraConfig(rank=2, alpha=4.0, targets=("q_proj", "k_proj", "up_proj")) if reference == "lora" else None
+    model = llama.build(config)
+    program = preference_program_of(model, batch, PreferenceSettings("sigmoid", beta=0.1), lora,
+                                    precompute_ref=reference == "precomputed")
+    mesh = MeshConfig()
+    backend = JaxBackend(program, optax.sgd(0.1), None, mesh=sharding.make_mesh(mesh),
+                         rules=sharding.logical_rules(mesh), step=StepSettings(micro_batches=micro_batches))
+    state = backend.init_state()
+    if reference == "precomputed":
+        pieces = preference_pieces(model, batch, lora)  # the start hook's forward, compiled on the mesh
+        batch = {**batch, **backend.batch_function(precomputed_reference_logps(pieces.apply, pieces.frozen_apply))(
+            state, batch)}
+    _, first = backend.train_call(state, backend.place(jax.tree.map(lambda x: x[None], batch)))
+    for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
+        assert float(first[name][0]) == 0.0, (name, float(first[name][0]))
+    assert float(first["loss"][0]) == pytest.approx(LN2, abs=1e-6)
 
 
 @pytest.mark.parametrize("mode", ["keep_start", "keep_end"])
