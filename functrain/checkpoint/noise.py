@@ -31,16 +31,19 @@ class _DropErrors(logging.Filter):
 
 def _raised_in_checkpoint_io(traceback: TracebackType | None) -> bool:
     """Whether a traceback passes through Orbax, tensorstore or asyncio (anything else is still shown)."""
-    return any(any(part in frame.f_code.co_filename for part in _BACKGROUND_PACKAGES)
-               for frame, _ in walk_tb(traceback))
+    return any(
+        any(part in frame.f_code.co_filename for part in _BACKGROUND_PACKAGES) for frame, _ in walk_tb(traceback)
+    )
 
 
-def _silencing(show: Callable[[Any], None]) -> Callable[[Any], None]:
+def _silencing(show: Callable[[Any], object]) -> Callable[[Any], None]:
     """A ``sys.unraisablehook`` / ``threading.excepthook`` that passes on to ``show`` what checkpoint I/O did not
     raise."""
+
     def hook(report: Any) -> None:
         if not _raised_in_checkpoint_io(report.exc_traceback):
             show(report)
+
     hook.silences_checkpoint_io = True  # type: ignore[attr-defined]
     return hook
 
