@@ -19,11 +19,17 @@ choose_platforms()  # before jax is imported: no libtpu start-up on machines wit
 # Public name -> the module that defines it.
 _PUBLIC = {
     "TrainState": "functrain.core.state",
-    "make_eval_step": "functrain.core.step", "make_train_call": "functrain.core.step",
+    "make_eval_step": "functrain.core.step",
+    "make_train_call": "functrain.core.step",
     "make_train_step": "functrain.core.step",
-    "FunctionalModel": "functrain.core.program", "Program": "functrain.core.program",
-    "Run": "functrain.run.build", "build": "functrain.run.fit", "fit": "functrain.run.fit",
-    "drive": "functrain.run.loop", "FitResult": "functrain.run.outcome", "StopKind": "functrain.run.outcome",
+    "FunctionalModel": "functrain.core.program",
+    "Program": "functrain.core.program",
+    "Run": "functrain.run.build",
+    "build": "functrain.run.fit",
+    "fit": "functrain.run.fit",
+    "drive": "functrain.run.loop",
+    "FitResult": "functrain.run.outcome",
+    "StopKind": "functrain.run.outcome",
 }
 
 __all__ = sorted(_PUBLIC)  # noqa: PLE0605 -- the names __getattr__ imports on first use

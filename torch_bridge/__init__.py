@@ -15,5 +15,16 @@ except ImportError as error:  # pragma: no cover - exercised only where torch is
 from torch_bridge.optim import Optimizer, adamw, from_settings, lion, make_optimizer, make_schedule, sgd
 from torch_bridge.step import TorchState, make_eval_step, make_train_step, step_generator
 
-__all__ = ["Optimizer", "TorchState", "adamw", "from_settings", "lion", "make_eval_step", "make_optimizer",
-           "make_schedule", "make_train_step", "sgd", "step_generator"]
+__all__ = [
+    "Optimizer",
+    "TorchState",
+    "adamw",
+    "from_settings",
+    "lion",
+    "make_eval_step",
+    "make_optimizer",
+    "make_schedule",
+    "make_train_step",
+    "sgd",
+    "step_generator",
+]

@@ -90,16 +90,27 @@ class TorchBackend:
 
     name = "torch"
 
-    def __init__(self, model: torch.nn.Module, loss: LossFn, optimizer: Optimizer, *, step: StepSettings,
-                 seed: int, probe_batch: Mapping[str, np.ndarray] | None = None,
-                 device: str | torch.device | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        loss: LossFn,
+        optimizer: Optimizer,
+        *,
+        step: StepSettings,
+        seed: int,
+        probe_batch: Mapping[str, np.ndarray] | None = None,
+        device: str | torch.device | None = None,
+    ) -> None:
         distributed.init_from_env()
         if step.compute_dtype not in COMPUTE_DTYPES:
-            raise ConfigError(f"train.compute_dtype={step.compute_dtype} is not supported with backend: torch; "
-                              f"use train.compute_dtype=bfloat16 or float32")
+            raise ConfigError(
+                f"train.compute_dtype={step.compute_dtype} is not supported with backend: torch; "
+                f"use train.compute_dtype=bfloat16 or float32"
+            )
         self.seed = seed
-        self.device = torch.device(device or (f"cuda:{distributed.local_rank()}" if torch.cuda.is_available()
-                                              else "cpu"))
+        self.device = torch.device(
+            device or (f"cuda:{distributed.local_rank()}" if torch.cuda.is_available() else "cpu")
+        )
         # On CPU a call has finished when it returns; on CUDA it is queued until its metrics are read.
         self.synchronous = self.device.type == "cpu"
         self.process_index, self.process_count = distributed.rank(), distributed.world_size()
@@ -108,8 +119,13 @@ class TorchBackend:
         self.model = model.to(self.device)  # in place: the loss keeps its hold on the module's tensors
         self.optimizer = optimizer
         compute_dtype = COMPUTE_DTYPES[step.compute_dtype]
-        self._step = make_train_step(loss, self.optimizer, micro_batches=step.micro_batches,
-                                     clip_norm=step.clip_norm, compute_dtype=compute_dtype)
+        self._step = make_train_step(
+            loss,
+            self.optimizer,
+            micro_batches=step.micro_batches,
+            clip_norm=step.clip_norm,
+            compute_dtype=compute_dtype,
+        )
         self._eval_step = make_eval_step(loss, compute_dtype)
         if probe_batch is not None:
             self._eval_step(self.init_state(), self.place({k: v[:PROBE_ROWS] for k, v in probe_batch.items()}))
@@ -132,13 +148,16 @@ class TorchBackend:
     def state_to_items(self, state: TorchState) -> dict[str, Any]:
         """The checkpoint items of ``state`` as nested dicts of numpy arrays."""
         seed = state.seed & 0xFFFFFFFFFFFFFFFF
-        rest = {"step": np.asarray(state.step, np.int32),
-                "opt_state": _map_tree(_to_numpy, self._nest_opt_state(state.opt_state)),
-                "rng": np.asarray([seed >> 32, seed & 0xFFFFFFFF], np.uint32),
-                "model_state": nest({k: _to_numpy(v) for k, v in state.buffers.items()}),
-                "loss_scale": np.asarray(1.0, np.float32), "good_steps": np.asarray(0, np.int32),
-                "skipped_steps": np.asarray(_to_numpy(state.skipped_steps), np.int32),
-                "nonfinite_steps": np.asarray(_to_numpy(state.skipped_steps), np.int32)}
+        rest = {
+            "step": np.asarray(state.step, np.int32),
+            "opt_state": _map_tree(_to_numpy, self._nest_opt_state(state.opt_state)),
+            "rng": np.asarray([seed >> 32, seed & 0xFFFFFFFF], np.uint32),
+            "model_state": nest({k: _to_numpy(v) for k, v in state.buffers.items()}),
+            "loss_scale": np.asarray(1.0, np.float32),
+            "good_steps": np.asarray(0, np.int32),
+            "skipped_steps": np.asarray(_to_numpy(state.skipped_steps), np.int32),
+            "nonfinite_steps": np.asarray(_to_numpy(state.skipped_steps), np.int32),
+        }
         return {"params": nest({k: _to_numpy(v) for k, v in state.params.items()}), "state": rest}
 
     @staticmethod
@@ -151,13 +170,16 @@ class TorchBackend:
         if missing or unexpected:
             raise CheckpointError(
                 f"checkpoint {what} do not match the torch model: missing {missing[:6]}, unexpected "
-                f"{unexpected[:6]}; restore a checkpoint written for this model (backend: torch) or convert it")
+                f"{unexpected[:6]}; restore a checkpoint written for this model (backend: torch) or convert it"
+            )
         tensors = {}
         for name, reference in expected.items():
             value = np.asarray(flat[name])
             if tuple(value.shape) != tuple(reference.shape):
-                raise CheckpointError(f"checkpoint {what} {name!r} has shape {tuple(value.shape)}, the model "
-                                      f"expects {tuple(reference.shape)}; use the model config it was saved with")
+                raise CheckpointError(
+                    f"checkpoint {what} {name!r} has shape {tuple(value.shape)}, the model "
+                    f"expects {tuple(reference.shape)}; use the model config it was saved with"
+                )
             tensors[name] = _to_tensor(value, reference.dtype, self.device)
         return tensors
 
@@ -179,10 +201,14 @@ class TorchBackend:
                 opt_state[key] = _to_tensor(saved["opt_state"][key], value.dtype, self.device)
         buffers = self._tensors(flatten(saved.get("model_state") or {}), fresh.buffers, "model_state")
         high, low = (int(x) for x in np.asarray(saved["rng"], np.uint64))
-        return TorchState(params=params, buffers=buffers, opt_state=opt_state, step=int(saved["step"]),
-                          seed=(high << 32) | low,
-                          skipped_steps=torch.tensor(int(saved["skipped_steps"]), dtype=torch.int32,
-                                                     device=self.device))
+        return TorchState(
+            params=params,
+            buffers=buffers,
+            opt_state=opt_state,
+            step=int(saved["step"]),
+            seed=(high << 32) | low,
+            skipped_steps=torch.tensor(int(saved["skipped_steps"]), dtype=torch.int32, device=self.device),
+        )
 
     @staticmethod
     def step_of(state: TorchState) -> int:
@@ -198,11 +224,13 @@ class TorchBackend:
 
     def place(self, host_batches: Mapping[str, np.ndarray]) -> dict[str, Tensor]:
         """numpy host batches -> tensors on this backend's device (no copy on CPU when possible)."""
+
         def to_tensor(array: np.ndarray) -> Tensor:
             array = np.asarray(array)
             if not (array.flags.writeable and array.flags.c_contiguous):
                 array = np.array(array)  # torch.from_numpy needs a writable, contiguous buffer
             return torch.from_numpy(array).to(self.device, non_blocking=True)
+
         return {key: to_tensor(value) for key, value in host_batches.items()}
 
     def train_call(self, state: TorchState, batches: Mapping[str, Any]) -> tuple[TorchState, dict[str, Tensor]]:
@@ -248,5 +276,7 @@ class TorchBackend:
     def describe(self) -> str:
         """One startup line: torch version, device, parameter count, processes."""
         count = sum(p.numel() for p in self.model.parameters())
-        return (f"torch {torch.__version__} on {self.device}, {type(self.model).__name__} with {count:,} "
-                f"parameters, {self.process_count} process(es)")
+        return (
+            f"torch {torch.__version__} on {self.device}, {type(self.model).__name__} with {count:,} "
+            f"parameters, {self.process_count} process(es)"
+        )

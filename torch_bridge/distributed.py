@@ -58,6 +58,6 @@ def all_reduce_sum(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
     out, offset = [], 0
     for t in tensors:
-        out.append(flat[offset:offset + t.numel()].view(t.shape).to(t.dtype))
+        out.append(flat[offset : offset + t.numel()].view(t.shape).to(t.dtype))
         offset += t.numel()
     return out

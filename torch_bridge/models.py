@@ -95,8 +95,9 @@ class Block(nn.Module):
         """``mask``: a :func:`block_causal_mask` for packed rows; None is plain causal attention."""
         batch, length, d_model = x.shape
         h = self.ln_attn(x)
-        query, key, value = (proj(h).view(batch, length, self.n_heads, -1).transpose(1, 2)
-                             for proj in (self.query, self.key, self.value))
+        query, key, value = (
+            proj(h).view(batch, length, self.n_heads, -1).transpose(1, 2) for proj in (self.query, self.key, self.value)
+        )
         attended = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=mask is None)
         attended = self.attn_out(attended.transpose(1, 2).reshape(batch, length, d_model))
         x = x + dropout(attended, self.dropout_rate, generator)
@@ -107,8 +108,16 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Token + learned position embeddings, blocks, a final norm, an untied head (``functrain.models.gpt``)."""
 
-    def __init__(self, vocab_size: int, max_len: int, d_model: int, n_layers: int, n_heads: int, d_ff: int,
-                 dropout_rate: float = 0.0) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        max_len: int,
+        d_model: int,
+        n_layers: int,
+        n_heads: int,
+        d_ff: int,
+        dropout_rate: float = 0.0,
+    ) -> None:
         super().__init__()
         self.dropout_rate, self.n_layers = dropout_rate, n_layers
         self.token_embed = nn.Embedding(vocab_size, d_model)
@@ -132,8 +141,14 @@ class GPT(nn.Module):
                 std = out_std if name.endswith(("attn_out.weight", "mlp_out.weight")) else 0.02
                 nn.init.normal_(param, std=std, generator=generator)
 
-    def forward(self, tokens: Tensor, generator: torch.Generator | None = None, *,
-                segment_ids: Tensor | None = None, positions: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        tokens: Tensor,
+        generator: torch.Generator | None = None,
+        *,
+        segment_ids: Tensor | None = None,
+        positions: Tensor | None = None,
+    ) -> Tensor:
         """Logits ``[B, T, vocab]``; ``segment_ids``/``positions`` ``[B, T]`` as in the Flax GPT (packed rows)."""
         table = self.position_embed
         position = table[: tokens.shape[1]] if positions is None else table[positions.long()]
@@ -145,6 +160,7 @@ class GPT(nn.Module):
 
 
 # ------------------------------------------------------------------------------------- stateless calls
+
 
 def stateless(model: nn.Module) -> Callable[..., Any]:
     """``apply(params, buffers, *args, **kwargs)``: run ``model`` with the given tensors in place of its own.
@@ -161,6 +177,7 @@ def stateless(model: nn.Module) -> Callable[..., Any]:
     def apply(params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], *args: Any, **kwargs: Any) -> Any:
         with bind(params, buffers):
             return model(*args, **kwargs)
+
     return apply
 
 
@@ -168,8 +185,10 @@ def binder(model: nn.Module) -> Callable[[Mapping[str, Tensor], Mapping[str, Ten
     """``bind(params, buffers)``: a context in which ``model`` holds the given tensors (see :func:`stateless`)."""
     slots = []  # (owner's table, attribute, canonical name): every name a tensor is reachable under
     canonical: dict[int, str] = {}
-    for kind, named in (("_parameters", model.named_parameters(remove_duplicate=False)),
-                        ("_buffers", model.named_buffers(remove_duplicate=False))):
+    for kind, named in (
+        ("_parameters", model.named_parameters(remove_duplicate=False)),
+        ("_buffers", model.named_buffers(remove_duplicate=False)),
+    ):
         for name, tensor in named:
             owner_name, _, attr = name.rpartition(".")
             # The first name of a tensor is the one named_parameters()/named_buffers() list (their de-duplication).
@@ -188,6 +207,7 @@ def binder(model: nn.Module) -> Callable[[Mapping[str, Tensor], Mapping[str, Ten
         finally:
             for table, attr, original in reversed(saved):
                 table[attr] = original
+
     return bind
 
 
@@ -223,6 +243,7 @@ def classifier_loss(model: nn.Module) -> Callable:
 
     def loss_fn(params, buffers, batch, generator):
         return classifier_sums(apply(params, buffers, batch["x"], generator=generator), batch)
+
     return loss_fn
 
 
@@ -239,6 +260,7 @@ def causal_lm_loss(model: nn.Module) -> Callable:
             keywords.setdefault("segment_ids", keywords.pop("attention_mask"))
         logits = apply(params, buffers, batch["tokens"].long()[:, :-1], generator=generator, **keywords)
         return causal_lm_sums(logits, batch)
+
     return loss_fn
 
 
@@ -274,5 +296,7 @@ def _convert(name: str, value: np.ndarray) -> tuple[str, np.ndarray]:
 
 def params_from_flax(flax_params: Mapping) -> dict[str, Tensor]:
     """A Flax MLP/GPT params tree -> the torch twin's state dict (float32 tensors, contiguous)."""
-    return {name: torch.tensor(np.asarray(value, dtype=np.float32))
-            for name, value in (_convert(n, np.asarray(v)) for n, v in flatten(flax_params).items())}
+    return {
+        name: torch.tensor(np.asarray(value, dtype=np.float32))
+        for name, value in (_convert(n, np.asarray(v)) for n, v in flatten(flax_params).items())
+    }

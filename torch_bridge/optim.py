@@ -28,6 +28,7 @@ Schedule = Callable[[Tensor], Tensor]
 
 # --------------------------------------------------------------------------------------------- schedules
 
+
 def _linear(init_value: float, end_value: float, transition_steps: int) -> Schedule:
     """optax.linear_schedule: interpolate over ``transition_steps``, then hold ``end_value``."""
     if transition_steps <= 0:
@@ -37,22 +38,27 @@ def _linear(init_value: float, end_value: float, transition_steps: int) -> Sched
         done = torch.clamp(count, 0, transition_steps).to(torch.float32)
         fraction = 1 - done / transition_steps
         return (init_value - end_value) * fraction + end_value
+
     return schedule
 
 
 def _cosine(init_value: float, decay_steps: int, alpha: float) -> Schedule:
     """optax.cosine_decay_schedule (exponent 1): half a cosine from ``init_value`` to ``alpha * init``."""
+
     def schedule(count: Tensor) -> Tensor:
         progress = torch.clamp(count.to(torch.float32), max=float(decay_steps))
         cosine = 0.5 * (1 + torch.cos(math.pi * progress / float(decay_steps)))
         return init_value * ((1 - alpha) * cosine + alpha)
+
     return schedule
 
 
 def _join(first: Schedule, second: Schedule, boundary: int) -> Schedule:
     """optax.join_schedules for two schedules: ``second`` restarts its count at ``boundary``."""
+
     def schedule(count: Tensor) -> Tensor:
         return torch.where(count < boundary, first(count), second(count - boundary))
+
     return schedule
 
 
@@ -70,11 +76,13 @@ def _tabulated(schedule: Schedule, length: int) -> Schedule:
         if values is None:
             values = on_device.setdefault(count.device, table.to(count.device))
         return values[torch.clamp(count, 0, length - 1)]
+
     return lookup
 
 
-def make_schedule(name: str, learning_rate: float, warmup_steps: int = 0, max_steps: int = 0,
-                  end_lr_ratio: float = 0.0) -> Schedule:
+def make_schedule(
+    name: str, learning_rate: float, warmup_steps: int = 0, max_steps: int = 0, end_lr_ratio: float = 0.0
+) -> Schedule:
     """The learning-rate schedule ``name`` ("constant", "cosine" or "linear") after a linear warmup from 0.
 
     Mirrors ``functrain.core.optim.make_schedule``: with ``decay = max(max_steps - warmup, 1)``, cosine is
@@ -98,6 +106,7 @@ def make_schedule(name: str, learning_rate: float, warmup_steps: int = 0, max_st
 
 
 # --------------------------------------------------------------------------------------------- optimizers
+
 
 @dataclass(frozen=True)
 class Optimizer:
@@ -154,8 +163,7 @@ def _count(params: Params) -> Tensor:
     return torch.zeros((), dtype=torch.int32, device=device)
 
 
-def _add_decayed_weights_(updates: Tensors, params: Tensors, mask: Iterable[bool],
-                          weight_decay: float) -> None:
+def _add_decayed_weights_(updates: Tensors, params: Tensors, mask: Iterable[bool], weight_decay: float) -> None:
     """optax.add_decayed_weights, in place on freshly computed ``updates``: ``u += wd * p`` where masked."""
     if weight_decay == 0.0:  # optax skips a zero constant decay too
         return
@@ -170,8 +178,14 @@ def _apply(params: Tensors, updates: Tensors, learning_rate: Tensor) -> Tensors:
     return torch._foreach_add(params, updates)
 
 
-def adamw(schedule: Schedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-          weight_decay: float = 0.0, mu_dtype: torch.dtype | None = None) -> Optimizer:
+def adamw(
+    schedule: Schedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    mu_dtype: torch.dtype | None = None,
+) -> Optimizer:
     """optax.adamw(schedule, b1, b2, eps, mu_dtype, weight_decay=..., mask=ndim >= 2) as a functional optimizer.
 
     With ``mu_dtype`` the first moment is stored in that dtype; the update itself uses the float32 moment
@@ -181,8 +195,9 @@ def adamw(schedule: Schedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1
     def init(params: Params) -> OptState:
         return {"count": _count(params), "mu": _zeros_like(params, mu_dtype), "nu": _zeros_like(params)}
 
-    def update(params: Params, grads: Params, opt_state: OptState,
-               learning_rate: Tensor | None = None) -> tuple[Params, OptState]:
+    def update(
+        params: Params, grads: Params, opt_state: OptState, learning_rate: Tensor | None = None
+    ) -> tuple[Params, OptState]:
         names = list(params)
         p, g = [params[n] for n in names], [grads[n] for n in names]
         # Each result is allocated once and then finished in place: the inputs are never written.
@@ -194,33 +209,43 @@ def adamw(schedule: Schedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1
         exponent = next_count.to(torch.float32)
         denominator = torch._foreach_div(nu, 1 - torch.pow(b2, exponent))
         torch._foreach_sqrt_(denominator)
-        torch._foreach_add_(denominator, eps)                            # sqrt(nu_hat) + eps
+        torch._foreach_add_(denominator, eps)  # sqrt(nu_hat) + eps
         steps = torch._foreach_div(mu, 1 - torch.pow(b1, exponent))
-        torch._foreach_div_(steps, denominator)                          # mu_hat / (sqrt(nu_hat) + eps)
+        torch._foreach_div_(steps, denominator)  # mu_hat / (sqrt(nu_hat) + eps)
         _add_decayed_weights_(steps, p, decay_mask(params).values(), weight_decay)
         new_p = _apply(p, steps, schedule(count) if learning_rate is None else learning_rate)
-        return dict(zip(names, new_p)), {"count": next_count, "mu": dict(zip(names, _cast(mu, mu_dtype))),
-                                          "nu": dict(zip(names, nu))}
+        return dict(zip(names, new_p)), {
+            "count": next_count,
+            "mu": dict(zip(names, _cast(mu, mu_dtype))),
+            "nu": dict(zip(names, nu)),
+        }
 
     return Optimizer(init=init, update=update, learning_rate=lambda opt_state: schedule(opt_state["count"]))
 
 
-def sgd(schedule: Schedule, momentum: float | None = None, nesterov: bool = False,
-        weight_decay: float = 0.0, accumulator_dtype: torch.dtype | None = None) -> Optimizer:
+def sgd(
+    schedule: Schedule,
+    momentum: float | None = None,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    accumulator_dtype: torch.dtype | None = None,
+) -> Optimizer:
     """optax.chain(add_decayed_weights(wd, mask=ndim >= 2), optax.sgd(schedule, momentum, nesterov,
     accumulator_dtype)).
 
     ``momentum`` None or 0 is plain SGD (no trace in the state); ``accumulator_dtype`` is the trace's
     stored dtype (the update uses the trace before the cast, as optax does).
     """
+
     def init(params: Params) -> OptState:
         state: OptState = {"count": _count(params)}
         if momentum:
             state["trace"] = _zeros_like(params, accumulator_dtype)
         return state
 
-    def update(params: Params, grads: Params, opt_state: OptState,
-               learning_rate: Tensor | None = None) -> tuple[Params, OptState]:
+    def update(
+        params: Params, grads: Params, opt_state: OptState, learning_rate: Tensor | None = None
+    ) -> tuple[Params, OptState]:
         names = list(params)
         p = [params[n] for n in names]
         steps = [grads[n].clone() for n in names]  # fresh buffers: everything below works in place on them
@@ -241,8 +266,13 @@ def sgd(schedule: Schedule, momentum: float | None = None, nesterov: bool = Fals
     return Optimizer(init=init, update=update, learning_rate=lambda opt_state: schedule(opt_state["count"]))
 
 
-def lion(schedule: Schedule, b1: float = 0.9, b2: float = 0.99, weight_decay: float = 0.0,
-         mu_dtype: torch.dtype | None = None) -> Optimizer:
+def lion(
+    schedule: Schedule,
+    b1: float = 0.9,
+    b2: float = 0.99,
+    weight_decay: float = 0.0,
+    mu_dtype: torch.dtype | None = None,
+) -> Optimizer:
     """optax.lion(schedule, b1, b2, mu_dtype, weight_decay=..., mask=ndim >= 2) as a functional optimizer.
 
     The update is ``sign((1 - b1) * g + b1 * mu)`` plus the masked decay, scaled by ``-lr``; the momentum
@@ -253,8 +283,9 @@ def lion(schedule: Schedule, b1: float = 0.9, b2: float = 0.99, weight_decay: fl
     def init(params: Params) -> OptState:
         return {"count": _count(params), "mu": _zeros_like(params, mu_dtype)}
 
-    def update(params: Params, grads: Params, opt_state: OptState,
-               learning_rate: Tensor | None = None) -> tuple[Params, OptState]:
+    def update(
+        params: Params, grads: Params, opt_state: OptState, learning_rate: Tensor | None = None
+    ) -> tuple[Params, OptState]:
         names = list(params)
         p, g = [params[n] for n in names], [grads[n] for n in names]
         mu = [opt_state["mu"][n] for n in names]
@@ -269,9 +300,17 @@ def lion(schedule: Schedule, b1: float = 0.9, b2: float = 0.99, weight_decay: fl
     return Optimizer(init=init, update=update, learning_rate=lambda opt_state: schedule(opt_state["count"]))
 
 
-def make_optimizer(name: str, schedule: Schedule, *, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-                   weight_decay: float = 0.0, momentum: float | None = None,
-                   nesterov: bool = False) -> Optimizer:
+def make_optimizer(
+    name: str,
+    schedule: Schedule,
+    *,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    momentum: float | None = None,
+    nesterov: bool = False,
+) -> Optimizer:
     """The optimizer ``name`` ("adamw" or "sgd") driven by ``schedule``."""
     if name == "adamw":
         return adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
@@ -281,8 +320,11 @@ def make_optimizer(name: str, schedule: Schedule, *, b1: float = 0.9, b2: float 
 
 
 # The optax keyword arguments each optimizer honours on torch; a dtype option holds a dtype name.
-TORCH_OPTIONS = {"adamw": ("b1", "b2", "eps", "mu_dtype"), "sgd": ("momentum", "nesterov", "accumulator_dtype"),
-                 "lion": ("b1", "b2", "mu_dtype")}
+TORCH_OPTIONS = {
+    "adamw": ("b1", "b2", "eps", "mu_dtype"),
+    "sgd": ("momentum", "nesterov", "accumulator_dtype"),
+    "lion": ("b1", "b2", "mu_dtype"),
+}
 DTYPE_OPTIONS = ("mu_dtype", "accumulator_dtype")
 # The config key an optax argument comes from, where the names differ (functrain.run.config.OPTIMIZER_KEYS).
 CONFIG_KEYS = {"accumulator_dtype": "mu_dtype"}
@@ -295,8 +337,10 @@ def _dtype(key: str, value: Any) -> torch.dtype | None:
         return None
     dtype = getattr(torch, str(value), None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ConfigError(f"optimizer.{CONFIG_KEYS.get(key, key)}={value!r} is not a floating dtype torch has; "
-                          f"use float32 or bfloat16")
+        raise ConfigError(
+            f"optimizer.{CONFIG_KEYS.get(key, key)}={value!r} is not a floating dtype torch has; "
+            f"use float32 or bfloat16"
+        )
     return dtype
 
 
@@ -304,13 +348,16 @@ def _options(settings: OptimizerSettings) -> dict[str, Any]:
     """The settings' optax options as this module's keyword arguments, refusing any torch cannot honour."""
     name = settings.name
     if name not in FACTORIES:
-        raise ConfigError(f"optimizer.name={name} is not implemented for backend: torch; use adamw, sgd or lion, "
-                          f"or backend: jax")
+        raise ConfigError(
+            f"optimizer.name={name} is not implemented for backend: torch; use adamw, sgd or lion, or backend: jax"
+        )
     options = {}
     for key, value in settings.options.items():
         if key not in TORCH_OPTIONS[name]:
-            raise ConfigError(f"optimizer.{CONFIG_KEYS.get(key, key)} (optax {key}) is not implemented for "
-                              f"optimizer.name={name} on backend: torch; remove it or use backend: jax")
+            raise ConfigError(
+                f"optimizer.{CONFIG_KEYS.get(key, key)} (optax {key}) is not implemented for "
+                f"optimizer.name={name} on backend: torch; remove it or use backend: jax"
+            )
         options[key] = _dtype(key, value) if key in DTYPE_OPTIONS else value
     if name == "sgd":
         options["momentum"] = options.get("momentum") or None  # 0: plain SGD, no trace (as on the JAX side)

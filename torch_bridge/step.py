@@ -52,12 +52,23 @@ class TorchState:
     skipped_steps: Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.int32))
 
     @classmethod
-    def create(cls, params: Params, optimizer: Optimizer, seed: int, buffers: Params | None = None,
-               ) -> "TorchState":
+    def create(
+        cls,
+        params: Params,
+        optimizer: Optimizer,
+        seed: int,
+        buffers: Params | None = None,
+    ) -> "TorchState":
         """A step-0 state with a fresh optimizer state for ``params``."""
         device = next(iter(params.values())).device
-        return cls(params=dict(params), buffers=dict(buffers or {}), opt_state=optimizer.init(params), step=0,
-                   seed=int(seed), skipped_steps=torch.zeros((), dtype=torch.int32, device=device))
+        return cls(
+            params=dict(params),
+            buffers=dict(buffers or {}),
+            opt_state=optimizer.init(params),
+            step=0,
+            seed=int(seed),
+            skipped_steps=torch.zeros((), dtype=torch.int32, device=device),
+        )
 
 
 def _mix64(value: int) -> int:
@@ -68,8 +79,9 @@ def _mix64(value: int) -> int:
     return value ^ (value >> 31)
 
 
-def step_generator(seed: int, step: int, micro_batch: int = 0, rank: int = 0,
-                   device: torch.device | str = "cpu") -> torch.Generator:
+def step_generator(
+    seed: int, step: int, micro_batch: int = 0, rank: int = 0, device: torch.device | str = "cpu"
+) -> torch.Generator:
     """The generator of one micro-batch of one step: a pure function of its four integers."""
     mixed = 0
     for part in (seed, step, micro_batch, rank):
@@ -108,15 +120,19 @@ def _check_loss_output(output: Any, loss_fn: Callable) -> LossOutput:
     """Validate ``(loss_sum, weight_sum, aux)``: two 0-dim tensors and a dict of 0-dim tensors."""
     name = _function_name(loss_fn)
     if not (isinstance(output, tuple) and len(output) == 3 and isinstance(output[2], dict)):
-        raise ConfigError(f"loss function {name} must return (loss_sum, weight_sum, aux_dict); "
-                          f"got {type(output).__name__}")
+        raise ConfigError(
+            f"loss function {name} must return (loss_sum, weight_sum, aux_dict); got {type(output).__name__}"
+        )
     loss_sum, weight_sum, aux = output
     for what, value in [("loss_sum", loss_sum), ("weight_sum", weight_sum)] + [
-            (f"aux[{key!r}]", value) for key, value in aux.items()]:
+        (f"aux[{key!r}]", value) for key, value in aux.items()
+    ]:
         if not isinstance(value, torch.Tensor) or value.ndim != 0:
             shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ConfigError(f"loss function {name} returned {what} with shape {shape}; it must be a 0-dim "
-                              f"tensor (sum over the batch, e.g. (per_example * weight).sum())")
+            raise ConfigError(
+                f"loss function {name} returned {what} with shape {shape}; it must be a 0-dim "
+                f"tensor (sum over the batch, e.g. (per_example * weight).sum())"
+            )
     return loss_sum, weight_sum, aux
 
 
@@ -124,8 +140,10 @@ def _check_untouched(params: Params, versions: list[int], loss_fn: Callable) -> 
     """Raise if the model wrote into a parameter in place (its version counter moved)."""
     for (name, value), version in zip(params.items(), versions):
         if value._version != version:
-            raise ConfigError(f"loss function {_function_name(loss_fn)} modified parameter {name!r} in place; "
-                              f"the step must stay pure: compute new tensors instead of in-place ops")
+            raise ConfigError(
+                f"loss function {_function_name(loss_fn)} modified parameter {name!r} in place; "
+                f"the step must stay pure: compute new tensors instead of in-place ops"
+            )
 
 
 def _micro_batch(batch: Batch, index: int, count: int) -> dict[str, Tensor]:
@@ -155,9 +173,14 @@ def autocast(compute_dtype: torch.dtype | None, device: torch.device) -> context
     return torch.autocast(device.type, dtype=compute_dtype)
 
 
-def make_train_step(loss_fn: LossFn, optimizer: Optimizer, *, micro_batches: int = 1,
-                    clip_norm: float | None = None, compute_dtype: torch.dtype | None = None,
-                    ) -> Callable[[TorchState, Batch], tuple[TorchState, dict[str, Tensor]]]:
+def make_train_step(
+    loss_fn: LossFn,
+    optimizer: Optimizer,
+    *,
+    micro_batches: int = 1,
+    clip_norm: float | None = None,
+    compute_dtype: torch.dtype | None = None,
+) -> Callable[[TorchState, Batch], tuple[TorchState, dict[str, Tensor]]]:
     """Build ``step(state, batch) -> (new_state, metrics)``.
 
     ``loss_fn(params, buffers, batch, generator) -> (loss_sum, weight_sum, aux)`` where ``aux`` holds scalar
@@ -187,8 +210,9 @@ def make_train_step(loss_fn: LossFn, optimizer: Optimizer, *, micro_batches: int
                 output = loss_fn(leaves, buffers, _micro_batch(batch, index, micro_batches), generator)
             loss, weight, aux = _check_loss_output(output, loss_fn)
             leaf_list = [leaves[name] for name in names]
-            unused_as_none = torch.autograd.grad(loss, leaf_list, allow_unused=True) if loss.requires_grad \
-                else [None] * len(names)
+            unused_as_none = (
+                torch.autograd.grad(loss, leaf_list, allow_unused=True) if loss.requires_grad else [None] * len(names)
+            )
             micro_grads = [torch.zeros_like(p) if g is None else g for g, p in zip(unused_as_none, leaf_list)]
             loss, weight = loss.detach(), weight.detach()
             if loss_sum is None or weight_sum is None or grads is None:  # the first micro-batch
@@ -204,8 +228,10 @@ def make_train_step(loss_fn: LossFn, optimizer: Optimizer, *, micro_batches: int
     def step(state: TorchState, batch: Batch) -> tuple[TorchState, dict[str, Tensor]]:
         rows = _weight_count(batch)
         if rows % micro_batches:
-            raise DataError(f"batch of {rows} rows does not split into train.micro_batches={micro_batches}; "
-                            f"make the per-process batch a multiple of it")
+            raise DataError(
+                f"batch of {rows} rows does not split into train.micro_batches={micro_batches}; "
+                f"make the per-process batch a multiple of it"
+            )
         names = list(state.params)
         versions = [value._version for value in state.params.values()]
         loss_sum, weight_sum, aux_sums, grads, buffers = gradient_sums(state, batch)
@@ -214,10 +240,10 @@ def make_train_step(loss_fn: LossFn, optimizer: Optimizer, *, micro_batches: int
         aux_keys = list(aux_sums)
         reduced = distributed.all_reduce_sum([loss_sum, weight_sum, *aux_sums.values(), *grads])
         loss_sum, weight_sum = reduced[0], reduced[1]
-        aux_sums = dict(zip(aux_keys, reduced[2:2 + len(aux_keys)]))
+        aux_sums = dict(zip(aux_keys, reduced[2 : 2 + len(aux_keys)]))
         # One division by the global weight; max() keeps an all-padding batch from dividing by zero.
         denominator = torch.clamp(weight_sum, min=1e-12)
-        grads = torch._foreach_div(reduced[2 + len(aux_keys):], denominator)
+        grads = torch._foreach_div(reduced[2 + len(aux_keys) :], denominator)
 
         loss = loss_sum / denominator
         grad_norm = _global_norm(grads)
@@ -230,38 +256,52 @@ def make_train_step(loss_fn: LossFn, optimizer: Optimizer, *, micro_batches: int
         learning_rate = optimizer.learning_rate(state.opt_state)
 
         def updated() -> tuple[Params, Params, dict]:
-            new_params, new_opt_state = optimizer.update(state.params, dict(zip(names, grads)), state.opt_state,
-                                                         learning_rate)
+            new_params, new_opt_state = optimizer.update(
+                state.params, dict(zip(names, grads)), state.opt_state, learning_rate
+            )
             return new_params, buffers, new_opt_state
 
-        params, buffers, opt_state = _choose(finite, updated,
-                                             lambda: (state.params, state.buffers, state.opt_state))
+        params, buffers, opt_state = _choose(finite, updated, lambda: (state.params, state.buffers, state.opt_state))
         nonfinite_step = (~finite).to(torch.int32)
         skipped = state.skipped_steps + nonfinite_step
-        metrics = {"loss": loss, "weight": weight_sum, "grad_norm": grad_norm,
-                   "learning_rate": learning_rate, "skipped_steps": skipped, "nonfinite": nonfinite_step,
-                   "nonfinite_steps": skipped}  # float32 without loss scaling: every skip is an incident
+        metrics = {
+            "loss": loss,
+            "weight": weight_sum,
+            "grad_norm": grad_norm,
+            "learning_rate": learning_rate,
+            "skipped_steps": skipped,
+            "nonfinite": nonfinite_step,
+            "nonfinite_steps": skipped,
+        }  # float32 without loss scaling: every skip is an incident
         metrics.update({key: value / denominator for key, value in aux_sums.items()})
-        new_state = TorchState(params=params, buffers=buffers, opt_state=opt_state, step=state.step + 1,
-                               seed=state.seed, skipped_steps=skipped)
+        new_state = TorchState(
+            params=params,
+            buffers=buffers,
+            opt_state=opt_state,
+            step=state.step + 1,
+            seed=state.seed,
+            skipped_steps=skipped,
+        )
         return new_state, metrics
 
     return step
 
 
-def make_eval_step(loss_fn: LossFn, compute_dtype: torch.dtype | None = None,
-                   ) -> Callable[[TorchState, Batch], dict[str, Tensor]]:
+def make_eval_step(
+    loss_fn: LossFn,
+    compute_dtype: torch.dtype | None = None,
+) -> Callable[[TorchState, Batch], dict[str, Tensor]]:
     """Build ``eval_step(state, batch) -> {"loss": sum, "weight": sum, **aux sums}`` over all processes.
 
     The loss function gets ``generator=None``: no randomness (e.g. no dropout) in evaluation. It runs under
     :func:`autocast` to ``compute_dtype`` as the training step does.
     """
+
     def eval_step(state: TorchState, batch: Batch) -> dict[str, Tensor]:
         buffers = {key: value.clone() for key, value in state.buffers.items()}
         device = next(iter(state.params.values())).device
         with torch.no_grad(), autocast(compute_dtype, device):
-            loss_sum, weight_sum, aux = _check_loss_output(loss_fn(state.params, buffers, dict(batch), None),
-                                                           loss_fn)
+            loss_sum, weight_sum, aux = _check_loss_output(loss_fn(state.params, buffers, dict(batch), None), loss_fn)
         sums = {"loss": loss_sum, "weight": weight_sum, **aux}
         return dict(zip(sums, distributed.all_reduce_sum(list(sums.values()))))
 

@@ -26,14 +26,18 @@ def refuse_untwinned(model_config: Any) -> None:
     """One-line ConfigError for a registry model without a twin, or a key its twin does not implement."""
     name = model_config.name
     if name not in TWIN_KEYS:
-        raise ConfigError(f"model.name={name!r} has no torch twin; use {' or '.join(TWIN_KEYS)} with backend: torch, "
-                          f"pass a torch nn.Module with fit(..., model=), or set backend=jax")
+        raise ConfigError(
+            f"model.name={name!r} has no torch twin; use {' or '.join(TWIN_KEYS)} with backend: torch, "
+            f"pass a torch nn.Module with fit(..., model=), or set backend=jax"
+        )
     fields = type(model_config).model_fields
     for key, field in fields.items():
         value = getattr(model_config, key)
         if key not in TWIN_KEYS[name] and value != field.get_default(call_default_factory=True):
-            raise ConfigError(f"model.{key}={value} is not implemented by the torch {name} twin (backend: torch); "
-                              f"remove model.{key} or set backend=jax")
+            raise ConfigError(
+                f"model.{key}={value} is not implemented by the torch {name} twin (backend: torch); "
+                f"remove model.{key} or set backend=jax"
+            )
 
 
 def twin_model(model_config: Any, example_batch: Mapping[str, np.ndarray], seed: int) -> nn.Module:

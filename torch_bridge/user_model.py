@@ -63,8 +63,10 @@ def build_module(factory: Callable[..., Any], seed: int, **kwargs: Any) -> nn.Mo
         torch.manual_seed(seed)
         module = factory(**kwargs)
     if not isinstance(module, nn.Module):
-        raise ConfigError(f"model factory {name} returned {type(module).__name__}, not a torch.nn.Module; "
-                          f"return the module (backend: torch)")
+        raise ConfigError(
+            f"model factory {name} returned {type(module).__name__}, not a torch.nn.Module; "
+            f"return the module (backend: torch)"
+        )
     return module
 
 
@@ -72,16 +74,20 @@ def logits_of(output: Any, model: nn.Module) -> Tensor:
     """The logits of a module's output: a tensor, ``.logits`` (transformers) or ``["logits"]``."""
     logits = output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", output)
     if not isinstance(logits, Tensor):
-        raise ConfigError(f"{type(model).__name__} returned {type(output).__name__}, not logits; the built-in "
-                          f"losses need a tensor or an output with .logits: return logits or pass loss_fn=")
+        raise ConfigError(
+            f"{type(model).__name__} returned {type(output).__name__}, not logits; the built-in "
+            f"losses need a tensor or an output with .logits: return logits or pass loss_fn="
+        )
     return logits
 
 
 def _check_shape(logits: Tensor, expected: tuple[int, ...], what: str, model: nn.Module) -> None:
     if logits.ndim != len(expected) + 1 or tuple(logits.shape[:-1]) != expected:
         needed = ", ".join([*map(str, expected), "classes"])
-        raise ConfigError(f"{type(model).__name__} returned logits of shape {tuple(logits.shape)}; the built-in "
-                          f"{what} loss needs [{needed}] for this batch: return such logits or pass loss_fn=")
+        raise ConfigError(
+            f"{type(model).__name__} returned logits of shape {tuple(logits.shape)}; the built-in "
+            f"{what} loss needs [{needed}] for this batch: return such logits or pass loss_fn="
+        )
 
 
 # The keyword arguments through which a module can keep packed documents apart.
@@ -106,9 +112,11 @@ def packing_keywords(model: nn.Module, batch: Mapping[str, Tensor]) -> dict[str,
         return {}
     missing = [name for name in PACKING_ARGUMENTS if name not in _forward_parameters(model)]
     if missing:
-        raise ConfigError(f"packed batches (data.packing: true) need {type(model).__name__}.forward to take "
-                          f"attention_mask and position_ids, and it lacks {' and '.join(missing)}; set "
-                          f"data.packing=false or pass loss_fn= that keeps documents apart")
+        raise ConfigError(
+            f"packed batches (data.packing: true) need {type(model).__name__}.forward to take "
+            f"attention_mask and position_ids, and it lacks {' and '.join(missing)}; set "
+            f"data.packing=false or pass loss_fn= that keeps documents apart"
+        )
     mask = block_causal_mask(batch["segment_ids"][:, :-1])
     if getattr(getattr(model, "config", None), "_attn_implementation", None) == "eager":
         blocked = torch.finfo(torch.float32).min
@@ -133,22 +141,27 @@ def hf_call(model: nn.Module, inputs: Tensor, batch: Mapping[str, Tensor], argum
     return call(model, inputs, argument, **keywords)
 
 
-def default_causal_lm_loss(model: nn.Module, batch: Mapping[str, Tensor], generator: torch.Generator | None,
-                           argument: str | None = None) -> LossOutput:
+def default_causal_lm_loss(
+    model: nn.Module, batch: Mapping[str, Tensor], generator: torch.Generator | None, argument: str | None = None
+) -> LossOutput:
     """The built-in loss for LM batches (under the names of :func:`functrain.core.fields.canonical`):
     next-token cross-entropy of ``model(tokens[:, :-1])``, with :func:`packing_keywords` for packed batches
     (targets that start a document do not count), :func:`hf_call` for HF ones."""
     inputs = batch["tokens"].long()[:, :-1]
     hf = "labels" in batch or "attention_mask" in batch
-    output = hf_call(model, inputs, batch, argument) if hf else call(model, inputs, argument,
-                                                                      **packing_keywords(model, batch))
+    output = (
+        hf_call(model, inputs, batch, argument)
+        if hf
+        else call(model, inputs, argument, **packing_keywords(model, batch))
+    )
     logits = logits_of(output, model)
     _check_shape(logits, tuple(inputs.shape), "causal-LM", model)
     return causal_lm_sums(logits, batch)
 
 
-def default_classifier_loss(model: nn.Module, batch: Mapping[str, Tensor], generator: torch.Generator | None,
-                            argument: str | None = None) -> LossOutput:
+def default_classifier_loss(
+    model: nn.Module, batch: Mapping[str, Tensor], generator: torch.Generator | None, argument: str | None = None
+) -> LossOutput:
     """The built-in loss for ``x``/``y`` batches: softmax cross-entropy of ``model(x)`` (or
     ``model(argument=x)``)."""
     logits = logits_of(call(model, batch["x"], argument), model)
@@ -163,14 +176,17 @@ def default_loss(fields: Fields) -> UserLoss:
 
     def builtin(model: nn.Module, batch: Mapping[str, Tensor], generator: torch.Generator | None) -> LossOutput:
         return loss(model, canonical(fields, batch), generator, fields.argument)
+
     return builtin
 
 
 def trainable_module(model: Any) -> nn.Module:
     """A user's module, checked, with what training never uses switched off (a transformers model's cache)."""
     if not isinstance(model, nn.Module):
-        raise ConfigError(f"model= is a {type(model).__name__}; backend: torch takes a torch.nn.Module "
-                          f"(build it first, e.g. with torch_bridge.user_model.build_module)")
+        raise ConfigError(
+            f"model= is a {type(model).__name__}; backend: torch takes a torch.nn.Module "
+            f"(build it first, e.g. with torch_bridge.user_model.build_module)"
+        )
     if not any(True for _ in model.parameters()):
         raise ConfigError(f"model {type(model).__name__} has no parameters to train; pass a module with parameters")
     config = getattr(model, "config", None)
@@ -189,26 +205,36 @@ def decoder_shape(model: nn.Module) -> DecoderShape | None:
     config = getattr(model, "config", None)
     if transformers is None or not isinstance(config, transformers.PretrainedConfig):
         return None
-    layers, width, heads, vocab = (getattr(config, key, None) for key in
-                                   ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size"))
+    layers, width, heads, vocab = (
+        getattr(config, key, None) for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
+    )
     if not (layers and width and heads and vocab):
         return None
     mlp_width = getattr(config, "intermediate_size", None)
-    return DecoderShape(layers=layers, width=width, heads=heads,
-                        kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-                        head_dim=getattr(config, "head_dim", None) or width // heads,
-                        mlp_width=mlp_width or 4 * width, mlp_matrices=2 if mlp_width is None else 3, vocab=vocab)
+    return DecoderShape(
+        layers=layers,
+        width=width,
+        heads=heads,
+        kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or width // heads,
+        mlp_width=mlp_width or 4 * width,
+        mlp_matrices=2 if mlp_width is None else 3,
+        vocab=vocab,
+    )
 
 
-def step_loss(model: nn.Module, *, builtin: bool, loss_fn: UserLoss | None, fields: Fields | None,
-              torch_compile: bool = False) -> LossFn:
+def step_loss(
+    model: nn.Module, *, builtin: bool, loss_fn: UserLoss | None, fields: Fields | None, torch_compile: bool = False
+) -> LossFn:
     """The step's loss: a twin's own (``builtin``, no ``loss_fn``), or ``loss_fn`` (default: the built-in one
     for the data's ``fields``) on the module, through ``torch.compile`` with ``torch_compile``."""
     if builtin and loss_fn is None:
         if torch_compile:
-            raise ConfigError(f"train.torch_compile=true compiles a user nn.Module (fit(..., model=) or "
-                              f"model.target); the built-in {type(model).__name__.lower()} twin runs eagerly: "
-                              f"remove train.torch_compile")
+            raise ConfigError(
+                f"train.torch_compile=true compiles a user nn.Module (fit(..., model=) or "
+                f"model.target); the built-in {type(model).__name__.lower()} twin runs eagerly: "
+                f"remove train.torch_compile"
+            )
         return twin_loss(loss_for(model), fields)
     if loss_fn is None:
         assert fields is not None, "the builder resolves the data's fields for the built-in loss"
@@ -222,9 +248,11 @@ def twin_loss(loss: LossFn, fields: Fields | None) -> LossFn:
         return loss
 
     @functools.wraps(loss)
-    def renamed(params: Params, buffers: Params, batch: Mapping[str, Tensor],
-                generator: torch.Generator | None) -> LossOutput:
+    def renamed(
+        params: Params, buffers: Params, batch: Mapping[str, Tensor], generator: torch.Generator | None
+    ) -> LossOutput:
         return loss(params, buffers, canonical(fields, batch), generator)
+
     return renamed
 
 
@@ -252,8 +280,12 @@ def module_loss(model: nn.Module, loss_fn: UserLoss, compiled_model: nn.Module |
     bind = binder(model)
 
     @functools.wraps(loss_fn)  # errors about the loss name the user's function
-    def loss(params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], batch: Mapping[str, Tensor],
-             generator: torch.Generator | None) -> LossOutput:
+    def loss(
+        params: Mapping[str, Tensor],
+        buffers: Mapping[str, Tensor],
+        batch: Mapping[str, Tensor],
+        generator: torch.Generator | None,
+    ) -> LossOutput:
         training = generator is not None
         if model.training != training:
             model.train(training)
@@ -265,4 +297,5 @@ def module_loss(model: nn.Module, loss_fn: UserLoss, compiled_model: nn.Module |
                 torch.default_generator.manual_seed(seed)
         with bind(params, buffers):
             return loss_fn(compiled_model if training and compiled_model is not None else model, batch, generator)
+
     return loss

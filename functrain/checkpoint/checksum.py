@@ -22,8 +22,9 @@ import xxhash
 
 ALGORITHM = "xxh3_64 of 32 MiB blocks"
 _BLOCK_BYTES = 32 << 20
-_HASH_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1),
-                                                   thread_name_prefix="functrain-hash")
+_HASH_POOL = concurrent.futures.ThreadPoolExecutor(
+    max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="functrain-hash"
+)
 _RECORD_PREFIX = "checksums.process_"
 _DATA_PREFIX = "ocdbt.process_"
 
@@ -41,8 +42,9 @@ def file_checksum(path: Path) -> str:
         if size == 0:
             return xxhash.xxh3_64_hexdigest(b"")
         with mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mapped, memoryview(mapped) as view:
+
             def block_digest(start: int) -> bytes:
-                with view[start:start + _BLOCK_BYTES] as block:  # released: the mapping cannot close under views
+                with view[start : start + _BLOCK_BYTES] as block:  # released: the mapping cannot close under views
                     digest = xxhash.xxh3_64_digest(block)
                 mapped.madvise(mmap.MADV_DONTNEED, start, min(_BLOCK_BYTES, size - start))
                 return digest
@@ -93,8 +95,7 @@ def meta_record(process_count: int) -> dict[str, Any]:
     return {"algorithm": ALGORITHM, "processes": int(process_count)}
 
 
-def verify(item_dir: Path, recorded: Mapping[str, Any], process_index: int = 0, process_count: int = 1
-           ) -> str | None:
+def verify(item_dir: Path, recorded: Mapping[str, Any], process_index: int = 0, process_count: int = 1) -> str | None:
     """The first problem with an item's data files against its records, or ``None`` when all match.
 
     ``recorded`` is the meta's checksum record; this process checks the records of the writer processes

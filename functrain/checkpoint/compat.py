@@ -22,15 +22,21 @@ _MAX_LISTED = 8
 def flat_shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
     """``{path: (shape, dtype name)}`` for every leaf with a shape and dtype (arrays, metadata, structs)."""
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {path_string(path): (tuple(leaf.shape), np.dtype(leaf.dtype).name)
-            for path, leaf in leaves if hasattr(leaf, "shape") and hasattr(leaf, "dtype")}
+    return {
+        path_string(path): (tuple(leaf.shape), np.dtype(leaf.dtype).name)
+        for path, leaf in leaves
+        if hasattr(leaf, "shape") and hasattr(leaf, "dtype")
+    }
 
 
-def in_layout_of(saved: dict[str, tuple[tuple[int, ...], str]], expected: dict[str, tuple[tuple[int, ...], str]]
-                 ) -> dict[str, tuple[tuple[int, ...], str]]:
+def in_layout_of(
+    saved: dict[str, tuple[tuple[int, ...], str]], expected: dict[str, tuple[tuple[int, ...], str]]
+) -> dict[str, tuple[tuple[int, ...], str]]:
     """``saved`` (``{path: (shape, dtype)}``) with its layers stacked or unrolled as in ``expected``."""
+
     def structs(flat: dict) -> dict[str, jax.ShapeDtypeStruct]:
         return {path: jax.ShapeDtypeStruct(shape, dtype) for path, (shape, dtype) in flat.items()}
+
     relaid = relayout_flat(structs(saved), structs(expected))
     return {path: (tuple(leaf.shape), np.dtype(leaf.dtype).name) for path, leaf in relaid.items()}
 
@@ -45,8 +51,7 @@ def mismatches(item: str, saved: dict, expected: dict) -> list[str]:
     problems = []
     for path in sorted(expected.keys() & saved.keys()):
         if saved[path] != expected[path]:
-            problems.append(f"{item}/{path}: checkpoint {describe(*saved[path])} vs "
-                            f"model {describe(*expected[path])}")
+            problems.append(f"{item}/{path}: checkpoint {describe(*saved[path])} vs model {describe(*expected[path])}")
     problems += [f"{item}/{path}: missing from checkpoint" for path in sorted(expected.keys() - saved.keys())]
     problems += [f"{item}/{path}: in checkpoint but not in model" for path in sorted(saved.keys() - expected.keys())]
     return problems

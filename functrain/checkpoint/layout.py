@@ -33,8 +33,11 @@ def committed_steps(ckpt_dir: Path) -> list[int]:
     """Committed steps under ``ckpt_dir``, oldest first (temporary, uncommitted dirs excluded)."""
     if not ckpt_dir.is_dir():
         return []
-    return sorted(int(p.name) for p in ckpt_dir.iterdir()
-                  if _STEP_NAME.match(p.name) and p.is_dir() and ocp_path.step.is_path_finalized(p))
+    return sorted(
+        int(p.name)
+        for p in ckpt_dir.iterdir()
+        if _STEP_NAME.match(p.name) and p.is_dir() and ocp_path.step.is_path_finalized(p)
+    )
 
 
 def uncommitted_dirs(ckpt_dir: Path) -> list[Path]:
@@ -64,13 +67,16 @@ def locate(path: str | os.PathLike) -> tuple[Path, int | None]:
     """
     path = Path(path).absolute()
     if not path.exists():
-        raise CheckpointError(f"{path} does not exist; pass the run.dir of a training run "
-                              f"(the directory that holds checkpoints/)")
+        raise CheckpointError(
+            f"{path} does not exist; pass the run.dir of a training run (the directory that holds checkpoints/)"
+        )
     if (path / CHECKPOINTS_SUBDIR).is_dir():
         return path / CHECKPOINTS_SUBDIR, None
     if _STEP_NAME.match(path.name) and (path / META).is_dir():
         return path.parent, int(path.name)
     if path.is_dir() and (committed_steps(path) or uncommitted_dirs(path)):
         return path, None
-    raise CheckpointError(f"{path} is not a functrain checkpoint: no checkpoints/ directory or "
-                          f"<step>/ directories inside; pass the run.dir of a training run")
+    raise CheckpointError(
+        f"{path} is not a functrain checkpoint: no checkpoints/ directory or "
+        f"<step>/ directories inside; pass the run.dir of a training run"
+    )

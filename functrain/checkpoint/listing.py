@@ -75,14 +75,29 @@ def list_checkpoints(run_dir: str | os.PathLike, verify: bool = True) -> list[Ch
     for step in layout.committed_steps(ckpt_dir):
         path = layout.step_dir(ckpt_dir, step)
         meta, problem = _check(path, verify)
-        infos.append(CheckpointInfo(
-            step=step, path=path, time=(meta or {}).get("time") or path.stat().st_mtime,
-            size=layout.dir_size(path), whole=problem is None, problem=problem,
-            metrics=(meta or {}).get("metrics") or {}, meta=meta))
+        infos.append(
+            CheckpointInfo(
+                step=step,
+                path=path,
+                time=(meta or {}).get("time") or path.stat().st_mtime,
+                size=layout.dir_size(path),
+                whole=problem is None,
+                problem=problem,
+                metrics=(meta or {}).get("metrics") or {},
+                meta=meta,
+            )
+        )
     for path in layout.uncommitted_dirs(ckpt_dir):
-        infos.append(CheckpointInfo(
-            step=ocp_path.step.step_from_checkpoint_name(path.name), path=path, time=path.stat().st_mtime,
-            size=layout.dir_size(path), whole=False, problem="uncommitted: save interrupted or in flight"))
+        infos.append(
+            CheckpointInfo(
+                step=ocp_path.step.step_from_checkpoint_name(path.name),
+                path=path,
+                time=path.stat().st_mtime,
+                size=layout.dir_size(path),
+                whole=False,
+                problem="uncommitted: save interrupted or in flight",
+            )
+        )
     infos.sort(key=lambda info: (info.step, info.whole))
     _mark_best(infos)
     return infos

@@ -33,8 +33,13 @@ from functrain.parallel.distributed import primary_view
 
 log = logging.getLogger("functrain.checkpoint")
 
-_DISK_PROBLEMS = ("No space left on device", "Disk quota exceeded", "Permission denied",
-                  "Read-only file system", "File too large")
+_DISK_PROBLEMS = (
+    "No space left on device",
+    "Disk quota exceeded",
+    "Permission denied",
+    "Read-only file system",
+    "File too large",
+)
 
 
 def _save_failure_reason(error: BaseException) -> str:
@@ -60,10 +65,17 @@ def _registry_without_host_copies() -> Any:
     2.57 GB instead of 1.57 GB).
     """
     handlers = ocp.type_handlers
-    return handlers.create_type_handler_registry(*[
-        (kind, handlers.NumpyHandler(deepcopy_host_arrays=False) if kind is np.ndarray
-         else handlers.get_type_handler(kind))
-        for kind in handlers.supported_types()])
+    return handlers.create_type_handler_registry(
+        *[
+            (
+                kind,
+                handlers.NumpyHandler(deepcopy_host_arrays=False)
+                if kind is np.ndarray
+                else handlers.get_type_handler(kind),
+            )
+            for kind in handlers.supported_types()
+        ]
+    )
 
 
 class _ChecksummedPyTreeHandler(ocp.PyTreeCheckpointHandler):
@@ -91,10 +103,20 @@ class Checkpointer:
         read; off only saves reading the files back once (worth it on slow remote storage).
     """
 
-    def __init__(self, run_dir: str | os.PathLike, *, keep: int | None = 3, keep_best: int = 0,
-                 best_metric: str | None = None, best_mode: str = "min", async_save: bool = True,
-                 on_error: str = "stop", is_primary: bool | None = None, barrier_timeout_s: int = 1200,
-                 checksums: bool = True):
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        *,
+        keep: int | None = 3,
+        keep_best: int = 0,
+        best_metric: str | None = None,
+        best_mode: str = "min",
+        async_save: bool = True,
+        on_error: str = "stop",
+        is_primary: bool | None = None,
+        barrier_timeout_s: int = 1200,
+        checksums: bool = True,
+    ):
         if keep is not None and keep < 1:
             raise ConfigError(f"checkpoint.keep must be at least 1 (the newest is always kept), got {keep}")
         if keep_best < 0 or (keep_best and not best_metric):
@@ -121,19 +143,26 @@ class Checkpointer:
 
     def _open_manager(self, barrier_timeout_s: int) -> ocp.CheckpointManager:
         if self.directory.exists() and not self.directory.is_dir():
-            raise CheckpointError(f"{self.directory} is a file, not a directory; move it away so "
-                                  f"checkpoints can be written there")
+            raise CheckpointError(
+                f"{self.directory} is a file, not a directory; move it away so checkpoints can be written there"
+            )
         # A read-only run directory fails here, once, rather than in the middle of the run's first write.
         existing = next(path for path in (self.directory, *self.directory.parents) if path.exists())
         if not os.access(existing, os.W_OK):
-            raise CheckpointError(f"cannot write checkpoints to {self.directory}: {existing} is read-only "
-                                  f"(permissions or a read-only file system); fix that or choose another run.dir")
+            raise CheckpointError(
+                f"cannot write checkpoints to {self.directory}: {existing} is read-only "
+                f"(permissions or a read-only file system); fix that or choose another run.dir"
+            )
         options = ocp.CheckpointManagerOptions(
-            enable_async_checkpointing=self._async, create=True, cleanup_tmp_directories=True,
-            save_root_metadata=False, enable_background_delete=True,  # rmtree off the training thread
+            enable_async_checkpointing=self._async,
+            create=True,
+            cleanup_tmp_directories=True,
+            save_root_metadata=False,
+            enable_background_delete=True,  # rmtree off the training thread
             # Synchronous directory creation: a full disk or unwritable directory then fails inside
             # save() at once, instead of leaving background writers waiting for a signal until timeout.
-            async_options=ocp.AsyncOptions(timeout_secs=barrier_timeout_s, create_directories_asynchronously=False))
+            async_options=ocp.AsyncOptions(timeout_secs=barrier_timeout_s, create_directories_asynchronously=False),
+        )
         # Weights barely compress (zstd gains ~10%) but compressing costs the CPU time a background save
         # should leave to training, so items are written uncompressed; readers handle either.
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
@@ -146,9 +175,10 @@ class Checkpointer:
         try:
             return ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
         except OSError as error:
-            raise CheckpointError(f"cannot use checkpoint directory {self.directory} "
-                                  f"({_save_failure_reason(error)}); fix its permissions or choose another run.dir"
-                                  ) from error
+            raise CheckpointError(
+                f"cannot use checkpoint directory {self.directory} "
+                f"({_save_failure_reason(error)}); fix its permissions or choose another run.dir"
+            ) from error
 
     # ----------------------------------------------------------------------------------- queries
     def steps(self) -> list[int]:
@@ -187,12 +217,16 @@ class Checkpointer:
         if self._best_metric:
             best = {"name": self._best_metric, "mode": self._best_mode, "keep_best": self._keep_best}
         args = {name: ocp.args.PyTreeSave(tree) for name, tree in items.items() if tree is not None}
-        full_meta = complete_meta(meta, step, best, items=sorted(args),
-                                  checksums=checksum.meta_record(jax.process_count()) if self._checksums else None)
+        full_meta = complete_meta(
+            meta,
+            step,
+            best,
+            items=sorted(args),
+            checksums=checksum.meta_record(jax.process_count()) if self._checksums else None,
+        )
         self._threads_before_save = set(threading.enumerate())
         try:
-            self._manager.save(step, args=ocp.args.Composite(**args, meta=ocp.args.JsonSave(full_meta)),
-                               force=True)
+            self._manager.save(step, args=ocp.args.Composite(**args, meta=ocp.args.JsonSave(full_meta)), force=True)
         except Exception as error:  # noqa: BLE001 -- the directory or disk refused the write
             self._failed(step, error)
             return False
@@ -253,14 +287,23 @@ class Checkpointer:
             return
         steps = [s for s in self._manager.all_steps() if s <= head]
         doomed = retention.steps_to_delete(
-            steps, keep=self._keep, keep_best=self._keep_best, metrics=self._metrics, mode=self._best_mode,
-            protected=self._protected | {head})
+            steps,
+            keep=self._keep,
+            keep_best=self._keep_best,
+            metrics=self._metrics,
+            mode=self._best_mode,
+            protected=self._protected | {head},
+        )
         for step in doomed:
             try:
                 self._manager.delete(step)
             except Exception as error:  # noqa: BLE001 -- a leftover old checkpoint is harmless; say so and go on
-                log.warning("could not delete old checkpoint step %d in %s (%s)", step, self.directory,
-                            _save_failure_reason(error))
+                log.warning(
+                    "could not delete old checkpoint step %d in %s (%s)",
+                    step,
+                    self.directory,
+                    _save_failure_reason(error),
+                )
             self._metrics.pop(step, None)
 
     def _failed(self, step: int, error: BaseException) -> None:
@@ -273,13 +316,17 @@ class Checkpointer:
         self._manager.reload()
         steps = self.steps()
         newest = f"newest: step {steps[-1]}" if steps else "there are none yet"
-        message = (f"could not save checkpoint step {step} in {self.directory} "
-                   f"({_save_failure_reason(error)}); earlier checkpoints are intact ({newest})")
+        message = (
+            f"could not save checkpoint step {step} in {self.directory} "
+            f"({_save_failure_reason(error)}); earlier checkpoints are intact ({newest})"
+        )
         if self._on_error == "warn":
             log.warning("%s; training continues (checkpoint.on_error=warn)", message)
             return
-        raise CheckpointError(f"{message}; free disk space or fix the directory's permissions, "
-                              f"or set checkpoint.on_error=warn to keep training without it") from error
+        raise CheckpointError(
+            f"{message}; free disk space or fix the directory's permissions, "
+            f"or set checkpoint.on_error=warn to keep training without it"
+        ) from error
 
     def _join_writers(self, timeout_s: float = 60.0) -> None:
         """Wait for the writer threads the failed save started. Orbax raises the first item's failure while
@@ -298,8 +345,12 @@ class Checkpointer:
         target = self.directory / f"{step}.replaced-{int(time.time())}"
         if self._is_primary:
             os.rename(layout.step_dir(self.directory, step), target)
-            log.warning("checkpoint step %d already exists in %s but is not this run's; moved it to %s",
-                        step, self.directory, target.name)
+            log.warning(
+                "checkpoint step %d already exists in %s but is not this run's; moved it to %s",
+                step,
+                self.directory,
+                target.name,
+            )
         if jax.process_count() > 1:
             ocp.multihost.sync_global_processes("functrain_checkpoint_move_aside", timeout=300)
         self._manager.reload()
@@ -327,4 +378,3 @@ class Checkpointer:
             self._resumed_from = self._line_head = result[2]
             self.protect(result[2])
         return result
-

@@ -79,8 +79,13 @@ def metric_value(meta: Mapping[str, Any], name: str) -> float | None:
     return None
 
 
-def complete_meta(meta: Mapping[str, Any] | None, step: int, best: Mapping[str, Any] | None,
-                  items: list[str], checksums: Mapping[str, Any] | None) -> dict:
+def complete_meta(
+    meta: Mapping[str, Any] | None,
+    step: int,
+    best: Mapping[str, Any] | None,
+    items: list[str],
+    checksums: Mapping[str, Any] | None,
+) -> dict:
     """``meta`` plus the fields every checkpoint carries: format version, step, time, versions, best
     metric, the items saved and how their checksums were recorded."""
     full = dict(meta or {})
@@ -113,4 +118,5 @@ def check_format_version(meta: Mapping[str, Any], where: str) -> None:
     if not isinstance(version, int) or version > FORMAT_VERSION:
         raise CheckpointError(
             f"checkpoint {where} has format_version {version!r} but this functrain reads up to "
-            f"{FORMAT_VERSION}; upgrade functrain (pip install -U functrain) to read it")
+            f"{FORMAT_VERSION}; upgrade functrain (pip install -U functrain) to read it"
+        )

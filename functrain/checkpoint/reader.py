@@ -88,8 +88,7 @@ def _restore_item(step_path: Path, item: str, target: Any) -> Any:
     handler = ocp.PyTreeCheckpointHandler()
     try:
         restore_args = ocp.checkpoint_utils.construct_restore_args(target)
-        return handler.restore(step_path / item,
-                               args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args))
+        return handler.restore(step_path / item, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args))
     except Exception as error:
         raise DamagedCheckpoint(step_path, f"unreadable {item} ({short_reason(error)})") from error
     finally:
@@ -99,12 +98,14 @@ def _restore_item(step_path: Path, item: str, target: Any) -> Any:
 def _placed(tree: Any, target: Any) -> Any:
     """Numpy ``tree`` as ``target`` restores: each leaf on its target's sharding (any mesh, any number of
     processes), in its target's dtype; leaves of targets without a sharding stay numpy."""
+
     def place(array: Any, want: Any) -> Any:
         array = np.asarray(array, dtype=want.dtype)
         sharding = getattr(want, "sharding", None)
         if sharding is None:
             return array
         return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
     return jax.tree.map(place, tree, target)
 
 
@@ -131,8 +132,9 @@ def _check_base_step(step_path: Path, meta: dict) -> None:
     when the step was saved (same fingerprint)."""
     base_step = int(meta[LORA_BASE_STEP])
     if base_fingerprint(step_path.parent / str(base_step)) != meta.get(LORA_BASE_FINGERPRINT):
-        raise DamagedCheckpoint(step_path, f"its LoRA base step {base_step} (the frozen base weights) is missing "
-                                           f"or was written again since")
+        raise DamagedCheckpoint(
+            step_path, f"its LoRA base step {base_step} (the frozen base weights) is missing or was written again since"
+        )
 
 
 def verify_checksums(step_path: Path, meta: dict, items: Iterable[str]) -> None:
@@ -170,7 +172,8 @@ def check_compatible(step_path: Path, meta: dict, targets: Targets) -> dict[str,
     if problems:
         raise CheckpointError(
             f"checkpoint {step_path} does not fit this model ({len(problems)} differences): "
-            f"{compat.summarize(problems)}; use the model config it was trained with, or a new run.dir")
+            f"{compat.summarize(problems)}; use the model config it was trained with, or a new run.dir"
+        )
     return trees
 
 
@@ -240,8 +243,7 @@ def restore_step(step_path: Path, targets: Targets) -> tuple[dict, dict]:
     return items, meta
 
 
-def _restore_everywhere(ckpt_dir: Path, step: int, targets: Targets
-                        ) -> tuple[tuple[dict, dict, int] | None, str]:
+def _restore_everywhere(ckpt_dir: Path, step: int, targets: Targets) -> tuple[tuple[dict, dict, int] | None, str]:
     """``((items, meta, step), "")`` when every process read ``step``, else ``(None, why not)``.
 
     Every process must resume from the same step: one that fails anywhere counts as damaged everywhere.
@@ -255,8 +257,7 @@ def _restore_everywhere(ckpt_dir: Path, step: int, targets: Targets
     return None, reason or "another process could not read it"
 
 
-def restore_newest(ckpt_dir: Path, targets: Targets, step: str | int = "auto"
-                   ) -> tuple[dict, dict, int] | None:
+def restore_newest(ckpt_dir: Path, targets: Targets, step: str | int = "auto") -> tuple[dict, dict, int] | None:
     """Restore ``step`` ("auto": the newest step that reads cleanly; an int: exactly that step).
 
     Returns ``(items, meta, step)``, or ``None`` for "never" or when no step was ever committed.
@@ -268,12 +269,16 @@ def restore_newest(ckpt_dir: Path, targets: Targets, step: str | int = "auto"
         raise CheckpointError(f"checkpoint.resume must be 'auto', 'never' or a step number, got {step!r}")
     if isinstance(step, int):
         if step not in steps:
-            raise CheckpointError(f"no checkpoint for step {step} in {ckpt_dir} (steps there: "
-                                  f"{_steps_text(steps)}); pick one of them or use checkpoint.resume=auto")
+            raise CheckpointError(
+                f"no checkpoint for step {step} in {ckpt_dir} (steps there: "
+                f"{_steps_text(steps)}); pick one of them or use checkpoint.resume=auto"
+            )
         restored, reason = _restore_everywhere(ckpt_dir, step, targets)
         if restored is None:
-            raise CheckpointError(f"checkpoint step {step} in {ckpt_dir} is damaged ({reason}); "
-                                  f"resume from another step or use checkpoint.resume=auto")
+            raise CheckpointError(
+                f"checkpoint step {step} in {ckpt_dir} is damaged ({reason}); "
+                f"resume from another step or use checkpoint.resume=auto"
+            )
         return restored
     damaged: list[tuple[int, str]] = []  # newest first
     for candidate in reversed(steps):
@@ -283,12 +288,19 @@ def restore_newest(ckpt_dir: Path, targets: Targets, step: str | int = "auto"
             continue
         if jax.process_index() == 0:  # said only now, when it is known what replaces them
             for bad_step, bad_reason in damaged:
-                log.warning("checkpoint step %d in %s is damaged (%s); using step %d, the newest whole one",
-                            bad_step, ckpt_dir, bad_reason, candidate)
+                log.warning(
+                    "checkpoint step %d in %s is damaged (%s); using step %d, the newest whole one",
+                    bad_step,
+                    ckpt_dir,
+                    bad_reason,
+                    candidate,
+                )
         return restored
     if damaged:
-        raise CheckpointError(f"all {len(steps)} checkpoints in {ckpt_dir} are damaged (newest step {damaged[0][0]}: "
-                              f"{damaged[0][1]}); move them away, or start over with a new run.dir")
+        raise CheckpointError(
+            f"all {len(steps)} checkpoints in {ckpt_dir} are damaged (newest step {damaged[0][0]}: "
+            f"{damaged[0][1]}); move them away, or start over with a new run.dir"
+        )
     return None
 
 

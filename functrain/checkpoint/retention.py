@@ -22,8 +22,15 @@ def best_steps(metrics: Mapping[int, float | None], count: int, mode: str) -> li
     return [step for _, step in scored[:count]]
 
 
-def steps_to_delete(steps: list[int], *, keep: int | None, keep_best: int, metrics: Mapping[int, float | None],
-                    mode: str, protected: set[int]) -> list[int]:
+def steps_to_delete(
+    steps: list[int],
+    *,
+    keep: int | None,
+    keep_best: int,
+    metrics: Mapping[int, float | None],
+    mode: str,
+    protected: set[int],
+) -> list[int]:
     """Committed ``steps`` that retention may delete, oldest first.
 
     Kept: the latest ``keep`` (``None`` keeps everything), the ``keep_best`` best by ``metrics``
@@ -33,6 +40,6 @@ def steps_to_delete(steps: list[int], *, keep: int | None, keep_best: int, metri
     if keep is None or not steps:
         return []
     ordered = sorted(steps)
-    kept = set(ordered[-max(keep, 1):]) | set(protected)
+    kept = set(ordered[-max(keep, 1) :]) | set(protected)
     kept |= set(best_steps({s: metrics.get(s) for s in ordered}, keep_best, mode))
     return [s for s in ordered if s not in kept]

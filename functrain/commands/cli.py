@@ -16,9 +16,18 @@ from functrain.errors import EXIT_BAD_INPUT, EXIT_SIGNAL, FunctrainError
 from functrain.run.signals import CommandSignals, Interrupted, check_interrupted
 
 # The verbs, in the order `functrain --help` lists them; each module has HELP, add_arguments() and run().
-VERBS = {"train": "train", "inspect": "inspect", "convert": "convert", "plot": "plot", "generate": "generate",
-         "rewind": "rewind", "verify-resume": "verify_resume", "tokenize": "tokenize", "plan": "plan",
-         "eval": "eval"}
+VERBS = {
+    "train": "train",
+    "inspect": "inspect",
+    "convert": "convert",
+    "plot": "plot",
+    "generate": "generate",
+    "rewind": "rewind",
+    "verify-resume": "verify_resume",
+    "tokenize": "tokenize",
+    "plan": "plan",
+    "eval": "eval",
+}
 # Verbs whose trailing key=value words are config overrides.
 TAKES_OVERRIDES = ("train", "rewind", "verify-resume", "plan")
 # Verbs that train in this process, and so take stop signals from their first instant.
@@ -31,7 +40,8 @@ def _verb(name: str) -> Any:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="functrain", description="functrain: train, inspect, convert, plot, generate, tokenize, plan, eval.")
+        prog="functrain", description="functrain: train, inspect, convert, plot, generate, tokenize, plan, eval."
+    )
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     commands = parser.add_subparsers(dest="command", required=True)
     for name in VERBS:
@@ -67,12 +77,14 @@ def _configure_logging(debug: bool) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         from absl import logging as absl_logging
+
         absl_logging.set_verbosity(absl_logging.WARNING)
     except ImportError:
         pass
     run_log.setLevel(logging.INFO)
     if not debug:  # one line per error: no tracebacks from Orbax's background threads
         from functrain.checkpoint.noise import silence_background_tracebacks
+
         silence_background_tracebacks()
 
 
@@ -85,8 +97,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return _run(argv)
         except Interrupted as exc:
-            print(f"functrain: {exc} received outside the training loop: stopped, the run directory keeps its "
-                  f"newest whole checkpoint; run the same command again to resume", file=sys.stderr)
+            print(
+                f"functrain: {exc} received outside the training loop: stopped, the run directory keeps its "
+                f"newest whole checkpoint; run the same command again to resume",
+                file=sys.stderr,
+            )
             return EXIT_SIGNAL
 
 

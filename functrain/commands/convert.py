@@ -16,20 +16,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     to_hf.add_argument("run_dir")
     to_hf.add_argument("out_dir")
     to_hf.add_argument("--step", type=int, default=None)
-    to_hf.add_argument("--merge-lora", action="store_true",
-                       help="a LoRA run: write merged weights (default: a PEFT adapter directory)")
+    to_hf.add_argument(
+        "--merge-lora", action="store_true", help="a LoRA run: write merged weights (default: a PEFT adapter directory)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         from torch_bridge.hf import convert
     except ImportError as exc:
-        raise FunctrainError(f"conversion needs PyTorch and safetensors ({exc}); pip install 'functrain[hf]'"
-                             ) from None
+        raise FunctrainError(f"conversion needs PyTorch and safetensors ({exc}); pip install 'functrain[hf]'") from None
     if args.direction == "hf-to-functrain":
         step = convert.hf_to_run_dir(args.hf_dir, args.run_dir)
-        print(f"functrain: wrote checkpoint step {step} to {args.run_dir}; fine-tune with "
-              f"functrain train {args.run_dir}/config.yaml")
+        print(
+            f"functrain: wrote checkpoint step {step} to {args.run_dir}; fine-tune with "
+            f"functrain train {args.run_dir}/config.yaml"
+        )
     else:
         out = convert.run_dir_to_hf(args.run_dir, args.out_dir, args.step, merge_lora=args.merge_lora)
         print(f"functrain: wrote {out}")

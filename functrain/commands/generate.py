@@ -9,8 +9,12 @@ DEFAULT_NEW_TOKENS = 200
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir")
     parser.add_argument("--prompt", required=True)
-    parser.add_argument("--max-new-tokens", type=int, default=None,
-                        help=f"default {DEFAULT_NEW_TOKENS}, or what the model's context leaves after the prompt")
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help=f"default {DEFAULT_NEW_TOKENS}, or what the model's context leaves after the prompt",
+    )
     parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
@@ -27,6 +31,7 @@ def run(args: argparse.Namespace) -> int:
         load_tokenizer,
         sample_text,
     )
+
     Sampling(args.max_new_tokens or 1, args.temperature, args.top_k, args.seed)  # bad flags before any loading
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
     model, params, _ = load_language_model(args.run_dir, args.step)

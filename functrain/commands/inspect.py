@@ -36,12 +36,17 @@ def _metrics_text(metrics: Mapping[str, Any], prefix: str = "") -> str:
 
 
 def _row(info: CheckpointInfo) -> str:
-    when = datetime.datetime.fromtimestamp(info.time, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S") \
-        if info.time else "-"
+    when = (
+        datetime.datetime.fromtimestamp(info.time, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+        if info.time
+        else "-"
+    )
     meta = info.meta or {}
     status = "whole" if info.whole else ("interrupted" if (info.problem or "").startswith("uncommitted") else "damaged")
-    row = (f"{info.step:<8} {when:<19}  {human_bytes(info.size):>10}  {status:<11} {'best' if info.is_best else '':<4} "
-           f"{meta.get('epoch', '-')!s:>5} {meta.get('samples_consumed', '-')!s:>9}  {_metrics_text(info.metrics)}")
+    row = (
+        f"{info.step:<8} {when:<19}  {human_bytes(info.size):>10}  {status:<11} {'best' if info.is_best else '':<4} "
+        f"{meta.get('epoch', '-')!s:>5} {meta.get('samples_consumed', '-')!s:>9}  {_metrics_text(info.metrics)}"
+    )
     return row.rstrip() + (f"  [{info.problem}]" if info.problem else "")
 
 
@@ -54,8 +59,9 @@ def _tail(path: Path, count: int) -> list[str]:
     return lines[-count:]
 
 
-def inspect_report(run_dir: str | os.PathLike, step: int | None = None, digest: bool = False,
-                   verify: bool = False) -> str:
+def inspect_report(
+    run_dir: str | os.PathLike, step: int | None = None, digest: bool = False, verify: bool = False
+) -> str:
     """A human-readable report of a run's checkpoints; ``digest`` adds the params SHA-256.
 
     Without ``verify`` each step's items, commit markers, metadata and array metadata are checked (cheap at
@@ -70,15 +76,19 @@ def inspect_report(run_dir: str | os.PathLike, step: int | None = None, digest: 
     if step is not None:
         infos = [i for i in infos if i.step == step]
         if not infos:
-            raise CheckpointError(f"no checkpoint for step {step} in {ckpt_dir}; run `functrain inspect "
-                                  f"{run_dir}` to see the steps there")
+            raise CheckpointError(
+                f"no checkpoint for step {step} in {ckpt_dir}; run `functrain inspect {run_dir}` to see the steps there"
+            )
     whole = [i for i in infos if i.whole]
-    checked = ("every array read and its checksums verified" if verify
-               else "metadata checked; --verify reads every array and verifies its checksums")
-    lines = [(f"checkpoints: {ckpt_dir} ({len(whole)} whole, {len(infos) - len(whole)} damaged or interrupted; "
-              f"{checked})"),
-             (f"{'step':<8} {'time (UTC)':<19}  {'size':>10}  {'status':<11} {'':<4} {'epoch':>5} "
-              f"{'samples':>9}  metrics")]
+    checked = (
+        "every array read and its checksums verified"
+        if verify
+        else "metadata checked; --verify reads every array and verifies its checksums"
+    )
+    lines = [
+        (f"checkpoints: {ckpt_dir} ({len(whole)} whole, {len(infos) - len(whole)} damaged or interrupted; {checked})"),
+        (f"{'step':<8} {'time (UTC)':<19}  {'size':>10}  {'status':<11} {'':<4} {'epoch':>5} {'samples':>9}  metrics"),
+    ]
     lines += [_row(info) for info in infos]
     newest_meta = whole[-1].meta if whole and whole[-1].meta else {}
     if newest_meta.get("layout"):  # mesh, shardings of the largest params, state bytes per device
@@ -86,8 +96,10 @@ def inspect_report(run_dir: str | os.PathLike, step: int | None = None, digest: 
         lines += [f"  {line}" for line in str(newest_meta["layout"]).splitlines()]
     if digest:
         if not whole:
-            raise CheckpointError(f"no whole checkpoint{'' if step is None else f' at step {step}'} in {ckpt_dir} "
-                                  f"to digest; see the table above for what is damaged")
+            raise CheckpointError(
+                f"no whole checkpoint{'' if step is None else f' at step {step}'} in {ckpt_dir} "
+                f"to digest; see the table above for what is damaged"
+            )
         chosen = whole[-1].step
         lines.append(f"sha256 step {chosen}: {params_digest(load_params(ckpt_dir, step=chosen))}")
     metrics_file = ckpt_dir.parent / "metrics.jsonl"

@@ -7,42 +7,54 @@ import json
 
 HELP = "compile a run ahead of time: per-chip memory, step time and MFU, fits? (--topology v5p:4x4x8)"
 
-GIB = 2 ** 30
+GIB = 2**30
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="YAML config file (see configs/)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
-    parser.add_argument("--topology", default=None, help="TPU topology to compile for, e.g. v5p:4x4x8 "
-                                                         "(needs libtpu: pip install 'functrain[tpu]')")
+    parser.add_argument(
+        "--topology",
+        default=None,
+        help="TPU topology to compile for, e.g. v5p:4x4x8 (needs libtpu: pip install 'functrain[tpu]')",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--search", action="store_true", help="compile candidates: the cheapest model.remat that "
-                                                              "fits, then the largest per-chip batch")
+    parser.add_argument(
+        "--search",
+        action="store_true",
+        help="compile candidates: the cheapest model.remat that fits, then the largest per-chip batch",
+    )
 
 
 def format_plan(plan) -> str:
     """The plan as the lines ``functrain plan`` prints."""
     from functrain.parallel.sharding import human_bytes
+
     sizes = plan.per_chip_bytes
     mesh = " ".join(f"{axis}={size}" for axis, size in plan.mesh.items())
-    lines = [f"{plan.chips} x {plan.device_kind} (mesh {mesh}); {plan.parameters:,} parameters; batch "
-             f"{plan.global_batch_size} x {plan.seq_len} tokens in {plan.micro_batches} micro-batch(es)"
-             + (f"; {plan.attention} attention" if plan.attention else ""),
-             "per chip:"]
-    lines += [f"  {name:<12}{human_bytes(sizes[name]):>12}" for name in ("params", "optimizer", "model_state", "batch",
-                                                                "activations")]
+    lines = [
+        f"{plan.chips} x {plan.device_kind} (mesh {mesh}); {plan.parameters:,} parameters; batch "
+        f"{plan.global_batch_size} x {plan.seq_len} tokens in {plan.micro_batches} micro-batch(es)"
+        + (f"; {plan.attention} attention" if plan.attention else ""),
+        "per chip:",
+    ]
+    lines += [
+        f"  {name:<12}{human_bytes(sizes[name]):>12}"
+        for name in ("params", "optimizer", "model_state", "batch", "activations")
+    ]
     hbm = f" of {plan.hbm_bytes / GIB:.2f} GiB HBM" if plan.hbm_bytes else " (HBM of this device kind unknown)"
     lines.append(f"  {'total':<12}{human_bytes(sizes['total']):>12}{hbm}")
     if plan.compiled:
-        scanned = " (scanned layers: one group's cost measured unrolled, times the groups)" if plan.layers_scanned \
-            else ""
-        lines.append(f"FLOPs per step per chip {plan.flops_per_step:.3e}; HBM bytes accessed "
-                     f"{plan.bytes_per_step:.3e}{scanned}")
+        scanned = (
+            " (scanned layers: one group's cost measured unrolled, times the groups)" if plan.layers_scanned else ""
+        )
+        lines.append(
+            f"FLOPs per step per chip {plan.flops_per_step:.3e}; HBM bytes accessed {plan.bytes_per_step:.3e}{scanned}"
+        )
     else:
         lines.append("FLOPs and step time unknown: the compiler refused a program larger than HBM")
     if plan.step_time_s is not None:
-        throughput = (f", {plan.tokens_per_sec_per_chip:,.0f} tokens/s/chip" if plan.tokens_per_sec_per_chip
-                      else "")
+        throughput = f", {plan.tokens_per_sec_per_chip:,.0f} tokens/s/chip" if plan.tokens_per_sec_per_chip else ""
         lines.append(f"roofline step time {plan.step_time_s * 1e3:.1f} ms; MFU {plan.mfu:.1%}{throughput}")
     if plan.fits is None:
         lines.append("fits: unknown (no HBM figure for this device kind)")
@@ -50,24 +62,34 @@ def format_plan(plan) -> str:
         lines.append("fits: yes")
     else:
         from functrain.run.plan import HBM_USABLE
+
         over = sizes["total"] - HBM_USABLE * plan.hbm_bytes
-        lines.append(f"fits: no, {over / GIB:.2f} GiB over the {HBM_USABLE:.0%} of HBM a run can use; "
-                     + "; or ".join(plan.advice))
+        lines.append(
+            f"fits: no, {over / GIB:.2f} GiB over the {HBM_USABLE:.0%} of HBM a run can use; "
+            + "; or ".join(plan.advice)
+        )
     return "\n".join(lines)
 
 
 def format_search(tried, chosen) -> str:
     """The candidates ``plan --search`` compiled, one row each, and the choice."""
     from functrain.parallel.sharding import human_bytes
-    lines = [(f"{'model.remat':<14}{'global batch':>13}{'per chip':>10}{'total/chip':>13}{'fits':>6}{'step ms':>9}"
-              f"{'MFU':>7}")]
+
+    lines = [
+        (
+            f"{'model.remat':<14}{'global batch':>13}{'per chip':>10}{'total/chip':>13}{'fits':>6}{'step ms':>9}"
+            f"{'MFU':>7}"
+        )
+    ]
     for candidate in tried:
         result = candidate.plan
         step = f"{result.step_time_s * 1e3:.1f}" if result.step_time_s is not None else "-"
         mfu = f"{result.mfu:.1%}" if result.mfu is not None else "-"
         fits = {True: "yes", False: "no", None: "?"}[result.fits]
-        lines.append(f"{candidate.remat or '-':<14}{candidate.global_batch_size:>13}{candidate.per_chip_batch:>10g}"
-                     f"{human_bytes(result.per_chip_bytes['total']):>13}{fits:>6}{step:>9}{mfu:>7}")
+        lines.append(
+            f"{candidate.remat or '-':<14}{candidate.global_batch_size:>13}{candidate.per_chip_batch:>10g}"
+            f"{human_bytes(result.per_chip_bytes['total']):>13}{fits:>6}{step:>9}{mfu:>7}"
+        )
     if chosen is None:
         lines.append("nothing fits (or the chips' HBM is unknown): see functrain plan without --search for advice")
     else:
@@ -79,14 +101,18 @@ def format_search(tried, chosen) -> str:
 def run(args: argparse.Namespace) -> int:
     from functrain.run.config import load_config
     from functrain.run.plan import plan
+
     config = load_config(args.config, args.overrides)
     if args.search:
         from functrain.commands.plan_search import search
+
         tried, chosen = search(config, args.topology)
-        record = {"tried": [dict(remat=c.remat, global_batch_size=c.global_batch_size, plan=c.plan.to_json())
-                            for c in tried],
-                  "chosen": None if chosen is None else {"remat": chosen.remat,
-                                                         "global_batch_size": chosen.global_batch_size}}
+        record = {
+            "tried": [dict(remat=c.remat, global_batch_size=c.global_batch_size, plan=c.plan.to_json()) for c in tried],
+            "chosen": None
+            if chosen is None
+            else {"remat": chosen.remat, "global_batch_size": chosen.global_batch_size},
+        }
         print(json.dumps(record) if args.json else format_search(tried, chosen))
         return 0
     result = plan(config, args.topology)

@@ -21,6 +21,7 @@ MAX_DOUBLINGS = 8
 @dataclass(frozen=True)
 class Candidate:
     """One compile of the search: the settings tried and what the plan said."""
+
     remat: str | None
     global_batch_size: int
     plan: Plan

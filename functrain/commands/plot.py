@@ -7,11 +7,13 @@ HELP = "loss, learning rate, grad norm, throughput of runs in one PNG"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
-    parser.add_argument("-o", "--output", default=None, help="PNG path (default RUN_DIR/plot.png for one run, "
-                                                             "./plot.png for several)")
+    parser.add_argument(
+        "-o", "--output", default=None, help="PNG path (default RUN_DIR/plot.png for one run, ./plot.png for several)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from functrain.run.plots import default_output, plot_runs
+
     print(f"functrain: wrote {plot_runs(args.run_dirs, args.output or default_output(args.run_dirs))}")
     return 0

@@ -32,14 +32,21 @@ def plan_rewind(run_dir: Path, step: int, skip_samples: int) -> tuple[int, list[
     steps = [info.step for info in infos]
     if step not in steps:
         newest = f"the newest is {steps[-1]}" if steps else "there is none"
-        beyond = f"step {step} is after the newest checkpoint ({newest})" if not steps or step > steps[-1] \
+        beyond = (
+            f"step {step} is after the newest checkpoint ({newest})"
+            if not steps or step > steps[-1]
             else f"there is no whole checkpoint at step {step}"
-        raise CheckpointError(f"cannot rewind {run_dir}: {beyond}; pick one of the steps "
-                              f"{', '.join(map(str, steps)) or 'none'} (functrain inspect {run_dir})")
+        )
+        raise CheckpointError(
+            f"cannot rewind {run_dir}: {beyond}; pick one of the steps "
+            f"{', '.join(map(str, steps)) or 'none'} (functrain inspect {run_dir})"
+        )
     meta = next(info.meta for info in infos if info.step == step) or {}
     if meta.get("samples_consumed") is None:
-        raise CheckpointError(f"checkpoint {step} in {run_dir} records no data position (a converted model?); "
-                              f"rewind needs a checkpoint written by functrain train")
+        raise CheckpointError(
+            f"checkpoint {step} in {run_dir} records no data position (a converted model?); "
+            f"rewind needs a checkpoint written by functrain train"
+        )
     return int(meta["samples_consumed"]) + skip_samples, [s for s in layout.committed_steps(ckpt_dir) if s > step]
 
 
@@ -61,12 +68,15 @@ def rewind(run_dir: str | os.PathLike, step: int, skip_samples: int, overrides: 
     from functrain.run.config import load_config
     from functrain.run.events import append_event
     from functrain.run.fit import fit
+
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"{run_dir} has no config.yaml; pass the run.dir of a training run")
     position, later = plan_rewind(run_dir, step, skip_samples)
-    config = load_config(run_dir / "config.yaml", [*(overrides or []), f"run.dir={run_dir}",
-                                                    f"checkpoint.resume={step}", f"data.skip_samples={position}"])
+    config = load_config(
+        run_dir / "config.yaml",
+        [*(overrides or []), f"run.dir={run_dir}", f"checkpoint.resume={step}", f"data.skip_samples={position}"],
+    )
     with RunLock(run_dir):  # not while another job trains in this directory
         set_aside_checkpoints(run_dir, later)
         append_event(run_dir, "rewind", step, skip_samples=skip_samples, position=position)
@@ -87,6 +97,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     result = rewind(args.run_dir, args.to, args.skip_samples, args.overrides)
-    print(f"functrain: rewound to step {args.to}, skipped {args.skip_samples} samples; {result.stop_reason} at "
-          f"step {result.step}; run directory {result.run_dir}")
+    print(
+        f"functrain: rewound to step {args.to}, skipped {args.skip_samples} samples; {result.stop_reason} at "
+        f"step {result.step}; run directory {result.run_dir}"
+    )
     return result.exit_code

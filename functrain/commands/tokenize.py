@@ -47,9 +47,15 @@ def available_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def tokenize_files(inputs: list[str], out: str, tokenizer: str | None = None, workers: int | None = None,
-                   field: str = "text", shard_tokens: int = DEFAULT_SHARD_TOKENS,
-                   progress: bool | None = None) -> dict[str, Any]:
+def tokenize_files(
+    inputs: list[str],
+    out: str,
+    tokenizer: str | None = None,
+    workers: int | None = None,
+    field: str = "text",
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    progress: bool | None = None,
+) -> dict[str, Any]:
     """Tokenize ``inputs`` into a new store at ``out`` and return its manifest.
 
     Args:
@@ -66,15 +72,19 @@ def tokenize_files(inputs: list[str], out: str, tokenizer: str | None = None, wo
     """
     paths = check_inputs(inputs)
     if all(path.is_file() and path.stat().st_size == 0 for path in paths):  # (a pipe is not a file: it is read)
-        raise DataError(f"the inputs ({', '.join(map(str, inputs))}) are empty: there is no text to tokenize and "
-                        f"nothing was written; give files that hold text")
+        raise DataError(
+            f"the inputs ({', '.join(map(str, inputs))}) are empty: there is no text to tokenize and "
+            f"nothing was written; give files that hold text"
+        )
     spec = tokenizer_spec(tokenizer)
     text_tokenizer = TextTokenizer(spec)  # loads it here first: a bad file fails before anything is written
     workers = workers or available_cores()
     # The pool forks before the progress bar starts its monitor thread (a fork copies no other thread).
-    with StoreWriter(out, text_tokenizer.vocab_size, text_tokenizer.describe(), shard_tokens) as writer, \
-            _encoder(text_tokenizer, workers) as encode, \
-            tqdm(desc="tokenize", unit=" docs", disable=None if progress is None else not progress) as bar:
+    with (
+        StoreWriter(out, text_tokenizer.vocab_size, text_tokenizer.describe(), shard_tokens) as writer,
+        _encoder(text_tokenizer, workers) as encode,
+        tqdm(desc="tokenize", unit=" docs", disable=None if progress is None else not progress) as bar,
+    ):
         for tokens, lengths in encode(document_batches(paths, field)):
             writer.add(tokens, lengths)
             bar.update(len(lengths))
@@ -100,8 +110,9 @@ HELP = "text / jsonl / parquet / HF dataset -> a token store"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("inputs", nargs="+", metavar="INPUT", help="files (or saved HF datasets) to tokenize")
     parser.add_argument("out", metavar="OUT_STORE", help="the store directory to create")
-    parser.add_argument("--tokenizer", default=None,
-                        help="tokenizer.json or transformers tokenizer directory (default: UTF-8 bytes)")
+    parser.add_argument(
+        "--tokenizer", default=None, help="tokenizer.json or transformers tokenizer directory (default: UTF-8 bytes)"
+    )
     parser.add_argument("--workers", type=int, default=None, help="encoding processes (default: all cores)")
     parser.add_argument("--field", default="text", help="JSON field / column holding the text (default: text)")
     parser.add_argument("--shard-tokens", type=int, default=None, help="tokens per shard file (default 2^30)")
@@ -111,8 +122,11 @@ def run(args: argparse.Namespace) -> int:
     for flag, value in (("--workers", args.workers), ("--shard-tokens", args.shard_tokens)):
         if value is not None and value < 1:
             raise FunctrainError(f"{flag} {value} must be at least 1")
-    manifest = tokenize_files(args.inputs, args.out, args.tokenizer, args.workers, args.field,
-                              args.shard_tokens or DEFAULT_SHARD_TOKENS)
-    print(f"functrain: wrote {args.out}: {manifest['num_docs']} documents, {manifest['num_tokens']} tokens "
-          f"({manifest['dtype']}, vocab {manifest['vocab_size']}, tokenizer {manifest['tokenizer']['name']})")
+    manifest = tokenize_files(
+        args.inputs, args.out, args.tokenizer, args.workers, args.field, args.shard_tokens or DEFAULT_SHARD_TOKENS
+    )
+    print(
+        f"functrain: wrote {args.out}: {manifest['num_docs']} documents, {manifest['num_tokens']} tokens "
+        f"({manifest['dtype']}, vocab {manifest['vocab_size']}, tokenizer {manifest['tokenizer']['name']})"
+    )
     return 0

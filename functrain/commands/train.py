@@ -18,11 +18,13 @@ def run(args: argparse.Namespace) -> int:
     if args.processes < 1:
         raise FunctrainError(f"--processes {args.processes} must be at least 1")
     from functrain.parallel import distributed
+
     if args.processes > 1:
         return distributed.launch_local(distributed.strip_processes_flag(args.argv), args.processes, args.port)
     distributed.initialize_from_env()
     from functrain.run.config import load_config
     from functrain.run.fit import fit
+
     result = fit(load_config(args.config, args.overrides))
     if distributed.is_primary():
         print(f"functrain: {result.stop_reason} at step {result.step}; run directory {result.run_dir}")

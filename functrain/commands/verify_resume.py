@@ -27,13 +27,23 @@ from functrain.errors import EXIT_BAD_INPUT, FunctrainError
 from functrain.run.callbacks import Callback, RunView
 
 # Metrics that are functions of the computation; throughput and positions are left out.
-COMPARED = ("loss", "grad_norm", "learning_rate", "accuracy", "nonfinite_steps", "rewards/margins",
-            "rewards/accuracies", "logps/chosen", "logps/rejected")
+COMPARED = (
+    "loss",
+    "grad_norm",
+    "learning_rate",
+    "accuracy",
+    "nonfinite_steps",
+    "rewards/margins",
+    "rewards/accuracies",
+    "logps/chosen",
+    "logps/rejected",
+)
 
 
 @dataclass
 class Verdict:
     """The outcome: ``passed``, the kill and resume steps, and the first difference (None when equal)."""
+
     passed: bool
     steps: int
     killed_at: int
@@ -43,24 +53,34 @@ class Verdict:
 
     def report(self) -> str:
         """One PASS/FAIL paragraph."""
-        head = (f"{'PASS' if self.passed else 'FAIL'}: {self.steps} steps uninterrupted vs killed (SIGKILL) at "
-                f"step {self.killed_at} and resumed from checkpoint {self.resumed_from}")
+        head = (
+            f"{'PASS' if self.passed else 'FAIL'}: {self.steps} steps uninterrupted vs killed (SIGKILL) at "
+            f"step {self.killed_at} and resumed from checkpoint {self.resumed_from}"
+        )
         same = self.digests[0] == self.digests[1]
         lines = [head]
         if self.digests != ("-", "-"):
-            lines.append(f"  params sha256 {'equal' if same else 'differ'}: {self.digests[0][:16]}"
-                         + ("" if same else f" vs {self.digests[1][:16]}"))
-        lines.append(f"  first difference: {self.first_difference}" if self.first_difference
-                     else "  logged training metrics equal at every step")
+            lines.append(
+                f"  params sha256 {'equal' if same else 'differ'}: {self.digests[0][:16]}"
+                + ("" if same else f" vs {self.digests[1][:16]}")
+            )
+        lines.append(
+            f"  first difference: {self.first_difference}"
+            if self.first_difference
+            else "  logged training metrics equal at every step"
+        )
         return "\n".join(lines)
 
 
-def _train_command(config: str, run_dir: Path, overrides: list[str], imports: list[str],
-                   kill_step: int | None = None) -> list[str]:
-    code = ("import importlib\n"
-            f"for name in {imports!r}: importlib.import_module(name)\n"
-            "from functrain.commands.verify_resume import train_worker\n"
-            f"train_worker({config!r}, {[*overrides, f'run.dir={run_dir}']!r}, {kill_step!r})")
+def _train_command(
+    config: str, run_dir: Path, overrides: list[str], imports: list[str], kill_step: int | None = None
+) -> list[str]:
+    code = (
+        "import importlib\n"
+        f"for name in {imports!r}: importlib.import_module(name)\n"
+        "from functrain.commands.verify_resume import train_worker\n"
+        f"train_worker({config!r}, {[*overrides, f'run.dir={run_dir}']!r}, {kill_step!r})"
+    )
     return [sys.executable, "-c", code]
 
 
@@ -80,6 +100,7 @@ def train_worker(config: str, overrides: list[str], kill_step: int | None) -> No
     """One training process of the check (``kill_step``: die there); bad input exits 2 with one line."""
     from functrain.run.config import load_config
     from functrain.run.fit import fit
+
     try:
         result = fit(load_config(config, overrides), callbacks=[KillAt(kill_step)] if kill_step is not None else [])
     except FunctrainError as exc:
@@ -117,6 +138,7 @@ def _run(command: list[str], what: str) -> None:
 
 def _committed(run_dir: Path) -> list[int]:
     from functrain.checkpoint import layout
+
     return layout.committed_steps(layout.checkpoints_dir(run_dir))
 
 
@@ -125,8 +147,9 @@ def _kill_at(command: list[str], run_dir: Path) -> int:
     proc = subprocess.run(command, capture_output=True, text=True, env=_environment())
     if proc.returncode != -signal.SIGKILL:
         last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise FunctrainError(f"the interrupted training run ended with exit {proc.returncode} instead of being "
-                             f"killed: {last}")
+        raise FunctrainError(
+            f"the interrupted training run ended with exit {proc.returncode} instead of being killed: {last}"
+        )
     return max(_logged(run_dir), default=0)
 
 
@@ -141,21 +164,36 @@ def _first_difference(reference: dict[int, dict], resumed: dict[int, dict]) -> s
     return None
 
 
-def verify_resume(config: str | os.PathLike, steps: int | None = None, overrides: list[str] | None = None,
-                  imports: list[str] | None = None, workdir: str | os.PathLike | None = None) -> Verdict:
+def verify_resume(
+    config: str | os.PathLike,
+    steps: int | None = None,
+    overrides: list[str] | None = None,
+    imports: list[str] | None = None,
+    workdir: str | os.PathLike | None = None,
+) -> Verdict:
     """Train ``config`` for ``steps`` steps uninterrupted and killed-then-resumed; compare them."""
     from functrain.checkpoint import load_params, params_digest
     from functrain.run.config import load_config
+
     overrides, imports = list(overrides or []), list(imports or [])
     per_call = load_config(config, overrides).train.steps_per_call
     steps = steps or 8 * per_call
     if steps < 2 * per_call or steps % per_call:
-        raise FunctrainError(f"--steps {steps} must be a multiple of train.steps_per_call={per_call} and at least "
-                             f"{2 * per_call} (a checkpoint, then steps to interrupt)")
+        raise FunctrainError(
+            f"--steps {steps} must be a multiple of train.steps_per_call={per_call} and at least "
+            f"{2 * per_call} (a checkpoint, then steps to interrupt)"
+        )
     save_every = per_call * max(1, steps // (4 * per_call))
-    fixed = overrides + [f"train.max_steps={steps}", f"log.every_steps={per_call}",
-                         f"checkpoint.every_steps={save_every}", "checkpoint.resume=auto", "log.progress=false",
-                         "log.plot=false", "log.trackers=[jsonl]", "eval.samples.count=0"]
+    fixed = overrides + [
+        f"train.max_steps={steps}",
+        f"log.every_steps={per_call}",
+        f"checkpoint.every_steps={save_every}",
+        "checkpoint.resume=auto",
+        "log.progress=false",
+        "log.plot=false",
+        "log.trackers=[jsonl]",
+        "eval.samples.count=0",
+    ]
     load_config(config, fixed)  # bad config: one line before any training starts
     kill_step = random.randint(save_every, steps - per_call)
     with tempfile.TemporaryDirectory(prefix="verify-resume-", dir=workdir) as tmp:
@@ -167,8 +205,14 @@ def verify_resume(config: str | os.PathLike, steps: int | None = None, overrides
         before_kill = {step: line for step, line in _logged(interrupted).items() if step <= resumed_from}
         difference = _first_difference({s: reference[s] for s in before_kill if s in reference}, before_kill)
         if difference is not None:  # not even reproducible without a resume: no need to resume to know
-            return Verdict(False, steps, killed_at, resumed_from, f"{difference} (before the interruption: the "
-                           f"run is not reproducible even without a resume)", ("-", "-"))
+            return Verdict(
+                False,
+                steps,
+                killed_at,
+                resumed_from,
+                f"{difference} (before the interruption: the run is not reproducible even without a resume)",
+                ("-", "-"),
+            )
         _run(_train_command(str(config), interrupted, fixed, imports), "resumed")
         digests = (params_digest(load_params(uninterrupted)), params_digest(load_params(interrupted)))
         difference = _first_difference(reference, _logged(interrupted))
@@ -186,8 +230,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
     parser.add_argument("--steps", type=int, default=None, help="steps to train (default 8 calls)")
-    parser.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
-                        help="import MODULE in the training processes first (registers models or datasets)")
+    parser.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import MODULE in the training processes first (registers models or datasets)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

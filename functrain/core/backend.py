@@ -20,12 +20,12 @@ from typing import Any, Protocol, runtime_checkable
 class Backend(Protocol):
     """What the loop needs from a framework (see the module docstring)."""
 
-    name: str                  # "jax" / "torch": recorded in checkpoints, which do not cross backends
-    process_index: int         # this process among those of the job (jax.distributed or torch.distributed)
+    name: str  # "jax" / "torch": recorded in checkpoints, which do not cross backends
+    process_index: int  # this process among those of the job (jax.distributed or torch.distributed)
     process_count: int
-    synchronous: bool          # a call has finished when train_call returns (the CPU torch step)
-    writes_checkpoints: bool   # this process takes part in writing checkpoints
-    devices: list[Any]         # the accelerators a step runs on, for MFU (empty: not reported)
+    synchronous: bool  # a call has finished when train_call returns (the CPU torch step)
+    writes_checkpoints: bool  # this process takes part in writing checkpoints
+    devices: list[Any]  # the accelerators a step runs on, for MFU (empty: not reported)
 
     def init_state(self) -> Any:
         """A fresh step-0 state."""

@@ -52,6 +52,7 @@ class Fields:
       attention_mask: an LM's HF ``attention_mask`` field, or None.
       hf: an LM on HF fields (same-length labels) rather than ``tokens`` of length L + 1.
     """
+
     kind: str | None
     inputs: str
     labels: str | None = None
@@ -67,8 +68,10 @@ def _names(batch: Mapping[str, Any]) -> list[str]:
 def _one_of(batch: Mapping[str, Any], candidates: Sequence[str], role: str, fix: str) -> str | None:
     present = [name for name in candidates if name in batch]
     if len(present) > 1:
-        raise DataError(f"the data has {' and '.join(repr(name) for name in present)}, both candidate {role} "
-                        f"fields; name the one to use: {fix}")
+        raise DataError(
+            f"the data has {' and '.join(repr(name) for name in present)}, both candidate {role} "
+            f"fields; name the one to use: {fix}"
+        )
     return present[0] if present else None
 
 
@@ -87,19 +90,28 @@ def _by_shape(batch: Mapping[str, Any], inputs: str, labels: str | None) -> Fiel
         return Fields("classifier", inputs, labels)
     if token_like and target.shape == data.shape:
         return _lm(batch, inputs, labels)
-    raise DataError(f"labels field {labels!r} has shape {list(target.shape[1:])} per record, which fits no built-in "
-                    f"loss (classifier: one integer per record; causal LM: one per token of {inputs!r}, shape "
-                    f"{list(data.shape[1:])}); {LABELS_FIX} to a field that does, or pass loss_fn=")
+    raise DataError(
+        f"labels field {labels!r} has shape {list(target.shape[1:])} per record, which fits no built-in "
+        f"loss (classifier: one integer per record; causal LM: one per token of {inputs!r}, shape "
+        f"{list(data.shape[1:])}); {LABELS_FIX} to a field that does, or pass loss_fn="
+    )
 
 
 def _check_named(batch: Mapping[str, Any], name: str, key: str) -> None:
     if name not in batch:
-        raise DataError(f"data.fields.{key} names {name!r}, which the data does not have (fields: {_names(batch)}); "
-                        f"set data.fields.{key} or pass fit(..., {key}=...) to one of them")
+        raise DataError(
+            f"data.fields.{key} names {name!r}, which the data does not have (fields: {_names(batch)}); "
+            f"set data.fields.{key} or pass fit(..., {key}=...) to one of them"
+        )
 
 
-def resolve_fields(batch: Mapping[str, Any], *, inputs: str | Sequence[str] | Mapping[str, str] | None = None,
-                   labels: str | None = None, kind: str | None = None) -> Fields | None:
+def resolve_fields(
+    batch: Mapping[str, Any],
+    *,
+    inputs: str | Sequence[str] | Mapping[str, str] | None = None,
+    labels: str | None = None,
+    kind: str | None = None,
+) -> Fields | None:
     """The roles of ``batch``'s fields (any number of records): the explicit map where given, the conventions
     (module docstring) for the rest; None when the data names no model input at all.
 
@@ -110,10 +122,12 @@ def resolve_fields(batch: Mapping[str, Any], *, inputs: str | Sequence[str] | Ma
     argument = None
     if inputs is not None and not isinstance(inputs, str):
         if len(inputs) != 1:
-            raise DataError(f"data.fields.inputs names {list(inputs)}; the built-in losses call the model on one "
-                            f"input field: name one, and read the others in loss_fn=")
+            raise DataError(
+                f"data.fields.inputs names {list(inputs)}; the built-in losses call the model on one "
+                f"input field: name one, and read the others in loss_fn="
+            )
         if isinstance(inputs, Mapping):
-            (argument, inputs), = inputs.items()
+            ((argument, inputs),) = inputs.items()
         else:
             inputs = inputs[0]
     fields = _resolve(batch, inputs, labels, kind)
@@ -127,8 +141,9 @@ def _resolve(batch: Mapping[str, Any], inputs: str | None, labels: str | None, k
             _check_named(batch, name, key)
     explicit = inputs is not None
     if inputs is None:
-        inputs = next((name for name in ("tokens", "input_ids") if name in batch), None) or \
-            _one_of(batch, CLASSIFIER_INPUTS, "input", INPUTS_FIX)
+        inputs = next((name for name in ("tokens", "input_ids") if name in batch), None) or _one_of(
+            batch, CLASSIFIER_INPUTS, "input", INPUTS_FIX
+        )
         if inputs is None:
             return None
     if labels is None and inputs == "input_ids":
@@ -142,8 +157,9 @@ def _resolve(batch: Mapping[str, Any], inputs: str | None, labels: str | None, k
         if kind == "causal_lm":
             return _lm(batch, inputs, labels)
         if labels is None:
-            raise DataError(f"the {kind} loss needs labels and the data has no label field among {_names(batch)}; "
-                            f"{LABELS_FIX}")
+            raise DataError(
+                f"the {kind} loss needs labels and the data has no label field among {_names(batch)}; {LABELS_FIX}"
+            )
         return Fields(kind, inputs, labels)
     return fields
 
@@ -152,12 +168,16 @@ def require_builtin(fields: Fields | None, batch: Mapping[str, Any]) -> Fields:
     """``fields`` when a built-in loss fits them; otherwise a one-line DataError saying which role is missing,
     the fields present and the setting that fixes it."""
     if fields is None:
-        raise DataError(f"no model input among the data's fields {_names(batch)} (looked for "
-                        f"{'/'.join(CLASSIFIER_INPUTS)}, tokens, input_ids); {INPUTS_FIX}, or wrap the model as "
-                        f"FunctionalModel(init, apply) with loss_fn=")
+        raise DataError(
+            f"no model input among the data's fields {_names(batch)} (looked for "
+            f"{'/'.join(CLASSIFIER_INPUTS)}, tokens, input_ids); {INPUTS_FIX}, or wrap the model as "
+            f"FunctionalModel(init, apply) with loss_fn="
+        )
     if fields.kind is None:
-        raise DataError(f"no labels for input {fields.inputs!r} among the data's fields {_names(batch)} (looked for "
-                        f"{'/'.join(CLASSIFIER_LABELS)}); {LABELS_FIX}, or pass loss_fn=")
+        raise DataError(
+            f"no labels for input {fields.inputs!r} among the data's fields {_names(batch)} (looked for "
+            f"{'/'.join(CLASSIFIER_LABELS)}); {LABELS_FIX}, or pass loss_fn="
+        )
     return fields
 
 

@@ -54,7 +54,8 @@ def model_keywords(kind: str, batch: dict) -> dict[str, Any]:
 @dataclass(frozen=True)
 class ArrayOps:
     """The two array operations the shared loss policy cannot write with common operators."""
-    as_float: Callable[[Any], Any]                   # cast to float32 (bool, int or float in)
+
+    as_float: Callable[[Any], Any]  # cast to float32 (bool, int or float in)
     broadcast_to: Callable[[Any, tuple[int, ...]], Any]
 
 
@@ -129,9 +130,15 @@ LOSSES = {"classifier": classifier_sums, "causal_lm": causal_lm_sums}
 
 def _bound_loss(kind: str, model: nn.Module, deterministic: bool) -> Callable:
     def loss_fn(params, batch, rng):
-        logits = model.apply({"params": params}, model_inputs(kind, batch), deterministic=deterministic,
-                             rngs={"dropout": rng}, **model_keywords(kind, batch))
+        logits = model.apply(
+            {"params": params},
+            model_inputs(kind, batch),
+            deterministic=deterministic,
+            rngs={"dropout": rng},
+            **model_keywords(kind, batch),
+        )
         return LOSSES[kind](logits, batch)
+
     return loss_fn
 
 
@@ -160,10 +167,14 @@ def batch_check(fields: Fields, model_config: ModelBounds, source: str = "the da
     HF ``labels`` are not range-checked: ``-100`` is theirs by design."""
     if fields.kind == "classifier":
         assert fields.labels is not None, "a classifier's fields name its labels"
-        rules = [FieldRule(fields.inputs, integer=False, what="input"),
-                 FieldRule(fields.labels, upper=model_config.class_count(), bound_key="model.num_classes",
-                           what="label")]
+        rules = [
+            FieldRule(fields.inputs, integer=False, what="input"),
+            FieldRule(fields.labels, upper=model_config.class_count(), bound_key="model.num_classes", what="label"),
+        ]
     else:
-        rules = [FieldRule(fields.inputs, upper=model_config.vocabulary_size(), bound_key="model.vocab_size",
-                           what="token id")]
+        rules = [
+            FieldRule(
+                fields.inputs, upper=model_config.vocabulary_size(), bound_key="model.vocab_size", what="token id"
+            )
+        ]
     return BatchCheck(rules, source)

@@ -16,14 +16,14 @@ import optax
 from functrain.errors import ConfigError
 
 
-def make_schedule(name: str, learning_rate: float, warmup_steps: int, total_steps: int,
-                  end_lr_ratio: float) -> optax.Schedule:
+def make_schedule(
+    name: str, learning_rate: float, warmup_steps: int, total_steps: int, end_lr_ratio: float
+) -> optax.Schedule:
     """Linear warmup from 0, then ``constant``, ``cosine`` or ``linear`` decay to ``lr * end_lr_ratio``."""
     end_lr = learning_rate * end_lr_ratio
     decay_steps = max(total_steps - warmup_steps, 1)
     if name == "cosine":
-        return optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup_steps,
-                                                  warmup_steps + decay_steps, end_lr)
+        return optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup_steps, warmup_steps + decay_steps, end_lr)
     if name == "linear":
         after_warmup = optax.linear_schedule(learning_rate, end_lr, decay_steps)
     elif name == "constant":
@@ -44,6 +44,7 @@ def decay_mask(params: Any) -> Any:
 @dataclass(frozen=True)
 class ScheduleSettings:
     """A learning-rate schedule by name: linear warmup from 0, then ``constant``, ``cosine`` or ``linear``."""
+
     name: str
     learning_rate: float
     warmup_steps: int
@@ -59,6 +60,7 @@ class ScheduleSettings:
 class OptimizerSettings:
     """An optimizer by name, as both backends build it: ``options`` are optax's keyword arguments of that
     optimizer (``b1``, ``eps``, ``mu_dtype`` as a dtype name, ...); weight decay is masked to matrices."""
+
     name: str
     schedule: ScheduleSettings
     weight_decay: float = 0.0
@@ -70,13 +72,16 @@ OPTIMIZER_NAMES = ("adamw", "sgd", "adafactor", "lion") + (("muon",) if hasattr(
 DTYPE_OPTIONS = ("mu_dtype", "accumulator_dtype", "dtype_momentum")
 
 
-def named_optimizer(settings: OptimizerSettings, schedule: optax.Schedule | None = None
-                    ) -> optax.GradientTransformation:
+def named_optimizer(
+    settings: OptimizerSettings, schedule: optax.Schedule | None = None
+) -> optax.GradientTransformation:
     """The optax transformation ``settings`` name, driven by ``schedule`` (default: the settings' own)."""
     schedule = schedule if schedule is not None else settings.schedule.optax()
     decay = settings.weight_decay
-    options = {key: jnp.dtype(value) if key in DTYPE_OPTIONS and value is not None else value
-               for key, value in settings.options.items()}
+    options = {
+        key: jnp.dtype(value) if key in DTYPE_OPTIONS and value is not None else value
+        for key, value in settings.options.items()
+    }
     name = settings.name
     if name == "adamw":
         return optax.adamw(schedule, weight_decay=decay, mask=decay_mask, **options)
@@ -92,8 +97,9 @@ def named_optimizer(settings: OptimizerSettings, schedule: optax.Schedule | None
     raise ConfigError(f"unknown optimizer.name {name!r}; choose one of {', '.join(OPTIMIZER_NAMES)}")
 
 
-def as_transformation(optimizer: Any, schedule: optax.Schedule, what: str = "optimizer"
-                      ) -> tuple[optax.GradientTransformation, optax.Schedule | None]:
+def as_transformation(
+    optimizer: Any, schedule: optax.Schedule, what: str = "optimizer"
+) -> tuple[optax.GradientTransformation, optax.Schedule | None]:
     """A user optimizer as ``(transformation, reported schedule)``.
 
     ``optimizer`` is an ``optax.GradientTransformation`` (its learning rate is its own business: none is
@@ -106,7 +112,11 @@ def as_transformation(optimizer: Any, schedule: optax.Schedule, what: str = "opt
         built = optimizer(schedule)
         if isinstance(built, optax.GradientTransformation):
             return built, schedule
-        raise ConfigError(f"{what} returned {type(built).__name__} from the schedule, not an "
-                          f"optax.GradientTransformation; return e.g. optax.adamw(schedule)")
-    raise ConfigError(f"{what} is a {type(optimizer).__name__}, not an optax.GradientTransformation or a function "
-                      f"of the schedule returning one; pass e.g. optax.adamw(1e-3) or lambda lr: optax.adamw(lr)")
+        raise ConfigError(
+            f"{what} returned {type(built).__name__} from the schedule, not an "
+            f"optax.GradientTransformation; return e.g. optax.adamw(schedule)"
+        )
+    raise ConfigError(
+        f"{what} is a {type(optimizer).__name__}, not an optax.GradientTransformation or a function "
+        f"of the schedule returning one; pass e.g. optax.adamw(1e-3) or lambda lr: optax.adamw(lr)"
+    )

@@ -10,7 +10,7 @@ COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": j
 PARAM_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 # Dynamic loss scaling as in mixed-precision practice: halve on overflow, double after a run of good steps.
-LOSS_SCALE_INIT = 2.0 ** 15
+LOSS_SCALE_INIT = 2.0**15
 LOSS_SCALE_GROWTH_INTERVAL = 2000
 LOSS_SCALE_MIN = 1.0
 
@@ -27,8 +27,7 @@ def cast_like(tree: Any, reference: Any) -> Any:
     return jax.tree.map(lambda x, ref: x.astype(ref.dtype), tree, reference)
 
 
-def update_loss_scale(scale: jax.Array, good_steps: jax.Array, grads_finite: jax.Array
-                      ) -> tuple[jax.Array, jax.Array]:
+def update_loss_scale(scale: jax.Array, good_steps: jax.Array, grads_finite: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The next (loss scale, good-step count) after a step whose scaled gradients were finite or not."""
     grow = good_steps + 1 >= LOSS_SCALE_GROWTH_INTERVAL
     finite_scale = jnp.where(grow, scale * 2.0, scale)

@@ -70,19 +70,21 @@ Apply = Callable[[Any, Any, Any, bool, jax.Array], tuple[Any, Any]]
 @dataclass(frozen=True)
 class ModelPieces:
     """A model as pure functions, and what a transform froze (see the module docstring)."""
+
     init: Callable[[jax.Array], tuple[Any, Any]]
     apply: Apply
     logical_specs: Callable[[], Any]
-    framework: str                                      # linen / nnx / functions (see model_kind_of)
+    framework: str  # linen / nnx / functions (see model_kind_of)
     frozen_apply: Apply | None = None
     trainable: Callable[[Any], Any] | None = None
     complete_params: Callable[[Any, jax.Array], Any] | None = None
-    adapter_checkpoints: bool = False                   # checkpoints hold the trainable leaves once the base is saved
+    adapter_checkpoints: bool = False  # checkpoints hold the trainable leaves once the base is saved
 
 
 @dataclass(frozen=True)
 class Program:
     """The pure pieces of one model and loss (see the module docstring)."""
+
     init: Callable[[jax.Array], tuple[Any, Any]]
     loss_fn: Callable
     eval_loss_fn: Callable
@@ -93,15 +95,27 @@ class Program:
     state_logical_specs: Callable[[], dict[str, Any]] | None = None
 
 
-def program_on(pieces: ModelPieces, loss_fn: Callable, eval_loss_fn: Callable, *,
-               init: Callable[[jax.Array], tuple[Any, Any]] | None = None,
-               state_for_params: Callable[[Any, Any], Any] | None = None,
-               state_logical_specs: Callable[[], dict[str, Any]] | None = None) -> Program:
+def program_on(
+    pieces: ModelPieces,
+    loss_fn: Callable,
+    eval_loss_fn: Callable,
+    *,
+    init: Callable[[jax.Array], tuple[Any, Any]] | None = None,
+    state_for_params: Callable[[Any, Any], Any] | None = None,
+    state_logical_specs: Callable[[], dict[str, Any]] | None = None,
+) -> Program:
     """The Program of a loss built on ``pieces``, keeping what their transforms froze (``init``: the pieces'
     unless the task adds model-state entries of its own, ``state_logical_specs`` the logical axes of those)."""
-    return Program(init or pieces.init, loss_fn, eval_loss_fn, pieces.logical_specs, trainable=pieces.trainable,
-                   complete_params=pieces.complete_params, state_for_params=state_for_params,
-                   state_logical_specs=state_logical_specs)
+    return Program(
+        init or pieces.init,
+        loss_fn,
+        eval_loss_fn,
+        pieces.logical_specs,
+        trainable=pieces.trainable,
+        complete_params=pieces.complete_params,
+        state_for_params=state_for_params,
+        state_logical_specs=state_logical_specs,
+    )
 
 
 class FunctionalModel(NamedTuple):
@@ -109,6 +123,7 @@ class FunctionalModel(NamedTuple):
 
     A plain ``(init, apply)`` tuple is accepted as well.
     """
+
     init: Callable[[jax.Array, Batch], Any]
     apply: Callable[[Any, Any], Any]
 
@@ -119,6 +134,7 @@ def logits_of(output: Any) -> Any:
 
 
 # ------------------------------------------------------------------------------------------ adapters
+
 
 def _mode_kwargs(module: nn.Module, train: bool) -> dict[str, Any]:
     """``deterministic=not train`` or ``train=train``, whichever the module's ``__call__`` takes."""
@@ -156,10 +172,12 @@ def _call_inputs(inputs: Any, argument: str | None) -> tuple[tuple, dict[str, An
     return ((), {argument: inputs}) if argument else ((inputs,), {})
 
 
-def linen_pieces(module: nn.Module, example_inputs: Any, argument: str | None = None
-                 ) -> tuple[Callable, Apply, Callable]:
+def linen_pieces(
+    module: nn.Module, example_inputs: Any, argument: str | None = None
+) -> tuple[Callable, Apply, Callable]:
     """``(init, apply, logical_specs)`` of a linen module called on ``example_inputs``-like inputs
     (positionally, or as the keyword ``argument``)."""
+
     def init_variables(rng: jax.Array) -> Any:  # a dict or FrozenDict of the variable collections
         args, named = _call_inputs(example_inputs, argument)
         return module.init({"params": rng, "dropout": rng}, *args, **named, **_mode_kwargs(module, False))
@@ -171,14 +189,21 @@ def linen_pieces(module: nn.Module, example_inputs: Any, argument: str | None = 
 
     keyword_names = _keyword_names(type(module).__call__)
 
-    def apply(params: Any, model_state: Any, inputs: Any, train: bool, rng: jax.Array,
-              **keywords: Any) -> tuple[Any, Any]:
+    def apply(
+        params: Any, model_state: Any, inputs: Any, train: bool, rng: jax.Array, **keywords: Any
+    ) -> tuple[Any, Any]:
         args, named = _call_inputs(inputs, argument)
         keywords = {**_supported(keywords, keyword_names), **named}
         variables = {"params": params, **model_state}
         if train and model_state:
-            output, updates = module.apply(variables, *args, rngs={"dropout": rng}, mutable=list(model_state),
-                                           **_mode_kwargs(module, True), **keywords)
+            output, updates = module.apply(
+                variables,
+                *args,
+                rngs={"dropout": rng},
+                mutable=list(model_state),
+                **_mode_kwargs(module, True),
+                **keywords,
+            )
             return output, {**model_state, **updates}
         output = module.apply(variables, *args, rngs={"dropout": rng}, **_mode_kwargs(module, train), **keywords)
         return output, model_state
@@ -208,17 +233,23 @@ def nnx_pieces(module: nnx.Module, argument: str | None = None) -> tuple[Callabl
 
     def fresh_streams(rng: jax.Array) -> nnx.State:
         leaves = jax.tree.leaves(rng_state)
-        keys = [jax.random.wrap_key_data(jax.random.fold_in(rng, index)) if jax.dtypes.issubdtype(
-            leaf.dtype, jax.dtypes.prng_key) else leaf for index, leaf in enumerate(leaves)]
+        keys = [
+            jax.random.wrap_key_data(jax.random.fold_in(rng, index))
+            if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+            else leaf
+            for index, leaf in enumerate(leaves)
+        ]
         return jax.tree.unflatten(jax.tree.structure(rng_state), keys)
 
     keyword_names = _keyword_names(type(module).__call__)
 
-    def apply(params_pure: Any, model_state: Any, inputs: Any, train: bool, rng: jax.Array,
-              **keywords: Any) -> tuple[Any, Any]:
+    def apply(
+        params_pure: Any, model_state: Any, inputs: Any, train: bool, rng: jax.Array, **keywords: Any
+    ) -> tuple[Any, Any]:
         keywords = _supported(keywords, keyword_names)
-        model = nnx.merge(graphdef, _nnx_rebuild(params, params_pure), fresh_streams(rng),
-                          _nnx_rebuild(rest, model_state))
+        model = nnx.merge(
+            graphdef, _nnx_rebuild(params, params_pure), fresh_streams(rng), _nnx_rebuild(rest, model_state)
+        )
         model.train() if train else model.eval()
         args, named = _call_inputs(inputs, argument)
         output = model(*args, **keywords, **named)
@@ -228,8 +259,11 @@ def nnx_pieces(module: nnx.Module, argument: str | None = None) -> tuple[Callabl
 
     def logical_specs() -> Any:
         specs = nnx.get_partition_spec(params)
-        return jax.tree.map(lambda leaf: leaf if isinstance(leaf, PartitionSpec) else PartitionSpec(),
-                            nnx.to_pure_dict(specs), is_leaf=lambda leaf: isinstance(leaf, PartitionSpec))
+        return jax.tree.map(
+            lambda leaf: leaf if isinstance(leaf, PartitionSpec) else PartitionSpec(),
+            nnx.to_pure_dict(specs),
+            is_leaf=lambda leaf: isinstance(leaf, PartitionSpec),
+        )
 
     return init, apply, logical_specs
 
@@ -243,8 +277,9 @@ def functional_pieces(model: FunctionalModel, example_batch: Batch) -> tuple[Cal
 
     keyword_names = _keyword_names(apply_fn)
 
-    def apply(params: Any, model_state: Any, inputs: Any, train: bool, rng: jax.Array,
-              **keywords: Any) -> tuple[Any, Any]:
+    def apply(
+        params: Any, model_state: Any, inputs: Any, train: bool, rng: jax.Array, **keywords: Any
+    ) -> tuple[Any, Any]:
         return apply_fn(params, inputs, **_supported(keywords, keyword_names)), model_state
 
     def logical_specs() -> Any:
@@ -261,11 +296,14 @@ def model_kind_of(model: Any) -> str:
         return "nnx"
     if isinstance(model, tuple) and len(model) == 2 and all(callable(part) for part in model):
         return "functions"
-    raise ConfigError(f"model {type(model).__name__} is not a Flax linen module, an NNX module or "
-                      f"FunctionalModel(init, apply); pass one of those (a torch nn.Module needs backend: torch)")
+    raise ConfigError(
+        f"model {type(model).__name__} is not a Flax linen module, an NNX module or "
+        f"FunctionalModel(init, apply); pass one of those (a torch nn.Module needs backend: torch)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------- losses
+
 
 def _fields(batch: Batch) -> list[str]:
     return sorted(name for name in batch if name != "weight")
@@ -278,9 +316,11 @@ def builtin_loss(apply: Apply, kind: str, train: bool, fields: Fields | None = N
 
     def loss_fn(params, model_state, batch, rng):
         batch = batch if fields is None else canonical(fields, batch)
-        output, new_state = apply(params, model_state, model_inputs(kind, batch), train, rng,
-                                  **model_keywords(kind, batch))
+        output, new_state = apply(
+            params, model_state, model_inputs(kind, batch), train, rng, **model_keywords(kind, batch)
+        )
         return (*sums(logits_of(output), batch), new_state)
+
     return loss_fn
 
 
@@ -305,37 +345,54 @@ def user_loss(loss_fn: Callable, train: bool = True) -> Callable:
     """A user loss (either form, see the module docstring) in the program's stateful form. In evaluation
     (``train`` False) the state-updating form gets ``rng=None`` and its new state is discarded."""
     if not updates_state(loss_fn):
+
         def stateful_loss(params, model_state, batch, rng):
             return (*loss_fn(params, batch, rng), model_state)
+
         return stateful_loss
     if train:
         return lambda params, model_state, batch, rng: tuple(loss_fn(params, batch, rng, model_state))
 
     def evaluation_loss(params, model_state, batch, rng):
         return (*loss_fn(params, batch, None, model_state)[:3], model_state)
+
     return evaluation_loss
 
 
 def check_logits(apply: Apply, kind: str, params: Any, model_state: Any, batch: Batch) -> None:
     """The model's output must be the logits the built-in loss of ``kind`` reads (shapes only; ``batch``
     under the loss's own names)."""
-    output = jax.eval_shape(lambda p, s, b: logits_of(apply(p, s, model_inputs(kind, b), False, jax.random.PRNGKey(0),
-                                                            **model_keywords(kind, b))[0]), params, model_state, batch)
+    output = jax.eval_shape(
+        lambda p, s, b: logits_of(
+            apply(p, s, model_inputs(kind, b), False, jax.random.PRNGKey(0), **model_keywords(kind, b))[0]
+        ),
+        params,
+        model_state,
+        batch,
+    )
     rows = len(batch["weight"])
-    wanted = ((rows,) if kind == "classifier" else np.shape(batch["tokens"][:, 1:]))
+    wanted = (rows,) if kind == "classifier" else np.shape(batch["tokens"][:, 1:])
     shape = tuple(getattr(output, "shape", ()))
-    if not hasattr(output, "dtype") or not np.issubdtype(output.dtype, np.floating) or shape[:-1] != wanted \
-            or len(shape) != len(wanted) + 1:
+    if (
+        not hasattr(output, "dtype")
+        or not np.issubdtype(output.dtype, np.floating)
+        or shape[:-1] != wanted
+        or len(shape) != len(wanted) + 1
+    ):
         need = "[batch, classes]" if kind == "classifier" else "[batch, seq_len, vocab]"
         got = f"{np.dtype(output.dtype).name}{list(shape)}" if hasattr(output, "dtype") else type(output).__name__
-        raise ConfigError(f"the model returns {got}, not the logits {need} (batch {list(wanted)}) the built-in "
-                          f"{kind} loss reads; return logits from the model or pass loss_fn=")
+        raise ConfigError(
+            f"the model returns {got}, not the logits {need} (batch {list(wanted)}) the built-in "
+            f"{kind} loss reads; return logits from the model or pass loss_fn="
+        )
 
 
 def _contract(stateful: bool) -> str:
     if stateful:
-        return ("loss_fn(params, batch, rng, model_state) must return (loss_sum, weight, aux_sums, new_model_state): "
-                "scalar sums over the batch, a dict of sums and the model state")
+        return (
+            "loss_fn(params, batch, rng, model_state) must return (loss_sum, weight, aux_sums, new_model_state): "
+            "scalar sums over the batch, a dict of sums and the model state"
+        )
     return "loss_fn must return (loss_sum, weight, aux_sums): scalar sums over the batch and a dict of sums"
 
 
@@ -345,28 +402,36 @@ def check_user_loss(loss_fn: Callable, params: Any, batch: Batch, model_state: A
     and (state-updating form) in evaluation."""
     arity = _positional_arity(loss_fn)
     if arity not in (None, 3, 4):
-        raise ConfigError(f"loss_fn takes {arity} positional arguments; take (params, batch, rng), or "
-                          f"(params, batch, rng, model_state) to update the model's mutable state")
+        raise ConfigError(
+            f"loss_fn takes {arity} positional arguments; take (params, batch, rng), or "
+            f"(params, batch, rng, model_state) to update the model's mutable state"
+        )
     stateful = arity == 4
     has_state = bool(jax.tree.leaves(model_state))
     if has_state and not stateful:
-        raise ConfigError("the model has mutable state (batch statistics) and loss_fn takes (params, batch, rng); "
-                          "take it as loss_fn(params, batch, rng, model_state) and return (loss_sum, weight, "
-                          "aux_sums, new_model_state)")
+        raise ConfigError(
+            "the model has mutable state (batch statistics) and loss_fn takes (params, batch, rng); "
+            "take it as loss_fn(params, batch, rng, model_state) and return (loss_sum, weight, "
+            "aux_sums, new_model_state)"
+        )
     calls = [(jax.random.PRNGKey(0),), (None,)] if stateful else [(jax.random.PRNGKey(0),)]
     for rng in calls:
         arguments = (params, batch, *rng, model_state or {}) if stateful else (params, batch, *rng)
         try:
             result = jax.eval_shape(loss_fn, *arguments)
         except KeyError as exc:
-            raise DataError(f"loss_fn reads field {exc} which the data does not have (fields: {_fields(batch)}); "
-                            f"add the field to the data or fix loss_fn") from None
+            raise DataError(
+                f"loss_fn reads field {exc} which the data does not have (fields: {_fields(batch)}); "
+                f"add the field to the data or fix loss_fn"
+            ) from None
         _check_result(result, stateful)
         # jaxlib ships no type stub for PyTreeDef, so mypy cannot compare two (ignore below).
         if stateful and jax.tree.structure(result[3]) != jax.tree.structure(model_state or {}):  # type: ignore[operator]
-            raise ConfigError(f"loss_fn returned a new model state of another structure than the one it was given "
-                              f"({sorted(model_state or {})}); return the updated model_state itself (e.g. the "
-                              f"updates of apply(..., mutable=list(model_state)))")
+            raise ConfigError(
+                f"loss_fn returned a new model state of another structure than the one it was given "
+                f"({sorted(model_state or {})}); return the updated model_state itself (e.g. the "
+                f"updates of apply(..., mutable=list(model_state)))"
+            )
 
 
 def _check_result(result: Any, stateful: bool) -> None:
@@ -377,11 +442,16 @@ def _check_result(result: Any, stateful: bool) -> None:
     loss_sum, weight, aux = result[:3]
     if not isinstance(aux, dict):
         raise ConfigError(f"loss_fn returned aux of type {type(aux).__name__}; {_contract(stateful)}")
-    for name, value in {"loss_sum": loss_sum, "weight": weight,
-                        **{f"aux[{key!r}]": value for key, value in aux.items()}}.items():
+    for name, value in {
+        "loss_sum": loss_sum,
+        "weight": weight,
+        **{f"aux[{key!r}]": value for key, value in aux.items()},
+    }.items():
         if getattr(value, "shape", None) != ():
-            raise ConfigError(f"loss_fn returned {name} of shape {getattr(value, 'shape', type(value).__name__)}, "
-                              f"not a scalar; {_contract(stateful)}")
+            raise ConfigError(
+                f"loss_fn returned {name} of shape {getattr(value, 'shape', type(value).__name__)}, "
+                f"not a scalar; {_contract(stateful)}"
+            )
 
 
 def check_weight_is_a_count(loss_fn: Callable, params: Any, model_state: Any, batch: Batch) -> None:
@@ -391,20 +461,22 @@ def check_weight_is_a_count(loss_fn: Callable, params: Any, model_state: Any, ba
     rows = int(np.sum(np.asarray(batch["weight"]) > 0))
     weight = float(jax.jit(loss_fn)(params, model_state, batch, jax.random.PRNGKey(0))[1])
     if rows > 1 and weight <= 1.0:
-        raise ConfigError(f"loss_fn returned weight {weight:g} for a batch of {rows} records: it looks like a mean; "
-                          f"return sums (loss_sum, weight = examples or tokens counted, aux sums), the step "
-                          f"divides once by the total weight")
+        raise ConfigError(
+            f"loss_fn returned weight {weight:g} for a batch of {rows} records: it looks like a mean; "
+            f"return sums (loss_sum, weight = examples or tokens counted, aux sums), the step "
+            f"divides once by the total weight"
+        )
 
 
 # ---------------------------------------------------------------------------------------------- entry
+
 
 def model_inputs_of(fields: Fields | None, example_batch: Batch) -> Any:
     """What a model is called on in a batch of these ``fields``: the built-in loss's inputs, or the named input
     field (the batch itself when no field is named: a FunctionalModel's ``init`` reads it whole)."""
     if fields is None:
         return example_batch
-    return (model_inputs(fields.kind, canonical(fields, example_batch)) if fields.kind
-            else example_batch[fields.inputs])
+    return model_inputs(fields.kind, canonical(fields, example_batch)) if fields.kind else example_batch[fields.inputs]
 
 
 def model_pieces(model: Any, inputs: Any, example_batch: Batch, argument: str | None = None) -> ModelPieces:
@@ -416,8 +488,10 @@ def model_pieces(model: Any, inputs: Any, example_batch: Batch, argument: str | 
     if framework == "linen":
         return ModelPieces(*linen_pieces(model, inputs, argument), framework=framework)
     if argument is not None:
-        raise ConfigError(f"data.fields.inputs passes the input as the keyword {argument!r}, and FunctionalModel's "
-                          f"apply(params, inputs) takes its inputs positionally; name the field alone")
+        raise ConfigError(
+            f"data.fields.inputs passes the input as the keyword {argument!r}, and FunctionalModel's "
+            f"apply(params, inputs) takes its inputs positionally; name the field alone"
+        )
     return ModelPieces(*functional_pieces(model, example_batch), framework=framework)
 
 
@@ -429,24 +503,35 @@ def builtin_program(pieces: ModelPieces, fields: Fields, example_batch: Batch) -
         raise ValueError("builtin_program needs fields of a built-in loss (require_builtin gives them)")
     params, model_state = jax.eval_shape(pieces.init, jax.random.PRNGKey(0))
     check_logits(pieces.apply, loss_kind, params, model_state, canonical(fields, example_batch))
-    return program_on(pieces, builtin_loss(pieces.apply, loss_kind, True, fields),
-                      builtin_loss(pieces.apply, loss_kind, False, fields))
+    return program_on(
+        pieces,
+        builtin_loss(pieces.apply, loss_kind, True, fields),
+        builtin_loss(pieces.apply, loss_kind, False, fields),
+    )
 
 
 def user_program(pieces: ModelPieces, loss_fn: Callable, example_batch: Batch) -> Program:
     """A user loss (either form of the module docstring) on the model's parameters, after checking its
     structure and that it returns sums."""
     if not callable(loss_fn):
-        raise ConfigError(f"loss_fn is a {type(loss_fn).__name__}, not a function; pass "
-                          f"loss_fn(params, batch, rng) -> (loss_sum, weight, aux_sums)")
+        raise ConfigError(
+            f"loss_fn is a {type(loss_fn).__name__}, not a function; pass "
+            f"loss_fn(params, batch, rng) -> (loss_sum, weight, aux_sums)"
+        )
     params, model_state = jax.eval_shape(pieces.init, jax.random.PRNGKey(0))
     check_user_loss(loss_fn, params, example_batch, model_state)
     check_weight_is_a_count(user_loss(loss_fn), *pieces.init(jax.random.PRNGKey(0)), example_batch)
     return program_on(pieces, user_loss(loss_fn), user_loss(loss_fn, train=False))
 
 
-def as_program(model: Any, example_batch: Batch, *, kind: str | None = None, loss_fn: Callable | None = None,
-               fields: Fields | None = None) -> Program:
+def as_program(
+    model: Any,
+    example_batch: Batch,
+    *,
+    kind: str | None = None,
+    loss_fn: Callable | None = None,
+    fields: Fields | None = None,
+) -> Program:
     """The :class:`Program` of a linen module, an NNX module, a :class:`FunctionalModel` or a Program, with the
     built-in loss its data calls for or a user loss (research code's entry; runs go through a task).
 
@@ -468,8 +553,9 @@ def as_program(model: Any, example_batch: Batch, *, kind: str | None = None, los
         fields = resolve_fields(example_batch, kind=kind)
     if framework == "linen" and fields is None:
         require_builtin(fields, example_batch)  # names the missing input and the setting that fixes it
-    pieces = model_pieces(model, model_inputs_of(fields, example_batch), example_batch,
-                          fields.argument if fields is not None else None)
+    pieces = model_pieces(
+        model, model_inputs_of(fields, example_batch), example_batch, fields.argument if fields is not None else None
+    )
     if loss_fn is None:
         return builtin_program(pieces, require_builtin(fields, example_batch), example_batch)
     return user_program(pieces, loss_fn, example_batch)

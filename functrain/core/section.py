@@ -6,6 +6,7 @@ from pydantic import BaseModel, ConfigDict
 class Section(BaseModel):
     """A config section: unknown keys are errors, values are validated on assignment too, and no number is
     infinite or NaN (``optimizer.learning_rate=inf`` would train to NaN)."""
+
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 

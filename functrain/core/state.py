@@ -41,13 +41,26 @@ class TrainState(flax.struct.PyTreeNode):  # flax.struct.dataclass, with a typed
     nonfinite_steps: jax.Array
 
     @classmethod
-    def create(cls, params: Any, tx: optax.GradientTransformation, rng: jax.Array,
-               model_state: Any = None, loss_scale: float = 1.0) -> "TrainState":
+    def create(
+        cls,
+        params: Any,
+        tx: optax.GradientTransformation,
+        rng: jax.Array,
+        model_state: Any = None,
+        loss_scale: float = 1.0,
+    ) -> "TrainState":
         """A step-0 state with a fresh optimizer state for ``params``."""
-        return cls(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                   rng=jnp.asarray(rng, jnp.uint32), model_state={} if model_state is None else model_state,
-                   loss_scale=jnp.asarray(loss_scale, jnp.float32), good_steps=jnp.zeros((), jnp.int32),
-                   skipped_steps=jnp.zeros((), jnp.int32), nonfinite_steps=jnp.zeros((), jnp.int32))
+        return cls(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=tx.init(params),
+            rng=jnp.asarray(rng, jnp.uint32),
+            model_state={} if model_state is None else model_state,
+            loss_scale=jnp.asarray(loss_scale, jnp.float32),
+            good_steps=jnp.zeros((), jnp.int32),
+            skipped_steps=jnp.zeros((), jnp.int32),
+            nonfinite_steps=jnp.zeros((), jnp.int32),
+        )
 
     def step_key(self) -> jax.Array:
         """The RNG key of the current step: ``fold_in(rng, step)``."""

@@ -29,10 +29,11 @@ Metrics = dict[str, jax.Array]
 @dataclass(frozen=True)
 class StepSettings:
     """What a backend's step is made with, as both backends read it (the builder fills it from ``train.*``)."""
+
     micro_batches: int = 1
     clip_norm: float | None = None
-    compute_dtype: str = "float32"   # the forward/backward pass
-    param_dtype: str = "float32"     # the stored (master) weights
+    compute_dtype: str = "float32"  # the forward/backward pass
+    param_dtype: str = "float32"  # the stored (master) weights
     dynamic_loss_scale: bool = False
     offload_optimizer: bool = False  # optimizer state in pinned host memory (GPU/TPU)
 
@@ -43,9 +44,11 @@ def split_micro_batches(batch: Batch, micro_batches: int) -> Batch:
     Micro-batch ``m`` takes rows ``m, m + M, m + 2M, ...``: with the batch sharded in contiguous blocks over
     devices, every device then holds its own share of every micro-batch and no data moves between devices.
     """
+
     def split(x):
         rows = x.shape[0]
         return x.reshape(rows // micro_batches, micro_batches, *x.shape[1:]).swapaxes(0, 1)
+
     return jax.tree.map(split, batch)
 
 
@@ -57,12 +60,22 @@ def _as_stateful(loss_fn: Callable, stateful: bool) -> Callable:
     def stateful_loss(params, model_state, batch, rng):
         loss_sum, weight, aux = loss_fn(params, batch, rng)
         return loss_sum, weight, aux, model_state
+
     return stateful_loss
 
 
-def _gradient_sums(loss_fn: Callable, params: Any, model_state: Any, batch: Batch, rng: jax.Array,
-                   micro_batches: int, compute_dtype: Any, loss_scale: jax.Array):
+def _gradient_sums(
+    loss_fn: Callable,
+    params: Any,
+    model_state: Any,
+    batch: Batch,
+    rng: jax.Array,
+    micro_batches: int,
+    compute_dtype: Any,
+    loss_scale: jax.Array,
+):
     """Sum of (scaled) gradients, loss, weight and aux over the micro-batches of one batch."""
+
     def scaled_loss(p, ms, micro_batch, key):
         loss_sum, weight, aux, new_ms = loss_fn(cast_floating(p, compute_dtype), ms, micro_batch, key)
         loss_sum = loss_sum.astype(jnp.float32)
@@ -80,16 +93,19 @@ def _gradient_sums(loss_fn: Callable, params: Any, model_state: Any, batch: Batc
         grad_acc, loss_acc, weight_acc, aux_acc, ms = carry
         grads, (loss_sum, weight, aux, ms) = grad_fn(params, ms, micro_batch, jax.random.fold_in(rng, index))
         add = lambda a, b: a + b.astype(a.dtype)  # noqa: E731
-        return (jax.tree.map(add, grad_acc, grads), loss_acc + loss_sum, weight_acc + weight,
-                jax.tree.map(add, aux_acc, aux), ms), None
+        return (
+            jax.tree.map(add, grad_acc, grads),
+            loss_acc + loss_sum,
+            weight_acc + weight,
+            jax.tree.map(add, aux_acc, aux),
+            ms,
+        ), None
 
     first = jax.tree.map(lambda x: x[0], micro)
     aux_shape = jax.eval_shape(lambda: scaled_loss(params, model_state, first, rng)[1][2])
     zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), tree)  # noqa: E731
-    init = (zeros(params), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros(aux_shape),
-            model_state)
-    (grads, loss_sum, weight, aux, model_state), _ = jax.lax.scan(
-        accumulate, init, (jnp.arange(micro_batches), micro))
+    init = (zeros(params), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros(aux_shape), model_state)
+    (grads, loss_sum, weight, aux, model_state), _ = jax.lax.scan(accumulate, init, (jnp.arange(micro_batches), micro))
     return grads, loss_sum, weight, aux, model_state
 
 
@@ -106,11 +122,13 @@ def combine(mask: Any, trained: Any, frozen: Any) -> Any:
 def trainable_only(tx: optax.GradientTransformation, trainable: Any) -> optax.GradientTransformation:
     """``tx`` keeping state for the ``trainable`` leaves only; its updates take and give those leaves only
     (the `select`-ed tree), as `make_train_step` with ``trainable`` passes them."""
+
     def init(params):
         return tx.init(select(params, trainable))
 
     def update(updates, state, params=None):
         return tx.update(updates, state, None if params is None else select(params, trainable))
+
     return optax.GradientTransformation(init, update)
 
 
@@ -120,12 +138,18 @@ def _clip_by_global_norm(grads: Any, grad_norm: jax.Array, clip_norm: float) -> 
     return jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
 
 
-def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, *, micro_batches: int = 1,
-                    clip_norm: float | None = None,
-                    compute_dtype: Any = None, dynamic_loss_scale: bool = False,
-                    learning_rate_fn: Callable[[jax.Array], jax.Array] | None = None,
-                    stateful: bool = False,
-                    trainable: Any = None) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
+def make_train_step(
+    loss_fn: Callable,
+    tx: optax.GradientTransformation,
+    *,
+    micro_batches: int = 1,
+    clip_norm: float | None = None,
+    compute_dtype: Any = None,
+    dynamic_loss_scale: bool = False,
+    learning_rate_fn: Callable[[jax.Array], jax.Array] | None = None,
+    stateful: bool = False,
+    trainable: Any = None,
+) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
     """Build the pure ``train_step(state, batch) -> (state, metrics)``.
 
     Args:
@@ -163,8 +187,10 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, *, micr
 
             def loss(p, ms, b, key):
                 return full_loss(combine(trainable, p, frozen_compute), ms, b, key)
+
         grad_sums, loss_sum, weight, aux, new_model_state = _gradient_sums(
-            loss, params, state.model_state, batch, state.step_key(), micro_batches, compute_dtype, scale)
+            loss, params, state.model_state, batch, state.step_key(), micro_batches, compute_dtype, scale
+        )
         # One division by the global weight; max() keeps an all-padding batch from dividing by zero.
         denominator = jnp.maximum(weight, 1e-12)
         grads = jax.tree.map(lambda g: g / (scale * denominator), grad_sums)
@@ -184,8 +210,11 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, *, micr
         # small model's step about 1.5%). The optimizer sees gradients in the parameters' dtype, so its state
         # keeps its dtypes step after step.
         new_params, new_opt_state = jax.lax.cond(
-            finite, apply_update, lambda operands: (operands[2], operands[1]),
-            (cast_like(grads, params), state.opt_state, params, state.params))
+            finite,
+            apply_update,
+            lambda operands: (operands[2], operands[1]),
+            (cast_like(grads, params), state.opt_state, params, state.params),
+        )
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
         if trainable is not None:
             new_params = combine(trainable, new_params, frozen)
@@ -199,13 +228,25 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, *, micr
         nonfinite = (~jnp.isfinite(loss) if dynamic_loss_scale else ~finite).astype(jnp.int32)
         nonfinite_steps = state.nonfinite_steps + nonfinite
         new_state = state.replace(
-            step=state.step + 1, params=new_params, opt_state=new_opt_state,
+            step=state.step + 1,
+            params=new_params,
+            opt_state=new_opt_state,
             model_state=keep(new_model_state, state.model_state),
-            loss_scale=loss_scale, good_steps=good_steps, skipped_steps=skipped, nonfinite_steps=nonfinite_steps)
+            loss_scale=loss_scale,
+            good_steps=good_steps,
+            skipped_steps=skipped,
+            nonfinite_steps=nonfinite_steps,
+        )
 
         applied_updates = state.step - state.skipped_steps
-        metrics = {"loss": loss, "weight": weight, "grad_norm": grad_norm,
-                   "skipped_steps": skipped, "nonfinite": nonfinite, "nonfinite_steps": nonfinite_steps}
+        metrics = {
+            "loss": loss,
+            "weight": weight,
+            "grad_norm": grad_norm,
+            "skipped_steps": skipped,
+            "nonfinite": nonfinite,
+            "nonfinite_steps": nonfinite_steps,
+        }
         if learning_rate_fn is not None:
             metrics["learning_rate"] = learning_rate_fn(applied_updates)
         if dynamic_loss_scale:
@@ -221,13 +262,16 @@ def make_train_call(train_step: Callable) -> Callable[[TrainState, Batch], tuple
 
     One compiled call per ``K`` steps removes the per-step dispatch cost that dominates small models.
     """
+
     def train_call(state: TrainState, batches: Batch) -> tuple[TrainState, Metrics]:
         return jax.lax.scan(train_step, state, batches)
+
     return train_call
 
 
-def make_eval_step(loss_fn: Callable, *, compute_dtype: Any = None, stateful: bool = False
-                   ) -> Callable[[TrainState, Batch], Metrics]:
+def make_eval_step(
+    loss_fn: Callable, *, compute_dtype: Any = None, stateful: bool = False
+) -> Callable[[TrainState, Batch], Metrics]:
     """Build the pure ``eval_step(state, batch) -> sums``: ``loss`` and aux as sums, and ``weight``.
 
     Sums (not means) so the loop can add them over batches and divide once by the total weight.

@@ -37,6 +37,7 @@ def split_records(arrays: Arrays, eval_fraction: float) -> tuple[Arrays, Arrays]
 
 def _digits(data_config: Any) -> Arrays:
     from sklearn.datasets import load_digits
+
     digits = load_digits()
     # The bundled file is ordered by writer; a fixed permutation mixes writers into both splits.
     order = np.random.default_rng(0).permutation(len(digits.target))
@@ -46,6 +47,7 @@ def _digits(data_config: Any) -> Arrays:
 def bundled_text() -> str:
     """The Python documentation topics that ship with every CPython (about 800 KB of English text)."""
     from pydoc_data.topics import topics
+
     return "\n\n".join(topics[key] for key in sorted(topics))
 
 
@@ -54,8 +56,10 @@ def text_windows(text: str, seq_len: int) -> Arrays:
     data = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
     num_records = (len(data) - 1) // seq_len
     if num_records < 1:
-        raise DataError(f"the text has {len(data)} bytes, fewer than data.seq_len + 1 = {seq_len + 1}; "
-                        f"use a longer text or a smaller data.seq_len")
+        raise DataError(
+            f"the text has {len(data)} bytes, fewer than data.seq_len + 1 = {seq_len + 1}; "
+            f"use a longer text or a smaller data.seq_len"
+        )
     starts = np.arange(num_records) * seq_len
     tokens = data[starts[:, None] + np.arange(seq_len + 1)[None, :]].astype(np.int32)
     return {"tokens": tokens}
@@ -76,8 +80,9 @@ def _char_text(data_config: Any) -> Arrays:
         try:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError:
-            raise DataError(f"data file {str(path)!r} is not UTF-8 text; convert it or use data.name=array_file") \
-                from None
+            raise DataError(
+                f"data file {str(path)!r} is not UTF-8 text; convert it or use data.name=array_file"
+            ) from None
     else:
         text = bundled_text()
     return text_windows(text, data_config.seq_len)
@@ -99,12 +104,15 @@ def _array_file(data_config: Any) -> Arrays:
         raise DataError(f"data file {str(path)!r} holds no arrays; {how}")
     lengths = {key: len(value) for key, value in arrays.items()}
     if len(set(lengths.values())) > 1:
-        raise DataError(f"arrays in {str(path)!r} have different record counts {lengths}; "
-                        f"every array needs the same first dimension")
+        raise DataError(
+            f"arrays in {str(path)!r} have different record counts {lengths}; "
+            f"every array needs the same first dimension"
+        )
     return arrays
 
 
 LOADERS = {"digits": _digits, "char_text": _char_text, "array_file": _array_file}
+
 
 # Loaders of one file or store each, by name, for the entries of data.sources: ``opener(data_config with .path
 # set, the model's vocab_size or None)`` returns a dict of arrays (split by data.eval_fraction here) or a
@@ -114,8 +122,9 @@ def token_store(data_config: Any, vocab_size: int | None) -> tuple[Any, Any]:
     """``data.name: tokens``: the (train, eval or None) windows of the token store at ``data.path``."""
     if not data_config.path:
         raise DataError("data.name=tokens needs data.path; set data.path=STORE (written by functrain tokenize)")
-    return token_splits(data_config.path, data_config.seq_len, data_config.packing, data_config.eval_fraction,
-                        vocab_size)
+    return token_splits(
+        data_config.path, data_config.seq_len, data_config.packing, data_config.eval_fraction, vocab_size
+    )
 
 
 SOURCE_OPENERS: dict[str, Callable[[Any, int | None], Any]] = {
@@ -139,14 +148,15 @@ def open_source(path: str, name: str | None, data_config: Any, vocab_size: int |
     kind = name or source_kind(where)
     if kind not in SOURCE_OPENERS:
         what = f"name {name!r}" if name else f"suffix {where.suffix!r}"
-        raise DataError(f"data.sources path {path!r}: no loader for its {what}; give the entry a 'name', one of "
-                        f"{', '.join(sorted(SOURCE_OPENERS))} (.npz files are array_file)")
+        raise DataError(
+            f"data.sources path {path!r}: no loader for its {what}; give the entry a 'name', one of "
+            f"{', '.join(sorted(SOURCE_OPENERS))} (.npz files are array_file)"
+        )
     opened = SOURCE_OPENERS[kind](data_config.model_copy(update={"path": str(where), "sources": None}), vocab_size)
     if isinstance(opened, dict):
         train, evaluation = split_records(opened, data_config.eval_fraction)
         if len(next(iter(train.values()))) == 0:
-            raise DataError(f"data.sources path {path!r} has no training records; add data or lower "
-                            f"data.eval_fraction")
+            raise DataError(f"data.sources path {path!r} has no training records; add data or lower data.eval_fraction")
         return train, (evaluation if len(next(iter(evaluation.values()))) else None)
     return opened
 
@@ -159,6 +169,5 @@ def load_dataset(data_config: Any) -> tuple[Arrays, Arrays]:
     arrays = LOADERS[data_config.name](data_config)
     train, evaluation = split_records(arrays, data_config.eval_fraction)
     if len(next(iter(train.values()))) == 0:
-        raise DataError(f"data.name={data_config.name} has no training records; add data or lower "
-                        f"data.eval_fraction")
+        raise DataError(f"data.name={data_config.name} has no training records; add data or lower data.eval_fraction")
     return train, evaluation

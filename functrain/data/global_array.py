@@ -45,7 +45,8 @@ def _check_process_rows(sharding: Sharding, global_shape: tuple[int, ...], batch
         raise DataError(
             f"the batch sharding gives process {process} batch {held} but its data slice is rows "
             f"{process * local}..{(process + 1) * local - 1}; shard the batch over a mesh with process-major "
-            f"device order (jax.make_mesh) and split it across all processes")
+            f"device order (jax.make_mesh) and split it across all processes"
+        )
 
 
 def to_global(host_batch: Any, sharding_or_mesh: Sharding | Mesh, batch_axis: int = 1) -> Any:

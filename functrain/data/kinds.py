@@ -24,8 +24,9 @@ Order = IndexSampler | MixtureSampler | StreamOrder
 _ORDER_MISMATCH = "a stream is read in a StreamOrder, other data in a sampler; build the order with order_for(source)"
 
 
-def order_for(source: Any, global_batch_size: int, seed: int, shuffle: bool = True,
-              last_batch: LastBatch = "drop") -> Order:
+def order_for(
+    source: Any, global_batch_size: int, seed: int, shuffle: bool = True, last_batch: LastBatch = "drop"
+) -> Order:
     """The global order of ``source`` (a Source, a :class:`Mixture` or a :class:`Stream`)."""
     if isinstance(source, Stream):
         return StreamOrder(global_batch_size, seed)
@@ -34,20 +35,28 @@ def order_for(source: Any, global_batch_size: int, seed: int, shuffle: bool = Tr
     return IndexSampler(len(source), global_batch_size, seed, shuffle=shuffle, last_batch=last_batch)
 
 
-def loader_for(source: Any, order: Order, process_index: int = 0, process_count: int = 1, prefetch: int = 2,
-               check: BatchCheck | None = None, transform: Transform | None = None) -> BatchLoader | StreamLoader:
+def loader_for(
+    source: Any,
+    order: Order,
+    process_index: int = 0,
+    process_count: int = 1,
+    prefetch: int = 2,
+    check: BatchCheck | None = None,
+    transform: Transform | None = None,
+) -> BatchLoader | StreamLoader:
     """This process's loader of ``source`` in ``order`` (``transform``: per record, map-style sources only)."""
     if isinstance(source, Stream):
         if transform is not None:
-            raise DataError("data.transform applies to map-style data (arrays, an HF or Grain dataset), and this "
-                            "data is a stream; transform the records in the stream itself or remove data.transform")
+            raise DataError(
+                "data.transform applies to map-style data (arrays, an HF or Grain dataset), and this "
+                "data is a stream; transform the records in the stream itself or remove data.transform"
+            )
         if not isinstance(order, StreamOrder):
             raise DataError(_ORDER_MISMATCH)
         return StreamLoader(source, order, process_index, process_count, prefetch=prefetch, check=check)
     if isinstance(order, StreamOrder):
         raise DataError(_ORDER_MISMATCH)
-    return BatchLoader(source, order, process_index, process_count, prefetch=prefetch, check=check,
-                       transform=transform)
+    return BatchLoader(source, order, process_index, process_count, prefetch=prefetch, check=check, transform=transform)
 
 
 def as_data(data: Any, keys: tuple[str, ...] | None = None) -> Any:

@@ -51,25 +51,31 @@ class _Synchronous:
 Calls = BackgroundIterator[Call] | _Synchronous
 
 
-def batch_split_problem(global_batch_size: int, micro_batches: int = 1, ways: int = 1,
-                        what: str = "processes") -> str | None:
+def batch_split_problem(
+    global_batch_size: int, micro_batches: int = 1, ways: int = 1, what: str = "processes"
+) -> str | None:
     """The one rule for splitting a global batch, or what breaks it: it must divide by ``micro_batches`` times
     the ``ways`` it is split (processes, or data-parallel devices)."""
     divisor = micro_batches * ways
     if global_batch_size % divisor == 0:
         return None
     parts = ([f"train.micro_batches={micro_batches}"] if micro_batches > 1 else []) + (
-        [f"the {ways} {what}"] if ways > 1 else [])
-    return (f"data.global_batch_size={global_batch_size} is not divisible by {' x '.join(parts)}; set it to a "
-            f"multiple of {divisor}")
+        [f"the {ways} {what}"] if ways > 1 else []
+    )
+    return (
+        f"data.global_batch_size={global_batch_size} is not divisible by {' x '.join(parts)}; set it to a "
+        f"multiple of {divisor}"
+    )
 
 
 def local_batch_size(global_batch_size: int, process_index: int, process_count: int) -> int:
     """The rows of each global batch that process ``process_index`` of ``process_count`` loads; a DataError
     (one line) for an index outside the job or a batch the processes cannot share evenly."""
     if process_count < 1 or not 0 <= process_index < process_count:
-        raise DataError(f"process_index={process_index} is not in [0, process_count={process_count}); "
-                        f"pass jax.process_index() and jax.process_count()")
+        raise DataError(
+            f"process_index={process_index} is not in [0, process_count={process_count}); "
+            f"pass jax.process_index() and jax.process_count()"
+        )
     problem = batch_split_problem(global_batch_size, ways=process_count)
     if problem:
         raise DataError(problem)
@@ -95,16 +101,26 @@ class BatchLoader:
     ``"weight"`` field the source already has).
     """
 
-    def __init__(self, source: Any, sampler: IndexSampler | MixtureSampler, process_index: int = 0,
-                 process_count: int = 1, transform: Transform | None = None, prefetch: int = 2,
-                 transform_seed: int | None = None, keys: tuple[str, ...] | None = None,
-                 check: BatchCheck | None = None) -> None:
+    def __init__(
+        self,
+        source: Any,
+        sampler: IndexSampler | MixtureSampler,
+        process_index: int = 0,
+        process_count: int = 1,
+        transform: Transform | None = None,
+        prefetch: int = 2,
+        transform_seed: int | None = None,
+        keys: tuple[str, ...] | None = None,
+        check: BatchCheck | None = None,
+    ) -> None:
         self.source = as_source(source, keys=keys)
         self.check = check
         self.sampler = sampler
         if len(self.source) != sampler.num_records:
-            raise DataError(f"the data source has {len(self.source)} records but the sampler was built for "
-                            f"{sampler.num_records}; build the IndexSampler with num_records=len(source)")
+            raise DataError(
+                f"the data source has {len(self.source)} records but the sampler was built for "
+                f"{sampler.num_records}; build the IndexSampler with num_records=len(source)"
+            )
         if prefetch < 0:
             raise DataError(f"data.prefetch={prefetch} is negative; set 0 (synchronous) or more")
         self.process_index = process_index
@@ -117,8 +133,9 @@ class BatchLoader:
     def host_batch(self, position: int) -> tuple[Batch, int]:
         """This process's rows of the batch at ``position`` (with ``"weight"``) and the next position."""
         first = self.process_index * self.local_batch_size
-        stream, records, weights, next_position = self.sampler.batch_rows(position, first,
-                                                                          first + self.local_batch_size)
+        stream, records, weights, next_position = self.sampler.batch_rows(
+            position, first, first + self.local_batch_size
+        )
         batch = self.source.gather(records)
         if self.transform is not None:
             batch = apply_transform(batch, self.transform, self.transform_seed, stream)
@@ -128,9 +145,14 @@ class BatchLoader:
         batch["weight"] = weights * batch["weight"].astype(np.float32) if "weight" in batch else weights
         return batch, next_position
 
-    def iter_from(self, position: int, steps_per_call: int = 1, num_steps: int | None = None,
-                  place: Callable[[Batch], Any] | None = None, first_call_steps: int | None = None
-                  ) -> Calls:
+    def iter_from(
+        self,
+        position: int,
+        steps_per_call: int = 1,
+        num_steps: int | None = None,
+        place: Callable[[Batch], Any] | None = None,
+        first_call_steps: int | None = None,
+    ) -> Calls:
         """Yield ``(host_batch, start_position, end_position)`` from ``position`` on.
 
         ``host_batch`` is a dict of arrays ``[K, B/P, ...]`` with ``K = steps_per_call``; ``end_position`` is the
@@ -142,17 +164,23 @@ class BatchLoader:
         The result is closeable (``close()`` or ``with``), which stops the prefetch thread.
         """
         self.sampler.batch_start(position)  # validates the position before a thread is started
-        return start_calls(self.host_batch, int(position), steps_per_call, num_steps, place, first_call_steps,
-                           self.prefetch)
+        return start_calls(
+            self.host_batch, int(position), steps_per_call, num_steps, place, first_call_steps, self.prefetch
+        )
 
 
 class StreamEnded(Exception):
     """Raised by a loader's ``host_batch`` when its source has no whole batch left (a finite stream)."""
 
 
-def stacked_calls(host_batch: Callable[[int], tuple[Batch, int]], position: int, steps_per_call: int,
-                  num_steps: int | None, place: Callable[[Batch], Any] | None,
-                  first_call_steps: int | None) -> Generator[Call, None, None]:
+def stacked_calls(
+    host_batch: Callable[[int], tuple[Batch, int]],
+    position: int,
+    steps_per_call: int,
+    num_steps: int | None,
+    place: Callable[[Batch], Any] | None,
+    first_call_steps: int | None,
+) -> Generator[Call, None, None]:
     """Calls of ``steps_per_call`` batches from ``host_batch``, stacked on a new leading axis; a source that
     ends (:class:`StreamEnded`) ends the calls after its last whole batch."""
     steps_left = num_steps
@@ -181,9 +209,15 @@ def stacked_calls(host_batch: Callable[[int], tuple[Batch, int]], position: int,
             steps_left -= steps
 
 
-def start_calls(host_batch: Callable[[int], tuple[Batch, int]], position: int, steps_per_call: int,
-                num_steps: int | None, place: Callable[[Batch], Any] | None, first_call_steps: int | None,
-                prefetch: int) -> Calls:
+def start_calls(
+    host_batch: Callable[[int], tuple[Batch, int]],
+    position: int,
+    steps_per_call: int,
+    num_steps: int | None,
+    place: Callable[[Batch], Any] | None,
+    first_call_steps: int | None,
+    prefetch: int,
+) -> Calls:
     """:func:`stacked_calls`, run ``prefetch`` calls ahead in a thread (0: in the caller's thread)."""
     if steps_per_call < 1:
         raise DataError(f"train.steps_per_call={steps_per_call} must be at least 1")

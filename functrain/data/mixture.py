@@ -41,8 +41,9 @@ class ConcatSource:
     def __init__(self, sources: Sequence[Any], names: Sequence[str] | None = None) -> None:
         if not sources:
             raise DataError("a mixture needs at least one source; list them in data.sources")
-        self.names = [str(name) for name in names] if names is not None else [f"source {k}" for k in
-                                                                              range(len(sources))]
+        self.names = (
+            [str(name) for name in names] if names is not None else [f"source {k}" for k in range(len(sources))]
+        )
         self.sources: list[Source] = [as_source(source) for source in sources]
         self.sizes = np.array([len(source) for source in self.sources], dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64)
@@ -54,9 +55,11 @@ class ConcatSource:
         for name, source in zip(self.names[1:], self.sources[1:]):
             other = {field: (value.dtype, value.shape[1:]) for field, value in source.gather(np.arange(1)).items()}
             if other != layout:
-                raise DataError(f"mixture source {name} has records {_describe(other)} but {self.names[0]} has "
-                                f"{_describe(layout)}; mix sources with the same fields, dtypes and shapes "
-                                f"(e.g. the same data.seq_len)")
+                raise DataError(
+                    f"mixture source {name} has records {_describe(other)} but {self.names[0]} has "
+                    f"{_describe(layout)}; mix sources with the same fields, dtypes and shapes "
+                    f"(e.g. the same data.seq_len)"
+                )
 
     def __len__(self) -> int:
         return int(self.sizes.sum())
@@ -97,29 +100,41 @@ class Mixture(ConcatSource):
     weights between runs of one run directory continues every source where it stopped (a data schedule).
     """
 
-    def __init__(self, components: Sequence[tuple[Any, float]], block_size: int = DEFAULT_BLOCK_SIZE,
-                 names: Sequence[str] | None = None) -> None:
+    def __init__(
+        self,
+        components: Sequence[tuple[Any, float]],
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        names: Sequence[str] | None = None,
+    ) -> None:
         components = list(components)
         names = list(names) if names is not None else [f"source {k}" for k in range(len(components))]
         for name, component in zip(names, components):
             if not isinstance(component, tuple) or len(component) != 2:
-                raise DataError(f"mixture {name} is a {type(component).__name__}, not a (source, weight) pair; "
-                                f"write Mixture([(source, weight), ...])")
+                raise DataError(
+                    f"mixture {name} is a {type(component).__name__}, not a (source, weight) pair; "
+                    f"write Mixture([(source, weight), ...])"
+                )
             weight = component[1]
             if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not weight > 0:
-                raise DataError(f"mixture {name} has weight {weight!r}; weights must be numbers > 0 (their "
-                                f"ratios are the proportions): give it a positive weight or remove the source")
+                raise DataError(
+                    f"mixture {name} has weight {weight!r}; weights must be numbers > 0 (their "
+                    f"ratios are the proportions): give it a positive weight or remove the source"
+                )
         if block_size < len(components):
-            raise DataError(f"mixture block_size={block_size} is smaller than the {len(components)} sources; "
-                            f"use a block_size of at least {len(components)}")
+            raise DataError(
+                f"mixture block_size={block_size} is smaller than the {len(components)} sources; "
+                f"use a block_size of at least {len(components)}"
+            )
         super().__init__([source for source, _ in components], names)
         self.weights = tuple(float(weight) for _, weight in components)
         self.block_size = int(block_size)
         quota = quotas(self.weights, self.block_size)
         if not quota.all():
             name = self.names[int(np.flatnonzero(quota == 0)[0])]
-            raise DataError(f"mixture {name} gets no sample in a block of {self.block_size} (its weight is below "
-                            f"1/{2 * self.block_size} of the total); raise its weight or the block_size")
+            raise DataError(
+                f"mixture {name} gets no sample in a block of {self.block_size} (its weight is below "
+                f"1/{2 * self.block_size} of the total); raise its weight or the block_size"
+            )
 
 
 def quotas(weights: Sequence[float], block_size: int) -> np.ndarray:
@@ -129,7 +144,7 @@ def quotas(weights: Sequence[float], block_size: int) -> np.ndarray:
     quota = np.floor(shares).astype(np.int64)
     remainders = shares - quota
     order = np.argsort(-remainders, kind="stable")
-    quota[order[:block_size - int(quota.sum())]] += 1
+    quota[order[: block_size - int(quota.sum())]] += 1
     return quota
 
 
@@ -151,14 +166,19 @@ def _block(seed: int, segment: int, block: int, quota: tuple[int, ...]) -> tuple
 class Segment:
     """A stretch of the stream with one set of weights: from position ``start`` on, source ``k``'s items
     continue at ``offsets[k]``."""
+
     start: int
     quota: tuple[int, ...]
     offsets: tuple[int, ...]
     weights: tuple[float, ...]
 
     def as_meta(self) -> dict[str, Any]:
-        return {"start": self.start, "weights": list(self.weights), "quota": list(self.quota),
-                "offsets": list(self.offsets)}
+        return {
+            "start": self.start,
+            "weights": list(self.weights),
+            "quota": list(self.quota),
+            "offsets": list(self.offsets),
+        }
 
 
 class MixtureSampler:
@@ -181,14 +201,21 @@ class MixtureSampler:
         self.block_size = mixture.block_size
         # Each source has its own order (its own permutation per pass), keyed by the seed and its number.
         self.source_orders = [
-            IndexSampler(int(size), 1, int(np.random.SeedSequence([self.seed % 2**63, k]).generate_state(1)[0]),
-                         shuffle=shuffle) for k, size in enumerate(mixture.sizes)]
+            IndexSampler(
+                int(size), 1, int(np.random.SeedSequence([self.seed % 2**63, k]).generate_state(1)[0]), shuffle=shuffle
+            )
+            for k, size in enumerate(mixture.sizes)
+        ]
         self.segments = [self._segment(0, (0,) * len(mixture.sizes))]
         self._lock = threading.Lock()  # restore() replaces the segments; readers (prefetch thread) copy them
 
     def _segment(self, start: int, offsets: tuple[int, ...]) -> Segment:
-        return Segment(int(start), tuple(int(q) for q in quotas(self.mixture.weights, self.block_size)),
-                       tuple(int(o) for o in offsets), self.mixture.weights)
+        return Segment(
+            int(start),
+            tuple(int(q) for q in quotas(self.mixture.weights, self.block_size)),
+            tuple(int(o) for o in offsets),
+            self.mixture.weights,
+        )
 
     # --- the order -----------------------------------------------------------------------------------------
 
@@ -276,9 +303,15 @@ class MixtureSampler:
         """The mixture's fields of a checkpoint meta: the sources, block size and segments up to ``position``."""
         with self._lock:
             segments = [segment.as_meta() for segment in self.segments if segment.start <= position]
-        return {"mixture": {"sources": list(self.mixture.names), "sizes": [int(n) for n in self.mixture.sizes],
-                            "block_size": self.block_size, "segments": segments,
-                            "consumed": list(self.consumed(position))}}
+        return {
+            "mixture": {
+                "sources": list(self.mixture.names),
+                "sizes": [int(n) for n in self.mixture.sizes],
+                "block_size": self.block_size,
+                "segments": segments,
+                "consumed": list(self.consumed(position)),
+            }
+        }
 
     def restore(self, meta: Mapping[str, Any] | None, position: int) -> None:
         """Continue the schedule a checkpoint recorded: its segments up to ``position``, then (when the weights
@@ -291,17 +324,28 @@ class MixtureSampler:
         sizes = [int(n) for n in self.mixture.sizes]
         saved_sizes = [int(n) for n in saved["sizes"]]
         how = "or set data.ignore_skip=true to restart the data (model and optimizer are kept)"
-        if sizes[:len(saved_sizes)] != saved_sizes:
-            raise DataError(f"the checkpoint mixed sources of {saved_sizes} records, the mixture now has {sizes}; "
-                            f"keep those sources first and in order (change their weights, add new ones after) "
-                            f"{how}")
+        if sizes[: len(saved_sizes)] != saved_sizes:
+            raise DataError(
+                f"the checkpoint mixed sources of {saved_sizes} records, the mixture now has {sizes}; "
+                f"keep those sources first and in order (change their weights, add new ones after) "
+                f"{how}"
+            )
         if int(saved["block_size"]) != self.block_size:
-            raise DataError(f"the checkpoint's mixture used block_size={saved['block_size']}, now "
-                            f"{self.block_size}; keep block_size={saved['block_size']} {how}")
+            raise DataError(
+                f"the checkpoint's mixture used block_size={saved['block_size']}, now "
+                f"{self.block_size}; keep block_size={saved['block_size']} {how}"
+            )
         added = (0,) * (len(sizes) - len(saved_sizes))  # a new source has no slots in earlier segments
-        segments = [Segment(int(s["start"]), tuple(s["quota"]) + added, tuple(s["offsets"]) + added,
-                            tuple(s["weights"]) + (0.0,) * len(added))
-                    for s in saved["segments"] if int(s["start"]) <= position]
+        segments = [
+            Segment(
+                int(s["start"]),
+                tuple(s["quota"]) + added,
+                tuple(s["offsets"]) + added,
+                tuple(s["weights"]) + (0.0,) * len(added),
+            )
+            for s in saved["segments"]
+            if int(s["start"]) <= position
+        ]
         with self._lock:
             self.segments = segments
         if segments[-1].quota != self._segment(0, ()).quota:

@@ -17,8 +17,13 @@ if TYPE_CHECKING:
     from functrain.data.kinds import Order
 
 
-def check_resume(meta: Mapping[str, Any] | None, num_records: int | None, seed: int, ignore_skip: bool,
-                 skip_samples: int | None = None) -> None:
+def check_resume(
+    meta: Mapping[str, Any] | None,
+    num_records: int | None,
+    seed: int,
+    ignore_skip: bool,
+    skip_samples: int | None = None,
+) -> None:
     """Raise :class:`DataError` if the checkpoint meta was written for a different dataset size or data seed.
 
     Nothing is checked without meta, with ``ignore_skip`` (the data order restarts anyway) or with an explicit
@@ -26,16 +31,20 @@ def check_resume(meta: Mapping[str, Any] | None, num_records: int | None, seed: 
     """
     if not meta or ignore_skip or skip_samples is not None:
         return
-    how = ("set data.ignore_skip=true to restart the data from the beginning (model and optimizer are kept), "
-           "or use the original data")
+    how = (
+        "set data.ignore_skip=true to restart the data from the beginning (model and optimizer are kept), "
+        "or use the original data"
+    )
     saved_records = meta.get("num_records")
     if saved_records is not None and int(saved_records) != num_records:
-        raise DataError(f"the checkpoint was trained on {saved_records} records but the data now has "
-                        f"{num_records}; {how}")
+        raise DataError(
+            f"the checkpoint was trained on {saved_records} records but the data now has {num_records}; {how}"
+        )
     saved_seed = meta.get("data_seed")
     if saved_seed is not None and int(saved_seed) != seed:
-        raise DataError(f"the checkpoint was trained with data seed {saved_seed} but the run now uses seed "
-                        f"{seed}; {how} and seed")
+        raise DataError(
+            f"the checkpoint was trained with data seed {saved_seed} but the run now uses seed {seed}; {how} and seed"
+        )
 
 
 def resume_position(meta: Mapping[str, Any] | None, ignore_skip: bool, skip_samples: int | None) -> int:
@@ -53,16 +62,19 @@ def resume_position(meta: Mapping[str, Any] | None, ignore_skip: bool, skip_samp
     return int(meta.get("samples_consumed", 0))
 
 
-def data_meta(sampler: Order, position: int, previous: Mapping[str, Any] | None = None,
-              jump: Mapping[str, int] | None = None) -> dict[str, Any]:
+def data_meta(
+    sampler: Order, position: int, previous: Mapping[str, Any] | None = None, jump: Mapping[str, int] | None = None
+) -> dict[str, Any]:
     """The data fields of a checkpoint meta at ``position``: samples_consumed, epoch, global_batch_size,
     global_batch_sizes (history, extended when the size changed since ``previous`` meta), num_records,
     data_seed, position_jumps (history of ``data.skip_samples`` moves, ``jump`` = ``{"step", "from",
     "to"}`` of this run's, so a rewind past a loss spike stays on record in every later checkpoint) and the
     order's own fields (``sampler.extra_meta``: a mixture's schedule, a stream's state)."""
     previous = previous or {}
-    history = list(previous.get("global_batch_sizes") or
-                   ([previous["global_batch_size"]] if previous.get("global_batch_size") is not None else []))
+    history = list(
+        previous.get("global_batch_sizes")
+        or ([previous["global_batch_size"]] if previous.get("global_batch_size") is not None else [])
+    )
     if not history or history[-1] != sampler.global_batch_size:
         history.append(sampler.global_batch_size)
     jumps = list(previous.get("position_jumps") or [])

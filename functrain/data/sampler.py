@@ -54,8 +54,9 @@ class IndexSampler:
       last_batch: ``"drop"`` skips an epoch's partial last batch; ``"pad"`` fills it with weight-0 samples.
     """
 
-    def __init__(self, num_records: int, global_batch_size: int, seed: int, shuffle: bool = True,
-                 last_batch: LastBatch = "drop") -> None:
+    def __init__(
+        self, num_records: int, global_batch_size: int, seed: int, shuffle: bool = True, last_batch: LastBatch = "drop"
+    ) -> None:
         if num_records <= 0:
             raise DataError("the data source is empty (0 records); point data.name/data.path at data with records")
         if global_batch_size <= 0:
@@ -66,7 +67,8 @@ class IndexSampler:
             raise DataError(
                 f"data.global_batch_size={global_batch_size} is larger than the dataset ({num_records} records) "
                 f"with data.last_batch=drop, so every batch would be dropped; lower data.global_batch_size to "
-                f"at most {num_records} or set data.last_batch=pad")
+                f"at most {num_records} or set data.last_batch=pad"
+            )
         self.num_records = int(num_records)
         self.global_batch_size = int(global_batch_size)
         self.seed = int(seed)
@@ -78,8 +80,10 @@ class IndexSampler:
         self._permutations_lock = threading.Lock()
 
     def __repr__(self) -> str:
-        return (f"IndexSampler(num_records={self.num_records}, global_batch_size={self.global_batch_size}, "
-                f"seed={self.seed}, shuffle={self.shuffle}, last_batch={self.last_batch!r})")
+        return (
+            f"IndexSampler(num_records={self.num_records}, global_batch_size={self.global_batch_size}, "
+            f"seed={self.seed}, shuffle={self.shuffle}, last_batch={self.last_batch!r})"
+        )
 
     # --- the order -----------------------------------------------------------------------------------------
 
@@ -174,11 +178,10 @@ class IndexSampler:
         size = self.global_batch_size
         if offset + size > self.num_records or (self.shuffle and self.num_records > MATERIALISE_UP_TO):
             stream, weights, next_position = self.batch_positions(position)
-            return (stream[first:stop], self.record_indices(stream[first:stop]), weights[first:stop],
-                    next_position)
+            return (stream[first:stop], self.record_indices(stream[first:stop]), weights[first:stop], next_position)
         stream = np.arange(start + first, start + stop, dtype=np.int64)
         if self.shuffle:
-            records = self._permutation(start // self.num_records)[offset + first:offset + stop]
+            records = self._permutation(start // self.num_records)[offset + first : offset + stop]
         else:
             records = stream - (start - offset)
         return stream, records, self._ones[first:stop], start + size

@@ -41,16 +41,20 @@ class ArraySource:
         if not arrays:
             raise DataError("the array data source has no fields; pass a dict such as {'x': x, 'y': y}")
         # np.asarray keeps memmaps as memmaps (no read) and turns lists into arrays.
-        self.arrays = {name: value if isinstance(value, np.ndarray) else np.asarray(value)
-                       for name, value in arrays.items()}
+        self.arrays = {
+            name: value if isinstance(value, np.ndarray) else np.asarray(value) for name, value in arrays.items()
+        }
         lengths = {name: (value.shape[0] if value.ndim else None) for name, value in self.arrays.items()}
         if len(set(lengths.values())) != 1 or None in lengths.values():
-            raise DataError(f"the data fields have different numbers of records {lengths}; give every field "
-                            f"the same leading length")
+            raise DataError(
+                f"the data fields have different numbers of records {lengths}; give every field the same leading length"
+            )
         self._length = len(next(iter(self.arrays.values())))  # the common length: every field has one
         if self._length == 0:
-            raise DataError(f"the data source is empty (fields {sorted(self.arrays)} have 0 records); "
-                            f"point data.name/data.path at data with records")
+            raise DataError(
+                f"the data source is empty (fields {sorted(self.arrays)} have 0 records); "
+                f"point data.name/data.path at data with records"
+            )
 
     def __len__(self) -> int:
         return self._length
@@ -74,11 +78,15 @@ class RecordSource:
 
     def __init__(self, records: Any, keys: Sequence[str] | None = None) -> None:
         if not (hasattr(records, "__len__") and hasattr(records, "__getitem__")):
-            raise DataError(f"{type(records).__name__} is not a random-access data source; give an object with "
-                            f"__len__ and __getitem__ (a map-style dataset), or a dict of arrays")
+            raise DataError(
+                f"{type(records).__name__} is not a random-access data source; give an object with "
+                f"__len__ and __getitem__ (a map-style dataset), or a dict of arrays"
+            )
         if len(records) == 0:
-            raise DataError(f"the data source {type(records).__name__} is empty (0 records); point "
-                            f"data.name/data.path at data with records")
+            raise DataError(
+                f"the data source {type(records).__name__} is empty (0 records); point "
+                f"data.name/data.path at data with records"
+            )
         self.records = records
         self.keys = tuple(keys) if keys is not None else None
 
@@ -109,8 +117,10 @@ def record_dict(record: Any, keys: Sequence[str] | None, what: str) -> Batch:
         return {name: np.asarray(value) for name, value in zip(keys, record)}
     if keys is not None and len(keys) == 1:  # a bare value, e.g. grain's RangeDataSource
         return {keys[0]: np.asarray(record)}
-    raise DataError(f"{what} is a {type(record).__name__}, not a dict; return dicts of arrays or pass "
-                    f"keys=('x', 'y') to name tuple fields")
+    raise DataError(
+        f"{what} is a {type(record).__name__}, not a dict; return dicts of arrays or pass "
+        f"keys=('x', 'y') to name tuple fields"
+    )
 
 
 def stack_records(records: Sequence[Mapping[str, Any]]) -> Batch:
@@ -118,15 +128,18 @@ def stack_records(records: Sequence[Mapping[str, Any]]) -> Batch:
     names = list(records[0])
     for record in records:
         if list(record) != names:
-            raise DataError(f"records have different fields ({names} vs {list(record)}); make every record "
-                            f"return the same keys")
+            raise DataError(
+                f"records have different fields ({names} vs {list(record)}); make every record return the same keys"
+            )
     stacked = {}
     for name in names:
         values = [np.asarray(record[name]) for record in records]
         shapes = {value.shape for value in values}
         if len(shapes) > 1:
-            raise DataError(f"records have field {name!r} of different shapes {sorted(shapes)[:4]}; pad or crop "
-                            f"every record to one shape (e.g. to data.seq_len) before training")
+            raise DataError(
+                f"records have field {name!r} of different shapes {sorted(shapes)[:4]}; pad or crop "
+                f"every record to one shape (e.g. to data.seq_len) before training"
+            )
         stacked[name] = np.stack(values)
     return stacked
 
@@ -138,7 +151,9 @@ def as_source(data: Any, keys: Sequence[str] | None = None) -> Source:
         return ArraySource(data)
     if hasattr(data, "gather") and hasattr(data, "__len__"):
         if len(data) == 0:
-            raise DataError(f"the data source {type(data).__name__} is empty (0 records); point "
-                            f"data.name/data.path at data with records")
+            raise DataError(
+                f"the data source {type(data).__name__} is empty (0 records); point "
+                f"data.name/data.path at data with records"
+            )
         return data
     return RecordSource(data, keys=keys)

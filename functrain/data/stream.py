@@ -61,8 +61,10 @@ class Stream:
 
     def __init__(self, data: Any, keys: Sequence[str] | None = None) -> None:
         if isinstance(data, Iterator):
-            raise DataError(f"train_data is a one-shot {type(data).__name__}, which cannot be reopened on resume; "
-                            f"pass the function that makes it (e.g. train_data=make_records, not make_records())")
+            raise DataError(
+                f"train_data is a one-shot {type(data).__name__}, which cannot be reopened on resume; "
+                f"pass the function that makes it (e.g. train_data=make_records, not make_records())"
+            )
         self.data = data
         self.keys = tuple(keys) if keys is not None else None
         self.stateful = hasattr(data, "state_dict") and hasattr(data, "load_state_dict") and hasattr(data, "__iter__")
@@ -84,8 +86,10 @@ class Stream:
         else:
             iterator, skip = self.data(), start
         if not isinstance(iterator, Iterator):
-            raise DataError(f"train_data {self.name} returned a {type(iterator).__name__}, not an iterator; "
-                            f"make it a generator (yield records) or return iter(...)")
+            raise DataError(
+                f"train_data {self.name} returned a {type(iterator).__name__}, not an iterator; "
+                f"make it a generator (yield records) or return iter(...)"
+            )
         for _ in itertools.islice(iterator, skip):
             pass
         return StreamReader(self, iterator)
@@ -152,8 +156,7 @@ class StreamOrder:
 
     @property
     def steps_per_epoch(self) -> int:
-        raise DataError("a streaming train_data has no known epoch length; set train.max_steps instead of "
-                        "train.epochs")
+        raise DataError("a streaming train_data has no known epoch length; set train.max_steps instead of train.epochs")
 
     def record_state(self, position: int, state: Any) -> None:
         """Remember the stream's state after ``position`` records."""
@@ -184,8 +187,15 @@ class StreamLoader:
     """:class:`~functrain.data.loader.BatchLoader`'s interface over a :class:`Stream`: every process reads each
     global batch's ``B`` records and keeps its ``B/P`` rows."""
 
-    def __init__(self, stream: Stream, order: StreamOrder, process_index: int = 0, process_count: int = 1,
-                 prefetch: int = 2, check: BatchCheck | None = None) -> None:
+    def __init__(
+        self,
+        stream: Stream,
+        order: StreamOrder,
+        process_index: int = 0,
+        process_count: int = 1,
+        prefetch: int = 2,
+        check: BatchCheck | None = None,
+    ) -> None:
         self.source = self.stream = stream
         self.sampler = self.order = order
         self.process_index, self.process_count = process_index, process_count
@@ -207,25 +217,38 @@ class StreamLoader:
         if len(records) < size:
             self._reader = None
             if position == 0:
-                raise DataError(f"train_data {self.stream.name} has {len(records)} records, fewer than one batch "
-                                f"(data.global_batch_size={size}); give it more data or lower the batch size")
+                raise DataError(
+                    f"train_data {self.stream.name} has {len(records)} records, fewer than one batch "
+                    f"(data.global_batch_size={size}); give it more data or lower the batch size"
+                )
             raise StreamEnded(position)
         self._position = position + size
         self.order.record_state(self._position, self._reader.state())
         first = self.process_index * self.local_batch_size
         what = f"record {{}} of {self.stream.name}"
-        batch = stack_records([record_dict(record, self.stream.keys, what.format(position + first + i))
-                               for i, record in enumerate(records[first:first + self.local_batch_size])])
+        batch = stack_records(
+            [
+                record_dict(record, self.stream.keys, what.format(position + first + i))
+                for i, record in enumerate(records[first : first + self.local_batch_size])
+            ]
+        )
         if self.check is not None:
             self.check(batch, np.arange(position + first, position + first + self.local_batch_size))
         ones = np.ones(self.local_batch_size, np.float32)
         batch["weight"] = batch["weight"].astype(np.float32) if "weight" in batch else ones
         return batch, self._position
 
-    def iter_from(self, position: int, steps_per_call: int = 1, num_steps: int | None = None,
-                  place: Callable[[Batch], Any] | None = None, first_call_steps: int | None = None) -> Calls:
+    def iter_from(
+        self,
+        position: int,
+        steps_per_call: int = 1,
+        num_steps: int | None = None,
+        place: Callable[[Batch], Any] | None = None,
+        first_call_steps: int | None = None,
+    ) -> Calls:
         """As :meth:`BatchLoader.iter_from <functrain.data.loader.BatchLoader.iter_from>`; the calls end early
         when the stream does."""
         self.order.batch_start(position)
-        return start_calls(self.host_batch, int(position), steps_per_call, num_steps, place, first_call_steps,
-                           self.prefetch)
+        return start_calls(
+            self.host_batch, int(position), steps_per_call, num_steps, place, first_call_steps, self.prefetch
+        )

@@ -14,9 +14,9 @@ import numpy as np
 from functrain.errors import DataError
 
 # 2**24 records: at 8192 tokens each, 137 billion tokens, more than any planned or benchmarked run reads.
-NUM_RECORDS = 2 ** 24
+NUM_RECORDS = 2**24
 
-_MASK = np.uint64(2 ** 64 - 1)
+_MASK = np.uint64(2**64 - 1)
 
 
 def _mix(values: np.ndarray) -> np.ndarray:
@@ -47,12 +47,15 @@ class SyntheticTokens:
         return {"tokens": (hashed % np.uint64(self.vocab_size)).astype(np.int32)}
 
 
-def synthetic_splits(seq_len: int, vocab_size: int | None, seed: int, eval_fraction: float
-                     ) -> tuple[SyntheticTokens, SyntheticTokens | None]:
+def synthetic_splits(
+    seq_len: int, vocab_size: int | None, seed: int, eval_fraction: float
+) -> tuple[SyntheticTokens, SyntheticTokens | None]:
     """The (train, eval or None) parts of :data:`NUM_RECORDS` synthetic records; ``vocab_size`` is the model's."""
     if not vocab_size:
-        raise DataError("data.name=synthetic draws token ids below model.vocab_size, which this model does not have; "
-                        "use a language model (model.name=gpt, llama, ...) or another data.name")
+        raise DataError(
+            "data.name=synthetic draws token ids below model.vocab_size, which this model does not have; "
+            "use a language model (model.name=gpt, llama, ...) or another data.name"
+        )
     num_eval = int(round(NUM_RECORDS * eval_fraction))
     train = SyntheticTokens(seq_len, vocab_size, seed, length=NUM_RECORDS - num_eval)
     evaluation = SyntheticTokens(seq_len, vocab_size, seed, first=NUM_RECORDS - num_eval, length=num_eval)

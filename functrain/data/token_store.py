@@ -58,8 +58,13 @@ class StoreWriter:
     nothing does if it raises or the process dies.
     """
 
-    def __init__(self, out: str | os.PathLike, vocab_size: int, tokenizer: dict[str, Any],
-                 shard_tokens: int = DEFAULT_SHARD_TOKENS) -> None:
+    def __init__(
+        self,
+        out: str | os.PathLike,
+        vocab_size: int,
+        tokenizer: dict[str, Any],
+        shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    ) -> None:
         self.out = Path(out)
         if self.out.exists():
             raise DataError(f"{str(self.out)!r} already exists; remove it or choose another output path")
@@ -113,9 +118,15 @@ class StoreWriter:
         starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         np.save(self.tmp / DOC_INDEX, starts)
         manifest = {
-            "format": FORMAT, "version": VERSION, "tokenizer": self.tokenizer, "vocab_size": self.vocab_size,
-            "dtype": self.dtype.name, "num_docs": len(lengths), "num_tokens": int(starts[-1]),
-            "shards": self.shards, "doc_index": {"file": DOC_INDEX, "xxh64": _file_digest(self.tmp / DOC_INDEX)},
+            "format": FORMAT,
+            "version": VERSION,
+            "tokenizer": self.tokenizer,
+            "vocab_size": self.vocab_size,
+            "dtype": self.dtype.name,
+            "num_docs": len(lengths),
+            "num_tokens": int(starts[-1]),
+            "shards": self.shards,
+            "doc_index": {"file": DOC_INDEX, "xxh64": _file_digest(self.tmp / DOC_INDEX)},
         }
         # The manifest is written last and the directory renamed after it: a store that has one is whole.
         (self.tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
@@ -134,8 +145,9 @@ def _map_for_random_reads(path: Path, dtype: np.dtype | None = None) -> np.ndarr
         offset, count = 0, -1
         if dtype is None:
             version = np.lib.format.read_magic(handle)
-            read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
-                np.lib.format.read_array_header_2_0
+            read_header = (
+                np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            )
             shape, _, dtype = read_header(handle)
             offset, count = handle.tell(), int(np.prod(shape))
         mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
@@ -150,6 +162,7 @@ class TokenStore:
 
     Use :meth:`open`; :meth:`read` returns any span of the stream, :attr:`doc_starts` the document offsets.
     """
+
     path: Path
     manifest: dict[str, Any]
     shards: tuple[np.ndarray, ...]  # read-only memory maps
@@ -164,11 +177,14 @@ class TokenStore:
         rerun = "rerun functrain tokenize to rebuild it"
         manifest_path = path / MANIFEST
         if not path.is_dir():
-            raise DataError(f"{key}={str(path)!r} is not a directory; point it at a token store written by "
-                            f"functrain tokenize")
+            raise DataError(
+                f"{key}={str(path)!r} is not a directory; point it at a token store written by functrain tokenize"
+            )
         if not manifest_path.is_file():
-            raise DataError(f"{key}={str(path)!r} has no {MANIFEST}: it is not a token store or its tokenize job "
-                            f"did not finish; {rerun}")
+            raise DataError(
+                f"{key}={str(path)!r} has no {MANIFEST}: it is not a token store or its tokenize job "
+                f"did not finish; {rerun}"
+            )
         try:
             manifest = json.loads(manifest_path.read_text())
         except (OSError, ValueError) as exc:
@@ -186,8 +202,10 @@ class TokenStore:
             size = shard_path.stat().st_size if shard_path.is_file() else None
             if size != expected:
                 found = "is missing" if size is None else f"has {size} bytes"
-                raise DataError(f"token store shard {shard_path} {found}, the manifest says {expected} bytes: the "
-                                f"store is damaged; {rerun}")
+                raise DataError(
+                    f"token store shard {shard_path} {found}, the manifest says {expected} bytes: the "
+                    f"store is damaged; {rerun}"
+                )
             shards.append(_map_for_random_reads(shard_path, dtype))
         index_path = path / manifest["doc_index"]["file"]
         try:
@@ -195,8 +213,10 @@ class TokenStore:
         except (OSError, ValueError) as exc:
             raise DataError(f"token store index {index_path} does not load ({exc}); {rerun}") from None
         if doc_starts.shape != (manifest["num_docs"] + 1,) or doc_starts[-1] != manifest["num_tokens"]:
-            raise DataError(f"token store index {index_path} does not match the manifest ({len(doc_starts)} "
-                            f"entries for {manifest['num_docs']} documents); {rerun}")
+            raise DataError(
+                f"token store index {index_path} does not match the manifest ({len(doc_starts)} "
+                f"entries for {manifest['num_docs']} documents); {rerun}"
+            )
         lengths = np.array([shard["tokens"] for shard in manifest["shards"]], np.int64)
         return cls(path, manifest, tuple(shards), np.concatenate([[0], np.cumsum(lengths)]), doc_starts)
 
@@ -224,7 +244,12 @@ class TokenStore:
                 local = starts[rows, None] - self.shard_starts[shard] + offsets
                 out[rows] = self.shards[shard][local]
         for row in np.flatnonzero(first_shard != last_shard):
-            out[row] = np.concatenate([self.shards[s][max(starts[row] - self.shard_starts[s], 0):
-                                                      starts[row] + length - self.shard_starts[s]]
-                                       for s in range(first_shard[row], last_shard[row] + 1)])
+            out[row] = np.concatenate(
+                [
+                    self.shards[s][
+                        max(starts[row] - self.shard_starts[s], 0) : starts[row] + length - self.shard_starts[s]
+                    ]
+                    for s in range(first_shard[row], last_shard[row] + 1)
+                ]
+            )
         return out

@@ -30,8 +30,9 @@ from functrain.errors import DataError
 class TokenWindows:
     """Windows of ``seq_len + 1`` tokens over the span ``[first, stop)`` of a store's stream (a Source)."""
 
-    def __init__(self, store: TokenStore, seq_len: int, packing: bool = False, first: int = 0,
-                 stop: int | None = None) -> None:
+    def __init__(
+        self, store: TokenStore, seq_len: int, packing: bool = False, first: int = 0, stop: int | None = None
+    ) -> None:
         self.store, self.seq_len, self.packing = store, seq_len, packing
         self.first = first
         self.stop = store.num_tokens if stop is None else stop
@@ -68,22 +69,27 @@ def packing_fields(doc_starts: np.ndarray, starts: np.ndarray, length: int) -> d
     return {"segment_ids": segment_ids, "positions": positions}
 
 
-def token_splits(path: str, seq_len: int, packing: bool, eval_fraction: float,
-                 vocab_size: int | None) -> tuple[TokenWindows, TokenWindows | None]:
+def token_splits(
+    path: str, seq_len: int, packing: bool, eval_fraction: float, vocab_size: int | None
+) -> tuple[TokenWindows, TokenWindows | None]:
     """The training and evaluation windows of the store at ``path`` (``data.path``); a store whose vocabulary
     is larger than the model's (``vocab_size``), or too short for one window, is a one-line DataError."""
     store = TokenStore.open(path)
     if vocab_size is not None and store.vocab_size > vocab_size:
-        raise DataError(f"data.path={path!r} holds token ids up to {store.vocab_size - 1} (tokenizer "
-                        f"{store.manifest['tokenizer']['name']}, vocab {store.vocab_size}) but model.vocab_size is "
-                        f"{vocab_size}; set model.vocab_size to at least {store.vocab_size}")
+        raise DataError(
+            f"data.path={path!r} holds token ids up to {store.vocab_size - 1} (tokenizer "
+            f"{store.manifest['tokenizer']['name']}, vocab {store.vocab_size}) but model.vocab_size is "
+            f"{vocab_size}; set model.vocab_size to at least {store.vocab_size}"
+        )
     cut = store.num_tokens - int(round(store.num_tokens * eval_fraction))
     if eval_fraction:
         document = int(np.searchsorted(store.doc_starts, cut, side="left"))
         cut = int(store.doc_starts[min(document, len(store.doc_starts) - 1)])
     train = TokenWindows(store, seq_len, packing, 0, cut)
     if not len(train):
-        raise DataError(f"data.path={path!r} has {cut} training tokens, fewer than data.seq_len + 1 = "
-                        f"{seq_len + 1}; tokenize more text, lower data.seq_len or lower data.eval_fraction")
+        raise DataError(
+            f"data.path={path!r} has {cut} training tokens, fewer than data.seq_len + 1 = "
+            f"{seq_len + 1}; tokenize more text, lower data.seq_len or lower data.eval_fraction"
+        )
     evaluation = TokenWindows(store, seq_len, packing, cut)
     return train, (evaluation if len(evaluation) else None)

@@ -26,6 +26,8 @@ def sample_rng(seed: int, stream_index: int) -> np.random.Generator:
 def apply_transform(batch: Batch, transform: Transform, seed: int, stream_indices: np.ndarray) -> Batch:
     """Apply ``transform`` to every record of ``batch`` (row ``i`` is sample ``stream_indices[i]``)."""
     size = len(stream_indices)
-    records = [transform({name: value[i] for name, value in batch.items()}, sample_rng(seed, stream_indices[i]))
-               for i in range(size)]
+    records = [
+        transform({name: value[i] for name, value in batch.items()}, sample_rng(seed, stream_indices[i]))
+        for i in range(size)
+    ]
     return stack_records(records)

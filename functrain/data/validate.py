@@ -21,6 +21,7 @@ from functrain.errors import DataError
 class FieldRule:
     """What one batch field must hold: an integer in ``[0, upper)`` (``upper`` None: any non-negative
     integer), or (``integer`` False) any number. ``bound_key`` names the config key behind ``upper``."""
+
     name: str
     integer: bool = True
     upper: int | None = None
@@ -44,16 +45,22 @@ class BatchCheck:
         for rule in self.rules:
             if rule.name not in batch:
                 present = ", ".join(sorted(k for k in batch if k != "weight")) or "none"
-                raise DataError(f"{self.source} has no field {rule.name!r} (the model reads its {rule.what}s there); "
-                                f"fields present: {present}; provide {rule.name!r} or choose a model that fits the "
-                                f"data")
+                raise DataError(
+                    f"{self.source} has no field {rule.name!r} (the model reads its {rule.what}s there); "
+                    f"fields present: {present}; provide {rule.name!r} or choose a model that fits the "
+                    f"data"
+                )
             values = np.asarray(batch[rule.name])
             if rule.integer and not np.issubdtype(values.dtype, np.integer):
-                raise DataError(f"{self.source} field {rule.name!r} has dtype {values.dtype}, but {rule.what}s must "
-                                f"be integers; convert it (e.g. .astype(np.int32)) when you write the data")
+                raise DataError(
+                    f"{self.source} field {rule.name!r} has dtype {values.dtype}, but {rule.what}s must "
+                    f"be integers; convert it (e.g. .astype(np.int32)) when you write the data"
+                )
             if not rule.integer and not (np.issubdtype(values.dtype, np.number) or values.dtype == np.bool_):
-                raise DataError(f"{self.source} field {rule.name!r} has dtype {values.dtype}, which is not numeric; "
-                                f"store numbers in {rule.name!r}")
+                raise DataError(
+                    f"{self.source} field {rule.name!r} has dtype {values.dtype}, which is not numeric; "
+                    f"store numbers in {rule.name!r}"
+                )
 
     def __call__(self, batch: Mapping[str, np.ndarray], records: np.ndarray | None = None) -> None:
         """Raise a DataError naming the first record whose field is out of range (``records`` maps rows to
@@ -71,12 +78,19 @@ class BatchCheck:
             row = int(np.flatnonzero(bad.reshape(len(values), -1).any(axis=1))[0])
             value = int(values.reshape(len(values), -1)[row][bad.reshape(len(values), -1)[row]][0])
             record = row if records is None else int(np.asarray(records)[row])
-            allowed = f"0 <= {rule.what} < {rule.upper} ({rule.bound_key})" if rule.upper is not None else \
-                f"{rule.what}s >= 0"
-            fix = (f"fix the data or raise {rule.bound_key} to at least {value + 1}"
-                   if rule.upper is not None and value >= 0 else "fix the data")
-            raise DataError(f"{self.source} record {record} field {rule.name!r} holds {rule.what} {value}, outside "
-                            f"{allowed}; {fix}")
+            allowed = (
+                f"0 <= {rule.what} < {rule.upper} ({rule.bound_key})"
+                if rule.upper is not None
+                else f"{rule.what}s >= 0"
+            )
+            fix = (
+                f"fix the data or raise {rule.bound_key} to at least {value + 1}"
+                if rule.upper is not None and value >= 0
+                else "fix the data"
+            )
+            raise DataError(
+                f"{self.source} record {record} field {rule.name!r} holds {rule.what} {value}, outside {allowed}; {fix}"
+            )
 
 
 def check_arrays(check: BatchCheck | None, arrays: Mapping[str, np.ndarray]) -> None:

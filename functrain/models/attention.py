@@ -41,8 +41,15 @@ from functrain.parallel.target import target_name, target_platform
 Array = jax.Array
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
-__all__ = ["AttentionChoice", "attend", "attention_kernel", "cudnn_available", "pallas_interpreted",
-           "segment_mask", "splash_available"]
+__all__ = [
+    "AttentionChoice",
+    "attend",
+    "attention_kernel",
+    "cudnn_available",
+    "pallas_interpreted",
+    "segment_mask",
+    "splash_available",
+]
 
 
 def cudnn_available() -> bool:
@@ -77,19 +84,25 @@ def attention_kernel(choice: AttentionChoice, dtype: Any, head_dim: int) -> Lite
     if choice == "splash":
         return _checked_splash(dtype, head_dim)
     if not cudnn_available():
-        raise ConfigError(f"model.attention=cudnn needs an NVIDIA GPU (compute capability 8.0+) and this run's "
-                          f"devices are {target_name()}; set model.attention=auto or model.attention=xla")
+        raise ConfigError(
+            f"model.attention=cudnn needs an NVIDIA GPU (compute capability 8.0+) and this run's "
+            f"devices are {target_name()}; set model.attention=auto or model.attention=xla"
+        )
     if not _cudnn_fits(dtype, head_dim):
-        raise ConfigError(f"model.attention=cudnn needs train.compute_dtype bfloat16 or float16 and a head width "
-                          f"that is a multiple of 8 up to 256 (got {jnp.dtype(dtype).name}, {head_dim}); change "
-                          f"those or set model.attention=auto")
+        raise ConfigError(
+            f"model.attention=cudnn needs train.compute_dtype bfloat16 or float16 and a head width "
+            f"that is a multiple of 8 up to 256 (got {jnp.dtype(dtype).name}, {head_dim}); change "
+            f"those or set model.attention=auto"
+        )
     return "cudnn"
 
 
 def _checked_splash(dtype: Any, head_dim: int) -> Literal["splash"]:
     if not splash_available():
-        raise ConfigError(f"model.attention=splash needs a TPU and this run's devices are {target_name()}; "
-                          f"set model.attention=auto or model.attention=xla")
+        raise ConfigError(
+            f"model.attention=splash needs a TPU and this run's devices are {target_name()}; "
+            f"set model.attention=auto or model.attention=xla"
+        )
     problem = splash_problem(dtype, head_dim)
     if problem is not None:
         raise ConfigError(f"model.attention=splash needs {problem}; set model.attention=xla (or auto)")
@@ -101,9 +114,18 @@ def segment_mask(segment_ids: Array) -> Array:
     return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
 
 
-def attend(query: Array, key: Array, value: Array, *, scale: float, kernel: Literal["xla", "cudnn", "splash"],
-           segment_ids: Array | None = None, query_slots: Array | None = None, window: int | None = None,
-           softcap: float | None = None) -> Array:
+def attend(
+    query: Array,
+    key: Array,
+    value: Array,
+    *,
+    scale: float,
+    kernel: Literal["xla", "cudnn", "splash"],
+    segment_ids: Array | None = None,
+    query_slots: Array | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> Array:
     """Causal softmax attention.
 
     Args:
@@ -121,8 +143,7 @@ def attend(query: Array, key: Array, value: Array, *, scale: float, kernel: Lite
     if query_slots is not None and segment_ids is not None:
         raise ValueError("segment_ids are for whole sequences, not for decoding with a KV cache")
     if kernel == "splash" and query_slots is None:
-        return splash_attention(query, key, value, scale=scale, segment_ids=segment_ids, window=window,
-                                softcap=softcap)
+        return splash_attention(query, key, value, scale=scale, segment_ids=segment_ids, window=window, softcap=softcap)
     if softcap is not None:
         return _written_out(query, key, value, scale, query_slots, segment_ids, window, softcap)
     if query_slots is not None:
@@ -130,12 +151,28 @@ def attend(query: Array, key: Array, value: Array, *, scale: float, kernel: Lite
         return jax.nn.dot_product_attention(query, key, value, mask=causal, scale=scale, implementation="xla")
     mask = None if segment_ids is None else segment_mask(segment_ids)
     local = None if window is None else (window - 1, 0)
-    return jax.nn.dot_product_attention(query, key, value, mask=mask, scale=scale, is_causal=True,  # not splash here
-                                        local_window_size=local, implementation="cudnn" if kernel == "cudnn" else "xla")
+    return jax.nn.dot_product_attention(
+        query,
+        key,
+        value,
+        mask=mask,
+        scale=scale,
+        is_causal=True,  # not splash here
+        local_window_size=local,
+        implementation="cudnn" if kernel == "cudnn" else "xla",
+    )
 
 
-def _written_out(query: Array, key: Array, value: Array, scale: float, query_slots: Array | None,
-                 segment_ids: Array | None, window: int | None, softcap: float) -> Array:
+def _written_out(
+    query: Array,
+    key: Array,
+    value: Array,
+    scale: float,
+    query_slots: Array | None,
+    segment_ids: Array | None,
+    window: int | None,
+    softcap: float,
+) -> Array:
     """Soft-capped attention, which no fused kernel offers: grouped-query einsums, float32 scores."""
     batch, length, heads, head_dim = query.shape
     kv_heads = key.shape[2]

@@ -43,9 +43,16 @@ def config_from_hf(cls: type[_Config], hf: dict[str, Any]) -> _Config:
 def config_to_hf(config: Gemma2Config, model_type: str, architecture: str) -> dict[str, Any]:
     """An HF config.json dict (transformers 5 layout) for ``config``'s family."""
     hf = hf_config_dict(config, exclude={"rope_theta", "rope_scaling"})
-    hf.update(model_type=model_type, architectures=[architecture], rope_parameters=hf_rope_parameters(config),
-              layer_types=["sliding_attention" if config.attention_window(i) else "full_attention"
-                           for i in range(config.num_hidden_layers)], attention_dropout=0.0)
+    hf.update(
+        model_type=model_type,
+        architectures=[architecture],
+        rope_parameters=hf_rope_parameters(config),
+        layer_types=[
+            "sliding_attention" if config.attention_window(i) else "full_attention"
+            for i in range(config.num_hidden_layers)
+        ],
+        attention_dropout=0.0,
+    )
     return hf
 
 
@@ -67,8 +74,9 @@ class GemmaRMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.zeros, ("norm",)),
-                           (x.shape[-1],), jnp.float32)
+        scale = self.param(
+            "scale", nn.with_logical_partitioning(nn.initializers.zeros, ("norm",)), (x.shape[-1],), jnp.float32
+        )
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.epsilon)
         return (x32 * (1.0 + jnp.asarray(scale, jnp.float32))).astype(self.dtype)
@@ -106,11 +114,17 @@ class Gemma2Attention(nn.Module):
         rope_positions = token_positions(slots, positions, batch)
         inv_freq, rope_scale = frequencies(cfg.rope_for(self.layer), slots)
         k, v = extend_cache(self, apply_rope(k, inv_freq, rope_positions, rope_scale), v, slots)
-        out = attend(apply_rope(q, inv_freq, rope_positions, rope_scale), k, v,
-                     scale=cfg.query_pre_attn_scalar ** -0.5,
-                     kernel=attention_kernel(cfg.attention, self.dtype, head_dim), segment_ids=segment_ids,
-                     query_slots=slots if decoding(self) else None, window=cfg.attention_window(self.layer),
-                     softcap=cfg.attn_logit_softcapping)
+        out = attend(
+            apply_rope(q, inv_freq, rope_positions, rope_scale),
+            k,
+            v,
+            scale=cfg.query_pre_attn_scalar**-0.5,
+            kernel=attention_kernel(cfg.attention, self.dtype, head_dim),
+            segment_ids=segment_ids,
+            query_slots=slots if decoding(self) else None,
+            window=cfg.attention_window(self.layer),
+            softcap=cfg.attn_logit_softcapping,
+        )
         return proj(cfg.hidden_size, ("heads", "embed"), "o_proj")(out.reshape(batch, length, heads * head_dim))
 
 
@@ -128,8 +142,9 @@ class Gemma2Block(nn.Module):
         def norm(name):
             return GemmaRMSNorm(cfg.rms_norm_eps, self.dtype, name=name)
 
-        attn = Gemma2Attention(cfg, self.layer, self.dtype, name="self_attn")(norm("input_layernorm")(x),
-                                                                             segment_ids, positions)
+        attn = Gemma2Attention(cfg, self.layer, self.dtype, name="self_attn")(
+            norm("input_layernorm")(x), segment_ids, positions
+        )
         x = x + norm("post_attention_layernorm")(attn)
         h = LlamaMLP(cfg, self.dtype, name="mlp")(norm("pre_feedforward_layernorm")(x))  # GeGLU via hidden_act
         return x + norm("post_feedforward_layernorm")(h)
@@ -146,16 +161,27 @@ class Gemma2ForCausalLM(nn.Module):
         """Logits for ``input_ids``; ``deterministic`` is accepted for the task interface (no dropout here).
         ``segment_ids`` / ``positions`` [B, T]: packed sequences, as for Llama."""
         cfg = self.config
-        tokens = embed(cfg.vocab_size, cfg.hidden_size, ("vocab", "embed"), dtype=self.dtype,
-                       init_std=cfg.initializer_range, name="embed_tokens")
+        tokens = embed(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            ("vocab", "embed"),
+            dtype=self.dtype,
+            init_std=cfg.initializer_range,
+            name="embed_tokens",
+        )
         # HF multiplies by sqrt(hidden) rounded to the compute dtype.
-        x = tokens(input_ids) * jnp.asarray(cfg.hidden_size ** 0.5, self.dtype)
+        x = tokens(input_ids) * jnp.asarray(cfg.hidden_size**0.5, self.dtype)
         x = constrain_batch(x)
         block = remat_block(Gemma2Block, cfg.remat, prevent_cse=not cfg.scan_layers)
         # A layer's window decides its RoPE too (Gemma 3), so the windows give the period a scan repeats.
-        x = apply_layers(x, kinds=cfg.layer_kinds(),
-                         make_block=lambda i, name: block(cfg, i, self.dtype, name=name), prefix="layers_",
-                         scan=cfg.scan_layers, args=(segment_ids, positions))
+        x = apply_layers(
+            x,
+            kinds=cfg.layer_kinds(),
+            make_block=lambda i, name: block(cfg, i, self.dtype, name=name),
+            prefix="layers_",
+            scan=cfg.scan_layers,
+            args=(segment_ids, positions),
+        )
         x = GemmaRMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(x)
         return soft_cap(tokens.attend(x).astype(jnp.float32), cfg.final_logit_softcapping)
 

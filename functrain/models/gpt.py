@@ -27,6 +27,7 @@ def _param(init: Any, names: tuple[str, ...]) -> Any:
 
 class Block(nn.Module):
     """Pre-LayerNorm transformer block: causal self-attention then an MLP, each with a residual."""
+
     config: GPTConfig
     dtype: Any
 
@@ -39,46 +40,89 @@ class Block(nn.Module):
         out_init = nn.initializers.normal(0.02 / (2 * cfg.n_layers) ** 0.5)
 
         def norm(name: str) -> nn.LayerNorm:
-            return nn.LayerNorm(dtype=self.dtype, name=name, scale_init=_param(nn.initializers.ones, ("norm",)),
-                                bias_init=_param(nn.initializers.zeros, ("norm",)))
+            return nn.LayerNorm(
+                dtype=self.dtype,
+                name=name,
+                scale_init=_param(nn.initializers.ones, ("norm",)),
+                bias_init=_param(nn.initializers.zeros, ("norm",)),
+            )
 
         h = norm("ln_attn")(x)
-        qkv = [nn.DenseGeneral((cfg.n_heads, head_dim), dtype=self.dtype, name=name,
-                               kernel_init=_param(init, ("embed", "heads", "head_dim")),
-                               bias_init=_param(nn.initializers.zeros, ("heads", "head_dim")))(h)
-               for name in ("query", "key", "value")]
+        qkv = [
+            nn.DenseGeneral(
+                (cfg.n_heads, head_dim),
+                dtype=self.dtype,
+                name=name,
+                kernel_init=_param(init, ("embed", "heads", "head_dim")),
+                bias_init=_param(nn.initializers.zeros, ("heads", "head_dim")),
+            )(h)
+            for name in ("query", "key", "value")
+        ]
         query, key, value = qkv
         slots = next_positions(self, x.shape[1])
         key, value = extend_cache(self, key, value, slots)
-        attended = attend(query, key, value, scale=head_dim ** -0.5, segment_ids=segment_ids,
-                          kernel=attention_kernel(cfg.attention, self.dtype, head_dim),
-                          query_slots=slots if decoding(self) else None)
-        attended = nn.DenseGeneral(cfg.d_model, axis=(-2, -1), dtype=self.dtype, name="attn_out",
-                                   kernel_init=_param(out_init, ("heads", "head_dim", "embed")),
-                                   bias_init=_param(nn.initializers.zeros, ("embed",)))(attended)
+        attended = attend(
+            query,
+            key,
+            value,
+            scale=head_dim**-0.5,
+            segment_ids=segment_ids,
+            kernel=attention_kernel(cfg.attention, self.dtype, head_dim),
+            query_slots=slots if decoding(self) else None,
+        )
+        attended = nn.DenseGeneral(
+            cfg.d_model,
+            axis=(-2, -1),
+            dtype=self.dtype,
+            name="attn_out",
+            kernel_init=_param(out_init, ("heads", "head_dim", "embed")),
+            bias_init=_param(nn.initializers.zeros, ("embed",)),
+        )(attended)
         x = x + nn.Dropout(cfg.dropout)(attended, deterministic=deterministic)
         h = norm("ln_mlp")(x)
-        h = nn.Dense(cfg.d_ff, dtype=self.dtype, name="mlp_in", kernel_init=_param(init, ("embed", "mlp")),
-                     bias_init=_param(nn.initializers.zeros, ("mlp",)))(h)
+        h = nn.Dense(
+            cfg.d_ff,
+            dtype=self.dtype,
+            name="mlp_in",
+            kernel_init=_param(init, ("embed", "mlp")),
+            bias_init=_param(nn.initializers.zeros, ("mlp",)),
+        )(h)
         h = nn.gelu(h)
-        h = nn.Dense(cfg.d_model, dtype=self.dtype, name="mlp_out", kernel_init=_param(out_init, ("mlp", "embed")),
-                     bias_init=_param(nn.initializers.zeros, ("embed",)))(h)
+        h = nn.Dense(
+            cfg.d_model,
+            dtype=self.dtype,
+            name="mlp_out",
+            kernel_init=_param(out_init, ("mlp", "embed")),
+            bias_init=_param(nn.initializers.zeros, ("embed",)),
+        )(h)
         return x + nn.Dropout(cfg.dropout)(h, deterministic=deterministic)
 
 
 class GPT(nn.Module):
     """Token + learned position embeddings, ``n_layers`` blocks, a final norm and an untied head."""
+
     config: GPTConfig
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, tokens: jnp.ndarray, deterministic: bool = True, *, segment_ids: jnp.ndarray | None = None,
-                 positions: jnp.ndarray | None = None) -> jnp.ndarray:
+    def __call__(
+        self,
+        tokens: jnp.ndarray,
+        deterministic: bool = True,
+        *,
+        segment_ids: jnp.ndarray | None = None,
+        positions: jnp.ndarray | None = None,
+    ) -> jnp.ndarray:
         """Logits for ``tokens``; see the module docstring for ``segment_ids`` and ``positions``."""
         cfg = self.config
         init = nn.initializers.normal(0.02)
-        embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=self.dtype, name="token_embed",
-                         embedding_init=_param(init, ("vocab", "embed")))
+        embed = nn.Embed(
+            cfg.vocab_size,
+            cfg.d_model,
+            dtype=self.dtype,
+            name="token_embed",
+            embedding_init=_param(init, ("vocab", "embed")),
+        )
         position_table = self.param("position_embed", _param(init, ("max_len", "embed")), (cfg.max_len, cfg.d_model))
         slots = next_positions(self, tokens.shape[1])
         x = embed(tokens) + position_table[slots if positions is None else positions].astype(self.dtype)
@@ -88,12 +132,24 @@ class GPT(nn.Module):
         x = constrain_batch(x)
         # deterministic is a Python bool
         block = remat_block(Block, cfg.remat, static_argnums=(2,), prevent_cse=not cfg.scan_layers)
-        x = apply_layers(x, kinds=cfg.layer_kinds(), make_block=lambda i, name: block(cfg, self.dtype, name=name),
-                         prefix="block_", scan=cfg.scan_layers, leading_args=(deterministic,), args=(segment_ids,))
-        x = nn.LayerNorm(dtype=self.dtype, name="ln_final", scale_init=_param(nn.initializers.ones, ("norm",)),
-                         bias_init=_param(nn.initializers.zeros, ("norm",)))(x)
-        logits = nn.Dense(cfg.vocab_size, dtype=self.dtype, name="head", kernel_init=_param(init, ("embed", "vocab")),
-                          use_bias=False)(x)
+        x = apply_layers(
+            x,
+            kinds=cfg.layer_kinds(),
+            make_block=lambda i, name: block(cfg, self.dtype, name=name),
+            prefix="block_",
+            scan=cfg.scan_layers,
+            leading_args=(deterministic,),
+            args=(segment_ids,),
+        )
+        x = nn.LayerNorm(
+            dtype=self.dtype,
+            name="ln_final",
+            scale_init=_param(nn.initializers.ones, ("norm",)),
+            bias_init=_param(nn.initializers.zeros, ("norm",)),
+        )(x)
+        logits = nn.Dense(
+            cfg.vocab_size, dtype=self.dtype, name="head", kernel_init=_param(init, ("embed", "vocab")), use_bias=False
+        )(x)
         return logits.astype(jnp.float32)
 
 

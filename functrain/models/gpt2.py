@@ -31,8 +31,7 @@ def from_hf_config(hf: dict[str, Any]) -> GPT2Config:
 def to_hf_config(config: GPT2Config) -> dict[str, Any]:
     """An HF config.json dict that ``transformers.AutoModelForCausalLM`` loads as GPT2LMHeadModel."""
     hf = hf_config_dict(config)
-    hf.update(model_type="gpt2", architectures=["GPT2LMHeadModel"],
-              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    hf.update(model_type="gpt2", architectures=["GPT2LMHeadModel"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     return hf
 
 
@@ -48,21 +47,37 @@ class GPT2Attention(nn.Module):
         cfg = self.config
         heads, head_dim = cfg.n_head, cfg.n_embd // cfg.n_head
         batch, length, _ = x.shape
-        q, k, v = (dense(cfg.n_embd, ("embed", "heads"), use_bias=True, dtype=self.dtype,
-                         init_std=cfg.initializer_range, name=n)(x).reshape(batch, length, heads, head_dim)
-                   for n in ("q", "k", "v"))
+        q, k, v = (
+            dense(
+                cfg.n_embd, ("embed", "heads"), use_bias=True, dtype=self.dtype, init_std=cfg.initializer_range, name=n
+            )(x).reshape(batch, length, heads, head_dim)
+            for n in ("q", "k", "v")
+        )
         slots = next_positions(self, length)
         k, v = extend_cache(self, k, v, slots)
         scale = 1.0
         if cfg.scale_attn_weights:
-            scale /= head_dim ** 0.5
+            scale /= head_dim**0.5
         if cfg.scale_attn_by_inverse_layer_idx:
             scale /= float(self.layer_idx + 1)
-        out = attend(q, k, v, scale=scale, kernel=attention_kernel(cfg.attention, self.dtype, head_dim),
-                     segment_ids=segment_ids, query_slots=slots if decoding(self) else None)
+        out = attend(
+            q,
+            k,
+            v,
+            scale=scale,
+            kernel=attention_kernel(cfg.attention, self.dtype, head_dim),
+            segment_ids=segment_ids,
+            query_slots=slots if decoding(self) else None,
+        )
         out = out.reshape(batch, length, cfg.n_embd)
-        return dense(cfg.n_embd, ("heads", "embed"), use_bias=True, dtype=self.dtype,
-                     init_std=cfg.initializer_range, name="c_proj")(out)
+        return dense(
+            cfg.n_embd,
+            ("heads", "embed"),
+            use_bias=True,
+            dtype=self.dtype,
+            init_std=cfg.initializer_range,
+            name="c_proj",
+        )(out)
 
 
 class GPT2MLP(nn.Module):
@@ -74,11 +89,18 @@ class GPT2MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         cfg = self.config
-        h = dense(cfg.inner_size, ("embed", "mlp"), use_bias=True, dtype=self.dtype,
-                  init_std=cfg.initializer_range, name="c_fc")(x)
+        h = dense(
+            cfg.inner_size,
+            ("embed", "mlp"),
+            use_bias=True,
+            dtype=self.dtype,
+            init_std=cfg.initializer_range,
+            name="c_fc",
+        )(x)
         h = activation(cfg.activation_function)(h)
-        return dense(cfg.n_embd, ("mlp", "embed"), use_bias=True, dtype=self.dtype,
-                     init_std=cfg.initializer_range, name="c_proj")(h)
+        return dense(
+            cfg.n_embd, ("mlp", "embed"), use_bias=True, dtype=self.dtype, init_std=cfg.initializer_range, name="c_proj"
+        )(h)
 
 
 class GPT2Block(nn.Module):
@@ -92,7 +114,8 @@ class GPT2Block(nn.Module):
     def __call__(self, x, segment_ids=None):
         eps = self.config.layer_norm_epsilon
         x = x + GPT2Attention(self.config, self.layer_idx, self.dtype, name="attn")(
-            layer_norm(eps, dtype=self.dtype, name="ln_1")(x), segment_ids)
+            layer_norm(eps, dtype=self.dtype, name="ln_1")(x), segment_ids
+        )
         return x + GPT2MLP(self.config, self.dtype, name="mlp")(layer_norm(eps, dtype=self.dtype, name="ln_2")(x))
 
 
@@ -111,10 +134,12 @@ class GPT2LMHead(nn.Module):
         if length > cfg.n_positions:
             raise ValueError(f"sequence length {length} exceeds n_positions {cfg.n_positions}")
         slots = next_positions(self, length)
-        wte = embed(cfg.vocab_size, cfg.n_embd, ("vocab", "embed"), dtype=self.dtype,
-                    init_std=cfg.initializer_range, name="wte")
-        wpe = embed(cfg.n_positions, cfg.n_embd, (None, "embed"), dtype=self.dtype,
-                    init_std=cfg.initializer_range, name="wpe")
+        wte = embed(
+            cfg.vocab_size, cfg.n_embd, ("vocab", "embed"), dtype=self.dtype, init_std=cfg.initializer_range, name="wte"
+        )
+        wpe = embed(
+            cfg.n_positions, cfg.n_embd, (None, "embed"), dtype=self.dtype, init_std=cfg.initializer_range, name="wpe"
+        )
         x = wte(input_ids) + wpe(token_positions(slots, positions, input_ids.shape[0]))
         x = constrain_batch(x)  # the batch axis stays put; FSDP weights are gathered (see sharding.py)
         block = remat_block(GPT2Block, cfg.remat)

@@ -32,8 +32,7 @@ def activation(name: str) -> Callable[[Array], Array]:
     return FUNCTIONS[ACTIVATIONS[check_activation(name)]]
 
 
-def dense(features: int, axes: tuple[str, str], *, use_bias: bool, dtype: Any, init_std: float,
-          name: str) -> nn.Dense:
+def dense(features: int, axes: tuple[str, str], *, use_bias: bool, dtype: Any, init_std: float, name: str) -> nn.Dense:
     """A float32 Dense layer whose kernel (and bias) carry logical axis names for sharding."""
     return nn.Dense(
         features,
@@ -46,12 +45,16 @@ def dense(features: int, axes: tuple[str, str], *, use_bias: bool, dtype: Any, i
     )
 
 
-def embed(num: int, features: int, axes: tuple[str | None, str], *, dtype: Any, init_std: float,
-          name: str) -> nn.Embed:
+def embed(num: int, features: int, axes: tuple[str | None, str], *, dtype: Any, init_std: float, name: str) -> nn.Embed:
     """A float32 embedding table with logical axis names."""
     return nn.Embed(
-        num, features, dtype=dtype, param_dtype=jnp.float32,
-        embedding_init=nn.with_logical_partitioning(nn.initializers.normal(init_std), axes), name=name)
+        num,
+        features,
+        dtype=dtype,
+        param_dtype=jnp.float32,
+        embedding_init=nn.with_logical_partitioning(nn.initializers.normal(init_std), axes),
+        name=name,
+    )
 
 
 class RMSNorm(nn.Module):
@@ -62,8 +65,9 @@ class RMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
-        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
-                           (x.shape[-1],), jnp.float32)
+        scale = self.param(
+            "scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)), (x.shape[-1],), jnp.float32
+        )
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.epsilon)
         return jnp.asarray(scale, self.dtype) * x32.astype(self.dtype)
@@ -72,9 +76,14 @@ class RMSNorm(nn.Module):
 def layer_norm(epsilon: float, *, dtype: Any, name: str) -> nn.LayerNorm:
     """torch-style LayerNorm (two-pass variance) with the epsilon from config.json and logical names."""
     return nn.LayerNorm(
-        epsilon=epsilon, dtype=dtype, param_dtype=jnp.float32, use_fast_variance=False,
+        epsilon=epsilon,
+        dtype=dtype,
+        param_dtype=jnp.float32,
+        use_fast_variance=False,
         scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("norm",)), name=name)
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("norm",)),
+        name=name,
+    )
 
 
 def hf_config_dict(config: HFModelConfig, exclude: Iterable[str] = ()) -> dict[str, Any]:

@@ -48,8 +48,7 @@ def extend_cache(module: nn.Module, key: Array, value: Array, positions: Array) 
         return key, value
     start = (0, positions[0], 0, 0)
     cached_key.value = jax.lax.dynamic_update_slice(cached_key.value, key.astype(cached_key.value.dtype), start)
-    cached_value.value = jax.lax.dynamic_update_slice(cached_value.value, value.astype(cached_value.value.dtype),
-                                                      start)
+    cached_value.value = jax.lax.dynamic_update_slice(cached_value.value, value.astype(cached_value.value.dtype), start)
     return cached_key.value, cached_value.value
 
 

@@ -39,14 +39,20 @@ def config_from_hf(cls: type[_Config], hf: dict[str, Any], **overrides: Any) -> 
     return cls.from_hf_dict(hf, **({"rope_scaling": scaling} if scaling else {}), **overrides)
 
 
-def config_to_hf(config: LlamaConfig, model_type: str, architecture: str, exclude: Collection[str] = (),
-                 **extra: Any) -> dict[str, Any]:
+def config_to_hf(
+    config: LlamaConfig, model_type: str, architecture: str, exclude: Collection[str] = (), **extra: Any
+) -> dict[str, Any]:
     """An HF config.json dict (transformers 5 layout) for ``config``'s family (``exclude``: fields HF lacks)."""
     hf = hf_config_dict(config, exclude={"rope_theta", "rope_scaling", *exclude})
     hf["num_key_value_heads"] = config.kv_heads
     hf["head_dim"] = config.attn_head_dim
-    hf.update(model_type=model_type, architectures=[architecture], rope_parameters=hf_rope_parameters(config),
-              attention_dropout=0.0, **extra)
+    hf.update(
+        model_type=model_type,
+        architectures=[architecture],
+        rope_parameters=hf_rope_parameters(config),
+        attention_dropout=0.0,
+        **extra,
+    )
     return hf
 
 
@@ -73,12 +79,15 @@ class LlamaAttention(nn.Module):
         heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.kv_heads, cfg.attn_head_dim
         batch, length, _ = x.shape
         std, bias = cfg.initializer_range, cfg.qkv_bias
-        q = dense(heads * head_dim, ("embed", "heads"), use_bias=bias, dtype=self.dtype, init_std=std,
-                  name="q_proj")(x).reshape(batch, length, heads, head_dim)
-        k = dense(kv_heads * head_dim, ("embed", "kv_heads"), use_bias=bias, dtype=self.dtype, init_std=std,
-                  name="k_proj")(x).reshape(batch, length, kv_heads, head_dim)
-        v = dense(kv_heads * head_dim, ("embed", "kv_heads"), use_bias=bias, dtype=self.dtype, init_std=std,
-                  name="v_proj")(x).reshape(batch, length, kv_heads, head_dim)
+        q = dense(heads * head_dim, ("embed", "heads"), use_bias=bias, dtype=self.dtype, init_std=std, name="q_proj")(
+            x
+        ).reshape(batch, length, heads, head_dim)
+        k = dense(
+            kv_heads * head_dim, ("embed", "kv_heads"), use_bias=bias, dtype=self.dtype, init_std=std, name="k_proj"
+        )(x).reshape(batch, length, kv_heads, head_dim)
+        v = dense(
+            kv_heads * head_dim, ("embed", "kv_heads"), use_bias=bias, dtype=self.dtype, init_std=std, name="v_proj"
+        )(x).reshape(batch, length, kv_heads, head_dim)
         if cfg.qk_norm:
             q = RMSNorm(cfg.rms_norm_eps, self.dtype, name="q_norm")(q)
             k = RMSNorm(cfg.rms_norm_eps, self.dtype, name="k_norm")(k)
@@ -86,11 +95,19 @@ class LlamaAttention(nn.Module):
         rope_positions = token_positions(slots, positions, batch)
         inv_freq, rope_scale = frequencies(cfg, slots)
         k, v = extend_cache(self, apply_rope(k, inv_freq, rope_positions, rope_scale), v, slots)
-        out = attend(apply_rope(q, inv_freq, rope_positions, rope_scale), k, v, scale=head_dim ** -0.5,
-                     kernel=attention_kernel(cfg.attention, self.dtype, head_dim), segment_ids=segment_ids,
-                     query_slots=slots if decoding(self) else None, window=cfg.attention_window(self.layer))
-        return dense(cfg.hidden_size, ("heads", "embed"), use_bias=cfg.o_bias, dtype=self.dtype, init_std=std,
-                     name="o_proj")(out.reshape(batch, length, heads * head_dim))
+        out = attend(
+            apply_rope(q, inv_freq, rope_positions, rope_scale),
+            k,
+            v,
+            scale=head_dim**-0.5,
+            kernel=attention_kernel(cfg.attention, self.dtype, head_dim),
+            segment_ids=segment_ids,
+            query_slots=slots if decoding(self) else None,
+            window=cfg.attention_window(self.layer),
+        )
+        return dense(
+            cfg.hidden_size, ("heads", "embed"), use_bias=cfg.o_bias, dtype=self.dtype, init_std=std, name="o_proj"
+        )(out.reshape(batch, length, heads * head_dim))
 
 
 class LlamaMLPConfig(Protocol):
@@ -118,12 +135,15 @@ class LlamaMLP(nn.Module):
     def __call__(self, x):
         cfg = self.config
         std, bias = cfg.initializer_range, cfg.mlp_bias
-        gate = dense(cfg.intermediate_size, ("embed", "mlp"), use_bias=bias, dtype=self.dtype, init_std=std,
-                     name="gate_proj")(x)
-        up = dense(cfg.intermediate_size, ("embed", "mlp"), use_bias=bias, dtype=self.dtype, init_std=std,
-                   name="up_proj")(x)
-        return dense(cfg.hidden_size, ("mlp", "embed"), use_bias=bias, dtype=self.dtype, init_std=std,
-                     name="down_proj")(activation(cfg.hidden_act)(gate) * up)
+        gate = dense(
+            cfg.intermediate_size, ("embed", "mlp"), use_bias=bias, dtype=self.dtype, init_std=std, name="gate_proj"
+        )(x)
+        up = dense(
+            cfg.intermediate_size, ("embed", "mlp"), use_bias=bias, dtype=self.dtype, init_std=std, name="up_proj"
+        )(x)
+        return dense(
+            cfg.hidden_size, ("mlp", "embed"), use_bias=bias, dtype=self.dtype, init_std=std, name="down_proj"
+        )(activation(cfg.hidden_act)(gate) * up)
 
 
 class LlamaBlock(nn.Module):
@@ -137,9 +157,11 @@ class LlamaBlock(nn.Module):
     def __call__(self, x, segment_ids=None, positions=None):
         eps = self.config.rms_norm_eps
         x = x + LlamaAttention(self.config, self.dtype, self.layer, name="self_attn")(
-            RMSNorm(eps, self.dtype, name="input_layernorm")(x), segment_ids, positions)
+            RMSNorm(eps, self.dtype, name="input_layernorm")(x), segment_ids, positions
+        )
         return x + LlamaMLP(self.config, self.dtype, name="mlp")(
-            RMSNorm(eps, self.dtype, name="post_attention_layernorm")(x))
+            RMSNorm(eps, self.dtype, name="post_attention_layernorm")(x)
+        )
 
 
 class LlamaForCausalLM(nn.Module):
@@ -153,20 +175,37 @@ class LlamaForCausalLM(nn.Module):
         """Logits for ``input_ids``; ``deterministic`` is accepted for the task interface (no dropout here);
         ``segment_ids`` / ``positions``: see the module docstring."""
         cfg = self.config
-        tokens = embed(cfg.vocab_size, cfg.hidden_size, ("vocab", "embed"), dtype=self.dtype,
-                       init_std=cfg.initializer_range, name="embed_tokens")
+        tokens = embed(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            ("vocab", "embed"),
+            dtype=self.dtype,
+            init_std=cfg.initializer_range,
+            name="embed_tokens",
+        )
         x = tokens(input_ids)
         x = constrain_batch(x)  # the batch axis stays put; FSDP weights are gathered (see sharding.py)
         block = remat_block(LlamaBlock, cfg.remat, prevent_cse=not cfg.scan_layers)
-        x = apply_layers(x, kinds=cfg.layer_kinds(),
-                         make_block=lambda i, name: block(cfg, self.dtype, i, name=name), prefix="layers_",
-                         scan=cfg.scan_layers, args=(segment_ids, positions))
+        x = apply_layers(
+            x,
+            kinds=cfg.layer_kinds(),
+            make_block=lambda i, name: block(cfg, self.dtype, i, name=name),
+            prefix="layers_",
+            scan=cfg.scan_layers,
+            args=(segment_ids, positions),
+        )
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(x)
         if cfg.tie_word_embeddings:
             logits = tokens.attend(x)
         else:
-            logits = dense(cfg.vocab_size, ("embed", "vocab"), use_bias=False, dtype=self.dtype,
-                           init_std=cfg.initializer_range, name="lm_head")(x)
+            logits = dense(
+                cfg.vocab_size,
+                ("embed", "vocab"),
+                use_bias=False,
+                dtype=self.dtype,
+                init_std=cfg.initializer_range,
+                name="lm_head",
+            )(x)
         return logits.astype(jnp.float32)
 
 

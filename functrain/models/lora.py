@@ -29,8 +29,9 @@ Path = tuple[str, ...]
 
 def projection_paths(params: Any) -> list[Path]:
     """Paths of the modules holding a 2-D ``kernel`` (Dense projections), in tree order."""
-    return [path[:-1] for path, leaf in flatten_dict(params).items()
-            if path[-1] == "kernel" and len(jnp.shape(leaf)) == 2]
+    return [
+        path[:-1] for path, leaf in flatten_dict(params).items() if path[-1] == "kernel" and len(jnp.shape(leaf)) == 2
+    ]
 
 
 def target_paths(params: Any, targets: tuple[str, ...]) -> list[Path]:
@@ -38,13 +39,16 @@ def target_paths(params: Any, targets: tuple[str, ...]) -> list[Path]:
     projections = projection_paths(params)
     chosen: set[Path] = set()
     for pattern in targets:
-        matched = {p for p in projections if fnmatch.fnmatchcase(p[-1], pattern)
-                   or fnmatch.fnmatchcase("/".join(p), pattern)}
+        matched = {
+            p for p in projections if fnmatch.fnmatchcase(p[-1], pattern) or fnmatch.fnmatchcase("/".join(p), pattern)
+        }
         if not matched:
             names = sorted({p[-1] for p in projections})
-            raise ConfigError(f"model.lora.targets: {pattern!r} matches no projection of the model; its "
-                              f"projections are named {', '.join(names)} (patterns match a name or a path "
-                              f"like layers_0/self_attn/q_proj)")
+            raise ConfigError(
+                f"model.lora.targets: {pattern!r} matches no projection of the model; its "
+                f"projections are named {', '.join(names)} (patterns match a name or a path "
+                f"like layers_0/self_attn/q_proj)"
+            )
         chosen |= matched
     return [p for p in projections if p in chosen]
 
@@ -55,9 +59,10 @@ def add_adapters(params: Any, paths: list[Path], rank: int, rng: jax.Array) -> A
     flat = dict(flatten_dict(params))
     for index, path in enumerate(paths):
         fan_in, fan_out = flat[path + ("kernel",)].shape
-        bound = fan_in ** -0.5
-        flat[path + (ADAPTER_A,)] = jax.random.uniform(jax.random.fold_in(rng, index), (fan_in, rank),
-                                                       jnp.float32, -bound, bound)
+        bound = fan_in**-0.5
+        flat[path + (ADAPTER_A,)] = jax.random.uniform(
+            jax.random.fold_in(rng, index), (fan_in, rank), jnp.float32, -bound, bound
+        )
         flat[path + (ADAPTER_B,)] = jnp.zeros((rank, fan_out), jnp.float32)
     return unflatten_dict(flat)
 
@@ -83,8 +88,9 @@ def merged_params(params: Any, scale: float) -> Any:
     for path in adapter_paths(params):
         a, b = flat.pop(path + (ADAPTER_A,)), flat.pop(path + (ADAPTER_B,))
         kernel = flat[path + ("kernel",)]
-        delta = jnp.matmul(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32),
-                           precision=jax.lax.Precision.HIGHEST)
+        delta = jnp.matmul(
+            jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32), precision=jax.lax.Precision.HIGHEST
+        )
         flat[path + ("kernel",)] = (jnp.asarray(kernel, jnp.float32) + scale * delta).astype(kernel.dtype)
     return unflatten_dict(flat)
 
@@ -99,11 +105,15 @@ def merged_for_inference(params: Any, model_config: ModelConfig) -> Any:
 
 def adapter_interceptor(settings: LoraConfig, train: bool, rng: jax.Array) -> Callable:
     """A ``nn.intercept_methods`` interceptor adding the adapter path to every Dense that carries adapters."""
+
     def intercept(next_fun, args, kwargs, context):
         module = context.module
         output = next_fun(*args, **kwargs)
-        if (context.method_name != "__call__" or not isinstance(module, nn.Dense)
-                or not module.has_variable("params", ADAPTER_A)):
+        if (
+            context.method_name != "__call__"
+            or not isinstance(module, nn.Dense)
+            or not module.has_variable("params", ADAPTER_A)
+        ):
             return output
         x = args[0]
         if train and settings.dropout > 0:
@@ -113,23 +123,27 @@ def adapter_interceptor(settings: LoraConfig, train: bool, rng: jax.Array) -> Ca
         a: jax.Array = module.get_variable("params", ADAPTER_A).astype(x.dtype)
         b: jax.Array = module.get_variable("params", ADAPTER_B).astype(x.dtype)
         return output + ((x @ a) @ b * settings.scale).astype(output.dtype)
+
     return intercept
 
 
 def with_adapters(apply: Callable, settings: LoraConfig) -> Callable:
     """A program ``apply(params, model_state, inputs, train, rng, **keywords)`` that runs the adapters too
     (keywords: a packed batch's ``segment_ids`` / ``positions``)."""
+
     def apply_with_adapters(params, model_state, inputs, train, rng, **keywords):
         with nn.intercept_methods(adapter_interceptor(settings, train, rng)):
             return apply(params, model_state, inputs, train, rng, **keywords)
+
     return apply_with_adapters
 
 
 def without_adapters(params: Any) -> Any:
     """``params`` with every ``lora_b`` zero: the adapted model then computes its base model exactly
     (``x @ kernel + 0``)."""
-    return unflatten_dict({path: jnp.zeros_like(leaf) if path[-1] == ADAPTER_B else leaf
-                           for path, leaf in flatten_dict(params).items()})
+    return unflatten_dict(
+        {path: jnp.zeros_like(leaf) if path[-1] == ADAPTER_B else leaf for path, leaf in flatten_dict(params).items()}
+    )
 
 
 def adapter_specs(specs: Any, paths: list[Path]) -> Any:
@@ -177,13 +191,21 @@ def lora_transform(pieces: Any, settings: LoraConfig) -> Any:
         # is then bitwise its base (the base alone compiles to other code, whose last bits may differ).
         return adapted(without_adapters(params), model_state, inputs, train, rng, **keywords)
 
-    return ModelPieces(init, adapted, lambda: adapter_specs(base_specs(), paths), framework=pieces.framework,
-                       frozen_apply=adapters_off, trainable=trainable_mask, complete_params=complete_params,
-                       adapter_checkpoints=True)
+    return ModelPieces(
+        init,
+        adapted,
+        lambda: adapter_specs(base_specs(), paths),
+        framework=pieces.framework,
+        frozen_apply=adapters_off,
+        trainable=trainable_mask,
+        complete_params=complete_params,
+        adapter_checkpoints=True,
+    )
 
 
-def lora_program(module: nn.Module, example_batch: dict[str, Any], kind: str, settings: LoraConfig,
-                 fields: Any = None) -> Any:
+def lora_program(
+    module: nn.Module, example_batch: dict[str, Any], kind: str, settings: LoraConfig, fields: Any = None
+) -> Any:
     """The :class:`functrain.core.program.Program` of a linen ``module`` with adapters on ``settings.targets``
     and the built-in loss of ``kind`` (research code's entry; runs apply :func:`lora_transform` through their
     task). ``fields``: the data's roles when its names are not the loss's own (HF ``input_ids``)."""

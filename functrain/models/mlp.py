@@ -19,6 +19,7 @@ def hidden_axis_names(num_hidden: int) -> list[str]:
 
 class MLP(nn.Module):
     """Dense + ReLU layers, then a linear classifier head. Returns float32 logits."""
+
     hidden: tuple[int, ...]
     num_classes: int
     dtype: Any = jnp.float32
@@ -28,15 +29,21 @@ class MLP(nn.Module):
         names = hidden_axis_names(len(self.hidden))
         x = x.astype(self.dtype)
         for i, width in enumerate(self.hidden):
-            x = nn.Dense(width, dtype=self.dtype, name=f"dense_{i}",
-                         kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(),
-                                                                  (names[i], names[i + 1])),
-                         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (names[i + 1],)))(x)
+            x = nn.Dense(
+                width,
+                dtype=self.dtype,
+                name=f"dense_{i}",
+                kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), (names[i], names[i + 1])),
+                bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (names[i + 1],)),
+            )(x)
             x = constrain_batch(nn.relu(x))  # keep the batch split; gather FSDP weights instead
-        logits = nn.Dense(self.num_classes, dtype=self.dtype, name="head",
-                          kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(),
-                                                                   (names[-1], "classes")),
-                          bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("classes",)))(x)
+        logits = nn.Dense(
+            self.num_classes,
+            dtype=self.dtype,
+            name="head",
+            kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), (names[-1], "classes")),
+            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("classes",)),
+        )(x)
         return logits.astype(jnp.float32)
 
 

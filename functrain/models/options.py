@@ -21,8 +21,10 @@ SCANNING_MODELS = "gpt, llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3_text"
 
 def scan_refusal(model_name: str) -> str:
     """The one-line refusal of ``model.scan_layers`` for a model that does not scan its layers."""
-    return (f"model.scan_layers is not supported by model {model_name} (only by {SCANNING_MODELS}); "
-            f"remove model.scan_layers or set it to false")
+    return (
+        f"model.scan_layers is not supported by model {model_name} (only by {SCANNING_MODELS}); "
+        f"remove model.scan_layers or set it to false"
+    )
 
 
 class RuntimeOptions(FamilyConfig):

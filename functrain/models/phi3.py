@@ -28,8 +28,9 @@ def from_hf_config(hf: dict[str, Any]) -> Phi3Config:
 
 def to_hf_config(config: Phi3Config) -> dict[str, Any]:
     """An HF config.json dict that loads as Phi3ForCausalLM."""
-    return llama.config_to_hf(config, "phi3", "Phi3ForCausalLM", exclude={"attention_bias", "mlp_bias"},
-                              resid_pdrop=0.0, embd_pdrop=0.0)
+    return llama.config_to_hf(
+        config, "phi3", "Phi3ForCausalLM", exclude={"attention_bias", "mlp_bias"}, resid_pdrop=0.0, embd_pdrop=0.0
+    )
 
 
 build = llama.build  # the Flax module is Llama's; the config switches its variations

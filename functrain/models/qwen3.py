@@ -14,8 +14,9 @@ def from_hf_config(hf: dict[str, Any]) -> Qwen3Config:
 
 def to_hf_config(config: Qwen3Config) -> dict[str, Any]:
     """An HF config.json dict that loads as Qwen3ForCausalLM."""
-    return llama.config_to_hf(config, "qwen3", "Qwen3ForCausalLM", exclude={"mlp_bias"},
-                              **qwen2.hf_sliding_layer_keys(config))
+    return llama.config_to_hf(
+        config, "qwen3", "Qwen3ForCausalLM", exclude={"mlp_bias"}, **qwen2.hf_sliding_layer_keys(config)
+    )
 
 
 build = llama.build  # the Flax module is Llama's; the config switches its variations

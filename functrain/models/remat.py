@@ -31,12 +31,15 @@ def _policy(name: RematPolicy) -> Any:
 def check_remat(name: RematPolicy) -> None:
     """A ConfigError (one line) when ``model.remat=name`` cannot run on this platform."""
     if name == "offload" and not host_offload_available():
-        raise ConfigError(f"model.remat=offload needs a GPU or TPU with a pinned_host memory space and this run's "
-                          f"devices are {platform_name()}; set model.remat=full or model.remat=dots_saveable")
+        raise ConfigError(
+            f"model.remat=offload needs a GPU or TPU with a pinned_host memory space and this run's "
+            f"devices are {platform_name()}; set model.remat=full or model.remat=dots_saveable"
+        )
 
 
-def remat_block(block: type[nn.Module], name: RematPolicy, static_argnums: tuple[int, ...] = (),
-                prevent_cse: bool = True) -> type[nn.Module]:
+def remat_block(
+    block: type[nn.Module], name: RematPolicy, static_argnums: tuple[int, ...] = (), prevent_cse: bool = True
+) -> type[nn.Module]:
     """``block`` wrapped in ``nn.remat`` with the policy ``name`` (``block`` itself for ``none``).
 
     ``static_argnums`` count ``self`` as 0, as ``nn.remat`` does: Python values such as ``deterministic``.

@@ -24,14 +24,19 @@ def _base_frequencies(theta: float | jax.Array, dim: int, xp: Any = np) -> Any:
 
 def _llama3(inv_freq: np.ndarray, scaling: RopeScaling) -> np.ndarray:
     # Llama 3.x: slow down low frequencies by `factor`, blend smoothly in the medium band.
-    assert (scaling.factor is not None and scaling.low_freq_factor is not None and scaling.high_freq_factor is not None
-            and scaling.original_max_position_embeddings is not None), "set: RopeScaling requires them for llama3"
+    assert (
+        scaling.factor is not None
+        and scaling.low_freq_factor is not None
+        and scaling.high_freq_factor is not None
+        and scaling.original_max_position_embeddings is not None
+    ), "set: RopeScaling requires them for llama3"
     low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
     high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
     scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = ((scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor)
-              / (scaling.high_freq_factor - scaling.low_freq_factor))
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
     smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return np.where(medium, smoothed, scaled)
@@ -46,12 +51,14 @@ def _yarn(theta: float, dim: int, scaling: RopeScaling) -> tuple[np.ndarray, flo
 
     attention_factor = scaling.attention_factor
     if attention_factor is None:
-        attention_factor = (mscale(factor, scaling.mscale) / mscale(factor, scaling.mscale_all_dim)
-                            if scaling.mscale and scaling.mscale_all_dim else mscale(factor))
+        attention_factor = (
+            mscale(factor, scaling.mscale) / mscale(factor, scaling.mscale_all_dim)
+            if scaling.mscale and scaling.mscale_all_dim
+            else mscale(factor)
+        )
 
     def correction_dim(rotations: float) -> float:
-        return (dim * math.log(original / (rotations * 2 * math.pi))
-                / (2 * math.log(theta)))
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
     low, high = correction_dim(scaling.beta_fast or 32), correction_dim(scaling.beta_slow or 1)
     if scaling.truncate is not False:
@@ -100,8 +107,7 @@ def frequencies(config: Any, positions: jax.Array) -> tuple[Any, float]:
     return _base_frequencies(base, dim, jnp), 1.0
 
 
-def apply_rope(x: jax.Array, inv_freq: Any, positions: jax.Array | None = None,
-               scale: float = 1.0) -> jax.Array:
+def apply_rope(x: jax.Array, inv_freq: Any, positions: jax.Array | None = None, scale: float = 1.0) -> jax.Array:
     """Rotate x [B, T, H, D] by position (``[T]`` or ``[B, T]``, default ``0..T-1``) using HF's rotate-half
     layout (first half pairs with second); ``scale`` multiplies cos and sin (yarn's attention factor)."""
     positions = jnp.arange(x.shape[1]) if positions is None else positions

@@ -50,8 +50,16 @@ class _Group(nn.Module):
         return x, None
 
 
-def apply_layers(x: jax.Array, *, kinds: Sequence[Hashable], make_block: MakeBlock, prefix: str, scan: bool,
-                 leading_args: tuple = (), args: tuple = ()) -> jax.Array:
+def apply_layers(
+    x: jax.Array,
+    *,
+    kinds: Sequence[Hashable],
+    make_block: MakeBlock,
+    prefix: str,
+    scan: bool,
+    leading_args: tuple = (),
+    args: tuple = (),
+) -> jax.Array:
     """``x`` through ``len(kinds)`` blocks, inside a compact ``__call__``: unrolled as ``{prefix}{i}``, or with
     ``scan`` by groups of the layers' period (module docstring). ``make_block(i, name)`` builds layer ``i``
     (remat-wrapped as the model wants: a scan keeps its remat per layer); each block is called as
@@ -62,8 +70,14 @@ def apply_layers(x: jax.Array, *, kinds: Sequence[Hashable], make_block: MakeBlo
         period = layer_period(kinds)
         groups = count // period
         first_unrolled = groups * period
-        stack = nn.scan(_Group, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
-                        in_axes=nn.broadcast, length=groups, metadata_params={nn.PARTITION_NAME: LAYERS_AXIS})
+        stack = nn.scan(
+            _Group,
+            variable_axes={"params": 0},
+            split_rngs={"params": True, "dropout": True},
+            in_axes=nn.broadcast,
+            length=groups,
+            metadata_params={nn.PARTITION_NAME: LAYERS_AXIS},
+        )
         x, _ = stack(make_block, period, tuple(leading_args), name=f"{prefix}{STACK_SUFFIX}")(x, *args)
     for i in range(first_unrolled, count):
         x = constrain_batch(make_block(i, f"{prefix}{i}")(x, *leading_args, *args))

@@ -74,18 +74,45 @@ def padded_length(length: int) -> tuple[int, int]:
 def _kernel(heads: int, length: int, block: int, window: int | None, softcap: float | None) -> Any:
     # Imported on use: Pallas adds a third of a second to every process that imports the models.
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
-    mask = splash.CausalMask((length, length)) if window is None else \
-        splash.LocalMask((length, length), (window - 1, 0), offset=0)
-    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
-                              block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
-    return splash.make_splash_mha(splash.MultiHeadMask([mask] * heads), block_sizes=sizes, head_shards=1,
-                                  q_seq_shards=1, attn_logits_soft_cap=softcap, interpret=is_interpreted())
+
+    mask = (
+        splash.CausalMask((length, length))
+        if window is None
+        else splash.LocalMask((length, length), (window - 1, 0), offset=0)
+    )
+    sizes = splash.BlockSizes(
+        block_q=block,
+        block_kv=block,
+        block_kv_compute=block,
+        block_q_dkv=block,
+        block_kv_dkv=block,
+        block_kv_dkv_compute=block,
+        block_q_dq=block,
+        block_kv_dq=block,
+    )
+    return splash.make_splash_mha(
+        splash.MultiHeadMask([mask] * heads),
+        block_sizes=sizes,
+        head_shards=1,
+        q_seq_shards=1,
+        attn_logits_soft_cap=softcap,
+        interpret=is_interpreted(),
+    )
 
 
-def _local_attention(query: Array, key: Array, value: Array, segment_ids: Array | None, *, block: int,
-                     window: int | None, softcap: float | None) -> Array:
+def _local_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    segment_ids: Array | None,
+    *,
+    block: int,
+    window: int | None,
+    softcap: float | None,
+) -> Array:
     """Splash on this device's ``[B, T, H, D]`` shard (T already padded)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
+
     kernel = _kernel(query.shape[2], query.shape[1], block, window, softcap)
     heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731 -- [B, H, T, D], the kernel's layout
     segments = None if segment_ids is None else SegmentIds(q=segment_ids, kv=segment_ids)
@@ -108,8 +135,16 @@ def _specs(batch: int, heads: int, kv_heads: int) -> tuple[PartitionSpec, Partit
     return PartitionSpec(batch_spec, None, head_axis, None), PartitionSpec(batch_spec, None)
 
 
-def splash_attention(query: Array, key: Array, value: Array, *, scale: float, segment_ids: Array | None = None,
-                     window: int | None = None, softcap: float | None = None) -> Array:
+def splash_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    *,
+    scale: float,
+    segment_ids: Array | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> Array:
     """Causal attention through the splash kernel; arguments and result as
     :func:`functrain.models.attention.attend` (``[B, T, H, D]`` queries, ``[B, T, KV, D]`` keys and values)."""
     batch, length, heads, _ = query.shape
@@ -130,6 +165,6 @@ def splash_attention(query: Array, key: Array, value: Array, *, scale: float, se
     specs = _specs(batch, heads, key.shape[2])
     if specs is not None:
         qkv_spec, segment_spec = specs
-        in_specs = (qkv_spec, qkv_spec, qkv_spec, segment_spec)[:len(arrays)]
+        in_specs = (qkv_spec, qkv_spec, qkv_spec, segment_spec)[: len(arrays)]
         attention = jax.shard_map(attention, in_specs=in_specs, out_specs=qkv_spec, check_vma=False)
     return attention(*arrays)[:, :length]

@@ -45,7 +45,7 @@ def _periods(flat: Mapping[str, Any]) -> dict[str, int]:
         parts = path.split("/")
         k = _stack_position(parts)
         if k is not None:
-            location = "/".join(parts[:k + 1])
+            location = "/".join(parts[: k + 1])
             periods[location] = max(periods.get(location, 0), int(_captured(_SLOT, parts[k + 1])) + 1)
     return periods
 
@@ -78,10 +78,10 @@ def unstack_flat(flat: Mapping[str, Any]) -> dict[str, Any]:
         if k is None:
             out[path] = leaf
             continue
-        prefix, period = _captured(_STACKED, parts[k]), periods["/".join(parts[:k + 1])]
+        prefix, period = _captured(_STACKED, parts[k]), periods["/".join(parts[: k + 1])]
         slot = int(_captured(_SLOT, parts[k + 1]))
         for group in range(leaf.shape[0]):
-            out["/".join([*parts[:k], f"{prefix}{group * period + slot}", *parts[k + 2:]])] = _take(leaf, group)
+            out["/".join([*parts[:k], f"{prefix}{group * period + slot}", *parts[k + 2 :]])] = _take(leaf, group)
     return out
 
 
@@ -100,10 +100,12 @@ def relayout_flat(flat: Mapping[str, Any], like: Mapping[str, Any]) -> dict[str,
                 out[path] = unrolled[path]
                 used.add(path)
             continue
-        prefix, period = _captured(_STACKED, parts[k]), periods["/".join(parts[:k + 1])]
+        prefix, period = _captured(_STACKED, parts[k]), periods["/".join(parts[: k + 1])]
         slot = int(_captured(_SLOT, parts[k + 1]))
-        sources = ["/".join([*parts[:k], f"{prefix}{group * period + slot}", *parts[k + 2:]])
-                   for group in range(target.shape[0])]
+        sources = [
+            "/".join([*parts[:k], f"{prefix}{group * period + slot}", *parts[k + 2 :]])
+            for group in range(target.shape[0])
+        ]
         if all(source in unrolled for source in sources):
             out[path] = _stack([unrolled[source] for source in sources])
             used.update(sources)

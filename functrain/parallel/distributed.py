@@ -58,8 +58,10 @@ def initialize_from_env() -> bool:
             num_processes = int(os.environ[ENV_NUM_PROCESSES])
             process_id = int(os.environ[ENV_PROCESS_ID])
         except (KeyError, ValueError):
-            raise ConfigError(f"{ENV_COORDINATOR} is set, so {ENV_NUM_PROCESSES} and {ENV_PROCESS_ID} must be "
-                              f"integers too; set them or unset {ENV_COORDINATOR}") from None
+            raise ConfigError(
+                f"{ENV_COORDINATOR} is set, so {ENV_NUM_PROCESSES} and {ENV_PROCESS_ID} must be "
+                f"integers too; set them or unset {ENV_COORDINATOR}"
+            ) from None
         # CPU devices of different processes talk through gloo (the local launcher is a CPU stand-in
         # for a multi-host job); on GPU/TPU the backend's own collectives are used regardless.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -79,6 +81,7 @@ def is_primary() -> bool:
 
 # Agreement between processes: decisions that lead into collectives (a save, a restore, a stop) must be the
 # same on every process, so each is taken from one collective rather than from each process's own view.
+
 
 def any_process(flags: list[bool]) -> list[bool]:
     """Each flag OR-ed over all processes (one all-gather; no collective with one process)."""
@@ -113,8 +116,10 @@ def _check_port(port: int) -> None:
         try:
             sock.bind(("127.0.0.1", port))
         except OSError:
-            raise ConfigError(f"port {port} for the process coordinator is in use; choose another port "
-                              f"(e.g. {_free_port()}) or leave it unset to pick a free one") from None
+            raise ConfigError(
+                f"port {port} for the process coordinator is in use; choose another port "
+                f"(e.g. {_free_port()}) or leave it unset to pick a free one"
+            ) from None
 
 
 def strip_processes_flag(argv: list[str]) -> list[str]:
@@ -177,8 +182,13 @@ def launch_local(argv: list[str], processes: int, port: int | None = None) -> in
         try:
             for process_id in range(processes):
                 env = dict(os.environ)
-                env.update({ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM_PROCESSES: str(processes),
-                            ENV_PROCESS_ID: str(process_id)})
+                env.update(
+                    {
+                        ENV_COORDINATOR: f"127.0.0.1:{port}",
+                        ENV_NUM_PROCESSES: str(processes),
+                        ENV_PROCESS_ID: str(process_id),
+                    }
+                )
                 command = [sys.executable, "-m", "functrain", *argv]
                 if process_id == 0:
                     procs.append(subprocess.Popen(command, env=env))
@@ -210,13 +220,17 @@ def supervise(procs: list[subprocess.Popen], logs: list[Path | None]) -> int:
             if code not in PLANNED_EXITS:  # a crash: the others would wait for it in a collective
                 log_path = logs[index]
                 if log_path is not None:
-                    print(f"--- process {index} exited with status {code}; its last output:\n"
-                          f"{_tail(log_path)}", file=sys.stderr)
+                    print(
+                        f"--- process {index} exited with status {code}; its last output:\n{_tail(log_path)}",
+                        file=sys.stderr,
+                    )
                 _stop(procs)
                 # Processes stopped by us report the signal, not a problem of their own.
                 for other, other_proc in enumerate(procs):
-                    finished.setdefault(other, 0 if other_proc.returncode in (-signal.SIGTERM, -signal.SIGKILL)
-                                        else other_proc.returncode)
+                    finished.setdefault(
+                        other,
+                        0 if other_proc.returncode in (-signal.SIGTERM, -signal.SIGKILL) else other_proc.returncode,
+                    )
                 break
         time.sleep(0.1)
     codes = [code if code >= 0 else 128 - code for code in finished.values()]

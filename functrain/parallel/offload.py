@@ -18,8 +18,10 @@ from functrain.parallel.memory import HOST_MEMORY_KIND, host_offload_available, 
 def check_offload() -> None:
     """A ConfigError (one line) when this platform has no separate host memory space to offload to."""
     if not host_offload_available():
-        raise ConfigError(f"train.offload_optimizer needs a GPU or TPU with a pinned_host memory space and this "
-                          f"run's devices are {platform_name()}; set train.offload_optimizer=false")
+        raise ConfigError(
+            f"train.offload_optimizer needs a GPU or TPU with a pinned_host memory space and this "
+            f"run's devices are {platform_name()}; set train.offload_optimizer=false"
+        )
 
 
 def host_shardings(shardings: Any) -> Any:

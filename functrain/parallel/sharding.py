@@ -61,6 +61,7 @@ Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
 # ----------------------------------------------------------------------------------------------- mesh
 
+
 def _mesh_sizes(mesh_config: Any) -> dict[str, int]:
     return {axis: int(getattr(mesh_config, axis)) for axis in MESH_AXES}
 
@@ -91,16 +92,18 @@ def resolve_mesh_shape(mesh_config: Any, device_count: int) -> dict[str, int]:
     bad = [axis for axis, size in sizes.items() if size == 0 or size < -1]
     fix = f"use e.g. {_format_mesh(_fitting_mesh(sizes, device_count))}"
     if bad:
-        raise ConfigError(f"mesh.{bad[0]}={sizes[bad[0]]} is not a size; each mesh axis is >= 1 or -1 "
-                          f"(the rest of the {device_count} devices); {fix}")
+        raise ConfigError(
+            f"mesh.{bad[0]}={sizes[bad[0]]} is not a size; each mesh axis is >= 1 or -1 "
+            f"(the rest of the {device_count} devices); {fix}"
+        )
     if len(unknown) > 1:
-        raise ConfigError(f"{_format_mesh(sizes)}: only one mesh axis may be -1; {device_count} devices "
-                          f"are available, {fix}")
+        raise ConfigError(
+            f"{_format_mesh(sizes)}: only one mesh axis may be -1; {device_count} devices are available, {fix}"
+        )
     known = math.prod(size for size in sizes.values() if size > 0)
     if unknown:
         if device_count % known:
-            raise ConfigError(f"{_format_mesh(sizes)}: {device_count} devices are not divisible by {known}; "
-                              f"{fix}")
+            raise ConfigError(f"{_format_mesh(sizes)}: {device_count} devices are not divisible by {known}; {fix}")
         sizes[unknown[0]] = device_count // known
     elif known != device_count:
         raise ConfigError(f"{_format_mesh(sizes)} needs {known} devices but {device_count} are available; {fix}")
@@ -120,12 +123,15 @@ def make_mesh(mesh_config: Any, devices: list | None = None) -> Mesh:
     try:
         return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
     except NotImplementedError as exc:  # a TPU torus that these axis sizes cannot be laid along
-        raise ConfigError(f"{_format_mesh(sizes)} cannot be laid on the {len(devices)} devices' torus "
-                          f"({str(exc).splitlines()[0][:160]}); make each mesh axis a product of the torus "
-                          f"dimensions (e.g. mesh.tensor equal to one of them)") from None
+        raise ConfigError(
+            f"{_format_mesh(sizes)} cannot be laid on the {len(devices)} devices' torus "
+            f"({str(exc).splitlines()[0][:160]}); make each mesh axis a product of the torus "
+            f"dimensions (e.g. mesh.tensor equal to one of them)"
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------------- rules
+
 
 def logical_rules(mesh_config: Any) -> Rules:
     """:data:`DEFAULT_RULES` updated by ``mesh_config.rules``, as ``((logical, mesh_axes), ...)``.
@@ -137,10 +143,12 @@ def logical_rules(mesh_config: Any) -> Rules:
     for logical, target in (getattr(mesh_config, "rules", None) or {}).items():
         if isinstance(target, (list, tuple)):
             target = tuple(target) if target else None
-        for axis in (target if isinstance(target, tuple) else (target,)):
+        for axis in target if isinstance(target, tuple) else (target,):
             if axis is not None and axis not in MESH_AXES:
-                raise ConfigError(f"mesh.rules.{logical}={axis!r} names unknown mesh axis {axis!r}; "
-                                  f"use one of {', '.join(MESH_AXES)} or null (replicated)")
+                raise ConfigError(
+                    f"mesh.rules.{logical}={axis!r} names unknown mesh axis {axis!r}; "
+                    f"use one of {', '.join(MESH_AXES)} or null (replicated)"
+                )
         rules[logical] = target
     return tuple(rules.items())
 
@@ -151,13 +159,21 @@ def _as_axes(target: str | tuple[str, ...] | None) -> tuple[str, ...]:
     return (target,) if isinstance(target, str) else tuple(target)
 
 
-def _mesh_spec(name: str, logical: PartitionSpec | None, shape: tuple[int, ...], mesh: Mesh,
-               rules: dict[str, tuple[str, ...]], allow_replicated_fallback: bool) -> PartitionSpec:
+def _mesh_spec(
+    name: str,
+    logical: PartitionSpec | None,
+    shape: tuple[int, ...],
+    mesh: Mesh,
+    rules: dict[str, tuple[str, ...]],
+    allow_replicated_fallback: bool,
+) -> PartitionSpec:
     """The mesh PartitionSpec of one parameter; checks that each sharded dimension divides evenly."""
     names = tuple(logical) if logical is not None else ()
     if len(names) > len(shape):
-        raise ConfigError(f"parameter {name!r} has {len(shape)} dimensions but {len(names)} logical axis names "
-                          f"{names}; fix the model's logical partitioning")
+        raise ConfigError(
+            f"parameter {name!r} has {len(shape)} dimensions but {len(names)} logical axis names "
+            f"{names}; fix the model's logical partitioning"
+        )
     used: set[str] = set()
     spec = []
     for dim, logical_name in enumerate(names):
@@ -173,9 +189,17 @@ def _mesh_spec(name: str, logical: PartitionSpec | None, shape: tuple[int, ...],
                 raise ConfigError(
                     f"parameter {name!r} dimension {dim} (size {shape[dim]}, logical axis {logical_name!r}) is "
                     f"not divisible by {axes_text}; change the mesh sizes, set "
-                    f"mesh.rules.{logical_name}=null, or set mesh.allow_replicated_fallback=true")
-            logger.warning("parameter %s dimension %d (size %d, logical axis %r) is not divisible by %s; "
-                           "replicating that dimension", name, dim, shape[dim], logical_name, axes_text)
+                    f"mesh.rules.{logical_name}=null, or set mesh.allow_replicated_fallback=true"
+                )
+            logger.warning(
+                "parameter %s dimension %d (size %d, logical axis %r) is not divisible by %s; "
+                "replicating that dimension",
+                name,
+                dim,
+                shape[dim],
+                logical_name,
+                axes_text,
+            )
             axes = ()
         used.update(axes)
         spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
@@ -201,25 +225,36 @@ def pattern_spec(name: str, shape: tuple[int, ...], rule: Any, index: int, mesh:
     """The spec ``mesh.param_rules[index]`` gives parameter ``name``, checked against its shape and the mesh."""
     where = f"mesh.param_rules[{index}] (pattern {rule.pattern!r})"
     if len(rule.spec) > len(shape):
-        raise ConfigError(f"{where} gives {len(rule.spec)} axes to parameter {name!r} of shape {list(shape)}; "
-                          f"give at most {len(shape)} or narrow the pattern")
+        raise ConfigError(
+            f"{where} gives {len(rule.spec)} axes to parameter {name!r} of shape {list(shape)}; "
+            f"give at most {len(shape)} or narrow the pattern"
+        )
     spec = []
     for dim, target in enumerate(rule.spec):
         axes = _as_axes(tuple(target) if isinstance(target, list) else target)
         for axis in axes:
             if axis not in MESH_AXES:
-                raise ConfigError(f"{where} names unknown mesh axis {axis!r}; use one of {', '.join(MESH_AXES)} "
-                                  f"or null (replicated)")
+                raise ConfigError(
+                    f"{where} names unknown mesh axis {axis!r}; use one of {', '.join(MESH_AXES)} or null (replicated)"
+                )
         ways = math.prod(mesh.shape[axis] for axis in axes)
         if shape[dim] % ways:
-            raise ConfigError(f"{where}: parameter {name!r} dimension {dim} (size {shape[dim]}) is not divisible "
-                              f"by {' x '.join(axes)} (size {ways}); change the rule's spec or the mesh sizes")
+            raise ConfigError(
+                f"{where}: parameter {name!r} dimension {dim} (size {shape[dim]}) is not divisible "
+                f"by {' x '.join(axes)} (size {ways}); change the rule's spec or the mesh sizes"
+            )
         spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
     return PartitionSpec(*spec)
 
 
-def param_shardings(logical_specs: Any, abstract_params: Any, mesh: Mesh, rules: Rules,
-                    allow_replicated_fallback: bool = False, param_rules: Any = ()) -> Any:
+def param_shardings(
+    logical_specs: Any,
+    abstract_params: Any,
+    mesh: Mesh,
+    rules: Rules,
+    allow_replicated_fallback: bool = False,
+    param_rules: Any = (),
+) -> Any:
     """A ``NamedSharding`` per parameter, from its logical axis names and the rules.
 
     Args:
@@ -254,16 +289,23 @@ def param_shardings(logical_specs: Any, abstract_params: Any, mesh: Mesh, rules:
     shardings = jax.tree_util.tree_map_with_path(one, abstract_params, logical_specs)
     unused = [i for i in range(len(param_rules)) if i not in matched]
     if unused:
-        raise ConfigError(f"mesh.param_rules[{unused[0]}] (pattern {param_rules[unused[0]].pattern!r}) matches no "
-                          f"parameter; fix the pattern (paths look like "
-                          f"{path_string(jax.tree_util.tree_flatten_with_path(abstract_params)[0][0][0])!r})")
+        raise ConfigError(
+            f"mesh.param_rules[{unused[0]}] (pattern {param_rules[unused[0]].pattern!r}) matches no "
+            f"parameter; fix the pattern (paths look like "
+            f"{path_string(jax.tree_util.tree_flatten_with_path(abstract_params)[0][0][0])!r})"
+        )
     if replicated:
-        logger.warning("%d parameter(s) without logical axes have no dimension divisible by mesh.fsdp=%d and are "
-                       "replicated: %s", len(replicated), mesh.shape.get("fsdp", 1), ", ".join(replicated[:8]))
+        logger.warning(
+            "%d parameter(s) without logical axes have no dimension divisible by mesh.fsdp=%d and are replicated: %s",
+            len(replicated),
+            mesh.shape.get("fsdp", 1),
+            ", ".join(replicated[:8]),
+        )
     return shardings
 
 
 # ---------------------------------------------------------------------------------------------- state
+
 
 def _key_names(path: tuple) -> tuple[str, ...]:
     return tuple(path_string((key,)) for key in path)
@@ -280,8 +322,9 @@ def state_shardings(abstract_state: Any, params_shardings: Any, mesh: Mesh) -> A
     by_path: dict[tuple[str, ...], tuple[tuple[int, ...], NamedSharding]] = {}
     params = getattr(abstract_state, "params", None)
     if params is not None:
-        for (path, leaf), sharding in zip(jax.tree_util.tree_flatten_with_path(params)[0],
-                                          jax.tree.leaves(params_shardings)):
+        for (path, leaf), sharding in zip(
+            jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(params_shardings)
+        ):
             by_path[_key_names(path)] = (tuple(np.shape(leaf)), sharding)
     depth = max((len(path) for path in by_path), default=0)
 
@@ -300,6 +343,7 @@ def state_shardings(abstract_state: Any, params_shardings: Any, mesh: Mesh) -> A
 
 
 # -------------------------------------------------------------------------------------------- batches
+
 
 def constrain_batch(x: jax.Array, batch_axis: int = 0) -> jax.Array:
     """Pin an activation's batch axis to ``("data", "fsdp")``, leaving its other axes to the compiler.
@@ -328,6 +372,7 @@ def batch_devices(mesh: Mesh) -> int:
 
 # ------------------------------------------------------------------------------------------- describe
 
+
 def _bytes(leaf: Any) -> int:
     return int(np.prod(np.shape(leaf), dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
 
@@ -351,8 +396,10 @@ def state_bytes_per_device(state_or_abstract: Any, shardings: Any) -> tuple[int,
     """``(bytes on each device, total bytes)`` of a state, from each leaf's sharding's shard shape."""
     leaves = jax.tree.leaves(state_or_abstract)
     shards = jax.tree.leaves(shardings)
-    return (sum(_shard_bytes(leaf, sharding) for leaf, sharding in zip(leaves, shards)),
-            sum(_bytes(leaf) for leaf in leaves))
+    return (
+        sum(_shard_bytes(leaf, sharding) for leaf, sharding in zip(leaves, shards)),
+        sum(_bytes(leaf) for leaf in leaves),
+    )
 
 
 def describe(state_or_abstract: Any, shardings: Any, mesh: Mesh, top: int = 5) -> str:
@@ -362,17 +409,22 @@ def describe(state_or_abstract: Any, shardings: Any, mesh: Mesh, top: int = 5) -
     lines = [f"mesh: {sizes} ({mesh.devices.size} devices, {jax.process_count()} process(es))"]
     params = getattr(state_or_abstract, "params", state_or_abstract)
     params_sh = getattr(shardings, "params", shardings)
-    flat = [(path, leaf, sharding) for (path, leaf), sharding in
-            zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(params_sh))]
+    flat = [
+        (path, leaf, sharding)
+        for (path, leaf), sharding in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(params_sh))
+    ]
     flat.sort(key=lambda item: -_bytes(item[1]))
     count = sum(int(np.prod(np.shape(leaf))) for _, leaf, _ in flat)
     lines.append(f"largest of {len(flat)} parameters ({count:,} values):")
     width = max((len(path_string(path)) for path, _, _ in flat[:top]), default=0)
     for path, leaf, sharding in flat[:top]:
         shape = "x".join(map(str, np.shape(leaf))) or "scalar"
-        lines.append(f"  {path_string(path):<{width}}  {shape:>12} {np.dtype(leaf.dtype).name:<8} "
-                     f"{getattr(sharding, 'spec', sharding)}")
+        lines.append(
+            f"  {path_string(path):<{width}}  {shape:>12} {np.dtype(leaf.dtype).name:<8} "
+            f"{getattr(sharding, 'spec', sharding)}"
+        )
     per_device, total = state_bytes_per_device(state_or_abstract, shardings)
-    lines.append(f"state per device: {human_bytes(per_device)} of {human_bytes(total)} total "
-                 f"({per_device / max(total, 1):.1%})")
+    lines.append(
+        f"state per device: {human_bytes(per_device)} of {human_bytes(total)} total ({per_device / max(total, 1):.1%})"
+    )
     return "\n".join(lines)

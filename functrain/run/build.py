@@ -61,15 +61,16 @@ from functrain.tasks.base import ExperienceStage, StartHook
 @dataclass(frozen=True)
 class Settings:
     """The few values the loop needs, frozen at build time."""
+
     max_steps: int
     steps_per_call: int
     log_every: int
-    stop_on_nonfinite: bool                     # train.nonfinite: stop
+    stop_on_nonfinite: bool  # train.nonfinite: stop
     max_skipped_fraction: float
     eval_max_batches: int | None
-    best_metric: str | None                     # checkpoint.best_metric when keep_best is on
+    best_metric: str | None  # checkpoint.best_metric when keep_best is on
     watched_metrics: tuple[tuple[str, str], ...]  # (key, metric) that early stopping / keep-best read
-    evaluate_without_data: bool = False         # callbacks evaluate on their own (eval.harness_tasks) without eval data
+    evaluate_without_data: bool = False  # callbacks evaluate on their own (eval.harness_tasks) without eval data
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class Run:
     ``config`` travels only to the callbacks' view and the run directory's ``config.yaml``; ``parts`` is
     what was resolved (the task, its data, the model); the checkpointer is opened by the loop once the run
     directory's lock is held (opening one tidies the directory)."""
+
     config: Config
     config_record: dict[str, Any]
     settings: Settings
@@ -87,10 +89,10 @@ class Run:
     sampler: Order
     loader: Any
     eval_loader: Callable[[], BatchLoader] | None
-    optimizer: Any                              # OptimizerSettings, or the user's optimizer object
+    optimizer: Any  # OptimizerSettings, or the user's optimizer object
     backend: Backend
     open_checkpointer: Callable[[], Checkpointer]
-    adapter_checkpoints: bool                   # LoRA: the base weights once, then adapters only
+    adapter_checkpoints: bool  # LoRA: the base weights once, then adapters only
     callbacks: CallbackList
     resume: ResumePolicy
     speed: SpeedReport
@@ -111,23 +113,41 @@ def total_steps(config: Config, sampler: Order) -> int:
 def step_settings(config: Config) -> StepSettings:
     """The ``train`` keys the step itself reads."""
     train = config.train
-    return StepSettings(micro_batches=train.micro_batches, clip_norm=train.clip_norm,
-                        compute_dtype=train.compute_dtype, param_dtype=train.param_dtype,
-                        dynamic_loss_scale=train.loss_scale == "dynamic", offload_optimizer=train.offload_optimizer)
+    return StepSettings(
+        micro_batches=train.micro_batches,
+        clip_norm=train.clip_norm,
+        compute_dtype=train.compute_dtype,
+        param_dtype=train.param_dtype,
+        dynamic_loss_scale=train.loss_scale == "dynamic",
+        offload_optimizer=train.offload_optimizer,
+    )
 
 
 def loop_settings(config: Config, max_steps: int) -> Settings:
     best_metric = config.checkpoint.best_metric if config.checkpoint.keep_best else None
-    watched = tuple((key, metric) for key, metric in (("eval.early_stopping_metric", config.eval.early_stopping_metric),
-                                                      ("checkpoint.best_metric", best_metric)) if metric)
-    return Settings(max_steps=max_steps, steps_per_call=config.train.steps_per_call,
-                    log_every=config.log.every_steps, stop_on_nonfinite=config.train.nonfinite == "stop",
-                    max_skipped_fraction=config.train.max_skipped_fraction, eval_max_batches=config.eval.max_batches,
-                    best_metric=best_metric, watched_metrics=watched,
-                    evaluate_without_data=bool(config.eval.harness_tasks))
+    watched = tuple(
+        (key, metric)
+        for key, metric in (
+            ("eval.early_stopping_metric", config.eval.early_stopping_metric),
+            ("checkpoint.best_metric", best_metric),
+        )
+        if metric
+    )
+    return Settings(
+        max_steps=max_steps,
+        steps_per_call=config.train.steps_per_call,
+        log_every=config.log.every_steps,
+        stop_on_nonfinite=config.train.nonfinite == "stop",
+        max_skipped_fraction=config.train.max_skipped_fraction,
+        eval_max_batches=config.eval.max_batches,
+        best_metric=best_metric,
+        watched_metrics=watched,
+        evaluate_without_data=bool(config.eval.harness_tasks),
+    )
 
 
 # ---------------------------------------------------------------------------------------------- backends
+
 
 def check_batch_split(config: Config, ways: int, what: str) -> None:
     """The global batch must split into micro-batches over the ``ways`` the backend splits it."""
@@ -136,8 +156,15 @@ def check_batch_split(config: Config, ways: int, what: str) -> None:
         raise ConfigError(problem)
 
 
-def jax_backend(config: Config, program: Program, max_steps: int, *, optimizer: tuple[Any, str] | None = None,
-                devices: list | None = None, experience: ExperienceStage | None = None) -> Backend:
+def jax_backend(
+    config: Config,
+    program: Program,
+    max_steps: int,
+    *,
+    optimizer: tuple[Any, str] | None = None,
+    devices: list | None = None,
+    experience: ExperienceStage | None = None,
+) -> Backend:
     """The JAX backend: the ``program`` (a task's, or :func:`functrain.core.program.as_program`'s), the optax
     transformation (``optimizer``: a user's, with its name for errors; None: the config's), the mesh over
     ``devices`` (None: all; a TPU topology's when planning), the task's experience stage (or None). Building it
@@ -145,6 +172,7 @@ def jax_backend(config: Config, program: Program, max_steps: int, *, optimizer: 
     from functrain.core.optim import as_transformation
     from functrain.parallel import sharding
     from functrain.run.jax_backend import JaxBackend
+
     if optimizer is None:
         tx, reported = make_optimizer(config.optimizer, max_steps)
     else:
@@ -152,15 +180,30 @@ def jax_backend(config: Config, program: Program, max_steps: int, *, optimizer: 
         tx, reported = as_transformation(optimizer[0], schedule, optimizer[1])
     mesh = sharding.make_mesh(config.mesh, devices)
     check_batch_split(config, sharding.batch_devices(mesh), "data-parallel devices")
-    return JaxBackend(program, tx, reported, mesh=mesh, rules=sharding.logical_rules(config.mesh),
-                      param_rules=config.mesh.param_rules,
-                      allow_replicated_fallback=config.mesh.allow_replicated_fallback,
-                      step=step_settings(config), seed=config.seed, experience=experience)
+    return JaxBackend(
+        program,
+        tx,
+        reported,
+        mesh=mesh,
+        rules=sharding.logical_rules(config.mesh),
+        param_rules=config.mesh.param_rules,
+        allow_replicated_fallback=config.mesh.allow_replicated_fallback,
+        step=step_settings(config),
+        seed=config.seed,
+        experience=experience,
+    )
 
 
-def torch_backend(config: Config, example_batch: dict[str, np.ndarray], max_steps: int, *, model: Any = None,
-                  fields: Fields | None = None, loss_fn: Callable | None = None,
-                  optimizer: tuple[Any, str] | None = None) -> Backend:
+def torch_backend(
+    config: Config,
+    example_batch: dict[str, np.ndarray],
+    max_steps: int,
+    *,
+    model: Any = None,
+    fields: Fields | None = None,
+    loss_fn: Callable | None = None,
+    optimizer: tuple[Any, str] | None = None,
+) -> Backend:
     """The torch backend: the module (``model``, or the config's twin), its loss (``loss_fn``, or the built-in
     one for the data's ``fields``) and the optimizer's twin, or a one-line refusal of what the torch step does
     not implement."""
@@ -173,8 +216,9 @@ def torch_backend(config: Config, example_batch: dict[str, np.ndarray], max_step
     if config.model.lora_settings() is not None:
         raise ConfigError("model.lora needs backend: jax; remove model.lora or set backend: jax")
     if optimizer is not None:
-        raise ConfigError(f"{optimizer[1]} is an optax optimizer, which backend: torch does not run; "
-                          f"use optimizer.name")
+        raise ConfigError(
+            f"{optimizer[1]} is an optax optimizer, which backend: torch does not run; use optimizer.name"
+        )
     if config.mesh.fsdp != 1 or config.mesh.tensor != 1:
         raise ConfigError("backend: torch shards only over data; set mesh.fsdp=1 and mesh.tensor=1")
     distributed.init_from_env()
@@ -183,37 +227,55 @@ def torch_backend(config: Config, example_batch: dict[str, np.ndarray], max_step
     if fields is None and loss_fn is None and not builtin:
         fields = require_builtin(resolve_fields(example_batch), example_batch)
     module = twin_model(config.model, example_batch, config.seed) if builtin else user_model.trainable_module(model)
-    loss = user_model.step_loss(module, builtin=builtin, loss_fn=loss_fn, fields=fields,
-                                torch_compile=config.train.torch_compile)
+    loss = user_model.step_loss(
+        module, builtin=builtin, loss_fn=loss_fn, fields=fields, torch_compile=config.train.torch_compile
+    )
     return torch_backend_module.TorchBackend(
-        module, loss, optim.from_settings(optimizer_settings(config.optimizer, max_steps)),
-        step=step_settings(config), seed=config.seed,
-        probe_batch=None if builtin and loss_fn is None else example_batch)  # user code: tried before step 1
+        module,
+        loss,
+        optim.from_settings(optimizer_settings(config.optimizer, max_steps)),
+        step=step_settings(config),
+        seed=config.seed,
+        probe_batch=None if builtin and loss_fn is None else example_batch,
+    )  # user code: tried before step 1
 
 
-def backend_of(config: Config, parts: Parts, example_batch: dict[str, np.ndarray], max_steps: int,
-               devices: list | None = None) -> tuple[Backend, ModelPieces | None]:
+def backend_of(
+    config: Config, parts: Parts, example_batch: dict[str, np.ndarray], max_steps: int, devices: list | None = None
+) -> tuple[Backend, ModelPieces | None]:
     """The backend the config names, built from the parts, and the model's pieces its program runs (None: the
     torch twin, which runs modules)."""
     experience = parts.task.experience(parts.context)
     if experience is not None and jax.process_count() > 1:
-        raise ConfigError(f"task {parts.task.name} makes its batches with an experience stage, which runs on one "
-                          f"process for now; run it on one host")
+        raise ConfigError(
+            f"task {parts.task.name} makes its batches with an experience stage, which runs on one "
+            f"process for now; run it on one host"
+        )
     if config.backend == "torch":
-        return torch_backend(config, example_batch, max_steps, model=parts.model, fields=parts.data.fields,
-                             loss_fn=parts.context.loss_fn, optimizer=parts.optimizer), None
+        return torch_backend(
+            config,
+            example_batch,
+            max_steps,
+            model=parts.model,
+            fields=parts.data.fields,
+            loss_fn=parts.context.loss_fn,
+            optimizer=parts.optimizer,
+        ), None
     program, pieces = task_program(config, parts, example_batch)
-    return jax_backend(config, program, max_steps, optimizer=parts.optimizer, devices=devices,
-                       experience=experience), pieces
+    return jax_backend(
+        config, program, max_steps, optimizer=parts.optimizer, devices=devices, experience=experience
+    ), pieces
 
 
 # ------------------------------------------------------------------------------------------------- build
 
+
 def _order(config: Config, parts: Parts) -> tuple[Order, int, dict[str, np.ndarray]]:
     """The training data's order, the run's length and its first batch (whose shapes the step is built for)."""
     data, task_data = config.data, parts.data
-    sampler = order_for(task_data.train, data.global_batch_size, data_seed(config), shuffle=data.shuffle,
-                        last_batch=data.last_batch)
+    sampler = order_for(
+        task_data.train, data.global_batch_size, data_seed(config), shuffle=data.shuffle, last_batch=data.last_batch
+    )
     example_batch, _ = loader_for(task_data.train, sampler, prefetch=0, transform=task_data.transform).host_batch(0)
     if task_data.example_fields is not None:
         example_batch = task_data.example_fields(example_batch)
@@ -224,16 +286,17 @@ def _order(config: Config, parts: Parts) -> tuple[Order, int, dict[str, np.ndarr
 class Planned:
     """A run's JAX backend and the shapes of its train call, built as :func:`build_run` builds them, with the
     settings a plan reports against (read from the config here, so the planner reads none)."""
+
     parts: Parts
-    backend: Any                                # JaxBackend
-    example_batch: dict[str, np.ndarray]        # one global batch (host arrays: tokens, not weights)
+    backend: Any  # JaxBackend
+    example_batch: dict[str, np.ndarray]  # one global batch (host arrays: tokens, not weights)
     max_steps: int
     step: StepSettings
     steps_per_call: int
     global_batch_size: int
     seq_len: int
-    model_config: Any                           # the model section (its decoder shape, its remat policy)
-    scan_groups: int = 0                        # model.scan_layers: the whole groups of layers scanned; else 0
+    model_config: Any  # the model section (its decoder shape, its remat policy)
+    scan_groups: int = 0  # model.scan_layers: the whole groups of layers scanned; else 0
     # The backend of the same run (mesh, shardings, batch, step) with the model cut to ``k`` groups of layers
     # and its remainder, unrolled: XLA counts a loop body once, so a plan measures the layers' cost from these.
     unrolled_groups_backend: Callable[[int], Any] | None = None
@@ -265,11 +328,19 @@ def plan_run(config: Config, devices: list | None = None) -> Planned:
             return jax_backend(variant, program, max_steps, optimizer=parts.optimizer, devices=devices)
 
     groups = scan_groups(config.model)
-    return Planned(parts=parts, backend=backend, example_batch=example_batch, max_steps=max_steps,
-                   step=step_settings(config), steps_per_call=config.train.steps_per_call,
-                   global_batch_size=config.data.global_batch_size, seq_len=config.data.seq_len,
-                   model_config=config.model, scan_groups=groups,
-                   unrolled_groups_backend=unrolled_groups_backend if groups else None)
+    return Planned(
+        parts=parts,
+        backend=backend,
+        example_batch=example_batch,
+        max_steps=max_steps,
+        step=step_settings(config),
+        steps_per_call=config.train.steps_per_call,
+        global_batch_size=config.data.global_batch_size,
+        seq_len=config.data.seq_len,
+        model_config=config.model,
+        scan_groups=groups,
+        unrolled_groups_backend=unrolled_groups_backend if groups else None,
+    )
 
 
 def _profile_window(config: Config, max_steps: int) -> list[Callback]:
@@ -280,34 +351,58 @@ def _profile_window(config: Config, max_steps: int) -> list[Callback]:
     if config.backend != "jax":
         raise ConfigError("profile.steps traces the JAX backend with jax.profiler; set backend=jax or profile.steps=0")
     if profile.start_step >= max_steps:
-        raise ConfigError(f"profile.start_step={profile.start_step} is past the end of the run ({max_steps} steps); "
-                          f"set profile.start_step below {max_steps}")
+        raise ConfigError(
+            f"profile.start_step={profile.start_step} is past the end of the run ({max_steps} steps); "
+            f"set profile.start_step below {max_steps}"
+        )
     from functrain.run.profile import ProfileWindow
+
     return [ProfileWindow(profile.start_step, profile.steps)]
 
 
-def _callbacks(config: Config, parts: Parts, trackers: list[Callback], extra: list[Callback], max_steps: int
-               ) -> CallbackList:
+def _callbacks(
+    config: Config, parts: Parts, trackers: list[Callback], extra: list[Callback], max_steps: int
+) -> CallbackList:
     """The built-in callbacks the config asks for, the user's, then the summary (it reads what the others
     wrote and closed)."""
     tensorboard = config.log.tensorboard and "tensorboard" in config.log.trackers
-    builtins: list[Callback] = [EveryNSteps(config.eval.every_steps, config.checkpoint.every_steps),
-                                MetricsWriter(tensorboard=tensorboard), RunEvents(), *trackers,
-                                *_profile_window(config, max_steps)]
+    builtins: list[Callback] = [
+        EveryNSteps(config.eval.every_steps, config.checkpoint.every_steps),
+        MetricsWriter(tensorboard=tensorboard),
+        RunEvents(),
+        *trackers,
+        *_profile_window(config, max_steps),
+    ]
     if config.eval.harness_tasks:
         from functrain.run.harness_eval import HarnessEvaluation
+
         evaluation = config.eval
-        builtins.append(HarnessEvaluation(evaluation.harness_tasks, evaluation.harness_include_path,
-                                          evaluation.harness_limit, evaluation.harness_batch_size,
-                                          evaluation.harness_tokenizer, config.model, config.backend))
+        builtins.append(
+            HarnessEvaluation(
+                evaluation.harness_tasks,
+                evaluation.harness_include_path,
+                evaluation.harness_limit,
+                evaluation.harness_batch_size,
+                evaluation.harness_tokenizer,
+                config.model,
+                config.backend,
+            )
+        )
     if config.eval.samples.count:
         from functrain.run.samples import SampleWriter
+
         builtins.append(SampleWriter(config.eval.samples, config.model, config.backend, tensorboard))
     if config.log.progress:
         builtins.append(ProgressBar())
     if config.eval.early_stopping_metric:
-        builtins.append(EarlyStopping(config.eval.early_stopping_metric, config.eval.early_stopping_patience,
-                                      config.eval.early_stopping_mode, config.eval.early_stopping_min_delta))
+        builtins.append(
+            EarlyStopping(
+                config.eval.early_stopping_metric,
+                config.eval.early_stopping_patience,
+                config.eval.early_stopping_mode,
+                config.eval.early_stopping_min_delta,
+            )
+        )
     summary = RunSummary(tokens_per_sample=parts.data.tokens_per_sample, plot=config.log.plot)
     return CallbackList(builtins + list(extra) + [summary])
 
@@ -318,22 +413,40 @@ def _initial_state(config: Config) -> Callable[[Backend], Any] | None:
         return None
     path = Path(config.train.init_from).absolute()
     if not (path / "checkpoints").is_dir():
-        raise ConfigError(f"{config.given_as('train.init_from')}={config.train.init_from!r} holds no checkpoints/; "
-                          f"train that run first (configs/dpo_char_gpt.yaml starts from `make train`'s runs/char_gpt) "
-                          f"or fix the path")
+        raise ConfigError(
+            f"{config.given_as('train.init_from')}={config.train.init_from!r} holds no checkpoints/; "
+            f"train that run first (configs/dpo_char_gpt.yaml starts from `make train`'s runs/char_gpt) "
+            f"or fix the path"
+        )
     if config.backend != "jax":
         raise ConfigError("train.init_from starts a JAX run from another run's weights; set backend=jax")
     from functrain.run.init_from import initial_state_from
+
     return functools.partial(initial_state_from, path)
 
 
-def build_run(config: Config, *, model: Any = None, loss_fn: Callable | None = None, optimizer: Any = None,
-              train_data: Any = None, eval_data: Any = None, callbacks: list[Callback] | None = None,
-              transform: Callable | None = None) -> Run:
+def build_run(
+    config: Config,
+    *,
+    model: Any = None,
+    loss_fn: Callable | None = None,
+    optimizer: Any = None,
+    train_data: Any = None,
+    eval_data: Any = None,
+    callbacks: list[Callback] | None = None,
+    transform: Callable | None = None,
+) -> Run:
     """The Run of a resolved config, with any objects given in place of the config's (see
     :func:`functrain.fit` for what each may be)."""
-    parts = build_parts(config, model=model, loss_fn=loss_fn, optimizer=optimizer, train_data=train_data,
-                        eval_data=eval_data, transform=transform)
+    parts = build_parts(
+        config,
+        model=model,
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        train_data=train_data,
+        eval_data=eval_data,
+        transform=transform,
+    )
     trackers = make_trackers(config.log.trackers)  # before anything is read or written: a missing package
     run_dir = parts.context.run_dir  # absolute: Orbax needs absolute paths
     check_data(parts.data)  # what the task's loss reads, before the first step (and again on every batch)
@@ -342,37 +455,81 @@ def build_run(config: Config, *, model: Any = None, loss_fn: Callable | None = N
     backend, pieces = backend_of(config, parts, example_batch, max_steps)
     train_source = task_data.train if task_data.loader_train is None else task_data.loader_train
     eval_source = task_data.eval if task_data.loader_eval is None else task_data.loader_eval
-    loader = loader_for(train_source, sampler, backend.process_index, backend.process_count,
-                        prefetch=data.prefetch, check=task_data.batch_check, transform=task_data.transform)
+    loader = loader_for(
+        train_source,
+        sampler,
+        backend.process_index,
+        backend.process_count,
+        prefetch=data.prefetch,
+        check=task_data.batch_check,
+        transform=task_data.transform,
+    )
     eval_loader = None
     if eval_source is not None:
+
         def eval_loader() -> BatchLoader:
             """The evaluation set in a fixed order, padded so that every record counts once."""
-            order = IndexSampler(len(eval_source), data.global_batch_size, data_seed(config), shuffle=False,
-                                 last_batch="pad")
-            return BatchLoader(eval_source, order, backend.process_index, backend.process_count, prefetch=0,
-                               check=task_data.batch_check, transform=task_data.transform)
+            order = IndexSampler(
+                len(eval_source), data.global_batch_size, data_seed(config), shuffle=False, last_batch="pad"
+            )
+            return BatchLoader(
+                eval_source,
+                order,
+                backend.process_index,
+                backend.process_count,
+                prefetch=0,
+                check=task_data.batch_check,
+                transform=task_data.transform,
+            )
+
     checkpoint = config.checkpoint
     open_checkpointer = functools.partial(
-        Checkpointer, run_dir, keep=checkpoint.keep, keep_best=checkpoint.keep_best,
-        best_metric=checkpoint.best_metric, best_mode=checkpoint.best_mode, async_save=checkpoint.async_save,
-        on_error=checkpoint.on_error, is_primary=backend.process_index == 0)
-    resume = ResumePolicy(run_dir, checkpoint.resume, data.ignore_skip, data.skip_samples, data_seed(config),
-                          config.backend, config.optimizer.model_dump(mode="json"),
-                          {"config_digest": config.digest(), "model": config.model.model_dump(mode="json")},
-                          initial_state=_initial_state(config))
+        Checkpointer,
+        run_dir,
+        keep=checkpoint.keep,
+        keep_best=checkpoint.keep_best,
+        best_metric=checkpoint.best_metric,
+        best_mode=checkpoint.best_mode,
+        async_save=checkpoint.async_save,
+        on_error=checkpoint.on_error,
+        is_primary=backend.process_index == 0,
+    )
+    resume = ResumePolicy(
+        run_dir,
+        checkpoint.resume,
+        data.ignore_skip,
+        data.skip_samples,
+        data_seed(config),
+        config.backend,
+        config.optimizer.model_dump(mode="json"),
+        {"config_digest": config.digest(), "model": config.model.model_dump(mode="json")},
+        initial_state=_initial_state(config),
+    )
     if config.backend == "torch" and parts.model is not None:  # a torch user model's shape is its own
         from torch_bridge.user_model import decoder_shape as module_shape
+
         shape = module_shape(parts.model)
     else:
         shape = config.model.decoder_shape()
     speed = speed_report(shape, task_data.tokens_per_sample, data.global_batch_size, backend.devices)
     optimizer = parts.optimizer[0] if parts.optimizer is not None else optimizer_settings(config.optimizer, max_steps)
     hooks = tuple(parts.task.start_hooks(parts.context, task_data, pieces)) if pieces is not None else ()
-    return Run(config=config, config_record=config.to_dict(), settings=loop_settings(config, max_steps),
-               parts=parts, run_dir=run_dir, sampler=sampler, loader=loader, eval_loader=eval_loader,
-               optimizer=optimizer, backend=backend, open_checkpointer=open_checkpointer,
-               adapter_checkpoints=pieces is not None and pieces.adapter_checkpoints,
-               callbacks=_callbacks(config, parts, trackers, callbacks or [], max_steps), resume=resume, speed=speed,
-               warnings=(*likely_mistakes(config, max_steps, has_eval_data=task_data.eval is not None),
-                         *task_data.notes), start_hooks=hooks)
+    return Run(
+        config=config,
+        config_record=config.to_dict(),
+        settings=loop_settings(config, max_steps),
+        parts=parts,
+        run_dir=run_dir,
+        sampler=sampler,
+        loader=loader,
+        eval_loader=eval_loader,
+        optimizer=optimizer,
+        backend=backend,
+        open_checkpointer=open_checkpointer,
+        adapter_checkpoints=pieces is not None and pieces.adapter_checkpoints,
+        callbacks=_callbacks(config, parts, trackers, callbacks or [], max_steps),
+        resume=resume,
+        speed=speed,
+        warnings=(*likely_mistakes(config, max_steps, has_eval_data=task_data.eval is not None), *task_data.notes),
+        start_hooks=hooks,
+    )

@@ -89,8 +89,12 @@ class CallMetrics:
         self.record.last_metrics["train"] = values
         if self.is_log_step(call_end_step):
             steps_per_sec = self.throughput.rate(call_end_step)
-            values = {**values, "steps_per_sec": steps_per_sec, **self.run.speed.fields(steps_per_sec),
-                      **self.position_fields(end_position)}
+            values = {
+                **values,
+                "steps_per_sec": steps_per_sec,
+                **self.run.speed.fields(steps_per_sec),
+                **self.position_fields(end_position),
+            }
             if self.settings.best_metric:
                 check_metric_logged("checkpoint.best_metric", self.settings.best_metric, "train", values)
             control = control.merge(self.run.callbacks.fire("on_log", self.view, "train", call_end_step, values))
@@ -106,10 +110,18 @@ class CallMetrics:
         if self.settings.stop_on_nonfinite and nonfinite_steps > self.nonfinite_seen:
             # The cumulative count also catches incidents in calls whose flags were never read.
             flagged = np.flatnonzero(metrics["nonfinite"])
-            where = (f"at step {call_end_step - steps + 1 + int(flagged[0])}" if len(flagged)
-                     else f"between steps {self.nonfinite_checked_at} and {call_end_step - steps}")
-            control = Control(should_stop=True, stop_kind=StopKind.NONFINITE,
-                              stop_reason=(f"non-finite loss or gradients {where} (update skipped, params intact); "
-                                           f"lower optimizer.learning_rate or set train.clip_norm"))
+            where = (
+                f"at step {call_end_step - steps + 1 + int(flagged[0])}"
+                if len(flagged)
+                else f"between steps {self.nonfinite_checked_at} and {call_end_step - steps}"
+            )
+            control = Control(
+                should_stop=True,
+                stop_kind=StopKind.NONFINITE,
+                stop_reason=(
+                    f"non-finite loss or gradients {where} (update skipped, params intact); "
+                    f"lower optimizer.learning_rate or set train.clip_norm"
+                ),
+            )
         self.nonfinite_seen, self.nonfinite_checked_at = nonfinite_steps, call_end_step
         return control

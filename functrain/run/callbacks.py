@@ -31,6 +31,7 @@ class Control:
     ``on_evaluate`` only: ``{split: {name: value}}`` the callback measured under a split of its own
     (``harness``), which the loop logs (``on_log``) after the evaluation's.
     """
+
     should_stop: bool = False
     should_save: bool = False
     should_evaluate: bool = False
@@ -43,15 +44,25 @@ class Control:
         its own (a signal, a non-finite step) and the first has not."""
         if other is None or not (other.should_stop or other.should_save or other.should_evaluate or other.metrics):
             return self  # the common case at a call boundary: nothing asked
-        stop = other if other.should_stop and (not self.should_stop or (
-            other.stop_kind.sets_exit_status and not self.stop_kind.sets_exit_status)) else self
-        return Control(self.should_stop or other.should_stop, self.should_save or other.should_save,
-                       self.should_evaluate or other.should_evaluate, stop.stop_reason, stop.stop_kind,
-                       _merged_metrics(self.metrics, other.metrics))
+        stop = (
+            other
+            if other.should_stop
+            and (not self.should_stop or (other.stop_kind.sets_exit_status and not self.stop_kind.sets_exit_status))
+            else self
+        )
+        return Control(
+            self.should_stop or other.should_stop,
+            self.should_save or other.should_save,
+            self.should_evaluate or other.should_evaluate,
+            stop.stop_reason,
+            stop.stop_kind,
+            _merged_metrics(self.metrics, other.metrics),
+        )
 
 
-def _merged_metrics(first: dict[str, dict[str, float]] | None, second: dict[str, dict[str, float]] | None
-                    ) -> dict[str, dict[str, float]] | None:
+def _merged_metrics(
+    first: dict[str, dict[str, float]] | None, second: dict[str, dict[str, float]] | None
+) -> dict[str, dict[str, float]] | None:
     if not first or not second:
         return first or second
     return {split: {**first.get(split, {}), **second.get(split, {})} for split in {**first, **second}}
@@ -81,8 +92,10 @@ class CallbackList:
         for callback in self.callbacks:
             request = getattr(callback, event)(view, *args)
             if request is not None and request.metrics and event != "on_evaluate":
-                raise ConfigError(f"{type(callback).__name__}.{event} returned Control(metrics=...): a callback "
-                                  f"logs metrics of its own from on_evaluate only")
+                raise ConfigError(
+                    f"{type(callback).__name__}.{event} returned Control(metrics=...): a callback "
+                    f"logs metrics of its own from on_evaluate only"
+                )
             control = control.merge(request)
         return control
 
@@ -96,8 +109,15 @@ class ProgressBar(Callback):
     def on_train_begin(self, view: RunView) -> None:
         if view.is_primary:
             from tqdm import tqdm
-            self.bar = tqdm(total=view.max_steps, initial=view.step, unit="step", dynamic_ncols=True,
-                            file=sys.stderr, mininterval=0.5)
+
+            self.bar = tqdm(
+                total=view.max_steps,
+                initial=view.step,
+                unit="step",
+                dynamic_ncols=True,
+                file=sys.stderr,
+                mininterval=0.5,
+            )
 
     def on_step_end(self, view: RunView) -> None:
         if self.bar is not None:
@@ -160,6 +180,7 @@ class MetricsWriter(Callback):
         self.jsonl = open(path, "a", buffering=1)  # noqa: SIM115 -- held for the run; on_train_end closes it
         if self.tensorboard:
             from tensorboardX import SummaryWriter
+
             self.writer = SummaryWriter(str(view.run_dir / "tensorboard"))
 
     def on_log(self, view: RunView, split: str, step: int, metrics: dict[str, float]) -> None:
@@ -219,9 +240,14 @@ class EarlyStopping(Callback):
             return None
         self.bad_evaluations += 1
         if self.bad_evaluations >= self.patience:
-            return Control(should_stop=True, stop_kind=StopKind.EARLY_STOPPED,
-                           stop_reason=(f"early stopping: {self.split}/{self.name} did not improve for "
-                                        f"{self.patience} evaluations (best {self.best:.6g})"))
+            return Control(
+                should_stop=True,
+                stop_kind=StopKind.EARLY_STOPPED,
+                stop_reason=(
+                    f"early stopping: {self.split}/{self.name} did not improve for "
+                    f"{self.patience} evaluations (best {self.best:.6g})"
+                ),
+            )
         return None
 
 

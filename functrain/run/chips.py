@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-GIB, GB, TERA = 2 ** 30, 10 ** 9, 10 ** 12
+GIB, GB, TERA = 2**30, 10**9, 10**12
 
 
 @dataclass(frozen=True)
 class Chip:
     """One chip: ``hbm_bytes`` of memory, ``peak_flops`` dense bf16 FLOP/s, ``hbm_bandwidth`` bytes/s."""
+
     name: str
     hbm_bytes: int
     peak_flops: float
@@ -23,11 +24,11 @@ class Chip:
 
 CHIPS = (
     Chip("TPU v4", 32 * GIB, 275 * TERA, 1.2 * TERA),
-    Chip("TPU v5 lite", 16 * GIB, 197 * TERA, 0.82 * TERA),    # v5e
+    Chip("TPU v5 lite", 16 * GIB, 197 * TERA, 0.82 * TERA),  # v5e
     Chip("TPU v5e", 16 * GIB, 197 * TERA, 0.82 * TERA),
     Chip("TPU v5p", 95 * GIB, 459 * TERA, 2.76 * TERA),
-    Chip("TPU v5", 95 * GIB, 459 * TERA, 2.76 * TERA),         # v5p reports itself as "TPU v5"
-    Chip("TPU v6", 32 * GIB, 918 * TERA, 1.64 * TERA),         # v6e ("TPU v6 lite")
+    Chip("TPU v5", 95 * GIB, 459 * TERA, 2.76 * TERA),  # v5p reports itself as "TPU v5"
+    Chip("TPU v6", 32 * GIB, 918 * TERA, 1.64 * TERA),  # v6e ("TPU v6 lite")
     Chip("H100 PCIe", 80 * GB, 756 * TERA, 2.0 * TERA),
     Chip("GH200", 96 * GB, 989 * TERA, 4.0 * TERA),
     Chip("H100", 80 * GB, 989 * TERA, 3.35 * TERA),

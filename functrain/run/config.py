@@ -42,6 +42,7 @@ MetricName = Annotated[str, pydantic.AfterValidator(_split_and_name)]
 
 class RunConfig(Section):
     """``run.*``: where the run directory (config, metrics, TensorBoard, checkpoints) lives."""
+
     dir: str = "runs/default"
 
 
@@ -64,6 +65,7 @@ Target = Annotated[str | None, pydantic.AfterValidator(check_target)]
 class MixtureSourceConfig(Section):
     """One ``data.sources`` entry: a file or store at ``path`` drawn with relative ``weight``; ``name`` is its
     loader (default: from the path, see :func:`functrain.data.datasets.open_source`)."""
+
     path: str
     weight: float
     name: str | None = None
@@ -72,8 +74,10 @@ class MixtureSourceConfig(Section):
     @classmethod
     def _positive(cls, value: float) -> float:
         if not value > 0:
-            raise ValueError(f"weight {value} must be > 0 (the weights' ratios are the mixture's proportions); "
-                             f"give the source a positive weight or remove it")
+            raise ValueError(
+                f"weight {value} must be > 0 (the weights' ratios are the mixture's proportions); "
+                f"give the source a positive weight or remove it"
+            )
         return value
 
 
@@ -81,6 +85,7 @@ class FieldsConfig(Section):
     """``data.fields.*``: the field the model is called on (``inputs``: a name, or ``{argument: name}`` to pass
     it by keyword) and the one the built-in loss reads as labels (``labels``), for data that follows none of
     the conventions of :mod:`functrain.core.fields`; ``fit(..., inputs=, labels=)`` wins over them."""
+
     inputs: str | list[str] | dict[str, str] | None = None
     labels: str | None = None
 
@@ -99,6 +104,7 @@ class DataConfig(Section):
     "pkg.module:fn"``: ``fn(record, rng) -> record`` reshapes every record as it is read (training and
     evaluation; map-style data), so records of another shape need no data source of their own
     (``fit(..., transform=)`` wins)."""
+
     name: str = "char_text"
     target: Target = None
     kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -128,8 +134,10 @@ class DataConfig(Section):
             if given:
                 raise ValueError(f"data.sources replaces data.{given[0]}; keep one of them")
         elif self.packing and (self.name != "tokens" or self.target is not None):
-            raise ValueError("data.packing=true needs data.name=tokens (a store written by functrain tokenize); "
-                             "remove data.packing or set data.name=tokens")
+            raise ValueError(
+                "data.packing=true needs data.name=tokens (a store written by functrain tokenize); "
+                "remove data.packing or set data.name=tokens"
+            )
         return self
 
 
@@ -140,8 +148,14 @@ OPTIMIZER_KEYS: dict[str, dict[str, str]] = {
     "sgd": {"momentum": "momentum", "nesterov": "nesterov", "mu_dtype": "accumulator_dtype"},
     "adafactor": {"momentum": "momentum", "eps": "eps", "mu_dtype": "dtype_momentum"},
     "lion": {"b1": "b1", "b2": "b2", "mu_dtype": "mu_dtype"},
-    "muon": {"momentum": "beta", "nesterov": "nesterov", "eps": "eps", "b1": "adam_b1", "b2": "adam_b2",
-             "mu_dtype": "mu_dtype"},
+    "muon": {
+        "momentum": "beta",
+        "nesterov": "nesterov",
+        "eps": "eps",
+        "b1": "adam_b1",
+        "b2": "adam_b2",
+        "mu_dtype": "mu_dtype",
+    },
 }
 # Optimizers that take every key they read as given (the others only those set away from the defaults).
 EXPLICIT_KEYS = ("adamw", "sgd")
@@ -152,6 +166,7 @@ class OptimizerConfig(Section):
     linear schedule. ``target: "pkg.module:make"`` (called with ``kwargs``) replaces ``name``: it returns an
     optax transformation, or a function of the schedule returning one; a target taking ``learning_rate``
     (``"optax:lion"``) gets the schedule as its learning rate."""
+
     name: str = "adamw"
     target: Target = None
     kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -171,12 +186,16 @@ class OptimizerConfig(Section):
     def optax_options(self) -> dict[str, Any]:
         """The optax keyword arguments of ``name`` this section sets (see :data:`OPTIMIZER_KEYS`)."""
         fields = type(self).model_fields
-        return {argument: getattr(self, key) for key, argument in OPTIMIZER_KEYS[self.name].items()
-                if self.name in EXPLICIT_KEYS or getattr(self, key) != fields[key].default}
+        return {
+            argument: getattr(self, key)
+            for key, argument in OPTIMIZER_KEYS[self.name].items()
+            if self.name in EXPLICIT_KEYS or getattr(self, key) != fields[key].default
+        }
 
     @pydantic.model_validator(mode="after")
     def _check_keys(self) -> "OptimizerConfig":
         from functrain.core.optim import OPTIMIZER_NAMES  # imports optax; only when an optimizer is configured
+
         if self.target is not None or self.name == PYTHON_OBJECT:
             return self
         if self.name not in OPTIMIZER_NAMES:
@@ -184,8 +203,10 @@ class OptimizerConfig(Section):
         for key in ("b1", "b2", "eps", "momentum", "nesterov", "mu_dtype"):
             if key not in OPTIMIZER_KEYS[self.name] and getattr(self, key) != type(self).model_fields[key].default:
                 users = [name for name, keys in OPTIMIZER_KEYS.items() if key in keys]
-                raise ValueError(f"optimizer.{key} is not used by optimizer.name={self.name} (only by "
-                                 f"{', '.join(users)}); remove it or choose one of those")
+                raise ValueError(
+                    f"optimizer.{key} is not used by optimizer.name={self.name} (only by "
+                    f"{', '.join(users)}); remove it or choose one of those"
+                )
         return self
 
 
@@ -194,6 +215,7 @@ class TrainConfig(Section):
     accumulation, steps per compiled call, clipping, the non-finite policy, the precision (``compute_dtype`` for
     the forward/backward pass, ``param_dtype`` for the stored parameters), ``offload_optimizer`` (optimizer state
     in pinned host memory, streamed to the device for each update; GPU/TPU only) and (torch) ``torch.compile``."""
+
     max_steps: int | None = Field(None, ge=1)
     epochs: float | None = Field(None, gt=0)
     micro_batches: int = Field(1, ge=1)
@@ -216,6 +238,7 @@ class TrainConfig(Section):
 class CheckpointConfig(Section):
     """``checkpoint.*``: save interval, retention (latest ``keep`` plus best ``keep_best`` by
     ``best_metric``), which checkpoint to resume from, async saves and what a failed save does."""
+
     every_steps: int = Field(0, ge=0)  # 0: only at the end (and on SIGTERM)
     keep: int = Field(3, ge=1)
     keep_best: int = Field(0, ge=0)
@@ -237,6 +260,7 @@ class CheckpointConfig(Section):
 class ParamRule(Section):
     """One ``mesh.param_rules`` entry: parameters whose path (``block_0/dense/kernel``) matches the regular
     expression ``pattern`` (``re.search``) get ``spec``, one mesh axis (or list of axes, or null) per dimension."""
+
     pattern: str
     spec: list[str | list[str] | None]
 
@@ -254,6 +278,7 @@ class MeshConfig(Section):
     """``mesh.*``: device mesh axes (one may be -1 for the rest), logical-to-mesh axis rules, and rules by
     parameter path for parameters without logical axes (``param_rules``, first match wins; see
     :mod:`functrain.parallel.sharding` for the default rule)."""
+
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
@@ -266,6 +291,7 @@ class LogConfig(Section):
     """``log.*``: metric logging interval, progress bar, TensorBoard event files, experiment trackers
     (``jsonl`` is metrics.jsonl, always written; ``wandb`` and ``mlflow`` need their extras) and the PNG of
     the run's curves written at its end (``RUN_DIR/plot.png``)."""
+
     every_steps: int = Field(10, ge=1)
     progress: bool = True
     tensorboard: bool = True
@@ -278,6 +304,7 @@ class SamplesConfig(Section):
     """``eval.samples.*``: ``count`` continuations of ``prompt`` written to ``RUN_DIR/samples.jsonl`` and
     TensorBoard at each evaluation of a language model (0: none); ``tokenizer``: an HF tokenizer directory
     (default: UTF-8 bytes, as ``data.name=char_text`` feeds them)."""
+
     count: int = Field(0, ge=0)
     prompt: str = "\n"
     max_new_tokens: int = Field(64, ge=1)
@@ -288,6 +315,7 @@ class SamplesConfig(Section):
 
 class EvalConfig(Section):
     """``eval.*``: evaluation interval and size, and early stopping on a metric like ``eval/loss``."""
+
     every_steps: int = Field(0, ge=0)  # 0: no periodic evaluation (one at the end if there is eval data)
     max_batches: int | None = Field(None, ge=1)
     early_stopping_metric: MetricName | None = None  # e.g. "eval/loss"
@@ -313,6 +341,7 @@ class TargetModelConfig(ModelConfig):
     The keys are the factory's own: functrain reads only ``vocab_size`` and ``num_classes`` among them (an
     integer given there bounds the token ids or labels the data may hold, and ``data.name: synthetic`` draws
     ids below ``vocab_size``); the model's context, decoder shape (MFU) and layers are its own business."""
+
     model_config = ConfigDict(extra="allow")
     target: Annotated[str, pydantic.AfterValidator(check_target)]
     kind: Literal["classifier", "causal_lm"] | None = None
@@ -337,6 +366,7 @@ class TargetModelConfig(ModelConfig):
 class PythonModelConfig(Section, ModelConfig):
     """Recorded in place of a model section when ``fit`` is given a model object: its type, for the record
     (every question about the model is answered None: functrain knows nothing of it)."""
+
     python_object: str  # the name is PYTHON_OBJECT
 
 
@@ -364,9 +394,11 @@ def model_section_tag(value: Any) -> str | None:
 
 
 # A member per registered family, tagged with its name, beside a factory's section and a Python object's.
-_TAGGED_SECTIONS = (*(Annotated[cls, pydantic.Tag(name)] for name, (cls, _) in MODEL_FAMILIES.items()),
-                    Annotated[TargetModelConfig, pydantic.Tag(TARGET_TAG)],
-                    Annotated[PythonModelConfig, pydantic.Tag(PYTHON_OBJECT)])
+_TAGGED_SECTIONS = (
+    *(Annotated[cls, pydantic.Tag(name)] for name, (cls, _) in MODEL_FAMILIES.items()),
+    Annotated[TargetModelConfig, pydantic.Tag(TARGET_TAG)],
+    Annotated[PythonModelConfig, pydantic.Tag(PYTHON_OBJECT)],
+)
 if TYPE_CHECKING:  # the union is made from the registry at run time; to mypy it is the kinds of its members
     ModelSection = FamilyConfig | TargetModelConfig | PythonModelConfig
 else:
@@ -378,6 +410,7 @@ MODEL_TAGS = frozenset({*MODEL_FAMILIES, TARGET_TAG, PYTHON_OBJECT})
 class ProfileConfig(Section):
     """``profile.*``: trace ``steps`` training steps from ``start_step`` with the JAX profiler into
     ``RUN_DIR/profile/`` (0 steps: no trace; see :mod:`functrain.run.profile`)."""
+
     start_step: int = Field(0, ge=0)
     steps: int = Field(0, ge=0)
 
@@ -386,6 +419,7 @@ class RunSections(Section):
     """The whole run configuration but the tasks' sections (:class:`Config` adds one per registered task);
     ``model`` holds the chosen model's own validated config; ``task`` names the training mode
     (:mod:`functrain.tasks`; None: what the data implies)."""
+
     seed: int = 0
     backend: Literal["jax", "torch"] = "jax"
     task: str | None = None
@@ -407,6 +441,7 @@ class RunSections(Section):
     @classmethod
     def _known_task(cls, value: str | None) -> str | None:
         from functrain.tasks import check_task_name
+
         return value if value is None else check_task_name(value)
 
     @pydantic.field_validator("model", mode="before")
@@ -417,32 +452,49 @@ class RunSections(Section):
             return value
         if isinstance(value, dict) and value.get("scan_layers") and "name" not in value:
             raise ValueError(scan_refusal(f"target {value.get('target')!r}"))  # a user model's own layout
-        if (isinstance(value, dict) and value.get("scan_layers") and isinstance(value.get("name"), str)
-                and not model_config_class(value["name"]).scans_layers):
+        if (
+            isinstance(value, dict)
+            and value.get("scan_layers")
+            and isinstance(value.get("name"), str)
+            and not model_config_class(value["name"]).scans_layers
+        ):
             raise ValueError(scan_refusal(value["name"]))
         if isinstance(value, dict) and TARGET_TAG in value and "name" in value:
             raise ValueError("the model section has both 'name' and 'target'; keep one")
         if isinstance(value, dict) and "name" in value:
             model_config_class(value["name"])  # an unknown name: the registry's error, naming the known ones
         elif model_section_tag(value) is None:
-            raise ValueError("the model section needs a 'name' (one of the registered models) or a 'target' "
-                             "('package.module:factory')")
+            raise ValueError(
+                "the model section needs a 'name' (one of the registered models) or a 'target' "
+                "('package.module:factory')"
+            )
         return value
 
     @pydantic.model_validator(mode="after")
     def _check_model_fits_data(self) -> "RunSections":
         if self.model is None:
-            raise ValueError("the config has no model section; add model.name (e.g. model.name=mlp) or "
-                             "model.target, or pass model= to fit")
+            raise ValueError(
+                "the config has no model section; add model.name (e.g. model.name=mlp) or "
+                "model.target, or pass model= to fit"
+            )
         context = self.model.max_positions()
         if context is not None and self.data.seq_len > context:
-            raise ValueError(f"data.seq_len={self.data.seq_len} is longer than the model's context of {context} "
-                             f"positions; lower data.seq_len or raise the model's context length")
+            raise ValueError(
+                f"data.seq_len={self.data.seq_len} is longer than the model's context of {context} "
+                f"positions; lower data.seq_len or raise the model's context length"
+            )
         vocab = self.model.vocabulary_size()
-        if (self.data.target is None and self.data.sources is None and self.data.name == "char_text"
-                and vocab is not None and vocab < 256):
-            raise ValueError(f"data.name=char_text feeds bytes (ids 0-255) but the model's vocab_size is {vocab}; "
-                             f"set model.vocab_size to at least 256")
+        if (
+            self.data.target is None
+            and self.data.sources is None
+            and self.data.name == "char_text"
+            and vocab is not None
+            and vocab < 256
+        ):
+            raise ValueError(
+                f"data.name=char_text feeds bytes (ids 0-255) but the model's vocab_size is {vocab}; "
+                f"set model.vocab_size to at least 256"
+            )
         return self
 
     @pydantic.model_validator(mode="after")
@@ -450,21 +502,26 @@ class RunSections(Section):
         """The task the data implies when none is named; a task's section given for another task is refused;
         the running task's moved keys (``preference.init_from``) land where they live now."""
         from functrain.tasks import implied_task, task_sections
+
         if self.task is None:
             self.__dict__["task"] = implied_task(self)  # plain set: assignment would validate the model again
         for name, section_class in task_sections().items():
             # A section at its defaults configures nothing (older run configs record every task's section).
             if name != self.task and getattr(self, name) != section_class():
-                raise ValueError(f"the {name} section configures task {name} and this config trains "
-                                 f"{self.task or 'a classifier or causal LM (no task set)'}; set task: {name} or "
-                                 f"remove the {name} section")
+                raise ValueError(
+                    f"the {name} section configures task {name} and this config trains "
+                    f"{self.task or 'a classifier or causal LM (no task set)'}; set task: {name} or "
+                    f"remove the {name} section"
+                )
         section = getattr(self, self.task, None) if self.task else None
-        for dotted, (own_key, value) in (section.aliases().items() if section is not None else ()):
+        for dotted, (own_key, value) in section.aliases().items() if section is not None else ():
             where, key = dotted.split(".")
             current, old_name = getattr(getattr(self, where), key), f"{self.task}.{own_key}"
             if current is not None and current != value:
-                raise ValueError(f"{old_name}={value!r} and {dotted}={current!r} differ; {old_name} is the old "
-                                 f"name of {dotted}: keep {dotted} alone")
+                raise ValueError(
+                    f"{old_name}={value!r} and {dotted}={current!r} differ; {old_name} is the old "
+                    f"name of {dotted}: keep {dotted} alone"
+                )
             getattr(self, where).__dict__[key] = value
             self._given_as[dotted] = old_name
         return self
@@ -476,26 +533,35 @@ class RunSections(Section):
     @pydantic.model_validator(mode="after")
     def _check_intervals(self) -> "RunSections":
         k = self.train.steps_per_call
-        for key, every in (("log.every_steps", self.log.every_steps),
-                           ("eval.every_steps", self.eval.every_steps),
-                           ("checkpoint.every_steps", self.checkpoint.every_steps)):
+        for key, every in (
+            ("log.every_steps", self.log.every_steps),
+            ("eval.every_steps", self.eval.every_steps),
+            ("checkpoint.every_steps", self.checkpoint.every_steps),
+        ):
             if every and every % k:
-                raise ValueError(f"{key}={every} is not a multiple of train.steps_per_call={k}: intervals fall "
-                                 f"on call boundaries; use a multiple of {k} for {key}")
+                raise ValueError(
+                    f"{key}={every} is not a multiple of train.steps_per_call={k}: intervals fall "
+                    f"on call boundaries; use a multiple of {k} for {key}"
+                )
         from functrain.data.loader import batch_split_problem
+
         problem = batch_split_problem(self.data.global_batch_size, self.train.micro_batches)
         if problem:
             raise ValueError(problem)
         if self.train.loss_scale == "dynamic" and self.train.compute_dtype != "float16":
             raise ValueError("train.loss_scale=dynamic is for train.compute_dtype=float16; set one or the other")
         if self.backend == "torch":
-            for key, value in (("param_dtype", self.train.param_dtype != "float32"),
-                               ("offload_optimizer", self.train.offload_optimizer)):
+            for key, value in (
+                ("param_dtype", self.train.param_dtype != "float32"),
+                ("offload_optimizer", self.train.offload_optimizer),
+            ):
                 if value:
                     raise ValueError(f"train.{key} is for backend: jax; remove it or set backend=jax")
         if self.train.torch_compile and self.backend != "torch":
-            raise ValueError(f"train.torch_compile=true is for backend: torch (backend is {self.backend}; the jax "
-                             f"step is always compiled); remove it or set backend=torch")
+            raise ValueError(
+                f"train.torch_compile=true is for backend: torch (backend is {self.backend}; the jax "
+                f"step is always compiled); remove it or set backend=torch"
+            )
         return self
 
     def section(self, task: str) -> Any:
@@ -506,6 +572,7 @@ class RunSections(Section):
         """The resolved config as plain data (what ``config.yaml`` in the run directory holds): the task's own
         section, not the other tasks'."""
         from functrain.tasks import task_sections
+
         return self.model_dump(mode="json", exclude={name for name in task_sections() if name != self.task})
 
     def digest(self) -> str:
@@ -521,13 +588,18 @@ def config_class() -> type[RunSections]:
     (``preference``, ``distill``), made again when a task registers at run time
     (:func:`functrain.tasks.register_task`)."""
     from functrain.tasks import task_sections
+
     sections = task_sections()
     key = tuple(sorted(sections))
     if key not in _CONFIG_CLASSES:
         fields: dict[str, Any] = {name: (section, Field(default_factory=section)) for name, section in sections.items()}
         _CONFIG_CLASSES[key] = pydantic.create_model(
-            "Config", __base__=RunSections, __module__=__name__,
-            __doc__="The whole run configuration, the tasks' sections included.", **fields)
+            "Config",
+            __base__=RunSections,
+            __module__=__name__,
+            __doc__="The whole run configuration, the tasks' sections included.",
+            **fields,
+        )
     return _CONFIG_CLASSES[key]
 
 
@@ -541,8 +613,9 @@ def _section_class(annotation: Any) -> type[BaseModel] | None:
     """The section class a field holds, alone or optional (``model.lora``, ``model.rope_scaling``); None for
     other fields."""
     union = typing.get_origin(annotation) in (Union, types.UnionType)
-    members = [member for member in (typing.get_args(annotation) if union else (annotation,))
-               if member is not type(None)]
+    members = [
+        member for member in (typing.get_args(annotation) if union else (annotation,)) if member is not type(None)
+    ]
     if len(members) == 1 and isinstance(members[0], type) and issubclass(members[0], BaseModel):
         return members[0]
     return None
@@ -595,8 +668,9 @@ def validate_config(raw: dict) -> Config:
         raise ConfigError(str(exc)) from None
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None,
-                base: dict | None = None) -> Config:
+def load_config(
+    path: str | os.PathLike | None = None, overrides: list[str] | None = None, base: dict | None = None
+) -> Config:
     """Load ``path`` (or start from ``base``), apply ``overrides`` and validate."""
     raw = read_yaml(path) if path is not None else dict(base or {})
     return validate_config(apply_overrides(raw, list(overrides or [])))

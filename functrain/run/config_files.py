@@ -31,8 +31,10 @@ def _list_item(node: Any, part: str, text: str) -> bool:
         return False
     if part.isdigit() and int(part) < len(node):
         return True
-    raise ConfigError(f"override {text!r}: {part!r} is not an item of a list of {len(node)}; index it with a "
-                      f"number from 0 to {len(node) - 1} (e.g. data.sources.0.weight=2)")
+    raise ConfigError(
+        f"override {text!r}: {part!r} is not an item of a list of {len(node)}; index it with a "
+        f"number from 0 to {len(node) - 1} (e.g. data.sources.0.weight=2)"
+    )
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
@@ -60,8 +62,7 @@ def read_yaml(path: str | os.PathLike) -> dict:
     """Read a YAML mapping; a missing file or malformed YAML is a one-line ConfigError."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist; pass the path of a YAML file "
-                          f"(see configs/)")
+        raise ConfigError(f"config file {str(path)!r} does not exist; pass the path of a YAML file (see configs/)")
     try:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:

@@ -46,5 +46,9 @@ class RunEvents(Callback):
 
     def on_train_begin(self, view: RunView) -> None:
         if view.is_primary:
-            append_event(view.run_dir, "resume" if view.start_step else "start", view.start_step,
-                         samples_consumed=view.samples_consumed)
+            append_event(
+                view.run_dir,
+                "resume" if view.start_step else "start",
+                view.start_step,
+                samples_consumed=view.samples_consumed,
+            )

@@ -25,10 +25,20 @@ def resolve_config(config: Config | dict | str | os.PathLike, overrides: dict[st
     return load_config(config, dotted)
 
 
-def build(config: Config | dict | str | os.PathLike, *, model: Any = None, loss_fn: Callable | None = None,
-              optimizer: Any = None, train_data: Any = None, eval_data: Any = None,
-              callbacks: list[Callback] | None = None, inputs: str | tuple[str, ...] | dict[str, str] | None = None,
-              labels: str | None = None, transform: Callable | None = None, **overrides: Any) -> Run:
+def build(
+    config: Config | dict | str | os.PathLike,
+    *,
+    model: Any = None,
+    loss_fn: Callable | None = None,
+    optimizer: Any = None,
+    train_data: Any = None,
+    eval_data: Any = None,
+    callbacks: list[Callback] | None = None,
+    inputs: str | tuple[str, ...] | dict[str, str] | None = None,
+    labels: str | None = None,
+    transform: Callable | None = None,
+    **overrides: Any,
+) -> Run:
     """The :class:`Run` that :func:`fit` would drive, built and checked but not started (nothing is written).
     The resolved config records a passed model, data or optimizer as ``python_object``, and ``inputs`` /
     ``labels`` as ``data.fields``."""
@@ -43,14 +53,32 @@ def build(config: Config | dict | str | os.PathLike, *, model: Any = None, loss_
         recorded["data.name"] = PYTHON_OBJECT
     if optimizer is not None:
         recorded["optimizer.name"] = PYTHON_OBJECT
-    return build_run(resolve_config(config, recorded), model=model, loss_fn=loss_fn, optimizer=optimizer,
-                 train_data=train_data, eval_data=eval_data, callbacks=callbacks, transform=transform)
+    return build_run(
+        resolve_config(config, recorded),
+        model=model,
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        train_data=train_data,
+        eval_data=eval_data,
+        callbacks=callbacks,
+        transform=transform,
+    )
 
 
-def fit(config: Config | dict | str | os.PathLike, *, model: Any = None, loss_fn: Callable | None = None,
-        optimizer: Any = None, train_data: Any = None, eval_data: Any = None,
-        callbacks: list[Callback] | None = None, inputs: str | tuple[str, ...] | dict[str, str] | None = None,
-        labels: str | None = None, transform: Callable | None = None, **overrides: Any) -> FitResult:
+def fit(
+    config: Config | dict | str | os.PathLike,
+    *,
+    model: Any = None,
+    loss_fn: Callable | None = None,
+    optimizer: Any = None,
+    train_data: Any = None,
+    eval_data: Any = None,
+    callbacks: list[Callback] | None = None,
+    inputs: str | tuple[str, ...] | dict[str, str] | None = None,
+    labels: str | None = None,
+    transform: Callable | None = None,
+    **overrides: Any,
+) -> FitResult:
     """Train as ``config`` says, with any objects given in place of the config's, resuming from the run
     directory when a checkpoint is there: ``drive(build(...))``.
 
@@ -75,6 +103,18 @@ def fit(config: Config | dict | str | os.PathLike, *, model: Any = None, loss_fn
       transform: ``transform(record, rng) -> record`` applied to every training and evaluation record as it
         is read (map-style data; ``data.transform`` in the config), to reshape records without a data source.
     """
-    return drive(build(config, model=model, loss_fn=loss_fn, optimizer=optimizer, train_data=train_data,
-                           eval_data=eval_data, callbacks=callbacks, inputs=inputs, labels=labels,
-                           transform=transform, **overrides))
+    return drive(
+        build(
+            config,
+            model=model,
+            loss_fn=loss_fn,
+            optimizer=optimizer,
+            train_data=train_data,
+            eval_data=eval_data,
+            callbacks=callbacks,
+            inputs=inputs,
+            labels=labels,
+            transform=transform,
+            **overrides,
+        )
+    )

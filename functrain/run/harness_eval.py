@@ -20,14 +20,24 @@ HARNESS_SPLIT = "harness"
 class HarnessEvaluation(Callback):
     """Scores lm-eval ``tasks`` on the run's current params at each evaluation."""
 
-    def __init__(self, tasks: list[str], include_path: str | None, limit: int | None, batch_size: int,
-                 tokenizer: str | None, model_config: Any, backend: str) -> None:
+    def __init__(
+        self,
+        tasks: list[str],
+        include_path: str | None,
+        limit: int | None,
+        batch_size: int,
+        tokenizer: str | None,
+        model_config: Any,
+        backend: str,
+    ) -> None:
         """``model_config``: the run's model section (a built-in causal LM); ``backend``: the run's (jax)."""
         from functrain.models import build_model
         from functrain.models.options import for_sampling
+
         check_language_model_run(model_config, backend, "eval.harness_tasks", "remove eval.harness_tasks")
         from functrain.text.decode import load_tokenizer
         from functrain.text.harness import FunctrainLM, task_manager
+
         self.tasks, self.limit = list(tasks), limit
         self.manager = task_manager(self.tasks, include_path, where="eval.harness_tasks")
         self.model = build_model(for_sampling(model_config))
@@ -37,6 +47,7 @@ class HarnessEvaluation(Callback):
     def on_evaluate(self, view: RunView, metrics: dict[str, float]) -> Control | None:
         from functrain.models.lora import merged_for_inference
         from functrain.text.harness import task_scores
+
         if view.state is None:
             return None
         self.lm.params = merged_for_inference(view.state.params, self.model.config)

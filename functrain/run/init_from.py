@@ -21,12 +21,17 @@ from functrain.models.lora import is_adapter
 def initial_state_from(run_dir: Path, backend: Any) -> Any:
     """A step-0 state of the JAX ``backend`` whose weights are those of ``run_dir``'s newest checkpoint."""
     params, meta = load_params_and_meta(run_dir)
-    wanted = {path: tuple(leaf.shape) for path, leaf in flatten_dict(backend.abstract_state.params).items()
-              if not is_adapter(path)}
+    wanted = {
+        path: tuple(leaf.shape)
+        for path, leaf in flatten_dict(backend.abstract_state.params).items()
+        if not is_adapter(path)
+    }
     given = {path: tuple(leaf.shape) for path, leaf in flatten_dict(params).items() if not is_adapter(path)}
     for path in sorted(set(wanted) | set(given)):
         if wanted.get(path) != given.get(path):
-            raise CheckpointError(f"the weights of {run_dir} (step {meta.get('step')}) do not fit this model: "
-                                  f"{'/'.join(path)} is {given.get(path)} there and {wanted.get(path)} here; use "
-                                  f"the same model section as that run")
+            raise CheckpointError(
+                f"the weights of {run_dir} (step {meta.get('step')}) do not fit this model: "
+                f"{'/'.join(path)} is {given.get(path)} there and {wanted.get(path)} here; use "
+                f"the same model section as that run"
+            )
     return backend.state_from_items({"params": params, "state": None})

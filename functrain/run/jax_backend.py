@@ -27,22 +27,31 @@ from functrain.parallel.offload import check_offload, offload_opt_state, streami
 EXPERIENCE_STREAM = 0xE4E7
 
 # TrainState fields saved in the checkpoint's "state" item (params are an item of their own).
-STATE_FIELDS = ("step", "opt_state", "rng", "model_state", "loss_scale", "good_steps", "skipped_steps",
-                "nonfinite_steps")
+STATE_FIELDS = (
+    "step",
+    "opt_state",
+    "rng",
+    "model_state",
+    "loss_scale",
+    "good_steps",
+    "skipped_steps",
+    "nonfinite_steps",
+)
 
 
 def weight_sums(params: Any) -> dict[str, jax.Array]:
     """Per leaf (by path) two position-weighted sums of its float32 bit patterns, modulo 2**32: integer sums do
     not depend on the order of the reduction, so any sharding of the same values gives the same."""
+
     def sums(leaf: jax.Array) -> jax.Array:
         leaf = jnp.atleast_1d(leaf)
         bits = jax.lax.bitcast_convert_type(leaf.astype(jnp.float32), jnp.uint32)
         position = jax.lax.broadcasted_iota(jnp.uint32, leaf.shape, 0)
         for axis in range(1, leaf.ndim):  # the C-order flat index of every element
-            position = position * jnp.uint32(leaf.shape[axis]) + jax.lax.broadcasted_iota(jnp.uint32, leaf.shape,
-                                                                                            axis)
+            position = position * jnp.uint32(leaf.shape[axis]) + jax.lax.broadcasted_iota(jnp.uint32, leaf.shape, axis)
         mixed = (bits ^ (position * jnp.uint32(0x9E3779B9))) * jnp.uint32(0x85EBCA6B)
         return jnp.stack([jnp.sum(bits * (2 * position + 1), dtype=jnp.uint32), jnp.sum(mixed, dtype=jnp.uint32)])
+
     return {jax.tree_util.keystr(path): sums(leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
 
 
@@ -56,10 +65,20 @@ class JaxBackend:
     name = "jax"
     synchronous = False  # calls are dispatched asynchronously; a call is known finished when read
 
-    def __init__(self, program: Program, tx: optax.GradientTransformation, schedule: optax.Schedule | None, *,
-                 mesh: Mesh, rules: Any, param_rules: Any = (), allow_replicated_fallback: bool = False,
-                 step: StepSettings = StepSettings(), seed: int = 0,
-                 experience: Callable[[Any, dict[str, Any], jax.Array], dict[str, Any]] | None = None) -> None:
+    def __init__(
+        self,
+        program: Program,
+        tx: optax.GradientTransformation,
+        schedule: optax.Schedule | None,
+        *,
+        mesh: Mesh,
+        rules: Any,
+        param_rules: Any = (),
+        allow_replicated_fallback: bool = False,
+        step: StepSettings = StepSettings(),
+        seed: int = 0,
+        experience: Callable[[Any, dict[str, Any], jax.Array], dict[str, Any]] | None = None,
+    ) -> None:
         """``schedule`` is reported as the ``learning_rate`` metric (None: not reported); ``rules`` map logical
         axes to mesh axes and ``param_rules`` parameter paths to specs (:mod:`functrain.parallel.sharding`);
         ``experience``: a task's stage that makes each step's training batch from the loader's with the current
@@ -79,15 +98,23 @@ class JaxBackend:
             tx = trainable_only(tx, trainable)
         self.tx, self.schedule = tx, schedule
         train_step = make_train_step(
-            program.loss_fn, tx, micro_batches=step.micro_batches, clip_norm=step.clip_norm,
-            compute_dtype=compute_dtype, dynamic_loss_scale=dynamic_scale,
-            learning_rate_fn=schedule, stateful=True, trainable=trainable)
+            program.loss_fn,
+            tx,
+            micro_batches=step.micro_batches,
+            clip_norm=step.clip_norm,
+            compute_dtype=compute_dtype,
+            dynamic_loss_scale=dynamic_scale,
+            learning_rate_fn=schedule,
+            stateful=True,
+            trainable=trainable,
+        )
         eval_step = make_eval_step(program.eval_loss_fn, compute_dtype=compute_dtype, stateful=True)
 
         def fresh_state(params: Any, model_state: Any, run_key: jax.Array) -> TrainState:
             params = cast_floating(params, param_dtype)  # train.param_dtype: the stored (master) weights
-            return TrainState.create(params, tx, run_key, model_state=model_state,
-                                     loss_scale=LOSS_SCALE_INIT if dynamic_scale else 1.0)
+            return TrainState.create(
+                params, tx, run_key, model_state=model_state, loss_scale=LOSS_SCALE_INIT if dynamic_scale else 1.0
+            )
 
         def state_for_params(params: Any, seed: int) -> TrainState:
             init_key, run_key = jax.random.split(jax.random.PRNGKey(seed))
@@ -102,15 +129,28 @@ class JaxBackend:
 
         self.abstract_state = jax.eval_shape(create_state, 0)
         self.param_shardings = sharding.param_shardings(
-            program.logical_specs(), self.abstract_state.params, self.mesh, rules,
-            allow_replicated_fallback=allow_replicated_fallback, param_rules=param_rules)
+            program.logical_specs(),
+            self.abstract_state.params,
+            self.mesh,
+            rules,
+            allow_replicated_fallback=allow_replicated_fallback,
+            param_rules=param_rules,
+        )
         self.state_shardings = sharding.state_shardings(self.abstract_state, self.param_shardings, self.mesh)
         if program.state_logical_specs is not None:  # model-state entries with logical axes of their own (a teacher)
-            entries = {name: sharding.param_shardings(specs, self.abstract_state.model_state[name], self.mesh, rules,
-                                                      allow_replicated_fallback=allow_replicated_fallback)
-                       for name, specs in program.state_logical_specs().items()}
+            entries = {
+                name: sharding.param_shardings(
+                    specs,
+                    self.abstract_state.model_state[name],
+                    self.mesh,
+                    rules,
+                    allow_replicated_fallback=allow_replicated_fallback,
+                )
+                for name, specs in program.state_logical_specs().items()
+            }
             self.state_shardings = self.state_shardings.replace(
-                model_state={**self.state_shardings.model_state, **entries})
+                model_state={**self.state_shardings.model_state, **entries}
+            )
         if step.offload_optimizer:
             train_step = streaming_optimizer(train_step, self.state_shardings.opt_state)
             self.state_shardings = offload_opt_state(self.state_shardings)
@@ -120,11 +160,15 @@ class JaxBackend:
         # State goes straight into its shardings: no full copy on one device first.
         self._create = jax.jit(create_state, static_argnums=0, out_shardings=self.state_shardings)
         self._state_for_params = jax.jit(state_for_params, static_argnums=1, out_shardings=self.state_shardings)
-        self._train_call = jax.jit(make_train_call(train_step), donate_argnums=0,
-                                   in_shardings=(self.state_shardings, self.stacked_batch_sharding),
-                                   out_shardings=(self.state_shardings, replicated))
-        self._eval_step = jax.jit(eval_step, in_shardings=(self.state_shardings, self.batch_sharding),
-                                  out_shardings=replicated)
+        self._train_call = jax.jit(
+            make_train_call(train_step),
+            donate_argnums=0,
+            in_shardings=(self.state_shardings, self.stacked_batch_sharding),
+            out_shardings=(self.state_shardings, replicated),
+        )
+        self._eval_step = jax.jit(
+            eval_step, in_shardings=(self.state_shardings, self.batch_sharding), out_shardings=replicated
+        )
         self._compute_dtype = compute_dtype
         self._weight_sums = jax.jit(weight_sums, out_shardings=replicated)
 
@@ -176,8 +220,12 @@ class JaxBackend:
                 return self._experience_steps(experience, state, batches)
             return self._train_call(state, batches)
 
-    def _experience_steps(self, experience: Callable[[Any, dict[str, Any], jax.Array], dict[str, Any]],
-                          state: TrainState, batches: dict[str, Any]) -> tuple[TrainState, dict]:
+    def _experience_steps(
+        self,
+        experience: Callable[[Any, dict[str, Any], jax.Array], dict[str, Any]],
+        state: TrainState,
+        batches: dict[str, Any],
+    ) -> tuple[TrainState, dict]:
         """``K`` steps one at a time, each on the batch the experience stage made with the weights of that step:
         a rollout needs the newest weights, so it waits for the step before it. The stage's key is a function of
         the seed and the step, so the batches (and a resumed run) are the same however the run was cut."""
@@ -185,8 +233,9 @@ class JaxBackend:
         stream = jax.random.fold_in(jax.random.PRNGKey(self.seed), EXPERIENCE_STREAM)
         per_step = []
         for k in range(len(next(iter(batches.values())))):
-            batch = experience(state.params, {name: value[k] for name, value in batches.items()},
-                                    jax.random.fold_in(stream, step + k))
+            batch = experience(
+                state.params, {name: value[k] for name, value in batches.items()}, jax.random.fold_in(stream, step + k)
+            )
             state, metrics = self._train_call(state, {name: jnp.asarray(value)[None] for name, value in batch.items()})
             per_step.append(metrics)
         return state, jax.tree.map(lambda *values: jnp.concatenate(values), *per_step)
@@ -197,13 +246,17 @@ class JaxBackend:
         with jax.set_mesh(self.mesh):
             return self._train_call.lower(state, batches).compile()
 
-    def abstract_train_args(self, example_batch: dict[str, np.ndarray], steps_per_call: int
-                            ) -> tuple[TrainState, dict[str, jax.ShapeDtypeStruct]]:
+    def abstract_train_args(
+        self, example_batch: dict[str, np.ndarray], steps_per_call: int
+    ) -> tuple[TrainState, dict[str, jax.ShapeDtypeStruct]]:
         """The train call's arguments as shapes with their shardings (the state, and ``steps_per_call`` batches
         shaped like ``example_batch``): :meth:`compile_train_call` of them plans a run without allocating it."""
-        batches = {name: jax.ShapeDtypeStruct((steps_per_call, *np.shape(value)), np.asarray(value).dtype,
-                                              sharding=self.stacked_batch_sharding)
-                   for name, value in example_batch.items()}
+        batches = {
+            name: jax.ShapeDtypeStruct(
+                (steps_per_call, *np.shape(value)), np.asarray(value).dtype, sharding=self.stacked_batch_sharding
+            )
+            for name, value in example_batch.items()
+        }
         return _with_shardings(self.abstract_state, self.state_shardings), batches
 
     def eval_batch(self, state: TrainState, host_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
@@ -212,8 +265,9 @@ class JaxBackend:
         with jax.set_mesh(self.mesh):
             return self._eval_step(state, batch)
 
-    def batch_function(self, fn: Callable[[Any, Any, dict[str, jax.Array]], dict[str, jax.Array]]
-                       ) -> Callable[[TrainState, dict[str, np.ndarray]], dict[str, np.ndarray]]:
+    def batch_function(
+        self, fn: Callable[[Any, Any, dict[str, jax.Array]], dict[str, jax.Array]]
+    ) -> Callable[[TrainState, dict[str, np.ndarray]], dict[str, np.ndarray]]:
         """``fn(params, model_state, batch) -> {field: [B]}`` compiled on the mesh: the returned function takes the
         state and a host batch ``[B_local, ...]`` and gives host arrays ``[B]`` of the whole global batch (every
         process gets all of them). The params are cast as the step's forward sees them (``train.compute_dtype``),
@@ -222,13 +276,18 @@ class JaxBackend:
 
         def on_state(state: TrainState, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
             return fn(cast_floating(state.params, compute_dtype), state.model_state, batch)
-        compiled = jax.jit(on_state, in_shardings=(self.state_shardings, self.batch_sharding),
-                           out_shardings=NamedSharding(self.mesh, PartitionSpec()))
+
+        compiled = jax.jit(
+            on_state,
+            in_shardings=(self.state_shardings, self.batch_sharding),
+            out_shardings=NamedSharding(self.mesh, PartitionSpec()),
+        )
 
         def run(state: TrainState, host_batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             batch = to_global(host_batch, self.batch_sharding, batch_axis=0)
             with jax.set_mesh(self.mesh):
                 return self.to_host(compiled(state, batch))
+
         return run
 
     def params_digest(self, state: TrainState) -> str:

@@ -99,9 +99,14 @@ class RunLock:
 
     def _record(self) -> dict[str, Any]:
         now = time.time()
-        return {"host": socket.gethostname(), "pid": os.getpid(),
-                "process_start": psutil.Process().create_time(), "started": now, "heartbeat": now,
-                "token": self.token}
+        return {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "process_start": psutil.Process().create_time(),
+            "started": now,
+            "heartbeat": now,
+            "token": self.token,
+        }
 
     def _create(self, record: dict[str, Any]) -> bool:
         """Create the lock file exclusively; False when it already exists."""
@@ -118,23 +123,28 @@ class RunLock:
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise ConfigError(f"cannot create run.dir {str(self.run_dir)!r} ({exc.strerror}); "
-                              f"choose another run.dir") from None
+            raise ConfigError(
+                f"cannot create run.dir {str(self.run_dir)!r} ({exc.strerror}); choose another run.dir"
+            ) from None
         self.record = self._record()
         for _ in range(3):  # a takeover can race another job's; retry a couple of times
             try:
                 if self._create(self.record):
                     break
             except OSError as exc:
-                raise ConfigError(f"cannot write in run.dir {str(self.run_dir)!r} ({exc.strerror}); fix its "
-                                  f"permissions or choose another run.dir") from None
+                raise ConfigError(
+                    f"cannot write in run.dir {str(self.run_dir)!r} ({exc.strerror}); fix its "
+                    f"permissions or choose another run.dir"
+                ) from None
             owner = _read(self.path)
             if owner is None:
                 continue  # released between our attempt and the read
             reason = stale_reason(owner, self.path)
             if reason is None:
-                raise ConfigError(f"run directory {self.run_dir} is in use by another job ({describe_owner(owner)}); "
-                                  f"wait for it to finish, stop it, or choose another run.dir")
+                raise ConfigError(
+                    f"run directory {self.run_dir} is in use by another job ({describe_owner(owner)}); "
+                    f"wait for it to finish, stop it, or choose another run.dir"
+                )
             # Move the stale lock aside under a unique name: of two jobs taking over at once, one rename wins.
             aside = self.path.with_name(f".{LOCK_NAME}.stale-{self.token}")
             try:
@@ -142,11 +152,12 @@ class RunLock:
             except FileNotFoundError:
                 continue
             aside.unlink(missing_ok=True)
-            log.warning("functrain: took over the lock of %s from %s (%s)", self.run_dir, describe_owner(owner),
-                        reason)
+            log.warning("functrain: took over the lock of %s from %s (%s)", self.run_dir, describe_owner(owner), reason)
         else:
-            raise ConfigError(f"could not take the lock {self.path} (other jobs keep taking it); "
-                              f"make sure one job at a time uses run.dir {self.run_dir}")
+            raise ConfigError(
+                f"could not take the lock {self.path} (other jobs keep taking it); "
+                f"make sure one job at a time uses run.dir {self.run_dir}"
+            )
         self.held = True
         self._thread = threading.Thread(target=self._beat, name="functrain-run-lock", daemon=True)
         self._thread.start()
@@ -156,8 +167,9 @@ class RunLock:
         while not self._stop.wait(self.heartbeat_every_s):
             owner = _read(self.path)
             if not owner or owner.get("token") != self.token:
-                log.warning("functrain: the lock of %s was taken by another job; this job no longer owns it",
-                            self.run_dir)
+                log.warning(
+                    "functrain: the lock of %s was taken by another job; this job no longer owns it", self.run_dir
+                )
                 return
             tmp = self.path.with_name(f".{LOCK_NAME}.{self.token}")
             try:

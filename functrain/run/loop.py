@@ -51,8 +51,9 @@ class _Driver:
         self.run, self.backend, self.settings = run, run.backend, run.settings
         self.is_primary = self.backend.process_index == 0
         # Where the run stands: written here only; callbacks read it through the view.
-        self.record = RunRecord(config=run.config, run_dir=run.run_dir, max_steps=self.settings.max_steps,
-                                is_primary=self.is_primary)
+        self.record = RunRecord(
+            config=run.config, run_dir=run.run_dir, max_steps=self.settings.max_steps, is_primary=self.is_primary
+        )
         self.view = RunView(self.record)
         self.metrics = CallMetrics(run, self.record, self.view)
         self.signals = StopSignals()
@@ -73,10 +74,14 @@ class _Driver:
             except ConfigError as exc:
                 failure = exc
         try:
-            if self.backend.process_count > 1 and self.backend.any_process([failure is not None])[0] \
-                    and failure is None:
-                raise ConfigError(f"process 0 could not take the lock of run directory {self.run.run_dir}; "
-                                  f"see its message")
+            if (
+                self.backend.process_count > 1
+                and self.backend.any_process([failure is not None])[0]
+                and failure is None
+            ):
+                raise ConfigError(
+                    f"process 0 could not take the lock of run directory {self.run.run_dir}; see its message"
+                )
             if failure is not None:
                 raise failure
             self.checkpointer = self.run.open_checkpointer()
@@ -156,8 +161,9 @@ class _Driver:
         if self.last_eval_step != step:
             # Stale eval metrics would let a never-evaluated step outrank the evaluated one (keep-best).
             metrics = {"train": metrics["train"]} if "train" in metrics else {}
-        meta = self.run.resume.meta(step, self.run.sampler, position, self.last_meta, self.started.position_jump,
-                                    metrics, self.backend)
+        meta = self.run.resume.meta(
+            step, self.run.sampler, position, self.last_meta, self.started.position_jump, metrics, self.backend
+        )
         saver = self.adapter_saves or self.checkpointer
         saver.save(step, self.backend.state_to_items(state), meta)
         self.last_meta, self.last_saved_step = meta, step
@@ -171,10 +177,18 @@ class _Driver:
         record = self.record
         kind, reason = record.stop_kind, record.stop_reason
         assert kind is not None and reason is not None, "stopped() runs first"
-        return FitResult(state=state, step=step, samples_consumed=position, stop_reason=reason,
-                         metrics=dict(record.last_metrics), run_dir=self.run.run_dir, stop_kind=kind,
-                         steps_run=step - record.start_step, skipped_steps=skipped_steps,
-                         max_skipped_fraction=self.settings.max_skipped_fraction)
+        return FitResult(
+            state=state,
+            step=step,
+            samples_consumed=position,
+            stop_reason=reason,
+            metrics=dict(record.last_metrics),
+            run_dir=self.run.run_dir,
+            stop_kind=kind,
+            steps_run=step - record.start_step,
+            skipped_steps=skipped_steps,
+            max_skipped_fraction=self.settings.max_skipped_fraction,
+        )
 
     @property
     def started(self) -> Start:
@@ -200,16 +214,26 @@ class _Driver:
         if not self.is_primary:
             return
         if self.started.restored_step is not None:
-            log.info("resumed from checkpoint %d (epoch %d, samples consumed %d)", step,
-                     self.run.sampler.epoch_of(position), position)
+            log.info(
+                "resumed from checkpoint %d (epoch %d, samples consumed %d)",
+                step,
+                self.run.sampler.epoch_of(position),
+                position,
+            )
         write_run_config(self.run.run_dir, self.run.config_record)
         for warning in self.run.warnings:
             log.warning("functrain: warning: %s", warning)
         records = self.run.sampler.num_records
-        log.info("run %s: steps %d -> %d, epoch %d, samples consumed %d, %s\n%s", self.run.run_dir, step,
-                 self.settings.max_steps, self.record.epoch, position,
-                 "streamed training data" if records is None else f"{records} training records",
-                 self.backend.describe())
+        log.info(
+            "run %s: steps %d -> %d, epoch %d, samples consumed %d, %s\n%s",
+            self.run.run_dir,
+            step,
+            self.settings.max_steps,
+            self.record.epoch,
+            position,
+            "streamed training data" if records is None else f"{records} training records",
+            self.backend.describe(),
+        )
         if self.run.speed.flops_per_token:
             log.info("model FLOPs per token (training, causal attention): %.4g", self.run.speed.flops_per_token)
 
@@ -224,15 +248,25 @@ class _Driver:
             control = control.merge(callbacks.fire("on_epoch_begin", self.view))
         control = control.merge(callbacks.fire("on_step_end", self.view))
         if self.signals.received:
-            control = control.merge(Control(should_stop=True, should_save=True, stop_kind=StopKind.SIGNAL,
-                                            stop_reason=(f"{self.signals.received} received: saved and stopped; "
-                                                         f"run the same command again to resume")))
+            control = control.merge(
+                Control(
+                    should_stop=True,
+                    should_save=True,
+                    stop_kind=StopKind.SIGNAL,
+                    stop_reason=(
+                        f"{self.signals.received} received: saved and stopped; run the same command again to resume"
+                    ),
+                )
+            )
         if self.backend.process_count > 1:  # every process must take the same (collective) path
             stop, save, evaluate = self.backend.any_process(
-                [control.should_stop, control.should_save, control.should_evaluate])
+                [control.should_stop, control.should_save, control.should_evaluate]
+            )
             if stop and not control.should_stop:
-                control = Control(stop_kind=StopKind.OTHER_PROCESS,
-                                  stop_reason="another process asked to stop (a signal or a callback)")
+                control = Control(
+                    stop_kind=StopKind.OTHER_PROCESS,
+                    stop_reason="another process asked to stop (a signal or a callback)",
+                )
             control = dataclasses.replace(control, should_stop=stop, should_save=save, should_evaluate=evaluate)
         if control.should_evaluate or control.should_save or control.should_stop:
             control = control.merge(self.metrics.finish_all(in_flight))
@@ -247,8 +281,9 @@ class _Driver:
         max_steps, steps_per_call = self.settings.max_steps, self.settings.steps_per_call
         if self.started.restored_step is not None and step >= max_steps:
             # Rerunning a finished job leaves its directory as it was: no config, metrics or event files.
-            self.stopped(StopKind.ALREADY_FINISHED,
-                         f"already finished (train.max_steps={max_steps}: raise it to train further)")
+            self.stopped(
+                StopKind.ALREADY_FINISHED, f"already finished (train.max_steps={max_steps}: raise it to train further)"
+            )
             return self.result(state, step, position, 0)
         for hook in self.run.start_hooks:  # the task's: data or state parts computed from the start
             state = hook(self.backend, state, self.started.restored_step)
@@ -264,8 +299,13 @@ class _Driver:
         ending = Control()  # the stop request that ends the run before its planned steps, if one does
         # Calls end on multiples of steps_per_call (where log/eval/save intervals fall), also after a resume
         # from a step that is not one (a SIGTERM save under another steps_per_call, say).
-        calls = self.run.loader.iter_from(position, steps_per_call, num_steps=max(max_steps - step, 0),
-                                          place=self.backend.place, first_call_steps=(-step) % steps_per_call or None)
+        calls = self.run.loader.iter_from(
+            position,
+            steps_per_call,
+            num_steps=max(max_steps - step, 0),
+            place=self.backend.place,
+            first_call_steps=(-step) % steps_per_call or None,
+        )
         with self.signals, calls:
             for batches, _, position in calls:
                 with self.backend.hot_path():
@@ -289,8 +329,10 @@ class _Driver:
         if not finished:
             self.stopped(ending.stop_kind, ending.stop_reason)
         elif step < max_steps:  # only a stream ends before max_steps
-            self.stopped(StopKind.DATA_ENDED, f"the training data stream ended after {position} samples, before "
-                                              f"train.max_steps={max_steps}")
+            self.stopped(
+                StopKind.DATA_ENDED,
+                f"the training data stream ended after {position} samples, before train.max_steps={max_steps}",
+            )
         else:
             self.stopped(StopKind.FINISHED, "finished")
         callbacks.fire("on_train_end", self.view)

@@ -26,6 +26,7 @@ from functrain.run.chips import TERA, chip_of
 
 log = logging.getLogger("functrain")
 
+
 def peak_tflops(device_kind: str) -> float | None:
     """Dense bf16 peak TFLOP/s of one device of this kind, or None when unknown (CPUs among them)."""
     chip = chip_of(device_kind)
@@ -36,8 +37,12 @@ def train_flops_per_token(shape: DecoderShape, context: int, attention: str = "c
     """Training FLOPs per token (formula in the module docstring); ``attention``: "causal" or "full"."""
     s = shape
     attention_width = s.heads * s.head_dim
-    per_layer = (s.width * attention_width + 2 * s.width * s.kv_heads * s.head_dim + attention_width * s.width
-                 + s.mlp_matrices * s.width * s.mlp_width)
+    per_layer = (
+        s.width * attention_width
+        + 2 * s.width * s.kv_heads * s.head_dim
+        + attention_width * s.width
+        + s.mlp_matrices * s.width * s.mlp_width
+    )
     matmuls = 6.0 * (s.layers * per_layer + s.width * s.vocab)
     full_attention = 12.0 * s.layers * context * attention_width
     return matmuls + (full_attention / 2 if attention == "causal" else full_attention)
@@ -46,6 +51,7 @@ def train_flops_per_token(shape: DecoderShape, context: int, attention: str = "c
 @dataclass(frozen=True)
 class SpeedReport:
     """Turns steps/s into the throughput fields of a train log line."""
+
     samples_per_step: int
     tokens_per_step: int | None
     flops_per_token: float | None
@@ -65,8 +71,9 @@ class SpeedReport:
         return values
 
 
-def speed_report(shape: DecoderShape | None, tokens_per_sample: int | None, global_batch_size: int,
-                 devices: list[Any]) -> SpeedReport:
+def speed_report(
+    shape: DecoderShape | None, tokens_per_sample: int | None, global_batch_size: int, devices: list[Any]
+) -> SpeedReport:
     """The report for a run: token counts when a sample is ``tokens_per_sample`` tokens (None: not a token
     window), FLOPs when the model's decoder ``shape`` is known (a model config's ``decoder_shape()``), the peak of
     its devices when their kind is known (an accelerator of unknown kind gets a warning naming it)."""
@@ -75,7 +82,15 @@ def speed_report(shape: DecoderShape | None, tokens_per_sample: int | None, glob
     device_kind = devices[0].device_kind if devices else "unknown"
     peak = peak_tflops(device_kind)
     if flops and peak is None and devices and devices[0].platform != "cpu":
-        log.warning("functrain: warning: no known peak FLOP/s for device kind %r: MFU is not reported (add it to "
-                    "functrain.run.chips.CHIPS)", device_kind)
-    return SpeedReport(samples_per_step=global_batch_size, tokens_per_step=tokens, flops_per_token=flops,
-                       devices=max(len(devices), 1), peak_flops_per_device=peak * 1e12 if peak else None)
+        log.warning(
+            "functrain: warning: no known peak FLOP/s for device kind %r: MFU is not reported (add it to "
+            "functrain.run.chips.CHIPS)",
+            device_kind,
+        )
+    return SpeedReport(
+        samples_per_step=global_batch_size,
+        tokens_per_step=tokens,
+        flops_per_token=flops,
+        devices=max(len(devices), 1),
+        peak_flops_per_device=peak * 1e12 if peak else None,
+    )

@@ -34,14 +34,15 @@ from functrain.errors import (  # noqa: F401
 
 class StopKind(enum.Enum):
     """How a run ended (``FitResult.stop_kind``); the sentence people read is ``FitResult.stop_reason``."""
-    FINISHED = "finished"                  # the planned steps ran
-    DATA_ENDED = "data_ended"              # the training data stream ended before train.max_steps
+
+    FINISHED = "finished"  # the planned steps ran
+    DATA_ENDED = "data_ended"  # the training data stream ended before train.max_steps
     ALREADY_FINISHED = "already_finished"  # rerun of a finished job: nothing trained, nothing written
-    EARLY_STOPPED = "early_stopped"        # eval.early_stopping_metric stopped improving
-    CALLBACK = "callback"                  # a callback asked to stop
-    OTHER_PROCESS = "other_process"        # another process of the job asked to stop
-    NONFINITE = "nonfinite"                # a non-finite step with train.nonfinite: stop
-    SIGNAL = "signal"                      # SIGTERM/SIGINT: saved, to be resumed
+    EARLY_STOPPED = "early_stopped"  # eval.early_stopping_metric stopped improving
+    CALLBACK = "callback"  # a callback asked to stop
+    OTHER_PROCESS = "other_process"  # another process of the job asked to stop
+    NONFINITE = "nonfinite"  # a non-finite step with train.nonfinite: stop
+    SIGNAL = "signal"  # SIGTERM/SIGINT: saved, to be resumed
 
     @property
     def sets_exit_status(self) -> bool:
@@ -61,6 +62,7 @@ class FitResult:
     ``skipped_steps`` and ``steps_run`` count this invocation's steps (not the resumed history);
     ``exit_code`` is what ``functrain train`` exits with (see the table in :mod:`functrain.run.outcome`).
     """
+
     state: Any
     step: int
     samples_consumed: int
@@ -91,9 +93,13 @@ def skipped_report(result: FitResult) -> str | None:
     if not result.skipped_steps:
         return None
     share = result.skipped_fraction
-    text = (f"{result.skipped_steps} of {result.steps_run} steps ({share:.0%}) had a non-finite loss or gradients "
-            f"and were skipped")
+    text = (
+        f"{result.skipped_steps} of {result.steps_run} steps ({share:.0%}) had a non-finite loss or gradients "
+        f"and were skipped"
+    )
     if share > result.max_skipped_fraction:
-        return (f"{text}: the model barely trained (exit status {EXIT_MOSTLY_SKIPPED}); check the data (labels, "
-                f"token ids), lower optimizer.learning_rate or set train.clip_norm")
+        return (
+            f"{text}: the model barely trained (exit status {EXIT_MOSTLY_SKIPPED}); check the data (labels, "
+            f"token ids), lower optimizer.learning_rate or set train.clip_norm"
+        )
     return f"{text}; if this grows, lower optimizer.learning_rate or set train.clip_norm"

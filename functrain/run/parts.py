@@ -38,6 +38,7 @@ from functrain.tasks.base import Task, TaskContext, TaskData
 
 # ------------------------------------------------------------------------------------------------ the task
 
+
 @dataclass(frozen=True)
 class Parts:
     """What a run is built from: the task, what it was handed, its data, the model and a user optimizer.
@@ -45,6 +46,7 @@ class Parts:
     ``model`` is None with ``backend: torch`` and a registry model (the bridge builds it); ``optimizer`` is a
     user optimizer (transformation or function of the schedule) with what to call it in errors, or None
     (``optimizer.name``)."""
+
     task: Task
     context: TaskContext
     data: TaskData
@@ -57,24 +59,40 @@ def data_seed(config: Any) -> int:
     return config.seed if config.data.seed is None else config.data.seed
 
 
-def build_parts(config: Any, *, model: Any = None, loss_fn: Callable | None = None, optimizer: Any = None,
-                train_data: Any = None, eval_data: Any = None, transform: Callable | None = None) -> Parts:
+def build_parts(
+    config: Any,
+    *,
+    model: Any = None,
+    loss_fn: Callable | None = None,
+    optimizer: Any = None,
+    train_data: Any = None,
+    eval_data: Any = None,
+    transform: Callable | None = None,
+) -> Parts:
     """The task the config trains, with its data, from the objects given and the config for the rest."""
     if eval_data is not None and train_data is None:
         raise ConfigError("eval_data= was given without train_data=; pass both, or neither (the config's data)")
     model, model_kind = resolve_model(config, model)
     task = task_for(config)
-    context = TaskContext(config=config, run_dir=Path(config.run.dir).absolute(), model=model,
-                          model_kind=model_kind, loss_fn=loss_fn, transform=resolve_transform(config, transform),
-                          data_given=train_data is not None,
-                          read_data=functools.partial(resolve_data, config, train_data, eval_data),
-                          data_seed=data_seed(config))
+    context = TaskContext(
+        config=config,
+        run_dir=Path(config.run.dir).absolute(),
+        model=model,
+        model_kind=model_kind,
+        loss_fn=loss_fn,
+        transform=resolve_transform(config, transform),
+        data_given=train_data is not None,
+        read_data=functools.partial(resolve_data, config, train_data, eval_data),
+        data_seed=data_seed(config),
+    )
     task.check(context)
-    return Parts(task=task, context=context, data=task.data(context), model=model,
-                 optimizer=resolve_optimizer(config, optimizer))
+    return Parts(
+        task=task, context=context, data=task.data(context), model=model, optimizer=resolve_optimizer(config, optimizer)
+    )
 
 
 # ------------------------------------------------------------------------------------------------ program
+
 
 def transformed(pieces: ModelPieces, config: Any, loss_fn: Callable | None) -> ModelPieces:
     """The model's pieces after the config's transforms (``model.lora``: adapters, the base frozen)."""
@@ -86,20 +104,24 @@ def transformed(pieces: ModelPieces, config: Any, loss_fn: Callable | None) -> M
     return lora_transform(pieces, lora)
 
 
-def task_program(config: Any, parts: Parts, example_batch: dict[str, np.ndarray], model: Any = None
-                 ) -> tuple[Program, ModelPieces]:
+def task_program(
+    config: Any, parts: Parts, example_batch: dict[str, np.ndarray], model: Any = None
+) -> tuple[Program, ModelPieces]:
     """The task's program on the model's pieces (``model``: another build of the model than the parts', for
     plans), and the pieces it was built on."""
     task, data = parts.task, parts.data
     inputs = task.model_inputs(parts.context, data, example_batch)
     argument = data.fields.argument if data.fields is not None else None
-    pieces = transformed(model_pieces(parts.model if model is None else model, inputs, example_batch, argument),
-                         config, parts.context.loss_fn)
+    pieces = transformed(
+        model_pieces(parts.model if model is None else model, inputs, example_batch, argument),
+        config,
+        parts.context.loss_fn,
+    )
     return task.program(parts.context, data, pieces, example_batch), pieces
 
 
-
 # ------------------------------------------------------------------------------------------------ objects
+
 
 def describe_object(obj: Any) -> str:
     """``package.module.Name`` of an object's type (of a function pair: of its ``init``), for the record."""
@@ -120,8 +142,9 @@ def import_target(path: str, what: str) -> Any:
     obj = module
     for part in attribute.split("."):
         if not hasattr(obj, part):
-            raise ConfigError(f"{what}={path!r} does not resolve: {module_name!r} has no attribute {attribute!r}; "
-                              f"{fix}")
+            raise ConfigError(
+                f"{what}={path!r} does not resolve: {module_name!r} has no attribute {attribute!r}; {fix}"
+            )
         obj = getattr(obj, part)
     return obj
 
@@ -134,11 +157,13 @@ def call_target(path: str, kwargs: dict[str, Any], what: str) -> Any:
     try:
         return factory(**kwargs)
     except TypeError as exc:
-        raise ConfigError(f"{what}={path!r} cannot be called with {sorted(kwargs)} ({exc}); fix the keys given "
-                          f"with it in the config") from None
+        raise ConfigError(
+            f"{what}={path!r} cannot be called with {sorted(kwargs)} ({exc}); fix the keys given with it in the config"
+        ) from None
 
 
 # ------------------------------------------------------------------------------------------------ model
+
 
 def resolve_model(config: Any, model: Any) -> tuple[Any, str | None]:
     """The model object and the built-in loss kind its config names (None: inferred from the data)."""
@@ -149,22 +174,27 @@ def resolve_model(config: Any, model: Any) -> tuple[Any, str | None]:
         built = call_target(section.target, section.factory_kwargs(), "model.target")
         if config.backend == "jax":
             from functrain.core.program import model_kind_of
+
             try:
                 model_kind_of(built)
             except ConfigError as exc:
                 raise ConfigError(f"model.target={section.target!r} returned: {exc}") from None
         return built, section.kind
     if isinstance(section, PythonModelConfig):
-        raise ConfigError(f"model.python_object={section.python_object!r} records a model passed to fit; "
-                          f"pass it again with fit(..., model=) or set model.name or model.target")
+        raise ConfigError(
+            f"model.python_object={section.python_object!r} records a model passed to fit; "
+            f"pass it again with fit(..., model=) or set model.name or model.target"
+        )
     kind = model_spec(section.name)["kind"]
     if config.backend == "torch":
         return None, kind  # the bridge builds its own registry models
     from functrain.core.precision import COMPUTE_DTYPES
+
     return build_model(section, COMPUTE_DTYPES[config.train.compute_dtype]), kind
 
 
 # ------------------------------------------------------------------------------------------------- data
+
 
 def _source(data: Any, what: str) -> Source | Stream:
     """Training data as a source, a :class:`Mixture` or a :class:`Stream`."""
@@ -176,9 +206,11 @@ def _source(data: Any, what: str) -> Source | Stream:
 
 def _eval_source(data: Any, what: str) -> Source:
     if is_stream(data):
-        raise DataError(f"{what}: evaluation data is read whole, in order, every evaluation, so it must be random "
-                        f"access (len and getitem: a dict of arrays, a datasets.Dataset); materialise it (e.g. "
-                        f"datasets.Dataset.from_list(list(stream.take(n))))")
+        raise DataError(
+            f"{what}: evaluation data is read whole, in order, every evaluation, so it must be random "
+            f"access (len and getitem: a dict of arrays, a datasets.Dataset); materialise it (e.g. "
+            f"datasets.Dataset.from_list(list(stream.take(n))))"
+        )
     source = _source(data, what)
     assert not isinstance(source, Stream), "is_stream refused it above"
     return source
@@ -190,8 +222,11 @@ def mixture_from_config(section: Any, vocab_size: int | None) -> tuple[Mixture, 
     model's, for sources that check their token ids against it."""
     opened = [open_source(entry.path, entry.name, section, vocab_size) for entry in section.sources]
     names = [f"data.sources[{k}] ({entry.path})" for k, entry in enumerate(section.sources)]
-    mixture = Mixture([(train, entry.weight) for (train, _), entry in zip(opened, section.sources)],
-                      block_size=section.mixture_block_size, names=names)
+    mixture = Mixture(
+        [(train, entry.weight) for (train, _), entry in zip(opened, section.sources)],
+        block_size=section.mixture_block_size,
+        names=names,
+    )
     evaluation = [(part, name) for (_, part), name in zip(opened, names) if part is not None]
     if not evaluation:
         return mixture, None
@@ -201,8 +236,7 @@ def mixture_from_config(section: Any, vocab_size: int | None) -> tuple[Mixture, 
 def resolve_data(config: Any, train_data: Any, eval_data: Any) -> tuple[Source | Stream, Source | None]:
     """The training and evaluation data: passed, from ``data.target``, ``data.sources`` or ``data.name``."""
     if train_data is not None:
-        return (_source(train_data, "train_data"),
-                None if eval_data is None else _eval_source(eval_data, "eval_data"))
+        return (_source(train_data, "train_data"), None if eval_data is None else _eval_source(eval_data, "eval_data"))
     section = config.data
     if section.target is not None:
         factory = import_target(section.target, "data.target")
@@ -215,18 +249,25 @@ def resolve_data(config: Any, train_data: Any, eval_data: Any) -> tuple[Source |
     if section.sources is not None:
         return mixture_from_config(section, config.model.vocabulary_size())
     if section.name == PYTHON_OBJECT:
-        raise ConfigError("data.name=python_object records data passed to fit; pass it again with "
-                          "fit(..., train_data=) or set data.name or data.target")
+        raise ConfigError(
+            "data.name=python_object records data passed to fit; pass it again with "
+            "fit(..., train_data=) or set data.name or data.target"
+        )
     if section.name == "tokens":
         return token_store(section, config.model.vocabulary_size())
     if section.name == "synthetic":
-        return synthetic_splits(section.seq_len, config.model.vocabulary_size(),
-                                config.seed if section.seed is None else section.seed, section.eval_fraction)
+        return synthetic_splits(
+            section.seq_len,
+            config.model.vocabulary_size(),
+            config.seed if section.seed is None else section.seed,
+            section.eval_fraction,
+        )
     train, evaluation = load_dataset(section)
     return as_source(train), (as_source(evaluation) if len(next(iter(evaluation.values()))) else None)
 
 
 # -------------------------------------------------------------------------------------------- optimizer
+
 
 def resolve_optimizer(config: Any, optimizer: Any) -> tuple[Any, str] | None:
     """A user optimizer (passed or from ``optimizer.target``) with its name for errors; None: by name.
@@ -257,16 +298,20 @@ def _takes_learning_rate(factory: Any) -> bool:
 def optimizer_settings(section: Any, total_steps: int) -> OptimizerSettings:
     """The optimizer an ``optimizer`` config section names, as settings both backends build from."""
     if section.name == PYTHON_OBJECT:
-        raise ConfigError("optimizer.name=python_object records an optimizer passed to fit; pass it again with "
-                          "fit(..., optimizer=) or set optimizer.name or optimizer.target")
-    return OptimizerSettings(section.name, schedule_settings(section, total_steps), section.weight_decay,
-                             section.optax_options())
+        raise ConfigError(
+            "optimizer.name=python_object records an optimizer passed to fit; pass it again with "
+            "fit(..., optimizer=) or set optimizer.name or optimizer.target"
+        )
+    return OptimizerSettings(
+        section.name, schedule_settings(section, total_steps), section.weight_decay, section.optax_options()
+    )
 
 
 def schedule_settings(section: Any, total_steps: int) -> ScheduleSettings:
     """The learning-rate schedule of an ``optimizer`` config section (a user optimizer is driven by it too)."""
-    return ScheduleSettings(section.schedule, section.learning_rate, section.warmup_steps, total_steps,
-                            section.end_lr_ratio)
+    return ScheduleSettings(
+        section.schedule, section.learning_rate, section.warmup_steps, total_steps, section.end_lr_ratio
+    )
 
 
 def make_optimizer(section: Any, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -281,8 +326,9 @@ def resolve_transform(config: Any, transform: Transform | None) -> Transform | N
     if transform is None and config.data.transform is not None:
         transform = import_target(config.data.transform, "data.transform")
     if transform is not None and not callable(transform):
-        raise ConfigError(f"the data transform is a {type(transform).__name__}, not a function; pass "
-                          f"transform(record, rng) -> record")
+        raise ConfigError(
+            f"the data transform is a {type(transform).__name__}, not a function; pass transform(record, rng) -> record"
+        )
     return transform
 
 

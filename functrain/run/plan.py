@@ -45,21 +45,26 @@ HBM_USABLE = 0.95
 def topology_devices(name: str) -> list:
     """The devices of TPU topology ``name`` (``v5p:2x2x2``), described by libtpu; no TPU needs to be attached."""
     if importlib.util.find_spec("libtpu") is None:
-        raise ConfigError(f"--topology {name} compiles through libtpu, which is not installed; "
-                          f"pip install 'functrain[tpu]'")
+        raise ConfigError(
+            f"--topology {name} compiles through libtpu, which is not installed; pip install 'functrain[tpu]'"
+        )
     # Planning only compiles: it may share libtpu with a training process that holds libtpu's lockfile.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from jax.experimental import topologies
+
     try:
         return list(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
     except Exception as exc:  # noqa: BLE001 -- libtpu: XlaRuntimeError/JaxRuntimeError/ValueError
-        raise ConfigError(f"unknown TPU topology {name!r} ({str(exc).splitlines()[0][:120]}); give GENERATION:SHAPE, "
-                          f"one of the generations v4, v5e, v5p, v6e, e.g. {', '.join(TOPOLOGY_EXAMPLES)}") from None
+        raise ConfigError(
+            f"unknown TPU topology {name!r} ({str(exc).splitlines()[0][:120]}); give GENERATION:SHAPE, "
+            f"one of the generations v4, v5e, v5p, v6e, e.g. {', '.join(TOPOLOGY_EXAMPLES)}"
+        ) from None
 
 
 @dataclass(frozen=True)
 class Plan:
     """What one compile of a run's train call says, per chip (bytes, FLOPs) unless named otherwise."""
+
     device_kind: str
     chips: int
     mesh: dict[str, int]
@@ -68,19 +73,19 @@ class Plan:
     global_batch_size: int
     micro_batches: int
     steps_per_call: int
-    per_chip_bytes: dict[str, int]           # params, optimizer, model_state, batch, activations, total
+    per_chip_bytes: dict[str, int]  # params, optimizer, model_state, batch, activations, total
     hbm_bytes: int | None
-    flops_per_step: float                    # per chip, as compiled
-    bytes_per_step: float                    # HBM bytes accessed per chip
-    model_flops_per_step: float | None       # analytic, all chips (causal attention halved, as MaxText)
-    step_time_s: float | None                # roofline: max(FLOPs / peak, bytes / bandwidth)
+    flops_per_step: float  # per chip, as compiled
+    bytes_per_step: float  # HBM bytes accessed per chip
+    model_flops_per_step: float | None  # analytic, all chips (causal attention halved, as MaxText)
+    step_time_s: float | None  # roofline: max(FLOPs / peak, bytes / bandwidth)
     mfu: float | None
     tokens_per_sec_per_chip: float | None
     fits: bool | None
-    compiled: bool = True                    # False: the compiler refused it (too large); FLOPs unknown (0)
-    layers_scanned: bool = False             # model.scan_layers: FLOPs and bytes measured unrolled (module)
+    compiled: bool = True  # False: the compiler refused it (too large); FLOPs unknown (0)
+    layers_scanned: bool = False  # model.scan_layers: FLOPs and bytes measured unrolled (module)
     advice: list[str] = field(default_factory=list)
-    attention: str | None = None             # the attention kernel compiled: splash, cudnn, xla (None: no LM)
+    attention: str | None = None  # the attention kernel compiled: splash, cudnn, xla (None: no LM)
 
     def to_json(self) -> dict[str, Any]:
         """The plan as one JSON-able object (``functrain plan --json``)."""
@@ -95,8 +100,9 @@ class _RefusedMemory:
     """``memory_analysis()``'s fields for a program the compiler refused: the arguments (state and batches, from
     their shardings), the state as output, donated, and the temporaries the refusal named."""
 
-    def __init__(self, backend: Any, example_batch: dict[str, np.ndarray], steps_per_call: int,
-                 temporaries: int) -> None:
+    def __init__(
+        self, backend: Any, example_batch: dict[str, np.ndarray], steps_per_call: int, temporaries: int
+    ) -> None:
         state, batches = backend.abstract_train_args(example_batch, steps_per_call)
         whole = state_bytes_per_device(state, backend.state_shardings)[0]
         batch = state_bytes_per_device(batches, jax.tree.map(lambda leaf: leaf.sharding, batches))[0]
@@ -112,10 +118,17 @@ def per_chip_bytes(backend: Any, memory: Any) -> dict[str, int]:
     optimizer = state_bytes_per_device(state.opt_state, shardings.opt_state)[0]
     whole = state_bytes_per_device(state, shardings)[0]
     arguments = int(memory.argument_size_in_bytes)
-    total = arguments + int(memory.output_size_in_bytes) - int(memory.alias_size_in_bytes) + int(
-        memory.temp_size_in_bytes)
-    return {"params": params, "optimizer": optimizer, "model_state": whole - params - optimizer,
-            "batch": max(arguments - whole, 0), "activations": int(memory.temp_size_in_bytes), "total": total}
+    total = (
+        arguments + int(memory.output_size_in_bytes) - int(memory.alias_size_in_bytes) + int(memory.temp_size_in_bytes)
+    )
+    return {
+        "params": params,
+        "optimizer": optimizer,
+        "model_state": whole - params - optimizer,
+        "batch": max(arguments - whole, 0),
+        "activations": int(memory.temp_size_in_bytes),
+        "total": total,
+    }
 
 
 def advice(planned: Planned, sizes: dict[str, int], chips: int, mesh: dict[str, int]) -> list[str]:
@@ -163,9 +176,11 @@ def scanned_run_cost(planned: Planned) -> dict[str, float]:
     if unrolled is None:
         raise ValueError("scanned_run_cost needs the plan of a run that scans its layers (model.scan_layers)")
     one, two = (_first(_compile(unrolled(groups), planned).cost_analysis()) for groups in (1, 2))
-    return {key: float(one.get(key, 0.0)) + (planned.scan_groups - 1) * (float(two.get(key, 0.0))
-                                                                         - float(one.get(key, 0.0)))
-            for key in COST_KEYS}
+    return {
+        key: float(one.get(key, 0.0))
+        + (planned.scan_groups - 1) * (float(two.get(key, 0.0)) - float(one.get(key, 0.0)))
+        for key in COST_KEYS
+    }
 
 
 def _required_temporaries(message: str) -> int | None:
@@ -186,8 +201,9 @@ def attention_kernel_of(compiled: jax.stages.Compiled, trains_tokens: bool) -> s
     return "splash" if "splash_mha" in text else "cudnn" if "__cudnn$fmha" in text else "xla"
 
 
-def report(planned: Planned, compiled: jax.stages.Compiled | None, temporaries: int = 0,
-           cost: dict[str, float] | None = None) -> Plan:
+def report(
+    planned: Planned, compiled: jax.stages.Compiled | None, temporaries: int = 0, cost: dict[str, float] | None = None
+) -> Plan:
     """The :class:`Plan` of a compiled train call; without one (the compiler refused a program that needs
     ``temporaries`` bytes more than HBM holds) memory is state + batch + temporaries and FLOPs are unknown (0).
     ``cost``: the step's FLOPs and bytes when not the compiled program's count (a scanned run's,
@@ -196,8 +212,9 @@ def report(planned: Planned, compiled: jax.stages.Compiled | None, temporaries: 
     chips, device_kind = len(backend.devices), backend.devices[0].device_kind
     chip = chip_of(device_kind)
     if compiled is None:
-        sizes = per_chip_bytes(backend, _RefusedMemory(backend, planned.example_batch, planned.steps_per_call,
-                                                       temporaries))
+        sizes = per_chip_bytes(
+            backend, _RefusedMemory(backend, planned.example_batch, planned.steps_per_call, temporaries)
+        )
         cost = {}
     else:
         sizes = per_chip_bytes(backend, compiled.memory_analysis())
@@ -223,11 +240,26 @@ def report(planned: Planned, compiled: jax.stages.Compiled | None, temporaries: 
         fits = compiled is not None and sizes["total"] <= HBM_USABLE * hbm
     mesh = {axis: int(size) for axis, size in backend.mesh.shape.items()}
     parameters = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(backend.abstract_state.params))
-    return Plan(device_kind=device_kind, chips=chips, mesh=mesh, parameters=parameters, seq_len=planned.seq_len,
-                global_batch_size=planned.global_batch_size, micro_batches=step.micro_batches,
-                steps_per_call=planned.steps_per_call, per_chip_bytes=sizes, hbm_bytes=hbm, flops_per_step=flops,
-                bytes_per_step=bytes_accessed, model_flops_per_step=model_flops, step_time_s=step_time, mfu=mfu,
-                tokens_per_sec_per_chip=tokens_per_chip, fits=fits, compiled=compiled is not None,
-                layers_scanned=planned.scan_groups > 0,
-                advice=advice(planned, sizes, chips, mesh) if fits is False else [],
-                attention=attention)
+    return Plan(
+        device_kind=device_kind,
+        chips=chips,
+        mesh=mesh,
+        parameters=parameters,
+        seq_len=planned.seq_len,
+        global_batch_size=planned.global_batch_size,
+        micro_batches=step.micro_batches,
+        steps_per_call=planned.steps_per_call,
+        per_chip_bytes=sizes,
+        hbm_bytes=hbm,
+        flops_per_step=flops,
+        bytes_per_step=bytes_accessed,
+        model_flops_per_step=model_flops,
+        step_time_s=step_time,
+        mfu=mfu,
+        tokens_per_sec_per_chip=tokens_per_chip,
+        fits=fits,
+        compiled=compiled is not None,
+        layers_scanned=planned.scan_groups > 0,
+        advice=advice(planned, sizes, chips, mesh) if fits is False else [],
+        attention=attention,
+    )

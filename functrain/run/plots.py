@@ -25,14 +25,16 @@ from functrain.run.events import read_events
 SMOOTHING = 0.6  # weight of the past in the moving average (TensorBoard's default)
 # (panel title, y label, train metric, whether eval values are drawn too, whether it is noisy: smoothed);
 # throughput is the first of tokens/s, samples/s, steps/s that a run logs.
-PANELS = [("loss", "mean loss", "loss", True, True),
-          ("learning rate", "learning rate", "learning_rate", False, False),
-          ("gradient norm", "global grad norm", "grad_norm", False, True),
-          ("throughput", None, ("tokens_per_sec", "samples_per_sec", "steps_per_sec"), False, True),
-          ("MFU", "model FLOPs utilisation", "mfu", False, True),
-          ("accuracy", "accuracy", "accuracy", True, True),
-          ("reward margin", "rewards/margins", "rewards/margins", True, True),
-          ("reward accuracy", "rewards/accuracies", "rewards/accuracies", True, True)]
+PANELS = [
+    ("loss", "mean loss", "loss", True, True),
+    ("learning rate", "learning rate", "learning_rate", False, False),
+    ("gradient norm", "global grad norm", "grad_norm", False, True),
+    ("throughput", None, ("tokens_per_sec", "samples_per_sec", "steps_per_sec"), False, True),
+    ("MFU", "model FLOPs utilisation", "mfu", False, True),
+    ("accuracy", "accuracy", "accuracy", True, True),
+    ("reward margin", "rewards/margins", "rewards/margins", True, True),
+    ("reward accuracy", "rewards/accuracies", "rewards/accuracies", True, True),
+]
 # The first four panels; MFU, accuracy and the preference rewards only when some run logs them.
 ALWAYS_SHOWN = 4
 HARNESS = "harness"  # the split of lm-eval scores: a panel each
@@ -41,6 +43,7 @@ HARNESS = "harness"  # the split of lm-eval scores: a panel each
 @dataclass
 class RunCurves:
     """The logged metrics of one run: ``split -> metric -> (steps, values)`` plus its marks."""
+
     name: str
     curves: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] = field(default_factory=dict)
     nonfinite_steps: list[int] = field(default_factory=list)
@@ -64,8 +67,9 @@ def read_run(run_dir: str | os.PathLike, name: str | None = None) -> RunCurves:
     run_dir = Path(run_dir)
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
-        raise DataError(f"{run_dir} has no metrics.jsonl; pass the run.dir of a training run that has logged "
-                        f"(train it first)")
+        raise DataError(
+            f"{run_dir} has no metrics.jsonl; pass the run.dir of a training run that has logged (train it first)"
+        )
     points: dict[str, dict[str, list[tuple[int, float]]]] = {}
     for line in path.read_text().splitlines():
         try:
@@ -120,8 +124,9 @@ def _wants_log_scale(values: list[np.ndarray]) -> bool:
     return bool(len(finite)) and finite.min() > 0 and finite.max() / finite.min() > 10
 
 
-def _draw_panel(ax: Any, runs: list[RunCurves], colours: list[Any], metric: str, with_eval: bool,
-                noisy: bool, split: str = "train") -> None:
+def _draw_panel(
+    ax: Any, runs: list[RunCurves], colours: list[Any], metric: str, with_eval: bool, noisy: bool, split: str = "train"
+) -> None:
     drawn = []
     for run, colour in zip(runs, colours):
         train = run.series(split, metric)
@@ -132,8 +137,9 @@ def _draw_panel(ax: Any, runs: list[RunCurves], colours: list[Any], metric: str,
                 ax.plot(steps, values, color=colour, alpha=0.25, linewidth=0.8)
                 ax.plot(steps, smooth(values), color=colour, linewidth=1.6, label=f"{run.name} {split}")
             else:
-                ax.plot(steps, values, color=colour, marker="." if len(values) <= 3 else None,
-                        label=f"{run.name} {split}")
+                ax.plot(
+                    steps, values, color=colour, marker="." if len(values) <= 3 else None, label=f"{run.name} {split}"
+                )
         evaluated = run.series("eval", metric) if with_eval else None
         if evaluated is not None:
             drawn.append(evaluated[1])
@@ -143,8 +149,15 @@ def _draw_panel(ax: Any, runs: list[RunCurves], colours: list[Any], metric: str,
         if run.nonfinite_steps and train is not None and split == "train":
             finite = train[1][np.isfinite(train[1])]
             floor = float(finite.min()) if len(finite) else 0.0
-            ax.plot(run.nonfinite_steps, [floor] * len(run.nonfinite_steps), linestyle="none", marker="x",
-                    color="red", markersize=7, label=f"{run.name} skipped (non-finite)")
+            ax.plot(
+                run.nonfinite_steps,
+                [floor] * len(run.nonfinite_steps),
+                linestyle="none",
+                marker="x",
+                color="red",
+                markersize=7,
+                label=f"{run.name} skipped (non-finite)",
+            )
     if (metric == "loss" or "perplexity" in metric) and _wants_log_scale(drawn):
         ax.set_yscale("log")
     if not drawn:
@@ -164,6 +177,7 @@ def plot_runs(run_dirs: list[str | os.PathLike], out: str | os.PathLike) -> Path
     """Write the PNG of the runs' curves to ``out`` and return its path (runs are read before anything is
     written, so a bad run directory leaves no file behind)."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -172,11 +186,13 @@ def plot_runs(run_dirs: list[str | os.PathLike], out: str | os.PathLike) -> Path
         names = [str(d) for d in run_dirs]
     runs = [read_run(d, n) for d, n in zip(run_dirs, names)]
     panels = [_resolve(panel, runs) for panel in PANELS]
-    panels = panels[:ALWAYS_SHOWN] + [p for p in panels[ALWAYS_SHOWN:]
-                                      if any(run.series("train", p[2]) is not None for run in runs)]
+    panels = panels[:ALWAYS_SHOWN] + [
+        p for p in panels[ALWAYS_SHOWN:] if any(run.series("train", p[2]) is not None for run in runs)
+    ]
     scores = sorted({name for run in runs for name in run.curves.get(HARNESS, {})})
-    panels = [(*panel, "train") for panel in panels] + [(f"lm-eval {name}", name.rpartition("/")[2], name, False,
-                                                         False, HARNESS) for name in scores]
+    panels = [(*panel, "train") for panel in panels] + [
+        (f"lm-eval {name}", name.rpartition("/")[2], name, False, False, HARNESS) for name in scores
+    ]
     columns = 3
     rows = -(-len(panels) // columns)
     colours = [plt.get_cmap("tab10")(i % 10) for i in range(len(runs))]
@@ -187,7 +203,7 @@ def plot_runs(run_dirs: list[str | os.PathLike], out: str | os.PathLike) -> Path
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     handles, labels = axes.flat[0].get_legend_handles_labels()
     if any(run.resume_steps for run in runs):

@@ -28,6 +28,7 @@ from functrain.errors import CheckpointError, ConfigError
 @dataclass
 class Start:
     """Where the run starts: its state, data position and the checkpoint it came from (if any)."""
+
     state: Any
     position: int
     meta: dict[str, Any] | None = None
@@ -38,13 +39,14 @@ class Start:
 @dataclass(frozen=True)
 class ResumePolicy:
     """The settings that decide where a run starts, and the facts its checkpoints record about it."""
+
     run_dir: Path
-    request: str | int                  # checkpoint.resume: "auto", "never" or a step
+    request: str | int  # checkpoint.resume: "auto", "never" or a step
     ignore_skip: bool
     skip_samples: int | None
     data_seed: int
     backend: str
-    optimizer: dict[str, Any]           # the optimizer section as recorded (its name must match on resume)
+    optimizer: dict[str, Any]  # the optimizer section as recorded (its name must match on resume)
     record: dict[str, Any] = field(default_factory=dict)  # config digest, model section: written in every meta
     # The state of a run started from another run's weights (preference.init_from) when it has no checkpoint.
     initial_state: Callable[[Backend], Any] | None = None
@@ -58,8 +60,11 @@ class ResumePolicy:
         started from that request, resume ``auto``."""
         if isinstance(self.request, int):
             newest = [info for info in list_checkpoints(self.run_dir, verify=False) if info.whole]
-            if newest and newest[-1].step > self.request and (
-                    newest[-1].meta or {}).get("resume_request") == self.request:
+            if (
+                newest
+                and newest[-1].step > self.request
+                and (newest[-1].meta or {}).get("resume_request") == self.request
+            ):
                 return "auto"
         return self.request
 
@@ -69,22 +74,29 @@ class ResumePolicy:
         if meta is None:
             if request == "never":
                 return
-            candidates = [info for info in list_checkpoints(self.run_dir, verify=False)
-                          if info.whole and info.meta and (request == "auto" or info.step == request)]
+            candidates = [
+                info
+                for info in list_checkpoints(self.run_dir, verify=False)
+                if info.whole and info.meta and (request == "auto" or info.step == request)
+            ]
             if not candidates:
                 return
             meta, step = candidates[-1].meta or {}, candidates[-1].step  # meta: set, as filtered
         where = f"checkpoint {step} in {self.run_dir}"
         saved_backend = meta.get("backend", "jax")
         if saved_backend != self.backend:
-            raise CheckpointError(f"{where} was written by backend {saved_backend}, this run uses backend "
-                                  f"{self.backend} (their states differ); set backend={saved_backend} or "
-                                  f"use a new run.dir")
+            raise CheckpointError(
+                f"{where} was written by backend {saved_backend}, this run uses backend "
+                f"{self.backend} (their states differ); set backend={saved_backend} or "
+                f"use a new run.dir"
+            )
         saved_optimizer, name = (meta.get("optimizer") or {}).get("name"), self.optimizer.get("name")
         if saved_optimizer is not None and saved_optimizer != name:
-            raise CheckpointError(f"{where} holds {saved_optimizer} optimizer state but this run sets "
-                                  f"optimizer.name={name} (the optimizer state does not carry over); set "
-                                  f"optimizer.name={saved_optimizer} or use a new run.dir")
+            raise CheckpointError(
+                f"{where} holds {saved_optimizer} optimizer state but this run sets "
+                f"optimizer.name={name} (the optimizer state does not carry over); set "
+                f"optimizer.name={saved_optimizer} or use a new run.dir"
+            )
 
     def start(self, checkpointer: Any, backend: Backend, sampler: Order, adapter_saves: Any = None) -> Start:
         """The starting state and data position: from the checkpoint the request names, or fresh."""
@@ -112,15 +124,31 @@ class ResumePolicy:
         jump = {"step": step, "from": saved_position, "to": position} if position != saved_position else None
         return Start(state, position, meta, step, jump)
 
-    def meta(self, step: int, sampler: Order, position: int, previous: dict[str, Any] | None,
-             position_jump: dict[str, int] | None, metrics: dict[str, Any], backend: Backend) -> dict[str, Any]:
+    def meta(
+        self,
+        step: int,
+        sampler: Order,
+        position: int,
+        previous: dict[str, Any] | None,
+        position_jump: dict[str, int] | None,
+        metrics: dict[str, Any],
+        backend: Backend,
+    ) -> dict[str, Any]:
         """The JSON meta item of the checkpoint at ``step``: the data position and its history (continued from
         the ``previous`` meta), this run's record, and what wrote it."""
-        return {"step": step, **data_meta(sampler, position, previous, position_jump), **self.record,
-                "backend": self.backend, "optimizer": self.optimizer, "metrics": metrics, "time": time.time(),
-                "layout": backend.describe(), "processes": backend.process_count,
-                "data_override": self.data_override(),
-                "resume_request": self.request if isinstance(self.request, int) else None}
+        return {
+            "step": step,
+            **data_meta(sampler, position, previous, position_jump),
+            **self.record,
+            "backend": self.backend,
+            "optimizer": self.optimizer,
+            "metrics": metrics,
+            "time": time.time(),
+            "layout": backend.describe(),
+            "processes": backend.process_count,
+            "data_override": self.data_override(),
+            "resume_request": self.request if isinstance(self.request, int) else None,
+        }
 
 
 def write_run_config(run_dir: Path, config: dict[str, Any]) -> None:

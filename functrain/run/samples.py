@@ -38,10 +38,13 @@ def check_language_model_run(model_config: ModelConfig, backend: str, key: str, 
     """A one-line ConfigError unless the run trains a built-in causal LM on JAX, which ``key`` (a callback that
     decodes or scores with the model) needs; ``fix`` says how to turn ``key`` off."""
     from functrain.models import is_language_model
+
     name = model_config.registry_name()
     if name is None or not is_language_model(name):
-        raise ConfigError(f"{key} needs a built-in language model (model.name gpt, gpt2, llama, ...), not "
-                          f"{name or 'a user model'}; {fix}")
+        raise ConfigError(
+            f"{key} needs a built-in language model (model.name gpt, gpt2, llama, ...), not "
+            f"{name or 'a user model'}; {fix}"
+        )
     if backend != "jax":
         raise ConfigError(f"{key} works with backend: jax; {fix}")
 
@@ -55,6 +58,7 @@ class SampleWriter(Callback):
         from functrain.models import build_model
         from functrain.models.options import for_sampling
         from functrain.text.decode import Generator, load_tokenizer
+
         check_language_model_run(model_config, backend, "eval.samples", "set eval.samples.count=0")
         self.settings, self.tensorboard = settings, tensorboard
         self.tokenizer = load_tokenizer(self.settings.tokenizer) if self.settings.tokenizer else None
@@ -66,20 +70,31 @@ class SampleWriter(Callback):
         from functrain.models.lora import merged_for_inference
         from functrain.models.stacking import unstack_layers
         from functrain.text.decode import Sampling, decode_tokens, encode_prompt, prepare_prompt
+
         if view.state is None:
             return
         settings = self.settings
         params = merged_for_inference(view.state.params, self.model.config)  # LoRA: the adapters take part
         params = unstack_layers(params)  # the sampling model is unrolled (model.scan_layers: per-layer cache)
-        ids = prepare_prompt(encode_prompt(settings.prompt, self.model.config.vocab_size, self.tokenizer),
-                             self.model.config, settings.max_new_tokens)
+        ids = prepare_prompt(
+            encode_prompt(settings.prompt, self.model.config.vocab_size, self.tokenizer),
+            self.model.config,
+            settings.max_new_tokens,
+        )
         records = []
         for index in range(settings.count):
-            sampling = Sampling(settings.max_new_tokens, settings.temperature, settings.top_k,
-                                seed=view.step * 1000 + index)
+            sampling = Sampling(
+                settings.max_new_tokens, settings.temperature, settings.top_k, seed=view.step * 1000 + index
+            )
             tokens = self.generator(params, ids[None], sampling)[0]
-            records.append({"step": view.step, "index": index, "prompt": settings.prompt,
-                            "text": decode_tokens(tokens, self.tokenizer)})
+            records.append(
+                {
+                    "step": view.step,
+                    "index": index,
+                    "prompt": settings.prompt,
+                    "text": decode_tokens(tokens, self.tokenizer),
+                }
+            )
         if not view.is_primary:
             return
         with open(view.run_dir / SAMPLES_FILE, "a") as f:
@@ -87,6 +102,7 @@ class SampleWriter(Callback):
         if self.tensorboard:
             if self.writer is None:
                 from tensorboardX import SummaryWriter
+
                 self.writer = SummaryWriter(str(view.run_dir / "tensorboard"), filename_suffix=".samples")
             for record in records:
                 self.writer.add_text(f"samples/{record['index']}", record["prompt"] + record["text"], view.step)

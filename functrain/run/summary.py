@@ -27,6 +27,7 @@ def _duration(seconds: float) -> str:
 def eval_lines(run_dir: Path) -> list[str]:
     """``eval <metric>: last .. at step .., best .. at step ..`` for loss and accuracy, from metrics.jsonl."""
     from functrain.run.plots import read_run
+
     try:
         run = read_run(run_dir)
     except FunctrainError:
@@ -40,23 +41,29 @@ def eval_lines(run_dir: Path) -> list[str]:
         if not points:
             continue
         best_value, best_step = best_of(points, key=lambda p: p[0])
-        lines.append(f"eval {metric}: last {points[-1][0]:.4g} at step {points[-1][1]}, "
-                     f"best {best_value:.4g} at step {best_step}")
+        lines.append(
+            f"eval {metric}: last {points[-1][0]:.4g} at step {points[-1][1]}, "
+            f"best {best_value:.4g} at step {best_step}"
+        )
     return lines
 
 
-def summary_lines(view: RunView, wall_seconds: float, plot_path: Path | None,
-                  tokens_per_sample: int | None = None) -> list[str]:
+def summary_lines(
+    view: RunView, wall_seconds: float, plot_path: Path | None, tokens_per_sample: int | None = None
+) -> list[str]:
     """The summary of a finished (or stopped) run, one fact per line (``tokens_per_sample``: a language
     model's sequence length, for the tokens seen)."""
     from functrain.checkpoint import layout
     from functrain.run.samples import SAMPLES_FILE, last_samples
+
     seen = f"{view.samples_consumed:,} samples"
     tokens = tokens_per_sample
     if tokens:
         seen += f" ({view.samples_consumed * tokens:,} tokens)"
-    lines = [f"summary of {view.run_dir}:",
-             f"  steps {view.start_step} -> {view.step} ({view.stop_reason}) in {_duration(wall_seconds)}; {seen} seen"]
+    lines = [
+        f"summary of {view.run_dir}:",
+        f"  steps {view.start_step} -> {view.step} ({view.stop_reason}) in {_duration(wall_seconds)}; {seen} seen",
+    ]
     lines += [f"  {line}" for line in eval_lines(view.run_dir)]
     kept = layout.committed_steps(layout.checkpoints_dir(view.run_dir))
     lines.append(f"  checkpoints kept: {', '.join(map(str, kept)) if kept else 'none'}")
@@ -87,11 +94,13 @@ class RunSummary(Callback):
             return
         if self.plot:
             from functrain.run.plots import plot_runs
+
             try:
                 self.plot_path = plot_runs([view.run_dir], view.run_dir / "plot.png")
             except FunctrainError:  # nothing logged yet: no plot
                 self.plot_path = None
             except ImportError:
                 log.warning("log.plot needs matplotlib; pip install matplotlib (or set log.plot=false)")
-        log.info("\n".join(summary_lines(view, time.perf_counter() - self.started, self.plot_path,
-                                           self.tokens_per_sample)))
+        log.info(
+            "\n".join(summary_lines(view, time.perf_counter() - self.started, self.plot_path, self.tokens_per_sample))
+        )

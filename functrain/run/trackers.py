@@ -35,8 +35,10 @@ def _require(package: str, extra: str) -> Any:
     try:
         return __import__(package)
     except ImportError:
-        raise ConfigError(f"log.trackers lists {extra} but the {package} package is not installed; "
-                          f"pip install 'functrain[{extra}]' or remove {extra} from log.trackers") from None
+        raise ConfigError(
+            f"log.trackers lists {extra} but the {package} package is not installed; "
+            f"pip install 'functrain[{extra}]' or remove {extra} from log.trackers"
+        ) from None
 
 
 def saved_run_id(run_dir: Path, tracker: str) -> str | None:
@@ -75,9 +77,15 @@ class WandbTracker(Callback):
         if not view.is_primary:
             return
         run_id = saved_run_id(view.run_dir, "wandb") or uuid.uuid4().hex[:12]
-        self.run = self.wandb.init(project=EXPERIMENT, name=view.run_dir.name, id=run_id, resume="allow",
-                                   dir=str(view.run_dir), config=view.config.to_dict(),
-                                   settings=self.wandb.Settings(silent=True, console="off"))
+        self.run = self.wandb.init(
+            project=EXPERIMENT,
+            name=view.run_dir.name,
+            id=run_id,
+            resume="allow",
+            dir=str(view.run_dir),
+            config=view.config.to_dict(),
+            settings=self.wandb.Settings(silent=True, console="off"),
+        )
         save_run_id(view.run_dir, "wandb", run_id)
 
     def on_log(self, view: RunView, split: str, step: int, metrics: dict[str, float]) -> None:
@@ -109,6 +117,7 @@ class MlflowTracker(Callback):
             return
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
+
         uri = os.environ.get("MLFLOW_TRACKING_URI")
         if not uri:
             uri = (view.run_dir / "mlruns").absolute().as_uri()
@@ -118,12 +127,14 @@ class MlflowTracker(Callback):
         self.run_id = saved_run_id(view.run_dir, "mlflow")
         if self.run_id is None:
             experiment = self.client.get_experiment_by_name(EXPERIMENT)
-            experiment_id = (experiment.experiment_id if experiment is not None
-                             else self.client.create_experiment(EXPERIMENT))
+            experiment_id = (
+                experiment.experiment_id if experiment is not None else self.client.create_experiment(EXPERIMENT)
+            )
             self.run_id = self.client.create_run(experiment_id, run_name=view.run_dir.name).info.run_id
             # Params cannot change within an MLflow run: the config is logged when the run is created.
-            params = [Param(key, json.dumps(value)[:6000])
-                      for key, value in flatten_dotted(view.config.to_dict()).items()]
+            params = [
+                Param(key, json.dumps(value)[:6000]) for key, value in flatten_dotted(view.config.to_dict()).items()
+            ]
             self.client.log_batch(self.run_id, params=params)
             save_run_id(view.run_dir, "mlflow", self.run_id)
         else:
@@ -132,6 +143,7 @@ class MlflowTracker(Callback):
 
     def _add(self, metrics: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
+
         now = int(time.time() * 1000)
         self.pending += [Metric(key, value, now, step) for key, value in metrics.items()]
         if time.monotonic() - self.flushed_at > MLFLOW_FLUSH_SECONDS:
@@ -140,7 +152,7 @@ class MlflowTracker(Callback):
     def flush(self) -> None:
         """Write the batched metric points."""
         for start in range(0, len(self.pending), 1000):  # MLflow's limit per batch
-            self.client.log_batch(self.run_id, metrics=self.pending[start:start + 1000])
+            self.client.log_batch(self.run_id, metrics=self.pending[start : start + 1000])
         self.pending, self.flushed_at = [], time.monotonic()
 
     def on_log(self, view: RunView, split: str, step: int, metrics: dict[str, float]) -> None:

@@ -19,6 +19,7 @@ from functrain.run.outcome import StopKind
 @dataclass(slots=True)
 class RunRecord:
     """Where the run stands, written by the loop (and the reader of its finished calls) only."""
+
     config: Any
     run_dir: Path
     max_steps: int
@@ -44,9 +45,11 @@ class RunView:
         object.__setattr__(self, "_record", record)
 
     def __setattr__(self, name: str, value: Any) -> NoReturn:
-        raise AttributeError(f"the run view is read-only (callbacks cannot set view.{name}); return a Control "
-                             f"from the event instead: Control(should_stop=True, stop_reason='...') to stop, "
-                             f"Control(metrics={{split: {{...}}}}) from on_evaluate to log metrics")
+        raise AttributeError(
+            f"the run view is read-only (callbacks cannot set view.{name}); return a Control "
+            f"from the event instead: Control(should_stop=True, stop_reason='...') to stop, "
+            f"Control(metrics={{split: {{...}}}}) from on_evaluate to log metrics"
+        )
 
     def __delattr__(self, name: str) -> NoReturn:
         self.__setattr__(name, None)
@@ -104,8 +107,9 @@ class RunView:
     @property
     def last_metrics(self) -> Mapping[str, Mapping[str, float]]:
         """The newest metrics of each split read so far (``{"train": {...}, "eval": {...}}``)."""
-        return MappingProxyType({split: MappingProxyType(metrics)
-                                 for split, metrics in self._record.last_metrics.items()})
+        return MappingProxyType(
+            {split: MappingProxyType(metrics) for split, metrics in self._record.last_metrics.items()}
+        )
 
     @property
     def state(self) -> Any:

@@ -49,6 +49,7 @@ class TaskContext:
         ``data.target`` / ``data.sources`` or the objects passed; tasks with data of their own never call it.
       data_seed: ``data.seed``, or the run's seed.
     """
+
     config: Any
     run_dir: Path
     model: Any
@@ -78,6 +79,7 @@ class TaskData:
       loader_train, loader_eval: what the loaders read when it is not ``train`` / ``eval`` themselves (the same
         records with fields a start hook fills in); None: the sources.
     """
+
     train: Source | Stream
     eval: Source | None
     batch_check: BatchCheck | None = None
@@ -126,8 +128,9 @@ class Task:
         """What the model is called on in ``example_batch`` (a linen model is initialised on it)."""
         raise NotImplementedError(f"task {self.name!r} names no model inputs")
 
-    def program(self, context: TaskContext, data: TaskData, pieces: ModelPieces,
-                example_batch: dict[str, np.ndarray]) -> Program:
+    def program(
+        self, context: TaskContext, data: TaskData, pieces: ModelPieces, example_batch: dict[str, np.ndarray]
+    ) -> Program:
         """The task's loss on the model's pieces (JAX backend)."""
         raise NotImplementedError(f"task {self.name!r} defines no program")
 
@@ -144,7 +147,8 @@ class Task:
         """Refuse, in one line, what the task cannot train: another backend, a user loss it does not take."""
         config = context.config
         if config.backend not in self.backends:
-            raise ConfigError(f"task {self.name} runs on backend {' or '.join(self.backends)}; set "
-                              f"backend={self.backends[0]}")
+            raise ConfigError(
+                f"task {self.name} runs on backend {' or '.join(self.backends)}; set backend={self.backends[0]}"
+            )
         if context.loss_fn is not None and not self.takes_loss_fn:
             raise ConfigError(f"task {self.name} trains with its own loss; remove loss_fn= or choose another task")

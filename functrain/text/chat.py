@@ -40,14 +40,13 @@ def read_conversations(path: str | os.PathLike) -> list[list[dict[str, str]]]:
     for where, _, record in jsonl_records(path, "chat", "data.kwargs.path"):
         messages = record.get("messages") if isinstance(record, dict) else None
         if not isinstance(messages, list) or not messages:
-            raise DataError(f"{where} has no \"messages\" list; write {{\"messages\": [{{\"role\": ..., "
-                            f"\"content\": ...}}]}}")
+            raise DataError(f'{where} has no "messages" list; write {{"messages": [{{"role": ..., "content": ...}}]}}')
         for message in messages:
             role = message.get("role") if isinstance(message, dict) else None
             if role not in ROLES:
                 raise DataError(f"{where} has a message with role {role!r}; use one of {', '.join(ROLES)}")
             if not isinstance(message.get("content"), str):
-                raise DataError(f"{where} has a {role} message without a text \"content\"")
+                raise DataError(f'{where} has a {role} message without a text "content"')
         conversations.append(messages)
     if not conversations:
         raise DataError(f"chat file {str(path)!r} holds no conversations")
@@ -56,6 +55,7 @@ def read_conversations(path: str | os.PathLike) -> list[list[dict[str, str]]]:
 
 def assistant_spans(messages: list[dict[str, str]], tokenizer: Any) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character spans of its assistant answers."""
+
     def render(turns, generation_prompt=False):
         return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=generation_prompt)
 
@@ -63,10 +63,12 @@ def assistant_spans(messages: list[dict[str, str]], tokenizer: Any) -> tuple[str
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before, through = render(messages[:index], True) if index else "", render(messages[:index + 1])
+        before, through = render(messages[:index], True) if index else "", render(messages[: index + 1])
         if not (through.startswith(before) and text.startswith(through)):
-            raise DataError("the tokenizer's chat template renders earlier turns differently once later turns "
-                            "follow; the assistant tokens cannot be located (use a template that appends turns)")
+            raise DataError(
+                "the tokenizer's chat template renders earlier turns differently once later turns "
+                "follow; the assistant tokens cannot be located (use a template that appends turns)"
+            )
         spans.append((len(before), len(through)))
     return text, spans
 
@@ -79,14 +81,13 @@ def tokenize(messages: list[dict[str, str]], tokenizer: Any) -> tuple[np.ndarray
     return np.asarray(encoded["input_ids"], np.int32), np.asarray(in_answer, bool)
 
 
-def encode(messages: list[dict[str, str]], tokenizer: Any, seq_len: int, pad_id: int
-           ) -> tuple[np.ndarray, np.ndarray]:
+def encode(messages: list[dict[str, str]], tokenizer: Any, seq_len: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
     """``tokens`` [seq_len + 1] and ``mask`` [seq_len] (1 where the next token belongs to an assistant answer)."""
-    ids, in_answer = (part[:seq_len + 1] for part in tokenize(messages, tokenizer))
+    ids, in_answer = (part[: seq_len + 1] for part in tokenize(messages, tokenizer))
     tokens = np.full(seq_len + 1, pad_id, np.int32)
-    tokens[:len(ids)] = ids
+    tokens[: len(ids)] = ids
     mask = np.zeros(seq_len, np.float32)
-    mask[:max(0, len(ids) - 1)] = in_answer[1:]  # position t predicts token t + 1
+    mask[: max(0, len(ids) - 1)] = in_answer[1:]  # position t predicts token t + 1
     return tokens, mask
 
 
@@ -99,8 +100,10 @@ def pack(conversations: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_i
     pieces, used = [], 0  # conversations and paddings, the records laid end to end
     for number, (ids, in_answer) in enumerate(conversations, start=1):
         if len(ids) > length:
-            raise DataError(f"conversation {number} has {len(ids)} tokens, more than data.kwargs.seq_len + 1 = "
-                            f"{length}, and packing never cuts one; raise seq_len or shorten the conversation")
+            raise DataError(
+                f"conversation {number} has {len(ids)} tokens, more than data.kwargs.seq_len + 1 = "
+                f"{length}, and packing never cuts one; raise seq_len or shorten the conversation"
+            )
         if used + len(ids) > length:  # this conversation starts the next record; pad the current one
             pieces += [padding(length - used)] if used < length else []
             used = 0
@@ -125,11 +128,15 @@ def load_chat_tokenizer(path: str | os.PathLike) -> Any:
 
     tokenizer = load_tokenizer(path)
     if not getattr(tokenizer, "chat_template", None):
-        raise DataError(f"the tokenizer in {str(path)!r} has no chat template; use the model's tokenizer files "
-                        f"(tokenizer_config.json with chat_template, or chat_template.jinja)")
+        raise DataError(
+            f"the tokenizer in {str(path)!r} has no chat template; use the model's tokenizer files "
+            f"(tokenizer_config.json with chat_template, or chat_template.jinja)"
+        )
     if not getattr(tokenizer, "is_fast", False):
-        raise DataError(f"the tokenizer in {str(path)!r} is not a fast tokenizer (tokenizer.json); chat masking "
-                        f"needs its character offsets")
+        raise DataError(
+            f"the tokenizer in {str(path)!r} is not a fast tokenizer (tokenizer.json); chat masking "
+            f"needs its character offsets"
+        )
     return tokenizer
 
 

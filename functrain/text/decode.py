@@ -34,6 +34,7 @@ from functrain.models.stacking import unstack_layers
 class Sampling:
     """How to pick each token: greedy at ``temperature == 0``, else softmax sampling at ``temperature``
     from the ``top_k`` most likely tokens (all when None)."""
+
     max_new_tokens: int = 64
     temperature: float = 0.0
     top_k: int | None = None
@@ -58,12 +59,21 @@ def _pick(logits: jax.Array, key: jax.Array, temperature: float, top_k: int | No
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-def _generate_cached(model: Any, params: Any, prompt: jax.Array, key: jax.Array, *, max_new_tokens: int,
-                     temperature: float, top_k: int | None) -> jax.Array:
+def _generate_cached(
+    model: Any,
+    params: Any,
+    prompt: jax.Array,
+    key: jax.Array,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+) -> jax.Array:
     batch, prompt_len = prompt.shape
     cache_len = prompt_len + max_new_tokens - 1  # the last new token is returned, never fed back
-    shapes = jax.eval_shape(lambda: model.apply({"params": params}, jnp.zeros((batch, cache_len), jnp.int32),
-                                                mutable=["cache"])[1]["cache"])
+    shapes = jax.eval_shape(
+        lambda: model.apply({"params": params}, jnp.zeros((batch, cache_len), jnp.int32), mutable=["cache"])[1]["cache"]
+    )
 
     def feed(cache: Any, tokens: jax.Array) -> tuple[jax.Array, Any]:
         logits, updated = model.apply({"params": params, "cache": cache}, tokens, mutable=["cache"])
@@ -81,8 +91,16 @@ def _generate_cached(model: Any, params: Any, prompt: jax.Array, key: jax.Array,
     return jnp.concatenate([earlier.T, last[:, None]], axis=1)
 
 
-def _generate_uncached(model: Any, params: Any, prompt: jax.Array, key: jax.Array, *, max_new_tokens: int,
-                       temperature: float, top_k: int | None) -> jax.Array:
+def _generate_uncached(
+    model: Any,
+    params: Any,
+    prompt: jax.Array,
+    key: jax.Array,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+) -> jax.Array:
     batch, prompt_len = prompt.shape
     # A fixed-size buffer keeps one compiled step; causal attention never looks at the zeros ahead. The last
     # slot is never fed to the model (the context holds prompt + new tokens - 1, as with the cache).
@@ -98,8 +116,18 @@ def _generate_uncached(model: Any, params: Any, prompt: jax.Array, key: jax.Arra
     return jax.lax.fori_loop(0, max_new_tokens, one_token, tokens)[:, prompt_len:]
 
 
-def _generate_ragged(model: Any, params: Any, prompts: jax.Array, lengths: jax.Array, key: jax.Array, *,
-                     prefill: int, max_new_tokens: int, temperature: float, top_k: int | None) -> jax.Array:
+def _generate_ragged(
+    model: Any,
+    params: Any,
+    prompts: jax.Array,
+    lengths: jax.Array,
+    key: jax.Array,
+    *,
+    prefill: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+) -> jax.Array:
     """Prompts of several lengths in one batch, without a padding mask: ``prompts`` [B, W] is right-padded,
     row ``b`` holds ``lengths[b] >= prefill`` tokens. The first ``prefill`` positions are fed at once, then one
     position per step for every row: a row's own prompt token while it lasts (forced), its picked token after.
@@ -107,8 +135,9 @@ def _generate_ragged(model: Any, params: Any, prompts: jax.Array, lengths: jax.A
     position ``prefill .. W + max_new_tokens - 1`` [B, W + max_new_tokens - prefill]."""
     batch, width = prompts.shape
     total = width + max_new_tokens
-    shapes = jax.eval_shape(lambda: model.apply({"params": params}, jnp.zeros((batch, total), jnp.int32),
-                                                mutable=["cache"])[1]["cache"])
+    shapes = jax.eval_shape(
+        lambda: model.apply({"params": params}, jnp.zeros((batch, total), jnp.int32), mutable=["cache"])[1]["cache"]
+    )
 
     def feed(cache: Any, tokens: jax.Array) -> tuple[jax.Array, Any]:
         logits, updated = model.apply({"params": params, "cache": cache}, tokens, mutable=["cache"])
@@ -140,26 +169,37 @@ class Generator:
 
     def __init__(self, model: Any) -> None:
         self.model = model
-        self._compiled = {True: jax.jit(partial(_generate_cached, model), static_argnames=_STATIC),
-                          False: jax.jit(partial(_generate_uncached, model), static_argnames=_STATIC)}
+        self._compiled = {
+            True: jax.jit(partial(_generate_cached, model), static_argnames=_STATIC),
+            False: jax.jit(partial(_generate_uncached, model), static_argnames=_STATIC),
+        }
         self._ragged = jax.jit(partial(_generate_ragged, model), static_argnames=("prefill", *_STATIC))
 
-    def __call__(self, params: Any, prompt_ids: np.ndarray, sampling: Sampling, use_cache: bool = True
-                 ) -> np.ndarray:
+    def __call__(self, params: Any, prompt_ids: np.ndarray, sampling: Sampling, use_cache: bool = True) -> np.ndarray:
         """New token ids ``[B, max_new_tokens]`` continuing ``prompt_ids`` ``[B, P]``."""
         prompt = jnp.asarray(np.atleast_2d(prompt_ids), jnp.int32)
         if prompt.shape[1] < 1:
             raise DataError("the prompt is empty; pass at least one character with --prompt")
         if sampling.max_new_tokens < 1:
             raise ConfigError(f"--max-new-tokens is {sampling.max_new_tokens}; ask for at least 1 token")
-        out = self._compiled[use_cache](params, prompt, jax.random.PRNGKey(sampling.seed),
-                                        max_new_tokens=sampling.max_new_tokens,
-                                        temperature=float(sampling.temperature), top_k=sampling.top_k)
+        out = self._compiled[use_cache](
+            params,
+            prompt,
+            jax.random.PRNGKey(sampling.seed),
+            max_new_tokens=sampling.max_new_tokens,
+            temperature=float(sampling.temperature),
+            top_k=sampling.top_k,
+        )
         return np.asarray(out)
 
-
-    def ragged(self, params: Any, prompts: list[np.ndarray], sampling: Sampling, rows: int | None = None,
-               context: int | None = None) -> list[np.ndarray]:
+    def ragged(
+        self,
+        params: Any,
+        prompts: list[np.ndarray],
+        sampling: Sampling,
+        rows: int | None = None,
+        context: int | None = None,
+    ) -> list[np.ndarray]:
         """New token ids ``[max_new_tokens]`` continuing each of ``prompts`` (of any lengths >= 1), in one
         batch of ``rows`` (default: as many as prompts; more are padded). Batches compile per power-of-two
         width (at most ``context - max_new_tokens`` when given) and shortest prompt, so few shapes compile."""
@@ -172,20 +212,31 @@ class Generator:
         rows = max(rows or len(prompts), len(prompts))
         padded = np.zeros((rows, width), np.int32)
         for row, prompt in enumerate(prompts):
-            padded[row, :len(prompt)] = prompt
-        padded[len(prompts):] = padded[0]
+            padded[row, : len(prompt)] = prompt
+        padded[len(prompts) :] = padded[0]
         lengths = np.concatenate([lengths, np.full(rows - len(prompts), lengths[0], np.int32)])
         prefill = _power_of_two_at_most(int(lengths.min()))
-        out = np.asarray(self._ragged(params, jnp.asarray(padded), jnp.asarray(lengths),
-                                      jax.random.PRNGKey(sampling.seed), prefill=prefill,
-                                      max_new_tokens=sampling.max_new_tokens,
-                                      temperature=float(sampling.temperature), top_k=sampling.top_k))
-        return [out[row, length - prefill:length - prefill + sampling.max_new_tokens]
-                for row, length in enumerate(lengths[:len(prompts)])]
+        out = np.asarray(
+            self._ragged(
+                params,
+                jnp.asarray(padded),
+                jnp.asarray(lengths),
+                jax.random.PRNGKey(sampling.seed),
+                prefill=prefill,
+                max_new_tokens=sampling.max_new_tokens,
+                temperature=float(sampling.temperature),
+                top_k=sampling.top_k,
+            )
+        )
+        return [
+            out[row, length - prefill : length - prefill + sampling.max_new_tokens]
+            for row, length in enumerate(lengths[: len(prompts)])
+        ]
 
 
-def generate_tokens(model: Any, params: Any, prompt_ids: np.ndarray, sampling: Sampling,
-                    use_cache: bool = True) -> np.ndarray:
+def generate_tokens(
+    model: Any, params: Any, prompt_ids: np.ndarray, sampling: Sampling, use_cache: bool = True
+) -> np.ndarray:
     """New token ids ``[B, max_new_tokens]`` continuing ``prompt_ids`` ``[B, P]`` (a Flax causal LM)."""
     return Generator(model)(params, prompt_ids, sampling, use_cache)
 
@@ -199,10 +250,15 @@ def encode_prompt(text: str, vocab_size: int, tokenizer: Any = None) -> np.ndarr
     outside = ids >= vocab_size
     if outside.any():
         where = int(np.argmax(outside))
-        what = (f"token id {ids[where]}" if tokenizer is not None
-                else f"character {text.encode('utf-8')[where:where + 1]!r} (byte {ids[where]})")
-        raise DataError(f"the prompt's {what} is outside the model's vocabulary of {vocab_size} ids; use "
-                        f"characters the model was trained on" + ("" if tokenizer else " or pass --tokenizer"))
+        what = (
+            f"token id {ids[where]}"
+            if tokenizer is not None
+            else f"character {text.encode('utf-8')[where : where + 1]!r} (byte {ids[where]})"
+        )
+        raise DataError(
+            f"the prompt's {what} is outside the model's vocabulary of {vocab_size} ids; use "
+            f"characters the model was trained on" + ("" if tokenizer else " or pass --tokenizer")
+        )
     return ids
 
 
@@ -224,30 +280,41 @@ def load_tokenizer(path: str | os.PathLike) -> Any:
     try:
         return AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot load a tokenizer from {str(path)!r} ({exc}); pass an HF tokenizer "
-                          f"directory") from None
+        raise ConfigError(
+            f"cannot load a tokenizer from {str(path)!r} ({exc}); pass an HF tokenizer directory"
+        ) from None
 
 
 def load_language_model(run_dir: str | os.PathLike, step: int | None = None) -> tuple[Any, Any, int]:
     """``(flax module, params, step)`` of a causal-LM run's checkpoint (the newest whole one by default)."""
     from functrain.checkpoint import load_params_and_meta
+
     params, meta = load_params_and_meta(run_dir, step)
     raw_model = meta.get("model")
     if not isinstance(raw_model, dict) or "name" not in raw_model:
-        raise ConfigError(f"the checkpoint in {run_dir} does not record its model; it was not written by "
-                          f"functrain train or convert")
+        raise ConfigError(
+            f"the checkpoint in {run_dir} does not record its model; it was not written by functrain train or convert"
+        )
     if meta.get("backend", "jax") != "jax":
-        raise ConfigError(f"{run_dir} was trained with backend {meta['backend']}; generate and eval read JAX runs "
-                          f"(and converted HF checkpoints)")
+        raise ConfigError(
+            f"{run_dir} was trained with backend {meta['backend']}; generate and eval read JAX runs "
+            f"(and converted HF checkpoints)"
+        )
     if model_spec(raw_model["name"])["kind"] != "causal_lm":
-        raise ConfigError(f"model {raw_model['name']!r} of {run_dir} is not a language model; generate and eval "
-                          f"need a causal LM (gpt, gpt2, llama, ...)")
+        raise ConfigError(
+            f"model {raw_model['name']!r} of {run_dir} is not a language model; generate and eval "
+            f"need a causal LM (gpt, gpt2, llama, ...)"
+        )
     model_config = model_config_class(raw_model["name"]).model_validate(raw_model)
     assert isinstance(model_config, RuntimeOptions), "a causal LM's config has the runtime options"
     from functrain.models.lora import merged_for_inference  # a LoRA run decodes with its adapters merged in
+
     # The sampling model is unrolled (one KV cache per layer): a scanned run's stacked layers are split.
-    return (build_model(for_sampling(model_config)), unstack_layers(merged_for_inference(params, model_config)),
-            int(meta.get("step", step or 0)))
+    return (
+        build_model(for_sampling(model_config)),
+        unstack_layers(merged_for_inference(params, model_config)),
+        int(meta.get("step", step or 0)),
+    )
 
 
 def fitting_new_tokens(prompt_tokens: int, model_config: ModelConfig, wanted: int) -> int:
@@ -260,13 +327,16 @@ def prepare_prompt(ids: np.ndarray, model_config: ModelConfig, max_new_tokens: i
     """``ids`` checked against the model's context: prompt plus new tokens must fit in it."""
     limit = model_config.max_positions()
     if limit is not None and len(ids) + max_new_tokens - 1 > limit:
-        raise ConfigError(f"the prompt ({len(ids)} tokens) plus {max_new_tokens} new tokens exceeds the "
-                          f"model's context of {limit} positions; shorten the prompt or ask for fewer tokens")
+        raise ConfigError(
+            f"the prompt ({len(ids)} tokens) plus {max_new_tokens} new tokens exceeds the "
+            f"model's context of {limit} positions; shorten the prompt or ask for fewer tokens"
+        )
     return ids
 
 
 def sample_text(model: Any, params: Any, prompt: str, sampling: Sampling, tokenizer: Any = None) -> str:
     """The continuation of ``prompt`` as text."""
-    ids = prepare_prompt(encode_prompt(prompt, model.config.vocab_size, tokenizer), model.config,
-                         sampling.max_new_tokens)
+    ids = prepare_prompt(
+        encode_prompt(prompt, model.config.vocab_size, tokenizer), model.config, sampling.max_new_tokens
+    )
     return decode_tokens(generate_tokens(model, params, ids[None], sampling)[0], tokenizer)

@@ -56,7 +56,7 @@ from functrain.text.tokenizer import BYTE_EOS
 log = logging.getLogger("functrain")
 
 DEFAULT_BATCH_SIZE = 16
-DEFAULT_MAX_GEN_TOKS = 256   # lm-eval's hf model's default, lowered to half the context for short models
+DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's hf model's default, lowered to half the context for short models
 SHORTEST_BUCKET = 16
 SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "until", "max_gen_toks")
 
@@ -76,6 +76,7 @@ def _token_scores(model: Any, params: Any, inputs: jax.Array, targets: jax.Array
 
 class _Bytes:
     """The byte fallback: text is its UTF-8 bytes (``data.name: char_text``), EOS and prefix are byte 0."""
+
     name = "bytes"
     eos_token_id = bos_token_id = BYTE_EOS
 
@@ -99,9 +100,15 @@ class FunctrainLM(TemplateLM):
     run_dir: str | None  # None: made by from_params
     step: int | None
 
-    def __init__(self, run: str | os.PathLike | None = None, step: int | str | None = None,
-                 tokenizer: str | None = None, batch_size: int | str | None = None, max_gen_toks: int | None = None,
-                 **ignored: Any) -> None:
+    def __init__(
+        self,
+        run: str | os.PathLike | None = None,
+        step: int | str | None = None,
+        tokenizer: str | None = None,
+        batch_size: int | str | None = None,
+        max_gen_toks: int | None = None,
+        **ignored: Any,
+    ) -> None:
         """``ignored``: what ``simple_evaluate`` passes every model (``device``, ``max_batch_size``): a JAX model
         runs on JAX's devices."""
         super().__init__()
@@ -112,8 +119,14 @@ class FunctrainLM(TemplateLM):
         self.run_dir, self.step = str(run), loaded_step
 
     @classmethod
-    def from_params(cls, model: Any, params: Any, tokenizer: Any = None, batch_size: int | None = None,
-                    max_gen_toks: int | None = None) -> FunctrainLM:
+    def from_params(
+        cls,
+        model: Any,
+        params: Any,
+        tokenizer: Any = None,
+        batch_size: int | None = None,
+        max_gen_toks: int | None = None,
+    ) -> FunctrainLM:
         """An lm-eval model of a Flax causal LM (built for sampling) and its params, with an HF tokenizer
         object (None: UTF-8 bytes)."""
         self = cls.__new__(cls)
@@ -122,8 +135,9 @@ class FunctrainLM(TemplateLM):
         self.run_dir, self.step = None, None
         return self
 
-    def _setup(self, model: Any, params: Any, tokenizer: Any, batch_size: int | str | None,
-               max_gen_toks: int | None) -> None:
+    def _setup(
+        self, model: Any, params: Any, tokenizer: Any, batch_size: int | str | None, max_gen_toks: int | None
+    ) -> None:
         self.model, self.params = model, params
         self.vocab_size = int(model.config.vocab_size)
         self._max_length = model.config.max_positions() or 2048  # lm-eval's default for a model without one
@@ -135,8 +149,10 @@ class FunctrainLM(TemplateLM):
             raise ConfigError(f"batch_size {batch_size} must be at least 1")
         self._max_gen_toks = int(max_gen_toks) if max_gen_toks else min(DEFAULT_MAX_GEN_TOKS, self._max_length // 2)
         if tokenizer is not None and tokenizer.bos_token_id is None and tokenizer.eos_token_id is None:
-            raise ConfigError("the tokenizer has neither a BOS nor an EOS token, which lm-eval conditions a text's "
-                              "first token on; use a tokenizer that defines one")
+            raise ConfigError(
+                "the tokenizer has neither a BOS nor an EOS token, which lm-eval conditions a text's "
+                "first token on; use a tokenizer that defines one"
+            )
         self._scores = jax.jit(lambda params, inputs, targets: _token_scores(model, params, inputs, targets))
         self.generator = Generator(model)
 
@@ -169,8 +185,12 @@ class FunctrainLM(TemplateLM):
 
     def get_model_info(self) -> dict[str, Any]:
         """What lm-eval records in ``results["config"]`` about the model."""
-        return {"model_num_parameters": int(sum(np.size(leaf) for leaf in jax.tree.leaves(self.params))),
-                "functrain_run": self.run_dir, "functrain_step": self.step, "tokenizer": self.tokenizer_name}
+        return {
+            "model_num_parameters": int(sum(np.size(leaf) for leaf in jax.tree.leaves(self.params))),
+            "functrain_run": self.run_dir,
+            "functrain_step": self.step,
+            "tokenizer": self.tokenizer_name,
+        }
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
         """Token ids of ``string``; special tokens as lm-eval's hf model adds them (none before a text that
@@ -184,9 +204,11 @@ class FunctrainLM(TemplateLM):
             ids = self.hf_tokenizer.encode(string, **options)
         outside = [i for i in ids if i >= self.vocab_size]
         if outside:
-            raise DataError(f"token id {outside[0]} of the task's text is outside the model's vocabulary of "
-                            f"{self.vocab_size} ids; evaluate with the tokenizer the run was trained with "
-                            f"(--tokenizer PATH, or none for UTF-8 bytes)")
+            raise DataError(
+                f"token id {outside[0]} of the task's text is outside the model's vocabulary of "
+                f"{self.vocab_size} ids; evaluate with the tokenizer the run was trained with "
+                f"(--tokenizer PATH, or none for UTF-8 bytes)"
+            )
         return list(ids)
 
     def tok_decode(self, ids: list[int]) -> str:
@@ -195,8 +217,9 @@ class FunctrainLM(TemplateLM):
         return self.hf_tokenizer.decode(ids, skip_special_tokens=True)
 
     # -- log-likelihoods ----------------------------------------------------------------------------------------
-    def _loglikelihood_tokens(self, requests: list[tuple[Any, list[int], list[int]]], disable_tqdm: bool = False,
-                              **kwargs: Any) -> list[tuple[float, bool]]:
+    def _loglikelihood_tokens(
+        self, requests: list[tuple[Any, list[int], list[int]]], disable_tqdm: bool = False, **kwargs: Any
+    ) -> list[tuple[float, bool]]:
         """``(sum of the continuation's log-probs, whether greedy decoding yields it)`` per request of
         ``(cache key, context ids, continuation ids)``."""
         limit = self.max_length
@@ -208,9 +231,11 @@ class FunctrainLM(TemplateLM):
                 if not continuation:
                     raise DataError("a loglikelihood request has an empty continuation; check the task's targets")
                 if len(continuation) > limit:
-                    raise DataError(f"a continuation of {len(continuation)} tokens is longer than the model's "
-                                    f"context of {limit}; shorten the task's targets")
-                window = (context + continuation)[-(limit + 1):]  # cut from the left, as lm-eval's hf model
+                    raise DataError(
+                        f"a continuation of {len(continuation)} tokens is longer than the model's "
+                        f"context of {limit}; shorten the task's targets"
+                    )
+                window = (context + continuation)[-(limit + 1) :]  # cut from the left, as lm-eval's hf model
                 windows.append(window)
                 spans.append((len(window) - 1 - len(continuation), len(window) - 1))
             picked, greedy = self._score_windows(windows)
@@ -227,18 +252,24 @@ class FunctrainLM(TemplateLM):
         inputs = np.zeros((self.batch_size, length), np.int32)
         targets = np.zeros((self.batch_size, length), np.int32)
         for row, window in enumerate(windows):
-            inputs[row, :len(window) - 1] = window[:-1]
-            targets[row, :len(window) - 1] = window[1:]
+            inputs[row, : len(window) - 1] = window[:-1]
+            targets[row, : len(window) - 1] = window[1:]
         picked, greedy = self._scores(self.params, inputs, targets)
-        return np.asarray(picked)[:len(windows)], np.asarray(greedy)[:len(windows)]
+        return np.asarray(picked)[: len(windows)], np.asarray(greedy)[: len(windows)]
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
         """Log-likelihood of whole texts over lm-eval's disjoint rolling windows of the model's context."""
         windows, owners = [], []
         for index, (text,) in enumerate(request.args for request in requests):
-            for context, continuation in map(lm_utils.make_disjoint_window, lm_utils.get_rolling_token_windows(
-                    token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
-                    max_seq_len=self.max_length, context_len=1)):
+            for context, continuation in map(
+                lm_utils.make_disjoint_window,
+                lm_utils.get_rolling_token_windows(
+                    token_list=self.tok_encode(text),
+                    prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length,
+                    context_len=1,
+                ),
+            ):
                 windows.append((None, context, continuation))
                 owners.append(index)
         totals = [0.0] * len(requests)
@@ -252,8 +283,9 @@ class FunctrainLM(TemplateLM):
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
         """Continuations of each request's context, cut at its ``until`` strings and at EOS."""
         args = [request.args for request in requests]
-        collator = Collator(args, sort_fn=lambda r: (-len(self.tok_encode(r[0])), r[0]), group_by="gen_kwargs",
-                            group_fn=lambda r: r[1])
+        collator = Collator(
+            args, sort_fn=lambda r: (-len(self.tok_encode(r[0])), r[0]), group_by="gen_kwargs", group_fn=lambda r: r[1]
+        )
         results = []
         for group in collator.get_batched(n=0):  # one gen_kwargs group at a time, longest contexts first
             results += self._generate_group([context for context, _ in group], group[0][1])
@@ -266,12 +298,15 @@ class FunctrainLM(TemplateLM):
         new_tokens = int(options["max_gen_toks"])
         room = self.max_length - new_tokens
         if room <= 0:
-            raise ConfigError(f"the task asks for max_gen_toks={new_tokens} new tokens but the model's context is "
-                              f"{self.max_length}; lower max_gen_toks in the task's generation_kwargs")
+            raise ConfigError(
+                f"the task asks for max_gen_toks={new_tokens} new tokens but the model's context is "
+                f"{self.max_length}; lower max_gen_toks in the task's generation_kwargs"
+            )
         unused = sorted(set(options) - set(SAMPLING_KEYS))
         if unused:
-            log.warning("functrain: warning: the functrain lm-eval model ignores generation_kwargs %s",
-                        ", ".join(unused))
+            log.warning(
+                "functrain: warning: the functrain lm-eval model ignores generation_kwargs %s", ", ".join(unused)
+            )
         temperature = float(options.get("temperature") or 0.0) if options.get("do_sample") else 0.0
         top_k = options.get("top_k")
         sampling = Sampling(new_tokens, temperature, int(top_k) if top_k else None, seed=0)
@@ -279,9 +314,10 @@ class FunctrainLM(TemplateLM):
         prompts = [np.array(self.tok_encode(context)[-room:] or [self.prefix_token_id]) for context in contexts]
         texts = []
         for start in range(0, len(prompts), self.batch_size):  # sorted longest first: similar lengths together
-            batch = prompts[start:start + self.batch_size]
-            for tokens in self.generator.ragged(self.params, batch, sampling, rows=self.batch_size,
-                                                context=self.max_length):
+            batch = prompts[start : start + self.batch_size]
+            for tokens in self.generator.ragged(
+                self.params, batch, sampling, rows=self.batch_size, context=self.max_length
+            ):
                 texts.append(self._continuation_text([int(token) for token in tokens], until))
         return texts
 
@@ -293,7 +329,7 @@ class FunctrainLM(TemplateLM):
 
     def _continuation_text(self, tokens: list[int], until: list[str]) -> str:
         if self.eot_token_id is not None and self.eot_token_id in tokens:
-            tokens = tokens[:tokens.index(self.eot_token_id)]
+            tokens = tokens[: tokens.index(self.eot_token_id)]
         return postprocess_generated_text(self.tok_decode(tokens), stop=until, think_end_token=None)
 
 
@@ -305,11 +341,14 @@ def task_manager(tasks: list[str], include_path: str | os.PathLike | None, where
     The folder ``include_path`` is indexed alone first: lm-eval's own catalogue (thousands of YAMLs, seconds to
     index) is read only when a task is not found there."""
     from lm_eval.tasks import TaskManager
+
     if not tasks:
         raise ConfigError(f"{where} names no task; give at least one lm-eval task name")
     if include_path is not None and not Path(include_path).is_dir():
-        raise ConfigError(f"the lm-eval include path {str(include_path)!r} is not a directory; pass the folder that "
-                          f"holds the task YAMLs")
+        raise ConfigError(
+            f"the lm-eval include path {str(include_path)!r} is not a directory; pass the folder that "
+            f"holds the task YAMLs"
+        )
     known = lambda manager, name: name in manager.all_tasks or Path(name).is_file()  # noqa: E731
     if include_path is not None:
         manager = TaskManager(include_path=str(include_path), include_defaults=False)
@@ -320,8 +359,10 @@ def task_manager(tasks: list[str], include_path: str | os.PathLike | None, where
         if not known(manager, name):
             close = difflib.get_close_matches(name, manager.all_tasks, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
-            raise ConfigError(f"{where}: lm-eval task {name!r} does not exist; {hint}list them with `lm_eval ls "
-                              f"tasks`, or pass the folder of its YAML as the include path")
+            raise ConfigError(
+                f"{where}: lm-eval task {name!r} does not exist; {hint}list them with `lm_eval ls "
+                f"tasks`, or pass the folder of its YAML as the include path"
+            )
     return manager
 
 
@@ -329,6 +370,7 @@ def task_manager(tasks: list[str], include_path: str | os.PathLike | None, where
 def _catalogue(include_path: str | None) -> Any:
     """lm-eval's whole task index (and ``include_path``'s), built once per process: it takes seconds."""
     from lm_eval.tasks import TaskManager
+
     return TaskManager(include_path=include_path)
 
 
@@ -342,13 +384,16 @@ def _prepared(manager: Any, tasks: list[str], fewshot_seed: int) -> dict[str, An
     return loaded
 
 
-def evaluate_tasks(lm: FunctrainLM, tasks: list[str], manager: Any, *, limit: float | None = None,
-                   log_samples: bool = False) -> dict[str, Any]:
+def evaluate_tasks(
+    lm: FunctrainLM, tasks: list[str], manager: Any, *, limit: float | None = None, log_samples: bool = False
+) -> dict[str, Any]:
     """lm-eval's results object for ``tasks`` (``results``, ``configs``, ... and ``samples`` when
     ``log_samples``), exactly as ``lm_eval.simple_evaluate`` returns it."""
     import lm_eval
-    return lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit,
-                                   log_samples=log_samples)
+
+    return lm_eval.simple_evaluate(
+        model=lm, tasks=list(tasks), task_manager=manager, limit=limit, log_samples=log_samples
+    )
 
 
 def task_scores(lm: FunctrainLM, tasks: list[str], manager: Any, *, limit: float | None = None) -> dict[str, float]:
@@ -356,8 +401,14 @@ def task_scores(lm: FunctrainLM, tasks: list[str], manager: Any, *, limit: float
     random states or the environment report that ``simple_evaluate`` adds (the training loop's evaluation)."""
     from lm_eval.defaults import DEFAULT_OTHER_SEED
     from lm_eval.evaluator import evaluate
-    results = evaluate(lm=lm, task_dict=_prepared(manager, tasks, DEFAULT_OTHER_SEED), limit=limit,
-                       bootstrap_iters=0, log_samples=False)
+
+    results = evaluate(
+        lm=lm,
+        task_dict=_prepared(manager, tasks, DEFAULT_OTHER_SEED),
+        limit=limit,
+        bootstrap_iters=0,
+        log_samples=False,
+    )
     return flat_scores(results)
 
 

@@ -29,17 +29,22 @@ def check_inputs(inputs: list[str]) -> list[Path]:
     paths = [Path(item) for item in inputs]
     for path in paths:
         if not path.exists():
-            raise ConfigError(f"input {str(path)!r} does not exist; pass text, .jsonl or .parquet files or a "
-                              f"directory written by datasets' save_to_disk")
+            raise ConfigError(
+                f"input {str(path)!r} does not exist; pass text, .jsonl or .parquet files or a "
+                f"directory written by datasets' save_to_disk"
+            )
         if path.is_dir() and not (path / "dataset_info.json").is_file():
-            raise ConfigError(f"input {str(path)!r} is a directory but not an HF dataset saved with save_to_disk "
-                              f"(no dataset_info.json); pass its files, or the split directory (e.g. DIR/train)")
+            raise ConfigError(
+                f"input {str(path)!r} is a directory but not an HF dataset saved with save_to_disk "
+                f"(no dataset_info.json); pass its files, or the split directory (e.g. DIR/train)"
+            )
     return paths
 
 
 @dataclass(frozen=True)
 class JsonLines:
     """Lines of a JSON Lines file starting at line ``first_line``, each an object with the text in ``field``."""
+
     path: str
     first_line: int
     lines: list[str]
@@ -57,8 +62,10 @@ class JsonLines:
                 raise DataError(f"{self.path}:{number} is not a JSON object; write one JSON object per line") from None
             text = record.get(self.field) if isinstance(record, dict) else None
             if not isinstance(text, str):
-                raise DataError(f"{self.path}:{number} has no string field {self.field!r}; pass --field NAME for "
-                                f"the field that holds the text")
+                raise DataError(
+                    f"{self.path}:{number} has no string field {self.field!r}; pass --field NAME for "
+                    f"the field that holds the text"
+                )
             texts.append(text)
         return texts
 
@@ -121,8 +128,10 @@ def _documents(path: Path, field: str) -> Iterator[str]:
 
 def _check_column(path: Path, field: str, columns: list[str]) -> None:
     if field not in columns:
-        raise DataError(f"input {str(path)!r} has no column {field!r} (columns: {', '.join(columns)}); pass "
-                        f"--field NAME for the column that holds the text")
+        raise DataError(
+            f"input {str(path)!r} has no column {field!r} (columns: {', '.join(columns)}); pass "
+            f"--field NAME for the column that holds the text"
+        )
 
 
 def _parquet(path: Path, field: str) -> Iterator[str]:

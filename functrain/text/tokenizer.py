@@ -36,6 +36,7 @@ BYTE_EOS = 0
 @dataclass(frozen=True)
 class TokenizerSpec:
     """Where a tokenizer comes from: ``file`` is a ``tokenizer.json`` path, or None for the byte fallback."""
+
     file: str | None = None
     eos_token: str | None = None  # from a transformers directory's tokenizer_config.json
 
@@ -55,12 +56,16 @@ def tokenizer_spec(path: str | os.PathLike | None) -> TokenizerSpec:
             eos = eos.get("content")
         path = path / "tokenizer.json"
         if not path.is_file():
-            raise ConfigError(f"--tokenizer directory {str(path.parent)!r} has no tokenizer.json; pass a "
-                              f"transformers tokenizer directory saved with a fast tokenizer, or a tokenizer.json")
+            raise ConfigError(
+                f"--tokenizer directory {str(path.parent)!r} has no tokenizer.json; pass a "
+                f"transformers tokenizer directory saved with a fast tokenizer, or a tokenizer.json"
+            )
         return TokenizerSpec(str(path), eos)
     if not path.is_file():
-        raise ConfigError(f"--tokenizer {str(path)!r} does not exist; pass a tokenizer.json or a transformers "
-                          f"tokenizer directory, or leave it out for UTF-8 bytes")
+        raise ConfigError(
+            f"--tokenizer {str(path)!r} does not exist; pass a tokenizer.json or a transformers "
+            f"tokenizer directory, or leave it out for UTF-8 bytes"
+        )
     return TokenizerSpec(str(path))
 
 
@@ -107,8 +112,10 @@ def _load_hf(file: str) -> Any:
         return Tokenizer.from_file(file)
     except Exception as exc:  # noqa: BLE001 -- the Rust side raises plain Exception subclasses for any malformed file
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ConfigError(f"tokenizer file {file!r} does not load ({reason}); pass a tokenizer.json written by "
-                          f"HF tokenizers (Tokenizer.save) or a transformers tokenizer directory") from None
+        raise ConfigError(
+            f"tokenizer file {file!r} does not load ({reason}); pass a tokenizer.json written by "
+            f"HF tokenizers (Tokenizer.save) or a transformers tokenizer directory"
+        ) from None
 
 
 def _eos_id(tokenizer: Any, eos_token: str | None) -> int | None:

@@ -8,5 +8,11 @@
 from torch_bridge.hf.convert import hf_to_run_dir, run_dir_to_hf
 from torch_bridge.hf.pretrained import load_pretrained, place_with_shardings, read_params, save_pretrained
 
-__all__ = ["hf_to_run_dir", "load_pretrained", "place_with_shardings", "read_params", "run_dir_to_hf",
-           "save_pretrained"]
+__all__ = [
+    "hf_to_run_dir",
+    "load_pretrained",
+    "place_with_shardings",
+    "read_params",
+    "run_dir_to_hf",
+    "save_pretrained",
+]

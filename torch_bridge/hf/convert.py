@@ -37,8 +37,13 @@ def finetune_config(model: dict[str, Any], run_dir: str) -> dict[str, Any]:
         "run": {"dir": run_dir},
         "model": model,
         "data": {"name": data_name, "seq_len": min(128, int(max_len) - 1), "global_batch_size": 8},
-        "optimizer": {"name": "adamw", "learning_rate": 3e-5, "weight_decay": 0.0, "schedule": "constant",
-                      "warmup_steps": 0},
+        "optimizer": {
+            "name": "adamw",
+            "learning_rate": 3e-5,
+            "weight_decay": 0.0,
+            "schedule": "constant",
+            "warmup_steps": 0,
+        },
         "train": {"max_steps": 100},
         "checkpoint": {"every_steps": 0, "resume": "auto"},
     }
@@ -59,17 +64,27 @@ def hf_to_run_dir(hf_dir: str, run_dir: str) -> int:
     # Checkpointer.save adds format_version, step, time and package versions; no data position yet:
     # training starts at 0.
     meta = {
-        "epoch": 0, "samples_consumed": 0, "global_batch_size": None, "global_batch_sizes": [],
-        "num_records": None, "data_seed": None, "config_digest": None, "model": model, "metrics": {},
-        "best_metric": None, "backend": "jax",
+        "epoch": 0,
+        "samples_consumed": 0,
+        "global_batch_size": None,
+        "global_batch_sizes": [],
+        "num_records": None,
+        "data_seed": None,
+        "config_digest": None,
+        "model": model,
+        "metrics": {},
+        "best_metric": None,
+        "backend": "jax",
         "converted_from": str(Path(hf_dir).resolve()),
     }
     run.mkdir(parents=True, exist_ok=True)
     run_store.save(run, 0, params, meta)
-    header = (f"# Written by `functrain convert hf-to-functrain` from {Path(hf_dir).resolve()}.\n"
-              "# Fine-tune with `functrain train <this file>`. data.name=char_text feeds raw bytes (token ids\n"
-              "# 0-255, needs vocab_size >= 256); for real work tokenise your corpus into an .npz of \"tokens\"\n"
-              "# [records, seq_len + 1] and set data.name=array_file data.path=FILE.\n")
+    header = (
+        f"# Written by `functrain convert hf-to-functrain` from {Path(hf_dir).resolve()}.\n"
+        "# Fine-tune with `functrain train <this file>`. data.name=char_text feeds raw bytes (token ids\n"
+        '# 0-255, needs vocab_size >= 256); for real work tokenise your corpus into an .npz of "tokens"\n'
+        "# [records, seq_len + 1] and set data.name=array_file data.path=FILE.\n"
+    )
     config_text = yaml.safe_dump(finetune_config(model, str(run)), sort_keys=False)
     (run / "config.yaml").write_text(header + config_text)
     return 0
@@ -85,8 +100,10 @@ def run_dir_to_hf(run_dir: str, out_dir: str, step: int | None, merge_lora: bool
     model = dict(meta.get("model") or {})
     arch = ARCHITECTURES.get(model.get("name", ""))
     if arch is None:
-        raise CheckpointError(f"{run_dir}: model {model.get('name')!r} cannot be exported to HF; "
-                              f"supported: {', '.join(sorted(ARCHITECTURES))}")
+        raise CheckpointError(
+            f"{run_dir}: model {model.get('name')!r} cannot be exported to HF; "
+            f"supported: {', '.join(sorted(ARCHITECTURES))}"
+        )
     config = arch.model.MODEL_SPEC["config_cls"](**model)
     has_adapters = bool(adapter_paths(params))
     if merge_lora and not has_adapters:

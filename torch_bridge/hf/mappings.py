@@ -32,7 +32,7 @@ def transpose_copy(array: np.ndarray) -> np.ndarray:
     out = np.empty(array.shape[::-1], array.dtype)
     band = max(1, 32 // array.dtype.itemsize)
     for start in range(0, array.shape[0], band):
-        out[:, start:start + band] = array[start:start + band].T
+        out[:, start : start + band] = array[start : start + band].T
     return out
 
 
@@ -109,23 +109,29 @@ def _linear(hf_prefix: str, path: Path, bias: bool) -> list[Rule]:
 
 
 def _gpt2_rules(cfg: gpt2.GPT2Config) -> list[Rule]:
-    rules = [Rule("transformer.wte.weight", (("wte", "embedding"),)),
-             Rule("transformer.wpe.weight", (("wpe", "embedding"),))]
+    rules = [
+        Rule("transformer.wte.weight", (("wte", "embedding"),)),
+        Rule("transformer.wpe.weight", (("wpe", "embedding"),)),
+    ]
     for i in range(cfg.n_layer):
         hf, block = f"transformer.h.{i}", f"h_{i}"
         attn = (block, "attn")
         for norm in ("ln_1", "ln_2"):
-            rules += [Rule(f"{hf}.{norm}.weight", ((block, norm, "scale"),)),
-                      Rule(f"{hf}.{norm}.bias", ((block, norm, "bias"),))]
+            rules += [
+                Rule(f"{hf}.{norm}.weight", ((block, norm, "scale"),)),
+                Rule(f"{hf}.{norm}.bias", ((block, norm, "bias"),)),
+            ]
         for param in ("weight", "bias"):
             leaf = "kernel" if param == "weight" else "bias"
             rules.append(Rule(f"{hf}.attn.c_attn.{param}", tuple(attn + (n, leaf) for n in "qkv"), "split3"))
-            for hf_mod, path in (("attn.c_proj", attn + ("c_proj",)), ("mlp.c_fc", (block, "mlp", "c_fc")),
-                                 ("mlp.c_proj", (block, "mlp", "c_proj"))):
+            for hf_mod, path in (
+                ("attn.c_proj", attn + ("c_proj",)),
+                ("mlp.c_fc", (block, "mlp", "c_fc")),
+                ("mlp.c_proj", (block, "mlp", "c_proj")),
+            ):
                 # Conv1D stores (in, out) already: no transpose.
                 rules.append(Rule(f"{hf}.{hf_mod}.{param}", (path + (leaf,),)))
-    rules += [Rule("transformer.ln_f.weight", (("ln_f", "scale"),)),
-              Rule("transformer.ln_f.bias", (("ln_f", "bias"),))]
+    rules += [Rule("transformer.ln_f.weight", (("ln_f", "scale"),)), Rule("transformer.ln_f.bias", (("ln_f", "bias"),))]
     return rules
 
 
@@ -152,8 +158,10 @@ def _llama_rules(cfg: llama.LlamaConfig) -> list[Rule]:
             rules += _linear(f"{hf}.self_attn.{proj}", (layer, "self_attn", proj), cfg.qkv_bias)
         rules += _linear(f"{hf}.self_attn.o_proj", (layer, "self_attn", "o_proj"), cfg.o_bias)
         if cfg.qk_norm:
-            rules += [Rule(f"{hf}.self_attn.{norm}.weight", ((layer, "self_attn", norm, "scale"),))
-                      for norm in ("q_norm", "k_norm")]
+            rules += [
+                Rule(f"{hf}.self_attn.{norm}.weight", ((layer, "self_attn", norm, "scale"),))
+                for norm in ("q_norm", "k_norm")
+            ]
         for proj in ("gate_proj", "up_proj", "down_proj"):
             rules += _linear(f"{hf}.mlp.{proj}", (layer, "mlp", proj), cfg.mlp_bias)
         for norm in ("input_layernorm", "post_attention_layernorm"):
@@ -171,12 +179,20 @@ def _phi3_rules(cfg: phi3.Phi3Config) -> list[Rule]:
     rules = [rule for rule in _llama_rules(cfg) if not any(f".{name}." in rule.hf_name for name in fused)]
     for i in range(cfg.num_hidden_layers):
         hf, layer = f"model.layers.{i}", f"layers_{i}"
-        rules += [Rule(f"{hf}.self_attn.qkv_proj.weight",
-                       tuple((layer, "self_attn", p, "kernel") for p in ("q_proj", "k_proj", "v_proj")),
-                       "split_rows", (q_rows, kv_rows, kv_rows)),
-                  Rule(f"{hf}.mlp.gate_up_proj.weight",
-                       tuple((layer, "mlp", p, "kernel") for p in ("gate_proj", "up_proj")),
-                       "split_rows", (cfg.intermediate_size,) * 2)]
+        rules += [
+            Rule(
+                f"{hf}.self_attn.qkv_proj.weight",
+                tuple((layer, "self_attn", p, "kernel") for p in ("q_proj", "k_proj", "v_proj")),
+                "split_rows",
+                (q_rows, kv_rows, kv_rows),
+            ),
+            Rule(
+                f"{hf}.mlp.gate_up_proj.weight",
+                tuple((layer, "mlp", p, "kernel") for p in ("gate_proj", "up_proj")),
+                "split_rows",
+                (cfg.intermediate_size,) * 2,
+            ),
+        ]
     return rules
 
 
@@ -188,12 +204,18 @@ def _gemma2_rules(cfg: gemma2.Gemma2Config) -> list[Rule]:
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
             rules += _linear(f"{hf}.self_attn.{proj}", (layer, "self_attn", proj), cfg.attention_bias)
         if cfg.qk_norm:  # Gemma 3
-            rules += [Rule(f"{hf}.self_attn.{norm}.weight", ((layer, "self_attn", norm, "scale"),))
-                      for norm in ("q_norm", "k_norm")]
+            rules += [
+                Rule(f"{hf}.self_attn.{norm}.weight", ((layer, "self_attn", norm, "scale"),))
+                for norm in ("q_norm", "k_norm")
+            ]
         for proj in ("gate_proj", "up_proj", "down_proj"):
             rules += _linear(f"{hf}.mlp.{proj}", (layer, "mlp", proj), False)
-        for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                     "post_feedforward_layernorm"):
+        for norm in (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        ):
             rules.append(Rule(f"{hf}.{norm}.weight", ((layer, norm, "scale"),)))  # zero-centred in both
     rules.append(Rule("model.norm.weight", (("norm", "scale"),)))
     return rules
@@ -213,8 +235,10 @@ def _llama_ignorable(name: str, cfg: llama.LlamaConfig) -> bool:
 ARCHITECTURES: dict[str, Architecture] = {
     "gpt2": Architecture("gpt2", gpt2, _gpt2_rules, _gpt2_canonical, _gpt2_ignorable),
     # model_type == model.name for the families that share Llama's module and tensor names.
-    **{name: Architecture(name, module, _llama_rules, lambda name: name, _llama_ignorable)
-       for name, module in (("llama", llama), ("mistral", mistral), ("qwen2", qwen2), ("qwen3", qwen3))},
+    **{
+        name: Architecture(name, module, _llama_rules, lambda name: name, _llama_ignorable)
+        for name, module in (("llama", llama), ("mistral", mistral), ("qwen2", qwen2), ("qwen3", qwen3))
+    },
     "phi3": Architecture("phi3", phi3, _phi3_rules, lambda name: name, _llama_ignorable),
     "gemma2": Architecture("gemma2", gemma2, _gemma2_rules, lambda name: name, _gemma2_ignorable),
     "gemma3_text": Architecture("gemma3_text", gemma3, _gemma2_rules, lambda name: name, _gemma2_ignorable),

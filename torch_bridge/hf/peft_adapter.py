@@ -27,17 +27,23 @@ _PREFIX = "base_model.model."
 
 def hf_modules(arch: Architecture, config: Any, paths: list[tuple[str, ...]]) -> dict[tuple[str, ...], str]:
     """The HF module name of each adapted functrain projection (only plain ``nn.Linear`` ones map to PEFT)."""
-    linear = {rule.paths[0][:-1]: rule.hf_name.removesuffix(".weight") for rule in arch.rules(config)
-              if rule.kind == "transpose"}
+    linear = {
+        rule.paths[0][:-1]: rule.hf_name.removesuffix(".weight")
+        for rule in arch.rules(config)
+        if rule.kind == "transpose"
+    }
     unmapped = ["/".join(path) for path in paths if path not in linear]
     if unmapped:
-        raise CheckpointError(f"adapters on {', '.join(unmapped)} have no PEFT form for {arch.model_type} "
-                              f"(not an HF nn.Linear); export with --merge-lora")
+        raise CheckpointError(
+            f"adapters on {', '.join(unmapped)} have no PEFT form for {arch.model_type} "
+            f"(not an HF nn.Linear); export with --merge-lora"
+        )
     return {path: linear[path] for path in paths}
 
 
-def write_adapter_dir(params: Any, config: Any, arch: Architecture, out_dir: str | os.PathLike,
-                      base_model: str | None = None) -> str:
+def write_adapter_dir(
+    params: Any, config: Any, arch: Architecture, out_dir: str | os.PathLike, base_model: str | None = None
+) -> str:
     """Write the adapters in ``params`` (a LoRA run's params) to OUT_DIR in PEFT's format."""
     settings = config.lora
     paths = adapter_paths(params)
@@ -48,11 +54,20 @@ def write_adapter_dir(params: Any, config: Any, arch: Architecture, out_dir: str
         tensors[f"{_PREFIX}{module}.lora_A.weight"] = transpose_copy(np.asarray(flat[path + (ADAPTER_A,)]))
         tensors[f"{_PREFIX}{module}.lora_B.weight"] = transpose_copy(np.asarray(flat[path + (ADAPTER_B,)]))
     adapter_config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-        "r": settings.rank, "lora_alpha": settings.alpha, "lora_dropout": settings.dropout,
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": settings.rank,
+        "lora_alpha": settings.alpha,
+        "lora_dropout": settings.dropout,
         "target_modules": "^(" + "|".join(re.escape(m) for m in modules.values()) + ")$",
-        "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
-        "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
     }
     with writer.staged_directory(out_dir) as staging:
         save_file(tensors, str(staging / ADAPTER_WEIGHTS), metadata={"format": "pt"})

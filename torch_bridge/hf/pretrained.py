@@ -28,8 +28,9 @@ def architecture_for(hf_config: dict[str, Any]) -> Architecture:
     """The conversion table for config.json's ``model_type``."""
     model_type = hf_config.get("model_type")
     if model_type not in ARCHITECTURES:
-        raise CheckpointError(f"model_type {model_type!r} is not supported; supported model types: "
-                              f"{', '.join(sorted(ARCHITECTURES))}")
+        raise CheckpointError(
+            f"model_type {model_type!r} is not supported; supported model types: {', '.join(sorted(ARCHITECTURES))}"
+        )
     return ARCHITECTURES[model_type]
 
 
@@ -46,31 +47,40 @@ def _summary(names: list[str], limit: int = 5) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def _match_tensors(arch: Architecture, config: Any, infos: dict[str, reader.TensorInfo],
-                   where: str) -> dict[str, Rule]:
+def _match_tensors(arch: Architecture, config: Any, infos: dict[str, reader.TensorInfo], where: str) -> dict[str, Rule]:
     """Map each needed file tensor name to its rule; CheckpointError on missing/unexpected/mis-shaped ones."""
     rules = {rule.hf_name: rule for rule in arch.rules(config)}
     by_canonical = {arch.canonical_name(name): name for name in infos}
-    unexpected = sorted(name for canonical, name in by_canonical.items()
-                        if canonical not in rules and not arch.ignorable(canonical, config))
+    unexpected = sorted(
+        name
+        for canonical, name in by_canonical.items()
+        if canonical not in rules and not arch.ignorable(canonical, config)
+    )
     missing = sorted(name for name in rules if name not in by_canonical)
     if missing or unexpected:
         parts = ([f"missing {_summary(missing)}"] if missing else []) + (
-            [f"unexpected {_summary(unexpected)}"] if unexpected else [])
-        raise CheckpointError(f"{where} does not match a {arch.model_type} model with this config.json: "
-                              f"{'; '.join(parts)}; check config.json or convert a supported checkpoint")
+            [f"unexpected {_summary(unexpected)}"] if unexpected else []
+        )
+        raise CheckpointError(
+            f"{where} does not match a {arch.model_type} model with this config.json: "
+            f"{'; '.join(parts)}; check config.json or convert a supported checkpoint"
+        )
     shapes = expected_shapes(arch, config)
     needed = {}
     for hf_name, rule in rules.items():
         info = infos[by_canonical[hf_name]]
         if info.dtype not in _SUPPORTED_DTYPES:
-            raise CheckpointError(f"{info.name} in {info.file.name} has dtype {info.dtype}; "
-                                  "only float32, bfloat16 and float16 weights are supported")
+            raise CheckpointError(
+                f"{info.name} in {info.file.name} has dtype {info.dtype}; "
+                "only float32, bfloat16 and float16 weights are supported"
+            )
         got = rule.functrain_shapes(info.shape)
         want = tuple(shapes[path] for path in rule.paths)
         if got != want:
-            raise CheckpointError(f"{info.name} has shape {list(info.shape)} but config.json implies "
-                                  f"{list(rule.hf_shape(want))}; config.json does not describe these weights")
+            raise CheckpointError(
+                f"{info.name} has shape {list(info.shape)} but config.json implies "
+                f"{list(rule.hf_shape(want))}; config.json does not describe these weights"
+            )
         needed[info.name] = rule
     return needed
 
@@ -105,8 +115,9 @@ def place_with_shardings(shardings: Any) -> Place:
     return lambda path, array: jax.device_put(array, by_path[path])
 
 
-def load_pretrained(path: str | os.PathLike, *, place: Place | None = None,
-                    dtype: Any = jnp.float32) -> tuple[Callable[[Any, Any], jax.Array], dict[str, Any], Any]:
+def load_pretrained(
+    path: str | os.PathLike, *, place: Place | None = None, dtype: Any = jnp.float32
+) -> tuple[Callable[[Any, Any], jax.Array], dict[str, Any], Any]:
     """Load an HF directory as ``(apply_fn, params, config)``; ``apply_fn(params, input_ids) -> logits``.
 
     ``dtype`` is the compute dtype of the returned model; logits are always float32.
@@ -121,8 +132,7 @@ def load_pretrained(path: str | os.PathLike, *, place: Place | None = None,
     return apply_fn, params, config
 
 
-def save_pretrained(params: Any, config: Any, out_dir: str | os.PathLike,
-                    max_shard_size: str | int = "5GB") -> str:
+def save_pretrained(params: Any, config: Any, out_dir: str | os.PathLike, max_shard_size: str | int = "5GB") -> str:
     """Write ``params`` as an HF directory (config.json + safetensors) that transformers can load.
 
     Shards are ``model-0000i-of-0000N.safetensors`` plus ``model.safetensors.index.json`` when the
@@ -131,22 +141,30 @@ def save_pretrained(params: Any, config: Any, out_dir: str | os.PathLike,
     name = config.registry_name() if isinstance(config, ModelConfig) else None
     arch = ARCHITECTURES.get(name) if name is not None else None
     if arch is None:
-        raise CheckpointError(f"cannot export a {name or type(config).__name__!r} model; "
-                              f"supported: {', '.join(sorted(ARCHITECTURES))}")
+        raise CheckpointError(
+            f"cannot export a {name or type(config).__name__!r} model; supported: {', '.join(sorted(ARCHITECTURES))}"
+        )
     flat = flatten_dict(unstack_layers(nn.meta.unbox(params)))  # model.scan_layers: one HF tensor per layer
     shapes = expected_shapes(arch, config)
     missing = sorted("/".join(p) for p in shapes if p not in flat)
     unexpected = sorted("/".join(p) for p in flat if p not in shapes)
     wrong = sorted("/".join(p) for p in shapes if p in flat and tuple(np.shape(flat[p])) != shapes[p])
-    problems = [f"{label} {_summary(paths)}" for label, paths in
-                (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if paths]
+    problems = [
+        f"{label} {_summary(paths)}"
+        for label, paths in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong))
+        if paths
+    ]
     if problems:
-        raise CheckpointError(f"params do not fit the {arch.model_type} config ({'; '.join(problems)}); "
-                              "pass the params and config of the same model")
+        raise CheckpointError(
+            f"params do not fit the {arch.model_type} config ({'; '.join(problems)}); "
+            "pass the params and config of the same model"
+        )
     shard_bytes = writer.parse_size(max_shard_size)
     rules = {rule.hf_name: rule for rule in arch.rules(config)}
-    sizes = {name: sum(int(np.prod(shapes[p])) * np.dtype(flat[p].dtype).itemsize for p in rule.paths)
-             for name, rule in rules.items()}
+    sizes = {
+        name: sum(int(np.prod(shapes[p])) * np.dtype(flat[p].dtype).itemsize for p in rule.paths)
+        for name, rule in rules.items()
+    }
     dtypes = {np.dtype(leaf.dtype).name for leaf in flat.values()}
     hf_config = arch.model.to_hf_config(config)
     hf_config["dtype"] = dtypes.pop() if len(dtypes) == 1 else "float32"

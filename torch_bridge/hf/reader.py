@@ -58,28 +58,34 @@ def read_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
 def find_weights(hf_dir: str | os.PathLike) -> WeightFiles:
     """Locate the weights: a sharded index or a single file, safetensors preferred over ``.bin``."""
     root = Path(hf_dir)
-    for fmt, index_name, single_name in (("safetensors", SAFETENSORS_INDEX, SAFETENSORS_FILE),
-                                         ("bin", BIN_INDEX, BIN_FILE)):
+    for fmt, index_name, single_name in (
+        ("safetensors", SAFETENSORS_INDEX, SAFETENSORS_FILE),
+        ("bin", BIN_INDEX, BIN_FILE),
+    ):
         if (root / index_name).is_file():
             weight_map = _read_index(root / index_name)
             files = tuple(root / name for name in dict.fromkeys(weight_map.values()))
             for file in files:
                 if not file.is_file():
-                    raise CheckpointError(f"{root / index_name} names {file.name}, which does not exist; "
-                                          f"copy the missing shard into {root}")
+                    raise CheckpointError(
+                        f"{root / index_name} names {file.name}, which does not exist; "
+                        f"copy the missing shard into {root}"
+                    )
             return WeightFiles(fmt, files, weight_map)
         if (root / single_name).is_file():
             return WeightFiles(fmt, (root / single_name,), None)
-    raise CheckpointError(f"no weights in {root}: expected {SAFETENSORS_FILE}, {SAFETENSORS_INDEX}, "
-                          f"{BIN_FILE} or {BIN_INDEX}")
+    raise CheckpointError(
+        f"no weights in {root}: expected {SAFETENSORS_FILE}, {SAFETENSORS_INDEX}, {BIN_FILE} or {BIN_INDEX}"
+    )
 
 
 def _read_index(path: Path) -> dict[str, str]:
     try:
         weight_map = json.loads(path.read_text())["weight_map"]
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
-        raise CheckpointError(f"{path} is not a valid index (needs a JSON 'weight_map'); "
-                              "restore it from its source") from None
+        raise CheckpointError(
+            f"{path} is not a valid index (needs a JSON 'weight_map'); restore it from its source"
+        ) from None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(f"{path}: 'weight_map' must map tensor names to file names")
     return weight_map
@@ -91,14 +97,17 @@ def catalog(weights: WeightFiles) -> dict[str, TensorInfo]:
     for file in weights.files:
         for name, shape, dtype in _header(file, weights.format):
             if name in infos:
-                raise CheckpointError(f"tensor {name} appears in both {infos[name].file.name} and {file.name}; "
-                                      "remove the duplicate shard")
+                raise CheckpointError(
+                    f"tensor {name} appears in both {infos[name].file.name} and {file.name}; remove the duplicate shard"
+                )
             infos[name] = TensorInfo(name, file, shape, dtype)
     if weights.index is not None:
         for name, file_name in weights.index.items():
             if name not in infos or infos[name].file.name != file_name:
-                raise CheckpointError(f"the index places {name} in {file_name}, but that file does not hold it; "
-                                      "regenerate the index or restore the shard")
+                raise CheckpointError(
+                    f"the index places {name} in {file_name}, but that file does not hold it; "
+                    "regenerate the index or restore the shard"
+                )
     return infos
 
 
@@ -119,8 +128,9 @@ def _open_safetensors(file: Path):
         return safe_open(str(file), framework="np")
     except Exception as err:  # noqa: BLE001 -- safetensors raises its own SafetensorError (and OSError) for bad files
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise CheckpointError(f"{file} is not a readable safetensors file ({reason}); "
-                              "re-download or re-export it") from None
+        raise CheckpointError(
+            f"{file} is not a readable safetensors file ({reason}); re-download or re-export it"
+        ) from None
 
 
 def _load_bin(file: Path) -> dict[str, Any]:
@@ -130,8 +140,9 @@ def _load_bin(file: Path) -> dict[str, Any]:
         state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:  # noqa: BLE001 -- unpickling raises whatever the damaged file provokes
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise CheckpointError(f"{file} is not a readable PyTorch state dict ({reason}); "
-                              "re-download or re-export it") from None
+        raise CheckpointError(
+            f"{file} is not a readable PyTorch state dict ({reason}); re-download or re-export it"
+        ) from None
     if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
         raise CheckpointError(f"{file} does not hold a flat state dict of tensors; save model.state_dict()")
     return state

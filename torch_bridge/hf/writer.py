@@ -20,8 +20,18 @@ from safetensors.numpy import save_file
 from functrain.errors import CheckpointError
 from torch_bridge.hf.reader import CONFIG_FILE, SAFETENSORS_FILE, SAFETENSORS_INDEX
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def parse_size(size: str | int) -> int:
@@ -65,14 +75,19 @@ def staged_directory(out_dir: str | os.PathLike) -> Iterator[Path]:
             shutil.rmtree(staging, ignore_errors=True)
 
 
-def write_hf_dir(staging: Path, hf_config: dict[str, Any], names: list[str], sizes: dict[str, int],
-                 tensor: Callable[[str], np.ndarray], max_shard_size: str | int) -> None:
+def write_hf_dir(
+    staging: Path,
+    hf_config: dict[str, Any],
+    names: list[str],
+    sizes: dict[str, int],
+    tensor: Callable[[str], np.ndarray],
+    max_shard_size: str | int,
+) -> None:
     """Write config.json and safetensors shards; ``tensor(name)`` builds each tensor only when its shard is written."""
     shards = plan_shards({n: sizes[n] for n in names}, parse_size(max_shard_size))
     weight_map: dict[str, str] = {}
     for number, shard in enumerate(shards, start=1):
-        file_name = (SAFETENSORS_FILE if len(shards) == 1
-                     else f"model-{number:05d}-of-{len(shards):05d}.safetensors")
+        file_name = SAFETENSORS_FILE if len(shards) == 1 else f"model-{number:05d}-of-{len(shards):05d}.safetensors"
         # One shard's tensors are materialised at a time, then released.
         save_file({name: tensor(name) for name in shard}, str(staging / file_name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, file_name))

@@ -40,8 +40,10 @@ class Gemma2Config(HFModelConfig):
     @pydantic.model_validator(mode="after")
     def _consistent(self):
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
-                             f"num_key_value_heads {self.num_key_value_heads}")
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
         if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
         check_activation(self.hidden_activation)
@@ -65,8 +67,10 @@ class Gemma2Config(HFModelConfig):
 
     def attention_window(self, layer: int) -> int | None:
         """``sliding_window`` on ``sliding_attention`` layers (by default all but every n-th), else None."""
-        types = self.layer_types or tuple("full_attention" if (i + 1) % self.sliding_window_pattern == 0
-                                          else "sliding_attention" for i in range(self.num_hidden_layers))
+        types = self.layer_types or tuple(
+            "full_attention" if (i + 1) % self.sliding_window_pattern == 0 else "sliding_attention"
+            for i in range(self.num_hidden_layers)
+        )
         return self.sliding_window if types[layer] == "sliding_attention" else None
 
     @property
@@ -88,9 +92,16 @@ class Gemma2Config(HFModelConfig):
 
     def decoder_shape(self) -> DecoderShape:
         """Grouped-query attention and a gated (three-matrix, GeGLU) MLP of width ``intermediate_size``."""
-        return DecoderShape(layers=self.num_hidden_layers, width=self.hidden_size, heads=self.num_attention_heads,
-                            kv_heads=self.num_key_value_heads, head_dim=self.head_dim,
-                            mlp_width=self.intermediate_size, mlp_matrices=3, vocab=self.vocab_size)
+        return DecoderShape(
+            layers=self.num_hidden_layers,
+            width=self.hidden_size,
+            heads=self.num_attention_heads,
+            kv_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            mlp_width=self.intermediate_size,
+            mlp_matrices=3,
+            vocab=self.vocab_size,
+        )
 
     def layer_kinds(self) -> list[Hashable]:
         """Each layer's attention window (which decides its RoPE too, on Gemma 3)."""

@@ -10,6 +10,7 @@ from functrain.models.options import RuntimeOptions
 
 class GPTConfig(RuntimeOptions):
     """``model.*`` keys of the GPT."""
+
     model_config = ConfigDict(extra="forbid")
     name: Literal["gpt"] = "gpt"
     vocab_size: int = Field(256, ge=2)  # byte-level text
@@ -25,8 +26,10 @@ class GPTConfig(RuntimeOptions):
     @model_validator(mode="after")
     def _heads_divide_width(self) -> "GPTConfig":
         if self.d_model % self.n_heads:
-            raise ValueError(f"model.n_heads={self.n_heads} does not divide model.d_model={self.d_model}; "
-                             f"choose n_heads so that d_model / n_heads is a whole head width")
+            raise ValueError(
+                f"model.n_heads={self.n_heads} does not divide model.d_model={self.d_model}; "
+                f"choose n_heads so that d_model / n_heads is a whole head width"
+            )
         return self
 
     def max_positions(self) -> int:
@@ -39,9 +42,16 @@ class GPTConfig(RuntimeOptions):
 
     def decoder_shape(self) -> DecoderShape:
         """Multi-head attention and a plain two-matrix MLP of width ``d_ff``."""
-        return DecoderShape(layers=self.n_layers, width=self.d_model, heads=self.n_heads, kv_heads=self.n_heads,
-                            head_dim=self.d_model // self.n_heads, mlp_width=self.d_ff, mlp_matrices=2,
-                            vocab=self.vocab_size)
+        return DecoderShape(
+            layers=self.n_layers,
+            width=self.d_model,
+            heads=self.n_heads,
+            kv_heads=self.n_heads,
+            head_dim=self.d_model // self.n_heads,
+            mlp_width=self.d_ff,
+            mlp_matrices=2,
+            vocab=self.vocab_size,
+        )
 
     def layer_kinds(self) -> list[Hashable]:
         """Every block is alike."""

@@ -47,6 +47,13 @@ class GPT2Config(HFModelConfig):
 
     def decoder_shape(self) -> DecoderShape:
         """Multi-head attention and a plain two-matrix MLP of width ``inner_size``."""
-        return DecoderShape(layers=self.n_layer, width=self.n_embd, heads=self.n_head, kv_heads=self.n_head,
-                            head_dim=self.n_embd // self.n_head, mlp_width=self.inner_size, mlp_matrices=2,
-                            vocab=self.vocab_size)
+        return DecoderShape(
+            layers=self.n_layer,
+            width=self.n_embd,
+            heads=self.n_head,
+            kv_heads=self.n_head,
+            head_dim=self.n_embd // self.n_head,
+            mlp_width=self.inner_size,
+            mlp_matrices=2,
+            vocab=self.vocab_size,
+        )

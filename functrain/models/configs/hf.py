@@ -48,8 +48,10 @@ class HFModelConfig(RuntimeOptions):
     def _lora_unrolled(self):
         # Adapters are matched and saved per layer (PEFT's keys); they are not stacked for a scan.
         if self.lora is not None and self.scan_layers:
-            raise ValueError("model.lora does not combine with model.scan_layers (adapters are per layer); "
-                             "set model.scan_layers=false for LoRA fine-tuning")
+            raise ValueError(
+                "model.lora does not combine with model.scan_layers (adapters are per layer); "
+                "set model.scan_layers=false for LoRA fine-tuning"
+            )
         return self
 
     def lora_settings(self) -> LoraConfig | None:
@@ -59,8 +61,11 @@ class HFModelConfig(RuntimeOptions):
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any], **overrides: Any):
         """Build from an HF config dict, keeping only the keys this config knows (HF adds many more)."""
-        known = {k: v for k, v in hf.items()
-                 if k in cls.model_fields and k != "name" and k not in RUNTIME_KEYS and v is not None}
+        known = {
+            k: v
+            for k, v in hf.items()
+            if k in cls.model_fields and k != "name" and k not in RUNTIME_KEYS and v is not None
+        }
         known.update(overrides)
         try:
             return cls(**known)

@@ -38,8 +38,10 @@ class LlamaConfig(HFModelConfig):
     @pydantic.model_validator(mode="after")
     def _consistent_heads(self):
         if self.num_attention_heads % self.kv_heads:
-            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
-                             f"num_key_value_heads {self.kv_heads}")
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.kv_heads}"
+            )
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads")
         if self.attn_head_dim % 2:
@@ -87,9 +89,16 @@ class LlamaConfig(HFModelConfig):
 
     def decoder_shape(self) -> DecoderShape:
         """Grouped-query attention and a gated (three-matrix) MLP of width ``intermediate_size``."""
-        return DecoderShape(layers=self.num_hidden_layers, width=self.hidden_size, heads=self.num_attention_heads,
-                            kv_heads=self.kv_heads, head_dim=self.attn_head_dim, mlp_width=self.intermediate_size,
-                            mlp_matrices=3, vocab=self.vocab_size)
+        return DecoderShape(
+            layers=self.num_hidden_layers,
+            width=self.hidden_size,
+            heads=self.num_attention_heads,
+            kv_heads=self.kv_heads,
+            head_dim=self.attn_head_dim,
+            mlp_width=self.intermediate_size,
+            mlp_matrices=3,
+            vocab=self.vocab_size,
+        )
 
     def layer_kinds(self) -> list[Hashable]:
         """Each layer's attention window."""

@@ -9,6 +9,7 @@ from functrain.models.configs.base import FamilyConfig
 
 class MLPConfig(FamilyConfig):
     """``model.*`` keys of the MLP."""
+
     model_config = ConfigDict(extra="forbid")
     name: Literal["mlp"] = "mlp"
     hidden: list[int] = Field(default_factory=lambda: [128, 128])

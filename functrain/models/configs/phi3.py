@@ -19,6 +19,8 @@ class Phi3Config(MistralConfig):
         if scaling is not None and scaling.rope_type == "longrope":
             for name, factors in (("short_factor", scaling.short_factor), ("long_factor", scaling.long_factor)):
                 if len(factors or ()) != self.attn_head_dim // 2:
-                    raise ValueError(f"rope {name} has {len(factors or ())} entries; head_dim "
-                                     f"{self.attn_head_dim} needs {self.attn_head_dim // 2}")
+                    raise ValueError(
+                        f"rope {name} has {len(factors or ())} entries; head_dim "
+                        f"{self.attn_head_dim} needs {self.attn_head_dim // 2}"
+                    )
         return self

@@ -12,8 +12,10 @@ REQUIRED_KEYS = {
     "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
     "longrope": {"short_factor", "long_factor", "original_max_position_embeddings"},
 }
-_OPTIONAL = {"yarn": {"attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"},
-             "longrope": {"factor", "attention_factor"}}
+_OPTIONAL = {
+    "yarn": {"attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"},
+    "longrope": {"factor", "attention_factor"},
+}
 
 
 class RopeScaling(pydantic.BaseModel):
@@ -42,6 +44,7 @@ class RopeScaling(pydantic.BaseModel):
         if required - given:
             raise ValueError(f"rope type {self.rope_type!r} needs {', '.join(sorted(required - given))}")
         if given - required - optional:
-            raise ValueError(f"rope type {self.rope_type!r} does not implement "
-                             f"{', '.join(sorted(given - required - optional))}")
+            raise ValueError(
+                f"rope type {self.rope_type!r} does not implement {', '.join(sorted(given - required - optional))}"
+            )
         return self

@@ -17,6 +17,7 @@ class DistillConfig(TaskSection):
     generalized Jensen-Shannon divergence, ``beta`` the teacher's weight in the mixture; 0 and 1 are forward and
     reverse KL). ``temperature`` divides both models' logits in the divergence. ``alpha`` is the weight of the
     divergence; ``1 - alpha`` that of the student's hard-label cross-entropy."""
+
     teacher: str | None = None
     teacher_step: int | None = Field(None, ge=0)
     loss: Literal["forward_kl", "reverse_kl", "jsd"] = "forward_kl"

@@ -46,22 +46,24 @@ def generalized_jsd(student_log_probs: jax.Array, teacher_log_probs: jax.Array, 
     if beta == 1.0:
         return kl_divergence(student_log_probs, teacher_log_probs)
     mixture = jnp.logaddexp(student_log_probs + jnp.log1p(-beta), teacher_log_probs + jnp.log(beta))
-    return (beta * kl_divergence(teacher_log_probs, mixture)
-            + (1.0 - beta) * kl_divergence(student_log_probs, mixture))
+    return beta * kl_divergence(teacher_log_probs, mixture) + (1.0 - beta) * kl_divergence(student_log_probs, mixture)
 
 
-def token_divergence(student_logits: Any, teacher_logits: Any, *, loss: str, beta: float,
-                     temperature: float) -> jax.Array:
+def token_divergence(
+    student_logits: Any, teacher_logits: Any, *, loss: str, beta: float, temperature: float
+) -> jax.Array:
     """``[..., V] -> [...]``: the ``loss`` divergence (``forward_kl``, ``reverse_kl`` or ``jsd`` with ``beta``) of
     each position's tempered distributions."""
     fixed = DIVERGENCE_BETA[loss]
     beta = beta if fixed is None else fixed
-    return generalized_jsd(tempered_log_probs(student_logits, temperature),
-                           tempered_log_probs(teacher_logits, temperature), beta)
+    return generalized_jsd(
+        tempered_log_probs(student_logits, temperature), tempered_log_probs(teacher_logits, temperature), beta
+    )
 
 
-def distill_sums(student_logits: Any, teacher_logits: Any, batch: dict, *, loss: str, beta: float,
-                 temperature: float, alpha: float) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+def distill_sums(
+    student_logits: Any, teacher_logits: Any, batch: dict, *, loss: str, beta: float, temperature: float, alpha: float
+) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
     """``(loss_sum, token_count, aux_sums)`` of a causal-LM batch: the mixed loss summed over the counted next-token
     targets, their count, and as sums ``distill`` (the divergence), ``cross_entropy`` (the hard-label loss) and
     ``accuracy`` (the student's top-1 hits). Logits are ``[B, L - 1, V]``, aligned with ``batch["tokens"][:, 1:]``.

@@ -60,13 +60,17 @@ class Distill(Task):
         """The teacher of ``distill.teacher``, computing in ``train.compute_dtype``."""
         section: DistillConfig = context.config.section(self.name)
         if section.teacher is None:
-            raise ConfigError("task distill needs a teacher; set distill.teacher to a functrain run directory or an "
-                              "HF checkpoint directory")
-        return open_teacher(section.teacher, step=section.teacher_step,
-                            dtype=COMPUTE_DTYPES[context.config.train.compute_dtype])
+            raise ConfigError(
+                "task distill needs a teacher; set distill.teacher to a functrain run directory or an "
+                "HF checkpoint directory"
+            )
+        return open_teacher(
+            section.teacher, step=section.teacher_step, dtype=COMPUTE_DTYPES[context.config.train.compute_dtype]
+        )
 
-    def program(self, context: TaskContext, data: TaskData, pieces: ModelPieces,
-                example_batch: dict[str, np.ndarray]) -> Program:
+    def program(
+        self, context: TaskContext, data: TaskData, pieces: ModelPieces, example_batch: dict[str, np.ndarray]
+    ) -> Program:
         """The student's pieces and the teacher's frozen forward in one loss, once the teacher is checked against
         the student's logits and the data's windows."""
         fields = require_builtin(data.fields, example_batch)
@@ -74,8 +78,11 @@ class Distill(Task):
         inputs, keywords = model_inputs("causal_lm", batch), model_keywords("causal_lm", batch)
         params, model_state = jax.eval_shape(pieces.init, jax.random.PRNGKey(0))
         check_logits(pieces.apply, "causal_lm", params, model_state, batch)
-        logits = jax.eval_shape(lambda p, s: logits_of(pieces.apply(p, s, inputs, False, jax.random.PRNGKey(0),
-                                                                    **keywords)[0]), params, model_state)
+        logits = jax.eval_shape(
+            lambda p, s: logits_of(pieces.apply(p, s, inputs, False, jax.random.PRNGKey(0), **keywords)[0]),
+            params,
+            model_state,
+        )
         teacher = self.teacher(context)
         check_teacher(teacher, vocab_size=logits.shape[-1], positions=inputs.shape[1])
         teacher_pieces = model_pieces(teacher.module, inputs, example_batch)
@@ -89,8 +96,9 @@ class Distill(Task):
 def distill_program(student: ModelPieces, teacher: ModelPieces, fields: Fields, section: DistillConfig) -> Program:
     """The Program of ``student`` distilled from ``teacher``: its model state holds the teacher's weights under
     :data:`TEACHER` (zeros until :class:`LoadTeacher` loads them)."""
-    sums = functools.partial(distill_sums, loss=section.loss, beta=section.beta, temperature=section.temperature,
-                             alpha=section.alpha)
+    sums = functools.partial(
+        distill_sums, loss=section.loss, beta=section.beta, temperature=section.temperature, alpha=section.alpha
+    )
 
     def init(rng: jax.Array) -> tuple[Any, Any]:
         params, model_state = student.init(rng)
@@ -110,6 +118,7 @@ def distill_program(student: ModelPieces, teacher: ModelPieces, fields: Fields, 
             if not train:  # the student's cross-entropy: comparable with a run that has no teacher
                 loss_sum = aux["cross_entropy"]
             return loss_sum, count, aux, {**new_state, TEACHER: frozen}
+
         return loss_fn
 
     def state_logical_specs() -> dict[str, Any]:
@@ -144,9 +153,11 @@ def fitted(weights: Any, abstract: Any, teacher: Teacher) -> Any:
     for path in sorted(set(given) | set(wanted)):
         shape = tuple(np.shape(given[path])) if path in given else None
         if shape != (tuple(wanted[path].shape) if path in wanted else None):
-            raise CheckpointError(f"the weights of the teacher {teacher.source} do not fit its model: {'/'.join(path)} "
-                                  f"is {shape} there and {wanted[path].shape if path in wanted else None} in "
-                                  f"{teacher.config.name}; check the teacher's config")
+            raise CheckpointError(
+                f"the weights of the teacher {teacher.source} do not fit its model: {'/'.join(path)} "
+                f"is {shape} there and {wanted[path].shape if path in wanted else None} in "
+                f"{teacher.config.name}; check the teacher's config"
+            )
     return jax.tree.map(lambda leaf, want: np.asarray(leaf, dtype=want.dtype), weights, abstract)
 
 

@@ -16,6 +16,7 @@ class PreferenceConfig(TaskSection):
     ``train.init_from`` (kept as an alias); ``precompute_ref``: compute the reference's log-probs of every pair
     once before the first step, save them beside the run (``reference_logps.npz``) and hold no reference in the
     step (TRL's ``precompute_ref_log_probs``)."""
+
     loss_type: Literal["sigmoid", "ipo", "hinge", "robust", "simpo", "orpo"] = "sigmoid"
     beta: float = Field(0.1, gt=0.0)
     label_smoothing: float = Field(0.0, ge=0.0, lt=0.5)

@@ -41,13 +41,20 @@ REFERENCE_FREE = ("simpo", "orpo")
 # The losses whose log-probs are averaged over the completion's tokens before anything else.
 LENGTH_AVERAGED = ("simpo", "orpo")
 PAIR_FIELDS = ("chosen", "rejected", "chosen_mask", "rejected_mask")
-METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
-           "logps/rejected")
+METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/margins",
+    "rewards/accuracies",
+    "logps/chosen",
+    "logps/rejected",
+)
 
 
 @dataclass(frozen=True)
 class PreferenceSettings:
     """The loss and its parameters, named as TRL names them."""
+
     loss_type: str = "sigmoid"
     beta: float = 0.1
     label_smoothing: float = 0.0
@@ -73,9 +80,15 @@ def _log1mexp(x: jax.Array) -> jax.Array:
     return jnp.where(x > -jnp.log(2.0), jnp.log(-jnp.expm1(x)), jnp.log1p(-jnp.exp(x)))
 
 
-def pair_losses(settings: PreferenceSettings, chosen: jax.Array, rejected: jax.Array,
-                ref_chosen: jax.Array | None, ref_rejected: jax.Array | None,
-                chosen_count: jax.Array, rejected_count: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def pair_losses(
+    settings: PreferenceSettings,
+    chosen: jax.Array,
+    rejected: jax.Array,
+    ref_chosen: jax.Array | None,
+    ref_rejected: jax.Array | None,
+    chosen_count: jax.Array,
+    rejected_count: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(losses, chosen_rewards, rejected_rewards)`` ``[B]`` from summed completion log-probs ``[B]`` of the
     policy and (for the losses that use one) the reference; counts are the completions' token counts."""
     beta, smoothing, loss_type = settings.beta, settings.label_smoothing, settings.loss_type
@@ -110,8 +123,9 @@ def pair_losses(settings: PreferenceSettings, chosen: jax.Array, rejected: jax.A
     return losses, beta * chosen_ratio, beta * rejected_ratio
 
 
-def preference_sums(settings: PreferenceSettings, policy: tuple[jax.Array, jax.Array],
-                    reference: jax.Array | None, weight: jax.Array) -> tuple[jax.Array, jax.Array, dict]:
+def preference_sums(
+    settings: PreferenceSettings, policy: tuple[jax.Array, jax.Array], reference: jax.Array | None, weight: jax.Array
+) -> tuple[jax.Array, jax.Array, dict]:
     """``(loss_sum, pair_count, metric sums)`` of a batch of ``B`` pairs: ``policy`` is ``(log-prob sums,
     token counts)`` ``[2B]`` of the chosen rows then the rejected rows, ``reference`` the reference's log-prob
     sums ``[2B]`` (None for the reference-free losses), ``weight`` ``[B]`` per pair. Sums, never means: the
@@ -120,16 +134,21 @@ def preference_sums(settings: PreferenceSettings, policy: tuple[jax.Array, jax.A
     chosen, rejected = jnp.split(logps, 2)
     chosen_count, rejected_count = jnp.split(counts, 2)
     ref_chosen, ref_rejected = (None, None) if reference is None else jnp.split(reference, 2)
-    losses, chosen_rewards, rejected_rewards = pair_losses(settings, chosen, rejected, ref_chosen, ref_rejected,
-                                                           chosen_count, rejected_count)
+    losses, chosen_rewards, rejected_rewards = pair_losses(
+        settings, chosen, rejected, ref_chosen, ref_rejected, chosen_count, rejected_count
+    )
     if settings.loss_type in LENGTH_AVERAGED:  # TRL logs the log-probs its loss reads
         chosen, rejected = chosen / jnp.maximum(chosen_count, 1.0), rejected / jnp.maximum(rejected_count, 1.0)
     weight = weight.astype(jnp.float32)
     total = lambda values: (values * weight).sum()  # noqa: E731
-    aux = {"rewards/chosen": total(chosen_rewards), "rewards/rejected": total(rejected_rewards),
-           "rewards/margins": total(chosen_rewards - rejected_rewards),
-           "rewards/accuracies": total((chosen_rewards > rejected_rewards).astype(jnp.float32)),
-           "logps/chosen": total(chosen), "logps/rejected": total(rejected)}
+    aux = {
+        "rewards/chosen": total(chosen_rewards),
+        "rewards/rejected": total(rejected_rewards),
+        "rewards/margins": total(chosen_rewards - rejected_rewards),
+        "rewards/accuracies": total((chosen_rewards > rejected_rewards).astype(jnp.float32)),
+        "logps/chosen": total(chosen),
+        "logps/rejected": total(rejected),
+    }
     return total(losses), weight.sum(), aux
 
 
@@ -154,10 +173,12 @@ REFERENCE_LOGPS = ("ref_chosen_logps", "ref_rejected_logps")
 
 def forward_reference_logps(reference: Reference) -> ReferenceLogps:
     """The reference's log-prob sums ``[2B]`` of a batch from its forward, outside the gradient."""
+
     def reference_logps(params, model_state, batch):
         tokens, mask = pair_rows(batch)
         output = jax.lax.stop_gradient(reference(params, model_state, tokens[:, :-1]))
         return completion_logps(getattr(output, "logits", output), tokens, mask)[0]
+
     return reference_logps
 
 
@@ -166,8 +187,9 @@ def carried_reference_logps(params, model_state, batch) -> jax.Array:
     return jnp.concatenate([batch[name] for name in REFERENCE_LOGPS]).astype(jnp.float32)
 
 
-def preference_loss(apply: Apply, reference_logps: ReferenceLogps | None, settings: PreferenceSettings,
-                    train: bool) -> Callable:
+def preference_loss(
+    apply: Apply, reference_logps: ReferenceLogps | None, settings: PreferenceSettings, train: bool
+) -> Callable:
     """The program's stateful ``loss_fn(params, model_state, batch, rng)`` of a preference batch: one forward
     of the policy over the chosen and rejected rows together, and (losses with a reference) the reference's
     log-probs: one forward of the reference outside the gradient in the same compiled step, or the ones the
@@ -179,6 +201,7 @@ def preference_loss(apply: Apply, reference_logps: ReferenceLogps | None, settin
     that keeps its activations for the backward is fused otherwise, and XLA's CPU code contracts multiplies
     and adds into FMAs as each fusion's code allows: its last bits differed, so first-step ties broke at
     random."""
+
     def loss_fn(params, model_state, batch, rng):
         tokens, mask = pair_rows(batch)
 
@@ -186,11 +209,13 @@ def preference_loss(apply: Apply, reference_logps: ReferenceLogps | None, settin
             output: Any  # an array or an object with .logits (typeshed's getattr would add None to a tuple's Any)
             output, new_state = apply(params, model_state, tokens[:, :-1], train, rng)
             return completion_logps(getattr(output, "logits", output), tokens, mask), new_state
+
         policy, new_state = jax.checkpoint(policy_logps)(params, model_state)
         ref_logps = None
         if settings.uses_reference and reference_logps is not None:
             ref_logps = reference_logps(params, model_state, batch)
         return (*preference_sums(settings, policy, ref_logps, batch["weight"]), new_state)
+
     return loss_fn
 
 
@@ -198,9 +223,17 @@ def preference_loss(apply: Apply, reference_logps: ReferenceLogps | None, settin
 REFERENCE = "reference"
 
 
-def preference_program(init: Callable, apply: Apply, logical_specs: Callable, settings: PreferenceSettings, *,
-                       reference_apply: Apply | None = None, trainable: Callable | None = None,
-                       complete_params: Callable | None = None, precompute_reference: bool = False) -> Any:
+def preference_program(
+    init: Callable,
+    apply: Apply,
+    logical_specs: Callable,
+    settings: PreferenceSettings,
+    *,
+    reference_apply: Apply | None = None,
+    trainable: Callable | None = None,
+    complete_params: Callable | None = None,
+    precompute_reference: bool = False,
+) -> Any:
     """The :class:`~functrain.core.program.Program` of a model's pieces trained on preference pairs.
 
     The reference is ``reference_apply`` on the same params when given (LoRA: the model with its adapters off,
@@ -223,18 +256,33 @@ def preference_program(init: Callable, apply: Apply, logical_specs: Callable, se
         return (reference_apply or apply)(params, model_state, inputs, False, jax.random.PRNGKey(0))[0]
 
     if not settings.uses_reference:
-        return Program(init, preference_loss(apply, None, settings, True),
-                       preference_loss(apply, None, settings, False), logical_specs, trainable=trainable,
-                       complete_params=complete_params)
+        return Program(
+            init,
+            preference_loss(apply, None, settings, True),
+            preference_loss(apply, None, settings, False),
+            logical_specs,
+            trainable=trainable,
+            complete_params=complete_params,
+        )
     if precompute_reference:  # the batches carry them (see precomputed_reference_logps)
-        return Program(init, preference_loss(apply, carried_reference_logps, settings, True),
-                       preference_loss(apply, carried_reference_logps, settings, False), logical_specs,
-                       trainable=trainable, complete_params=complete_params)
+        return Program(
+            init,
+            preference_loss(apply, carried_reference_logps, settings, True),
+            preference_loss(apply, carried_reference_logps, settings, False),
+            logical_specs,
+            trainable=trainable,
+            complete_params=complete_params,
+        )
     if reference_apply is not None:
         reference_logps = forward_reference_logps(reference)
-        return Program(init, preference_loss(apply, reference_logps, settings, True),
-                       preference_loss(apply, reference_logps, settings, False), logical_specs, trainable=trainable,
-                       complete_params=complete_params)
+        return Program(
+            init,
+            preference_loss(apply, reference_logps, settings, True),
+            preference_loss(apply, reference_logps, settings, False),
+            logical_specs,
+            trainable=trainable,
+            complete_params=complete_params,
+        )
 
     def init_with_reference(rng):
         params, model_state = init(rng)
@@ -253,19 +301,28 @@ def preference_program(init: Callable, apply: Apply, logical_specs: Callable, se
         return {**inner(model_state), REFERENCE: params}
 
     frozen_logps = forward_reference_logps(frozen_reference)
-    return Program(init_with_reference, preference_loss(apply_policy, frozen_logps, settings, True),
-                   preference_loss(apply_policy, frozen_logps, settings, False), logical_specs,
-                   trainable=trainable, complete_params=complete_params, state_for_params=state_for_params)
+    return Program(
+        init_with_reference,
+        preference_loss(apply_policy, frozen_logps, settings, True),
+        preference_loss(apply_policy, frozen_logps, settings, False),
+        logical_specs,
+        trainable=trainable,
+        complete_params=complete_params,
+        state_for_params=state_for_params,
+    )
 
 
 def precomputed_reference_logps(apply: Apply, reference_apply: Apply | None = None) -> Callable:
     """``fn(params, model_state, batch) -> {ref_chosen_logps, ref_rejected_logps}`` ``[B]``: the reference's
     log-prob sums of a batch of pairs, the forward the in-step reference would run (``reference_apply``: the base
     model under LoRA; else the weights given), computed once before training (``preference.precompute_ref``)."""
+
     def reference(params, model_state, inputs):
         return (reference_apply or apply)(params, model_state, inputs, False, jax.random.PRNGKey(0))[0]
+
     in_step = forward_reference_logps(reference)
 
     def precompute(params, model_state, batch):
         return dict(zip(REFERENCE_LOGPS, jnp.split(in_step(params, model_state, batch), 2)))
+
     return precompute

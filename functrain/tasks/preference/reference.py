@@ -63,6 +63,7 @@ class PrecomputedReference:
     ``sources``: the tokenised pairs of each split (None: no eval pairs); ``columns``: the same wrapped as
     :class:`ComputedColumns`, which the loaders read; ``reference_logps``: ``fn(params, model_state, batch)``
     giving a batch's values (:func:`functrain.tasks.preference.loss.precomputed_reference_logps`)."""
+
     run_dir: Path
     sources: dict[str, Source | None]
     columns: dict[str, ComputedColumns | None]
@@ -82,9 +83,11 @@ class PrecomputedReference:
         if restored_step is None:
             identity.update(weights_digest=backend.params_digest(state), compute_dtype=self.compute_dtype)
         if restored_step is not None and not self.path.exists():
-            raise CheckpointError(f"{self.path} is missing: the run resumes from checkpoint {restored_step}, and its "
-                                  f"reference log-probs came from the starting weights, which no checkpoint holds; "
-                                  f"restore the file, or start again in a new run.dir")
+            raise CheckpointError(
+                f"{self.path} is missing: the run resumes from checkpoint {restored_step}, and its "
+                f"reference log-probs came from the starting weights, which no checkpoint holds; "
+                f"restore the file, or start again in a new run.dir"
+            )
         counted = " and ".join(f"{n} {split} pairs" for split, n in pairs.items() if n)
         if self.path.exists():
             values = self._read(identity, restored_step is not None)
@@ -92,12 +95,19 @@ class PrecomputedReference:
         else:
             started = time.perf_counter()
             compute = backend.batch_function(self.reference_logps)
-            values = {split: self._compute(backend, compute, state, source)
-                      for split, source in self.sources.items() if source is not None}
+            values = {
+                split: self._compute(backend, compute, state, source)
+                for split, source in self.sources.items()
+                if source is not None
+            }
             if backend.process_index == 0:
                 self._write(values, identity)
-            log.info("reference log-probs of %s computed in %.1fs, saved to %s", counted,
-                     time.perf_counter() - started, self.path)
+            log.info(
+                "reference log-probs of %s computed in %.1fs, saved to %s",
+                counted,
+                time.perf_counter() - started,
+                self.path,
+            )
         for split, columns in self.columns.items():
             if columns is not None:
                 columns.set(values[split])
@@ -112,13 +122,18 @@ class PrecomputedReference:
         for _ in range(order.steps_per_epoch):
             host_batch, position = loader.host_batch(position)
             parts.append(compute(state, host_batch))
-        return {name: np.concatenate([part[name] for part in parts])[:len(source)].astype(np.float32)
-                for name in REFERENCE_LOGPS}
+        return {
+            name: np.concatenate([part[name] for part in parts])[: len(source)].astype(np.float32)
+            for name in REFERENCE_LOGPS
+        }
 
     def _write(self, values: dict[str, dict[str, np.ndarray]], identity: dict[str, Any]) -> None:
         """The values and what identifies them, written to a temporary file and renamed (never half a file)."""
-        arrays: dict[str, Any] = {f"{split}_{name}": column  # Any: numpy's savez stub reads **kwds as options
-                                  for split, columns in values.items() for name, column in columns.items()}
+        arrays: dict[str, Any] = {
+            f"{split}_{name}": column  # Any: numpy's savez stub reads **kwds as options
+            for split, columns in values.items()
+            for name, column in columns.items()
+        }
         arrays.update({key: np.asarray(value) for key, value in identity.items()})
         self.run_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.run_dir / f".{FILE_NAME}.tmp-{os.getpid()}"
@@ -132,8 +147,11 @@ class PrecomputedReference:
     def _read(self, identity: dict[str, Any], resumed: bool) -> dict[str, dict[str, np.ndarray]]:
         """The file's values, after checking it was computed for this data (and, on a fresh start, from these
         weights)."""
-        fix = ("point data.path at the pairs this run started with, or start again in a new run.dir" if resumed
-               else f"delete {self.path} to compute them again from this run's start, or use a new run.dir")
+        fix = (
+            "point data.path at the pairs this run started with, or start again in a new run.dir"
+            if resumed
+            else f"delete {self.path} to compute them again from this run's start, or use a new run.dir"
+        )
         try:
             with np.load(self.path, allow_pickle=False) as saved:
                 stored = {key: saved[key].item() if saved[key].ndim == 0 else saved[key] for key in saved.files}
@@ -142,11 +160,16 @@ class PrecomputedReference:
         for key, wanted in identity.items():
             found = stored.get(key)
             if found != wanted:
-                what = {"train_pairs": f"it holds {found} train pairs and the data has {wanted}",
-                        "eval_pairs": f"it holds {found} eval pairs and the data has {wanted}",
-                        "data_digest": "the tokenised pairs differ (data.path or its tokenisation changed)",
-                        "weights_digest": "it was computed from other starting weights",
-                        "compute_dtype": f"it was computed in {found} and train.compute_dtype is {wanted}"}[key]
+                what = {
+                    "train_pairs": f"it holds {found} train pairs and the data has {wanted}",
+                    "eval_pairs": f"it holds {found} eval pairs and the data has {wanted}",
+                    "data_digest": "the tokenised pairs differ (data.path or its tokenisation changed)",
+                    "weights_digest": "it was computed from other starting weights",
+                    "compute_dtype": f"it was computed in {found} and train.compute_dtype is {wanted}",
+                }[key]
                 raise DataError(f"{self.path} does not fit this run: {what}; {fix}")
-        return {split: {name: stored[f"{split}_{name}"] for name in REFERENCE_LOGPS}
-                for split in SPLITS if identity[f"{split}_pairs"]}
+        return {
+            split: {name: stored[f"{split}_{name}"] for name in REFERENCE_LOGPS}
+            for split in SPLITS
+            if identity[f"{split}_pairs"]
+        }

@@ -42,49 +42,67 @@ class Preference(Task):
         if context.config.backend != "jax":
             raise ConfigError("data.name=preference (DPO and its variants) needs backend: jax; set backend=jax")
         if context.loss_fn is not None:
-            raise ConfigError("data.name=preference trains with the preference loss (preference.loss_type); remove "
-                              "loss_fn= or use other data")
+            raise ConfigError(
+                "data.name=preference trains with the preference loss (preference.loss_type); remove "
+                "loss_fn= or use other data"
+            )
 
     def data(self, context: TaskContext) -> TaskData:
         """The pairs of ``data.path`` tokenised with ``data.tokenizer`` (UTF-8 bytes when unset), split by
         ``data.eval_fraction``; with ``precompute_ref`` the reference's log-probs join them at the start."""
         from functrain.tasks.preference.pairs import load_preference_tokenizer, preference_arrays
+
         config, section = context.config, context.config.section(self.name)
         data = config.data
         if context.data_given:
-            raise ConfigError("task preference reads its pairs from data.path; remove train_data= or use another "
-                              "task")
+            raise ConfigError("task preference reads its pairs from data.path; remove train_data= or use another task")
         if section.precompute_ref and not settings_of(section).uses_reference:
-            raise ConfigError(f"preference.precompute_ref precomputes the reference's log-probs and "
-                              f"loss_type={section.loss_type} uses no reference; remove preference.precompute_ref")
+            raise ConfigError(
+                f"preference.precompute_ref precomputes the reference's log-probs and "
+                f"loss_type={section.loss_type} uses no reference; remove preference.precompute_ref"
+            )
         if not data.path:
-            raise ConfigError("data.name=preference needs data.path; set data.path=PAIRS.jsonl (prompt, chosen, "
-                              "rejected per line)")
-        arrays, stats = preference_arrays(data.path, load_preference_tokenizer(data.tokenizer), data.seq_len,
-                                          section.truncation_mode)
+            raise ConfigError(
+                "data.name=preference needs data.path; set data.path=PAIRS.jsonl (prompt, chosen, rejected per line)"
+            )
+        arrays, stats = preference_arrays(
+            data.path, load_preference_tokenizer(data.tokenizer), data.seq_len, section.truncation_mode
+        )
         train, evaluation = split_records(arrays, data.eval_fraction)
         if not len(train["chosen"]):
             raise DataError(f"{data.path} has no training pairs; add pairs or lower data.eval_fraction")
         vocab = config.model.vocabulary_size()
-        check = BatchCheck([FieldRule(name, upper=vocab, bound_key="model.vocab_size", what="token id")
-                            for name in ("chosen", "rejected")], source=f"the data ({data.path})")
+        check = BatchCheck(
+            [
+                FieldRule(name, upper=vocab, bound_key="model.vocab_size", what="token id")
+                for name in ("chosen", "rejected")
+            ],
+            source=f"the data ({data.path})",
+        )
         eval_source = as_source(evaluation) if len(evaluation["chosen"]) else None
         train_source = as_source(train)
         notes = tuple(stats.notes(data.path))
         if section.precompute_ref:  # the loaders read the pairs with columns the start hook fills
             from functrain.data.computed_columns import ComputedColumns
-            return TaskData(train=train_source, eval=eval_source, batch_check=check, notes=notes,
-                            example_fields=with_reference_fields,
-                            loader_train=ComputedColumns(train_source, REFERENCE_LOGPS),
-                            loader_eval=None if eval_source is None else ComputedColumns(eval_source, REFERENCE_LOGPS))
+
+            return TaskData(
+                train=train_source,
+                eval=eval_source,
+                batch_check=check,
+                notes=notes,
+                example_fields=with_reference_fields,
+                loader_train=ComputedColumns(train_source, REFERENCE_LOGPS),
+                loader_eval=None if eval_source is None else ComputedColumns(eval_source, REFERENCE_LOGPS),
+            )
         return TaskData(train=train_source, eval=eval_source, batch_check=check, notes=notes)
 
     def model_inputs(self, context: TaskContext, data: TaskData, example_batch: dict[str, np.ndarray]) -> Any:
         """A causal LM called on the pairs' tokens but the last."""
         return np.asarray(example_batch["chosen"])[:, :-1]
 
-    def program(self, context: TaskContext, data: TaskData, pieces: ModelPieces,
-                example_batch: dict[str, np.ndarray]) -> Program:
+    def program(
+        self, context: TaskContext, data: TaskData, pieces: ModelPieces, example_batch: dict[str, np.ndarray]
+    ) -> Program:
         """The preference loss on the model's pieces; the reference is the frozen base when a transform froze one
         (LoRA), else a frozen copy of the starting weights, or the log-probs the batches carry."""
         section = context.config.section(self.name)
@@ -97,37 +115,62 @@ class Preference(Task):
             return []
         from functrain.data.computed_columns import ComputedColumns
         from functrain.tasks.preference.reference import PrecomputedReference
+
         config = context.config
         # data() gave the loaders the pairs wrapped as ComputedColumns, which this hook fills.
-        columns = {split: loader if isinstance(loader, ComputedColumns) else None
-                   for split, loader in (("train", data.loader_train), ("eval", data.loader_eval))}
+        columns = {
+            split: loader if isinstance(loader, ComputedColumns) else None
+            for split, loader in (("train", data.loader_train), ("eval", data.loader_eval))
+        }
         sources = {split: None if wrapped is None else wrapped.source for split, wrapped in columns.items()}
-        return [PrecomputedReference(context.run_dir, sources, columns, config.data.global_batch_size,
-                                     config.train.compute_dtype,
-                                     precomputed_reference_logps(pieces.apply, pieces.frozen_apply))]
+        return [
+            PrecomputedReference(
+                context.run_dir,
+                sources,
+                columns,
+                config.data.global_batch_size,
+                config.train.compute_dtype,
+                precomputed_reference_logps(pieces.apply, pieces.frozen_apply),
+            )
+        ]
 
 
-def program_on_pieces(pieces: ModelPieces, settings: PreferenceSettings, *, precompute_ref: bool = False
-                      ) -> Program:
+def program_on_pieces(pieces: ModelPieces, settings: PreferenceSettings, *, precompute_ref: bool = False) -> Program:
     """The preference loss on a causal LM's pieces (see :func:`functrain.tasks.preference.loss.preference_program`)."""
     if pieces.framework == "functions":
-        raise ConfigError("data.name=preference trains a causal LM given as a Flax linen or NNX module; pass one "
-                          "of those, or a registry model (model.name)")
-    return preference_program(pieces.init, pieces.apply, pieces.logical_specs, settings,
-                              reference_apply=pieces.frozen_apply, trainable=pieces.trainable,
-                              complete_params=pieces.complete_params, precompute_reference=precompute_ref)
+        raise ConfigError(
+            "data.name=preference trains a causal LM given as a Flax linen or NNX module; pass one "
+            "of those, or a registry model (model.name)"
+        )
+    return preference_program(
+        pieces.init,
+        pieces.apply,
+        pieces.logical_specs,
+        settings,
+        reference_apply=pieces.frozen_apply,
+        trainable=pieces.trainable,
+        complete_params=pieces.complete_params,
+        precompute_reference=precompute_ref,
+    )
 
 
 def preference_pieces(model: Any, example_batch: dict[str, np.ndarray], lora: Any = None) -> ModelPieces:
     """A causal LM's pieces as a preference run builds them (``lora``: a ``model.lora`` section, or None)."""
     from functrain.core.program import model_pieces
     from functrain.models.lora import lora_transform
+
     pieces = model_pieces(model, np.asarray(example_batch["chosen"])[:, :-1], example_batch)
     return pieces if lora is None else lora_transform(pieces, lora)
 
 
-def preference_program_of(model: Any, example_batch: dict[str, np.ndarray], settings: PreferenceSettings,
-                          lora: Any = None, *, precompute_ref: bool = False) -> Program:
+def preference_program_of(
+    model: Any,
+    example_batch: dict[str, np.ndarray],
+    settings: PreferenceSettings,
+    lora: Any = None,
+    *,
+    precompute_ref: bool = False,
+) -> Program:
     """The Program of ``model`` (with LoRA adapters, whose base is the reference) trained on preference pairs
     like ``example_batch`` (research code's entry; runs build it through the task)."""
     return program_on_pieces(preference_pieces(model, example_batch, lora), settings, precompute_ref=precompute_ref)

@@ -43,9 +43,11 @@ class Supervised(Task):
         """The loss the task or the model's config names (None: the data decides); the two must agree."""
         model_kind = context.model_kind
         if self.loss_kind and model_kind and model_kind != self.loss_kind:
-            raise ConfigError(f"task {self.name} trains a {self.loss_kind} and the model is a {model_kind}; set "
-                              f"task: {'classify' if model_kind == 'classifier' else model_kind} or choose a "
-                              f"{self.loss_kind} model")
+            raise ConfigError(
+                f"task {self.name} trains a {self.loss_kind} and the model is a {model_kind}; set "
+                f"task: {'classify' if model_kind == 'classifier' else model_kind} or choose a "
+                f"{self.loss_kind} model"
+            )
         return self.loss_kind or model_kind
 
     def data(self, context: TaskContext) -> TaskData:
@@ -57,20 +59,33 @@ class Supervised(Task):
         fields: Fields | None = None
         check = None
         # A linen model is initialised on its input field, so the roles are read for it even under a user loss.
-        if (context.loss_fn is None or mapped.inputs is not None or mapped.labels is not None
-                or _is_linen(context.model)):
+        if (
+            context.loss_fn is None
+            or mapped.inputs is not None
+            or mapped.labels is not None
+            or _is_linen(context.model)
+        ):
             example = first_record(train, context.transform, context.data_seed)
             fields = resolve_fields(example, inputs=mapped.inputs, labels=mapped.labels, kind=kind)
             if context.loss_fn is None:
                 fields = require_builtin(fields, example)
-                named = config.data.path or config.data.target or (
-                    "data.sources" if config.data.sources else config.data.name)
+                named = (
+                    config.data.path
+                    or config.data.target
+                    or ("data.sources" if config.data.sources else config.data.name)
+                )
                 where = "train_data" if context.data_given else f"the data ({named})"
                 check = batch_check(fields, config.model, source=where)
         trained = fields.kind if context.loss_fn is None and fields is not None else kind
         tokens = config.data.seq_len if trained == "causal_lm" else None
-        return TaskData(train=train, eval=evaluation, batch_check=check, fields=fields, transform=context.transform,
-                        tokens_per_sample=tokens)
+        return TaskData(
+            train=train,
+            eval=evaluation,
+            batch_check=check,
+            fields=fields,
+            transform=context.transform,
+            tokens_per_sample=tokens,
+        )
 
     def model_inputs(self, context: TaskContext, data: TaskData, example_batch: dict[str, np.ndarray]) -> Any:
         """What the model is called on: the built-in loss's inputs, or the named input field."""
@@ -78,8 +93,9 @@ class Supervised(Task):
             require_builtin(None, example_batch)  # names the missing input and the setting that fixes it
         return model_inputs_of(data.fields, example_batch)
 
-    def program(self, context: TaskContext, data: TaskData, pieces: ModelPieces,
-                example_batch: dict[str, np.ndarray]) -> Program:
+    def program(
+        self, context: TaskContext, data: TaskData, pieces: ModelPieces, example_batch: dict[str, np.ndarray]
+    ) -> Program:
         if context.loss_fn is not None:
             return user_program(pieces, context.loss_fn, example_batch)
         return builtin_program(pieces, require_builtin(data.fields, example_batch), example_batch)
@@ -87,6 +103,7 @@ class Supervised(Task):
 
 def _is_linen(model: Any) -> bool:
     import flax.linen as nn
+
     return isinstance(model, nn.Module)
 
 
