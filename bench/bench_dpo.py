@@ -27,7 +27,12 @@ import optax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from functrain.tasks.preference.loss import REFERENCE_LOGPS, PreferenceSettings, preference_program  # noqa: E402
+from functrain.tasks.preference.loss import (  # noqa: E402
+    REFERENCE_LOGPS,
+    PreferenceSettings,
+    precomputed_reference_logps,
+    preference_program,
+)
 from functrain.core.program import as_program, linen_pieces  # noqa: E402
 from functrain.core.state import TrainState  # noqa: E402
 from functrain.core.step import make_train_step  # noqa: E402
@@ -89,7 +94,7 @@ def main() -> None:
     precomputed = preference_program(init, apply, specs, PreferenceSettings("sigmoid"), precompute_reference=True)
     pre_pairs = {**pairs, **{name: np.zeros(args.pairs, np.float32) for name in REFERENCE_LOGPS}}
     pre_step, pre_state = build(precomputed, pre_pairs)
-    pre_pairs.update(jax.jit(precomputed.precompute)(pre_state.params, pre_state.model_state, pairs))
+    pre_pairs.update(jax.jit(precomputed_reference_logps(apply))(pre_state.params, pre_state.model_state, pairs))
 
     params = sum(leaf.size for leaf in jax.tree.leaves(sft_state.params))
     print(f"Llama-shaped: {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, {params:,} params; "
