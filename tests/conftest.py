@@ -33,6 +33,12 @@ SUBPROCESS_CACHE_ENV = {"JAX_COMPILATION_CACHE_DIR": str(SUBPROCESS_XLA_CACHE),
                         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
+# torch.compile's kernel cache, one per CPU capability: inductor's cache key leaves ATEN_CPU_CAPABILITY out, so a
+# run emulating an older CPU (ATEN_CPU_CAPABILITY=avx2) would load kernels compiled for this one's AVX-512 and fail.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / (
+    f"functrain-tests-inductor-{os.environ.get('ATEN_CPU_CAPABILITY', 'native')}")))
+
+
 def pytest_sessionfinish(session):
     if not hasattr(session.config, "workerinput"):  # the controller (or a run without xdist)
         shutil.rmtree(SUBPROCESS_XLA_CACHE, ignore_errors=True)
