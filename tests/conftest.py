@@ -23,14 +23,19 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-# One persistent XLA compilation cache for every subprocess of this test session (xdist workers share their
-# parent's): the many runs of the same small programs compile once. A cache hit is the executable the compiler
-# would produce, so results stay bitwise the same. Removed when the session ends.
+# One persistent XLA compilation cache for the whole test session: every xdist worker and every subprocess (they
+# inherit the environment) reads and writes it, so the many runs of the same small programs, in-process or in a
+# fresh interpreter, compile once. A cache hit is the executable the compiler would produce, so results stay
+# bitwise the same. Removed when the session ends.
 _SESSION = os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid()  # the controller's pid
-SUBPROCESS_XLA_CACHE = Path(tempfile.gettempdir()) / f"functrain-tests-xla-cache-{_SESSION}"
-SUBPROCESS_CACHE_ENV = {"JAX_COMPILATION_CACHE_DIR": str(SUBPROCESS_XLA_CACHE),
-                        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-                        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+SESSION_XLA_CACHE = Path(tempfile.gettempdir()) / f"functrain-tests-xla-cache-{_SESSION}"
+SESSION_CACHE_ENV = {"JAX_COMPILATION_CACHE_DIR": str(SESSION_XLA_CACHE),
+                     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+os.environ.update(SESSION_CACHE_ENV)
+jax.config.update("jax_compilation_cache_dir", str(SESSION_XLA_CACHE))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 # torch.compile's kernel cache, one per CPU capability: inductor's cache key leaves ATEN_CPU_CAPABILITY out, so a
@@ -41,7 +46,7 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir())
 
 def pytest_sessionfinish(session):
     if not hasattr(session.config, "workerinput"):  # the controller (or a run without xdist)
-        shutil.rmtree(SUBPROCESS_XLA_CACHE, ignore_errors=True)
+        shutil.rmtree(SESSION_XLA_CACHE, ignore_errors=True)
 
 
 def xla_flags(devices: int | None = None) -> str:
@@ -55,8 +60,8 @@ def xla_flags(devices: int | None = None) -> str:
 
 def cli_env(devices: int | None = None, **extra: str) -> dict[str, str]:
     """The environment of a subprocess that runs this checkout on CPU: ``devices`` simulated CPU devices
-    (None: the platform's one device), the session's compilation cache, plus ``extra`` variables."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(devices), **{**SUBPROCESS_CACHE_ENV, **extra})
+    (None: the platform's one device) and the session's compilation cache (inherited), plus ``extra`` variables."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(devices), **extra)
     env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
@@ -117,26 +122,9 @@ def python_runner():
     return run_python
 
 
-@pytest.fixture(scope="session")
-def _compilation_cache_dir(tmp_path_factory) -> str:
-    return str(tmp_path_factory.mktemp("xla_cache"))
-
-
 @pytest.fixture
-def compilation_cache(_compilation_cache_dir):
-    """A persistent XLA compilation cache (one per session) used by this test's process and by subprocesses
-    given the returned environment variables, so a program run in several processes, or by several tests, is
-    compiled once. The executables are the same ones, so results stay bitwise equal. The process's settings are
-    restored afterwards (jax decides once whether to use a cache: ``reset_cache`` makes it decide again)."""
-    from jax.experimental.compilation_cache import compilation_cache as jax_cache
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-             "jax_persistent_cache_min_entry_size_bytes")
-    values = (_compilation_cache_dir, 0.0, 0)
-    saved = {name: getattr(jax.config, name) for name in names}
-    for name, value in zip(names, values):
-        jax.config.update(name, value)
-    jax_cache.reset_cache()
-    yield {name.upper(): str(value) for name, value in zip(names, values)}
-    for name, value in saved.items():
-        jax.config.update(name, value)
-    jax_cache.reset_cache()
+def compilation_cache():
+    """The environment variables that point a process at the session's persistent compilation cache (this
+    process and every subprocess use it already: a test passes them on to make that explicit where a program
+    runs in several processes and relies on compiling once)."""
+    return dict(SESSION_CACHE_ENV)

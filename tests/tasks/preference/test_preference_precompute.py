@@ -33,24 +33,7 @@ def train_metrics(run_dir):
 
 
 @pytest.fixture(scope="module")
-def module_compilation_cache(_compilation_cache_dir):
-    """conftest's ``compilation_cache`` for this module's runs: each leg of a precomputed run compiles the same
-    programs, so the later legs read them from the cache."""
-    from jax.experimental.compilation_cache import compilation_cache as jax_cache
-    values = {"jax_compilation_cache_dir": _compilation_cache_dir, "jax_persistent_cache_min_compile_time_secs": 0.0,
-              "jax_persistent_cache_min_entry_size_bytes": 0}
-    saved = {name: getattr(jax.config, name) for name in values}
-    for name, value in values.items():
-        jax.config.update(name, value)
-    jax_cache.reset_cache()
-    yield
-    for name, value in saved.items():
-        jax.config.update(name, value)
-    jax_cache.reset_cache()
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, module_compilation_cache):
+def runs(tmp_path_factory):
     """The same 4 steps with the frozen copy, and with precomputed log-probs in two legs (2 steps, then a
     resume to 4), with the file's bytes and mtime as the first leg left them."""
     root = tmp_path_factory.mktemp("precompute")
