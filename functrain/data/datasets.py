@@ -35,13 +35,15 @@ def split_records(arrays: Arrays, eval_fraction: float) -> tuple[Arrays, Arrays]
     return ({k: v[:cut] for k, v in arrays.items()}, {k: v[cut:] for k, v in arrays.items()})
 
 
-def _digits(data_config: Any) -> Arrays:
-    from sklearn.datasets import load_digits
+DIGITS_FILE = Path(__file__).with_name("bundled") / "digits.npz"  # scikit-learn's load_digits, see its README
 
-    digits = load_digits()
+
+def _digits(data_config: Any) -> Arrays:
+    with np.load(DIGITS_FILE) as digits:
+        pixels, labels = digits["pixels"], digits["labels"]
     # The bundled file is ordered by writer; a fixed permutation mixes writers into both splits.
-    order = np.random.default_rng(0).permutation(len(digits.target))
-    return {"x": (digits.data[order] / 16.0).astype(np.float32), "y": digits.target[order].astype(np.int32)}
+    order = np.random.default_rng(0).permutation(len(labels))
+    return {"x": (pixels[order] / 16.0).astype(np.float32), "y": labels[order].astype(np.int32)}
 
 
 def bundled_text() -> str:

@@ -19,6 +19,7 @@ import numpy as np
 from functrain.errors import ConfigError
 from functrain.run.config_checks import check_metric_logged
 from functrain.run.outcome import StopKind
+from functrain.run.tensorboard import summary_writer
 from functrain.run.view import RunView
 
 
@@ -179,9 +180,7 @@ class MetricsWriter(Callback):
             set_aside_lines_after(path, view.start_step)
         self.jsonl = open(path, "a", buffering=1)  # noqa: SIM115 -- held for the run; on_train_end closes it
         if self.tensorboard:
-            from tensorboardX import SummaryWriter
-
-            self.writer = SummaryWriter(str(view.run_dir / "tensorboard"))
+            self.writer = summary_writer(str(view.run_dir / "tensorboard"))
 
     def on_log(self, view: RunView, split: str, step: int, metrics: dict[str, float]) -> None:
         if self.jsonl is None:

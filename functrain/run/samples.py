@@ -15,6 +15,7 @@ from typing import Any
 from functrain.errors import ConfigError
 from functrain.models.configs.base import ModelConfig
 from functrain.run.callbacks import Callback, RunView
+from functrain.run.tensorboard import summary_writer
 
 SAMPLES_FILE = "samples.jsonl"
 
@@ -101,9 +102,7 @@ class SampleWriter(Callback):
             f.writelines(json.dumps(record) + "\n" for record in records)
         if self.tensorboard:
             if self.writer is None:
-                from tensorboardX import SummaryWriter
-
-                self.writer = SummaryWriter(str(view.run_dir / "tensorboard"), filename_suffix=".samples")
+                self.writer = summary_writer(str(view.run_dir / "tensorboard"), filename_suffix=".samples")
             for record in records:
                 self.writer.add_text(f"samples/{record['index']}", record["prompt"] + record["text"], view.step)
             self.writer.flush()
