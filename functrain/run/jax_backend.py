@@ -240,11 +240,13 @@ class JaxBackend:
             per_step.append(metrics)
         return state, jax.tree.map(lambda *values: jnp.concatenate(values), *per_step)
 
-    def compile_train_call(self, state: TrainState, batches: dict[str, jax.Array]) -> jax.stages.Compiled:
-        """The train call compiled for these arguments, for XLA's analyses (``memory_analysis``,
-        ``cost_analysis``); running the call goes through :meth:`train_call`."""
+    def compile_train_call(
+        self, state: TrainState, batches: dict[str, jax.Array], compiler_options: dict[str, Any] | None = None
+    ) -> jax.stages.Compiled:
+        """The train call compiled for these arguments (with XLA ``compiler_options``), for XLA's analyses
+        (``memory_analysis``, ``cost_analysis``); running the call goes through :meth:`train_call`."""
         with jax.set_mesh(self.mesh):
-            return self._train_call.lower(state, batches).compile()
+            return self._train_call.lower(state, batches).compile(compiler_options=compiler_options)
 
     def abstract_train_args(
         self, example_batch: dict[str, np.ndarray], steps_per_call: int

@@ -10,6 +10,11 @@ XLA's ``cost_analysis`` counts a loop body once: the call's scan over ``train.st
 counts one step, and the scan over ``train.micro_batches`` one micro-batch, so FLOPs and bytes are multiplied by
 ``micro_batches`` (the optimizer update, outside that loop, is then over-counted: under 1% for LMs).
 
+libtpu turns an FSDP all-gather (or a reduce-scatter) that feeds a matmul into a loop over the shards, each turn
+multiplying one shard while the next arrives (a windowed einsum, "collective matmul"), and counts that loop's body
+once too: the llama3_8b plan counted half its FLOPs and reported an MFU of 113%. FLOPs and bytes are therefore
+counted on the same run compiled with those loops off (:data:`COUNTED_WHOLE`); memory is the real program's.
+
 With ``model.scan_layers`` the layers are a loop too, over ``G`` groups of ``period`` layers: the scanned
 program's count holds one group's forward and backward pass but the optimizer update of all ``G`` groups'
 stacked parameters (outside the loop), so no multiple of it is right. The step's FLOPs and bytes are measured
@@ -149,6 +154,12 @@ def advice(planned: Planned, sizes: dict[str, int], chips: int, mesh: dict[str, 
 
 
 COST_KEYS = ("flops", "bytes accessed")
+# libtpu's options for a program compiled to be counted: every matmul whole, none split into a windowed einsum's
+# loop (whose body cost_analysis would count once; see the module docstring).
+COUNTED_WHOLE = {
+    "xla_tpu_enable_windowed_einsum_for_all_gather": False,
+    "xla_tpu_enable_windowed_einsum_for_reduce_scatter": False,
+}
 
 
 def plan(config: Config, topology: str | None = None) -> Plan:
@@ -161,11 +172,24 @@ def plan(config: Config, topology: str | None = None) -> Plan:
         if required is None:
             raise
         return report(planned, None, temporaries=required)
-    return report(planned, compiled, cost=scanned_run_cost(planned) if planned.scan_groups > 1 else None)
+    if planned.scan_groups > 1:
+        cost = scanned_run_cost(planned)
+    elif _on_tpu(planned.backend):
+        cost = _first(_compile(planned.backend, planned, counted=True).cost_analysis())
+    else:
+        cost = None  # the compiled program's own count is whole
+    return report(planned, compiled, cost=cost)
 
 
-def _compile(backend: Any, planned: Planned) -> jax.stages.Compiled:
-    return backend.compile_train_call(*backend.abstract_train_args(planned.example_batch, planned.steps_per_call))
+def _on_tpu(backend: Any) -> bool:
+    return backend.devices[0].platform == "tpu"
+
+
+def _compile(backend: Any, planned: Planned, counted: bool = False) -> jax.stages.Compiled:
+    """The train call compiled; ``counted``: for cost_analysis (matmuls whole on TPU, :data:`COUNTED_WHOLE`)."""
+    options = COUNTED_WHOLE if counted and _on_tpu(backend) else None
+    args = backend.abstract_train_args(planned.example_batch, planned.steps_per_call)
+    return backend.compile_train_call(*args, compiler_options=options)
 
 
 def scanned_run_cost(planned: Planned) -> dict[str, float]:
@@ -175,7 +199,7 @@ def scanned_run_cost(planned: Planned) -> dict[str, float]:
     unrolled = planned.unrolled_groups_backend
     if unrolled is None:
         raise ValueError("scanned_run_cost needs the plan of a run that scans its layers (model.scan_layers)")
-    one, two = (_first(_compile(unrolled(groups), planned).cost_analysis()) for groups in (1, 2))
+    one, two = (_first(_compile(unrolled(groups), planned, counted=True).cost_analysis()) for groups in (1, 2))
     return {
         key: float(one.get(key, 0.0))
         + (planned.scan_groups - 1) * (float(two.get(key, 0.0)) - float(one.get(key, 0.0)))
@@ -227,9 +251,11 @@ def report(
     attention = None if compiled is None else attention_kernel_of(compiled, tokens is not None)
     if attention == "splash" and shape and tokens:
         # cost_analysis does not see into a Pallas kernel: add the attention FLOPs it computes (causal: half the
-        # score matrix, forward and backward), else the roofline would leave attention out.
+        # score matrix, forward and backward, and the forward again where the blocks are rematerialised: no remat
+        # policy saves a kernel's output), else the roofline would leave attention out.
         attention_flops = train_flops_per_token(shape, planned.seq_len) - train_flops_per_token(shape, 0)
-        flops += attention_flops * tokens / chips
+        recomputed = planned.model_config.remat_policy() not in (None, "none")
+        flops += attention_flops * (4 / 3 if recomputed else 1) * tokens / chips
     step_time = mfu = tokens_per_chip = fits = hbm = None
     if chip:
         hbm = chip.hbm_bytes

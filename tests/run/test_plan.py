@@ -79,6 +79,43 @@ def test_state_bytes_per_chip_are_parameters_times_bytes_over_fsdp_shards():
 
 
 @needs_libtpu
+@needs_libtpu
+def test_planned_flops_hold_the_model_flops_and_the_recompute_so_mfu_stays_below_one():
+    # libtpu splits a matmul fed by an FSDP all-gather into a loop over the shards (a windowed einsum) whose body
+    # cost_analysis counted once: Llama 3 8B on v5p:2x2x2 was planned at half its FLOPs and an MFU of 113%. This
+    # small Llama is big enough to be split so. Scanned with splash, and unrolled with XLA's attention.
+    result = run_python("""
+        import json
+        from functrain.run.config import load_config
+        from functrain.run.mfu import train_flops_per_token
+        from functrain.run.plan import plan
+        small = ["model.vocab_size=1024", "model.hidden_size=512", "model.intermediate_size=1024",
+                 "model.num_attention_heads=4", "model.num_key_value_heads=4",
+                 "data.seq_len=1024", "data.global_batch_size=8", "train.micro_batches=1", "model.remat=full"]
+        plans = []
+        # Two layers make two groups, so the scanned plan extrapolates; one unrolled layer is two compiles fewer.
+        for scan, attention, layers in (("true", "auto", 2), ("false", "xla", 1)):
+            config = load_config("configs/llama3_8b.yaml", small + [f"model.scan_layers={scan}",
+                                 f"model.attention={attention}", f"model.num_hidden_layers={layers}"])
+            planned = plan(config, "v5p:2x2x2")
+            shape = config.model.decoder_shape()
+            per_token = train_flops_per_token(shape, 1024)
+            # remat: full runs each block's forward again (a third of its training FLOPs; the head is in none),
+            # but for the block's last matmul, whose output the backward pass does not need.
+            down_proj = 2 * shape.width * shape.mlp_width * shape.layers
+            recomputed = (per_token - 6 * shape.width * shape.vocab) / 3 - down_proj
+            plans.append({"flops": planned.flops_per_step * planned.chips, "mfu": planned.mfu,
+                          "attention": planned.attention, "scanned": planned.layers_scanned,
+                          "floor": (per_token + recomputed) * 8 * 1024})
+        print("RESULT", json.dumps(plans))
+    """, timeout=600)
+    plans = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("RESULT"))[7:])
+    assert [(p["scanned"], p["attention"]) for p in plans] == [(True, "splash"), (False, "xla")]
+    for planned in plans:
+        assert planned["flops"] >= planned["floor"], planned
+        assert 0 < planned["mfu"] <= 1, planned
+
+
 def test_a_small_config_compiles_for_a_v5e_topology_and_fits():
     proc = functrain("plan", "configs/char_gpt.yaml", *TINY, "--topology", "v5e:2x2", "--json")
     assert proc.returncode == 0, proc.stderr
