@@ -2,7 +2,9 @@
 
 Conversion is strict: every HF tensor must map to a functrain leaf (or be on the architecture's allow-list
 of buffers and tied heads), every leaf must be filled, and every shape must agree with config.json. All of
-that is checked from file headers before any tensor data is read.
+that is checked from file headers before any tensor data is read. MXFP4 checkpoints (config.json's
+``quantization_config.quant_method: mxfp4``, the released GPT-OSS weights) are dequantized as they are read
+(:mod:`torch_bridge.hf.mxfp4`).
 """
 
 import os
@@ -17,11 +19,11 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from functrain.errors import CheckpointError
 from functrain.models.configs.base import ModelConfig
 from functrain.models.stacking import unstack_layers
-from torch_bridge.hf import reader, writer
+from torch_bridge.hf import mxfp4, reader, writer
 from torch_bridge.hf.mappings import ARCHITECTURES, Architecture, Path, Rule
 
 Place = Callable[[Path, np.ndarray], Any]
-_SUPPORTED_DTYPES = {"F32", "BF16", "F16", "float32", "bfloat16", "float16"}
+_SUPPORTED_DTYPES = {"F32", "BF16", "F16", "float32", "bfloat16", "float16", mxfp4.PACKED_DTYPE}
 
 
 def architecture_for(hf_config: dict[str, Any]) -> Architecture:
@@ -76,6 +78,8 @@ def _match_tensors(arch: Architecture, config: Any, infos: dict[str, reader.Tens
             )
         got = rule.functrain_shapes(info.shape)
         want = tuple(shapes[path] for path in rule.paths)
+        if isinstance(info, mxfp4.PackedInfo):
+            mxfp4.check_shape(info, rule.hf_shape(want))
         if got != want:
             raise CheckpointError(
                 f"{info.name} has shape {list(info.shape)} but config.json implies "
@@ -96,9 +100,14 @@ def read_params(hf_dir: str | os.PathLike, place: Place | None = None) -> tuple[
     arch = architecture_for(hf_config)
     config = arch.model.from_hf_config(hf_config)
     weights = reader.find_weights(hf_dir)
-    needed = _match_tensors(arch, config, reader.catalog(weights), str(hf_dir))
+    infos = reader.catalog(weights)
+    if (hf_config.get("quantization_config") or {}).get("quant_method") == "mxfp4":
+        infos = mxfp4.unpacked_catalog(infos)
+    needed = _match_tensors(arch, config, infos, str(hf_dir))
+    packed = {name: info for name, info in infos.items() if isinstance(info, mxfp4.PackedInfo) and name in needed}
+    file_names = {part.name for info in packed.values() for part in (info.blocks, info.scales)} | set(needed)
     flat: dict[Path, Any] = {}
-    for name, array in reader.stream(weights, set(needed)):
+    for name, array in mxfp4.unpacked_stream(reader.stream(weights, file_names), packed):
         rule = needed[name]
         for path, leaf in zip(rule.paths, rule.to_functrain(array)):
             flat[path] = leaf if place is None else place(path, leaf)
