@@ -14,6 +14,7 @@ from functrain.models.configs.gemma2 import Gemma2Config
 from functrain.models.configs.gemma3 import Gemma3TextConfig
 from functrain.models.configs.gpt import GPTConfig
 from functrain.models.configs.gpt2 import GPT2Config
+from functrain.models.configs.gpt_oss import GptOssConfig
 from functrain.models.configs.llama import LlamaConfig
 from functrain.models.configs.mistral import MistralConfig
 from functrain.models.configs.mixtral import MixtralConfig
@@ -29,6 +30,7 @@ MODEL_FAMILIES: dict[str, tuple[type[FamilyConfig], str]] = {
     "gemma2": (Gemma2Config, "functrain.models.gemma2"),
     "gemma3_text": (Gemma3TextConfig, "functrain.models.gemma3"),
     "gpt2": (GPT2Config, "functrain.models.gpt2"),
+    "gpt_oss": (GptOssConfig, "functrain.models.gpt_oss"),
     "llama": (LlamaConfig, "functrain.models.llama"),
     "mistral": (MistralConfig, "functrain.models.mistral"),
     "mixtral": (MixtralConfig, "functrain.models.mixtral"),

@@ -9,6 +9,8 @@ them, so reading and writing are the same table run in two directions:
 - ``split3``: GPT-2's fused ``c_attn`` (in, 3·out) / (3·out,) is q, k, v along the last axis.
 - ``split_rows``: a fused torch ``Linear.weight`` (Phi-3's ``qkv_proj``, ``gate_up_proj``) is row blocks of
   ``sizes``, each the transpose of one Flax kernel; a stack of them (E, rows, in) likewise per expert.
+- ``interleave``: the last axis alternates two leaves, the first at even indices (GPT-OSS's stacked
+  ``experts.gate_up_proj`` [E, in, 2·out] and its bias: gate, up, gate, up, ...).
 
 A rule with an ``index`` maps its HF tensor to entry ``index`` of the leading (expert) axis of its leaf: a
 mixture of experts' per-expert tensors (``experts.<e>.w1.weight``) fill one stacked leaf together, and every
@@ -22,10 +24,10 @@ from typing import Any, Callable, Literal
 
 import numpy as np
 
-from functrain.models import gemma2, gemma3, gpt2, llama, mistral, mixtral, phi3, qwen2, qwen3
+from functrain.models import gemma2, gemma3, gpt2, gpt_oss, llama, mistral, mixtral, phi3, qwen2, qwen3
 
 Path = tuple[str, ...]
-Kind = Literal["copy", "transpose", "split3", "split_rows"]
+Kind = Literal["copy", "transpose", "split3", "split_rows", "interleave"]
 
 
 def transpose_copy(array: np.ndarray) -> np.ndarray:
@@ -67,6 +69,10 @@ class Rule:
             if len(hf_shape) not in (2, 3) or hf_shape[-2] != sum(self.sizes):
                 return None
             return tuple(hf_shape[:-2] + (hf_shape[-1], rows) for rows in self.sizes)
+        if self.kind == "interleave":
+            if not hf_shape or hf_shape[-1] % 2:
+                return None
+            return (hf_shape[:-1] + (hf_shape[-1] // 2,),) * 2
         return (tuple(hf_shape),)
 
     def hf_shape(self, shapes: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
@@ -77,6 +83,8 @@ class Rule:
             return shapes[0][:-1] + (3 * shapes[0][-1],)
         if self.kind == "split_rows":
             return shapes[0][:-2] + (sum(shape[-1] for shape in shapes), shapes[0][-2])
+        if self.kind == "interleave":
+            return shapes[0][:-1] + (2 * shapes[0][-1],)
         return shapes[0]
 
     def to_functrain(self, array: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -87,6 +95,8 @@ class Rule:
             return tuple(np.ascontiguousarray(part) for part in np.split(array, 3, axis=-1))
         if self.kind == "split_rows":
             return tuple(transpose_copy(part) for part in np.split(array, np.cumsum(self.sizes)[:-1], axis=-2))
+        if self.kind == "interleave":
+            return np.ascontiguousarray(array[..., 0::2]), np.ascontiguousarray(array[..., 1::2])
         return (array,)
 
     def to_hf(self, leaves: tuple[np.ndarray, ...]) -> np.ndarray:
@@ -97,6 +107,9 @@ class Rule:
             return np.concatenate(leaves, axis=-1)
         if self.kind == "split_rows":
             return np.concatenate([transpose_copy(np.asarray(leaf)) for leaf in leaves], axis=-2)
+        if self.kind == "interleave":
+            first, second = (np.asarray(leaf) for leaf in leaves)
+            return np.stack([first, second], axis=-1).reshape(first.shape[:-1] + (2 * first.shape[-1],))
         return np.ascontiguousarray(leaves[0])
 
 
@@ -242,6 +255,29 @@ def _mixtral_fused_rules(cfg: mixtral.MixtralConfig) -> list[Rule]:
     return _decoder_rules(cfg, moe)
 
 
+def _gpt_oss_rules(cfg: gpt_oss.GptOssConfig) -> list[Rule]:
+    """Llama's table with each head's sink and a mixture of experts stored stacked, as in memory: a biased
+    ``mlp.router``, ``experts.gate_up_proj`` [E, hidden, 2 x inter] (gate and up interleaved) and
+    ``experts.down_proj`` [E, inter, hidden], each with its ``_bias``."""
+
+    def moe(i: int, hf: str, layer: str) -> list[Rule]:
+        experts = (layer, "mlp", "experts")
+        return [
+            Rule(f"{hf}.self_attn.sinks", ((layer, "self_attn", "sinks"),)),
+            *_linear(f"{hf}.mlp.router", (layer, "mlp", "gate"), bias=True),
+            Rule(f"{hf}.mlp.experts.gate_up_proj", (experts + ("gate_proj",), experts + ("up_proj",)), "interleave"),
+            Rule(
+                f"{hf}.mlp.experts.gate_up_proj_bias",
+                (experts + ("gate_proj_bias",), experts + ("up_proj_bias",)),
+                "interleave",
+            ),
+            Rule(f"{hf}.mlp.experts.down_proj", (experts + ("down_proj",),)),
+            Rule(f"{hf}.mlp.experts.down_proj_bias", (experts + ("down_proj_bias",),)),
+        ]
+
+    return _decoder_rules(cfg, moe)
+
+
 def _phi3_rules(cfg: phi3.Phi3Config) -> list[Rule]:
     """Llama's table with q/k/v and gate/up fused into one torch Linear each."""
     q_rows, kv_rows = cfg.num_attention_heads * cfg.attn_head_dim, cfg.kv_heads * cfg.attn_head_dim
@@ -312,6 +348,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "phi3": Architecture("phi3", phi3, _phi3_rules, lambda name: name, _llama_ignorable),
     "gemma2": Architecture("gemma2", gemma2, _gemma2_rules, lambda name: name, _gemma2_ignorable),
     "gemma3_text": Architecture("gemma3_text", gemma3, _gemma2_rules, lambda name: name, _gemma2_ignorable),
+    "gpt_oss": Architecture("gpt_oss", gpt_oss, _gpt_oss_rules, lambda name: name, _llama_ignorable),
     "mixtral": Architecture(
         "mixtral", mixtral, _mixtral_rules, lambda name: name, _llama_ignorable, fused_rules=_mixtral_fused_rules
     ),

@@ -77,6 +77,14 @@ def test_scales_without_blocks_and_blocks_of_another_dtype_are_refused():
                                 "x_scales": info("x_scales", (2, 64, 1))})
 
 
+def test_the_released_blocks_unpack_to_the_experts_transformers_declares():
+    """gpt-oss-20b: 32 experts, hidden 2880, intermediate 2880; ``GptOssExperts.gate_up_proj`` is
+    [E, hidden, 2 x inter] and ``down_proj`` [E, inter, hidden]."""
+    assert mxfp4.unpacked_shape((32, 5760, 90, 16)) == (32, 2880, 5760)
+    assert mxfp4.unpacked_shape((32, 2880, 90, 16)) == (32, 2880, 2880)
+    assert mxfp4.packed_shapes((32, 2880, 5760)) == ((32, 5760, 90, 16), (32, 5760, 90))
+
+
 def test_the_stream_yields_a_pair_once_both_halves_are_read():
     rng = np.random.default_rng(1)
     blocks, scales = rng.integers(0, 256, (1, 32, 1, 16), dtype=np.uint8), np.full((1, 32, 1), 127, np.uint8)
