@@ -14,12 +14,15 @@ from functrain.models.configs.gemma2 import Gemma2Config
 from functrain.models.configs.gemma3 import Gemma3TextConfig
 from functrain.models.configs.gpt import GPTConfig
 from functrain.models.configs.gpt2 import GPT2Config
+from functrain.models.configs.gpt_oss import GptOssConfig
 from functrain.models.configs.llama import LlamaConfig
 from functrain.models.configs.mistral import MistralConfig
+from functrain.models.configs.mixtral import MixtralConfig
 from functrain.models.configs.mlp import MLPConfig
 from functrain.models.configs.phi3 import Phi3Config
 from functrain.models.configs.qwen2 import Qwen2Config
 from functrain.models.configs.qwen3 import Qwen3Config
+from functrain.models.configs.qwen_moe import Qwen2MoeConfig, Qwen3MoeConfig
 
 # name -> (its config class, the module of its code).
 MODEL_FAMILIES: dict[str, tuple[type[FamilyConfig], str]] = {
@@ -28,11 +31,15 @@ MODEL_FAMILIES: dict[str, tuple[type[FamilyConfig], str]] = {
     "gemma2": (Gemma2Config, "functrain.models.gemma2"),
     "gemma3_text": (Gemma3TextConfig, "functrain.models.gemma3"),
     "gpt2": (GPT2Config, "functrain.models.gpt2"),
+    "gpt_oss": (GptOssConfig, "functrain.models.gpt_oss"),
     "llama": (LlamaConfig, "functrain.models.llama"),
     "mistral": (MistralConfig, "functrain.models.mistral"),
+    "mixtral": (MixtralConfig, "functrain.models.mixtral"),
     "phi3": (Phi3Config, "functrain.models.phi3"),
     "qwen2": (Qwen2Config, "functrain.models.qwen2"),
     "qwen3": (Qwen3Config, "functrain.models.qwen3"),
+    "qwen2_moe": (Qwen2MoeConfig, "functrain.models.qwen2_moe"),
+    "qwen3_moe": (Qwen3MoeConfig, "functrain.models.qwen3_moe"),
 }
 
 

@@ -18,8 +18,10 @@ CPU process. :func:`pallas_interpreted` makes ``splash`` available anywhere, run
 
 Masks: always causal; with ``segment_ids`` [B, T] (packed sequences) a token also attends only to tokens of
 its own segment; with ``window`` only to the keys of its last ``window`` positions (sliding-window attention,
-Mistral, Qwen2, Phi-3, Gemma). Soft-capped scores (Gemma 2) run in ``splash``, which caps inside the kernel;
-the other kernels have no fused form and run the same maths written out (scores and softmax in float32).
+Mistral, Qwen2, Phi-3, Gemma). Soft-capped scores (Gemma 2) and attention sinks (GPT-OSS: one learned logit per
+query head that joins every softmax and takes its share of the probability, attending to nothing) run in
+``splash``, which caps and sinks inside the kernel; the other kernels have no fused form and run the same maths
+written out (scores and softmax in float32).
 Grouped-query heads (fewer key/value heads than query heads) are grouped under their shared key/value head by
 every kernel; keys and values are never repeated in memory. When decoding with a KV cache
 (:mod:`functrain.models.kv_cache`) the queries sit at given slots of a longer cache, so the mask is written
@@ -125,6 +127,7 @@ def attend(
     query_slots: Array | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: Array | None = None,
 ) -> Array:
     """Causal softmax attention.
 
@@ -137,15 +140,19 @@ def attend(
         later slots are masked); None for a whole sequence (S == T).
       window: attend only to the keys of the last ``window`` positions (None: all earlier keys).
       softcap: scores become ``softcap * tanh(scores / softcap)`` before masking (Gemma 2).
+      sinks: optional ``[H]`` logits, one per query head, each an extra column of that head's softmax whose
+        probability is dropped (GPT-OSS's attention sinks): the weights of the real keys sum to less than one.
 
     Returns ``[B, T, H, D]`` in the query's dtype.
     """
     if query_slots is not None and segment_ids is not None:
         raise ValueError("segment_ids are for whole sequences, not for decoding with a KV cache")
     if kernel == "splash" and query_slots is None:
-        return splash_attention(query, key, value, scale=scale, segment_ids=segment_ids, window=window, softcap=softcap)
-    if softcap is not None:
-        return _written_out(query, key, value, scale, query_slots, segment_ids, window, softcap)
+        return splash_attention(
+            query, key, value, scale=scale, segment_ids=segment_ids, window=window, softcap=softcap, sinks=sinks
+        )
+    if softcap is not None or sinks is not None:
+        return _written_out(query, key, value, scale, query_slots, segment_ids, window, softcap, sinks)
     if query_slots is not None:
         causal = causal_mask(query_slots, key.shape[1], window)[None, None]
         return jax.nn.dot_product_attention(query, key, value, mask=causal, scale=scale, implementation="xla")
@@ -171,18 +178,30 @@ def _written_out(
     query_slots: Array | None,
     segment_ids: Array | None,
     window: int | None,
-    softcap: float,
+    softcap: float | None,
+    sinks: Array | None,
 ) -> Array:
-    """Soft-capped attention, which no fused kernel offers: grouped-query einsums, float32 scores."""
+    """Soft-capped attention or attention with sinks, which no fused XLA kernel offers: grouped-query einsums,
+    float32 scores."""
     batch, length, heads, head_dim = query.shape
     kv_heads = key.shape[2]
     # Group query heads under their shared key/value head instead of repeating k and v in memory.
     grouped = query.reshape(batch, length, kv_heads, heads // kv_heads, head_dim)
     scores = jnp.einsum("btkgd,bskd->bkgts", grouped, key, preferred_element_type=jnp.float32) * scale
-    scores = jnp.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = jnp.tanh(scores / softcap) * softcap
     slots = jnp.arange(length, dtype=jnp.int32) if query_slots is None else query_slots
     mask = causal_mask(slots, key.shape[1], window)[None, None, None]
     if segment_ids is not None:
         mask = mask & segment_mask(segment_ids)[:, :, None]
-    probs = jax.nn.softmax(jnp.where(mask, scores, jnp.finfo(jnp.float32).min), axis=-1).astype(value.dtype)
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1)
+    else:
+        # Each head's sink is one more column of its softmax, dropped afterwards (HF's eager GPT-OSS attention).
+        sink_column = jnp.broadcast_to(
+            sinks.astype(jnp.float32).reshape(1, kv_heads, heads // kv_heads, 1, 1), scores.shape[:-1] + (1,)
+        )
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink_column], axis=-1), axis=-1)[..., :-1]
+    probs = probs.astype(value.dtype)
     return jnp.einsum("bkgts,bskd->btkgd", probs, value).reshape(batch, length, heads, head_dim)

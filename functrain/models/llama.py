@@ -67,7 +67,8 @@ def to_hf_config(config: LlamaConfig) -> dict[str, Any]:
 
 
 class LlamaAttention(nn.Module):
-    """Grouped-query self-attention with rotary position embeddings."""
+    """Grouped-query self-attention with rotary position embeddings (and per-head sinks where the config has
+    them)."""
 
     config: LlamaConfig
     dtype: Any
@@ -95,6 +96,10 @@ class LlamaAttention(nn.Module):
         rope_positions = token_positions(slots, positions, batch)
         inv_freq, rope_scale = frequencies(cfg, slots)
         k, v = extend_cache(self, apply_rope(k, inv_freq, rope_positions, rope_scale), v, slots)
+        sinks = None
+        if cfg.attention_sinks:
+            init = nn.with_logical_partitioning(nn.initializers.normal(std), ("heads",))
+            sinks = nn.meta.unbox(self.param("sinks", init, (heads,), jnp.float32))
         out = attend(
             apply_rope(q, inv_freq, rope_positions, rope_scale),
             k,
@@ -104,6 +109,7 @@ class LlamaAttention(nn.Module):
             segment_ids=segment_ids,
             query_slots=slots if decoding(self) else None,
             window=cfg.attention_window(self.layer),
+            sinks=sinks,
         )
         return dense(
             cfg.hidden_size, ("heads", "embed"), use_bias=cfg.o_bias, dtype=self.dtype, init_std=std, name="o_proj"

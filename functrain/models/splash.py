@@ -3,8 +3,8 @@
 ``jax.experimental.pallas.ops.tpu.splash_attention`` (the kernel MaxText trains with) computes causal softmax
 attention block by block and never holds a ``[T, T]`` score matrix, in the forward or the backward pass. It
 takes what :func:`functrain.models.attention.attend` offers: causal, segment ids (packed documents), a sliding
-window (a ``LocalMask``), grouped-query heads (each query head reads its key/value head; nothing is repeated)
-and Gemma 2's logit soft-cap.
+window (a ``LocalMask``), grouped-query heads (each query head reads its key/value head; nothing is repeated),
+Gemma 2's logit soft-cap and GPT-OSS's attention sinks (one logit per query head).
 
 - The kernel works on one sequence ``[heads, T, head_dim]``: the batch is ``vmap``-ed, and inside a sharded
   ``jit`` (a mesh in context, ``jax.set_mesh``) the call is wrapped in ``shard_map`` over the batch axes
@@ -105,24 +105,27 @@ def _local_attention(
     key: Array,
     value: Array,
     segment_ids: Array | None,
+    sinks: Array | None,
     *,
     block: int,
     window: int | None,
     softcap: float | None,
 ) -> Array:
-    """Splash on this device's ``[B, T, H, D]`` shard (T already padded)."""
+    """Splash on this device's ``[B, T, H, D]`` shard (T already padded) and its heads' ``[H]`` sinks."""
     from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
 
     kernel = _kernel(query.shape[2], query.shape[1], block, window, softcap)
     heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731 -- [B, H, T, D], the kernel's layout
     segments = None if segment_ids is None else SegmentIds(q=segment_ids, kv=segment_ids)
-    out = jax.vmap(kernel)(heads_first(query), heads_first(key), heads_first(value), segment_ids=segments)
+    run = lambda q, k, v, s: kernel(q, k, v, segment_ids=s, sinks=sinks)  # noqa: E731 -- the sinks are per head
+    out = jax.vmap(run)(heads_first(query), heads_first(key), heads_first(value), segments)
     return heads_first(out)
 
 
-def _specs(batch: int, heads: int, kv_heads: int) -> tuple[PartitionSpec, PartitionSpec] | None:
-    """The shard_map specs of ``[B, T, H, D]`` arrays and ``[B, T]`` segment ids under the mesh in context, or
-    None without one. Axes that do not divide their dimension leave it whole (each device then computes it)."""
+def _specs(batch: int, heads: int, kv_heads: int) -> tuple[PartitionSpec, PartitionSpec, PartitionSpec] | None:
+    """The shard_map specs of ``[B, T, H, D]`` arrays, ``[B, T]`` segment ids and ``[H]`` sinks under the mesh in
+    context, or None without one. Axes that do not divide their dimension leave it whole (each device then
+    computes it)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return None
@@ -132,7 +135,7 @@ def _specs(batch: int, heads: int, kv_heads: int) -> tuple[PartitionSpec, Partit
     head_ways = mesh.shape.get(HEAD_AXIS, 1)
     head_axis = HEAD_AXIS if head_ways > 1 and heads % head_ways == 0 and kv_heads % head_ways == 0 else None
     batch_spec = batch_axes or None
-    return PartitionSpec(batch_spec, None, head_axis, None), PartitionSpec(batch_spec, None)
+    return PartitionSpec(batch_spec, None, head_axis, None), PartitionSpec(batch_spec, None), PartitionSpec(head_axis)
 
 
 def splash_attention(
@@ -144,12 +147,14 @@ def splash_attention(
     segment_ids: Array | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: Array | None = None,
 ) -> Array:
     """Causal attention through the splash kernel; arguments and result as
     :func:`functrain.models.attention.attend` (``[B, T, H, D]`` queries, ``[B, T, KV, D]`` keys and values)."""
     batch, length, heads, _ = query.shape
     padded, block = padded_length(length)
     # The kernel has no scale argument: scaling the queries scales the scores (before any soft-cap, as HF does).
+    # The sinks join the scaled scores as they are (HF adds them after scaling).
     query = query * jnp.asarray(scale, query.dtype)
     if padded != length:
         # Padding goes after the real tokens: causality keeps it out of their softmax.
@@ -157,14 +162,13 @@ def splash_attention(
         query, key, value = pad(query), pad(key), pad(value)
         if segment_ids is not None:
             segment_ids = jnp.pad(segment_ids, ((0, 0), (0, padded - length)), constant_values=-1)
-    arrays = (query, key, value) if segment_ids is None else (query, key, value, segment_ids)
 
-    def attention(q: Array, k: Array, v: Array, s: Array | None = None) -> Array:
-        return _local_attention(q, k, v, s, block=block, window=window, softcap=softcap)
+    def attention(q: Array, k: Array, v: Array, s: Array | None, h: Array | None) -> Array:
+        return _local_attention(q, k, v, s, h, block=block, window=window, softcap=softcap)
 
     specs = _specs(batch, heads, key.shape[2])
     if specs is not None:
-        qkv_spec, segment_spec = specs
-        in_specs = (qkv_spec, qkv_spec, qkv_spec, segment_spec)[: len(arrays)]
+        qkv_spec, segment_spec, sinks_spec = specs
+        in_specs = (qkv_spec, qkv_spec, qkv_spec, segment_spec, sinks_spec)  # an absent (None) input has no leaves
         attention = jax.shard_map(attention, in_specs=in_specs, out_specs=qkv_spec, check_vma=False)
-    return attention(*arrays)[:, :length]
+    return attention(query, key, value, segment_ids, sinks)[:, :length]

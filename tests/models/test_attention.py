@@ -69,6 +69,30 @@ def test_fused_attention_matches_the_explicit_softmax():
                                    err_msg=f"{kv_heads} key/value heads, segment ids: {segments}")
 
 
+def test_sinks_take_their_share_of_every_softmax_as_transformers_does():
+    """GPT-OSS's sinks as transformers' eager attention writes them (keys repeated per query head, each head's sink
+    appended to its scores, softmax, the sink's column dropped), with a window and grouped-query heads, against the
+    written-out path ``attend`` takes for them; with very negative sinks it is plain attention again."""
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=(2, 10, heads, 8)), jnp.float32) for heads in (4, 2, 2))
+    sinks = jnp.asarray(rng.normal(size=(4,)), jnp.float32)
+    length = 10
+    slots = jnp.arange(length)
+    allowed = (slots[:, None] >= slots[None]) & (slots[None] > slots[:, None] - 3)
+    scores = jnp.einsum("bthd,bshd->bhts", q, jnp.repeat(k, 2, axis=2)) * 0.3
+    scores = jnp.where(allowed, scores, -jnp.inf)
+    with_sinks = jnp.concatenate([scores, jnp.broadcast_to(sinks[None, :, None, None], (2, 4, length, 1))], -1)
+    probs = jax.nn.softmax(with_sinks, axis=-1)[..., :-1]
+    expected = jnp.einsum("bhts,bshd->bthd", probs, jnp.repeat(v, 2, axis=2))
+    with jax.default_matmul_precision("highest"):
+        got = attend(q, k, v, scale=0.3, kernel="xla", window=3, sinks=sinks)
+        plain = attend(q, k, v, scale=0.3, kernel="xla", window=3)
+        drowned = attend(q, k, v, scale=0.3, kernel="xla", window=3, sinks=jnp.full((4,), -1e4))
+    np.testing.assert_allclose(got, expected, atol=1e-6, rtol=1e-6)
+    np.testing.assert_allclose(drowned, plain, atol=1e-6, rtol=1e-6)
+    assert float(jnp.max(jnp.abs(got - plain))) > 1e-2
+
+
 TINY_MODELS = {
     "gpt": GPTConfig(vocab_size=64, max_len=16, d_model=32, n_layers=1, n_heads=4, d_ff=64),
     "gpt2": GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=4),

@@ -37,6 +37,7 @@ SECTIONS: dict[str, dict[str, Any]] = {
     "qwen3": dict(LLAMA, head_dim=24),
     "gemma2": dict(LLAMA, head_dim=16, sliding_window=8),
     "gemma3_text": dict(LLAMA, head_dim=16, sliding_window=8, num_hidden_layers=7),
+    "gpt_oss": dict(LLAMA, head_dim=16, sliding_window=8, num_local_experts=4, num_experts_per_tok=2),
 }
 
 
@@ -72,8 +73,11 @@ def guessed_shape(config: Any) -> DecoderShape | None:
         return None
     return DecoderShape(layers=layers, width=width, heads=heads, kv_heads=get("kv_heads", "num_key_value_heads") or heads,
                         head_dim=get("attn_head_dim", "head_dim") or width // heads,
-                        mlp_width=get("intermediate_size", "inner_size", "d_ff") or 4 * width,
-                        mlp_matrices=3 if getattr(config, "intermediate_size", None) is not None else 2, vocab=vocab)
+                        # A mixture of experts: the active width (k experts) and the router's outputs.
+                        mlp_width=(get("num_experts_per_tok") or 1) * (get("intermediate_size", "inner_size", "d_ff")
+                                                                        or 4 * width),
+                        mlp_matrices=3 if getattr(config, "intermediate_size", None) is not None else 2, vocab=vocab,
+                        router_width=get("num_local_experts") or 0)
 
 
 @pytest.mark.parametrize("name", sorted(MODEL_FAMILIES))

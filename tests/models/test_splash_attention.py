@@ -55,6 +55,30 @@ def test_splash_matches_xla_in_output_and_gradients():
         np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=1e-5, err_msg=f"d{name}")
 
 
+def test_splash_takes_attention_sinks_in_output_and_gradients():
+    """GPT-OSS's per-head sinks inside the kernel, under a mesh (the sinks follow the heads into shard_map), with
+    a window, packed segments and grouped-query heads: outputs and every gradient, the sinks' included."""
+    rng = np.random.default_rng(1)
+    query, key, value = (jnp.asarray(rng.normal(size=(2, 24, heads, 8)), jnp.float32) for heads in (4, 2, 2))
+    sinks = jnp.asarray(rng.normal(size=(4,)), jnp.float32)
+    cotangent = jnp.asarray(rng.normal(size=(2, 24, 4, 8)), jnp.float32)
+    segment_ids = jnp.asarray([[0] * 10 + [1] * 14, [3] * 24], jnp.int32)
+
+    def output_and_grads(kernel):
+        def weighted(q, k, v, s):
+            out = attend(q, k, v, scale=0.3, kernel=kernel, segment_ids=segment_ids, window=5, sinks=s)
+            return jnp.sum(out * cotangent), out
+        return jax.grad(weighted, argnums=(0, 1, 2, 3), has_aux=True)(query, key, value, sinks)
+
+    with pallas_interpreted(), jax.set_mesh(one_device_mesh()):
+        (splash_grads, splash_out), (xla_grads, xla_out) = jax.jit(
+            lambda: (output_and_grads("splash"), output_and_grads("xla")))()
+    np.testing.assert_allclose(splash_out, xla_out, atol=1e-5, rtol=1e-5)
+    for name, ours, theirs in zip(("q", "k", "v", "sinks"), splash_grads, xla_grads):
+        np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=1e-5, err_msg=f"d{name}")
+    assert float(jnp.max(jnp.abs(xla_grads[3]))) > 1e-2  # the sinks do move the output
+
+
 def random_params(model, tokens, seed=0):
     """Parameters drawn with numpy (compiling threefry for every initializer costs more than the test)."""
     rng = np.random.default_rng(seed)

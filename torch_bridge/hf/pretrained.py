@@ -2,11 +2,14 @@
 
 Conversion is strict: every HF tensor must map to a functrain leaf (or be on the architecture's allow-list
 of buffers and tied heads), every leaf must be filled, and every shape must agree with config.json. All of
-that is checked from file headers before any tensor data is read.
+that is checked from file headers before any tensor data is read. MXFP4 checkpoints (config.json's
+``quantization_config.quant_method: mxfp4``, the released GPT-OSS weights) are dequantized as they are read
+(:mod:`torch_bridge.hf.mxfp4`).
 """
 
 import os
-from typing import Any, Callable
+import re
+from typing import Any, Callable, Iterable
 
 import flax.linen as nn
 import jax
@@ -14,14 +17,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
+from functrain.core.program import logits_of
 from functrain.errors import CheckpointError
 from functrain.models.configs.base import ModelConfig
 from functrain.models.stacking import unstack_layers
-from torch_bridge.hf import reader, writer
+from torch_bridge.hf import mxfp4, reader, writer
 from torch_bridge.hf.mappings import ARCHITECTURES, Architecture, Path, Rule
 
 Place = Callable[[Path, np.ndarray], Any]
-_SUPPORTED_DTYPES = {"F32", "BF16", "F16", "float32", "bfloat16", "float16"}
+_SUPPORTED_DTYPES = {"F32", "BF16", "F16", "float32", "bfloat16", "float16", mxfp4.PACKED_DTYPE}
 
 
 def architecture_for(hf_config: dict[str, Any]) -> Architecture:
@@ -42,15 +46,41 @@ def expected_shapes(arch: Architecture, config: Any) -> dict[Path, tuple[int, ..
     return {path: leaf.shape for path, leaf in flatten_dict(nn.meta.unbox(abstract["params"])).items()}
 
 
+_EXPERT = re.compile(r"layers\.(\d+)\..*experts\.(\d+)\.")
+
+
 def _summary(names: list[str], limit: int = 5) -> str:
-    shown = ", ".join(names[:limit])
+    shown = ", ".join(_named(name) for name in names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def _match_tensors(arch: Architecture, config: Any, infos: dict[str, reader.TensorInfo], where: str) -> dict[str, Rule]:
-    """Map each needed file tensor name to its rule; CheckpointError on missing/unexpected/mis-shaped ones."""
+def _named(name: str) -> str:
+    """``name``, with the layer and expert it belongs to when it is one expert's tensor."""
+    match = _EXPERT.search(name)
+    return f"{name} (layer {match.group(1)}, expert {match.group(2)})" if match else name
+
+
+def _rules_for(arch: Architecture, config: Any, canonical_names: Iterable[str]) -> dict[str, Rule]:
+    """The architecture's table, or its fused-experts table when the file holds names only that one has."""
     rules = {rule.hf_name: rule for rule in arch.rules(config)}
+    if arch.fused_rules is None:
+        return rules
+    fused = {rule.hf_name: rule for rule in arch.fused_rules(config)}
+    return fused if any(name in fused and name not in rules for name in canonical_names) else rules
+
+
+def _leaf_shape(rule: Rule, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape the rule's HF tensor fills of a leaf of ``shape``: one expert's entry for an indexed rule."""
+    return shape if rule.index is None else shape[1:]
+
+
+def _match_tensors(
+    arch: Architecture, config: Any, infos: dict[str, reader.TensorInfo], where: str
+) -> tuple[dict[str, Rule], dict[Path, tuple[int, ...]]]:
+    """Map each needed file tensor name to its rule, with the shape of every leaf; CheckpointError on
+    missing/unexpected/mis-shaped ones."""
     by_canonical = {arch.canonical_name(name): name for name in infos}
+    rules = _rules_for(arch, config, by_canonical)
     unexpected = sorted(
         name
         for canonical, name in by_canonical.items()
@@ -75,14 +105,16 @@ def _match_tensors(arch: Architecture, config: Any, infos: dict[str, reader.Tens
                 "only float32, bfloat16 and float16 weights are supported"
             )
         got = rule.functrain_shapes(info.shape)
-        want = tuple(shapes[path] for path in rule.paths)
+        want = tuple(_leaf_shape(rule, shapes[path]) for path in rule.paths)
+        if isinstance(info, mxfp4.PackedInfo):
+            mxfp4.check_shape(info, rule.hf_shape(want))
         if got != want:
             raise CheckpointError(
                 f"{info.name} has shape {list(info.shape)} but config.json implies "
                 f"{list(rule.hf_shape(want))}; config.json does not describe these weights"
             )
         needed[info.name] = rule
-    return needed
+    return needed, shapes
 
 
 def read_params(hf_dir: str | os.PathLike, place: Place | None = None) -> tuple[dict[str, Any], Any]:
@@ -96,11 +128,24 @@ def read_params(hf_dir: str | os.PathLike, place: Place | None = None) -> tuple[
     arch = architecture_for(hf_config)
     config = arch.model.from_hf_config(hf_config)
     weights = reader.find_weights(hf_dir)
-    needed = _match_tensors(arch, config, reader.catalog(weights), str(hf_dir))
+    infos = reader.catalog(weights)
+    if (hf_config.get("quantization_config") or {}).get("quant_method") == "mxfp4":
+        infos = mxfp4.unpacked_catalog(infos)
+    needed, shapes = _match_tensors(arch, config, infos, str(hf_dir))
+    packed = {name: info for name, info in infos.items() if isinstance(info, mxfp4.PackedInfo) and name in needed}
+    file_names = {part.name for info in packed.values() for part in (info.blocks, info.scales)} | set(needed)
     flat: dict[Path, Any] = {}
-    for name, array in reader.stream(weights, set(needed)):
+    stacking: dict[Path, tuple[np.ndarray, set[int]]] = {}  # stacked leaves being filled, expert by expert
+    for name, array in mxfp4.unpacked_stream(reader.stream(weights, file_names), packed):
         rule = needed[name]
         for path, leaf in zip(rule.paths, rule.to_functrain(array)):
+            if rule.index is not None:
+                stacked, filled = stacking.setdefault(path, (np.empty(shapes[path], leaf.dtype), set()))
+                stacked[rule.index] = leaf
+                filled.add(rule.index)
+                if len(filled) < shapes[path][0]:
+                    continue
+                leaf = stacking.pop(path)[0]
             flat[path] = leaf if place is None else place(path, leaf)
         del array  # drop the file-order copy before the next read
     return unflatten_dict(flat), config
@@ -127,7 +172,7 @@ def load_pretrained(
 
     @jax.jit
     def apply_fn(params: Any, input_ids: Any) -> jax.Array:
-        return module.apply({"params": params}, input_ids)
+        return logits_of(module.apply({"params": params}, input_ids))
 
     return apply_fn, params, config
 
@@ -162,7 +207,7 @@ def save_pretrained(params: Any, config: Any, out_dir: str | os.PathLike, max_sh
     shard_bytes = writer.parse_size(max_shard_size)
     rules = {rule.hf_name: rule for rule in arch.rules(config)}
     sizes = {
-        name: sum(int(np.prod(shapes[p])) * np.dtype(flat[p].dtype).itemsize for p in rule.paths)
+        name: sum(int(np.prod(_leaf_shape(rule, shapes[p]))) * np.dtype(flat[p].dtype).itemsize for p in rule.paths)
         for name, rule in rules.items()
     }
     dtypes = {np.dtype(leaf.dtype).name for leaf in flat.values()}
@@ -171,7 +216,8 @@ def save_pretrained(params: Any, config: Any, out_dir: str | os.PathLike, max_sh
 
     def tensor(name: str) -> np.ndarray:
         rule = rules[name]
-        return rule.to_hf(tuple(np.asarray(jax.device_get(flat[p])) for p in rule.paths))
+        parts = (flat[p] if rule.index is None else flat[p][rule.index] for p in rule.paths)
+        return rule.to_hf(tuple(np.asarray(jax.device_get(part)) for part in parts))
 
     with writer.staged_directory(out_dir) as staging:
         writer.write_hf_dir(staging, hf_config, list(rules), sizes, tensor, shard_bytes)

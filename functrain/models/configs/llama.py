@@ -75,6 +75,11 @@ class LlamaConfig(HFModelConfig):
         """Whether queries and keys are RMS-normalised per head before RoPE (``q_norm``/``k_norm``)."""
         return False
 
+    @property
+    def attention_sinks(self) -> bool:
+        """Whether each query head has a learned sink logit in its softmax (``self_attn.sinks``, GPT-OSS)."""
+        return False
+
     def attention_window(self, layer: int) -> int | None:
         """Sliding-window size of ``layer``'s attention (keys within the last ``window`` positions); None: full."""
         return None
