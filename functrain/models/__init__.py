@@ -10,6 +10,7 @@ import importlib
 from typing import Any
 
 from functrain.models.configs.base import FamilyConfig
+from functrain.models.configs.deepseek_v3 import DeepseekV3Config
 from functrain.models.configs.gemma2 import Gemma2Config
 from functrain.models.configs.gemma3 import Gemma3TextConfig
 from functrain.models.configs.gpt import GPTConfig
@@ -33,6 +34,7 @@ MODEL_FAMILIES: dict[str, tuple[type[FamilyConfig], str]] = {
     "phi3": (Phi3Config, "functrain.models.phi3"),
     "qwen2": (Qwen2Config, "functrain.models.qwen2"),
     "qwen3": (Qwen3Config, "functrain.models.qwen3"),
+    "deepseek_v3": (DeepseekV3Config, "functrain.models.deepseek_v3"),
 }
 
 

@@ -17,7 +17,7 @@ from typing import Any, Callable, Literal
 
 import numpy as np
 
-from functrain.models import gemma2, gemma3, gpt2, llama, mistral, phi3, qwen2, qwen3
+from functrain.models import deepseek_v3, gemma2, gemma3, gpt2, llama, mistral, phi3, qwen2, qwen3
 
 Path = tuple[str, ...]
 Kind = Literal["copy", "transpose", "split3", "split_rows"]
@@ -99,6 +99,9 @@ class Architecture:
     rules: Callable[[Any], list[Rule]]
     canonical_name: Callable[[str], str]  # old exports spell some names differently
     ignorable: Callable[[str, Any], bool]  # allow-listed HF tensors with no functrain leaf
+    # The part of the model an HF tensor belongs to when conversion knowingly leaves it out (named in one log
+    # line: DeepSeek-V3's multi-token-prediction layer), else None.
+    left_out: Callable[[str, Any], str | None] = lambda name, config: None
 
 
 def _linear(hf_prefix: str, path: Path, bias: bool) -> list[Rule]:
@@ -225,11 +228,45 @@ def _gemma2_ignorable(name: str, cfg: gemma2.Gemma2Config) -> bool:
     return name == "lm_head.weight" or name == "model.embed_tokens.embed_scale"  # tied head; a buffer
 
 
+def _deepseek_v3_rules(cfg: deepseek_v3.DeepseekV3Config) -> list[Rule]:
+    """DeepSeek-V3: latent attention; HF's layer ``i`` is ``dense_layers_{i}`` or ``moe_layers_{i - k}``."""
+    rules = [Rule("model.embed_tokens.weight", (("embed_tokens", "embedding"),))]
+    for i in range(cfg.num_hidden_layers):
+        hf, layer = f"model.layers.{i}", deepseek_v3.hf_layer_path(cfg, i)
+        attention = {"kv_a_proj_with_mqa": cfg.attention_bias, "kv_b_proj": False, "o_proj": cfg.attention_bias}
+        attention.update(
+            {"q_proj": False} if cfg.q_lora_rank is None else {"q_a_proj": cfg.attention_bias, "q_b_proj": False}
+        )
+        for proj, bias in attention.items():
+            rules += _linear(f"{hf}.self_attn.{proj}", (layer, "self_attn", proj), bias)
+        for norm in ("kv_a_layernorm",) + (() if cfg.q_lora_rank is None else ("q_a_layernorm",)):
+            rules.append(Rule(f"{hf}.self_attn.{norm}.weight", ((layer, "self_attn", norm, "scale"),)))
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            rules += _linear(f"{hf}.mlp.{proj}", (layer, "mlp", proj), False)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            rules.append(Rule(f"{hf}.{norm}.weight", ((layer, norm, "scale"),)))
+    rules.append(Rule("model.norm.weight", (("norm", "scale"),)))
+    if not cfg.tie_word_embeddings:
+        rules += _linear("lm_head", ("lm_head",), bias=False)
+    return rules
+
+
 _LLAMA_BUFFERS = re.compile(r"model\.(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
 
 
 def _llama_ignorable(name: str, cfg: llama.LlamaConfig) -> bool:
     return bool(_LLAMA_BUFFERS.fullmatch(name)) or (cfg.tie_word_embeddings and name == "lm_head.weight")
+
+
+_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _deepseek_v3_left_out(name: str, cfg: deepseek_v3.DeepseekV3Config) -> str | None:
+    # Released checkpoints carry the multi-token-prediction module as the layers past num_hidden_layers.
+    layer = _HF_LAYER.match(name)
+    if layer is None or int(layer.group(1)) < cfg.num_hidden_layers:
+        return None
+    return f"the multi-token-prediction layer model.layers.{layer.group(1)}"
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -242,4 +279,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "phi3": Architecture("phi3", phi3, _phi3_rules, lambda name: name, _llama_ignorable),
     "gemma2": Architecture("gemma2", gemma2, _gemma2_rules, lambda name: name, _gemma2_ignorable),
     "gemma3_text": Architecture("gemma3_text", gemma3, _gemma2_rules, lambda name: name, _gemma2_ignorable),
+    "deepseek_v3": Architecture(
+        "deepseek_v3", deepseek_v3, _deepseek_v3_rules, lambda name: name, _llama_ignorable, _deepseek_v3_left_out
+    ),
 }

@@ -5,6 +5,7 @@ of buffers and tied heads), every leaf must be filled, and every shape must agre
 that is checked from file headers before any tensor data is read.
 """
 
+import logging
 import os
 from typing import Any, Callable
 
@@ -17,9 +18,10 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from functrain.errors import CheckpointError
 from functrain.models.configs.base import ModelConfig
 from functrain.models.stacking import unstack_layers
-from torch_bridge.hf import reader, writer
+from torch_bridge.hf import fp8, reader, writer
 from torch_bridge.hf.mappings import ARCHITECTURES, Architecture, Path, Rule
 
+logger = logging.getLogger(__name__)
 Place = Callable[[Path, np.ndarray], Any]
 _SUPPORTED_DTYPES = {"F32", "BF16", "F16", "float32", "bfloat16", "float16"}
 
@@ -47,15 +49,35 @@ def _summary(names: list[str], limit: int = 5) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def _match_tensors(arch: Architecture, config: Any, infos: dict[str, reader.TensorInfo], where: str) -> dict[str, Rule]:
-    """Map each needed file tensor name to its rule; CheckpointError on missing/unexpected/mis-shaped ones."""
+def _left_out(arch: Architecture, config: Any, names: list[str], where: str) -> None:
+    """One log line for each part of the checkpoint the architecture knowingly leaves out (DeepSeek-V3's
+    multi-token-prediction layer), naming it and its tensors."""
+    parts: dict[str, list[str]] = {}
+    for name in names:
+        part = arch.left_out(arch.canonical_name(name), config)
+        if part is not None:
+            parts.setdefault(part, []).append(name)
+    for part, tensors in parts.items():
+        logger.warning(
+            "%s: left out %s (%d tensors: %s); functrain's model does not use it", where, part, len(tensors),
+            _summary(sorted(tensors), 2),
+        )  # fmt: skip
+
+
+def _match_tensors(
+    arch: Architecture, config: Any, infos: dict[str, reader.TensorInfo], where: str, block: tuple[int, int] | None
+) -> tuple[dict[str, Rule], dict[str, str]]:
+    """Map each needed file tensor name to its rule, and each FP8 weight among them to its scales' name;
+    CheckpointError on missing/unexpected/mis-shaped ones."""
     rules = {rule.hf_name: rule for rule in arch.rules(config)}
-    by_canonical = {arch.canonical_name(name): name for name in infos}
+    scales = {name for name in infos if block is not None and name.endswith(fp8.SCALE_SUFFIX)}
+    by_canonical = {arch.canonical_name(name): name for name in infos if name not in scales}
     unexpected = sorted(
         name
         for canonical, name in by_canonical.items()
-        if canonical not in rules and not arch.ignorable(canonical, config)
+        if canonical not in rules and not arch.ignorable(canonical, config) and arch.left_out(canonical, config) is None
     )
+    unexpected += sorted(name for name in scales if name.removesuffix(fp8.SCALE_SUFFIX) not in infos)
     missing = sorted(name for name in rules if name not in by_canonical)
     if missing or unexpected:
         parts = ([f"missing {_summary(missing)}"] if missing else []) + (
@@ -65,14 +87,17 @@ def _match_tensors(arch: Architecture, config: Any, infos: dict[str, reader.Tens
             f"{where} does not match a {arch.model_type} model with this config.json: "
             f"{'; '.join(parts)}; check config.json or convert a supported checkpoint"
         )
+    _left_out(arch, config, list(by_canonical.values()), where)
     shapes = expected_shapes(arch, config)
-    needed = {}
+    needed, scale_of = {}, {}
     for hf_name, rule in rules.items():
         info = infos[by_canonical[hf_name]]
-        if info.dtype not in _SUPPORTED_DTYPES:
+        if fp8.scale_name(info.name) in scales:
+            scale_of[info.name] = fp8.scale_name(info.name)
+        elif info.dtype not in _SUPPORTED_DTYPES:
             raise CheckpointError(
-                f"{info.name} in {info.file.name} has dtype {info.dtype}; "
-                "only float32, bfloat16 and float16 weights are supported"
+                f"{info.name} in {info.file.name} has dtype {info.dtype}; only float32, bfloat16 and float16 "
+                "weights are supported, and float8 ones with their weight_scale_inv under an fp8 quantization_config"
             )
         got = rule.functrain_shapes(info.shape)
         want = tuple(shapes[path] for path in rule.paths)
@@ -82,7 +107,7 @@ def _match_tensors(arch: Architecture, config: Any, infos: dict[str, reader.Tens
                 f"{list(rule.hf_shape(want))}; config.json does not describe these weights"
             )
         needed[info.name] = rule
-    return needed
+    return needed, scale_of
 
 
 def read_params(hf_dir: str | os.PathLike, place: Place | None = None) -> tuple[dict[str, Any], Any]:
@@ -90,15 +115,22 @@ def read_params(hf_dir: str | os.PathLike, place: Place | None = None) -> tuple[
 
     ``place(path, array)`` receives each finished leaf (path is a tuple of param keys, array numpy) and
     returns what to store, e.g. a ``jax.Array`` on its target sharding; by default leaves stay numpy.
-    Dtypes are kept (bf16 stays bf16).
+    Dtypes are kept (bf16 stays bf16); block-quantised FP8 weights become float32 (:mod:`torch_bridge.hf.fp8`).
     """
     hf_config = reader.read_config(hf_dir)
     arch = architecture_for(hf_config)
     config = arch.model.from_hf_config(hf_config)
     weights = reader.find_weights(hf_dir)
-    needed = _match_tensors(arch, config, reader.catalog(weights), str(hf_dir))
+    block = fp8.block_shape(hf_config)
+    needed, scale_of = _match_tensors(arch, config, reader.catalog(weights), str(hf_dir), block)
+    # The scales first (one number per block: small), then each weight dequantised as it streams.
+    scales = dict(reader.stream(weights, set(scale_of.values())))
+    by_weight = {weight: scales[scale] for weight, scale in scale_of.items()}
+    tensors = reader.stream(weights, set(needed))
+    if block is not None:
+        tensors = fp8.dequantized(tensors, by_weight, block)
     flat: dict[Path, Any] = {}
-    for name, array in reader.stream(weights, set(needed)):
+    for name, array in tensors:
         rule = needed[name]
         for path, leaf in zip(rule.paths, rule.to_functrain(array)):
             flat[path] = leaf if place is None else place(path, leaf)
