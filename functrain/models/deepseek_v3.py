@@ -115,10 +115,8 @@ class DeepseekV3ForCausalLM(nn.Module):
                        name="embed_tokens")  # fmt: skip
         x = constrain_batch(tokens(input_ids))
         block = remat_block(DeepseekV3Block, cfg.remat, prevent_cse=not cfg.scan_layers)
-        for moe, count, prefix in (
-            (False, cfg.dense_layers, DENSE_PREFIX),
-            (True, cfg.num_hidden_layers - cfg.dense_layers, MOE_PREFIX),
-        ):
+        runs = ((False, cfg.dense_layers, DENSE_PREFIX), (True, cfg.num_hidden_layers - cfg.dense_layers, MOE_PREFIX))
+        for moe, count, prefix in (run for run in runs if run[1]):
 
             def make_block(i: int, name: str, moe: bool = moe) -> nn.Module:
                 return block(cfg, self.dtype, moe, name=name)
