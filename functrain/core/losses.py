@@ -21,6 +21,7 @@ tensors share and the two framework-specific operations passed in as :class:`Arr
 calls the same functions with its own ops (this module never imports torch).
 """
 
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
@@ -30,10 +31,14 @@ import jax.numpy as jnp
 import optax
 
 from functrain.core.fields import Fields
+from functrain.core.model_terms import add_model_terms, logits_of
 from functrain.data.validate import BatchCheck, FieldRule
 
 # Per-token fields of a packed LM batch that the model takes as keyword arguments.
 SEQUENCE_FIELDS = ("segment_ids", "positions")
+# The keyword marking an LM's real input tokens, for models that count per-token statistics (a mixture of
+# experts' router); a model gets it only when its call names it.
+TOKEN_MASK = "token_mask"
 # HF's label for a token that carries no loss.
 IGNORE_INDEX = -100
 
@@ -43,12 +48,14 @@ def model_inputs(kind: str, batch: dict) -> Any:
     return batch["x"] if kind == "classifier" else batch["tokens"][:, :-1]
 
 
-def model_keywords(kind: str, batch: dict) -> dict[str, Any]:
+def model_keywords(kind: str, batch: dict, ops: "ArrayOps | None" = None) -> dict[str, Any]:
     """The model's keyword inputs: a causal LM's ``segment_ids`` / ``positions`` / ``attention_mask`` of its
-    input tokens, those the batch has; ``{}`` otherwise."""
+    input tokens, those the batch has, and with ``ops`` its ``token_mask`` (:func:`input_token_mask`); ``{}``
+    otherwise."""
     if kind != "causal_lm":
         return {}
-    return {name: batch[name][:, :-1] for name in (*SEQUENCE_FIELDS, "attention_mask") if name in batch}
+    keywords = {name: batch[name][:, :-1] for name in (*SEQUENCE_FIELDS, "attention_mask") if name in batch}
+    return keywords if ops is None else {**keywords, TOKEN_MASK: input_token_mask(batch, ops)}
 
 
 @dataclass(frozen=True)
@@ -65,6 +72,16 @@ JAX_OPS = ArrayOps(as_float=lambda x: jnp.asarray(x).astype(jnp.float32), broadc
 def example_weights(batch: Mapping[str, Any], ops: ArrayOps) -> Any:
     """``[B]``: how much each example counts (its ``weight``; 0 for padding rows)."""
     return ops.as_float(batch["weight"])
+
+
+def input_token_mask(batch: Mapping[str, Any], ops: ArrayOps) -> Any:
+    """``[B, L-1]``: 1 on the real input tokens of an LM batch, 0 on padding (a row of weight 0, a token whose HF
+    ``attention_mask`` is 0): what a model's per-token statistics count (an MoE's router)."""
+    inputs = batch["tokens"][:, :-1]
+    real = ops.broadcast_to(ops.as_float(example_weights(batch, ops) > 0)[:, None], tuple(inputs.shape))
+    if "attention_mask" in batch:
+        real = real * ops.as_float(batch["attention_mask"][:, :-1] != 0)
+    return real
 
 
 def lm_targets(batch: Mapping[str, Any]) -> Any:
@@ -130,14 +147,19 @@ LOSSES = {"classifier": classifier_sums, "causal_lm": causal_lm_sums}
 
 def _bound_loss(kind: str, model: nn.Module, deterministic: bool) -> Callable:
     def loss_fn(params, batch, rng):
-        logits = model.apply(
+        keywords = model_keywords(kind, batch, JAX_OPS)
+        if TOKEN_MASK not in inspect.signature(type(model).__call__).parameters:
+            keywords.pop(TOKEN_MASK, None)
+        output = model.apply(
             {"params": params},
             model_inputs(kind, batch),
             deterministic=deterministic,
             rngs={"dropout": rng},
-            **model_keywords(kind, batch),
+            **keywords,
         )
-        return LOSSES[kind](logits, batch)
+        loss_sum, weight, aux = LOSSES[kind](logits_of(output), batch)
+        loss_sum, aux = add_model_terms(output, loss_sum, weight, aux)
+        return loss_sum, weight, aux
 
     return loss_fn
 

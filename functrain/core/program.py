@@ -20,6 +20,10 @@
       state_logical_specs() -> {entry: tree of PartitionSpec}: model-state entries sharded by logical axes of
         their own under the mesh rules (a distillation teacher's weights); None: every model-state leaf takes the
         sharding of a param with its path suffix and shape, else is replicated
+      batch_totals(params, model_state, batch, rng) -> tree of sums: what the loss needs summed over the whole
+        global batch before any micro-batch's gradient (an MoE's expert counts under global-batch balancing,
+        :mod:`functrain.core.model_terms`); the step runs it forward-only over every micro-batch and passes the
+        total as ``loss_fn(..., totals=...)``; None: the loss needs none
 
 A task (:mod:`functrain.tasks`) builds its Program on the model's pieces (:func:`program_on`), after transforms
 (LoRA: :func:`functrain.models.lora.lora_transform`) turned the pieces into others.
@@ -59,7 +63,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from functrain.core.fields import Fields, canonical, require_builtin, resolve_fields
-from functrain.core.losses import LOSSES, model_inputs, model_keywords
+from functrain.core.losses import JAX_OPS, LOSSES, TOKEN_MASK, model_inputs, model_keywords
+from functrain.core.model_terms import add_model_terms, batch_totals, logits_of, wants_batch_totals
 from functrain.errors import ConfigError, DataError
 
 Batch = dict[str, Any]
@@ -93,6 +98,7 @@ class Program:
     complete_params: Callable[[Any, jax.Array], Any] | None = None
     state_for_params: Callable[[Any, Any], Any] | None = None
     state_logical_specs: Callable[[], dict[str, Any]] | None = None
+    batch_totals: Callable | None = None
 
 
 def program_on(
@@ -103,9 +109,11 @@ def program_on(
     init: Callable[[jax.Array], tuple[Any, Any]] | None = None,
     state_for_params: Callable[[Any, Any], Any] | None = None,
     state_logical_specs: Callable[[], dict[str, Any]] | None = None,
+    batch_totals: Callable | None = None,
 ) -> Program:
     """The Program of a loss built on ``pieces``, keeping what their transforms froze (``init``: the pieces'
-    unless the task adds model-state entries of its own, ``state_logical_specs`` the logical axes of those)."""
+    unless the task adds model-state entries of its own, ``state_logical_specs`` the logical axes of those,
+    ``batch_totals`` the global sums its loss needs first)."""
     return Program(
         init or pieces.init,
         loss_fn,
@@ -115,6 +123,7 @@ def program_on(
         complete_params=pieces.complete_params,
         state_for_params=state_for_params,
         state_logical_specs=state_logical_specs,
+        batch_totals=batch_totals,
     )
 
 
@@ -126,11 +135,6 @@ class FunctionalModel(NamedTuple):
 
     init: Callable[[jax.Array, Batch], Any]
     apply: Callable[[Any, Any], Any]
-
-
-def logits_of(output: Any) -> Any:
-    """The logits of a model's output: the array itself, or the ``.logits`` of an output object."""
-    return getattr(output, "logits", output)
 
 
 # ------------------------------------------------------------------------------------------ adapters
@@ -158,7 +162,10 @@ def _supported(keywords: dict[str, Any], names: set[str] | None) -> dict[str, An
     """``keywords`` as the model takes them. An HF ``attention_mask`` goes to a model that takes no such
     argument as ``segment_ids`` when it takes those (functrain's models): padding and real tokens are then two
     segments, so no real token attends to a padded key, as with HF's mask. A model that takes neither gets
-    no mask: exact for right padding, where only padded queries (never counted) see padded keys."""
+    no mask: exact for right padding, where only padded queries (never counted) see padded keys. The
+    ``token_mask`` goes only to a model whose call names it."""
+    if TOKEN_MASK in keywords and (names is None or TOKEN_MASK not in names):
+        keywords = {name: value for name, value in keywords.items() if name != TOKEN_MASK}
     if "attention_mask" not in keywords or names is None or "attention_mask" in names:
         return keywords
     kept = {name: value for name, value in keywords.items() if name != "attention_mask"}
@@ -309,19 +316,45 @@ def _fields(batch: Batch) -> list[str]:
     return sorted(name for name in batch if name != "weight")
 
 
-def builtin_loss(apply: Apply, kind: str, train: bool, fields: Fields | None = None) -> Callable:
-    """The built-in loss of ``kind`` on the logits of ``apply``, in the stateful form; ``fields``: the batch's
-    roles when its names are not the loss's own (see :func:`functrain.core.fields.canonical`)."""
+def _builtin_forward(apply: Apply, kind: str, train: bool, fields: Fields | None) -> Callable:
+    """``forward(params, model_state, batch, rng) -> (output, (loss_sum, weight, aux), new_state)``."""
     sums = LOSSES[kind]
 
-    def loss_fn(params, model_state, batch, rng):
+    def forward(params, model_state, batch, rng):
         batch = batch if fields is None else canonical(fields, batch)
         output, new_state = apply(
-            params, model_state, model_inputs(kind, batch), train, rng, **model_keywords(kind, batch)
+            params, model_state, model_inputs(kind, batch), train, rng, **model_keywords(kind, batch, JAX_OPS)
         )
-        return (*sums(logits_of(output), batch), new_state)
+        return output, sums(logits_of(output), batch), new_state
+
+    return forward
+
+
+def builtin_loss(apply: Apply, kind: str, train: bool, fields: Fields | None = None) -> Callable:
+    """The built-in loss of ``kind`` on the logits of ``apply``, in the stateful form, with the terms the
+    model's output carries (:mod:`functrain.core.model_terms`; ``totals``: the global batch's sums they need,
+    None: this batch's own); ``fields``: the batch's roles when its names are not the loss's own (see
+    :func:`functrain.core.fields.canonical`)."""
+    forward = _builtin_forward(apply, kind, train, fields)
+
+    def loss_fn(params, model_state, batch, rng, totals=None):
+        output, (loss_sum, weight, aux), new_state = forward(params, model_state, batch, rng)
+        loss_sum, aux = add_model_terms(output, loss_sum, weight, aux, totals)
+        return loss_sum, weight, aux, new_state
 
     return loss_fn
+
+
+def builtin_batch_totals(apply: Apply, kind: str, fields: Fields | None = None) -> Callable:
+    """``(params, model_state, batch, rng) -> the sums`` a training forward's terms need over the global batch
+    (:func:`functrain.core.model_terms.batch_totals`)."""
+    forward = _builtin_forward(apply, kind, True, fields)
+
+    def totals_fn(params, model_state, batch, rng):
+        output, (_, weight, _), _ = forward(params, model_state, batch, rng)
+        return batch_totals(output, weight)
+
+    return totals_fn
 
 
 def _positional_arity(loss_fn: Callable) -> int | None:
@@ -359,17 +392,18 @@ def user_loss(loss_fn: Callable, train: bool = True) -> Callable:
     return evaluation_loss
 
 
-def check_logits(apply: Apply, kind: str, params: Any, model_state: Any, batch: Batch) -> None:
+def check_logits(apply: Apply, kind: str, params: Any, model_state: Any, batch: Batch) -> Any:
     """The model's output must be the logits the built-in loss of ``kind`` reads (shapes only; ``batch``
-    under the loss's own names)."""
-    output = jax.eval_shape(
-        lambda p, s, b: logits_of(
-            apply(p, s, model_inputs(kind, b), False, jax.random.PRNGKey(0), **model_keywords(kind, b))[0]
-        ),
+    under the loss's own names); returns the output (shapes: what else it carries, :mod:`.model_terms`)."""
+    model_output = jax.eval_shape(
+        lambda p, s, b: apply(
+            p, s, model_inputs(kind, b), False, jax.random.PRNGKey(0), **model_keywords(kind, b, JAX_OPS)
+        )[0],
         params,
         model_state,
         batch,
     )
+    output = logits_of(model_output)
     rows = len(batch["weight"])
     wanted = (rows,) if kind == "classifier" else np.shape(batch["tokens"][:, 1:])
     shape = tuple(getattr(output, "shape", ()))
@@ -385,6 +419,7 @@ def check_logits(apply: Apply, kind: str, params: Any, model_state: Any, batch: 
             f"the model returns {got}, not the logits {need} (batch {list(wanted)}) the built-in "
             f"{kind} loss reads; return logits from the model or pass loss_fn="
         )
+    return model_output
 
 
 def _contract(stateful: bool) -> str:
@@ -502,11 +537,12 @@ def builtin_program(pieces: ModelPieces, fields: Fields, example_batch: Batch) -
     if loss_kind is None:
         raise ValueError("builtin_program needs fields of a built-in loss (require_builtin gives them)")
     params, model_state = jax.eval_shape(pieces.init, jax.random.PRNGKey(0))
-    check_logits(pieces.apply, loss_kind, params, model_state, canonical(fields, example_batch))
+    output = check_logits(pieces.apply, loss_kind, params, model_state, canonical(fields, example_batch))
     return program_on(
         pieces,
         builtin_loss(pieces.apply, loss_kind, True, fields),
         builtin_loss(pieces.apply, loss_kind, False, fields),
+        batch_totals=builtin_batch_totals(pieces.apply, loss_kind, fields) if wants_batch_totals(output) else None,
     )
 
 

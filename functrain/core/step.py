@@ -8,6 +8,11 @@ global sums: XLA inserts the cross-device reductions.
 
 A model with mutable collections passes ``stateful=True``; its loss function is then
 ``loss_fn(params, model_state, batch, rng) -> (loss_sum, weight_sum, aux, new_model_state)``.
+
+A loss that needs sums over the whole global batch before any gradient (an MoE balanced over the global batch:
+:mod:`functrain.core.model_terms`) comes with ``batch_totals(params, model_state, micro_batch, rng) -> sums``:
+with several micro-batches the step first runs it forward-only over each and passes the total to every
+micro-batch's loss as ``loss_fn(..., totals=total)``; with one, the loss's own forward holds them already.
 """
 
 from dataclasses import dataclass
@@ -64,6 +69,23 @@ def _as_stateful(loss_fn: Callable, stateful: bool) -> Callable:
     return stateful_loss
 
 
+def _global_totals(
+    batch_totals: Callable, params: Any, model_state: Any, batch: Batch, rng: jax.Array, micro_batches: int
+) -> Any:
+    """``batch_totals`` summed over the micro-batches of one batch (forward only; keys as the gradient pass's)."""
+    micro = split_micro_batches(batch, micro_batches)
+
+    def add(total, inputs):
+        index, micro_batch = inputs
+        sums = batch_totals(params, model_state, micro_batch, jax.random.fold_in(rng, index))
+        return jax.tree.map(jnp.add, total, sums), None
+
+    first = jax.tree.map(lambda x: x[0], micro)
+    shapes = jax.eval_shape(batch_totals, params, model_state, first, rng)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    return jax.lax.scan(add, zeros, (jnp.arange(micro_batches), micro))[0]
+
+
 def _gradient_sums(
     loss_fn: Callable,
     params: Any,
@@ -73,11 +95,14 @@ def _gradient_sums(
     micro_batches: int,
     compute_dtype: Any,
     loss_scale: jax.Array,
+    totals: Any = None,
 ):
-    """Sum of (scaled) gradients, loss, weight and aux over the micro-batches of one batch."""
+    """Sum of (scaled) gradients, loss, weight and aux over the micro-batches of one batch (each micro-batch's
+    loss given the global ``totals`` when not None)."""
+    given = {} if totals is None else {"totals": totals}
 
     def scaled_loss(p, ms, micro_batch, key):
-        loss_sum, weight, aux, new_ms = loss_fn(cast_floating(p, compute_dtype), ms, micro_batch, key)
+        loss_sum, weight, aux, new_ms = loss_fn(cast_floating(p, compute_dtype), ms, micro_batch, key, **given)
         loss_sum = loss_sum.astype(jnp.float32)
         return loss_sum * loss_scale, (loss_sum, jnp.asarray(weight, jnp.float32), aux, new_ms)
 
@@ -149,6 +174,7 @@ def make_train_step(
     learning_rate_fn: Callable[[jax.Array], jax.Array] | None = None,
     stateful: bool = False,
     trainable: Any = None,
+    batch_totals: Callable | None = None,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
     """Build the pure ``train_step(state, batch) -> (state, metrics)``.
 
@@ -164,6 +190,7 @@ def make_train_step(
       stateful: ``loss_fn`` takes and returns ``model_state`` (see the module docstring).
       trainable: a tree of bools shaped like the params: only those leaves are differentiated and updated,
         the others stay frozen (LoRA); ``tx`` must then be wrapped with `trainable_only`. None: all train.
+      batch_totals: the global sums the (stateful-form) loss needs first, see the module docstring; None: none.
 
     A non-finite loss or gradient never reaches the parameters: that update is skipped (params, optimizer
     and model state stay as they were), counted in ``skipped_steps`` and flagged by the ``nonfinite``
@@ -185,11 +212,15 @@ def make_train_step(
             params, frozen = select(state.params, trainable), select(state.params, trainable, False)
             frozen_compute = cast_floating(frozen, compute_dtype)
 
-            def loss(p, ms, b, key):
-                return full_loss(combine(trainable, p, frozen_compute), ms, b, key)
+            def loss(p, ms, b, key, **totals):
+                return full_loss(combine(trainable, p, frozen_compute), ms, b, key, **totals)
 
+        totals = None
+        if batch_totals is not None and micro_batches > 1:
+            all_params = cast_floating(state.params, compute_dtype)
+            totals = _global_totals(batch_totals, all_params, state.model_state, batch, state.step_key(), micro_batches)
         grad_sums, loss_sum, weight, aux, new_model_state = _gradient_sums(
-            loss, params, state.model_state, batch, state.step_key(), micro_batches, compute_dtype, scale
+            loss, params, state.model_state, batch, state.step_key(), micro_batches, compute_dtype, scale, totals
         )
         # One division by the global weight; max() keeps an all-padding batch from dividing by zero.
         denominator = jnp.maximum(weight, 1e-12)

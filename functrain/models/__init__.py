@@ -17,6 +17,7 @@ from functrain.models.configs.gpt import GPTConfig
 from functrain.models.configs.gpt2 import GPT2Config
 from functrain.models.configs.llama import LlamaConfig
 from functrain.models.configs.mistral import MistralConfig
+from functrain.models.configs.mixtral import MixtralConfig
 from functrain.models.configs.mlp import MLPConfig
 from functrain.models.configs.phi3 import Phi3Config
 from functrain.models.configs.qwen2 import Qwen2Config
@@ -31,6 +32,7 @@ MODEL_FAMILIES: dict[str, tuple[type[FamilyConfig], str]] = {
     "gpt2": (GPT2Config, "functrain.models.gpt2"),
     "llama": (LlamaConfig, "functrain.models.llama"),
     "mistral": (MistralConfig, "functrain.models.mistral"),
+    "mixtral": (MixtralConfig, "functrain.models.mixtral"),
     "phi3": (Phi3Config, "functrain.models.phi3"),
     "qwen2": (Qwen2Config, "functrain.models.qwen2"),
     "qwen3": (Qwen3Config, "functrain.models.qwen3"),

@@ -32,7 +32,9 @@ def activation(name: str) -> Callable[[Array], Array]:
     return FUNCTIONS[ACTIVATIONS[check_activation(name)]]
 
 
-def dense(features: int, axes: tuple[str, str], *, use_bias: bool, dtype: Any, init_std: float, name: str) -> nn.Dense:
+def dense(
+    features: int, axes: tuple[str | None, str | None], *, use_bias: bool, dtype: Any, init_std: float, name: str
+) -> nn.Dense:
     """A float32 Dense layer whose kernel (and bias) carry logical axis names for sharding."""
     return nn.Dense(
         features,

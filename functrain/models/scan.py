@@ -18,6 +18,7 @@ from typing import Any, Callable, Hashable, Sequence
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from functrain.models.configs.base import ModelConfig
 from functrain.models.stacking import SLOT_PREFIX, STACK_SUFFIX
@@ -42,12 +43,25 @@ class _Group(nn.Module):
     make_block: MakeBlock
     period: int
     leading_args: tuple = ()  # Python values (e.g. GPT's ``deterministic``) passed before the scanned inputs
+    collect: bool = False  # blocks return (x, per-layer output): stacked [period, ...]
 
     @nn.compact
-    def __call__(self, x: jax.Array, *args: Any) -> tuple[jax.Array, None]:
+    def __call__(self, x: jax.Array, *args: Any) -> tuple[jax.Array, Any]:
+        outputs = []
         for j in range(self.period):
-            x = constrain_batch(self.make_block(j, f"{SLOT_PREFIX}{j}")(x, *self.leading_args, *args))
-        return x, None
+            x, output = _split(self.make_block(j, f"{SLOT_PREFIX}{j}")(x, *self.leading_args, *args), self.collect)
+            outputs.append(output)
+        return x, _stack(outputs) if self.collect else None
+
+
+def _split(result: Any, collect: bool) -> tuple[jax.Array, Any]:
+    """A block's hidden states (batch-constrained) and its per-layer output (None unless ``collect``)."""
+    x, output = result if collect else (result, None)
+    return constrain_batch(x), output
+
+
+def _stack(outputs: list[Any]) -> Any:
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *outputs)
 
 
 def apply_layers(
@@ -59,13 +73,17 @@ def apply_layers(
     scan: bool,
     leading_args: tuple = (),
     args: tuple = (),
-) -> jax.Array:
+    collect: bool = False,
+) -> Any:
     """``x`` through ``len(kinds)`` blocks, inside a compact ``__call__``: unrolled as ``{prefix}{i}``, or with
     ``scan`` by groups of the layers' period (module docstring). ``make_block(i, name)`` builds layer ``i``
     (remat-wrapped as the model wants: a scan keeps its remat per layer); each block is called as
-    ``block(x, *leading_args, *args)``."""
+    ``block(x, *leading_args, *args)``. With ``collect`` each block returns ``(x, output)`` (a tree of arrays of
+    the same shapes on every layer, a mixture of experts' router statistics) and the result is ``(x, outputs)``,
+    the outputs stacked ``[layers, ...]`` in layer order."""
     count = len(kinds)
     first_unrolled = 0
+    outputs = []
     if scan:
         period = layer_period(kinds)
         groups = count // period
@@ -78,10 +96,15 @@ def apply_layers(
             length=groups,
             metadata_params={nn.PARTITION_NAME: LAYERS_AXIS},
         )
-        x, _ = stack(make_block, period, tuple(leading_args), name=f"{prefix}{STACK_SUFFIX}")(x, *args)
+        x, grouped = stack(make_block, period, tuple(leading_args), collect, name=f"{prefix}{STACK_SUFFIX}")(x, *args)
+        if collect:  # [groups, period, ...] -> [groups * period, ...]: layer g * period + j at that index
+            outputs = [jax.tree.map(lambda leaf: leaf.reshape(-1, *leaf.shape[2:]), grouped)]
     for i in range(first_unrolled, count):
-        x = constrain_batch(make_block(i, f"{prefix}{i}")(x, *leading_args, *args))
-    return x
+        x, output = _split(make_block(i, f"{prefix}{i}")(x, *leading_args, *args), collect)
+        outputs.append(jax.tree.map(lambda leaf: leaf[None], output))
+    if not collect:
+        return x
+    return x, jax.tree.map(lambda *leaves: jnp.concatenate(leaves), *outputs)
 
 
 def scan_groups(model_config: ModelConfig) -> int:

@@ -107,6 +107,7 @@ class JaxBackend:
             learning_rate_fn=schedule,
             stateful=True,
             trainable=trainable,
+            batch_totals=program.batch_totals,
         )
         eval_step = make_eval_step(program.eval_loss_fn, compute_dtype=compute_dtype, stateful=True)
 

@@ -4,8 +4,11 @@ FLOPs per token of one training step (forward + backward = 3 x forward, a multip
 decoder-only transformer with L layers, width d, H query heads and K key/value heads of width h, MLP width f
 (gated MLPs such as Llama's have 3 matrices, plain ones 2), vocabulary V and T tokens of context:
 
-    matmuls     6 * (L * (d*H*h + 2*d*K*h + H*h*d + m*d*f) + d*V)     (m = 2 or 3; the head counted, tied or not)
+    matmuls     6 * (L * (d*H*h + 2*d*K*h + H*h*d + m*d*f + d*r) + d*V)   (m = 2 or 3; the head counted, tied or not)
     attention   6 * L * T * H*h   causal (QK^T and AV over the T/2 earlier positions on average)
+
+A mixture of experts counts its active parameters: f is the width of the k experts a token takes (plus its
+shared experts'), r the router's outputs (0 for a dense model).
 
 Embedding lookups, norms, activations and the optimizer update are not counted (they are a few percent).
 Attention is counted for the causal half only, as MaxText does since AI-Hypercomputer/maxtext PR#1988, so MFU
@@ -42,6 +45,7 @@ def train_flops_per_token(shape: DecoderShape, context: int, attention: str = "c
         + 2 * s.width * s.kv_heads * s.head_dim
         + attention_width * s.width
         + s.mlp_matrices * s.width * s.mlp_width
+        + s.width * s.router_width
     )
     matmuls = 6.0 * (s.layers * per_layer + s.width * s.vocab)
     full_attention = 12.0 * s.layers * context * attention_width

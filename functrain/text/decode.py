@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from functrain.core.program import logits_of
 from functrain.errors import ConfigError, DataError
 from functrain.models import build_model, model_config_class, model_spec
 from functrain.models.configs.base import ModelConfig
@@ -76,8 +77,8 @@ def _generate_cached(
     )
 
     def feed(cache: Any, tokens: jax.Array) -> tuple[jax.Array, Any]:
-        logits, updated = model.apply({"params": params, "cache": cache}, tokens, mutable=["cache"])
-        return logits[:, -1], updated["cache"]
+        output, updated = model.apply({"params": params, "cache": cache}, tokens, mutable=["cache"])
+        return logits_of(output)[:, -1], updated["cache"]
 
     logits, cache = feed(zeros_like_shapes(shapes), prompt)
     first = _pick(logits, jax.random.fold_in(key, 0), temperature, top_k)
@@ -107,7 +108,7 @@ def _generate_uncached(
     tokens = jnp.zeros((batch, prompt_len + max_new_tokens), jnp.int32).at[:, :prompt_len].set(prompt)
 
     def one_token(index: jax.Array, tokens: jax.Array) -> jax.Array:
-        logits = model.apply({"params": params}, tokens[:, :-1])
+        logits = logits_of(model.apply({"params": params}, tokens[:, :-1]))
         current = prompt_len + index
         last = jax.lax.dynamic_index_in_dim(logits, current - 1, axis=1, keepdims=False)
         picked = _pick(last, jax.random.fold_in(key, index), temperature, top_k)
@@ -140,8 +141,8 @@ def _generate_ragged(
     )
 
     def feed(cache: Any, tokens: jax.Array) -> tuple[jax.Array, Any]:
-        logits, updated = model.apply({"params": params, "cache": cache}, tokens, mutable=["cache"])
-        return logits[:, -1], updated["cache"]
+        output, updated = model.apply({"params": params, "cache": cache}, tokens, mutable=["cache"])
+        return logits_of(output)[:, -1], updated["cache"]
 
     forced = jnp.pad(prompts, ((0, 0), (0, max_new_tokens)))
 

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from functrain.core.program import logits_of
 from functrain.errors import ConfigError, DataError
 
 try:
@@ -68,7 +69,7 @@ def _bucket(length: int, context: int) -> int:
 
 def _token_scores(model: Any, params: Any, inputs: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Per position: the fp32 log-probability of the target token, and whether it is the argmax."""
-    logits = model.apply({"params": params}, inputs).astype(jnp.float32)
+    logits = logits_of(model.apply({"params": params}, inputs)).astype(jnp.float32)
     log_probs = jax.nn.log_softmax(logits, axis=-1)
     picked = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
     return picked, jnp.argmax(logits, axis=-1) == targets

@@ -4,10 +4,15 @@ Each `Rule` ties one HF tensor to one or more functrain parameter leaves and nam
 them, so reading and writing are the same table run in two directions:
 
 - ``copy``: same layout (embeddings, norms, biases, GPT-2 ``Conv1D`` weights, which are already (in, out)).
-- ``transpose``: a torch ``Linear.weight`` (out, in) is a Flax ``kernel`` (in, out).
+- ``transpose``: a torch ``Linear.weight`` (out, in) is a Flax ``kernel`` (in, out); a stack of them
+  (E, out, in), transformers' fused experts, is a stacked kernel (E, in, out).
 - ``split3``: GPT-2's fused ``c_attn`` (in, 3·out) / (3·out,) is q, k, v along the last axis.
 - ``split_rows``: a fused torch ``Linear.weight`` (Phi-3's ``qkv_proj``, ``gate_up_proj``) is row blocks of
-  ``sizes``, each the transpose of one Flax kernel.
+  ``sizes``, each the transpose of one Flax kernel; a stack of them (E, rows, in) likewise per expert.
+
+A rule with an ``index`` maps its HF tensor to entry ``index`` of the leading (expert) axis of its leaf: a
+mixture of experts' per-expert tensors (``experts.<e>.w1.weight``) fill one stacked leaf together, and every
+expert of every layer has its rule, so a missing or extra expert is named.
 """
 
 import dataclasses
@@ -17,18 +22,21 @@ from typing import Any, Callable, Literal
 
 import numpy as np
 
-from functrain.models import deepseek_v3, gemma2, gemma3, gpt2, llama, mistral, phi3, qwen2, qwen3
+from functrain.models import deepseek_v3, gemma2, gemma3, gpt2, llama, mistral, mixtral, phi3, qwen2, qwen3
 
 Path = tuple[str, ...]
 Kind = Literal["copy", "transpose", "split3", "split_rows"]
 
 
 def transpose_copy(array: np.ndarray) -> np.ndarray:
-    """A C-contiguous copy of a 2-D array's transpose, several times faster than ``np.ascontiguousarray(a.T)``.
+    """A C-contiguous copy of a 2-D array's transpose (of each matrix of a 3-D stack), several times faster than
+    ``np.ascontiguousarray(a.T)``.
 
     numpy's plain transposed copy writes one element per destination row and thrashes the cache on big
     matrices; copying bands of a few source rows makes each destination write a short contiguous run.
     """
+    if array.ndim == 3:
+        return np.stack([transpose_copy(matrix) for matrix in array])
     out = np.empty(array.shape[::-1], array.dtype)
     band = max(1, 32 // array.dtype.itemsize)
     for start in range(0, array.shape[0], band):
@@ -44,49 +52,51 @@ class Rule:
     paths: tuple[Path, ...]
     kind: Kind = "copy"
     sizes: tuple[int, ...] = ()  # split_rows: rows of each block
+    index: int | None = None  # the entry of the leaves' leading (expert) axis this tensor is; None: the whole
 
     def functrain_shapes(self, hf_shape: tuple[int, ...]) -> tuple[tuple[int, ...], ...] | None:
-        """Shapes of the leaves made from an HF tensor of ``hf_shape``, or None if it cannot be split."""
+        """Shapes of the leaves (of their ``index`` entry) made from an HF tensor of ``hf_shape``, or None if it
+        cannot be split."""
         if self.kind == "transpose":
-            return (tuple(reversed(hf_shape)),) if len(hf_shape) == 2 else None
+            return (hf_shape[:-2] + hf_shape[:-3:-1],) if len(hf_shape) in (2, 3) else None
         if self.kind == "split3":
             if not hf_shape or hf_shape[-1] % 3:
                 return None
             return (hf_shape[:-1] + (hf_shape[-1] // 3,),) * 3
         if self.kind == "split_rows":
-            if len(hf_shape) != 2 or hf_shape[0] != sum(self.sizes):
+            if len(hf_shape) not in (2, 3) or hf_shape[-2] != sum(self.sizes):
                 return None
-            return tuple((hf_shape[1], rows) for rows in self.sizes)
+            return tuple(hf_shape[:-2] + (hf_shape[-1], rows) for rows in self.sizes)
         return (tuple(hf_shape),)
 
     def hf_shape(self, shapes: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
         """The HF tensor shape that becomes leaves of ``shapes`` (the inverse of `functrain_shapes`)."""
         if self.kind == "transpose":
-            return tuple(reversed(shapes[0]))
+            return shapes[0][:-2] + shapes[0][:-3:-1]
         if self.kind == "split3":
             return shapes[0][:-1] + (3 * shapes[0][-1],)
         if self.kind == "split_rows":
-            return (sum(shape[1] for shape in shapes), shapes[0][0])
+            return shapes[0][:-2] + (sum(shape[-1] for shape in shapes), shapes[0][-2])
         return shapes[0]
 
     def to_functrain(self, array: np.ndarray) -> tuple[np.ndarray, ...]:
-        """The functrain leaves for one HF tensor (each a fresh C-contiguous array)."""
+        """The functrain leaves (their ``index`` entry) for one HF tensor (each a fresh C-contiguous array)."""
         if self.kind == "transpose":
             return (transpose_copy(array),)
         if self.kind == "split3":
             return tuple(np.ascontiguousarray(part) for part in np.split(array, 3, axis=-1))
         if self.kind == "split_rows":
-            return tuple(transpose_copy(part) for part in np.split(array, np.cumsum(self.sizes)[:-1], axis=0))
+            return tuple(transpose_copy(part) for part in np.split(array, np.cumsum(self.sizes)[:-1], axis=-2))
         return (array,)
 
     def to_hf(self, leaves: tuple[np.ndarray, ...]) -> np.ndarray:
-        """The HF tensor made from this rule's functrain leaves."""
+        """The HF tensor made from this rule's functrain leaves (their ``index`` entry)."""
         if self.kind == "transpose":
             return transpose_copy(np.asarray(leaves[0]))
         if self.kind == "split3":
             return np.concatenate(leaves, axis=-1)
         if self.kind == "split_rows":
-            return np.concatenate([transpose_copy(np.asarray(leaf)) for leaf in leaves], axis=0)
+            return np.concatenate([transpose_copy(np.asarray(leaf)) for leaf in leaves], axis=-2)
         return np.ascontiguousarray(leaves[0])
 
 
@@ -99,6 +109,9 @@ class Architecture:
     rules: Callable[[Any], list[Rule]]
     canonical_name: Callable[[str], str]  # old exports spell some names differently
     ignorable: Callable[[str, Any], bool]  # allow-listed HF tensors with no functrain leaf
+    # A second table read when a file holds its names (transformers' in-memory layout, experts fused into one
+    # tensor per projection); writing always uses ``rules`` (what transformers' save_pretrained writes).
+    fused_rules: Callable[[Any], list[Rule]] | None = None
     # The part of the model an HF tensor belongs to when conversion knowingly leaves it out (named in one log
     # line: DeepSeek-V3's multi-token-prediction layer), else None.
     left_out: Callable[[str, Any], str | None] = lambda name, config: None
@@ -152,8 +165,21 @@ def _gpt2_ignorable(name: str, cfg: gpt2.GPT2Config) -> bool:
     return bool(_GPT2_BUFFERS.fullmatch(name)) or name == "lm_head.weight"  # GPT-2's head is always tied
 
 
-def _llama_rules(cfg: llama.LlamaConfig) -> list[Rule]:
-    """Llama and the families sharing its module (Qwen2/3, Mistral): biases and q/k norms as the config says."""
+# (layer index, HF prefix "model.layers.<i>", functrain prefix "layers_<i>") -> the rules of the layer's MLP.
+MlpRules = Callable[[int, str, str], list[Rule]]
+
+
+def _dense_mlp(hf_prefix: str, path: Path, bias: bool) -> list[Rule]:
+    return [
+        rule
+        for proj in ("gate_proj", "up_proj", "down_proj")
+        for rule in _linear(f"{hf_prefix}.{proj}", path + (proj,), bias)
+    ]
+
+
+def _decoder_rules(cfg: llama.LlamaConfig, mlp: MlpRules) -> list[Rule]:
+    """The Llama-shaped decoders' table (Llama, Qwen2/3, Mistral and their MoE kin): biases and q/k norms as the
+    config says, each layer's MLP from ``mlp``."""
     rules = [Rule("model.embed_tokens.weight", (("embed_tokens", "embedding"),))]
     for i in range(cfg.num_hidden_layers):
         hf, layer = f"model.layers.{i}", f"layers_{i}"
@@ -165,14 +191,58 @@ def _llama_rules(cfg: llama.LlamaConfig) -> list[Rule]:
                 Rule(f"{hf}.self_attn.{norm}.weight", ((layer, "self_attn", norm, "scale"),))
                 for norm in ("q_norm", "k_norm")
             ]
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            rules += _linear(f"{hf}.mlp.{proj}", (layer, "mlp", proj), cfg.mlp_bias)
+        rules += mlp(i, hf, layer)
         for norm in ("input_layernorm", "post_attention_layernorm"):
             rules.append(Rule(f"{hf}.{norm}.weight", ((layer, norm, "scale"),)))
     rules.append(Rule("model.norm.weight", (("norm", "scale"),)))
     if not cfg.tie_word_embeddings:
         rules += _linear("lm_head", ("lm_head",), bias=False)
     return rules
+
+
+def _llama_rules(cfg: llama.LlamaConfig) -> list[Rule]:
+    """Llama and the families sharing its module (Qwen2/3, Mistral)."""
+    return _decoder_rules(cfg, lambda i, hf, layer: _dense_mlp(f"{hf}.mlp", (layer, "mlp"), cfg.mlp_bias))
+
+
+def _experts(hf_prefix: str, path: Path, count: int, names: tuple[str, str, str]) -> list[Rule]:
+    """Per-expert torch Linears ``{hf_prefix}.<e>.<name>.weight`` (``names``: HF's gate, up, down) -> entry ``e``
+    of the stacked kernels ``experts/{gate,up,down}_proj``: what transformers' save_pretrained writes."""
+    return [
+        Rule(f"{hf_prefix}.{e}.{name}.weight", (path + (leaf,),), "transpose", index=e)
+        for e in range(count)
+        for name, leaf in zip(names, ("gate_proj", "up_proj", "down_proj"))
+    ]
+
+
+def _fused_experts(hf_prefix: str, path: Path, inter: int) -> list[Rule]:
+    """transformers' in-memory experts: ``gate_up_proj`` [E, 2 x inter, hidden] (gate rows first) and
+    ``down_proj`` [E, hidden, inter]."""
+    return [
+        Rule(f"{hf_prefix}.gate_up_proj", (path + ("gate_proj",), path + ("up_proj",)), "split_rows", (inter, inter)),
+        Rule(f"{hf_prefix}.down_proj", (path + ("down_proj",),), "transpose"),
+    ]
+
+
+def _mixtral_rules(cfg: mixtral.MixtralConfig) -> list[Rule]:
+    """Mistral's attention; ``block_sparse_moe.gate`` and ``block_sparse_moe.experts.<e>.w1/w3/w2``."""
+
+    def moe(i: int, hf: str, layer: str) -> list[Rule]:
+        router = _linear(f"{hf}.block_sparse_moe.gate", (layer, "mlp", "gate"), bias=False)
+        path = (layer, "mlp", "experts")
+        return router + _experts(f"{hf}.block_sparse_moe.experts", path, cfg.num_local_experts, ("w1", "w3", "w2"))
+
+    return _decoder_rules(cfg, moe)
+
+
+def _mixtral_fused_rules(cfg: mixtral.MixtralConfig) -> list[Rule]:
+    """Mixtral in transformers' in-memory names (``mlp.gate``, ``mlp.experts.gate_up_proj`` / ``down_proj``)."""
+
+    def moe(i: int, hf: str, layer: str) -> list[Rule]:
+        router = _linear(f"{hf}.mlp.gate", (layer, "mlp", "gate"), bias=False)
+        return router + _fused_experts(f"{hf}.mlp.experts", (layer, "mlp", "experts"), cfg.intermediate_size)
+
+    return _decoder_rules(cfg, moe)
 
 
 def _phi3_rules(cfg: phi3.Phi3Config) -> list[Rule]:
@@ -279,7 +349,15 @@ ARCHITECTURES: dict[str, Architecture] = {
     "phi3": Architecture("phi3", phi3, _phi3_rules, lambda name: name, _llama_ignorable),
     "gemma2": Architecture("gemma2", gemma2, _gemma2_rules, lambda name: name, _gemma2_ignorable),
     "gemma3_text": Architecture("gemma3_text", gemma3, _gemma2_rules, lambda name: name, _gemma2_ignorable),
+    "mixtral": Architecture(
+        "mixtral", mixtral, _mixtral_rules, lambda name: name, _llama_ignorable, fused_rules=_mixtral_fused_rules
+    ),
     "deepseek_v3": Architecture(
-        "deepseek_v3", deepseek_v3, _deepseek_v3_rules, lambda name: name, _llama_ignorable, _deepseek_v3_left_out
+        "deepseek_v3",
+        deepseek_v3,
+        _deepseek_v3_rules,
+        lambda name: name,
+        _llama_ignorable,
+        left_out=_deepseek_v3_left_out,
     ),
 }

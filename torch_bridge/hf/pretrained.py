@@ -7,7 +7,8 @@ that is checked from file headers before any tensor data is read.
 
 import logging
 import os
-from typing import Any, Callable
+import re
+from typing import Any, Callable, Iterable
 
 import flax.linen as nn
 import jax
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
+from functrain.core.program import logits_of
 from functrain.errors import CheckpointError
 from functrain.models.configs.base import ModelConfig
 from functrain.models.stacking import unstack_layers
@@ -44,8 +46,11 @@ def expected_shapes(arch: Architecture, config: Any) -> dict[Path, tuple[int, ..
     return {path: leaf.shape for path, leaf in flatten_dict(nn.meta.unbox(abstract["params"])).items()}
 
 
+_EXPERT = re.compile(r"layers\.(\d+)\..*experts\.(\d+)\.")
+
+
 def _summary(names: list[str], limit: int = 5) -> str:
-    shown = ", ".join(names[:limit])
+    shown = ", ".join(_named(name) for name in names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
@@ -64,14 +69,35 @@ def _left_out(arch: Architecture, config: Any, names: list[str], where: str) -> 
         )  # fmt: skip
 
 
+def _named(name: str) -> str:
+    """``name``, with the layer and expert it belongs to when it is one expert's tensor."""
+    match = _EXPERT.search(name)
+    return f"{name} (layer {match.group(1)}, expert {match.group(2)})" if match else name
+
+
+def _rules_for(arch: Architecture, config: Any, canonical_names: Iterable[str]) -> dict[str, Rule]:
+    """The architecture's table, or its fused-experts table when the file holds names only that one has."""
+    rules = {rule.hf_name: rule for rule in arch.rules(config)}
+    if arch.fused_rules is None:
+        return rules
+    fused = {rule.hf_name: rule for rule in arch.fused_rules(config)}
+    return fused if any(name in fused and name not in rules for name in canonical_names) else rules
+
+
+def _leaf_shape(rule: Rule, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape the rule's HF tensor fills of a leaf of ``shape``: one expert's entry for an indexed rule."""
+    return shape if rule.index is None else shape[1:]
+
+
 def _match_tensors(
     arch: Architecture, config: Any, infos: dict[str, reader.TensorInfo], where: str, block: tuple[int, int] | None
-) -> tuple[dict[str, Rule], dict[str, str]]:
-    """Map each needed file tensor name to its rule, and each FP8 weight among them to its scales' name;
-    CheckpointError on missing/unexpected/mis-shaped ones."""
-    rules = {rule.hf_name: rule for rule in arch.rules(config)}
+) -> tuple[dict[str, Rule], dict[Path, tuple[int, ...]], dict[str, str]]:
+    """Map each needed file tensor name to its rule, with the shape of every leaf and the scales' name of each
+    FP8 weight (``block``: config.json's FP8 block, None when not quantised); CheckpointError on
+    missing/unexpected/mis-shaped ones."""
     scales = {name for name in infos if block is not None and name.endswith(fp8.SCALE_SUFFIX)}
     by_canonical = {arch.canonical_name(name): name for name in infos if name not in scales}
+    rules = _rules_for(arch, config, by_canonical)
     unexpected = sorted(
         name
         for canonical, name in by_canonical.items()
@@ -100,14 +126,14 @@ def _match_tensors(
                 "weights are supported, and float8 ones with their weight_scale_inv under an fp8 quantization_config"
             )
         got = rule.functrain_shapes(info.shape)
-        want = tuple(shapes[path] for path in rule.paths)
+        want = tuple(_leaf_shape(rule, shapes[path]) for path in rule.paths)
         if got != want:
             raise CheckpointError(
                 f"{info.name} has shape {list(info.shape)} but config.json implies "
                 f"{list(rule.hf_shape(want))}; config.json does not describe these weights"
             )
         needed[info.name] = rule
-    return needed, scale_of
+    return needed, shapes, scale_of
 
 
 def read_params(hf_dir: str | os.PathLike, place: Place | None = None) -> tuple[dict[str, Any], Any]:
@@ -122,7 +148,7 @@ def read_params(hf_dir: str | os.PathLike, place: Place | None = None) -> tuple[
     config = arch.model.from_hf_config(hf_config)
     weights = reader.find_weights(hf_dir)
     block = fp8.block_shape(hf_config)
-    needed, scale_of = _match_tensors(arch, config, reader.catalog(weights), str(hf_dir), block)
+    needed, shapes, scale_of = _match_tensors(arch, config, reader.catalog(weights), str(hf_dir), block)
     # The scales first (one number per block: small), then each weight dequantised as it streams.
     scales = dict(reader.stream(weights, set(scale_of.values())))
     by_weight = {weight: scales[scale] for weight, scale in scale_of.items()}
@@ -130,9 +156,17 @@ def read_params(hf_dir: str | os.PathLike, place: Place | None = None) -> tuple[
     if block is not None:
         tensors = fp8.dequantized(tensors, by_weight, block)
     flat: dict[Path, Any] = {}
+    stacking: dict[Path, tuple[np.ndarray, set[int]]] = {}  # stacked leaves being filled, expert by expert
     for name, array in tensors:
         rule = needed[name]
         for path, leaf in zip(rule.paths, rule.to_functrain(array)):
+            if rule.index is not None:
+                stacked, filled = stacking.setdefault(path, (np.empty(shapes[path], leaf.dtype), set()))
+                stacked[rule.index] = leaf
+                filled.add(rule.index)
+                if len(filled) < shapes[path][0]:
+                    continue
+                leaf = stacking.pop(path)[0]
             flat[path] = leaf if place is None else place(path, leaf)
         del array  # drop the file-order copy before the next read
     return unflatten_dict(flat), config
@@ -159,7 +193,7 @@ def load_pretrained(
 
     @jax.jit
     def apply_fn(params: Any, input_ids: Any) -> jax.Array:
-        return module.apply({"params": params}, input_ids)
+        return logits_of(module.apply({"params": params}, input_ids))
 
     return apply_fn, params, config
 
@@ -194,7 +228,7 @@ def save_pretrained(params: Any, config: Any, out_dir: str | os.PathLike, max_sh
     shard_bytes = writer.parse_size(max_shard_size)
     rules = {rule.hf_name: rule for rule in arch.rules(config)}
     sizes = {
-        name: sum(int(np.prod(shapes[p])) * np.dtype(flat[p].dtype).itemsize for p in rule.paths)
+        name: sum(int(np.prod(_leaf_shape(rule, shapes[p]))) * np.dtype(flat[p].dtype).itemsize for p in rule.paths)
         for name, rule in rules.items()
     }
     dtypes = {np.dtype(leaf.dtype).name for leaf in flat.values()}
@@ -203,7 +237,8 @@ def save_pretrained(params: Any, config: Any, out_dir: str | os.PathLike, max_sh
 
     def tensor(name: str) -> np.ndarray:
         rule = rules[name]
-        return rule.to_hf(tuple(np.asarray(jax.device_get(flat[p])) for p in rule.paths))
+        parts = (flat[p] if rule.index is None else flat[p][rule.index] for p in rule.paths)
+        return rule.to_hf(tuple(np.asarray(jax.device_get(part)) for part in parts))
 
     with writer.staged_directory(out_dir) as staging:
         writer.write_hf_dir(staging, hf_config, list(rules), sizes, tensor, shard_bytes)

@@ -22,9 +22,10 @@ class DecoderShape:
     heads: int
     kv_heads: int
     head_dim: int
-    mlp_width: int
+    mlp_width: int  # a mixture of experts: the active width, k x each expert's (+ the shared experts')
     mlp_matrices: int  # 3 for a gated MLP (SwiGLU, GeGLU), 2 for a plain one
     vocab: int
+    router_width: int = 0  # a mixture of experts: the router's outputs (its experts, + a shared expert's gate)
 
 
 class ModelConfig(pydantic.BaseModel):

@@ -1,0 +1,125 @@
+"""A Llama-shaped decoder whose feed-forward a family supplies (a mixture of experts, or a dense MLP on some
+layers), returning :class:`~functrain.models.moe.balance.MoeOutput`: the logits and every layer's router
+statistics. Mixtral, Qwen2-MoE and Qwen3-MoE are this decoder with their config and feed-forward.
+
+``MoeForCausalLM(config, feed_forward)(input_ids[B, T], segment_ids=None, positions=None, token_mask=None)``:
+``segment_ids`` / ``positions`` as in :mod:`functrain.models.llama`; ``token_mask`` [B, T] marks the real
+tokens whose routing the statistics count (the built-in losses pass it; None: every token). Attention is
+Llama's (:class:`functrain.models.llama.LlamaAttention`: the config switches biases, windows and QK-norm).
+"""
+
+import functools
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from functrain.models.attention import attention_kernel
+from functrain.models.hf_common import RMSNorm, activation, dense, embed
+from functrain.models.llama import LlamaAttention
+from functrain.models.moe.balance import Balancing, MoeOutput
+from functrain.models.moe.dispatch import Glu
+from functrain.models.remat import check_remat, remat_block
+from functrain.models.scan import apply_layers
+from functrain.parallel.sharding import constrain_batch
+
+Array = jax.Array
+# (config, dtype, layer index, module name) -> a module: (x[B, T, hidden], token_mask) -> (y, RouterStats)
+FeedForward = Callable[[Any, Any, int, str], nn.Module]
+
+
+@functools.cache
+def gated(hidden_act: str) -> Glu:
+    """The gated activation ``act(gate) * up`` of HF's ``hidden_act`` (SwiGLU for ``silu``)."""
+    act = activation(hidden_act)
+    return lambda gate, up: act(gate) * up
+
+
+def balancing(config: Any) -> Balancing:
+    """The static settings of the balancing terms, from a MoE family's config
+    (:class:`functrain.models.configs.moe.MoeOptions`)."""
+    return Balancing(
+        num_experts=config.expert_count(),
+        top_k=config.experts_per_token(),
+        aux_coef=config.balancing_coefficient(),
+        z_coef=config.router_z_loss_coef,
+        scope=config.load_balance_scope,
+        capacity=config.capacity_factor is not None,
+        moe_layers=tuple(i for i in range(config.num_hidden_layers) if config.moe_layer(i)),
+    )
+
+
+class MoeDecoderBlock(nn.Module):
+    """One pre-RMSNorm decoder layer: Llama's attention, then the family's feed-forward (``mlp``)."""
+
+    config: Any
+    dtype: Any
+    layer: int
+    feed_forward: FeedForward
+
+    @nn.compact
+    def __call__(self, x, segment_ids=None, positions=None, token_mask=None):
+        eps = self.config.rms_norm_eps
+        x = x + LlamaAttention(self.config, self.dtype, self.layer, name="self_attn")(
+            RMSNorm(eps, self.dtype, name="input_layernorm")(x), segment_ids, positions
+        )
+        normed = RMSNorm(eps, self.dtype, name="post_attention_layernorm")(x)
+        y, stats = self.feed_forward(self.config, self.dtype, self.layer, "mlp")(normed, token_mask)
+        return x + y, stats
+
+
+class MoeForCausalLM(nn.Module):
+    """``apply({"params": p}, input_ids[B, T]) -> MoeOutput`` (float32 ``.logits`` [B, T, vocab])."""
+
+    config: Any
+    feed_forward: FeedForward
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(
+        self, input_ids, deterministic: bool = True, *, segment_ids=None, positions=None, token_mask=None
+    ) -> MoeOutput:
+        """Logits and router statistics for ``input_ids``; ``deterministic`` is accepted for the task interface
+        (no dropout here); the keywords: see the module docstring."""
+        cfg = self.config
+        tokens = embed(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            ("vocab", "embed"),
+            dtype=self.dtype,
+            init_std=cfg.initializer_range,
+            name="embed_tokens",
+        )
+        x = constrain_batch(tokens(input_ids))
+        block = remat_block(MoeDecoderBlock, cfg.remat, prevent_cse=not cfg.scan_layers)
+        x, stats = apply_layers(
+            x,
+            kinds=cfg.layer_kinds(),
+            make_block=lambda i, name: block(cfg, self.dtype, i, self.feed_forward, name=name),
+            prefix="layers_",
+            scan=cfg.scan_layers,
+            args=(segment_ids, positions, token_mask),
+            collect=True,
+        )
+        x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(x)
+        if cfg.tie_word_embeddings:
+            logits = tokens.attend(x)
+        else:
+            logits = dense(
+                cfg.vocab_size,
+                ("embed", "vocab"),
+                use_bias=False,
+                dtype=self.dtype,
+                init_std=cfg.initializer_range,
+                name="lm_head",
+            )(x)
+        return MoeOutput(logits.astype(jnp.float32), stats, balancing(cfg))
+
+
+def build_decoder(config: Any, feed_forward: FeedForward, dtype: Any = jnp.float32) -> MoeForCausalLM:
+    """The decoder for ``config`` computing in ``dtype``; a ConfigError if its attention kernel or remat policy
+    cannot run here."""
+    attention_kernel(config.attention, dtype, config.attn_head_dim)
+    check_remat(config.remat)
+    return MoeForCausalLM(config, feed_forward, dtype=dtype)

@@ -1,0 +1,130 @@
+"""The mixture-of-experts layer: a router (Dense ``gate`` [hidden, E]) and ``E`` experts stacked one array per
+projection, run by :mod:`functrain.models.moe.dispatch`, returning its output and the router's statistics.
+
+Parameters (logical axes in brackets; ``expert`` is the axis expert parallelism shards)::
+
+    gate/kernel            [hidden, E]            ("embed", None)      (+ gate/bias [E] with router_bias)
+    experts/gate_proj      [E, hidden, inter]     ("expert", "embed", "mlp")
+    experts/up_proj        [E, hidden, inter]     ("expert", "embed", "mlp")
+    experts/down_proj      [E, inter, hidden]     ("expert", "mlp", "embed")
+    experts/{gate,up}_proj_bias [E, inter], experts/down_proj_bias [E, hidden]   with expert_bias
+
+The family passes its router (:mod:`functrain.models.moe.routing`) and its gated activation ``glu(gate, up)``.
+The statistics are sums over the real tokens (``token_mask``; every token when None), so that they add up
+exactly over micro-batches and devices (:mod:`functrain.models.moe.balance` turns them into losses).
+"""
+
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from functrain.models.hf_common import dense
+from functrain.models.moe.dispatch import DISPATCH, ExpertWeights, Glu, capacity, within_capacity
+from functrain.models.moe.routing import Router
+
+Array = jax.Array
+
+
+class RouterStats(NamedTuple):
+    """One layer's router statistics as sums over its real tokens (stacked ``[L, ...]`` over a model's layers)."""
+
+    counts: Array  # [E] selections of each expert (dropped ones included)
+    prob_sums: Array  # [E] router probabilities summed over tokens (differentiable: the balancing loss's P)
+    z_sums: Array  # [] squared logsumexp of the router logits, summed (the z-loss)
+    tokens: Array  # [] real tokens routed; 0 on a layer without experts
+    dropped: Array  # [] selections dropped by the capacity
+
+    @classmethod
+    def zeros(cls, num_experts: int) -> "RouterStats":
+        """The statistics of a layer without experts (a dense MLP layer of a mixed stack)."""
+        zero = jnp.zeros((), jnp.float32)
+        return cls(jnp.zeros((num_experts,), jnp.float32), jnp.zeros((num_experts,), jnp.float32), zero, zero, zero)
+
+
+class Experts(nn.Module):
+    """The stacked expert weights (see the module docstring)."""
+
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    use_bias: bool
+    init_std: float
+
+    @nn.compact
+    def __call__(self) -> ExpertWeights:
+        experts, hidden, inter = self.num_experts, self.hidden_size, self.intermediate_size
+        kernel = nn.initializers.normal(self.init_std)
+
+        def weight(name: str, shape: tuple[int, ...], axes: tuple[str, ...], init: Any = kernel) -> Any:
+            return self.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
+
+        biases: tuple[Array | None, ...] = (None, None, None)
+        if self.use_bias:
+            zeros = nn.initializers.zeros
+            biases = (
+                weight("gate_proj_bias", (experts, inter), ("expert", "mlp"), zeros),
+                weight("up_proj_bias", (experts, inter), ("expert", "mlp"), zeros),
+                weight("down_proj_bias", (experts, hidden), ("expert", "embed"), zeros),
+            )
+        return ExpertWeights(
+            weight("gate_proj", (experts, hidden, inter), ("expert", "embed", "mlp")),
+            weight("up_proj", (experts, hidden, inter), ("expert", "embed", "mlp")),
+            weight("down_proj", (experts, inter, hidden), ("expert", "mlp", "embed")),
+            *biases,
+        )
+
+
+class MoeBlock(nn.Module):
+    """``block(x[B, T, hidden], token_mask[B, T] | None) -> (y[B, T, hidden], RouterStats)``."""
+
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    router: Router
+    glu: Glu
+    dispatch: str = "grouped"  # "grouped" | "dense" (functrain.models.moe.dispatch)
+    capacity_factor: float | None = None  # None: dropless
+    expert_bias: bool = False
+    router_bias: bool = False
+    init_std: float = 0.02
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array, token_mask: Array | None = None) -> tuple[Array, RouterStats]:
+        batch, length, hidden = x.shape
+        flat = x.reshape(batch * length, hidden)
+        logits = dense(
+            self.num_experts,
+            ("embed", None),
+            use_bias=self.router_bias,
+            dtype=self.dtype,
+            init_std=self.init_std,
+            name="gate",
+        )(flat).astype(jnp.float32)
+        routing = self.router(logits)
+        experts = Experts(
+            self.num_experts, self.hidden_size, self.intermediate_size, self.expert_bias, self.init_std, name="experts"
+        )()
+        real = jnp.ones((batch * length,), jnp.float32) if token_mask is None else token_mask.reshape(-1)
+        real = real.astype(jnp.float32)
+        weights, dropped = routing.weights, jnp.zeros((), jnp.float32)
+        if self.capacity_factor is not None:
+            top_k = routing.experts.shape[1]
+            limit = capacity(batch * length, top_k, self.num_experts, self.capacity_factor)
+            kept = within_capacity(routing.experts, self.num_experts, limit)
+            weights = jnp.where(kept, weights, 0.0)
+            dropped = jnp.sum(real[:, None] * ~kept)
+        out = DISPATCH[self.dispatch](flat, weights, routing.experts, experts, self.glu)
+        top_k = routing.experts.shape[1]
+        stats = RouterStats(
+            counts=jnp.bincount(
+                routing.experts.reshape(-1), weights=jnp.repeat(real, top_k), length=self.num_experts
+            ).astype(jnp.float32),
+            prob_sums=jnp.sum(routing.probs * real[:, None], axis=0),
+            z_sums=jnp.sum(real * jnp.square(jax.nn.logsumexp(logits, axis=-1))),
+            tokens=jnp.sum(real),
+            dropped=dropped,
+        )
+        return out.reshape(batch, length, hidden).astype(x.dtype), stats

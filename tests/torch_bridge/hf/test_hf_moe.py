@@ -1,0 +1,108 @@
+"""Mixtral (and the MoE families after it): logits within 1e-4 of transformers, both directions, the per-expert
+files transformers writes and its fused in-memory names, and a missing or extra expert named."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.numpy import save_file
+
+from functrain.errors import CheckpointError
+from tests.torch_bridge.hf.test_hf_convert import IDS, LLAMA_CONFIG, hf_logits, hf_tensors
+from torch_bridge.hf import hf_to_run_dir, load_pretrained, read_params, save_pretrained
+
+MOE = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24)
+FAMILIES = {
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, dict(MOE, sliding_window=5)),
+}
+
+
+def build_moe_model(family: str) -> transformers.PreTrainedModel:
+    """A tiny random transformers MoE; weights perturbed so the router's choices are not near ties."""
+    config_cls, model_cls, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**{**LLAMA_CONFIG, **extra}))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.1 * torch.randn_like(param))
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def saved(request, tmp_path_factory):
+    """(family, transformers model, its reference logits, its save_pretrained directory)."""
+    model = build_moe_model(request.param)
+    directory = tmp_path_factory.mktemp(request.param) / "hf"
+    model.save_pretrained(directory)
+    return request.param, model, hf_logits(model), directory
+
+
+@pytest.fixture(scope="module")
+def highest_precision():
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+def test_logits_match_transformers_both_ways(tmp_path, highest_precision, saved):
+    family, model, reference, directory = saved
+    apply_fn, params, config = load_pretrained(directory)
+    assert config.name == family
+    np.testing.assert_allclose(np.asarray(apply_fn(params, IDS)), reference, atol=1e-4, rtol=0)
+
+    out = save_pretrained(params, config, tmp_path / "out")
+    assert sorted(hf_tensors(out)) == sorted(hf_tensors(directory))  # transformers' own file names
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(exported) is type(model)
+    np.testing.assert_allclose(hf_logits(exported), reference, atol=1e-4, rtol=0)
+
+
+def test_fused_in_memory_names_read_too(tmp_path, saved):
+    """transformers' in-memory state dict (experts fused per projection) read as the per-expert files are."""
+    family, model, _, directory = saved
+    (tmp_path / "fused").mkdir()
+    state = {name: tensor.detach().numpy() for name, tensor in model.state_dict().items()}
+    assert any(name.endswith("experts.gate_up_proj") for name in state)
+    save_file(state, str(tmp_path / "fused" / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "fused" / "config.json").write_text((directory / "config.json").read_text())
+    fused, _ = read_params(tmp_path / "fused")
+    per_expert, _ = read_params(directory)
+    jax.tree.map(np.testing.assert_array_equal, fused, per_expert)
+
+
+@pytest.mark.parametrize("change, named", [
+    ("drop", "missing model.layers.1.block_sparse_moe.experts.3.w2.weight (layer 1, expert 3)"),
+    ("extra", "unexpected model.layers.0.block_sparse_moe.experts.4.w1.weight (layer 0, expert 4)"),
+])
+def test_missing_or_extra_expert_is_named(tmp_path, saved, change, named):
+    family, _, _, directory = saved
+    if family != "mixtral":
+        pytest.skip("the names are Mixtral's")
+    tensors = hf_tensors(directory)
+    if change == "drop":
+        del tensors["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
+    else:
+        tensors["model.layers.0.block_sparse_moe.experts.4.w1.weight"] = tensors[
+            "model.layers.0.block_sparse_moe.experts.0.w1.weight"
+        ]
+    (tmp_path / "hf").mkdir()
+    save_file(tensors, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "hf" / "config.json").write_text((directory / "config.json").read_text())
+    with pytest.raises(CheckpointError, match=named.replace("(", r"\(").replace(")", r"\)")) as caught:
+        hf_to_run_dir(str(tmp_path / "hf"), str(tmp_path / "run"))
+    assert "\n" not in str(caught.value)
+    assert not (tmp_path / "run").exists()
+
+
+def test_exported_config_round_trips(tmp_path, saved):
+    family, _, _, directory = saved
+    params, config = read_params(directory)
+    save_pretrained(params, config, tmp_path / "out")
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert not {"load_balance_scope", "capacity_factor", "router_z_loss_coef", "moe_dispatch"} & set(exported)
+    from torch_bridge.hf.pretrained import architecture_for
+
+    module = architecture_for(exported).model
+    assert module.to_hf_config(module.from_hf_config(exported)) == module.to_hf_config(config)
