@@ -23,7 +23,7 @@ PROMPT = np.array([[5, 17, 42, 8, 3], [60, 2, 9, 33, 11]])
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """transformers' tiny DeepSeek-V3 (YaRN, q LoRA) and the same weights loaded into functrain."""
-    hf_model = build_deepseek("q_lora_yarn", first_k_dense_replace=3)
+    hf_model = build_deepseek("q_lora_yarn")
     directory = tmp_path_factory.mktemp("deepseek")
     hf_model.save_pretrained(directory)
     _, params, config = load_pretrained(directory)

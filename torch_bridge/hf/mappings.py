@@ -16,6 +16,7 @@ expert of every layer has its rule, so a missing or extra expert is named.
 """
 
 import dataclasses
+import functools
 import re
 from types import ModuleType
 from typing import Any, Callable, Literal
@@ -298,8 +299,10 @@ def _gemma2_ignorable(name: str, cfg: gemma2.Gemma2Config) -> bool:
     return name == "lm_head.weight" or name == "model.embed_tokens.embed_scale"  # tied head; a buffer
 
 
-def _deepseek_v3_rules(cfg: deepseek_v3.DeepseekV3Config) -> list[Rule]:
-    """DeepSeek-V3: latent attention; HF's layer ``i`` is ``dense_layers_{i}`` or ``moe_layers_{i - k}``."""
+def _deepseek_v3_rules(cfg: deepseek_v3.DeepseekV3Config, fused: bool = False) -> list[Rule]:
+    """DeepSeek-V3: latent attention; HF's layer ``i`` is ``dense_layers_{i}`` or ``moe_layers_{i - k}``, whose
+    router is ``mlp.gate`` (with the correction bias), experts ``mlp.experts.<e>.*`` (``fused``: transformers'
+    in-memory ``gate_up_proj`` / ``down_proj``) and always-on ``mlp.shared_experts``."""
     rules = [Rule("model.embed_tokens.weight", (("embed_tokens", "embedding"),))]
     for i in range(cfg.num_hidden_layers):
         hf, layer = f"model.layers.{i}", deepseek_v3.hf_layer_path(cfg, i)
@@ -311,8 +314,18 @@ def _deepseek_v3_rules(cfg: deepseek_v3.DeepseekV3Config) -> list[Rule]:
             rules += _linear(f"{hf}.self_attn.{proj}", (layer, "self_attn", proj), bias)
         for norm in ("kv_a_layernorm",) + (() if cfg.q_lora_rank is None else ("q_a_layernorm",)):
             rules.append(Rule(f"{hf}.self_attn.{norm}.weight", ((layer, "self_attn", norm, "scale"),)))
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            rules += _linear(f"{hf}.mlp.{proj}", (layer, "mlp", proj), False)
+        if not cfg.moe_layer(i):
+            rules += _dense_mlp(f"{hf}.mlp", (layer, "mlp"), False)
+        else:
+            rules += _linear(f"{hf}.mlp.gate", (layer, "mlp", "gate"), bias=False)
+            rules.append(Rule(f"{hf}.mlp.gate.{deepseek_v3.CORRECTION_BIAS}", ((layer, deepseek_v3.CORRECTION_BIAS),)))
+            experts, path = f"{hf}.mlp.experts", (layer, "mlp", "experts")
+            if fused:
+                rules += _fused_experts(experts, path, cfg.moe_intermediate_size)
+            else:
+                rules += _experts(experts, path, cfg.n_routed_experts, ("gate_proj", "up_proj", "down_proj"))
+            if cfg.n_shared_experts:
+                rules += _dense_mlp(f"{hf}.mlp.shared_experts", (layer, "shared_experts"), False)
         for norm in ("input_layernorm", "post_attention_layernorm"):
             rules.append(Rule(f"{hf}.{norm}.weight", ((layer, norm, "scale"),)))
     rules.append(Rule("model.norm.weight", (("norm", "scale"),)))
@@ -358,6 +371,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         _deepseek_v3_rules,
         lambda name: name,
         _llama_ignorable,
+        fused_rules=functools.partial(_deepseek_v3_rules, fused=True),
         left_out=_deepseek_v3_left_out,
     ),
 }

@@ -4,6 +4,10 @@ Multi-head latent attention (``q_lora_rank``, ``kv_lora_rank``, ``qk_nope_head_d
 ``v_head_dim``), the first ``first_k_dense_replace`` layers with a dense SwiGLU MLP of ``intermediate_size``,
 the others a mixture of ``n_routed_experts`` experts of ``moe_intermediate_size`` (sigmoid scores, top
 ``num_experts_per_tok`` within the best ``topk_group`` of ``n_group`` groups) plus ``n_shared_experts`` always on.
+
+``model.bias_update_rate`` (not an HF key; 0: off) turns on DeepSeek's auxiliary-loss-free balancing: after every
+training step each expert's ``e_score_correction_bias`` moves by that rate towards its layer's mean load
+(:mod:`functrain.models.deepseek_routing`).
 """
 
 from typing import ClassVar, Hashable, Literal, Sequence
@@ -11,14 +15,13 @@ from typing import ClassVar, Hashable, Literal, Sequence
 import pydantic
 
 from functrain.models.configs.hf import HFModelConfig, check_activation
+from functrain.models.configs.moe import MoeOptions
 from functrain.models.configs.rope import RopeScaling
 
-LayerKind = Literal["dense", "moe"]
 
-
-class DeepseekV3Config(HFModelConfig):
-    """DeepSeek-V3 hyper-parameters, named as in HF's config.json (defaults: transformers' tiny ones are not
-    defaults; these are the released model's)."""
+class DeepseekV3Config(HFModelConfig, MoeOptions):
+    """DeepSeek-V3 hyper-parameters, named as in HF's config.json (the defaults are the released model's), plus
+    the MoE options of :class:`MoeOptions` and ``bias_update_rate``."""
 
     name: Literal["deepseek_v3"] = "deepseek_v3"
     vocab_size: int = pydantic.Field(129280, gt=0)
@@ -50,8 +53,10 @@ class DeepseekV3Config(HFModelConfig):
     rope_interleave: bool = True  # DeepSeek's rotary pairs are adjacent (x0, x1), not the two halves
     attention_bias: bool = False
     tie_word_embeddings: bool = False
+    bias_update_rate: float = pydantic.Field(0.0, ge=0)  # DeepSeek's gamma (0.001 in its report); 0: no update
 
     scans_layers: ClassVar[bool] = True
+    expert_count_key: ClassVar[str] = "n_routed_experts"
 
     @pydantic.model_validator(mode="after")
     def _consistent(self):
@@ -90,9 +95,22 @@ class DeepseekV3Config(HFModelConfig):
         DeepSeek-V3's ``head_dim``."""
         return self.qk_rope_head_dim
 
-    def is_moe_layer(self, layer: int) -> bool:
+    def moe_layer(self, layer: int) -> bool:
         """Whether ``layer`` has the mixture of experts (every layer from ``first_k_dense_replace`` on)."""
         return layer >= self.first_k_dense_replace
+
+    def expert_count(self) -> int:
+        """``n_routed_experts`` (the shared experts are always on, not routed)."""
+        return self.n_routed_experts
+
+    def experts_per_token(self) -> int:
+        """``num_experts_per_tok``."""
+        return self.num_experts_per_tok
+
+    def balancing_coefficient(self) -> float:
+        """0: DeepSeek-V3 balances by its correction bias (``bias_update_rate``), transformers adds no auxiliary
+        loss (``model.router_z_loss_coef`` still applies when set)."""
+        return 0.0
 
     @property
     def dense_layers(self) -> int:
@@ -110,11 +128,11 @@ class DeepseekV3Config(HFModelConfig):
     def layer_kinds(self) -> list[Hashable]:
         """``dense`` for the first ``first_k_dense_replace`` layers, ``moe`` after (the module scans each run of
         layers as its own stack)."""
-        return ["moe" if self.is_moe_layer(i) else "dense" for i in range(self.num_hidden_layers)]
+        return ["moe" if self.moe_layer(i) else "dense" for i in range(self.num_hidden_layers)]
 
     def unrolled(self, layers: Sequence[int]) -> "DeepseekV3Config":
         """``len(layers)`` unrolled layers, the dense ones first (as the layers they stand for)."""
-        dense = sum(not self.is_moe_layer(i) for i in layers)
+        dense = sum(not self.moe_layer(i) for i in layers)
         return self.model_copy(
             update={"num_hidden_layers": len(layers), "first_k_dense_replace": dense, "scan_layers": False}
         )
