@@ -13,20 +13,12 @@ the step's tokens, down when more: ``bias += rate * sign(mean load - load)``. Th
 counts (every micro-batch and device), so the update does not depend on how the batch was split.
 """
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 
+from functrain.models.moe.routing import Routing
+
 Array = jax.Array
-
-
-class Routing(NamedTuple):
-    """One layer's routing of ``T`` tokens among ``E`` experts."""
-
-    weights: Array  # [T, k] float32
-    experts: Array  # [T, k] int32
-    probs: Array  # [T, E] float32: the sigmoid scores
 
 
 def sigmoid_group_limited(
@@ -39,7 +31,8 @@ def sigmoid_group_limited(
     normalize: bool,
     scaling: float,
 ) -> Routing:
-    """DeepSeek-V3's routing of ``logits`` [T, E] with ``correction_bias`` [E] (module docstring)."""
+    """DeepSeek-V3's routing of ``logits`` [T, E] with ``correction_bias`` [E] (module docstring); the
+    ``Routing.probs`` are the sigmoid scores."""
     tokens, num_experts = logits.shape
     scores = jax.nn.sigmoid(logits.astype(jnp.float32))
     biased = scores + correction_bias.astype(jnp.float32)

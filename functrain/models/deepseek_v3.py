@@ -128,15 +128,15 @@ class DeepseekV3Block(nn.Module):
             y = y + llama.LlamaMLP(shared_mlp_shape(cfg), self.dtype, name="shared_experts")(hidden)
         return x + y, stats
 
+    def _correction_bias(self) -> jax.Array:
+        initializer = nn.with_logical_partitioning(nn.initializers.zeros, (None,))
+        return jnp.asarray(self.param(CORRECTION_BIAS, initializer, (self.config.n_routed_experts,), jnp.float32))
+
     def _experts(self, hidden, token_mask):
         cfg = self.config
-        bias = self.param(
-            CORRECTION_BIAS, nn.with_logical_partitioning(nn.initializers.zeros, (None,)), (cfg.n_routed_experts,),
-            jnp.float32,
-        )  # fmt: skip
         router = functools.partial(
             sigmoid_group_limited,
-            correction_bias=jax.lax.stop_gradient(bias),  # selection only: no gradient reaches the bias
+            correction_bias=jax.lax.stop_gradient(self._correction_bias()),  # selection only: no gradient
             top_k=cfg.num_experts_per_tok,
             n_group=cfg.n_group,
             topk_group=cfg.topk_group,

@@ -200,6 +200,7 @@ def lora_transform(pieces: Any, settings: LoraConfig) -> Any:
         trainable=trainable_mask,
         complete_params=complete_params,
         adapter_checkpoints=True,
+        end_of_step=pieces.end_of_step,
     )
 
 
