@@ -530,8 +530,12 @@ def model_pieces(model: Any, inputs: Any, example_batch: Batch, argument: str | 
     if framework == "nnx":
         return ModelPieces(*nnx_pieces(model, argument), framework=framework)
     if framework == "linen":
-        own = {"trainable": getattr(model, "trainable_mask", None), "end_of_step": getattr(model, "end_of_step", None)}
-        return ModelPieces(*linen_pieces(model, inputs, argument), framework=framework, **own)
+        return ModelPieces(
+            *linen_pieces(model, inputs, argument),
+            framework=framework,
+            trainable=getattr(model, "trainable_mask", None),
+            end_of_step=getattr(model, "end_of_step", None),
+        )
     if argument is not None:
         raise ConfigError(
             f"data.fields.inputs passes the input as the keyword {argument!r}, and FunctionalModel's "
