@@ -5,6 +5,7 @@ transformers dequantises them, and the multi-token-prediction layer named in one
 
 import json
 import logging
+import re
 
 import numpy as np
 import pytest
@@ -13,7 +14,8 @@ import transformers
 from safetensors.torch import load_file, save_file
 from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
 
-from functrain.errors import CheckpointError
+from functrain.errors import CheckpointError, ConfigError
+from functrain.models import deepseek_v3
 from tests.torch_bridge.hf.test_hf_convert import hf_logits, highest_precision  # noqa: F401 (a fixture)
 from torch_bridge.hf import load_pretrained, read_params, save_pretrained
 from torch_bridge.hf.reader import find_weights, stream
@@ -140,3 +142,27 @@ def test_fp8_scales_that_do_not_fit_are_named(fp8_release, tmp_path):
     (tmp_path / "config.json").write_text((directory / "config.json").read_text())
     with pytest.raises(CheckpointError, match=r"o_proj\.weight_scale_inv has shape \[1, 1\].*expected \[2, 4\]"):
         read_params(tmp_path)
+
+
+@pytest.mark.parametrize("change, named", [
+    (dict(scoring_func="softmax"), "scoring_func 'softmax' is not DeepSeek-V3's ('sigmoid')"),
+    (dict(n_group=3), "n_routed_experts 8 is not a multiple of n_group 3"),
+    (dict(num_experts_per_tok=6), "num_experts_per_tok 6 is more than the 4 experts of the topk_group 2 groups"),
+    (dict(num_key_value_heads=2), "num_key_value_heads 2 must equal num_attention_heads 4"),
+])
+def test_configs_deepseek_v3_does_not_describe_are_one_line(tmp_path, change, named):
+    build_deepseek("q_lora_yarn").save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ConfigError, match=re.escape(named)) as raised:
+        read_params(tmp_path)
+    assert "\n" not in str(raised.value) and str(raised.value).endswith("fix config.json")
+
+
+def test_hf_config_round_trips():
+    hf = build_deepseek("q_lora_yarn").config.to_dict()
+    config = deepseek_v3.from_hf_config(hf)
+    assert config.rope_scaling.mscale_all_dim == 0.8 and config.q_lora_rank == 24
+    exported = deepseek_v3.to_hf_config(config)
+    assert "bias_update_rate" not in exported and "load_balance_scope" not in exported
+    assert deepseek_v3.from_hf_config(exported) == config
