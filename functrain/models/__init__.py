@@ -22,6 +22,7 @@ from functrain.models.configs.mlp import MLPConfig
 from functrain.models.configs.phi3 import Phi3Config
 from functrain.models.configs.qwen2 import Qwen2Config
 from functrain.models.configs.qwen3 import Qwen3Config
+from functrain.models.configs.qwen_moe import Qwen2MoeConfig, Qwen3MoeConfig
 
 # name -> (its config class, the module of its code).
 MODEL_FAMILIES: dict[str, tuple[type[FamilyConfig], str]] = {
@@ -36,6 +37,8 @@ MODEL_FAMILIES: dict[str, tuple[type[FamilyConfig], str]] = {
     "phi3": (Phi3Config, "functrain.models.phi3"),
     "qwen2": (Qwen2Config, "functrain.models.qwen2"),
     "qwen3": (Qwen3Config, "functrain.models.qwen3"),
+    "qwen2_moe": (Qwen2MoeConfig, "functrain.models.qwen2_moe"),
+    "qwen3_moe": (Qwen3MoeConfig, "functrain.models.qwen3_moe"),
     "deepseek_v3": (DeepseekV3Config, "functrain.models.deepseek_v3"),
 }
 

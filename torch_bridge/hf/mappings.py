@@ -23,7 +23,21 @@ from typing import Any, Callable, Literal
 
 import numpy as np
 
-from functrain.models import deepseek_v3, gemma2, gemma3, gpt2, llama, mistral, mixtral, phi3, qwen2, qwen3
+from functrain.models import (
+    deepseek_v3,
+    gemma2,
+    gemma3,
+    gpt2,
+    llama,
+    mistral,
+    mixtral,
+    phi3,
+    qwen2,
+    qwen2_moe,
+    qwen3,
+    qwen3_moe,
+)
+from functrain.models.qwen_moe import QwenMoeConfig
 
 Path = tuple[str, ...]
 Kind = Literal["copy", "transpose", "split3", "split_rows"]
@@ -246,6 +260,29 @@ def _mixtral_fused_rules(cfg: mixtral.MixtralConfig) -> list[Rule]:
     return _decoder_rules(cfg, moe)
 
 
+def _qwen_moe_rules(cfg: QwenMoeConfig, fused: bool = False) -> list[Rule]:
+    """Qwen2/3's attention; sparse layers ``mlp.gate`` and ``mlp.experts.<e>.{gate,up,down}_proj`` (or the fused
+    ``mlp.experts.gate_up_proj`` / ``down_proj``), Qwen2-MoE's ``mlp.shared_expert`` and ``shared_expert_gate``;
+    dense layers Llama's MLP."""
+
+    def mlp(i: int, hf: str, layer: str) -> list[Rule]:
+        path = (layer, "mlp")
+        if not cfg.moe_layer(i):
+            return _dense_mlp(f"{hf}.mlp", path, bias=False)
+        rules = _linear(f"{hf}.mlp.gate", path + ("gate",), bias=False)
+        if fused:
+            rules += _fused_experts(f"{hf}.mlp.experts", path + ("experts",), cfg.moe_intermediate_size)
+        else:
+            names = ("gate_proj", "up_proj", "down_proj")
+            rules += _experts(f"{hf}.mlp.experts", path + ("experts",), cfg.num_experts, names)
+        if cfg.shared_expert_size():
+            rules += _dense_mlp(f"{hf}.mlp.shared_expert", path + ("shared_expert",), bias=False)
+            rules += _linear(f"{hf}.mlp.shared_expert_gate", path + ("shared_expert_gate",), bias=False)
+        return rules
+
+    return _decoder_rules(cfg, mlp)
+
+
 def _phi3_rules(cfg: phi3.Phi3Config) -> list[Rule]:
     """Llama's table with q/k/v and gate/up fused into one torch Linear each."""
     q_rows, kv_rows = cfg.num_attention_heads * cfg.attn_head_dim, cfg.kv_heads * cfg.attn_head_dim
@@ -365,6 +402,17 @@ ARCHITECTURES: dict[str, Architecture] = {
     "mixtral": Architecture(
         "mixtral", mixtral, _mixtral_rules, lambda name: name, _llama_ignorable, fused_rules=_mixtral_fused_rules
     ),
+    **{
+        name: Architecture(
+            name,
+            module,
+            _qwen_moe_rules,
+            lambda name: name,
+            _llama_ignorable,
+            fused_rules=lambda cfg: _qwen_moe_rules(cfg, fused=True),
+        )
+        for name, module in (("qwen2_moe", qwen2_moe), ("qwen3_moe", qwen3_moe))
+    },
     "deepseek_v3": Architecture(
         "deepseek_v3",
         deepseek_v3,

@@ -20,12 +20,15 @@ from functrain.models.hf_common import RMSNorm, activation, dense, embed
 from functrain.models.llama import LlamaAttention
 from functrain.models.moe.balance import Balancing, MoeOutput
 from functrain.models.moe.dispatch import Glu
+from functrain.models.moe.layer import RouterStats
 from functrain.models.remat import check_remat, remat_block
 from functrain.models.scan import apply_layers
 from functrain.parallel.sharding import constrain_batch
 
 Array = jax.Array
-# (config, dtype, layer index, module name) -> a module: (x[B, T, hidden], token_mask) -> (y, RouterStats)
+# (config, dtype, layer index, module name) -> the layer's feed-forward: on a layer with experts
+# (``config.moe_layer(i)``) a module ``(x[B, T, hidden], token_mask) -> (y, RouterStats)``, else a dense MLP
+# ``x -> y``.
 FeedForward = Callable[[Any, Any, int, str], nn.Module]
 
 
@@ -65,7 +68,11 @@ class MoeDecoderBlock(nn.Module):
             RMSNorm(eps, self.dtype, name="input_layernorm")(x), segment_ids, positions
         )
         normed = RMSNorm(eps, self.dtype, name="post_attention_layernorm")(x)
-        y, stats = self.feed_forward(self.config, self.dtype, self.layer, "mlp")(normed, token_mask)
+        mlp = self.feed_forward(self.config, self.dtype, self.layer, "mlp")
+        if self.config.moe_layer(self.layer):
+            y, stats = mlp(normed, token_mask)
+        else:
+            y, stats = mlp(normed), RouterStats.zeros(self.config.expert_count())
         return x + y, stats
 
 

@@ -8,6 +8,8 @@ Parameters (logical axes in brackets; ``expert`` is the axis expert parallelism 
     experts/up_proj        [E, hidden, inter]     ("expert", "embed", "mlp")
     experts/down_proj      [E, inter, hidden]     ("expert", "mlp", "embed")
     experts/{gate,up}_proj_bias [E, inter], experts/down_proj_bias [E, hidden]   with expert_bias
+    shared_expert/{gate,up,down}_proj/kernel    an always-on expert (Qwen2-MoE, DeepSeek), with shared_size
+    shared_expert_gate/kernel [hidden, 1]       its sigmoid gate (Qwen2-MoE), with shared_gate
 
 The family passes its router (:mod:`functrain.models.moe.routing`) and its gated activation ``glu(gate, up)``.
 The statistics are sums over the real tokens (``token_mask``; every token when None), so that they add up
@@ -76,6 +78,27 @@ class Experts(nn.Module):
         )
 
 
+class SharedExpert(nn.Module):
+    """An expert every token takes: ``down(glu(gate(x), up(x)))``."""
+
+    hidden_size: int
+    intermediate_size: int
+    glu: Glu
+    init_std: float
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        def project(features: int, axes: tuple[str, str], name: str) -> nn.Dense:
+            return dense(features, axes, use_bias=False, dtype=self.dtype, init_std=self.init_std, name=name)
+
+        inter = self.intermediate_size
+        hidden = self.glu(
+            project(inter, ("embed", "mlp"), "gate_proj")(x), project(inter, ("embed", "mlp"), "up_proj")(x)
+        )
+        return project(self.hidden_size, ("mlp", "embed"), "down_proj")(hidden)
+
+
 class MoeBlock(nn.Module):
     """``block(x[B, T, hidden], token_mask[B, T] | None) -> (y[B, T, hidden], RouterStats)``."""
 
@@ -88,6 +111,8 @@ class MoeBlock(nn.Module):
     capacity_factor: float | None = None  # None: dropless
     expert_bias: bool = False
     router_bias: bool = False
+    shared_size: int | None = None  # the width of an always-on shared expert (None: none)
+    shared_gate: bool = False  # the shared expert's output scaled by sigmoid(x @ shared_expert_gate)
     init_std: float = 0.02
     dtype: Any = jnp.float32
 
@@ -117,6 +142,20 @@ class MoeBlock(nn.Module):
             weights = jnp.where(kept, weights, 0.0)
             dropped = jnp.sum(real[:, None] * ~kept)
         out = DISPATCH[self.dispatch](flat, weights, routing.experts, experts, self.glu)
+        if self.shared_size is not None:
+            shared = SharedExpert(hidden, self.shared_size, self.glu, self.init_std, self.dtype, name="shared_expert")
+            always = shared(flat)
+            if self.shared_gate:
+                gate = dense(
+                    1,
+                    ("embed", None),
+                    use_bias=False,
+                    dtype=self.dtype,
+                    init_std=self.init_std,
+                    name="shared_expert_gate",
+                )
+                always = jax.nn.sigmoid(gate(flat)) * always
+            out = out + always.astype(out.dtype)
         top_k = routing.experts.shape[1]
         stats = RouterStats(
             counts=jnp.bincount(

@@ -2,6 +2,7 @@
 files transformers writes and its fused in-memory names, and a missing or extra expert named."""
 
 import json
+import re
 
 import jax
 import numpy as np
@@ -15,8 +16,15 @@ from tests.torch_bridge.hf.test_hf_convert import IDS, LLAMA_CONFIG, hf_logits, 
 from torch_bridge.hf import hf_to_run_dir, load_pretrained, read_params, save_pretrained
 
 MOE = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24)
+QWEN = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, num_hidden_layers=3)
 FAMILIES = {
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, dict(MOE, sliding_window=5)),
+    # A dense middle layer (mlp_only_layers), the shared expert and its gate, q/k/v biases, top-k unnormalised.
+    "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM, dict(
+        QWEN, mlp_only_layers=[1], shared_expert_intermediate_size=20, norm_topk_prob=False)),
+    # Every other layer sparse (decoder_sparse_step), QK-norm, an explicit head_dim, top-k renormalised.
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, dict(
+        QWEN, decoder_sparse_step=2, head_dim=12, norm_topk_prob=True)),
 }
 
 
@@ -72,25 +80,23 @@ def test_fused_in_memory_names_read_too(tmp_path, saved):
     jax.tree.map(np.testing.assert_array_equal, fused, per_expert)
 
 
-@pytest.mark.parametrize("change, named", [
-    ("drop", "missing model.layers.1.block_sparse_moe.experts.3.w2.weight (layer 1, expert 3)"),
-    ("extra", "unexpected model.layers.0.block_sparse_moe.experts.4.w1.weight (layer 0, expert 4)"),
-])
-def test_missing_or_extra_expert_is_named(tmp_path, saved, change, named):
-    family, _, _, directory = saved
-    if family != "mixtral":
-        pytest.skip("the names are Mixtral's")
+@pytest.mark.parametrize("change", ["drop", "extra"])
+def test_missing_or_extra_expert_is_named(tmp_path, saved, change):
+    _, _, _, directory = saved
     tensors = hf_tensors(directory)
+    last = sorted(name for name in tensors if ".experts.3." in name)[-1]  # e.g. layers.2...experts.3.up_proj
+    layer = re.search(r"layers\.(\d+)\.", last).group(1)
     if change == "drop":
-        del tensors["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
+        del tensors[last]
+        named = f"missing {last} (layer {layer}, expert 3)"
     else:
-        tensors["model.layers.0.block_sparse_moe.experts.4.w1.weight"] = tensors[
-            "model.layers.0.block_sparse_moe.experts.0.w1.weight"
-        ]
+        named = last.replace(".experts.3.", ".experts.4.")
+        tensors[named] = tensors[last]
+        named = f"unexpected {named} (layer {layer}, expert 4)"
     (tmp_path / "hf").mkdir()
     save_file(tensors, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
     (tmp_path / "hf" / "config.json").write_text((directory / "config.json").read_text())
-    with pytest.raises(CheckpointError, match=named.replace("(", r"\(").replace(")", r"\)")) as caught:
+    with pytest.raises(CheckpointError, match=re.escape(named)) as caught:
         hf_to_run_dir(str(tmp_path / "hf"), str(tmp_path / "run"))
     assert "\n" not in str(caught.value)
     assert not (tmp_path / "run").exists()
