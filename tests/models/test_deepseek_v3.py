@@ -48,7 +48,7 @@ def test_decoding_with_the_latent_cache_computes_the_full_forward(converted, hig
     _, params, config = converted
     model = build_model(config)
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, VOCAB, (2, 10)))
-    full = _logits(model.apply({"params": params}, tokens))
+    full = _logits(jax.jit(model.apply)({"params": params}, tokens))
     shapes = jax.eval_shape(
         lambda: model.apply({"params": params}, jnp.zeros((2, 10), jnp.int32), mutable=["cache"])[1]["cache"]
     )
@@ -57,9 +57,10 @@ def test_decoding_with_the_latent_cache_computes_the_full_forward(converted, hig
         "cache_index": (), "cached_latent": (2, 10, config.kv_lora_rank),
         "cached_rotary_key": (2, 10, config.qk_rope_head_dim),
     }  # fmt: skip
+    feed = jax.jit(lambda cache, new: model.apply({"params": params, "cache": cache}, new, mutable=["cache"]))
     cache, pieces = zeros_like_shapes(shapes), []
     for start, stop in ((0, 6), (6, 7), (7, 8), (8, 9), (9, 10)):  # a prompt, then one token at a time
-        output, updated = model.apply({"params": params, "cache": cache}, tokens[:, start:stop], mutable=["cache"])
+        output, updated = feed(cache, tokens[:, start:stop])
         cache = updated["cache"]
         pieces.append(_logits(output))
     np.testing.assert_allclose(np.concatenate(pieces, axis=1), full, atol=1e-5, rtol=0)
@@ -88,8 +89,8 @@ def test_scanned_layers_with_remat_train_as_the_unrolled_ones(converted, highest
         logits = _logits(model.apply({"params": p}, tokens[:, :-1]))
         return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1))
 
-    value, grads = jax.value_and_grad(lambda p: loss(unrolled, p))(params)
-    scanned_value, scanned_grads = jax.value_and_grad(lambda p: loss(scanned, p))(stacked)
+    value, grads = jax.jit(jax.value_and_grad(lambda p: loss(unrolled, p)))(params)
+    scanned_value, scanned_grads = jax.jit(jax.value_and_grad(lambda p: loss(scanned, p)))(stacked)
     np.testing.assert_allclose(scanned_value, value, rtol=1e-6)
     for got, want in zip(jax.tree.leaves(relayout_like(scanned_grads, grads)), jax.tree.leaves(grads)):
         np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-5)
