@@ -1,6 +1,7 @@
 """A Program: what the JAX backend needs from a model and a task's loss, whatever framework wrote the model.
 
-    ModelPieces(init, apply, logical_specs, framework, frozen_apply=None, trainable=None, complete_params=None)
+    ModelPieces(init, apply, logical_specs, framework, frozen_apply=None, trainable=None, complete_params=None,
+                end_of_step=None)
       init(rng) -> (params, model_state)                          # float32 params; {} when nothing mutable
       apply(params, model_state, inputs, train, rng, **keywords) -> (output, model_state)
       logical_specs() -> tree of PartitionSpec of logical axis names (PartitionSpec() where none)
@@ -9,9 +10,11 @@
       complete_params(restored_params, init_rng) -> params: fills what a restored checkpoint lacks (LoRA
         adapters on a converted base model); None: checkpoints restore straight onto the params' shardings
       adapter_checkpoints: saves hold the base weights once, then the trainable adapters only (LoRA's policy)
+      end_of_step(params, model_state) -> (params, model_state): run once after each applied update (DeepSeek's
+        correction biases moved by the selections its forwards counted in model state); None: nothing
 
     Program(init, loss_fn, eval_loss_fn, logical_specs, trainable=None, complete_params=None, state_for_params=None,
-            state_logical_specs=None)
+            state_logical_specs=None, batch_totals=None, end_of_step=None)
       loss_fn(params, model_state, batch, rng) -> (loss_sum, weight, aux_sums, model_state)   # training mode
       eval_loss_fn(...)                                            # the same in evaluation mode
       state_for_params(params, model_state) -> model_state: the model state of a run starting from ``params``
@@ -24,6 +27,7 @@
         global batch before any micro-batch's gradient (an MoE's expert counts under global-batch balancing,
         :mod:`functrain.core.model_terms`); the step runs it forward-only over every micro-batch and passes the
         total as ``loss_fn(..., totals=...)``; None: the loss needs none
+      end_of_step: the model's (ModelPieces above)
 
 A task (:mod:`functrain.tasks`) builds its Program on the model's pieces (:func:`program_on`), after transforms
 (LoRA: :func:`functrain.models.lora.lora_transform`) turned the pieces into others.
@@ -32,6 +36,8 @@ Adapters turn user code into one (:func:`as_program`):
 
 - a Flax linen module: variables from ``module.init``; every collection but ``params`` (``batch_stats``)
   is model state, updated in training mode through ``mutable=``; logical specs from ``nn.Partitioned`` boxes;
+  a module's own ``trainable_mask(params)`` and ``end_of_step(params, model_state)`` methods, when it has them,
+  are the pieces' ``trainable`` and ``end_of_step`` (DeepSeek-V3's correction biases);
 - a Flax NNX module: ``nnx.split`` into a graph definition and ``Param`` / other state, merged again inside
   the pure loss; its RNG streams are reseeded from the step key, so no RNG state is carried;
 - :class:`FunctionalModel` ``(init, apply)``: ``init(rng, example_batch) -> params``,
@@ -84,6 +90,7 @@ class ModelPieces:
     trainable: Callable[[Any], Any] | None = None
     complete_params: Callable[[Any, jax.Array], Any] | None = None
     adapter_checkpoints: bool = False  # checkpoints hold the trainable leaves once the base is saved
+    end_of_step: Callable[[Any, Any], tuple[Any, Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -99,6 +106,7 @@ class Program:
     state_for_params: Callable[[Any, Any], Any] | None = None
     state_logical_specs: Callable[[], dict[str, Any]] | None = None
     batch_totals: Callable | None = None
+    end_of_step: Callable[[Any, Any], tuple[Any, Any]] | None = None
 
 
 def program_on(
@@ -124,6 +132,7 @@ def program_on(
         state_for_params=state_for_params,
         state_logical_specs=state_logical_specs,
         batch_totals=batch_totals,
+        end_of_step=pieces.end_of_step,
     )
 
 
@@ -521,7 +530,12 @@ def model_pieces(model: Any, inputs: Any, example_batch: Batch, argument: str | 
     if framework == "nnx":
         return ModelPieces(*nnx_pieces(model, argument), framework=framework)
     if framework == "linen":
-        return ModelPieces(*linen_pieces(model, inputs, argument), framework=framework)
+        return ModelPieces(
+            *linen_pieces(model, inputs, argument),
+            framework=framework,
+            trainable=getattr(model, "trainable_mask", None),
+            end_of_step=getattr(model, "end_of_step", None),
+        )
     if argument is not None:
         raise ConfigError(
             f"data.fields.inputs passes the input as the keyword {argument!r}, and FunctionalModel's "

@@ -175,6 +175,7 @@ def make_train_step(
     stateful: bool = False,
     trainable: Any = None,
     batch_totals: Callable | None = None,
+    end_of_step: Callable[[Any, Any], tuple[Any, Any]] | None = None,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
     """Build the pure ``train_step(state, batch) -> (state, metrics)``.
 
@@ -191,6 +192,9 @@ def make_train_step(
       trainable: a tree of bools shaped like the params: only those leaves are differentiated and updated,
         the others stay frozen (LoRA); ``tx`` must then be wrapped with `trainable_only`. None: all train.
       batch_totals: the global sums the (stateful-form) loss needs first, see the module docstring; None: none.
+      end_of_step: ``(params, model_state) -> (params, model_state)`` run once after each applied update, on the
+        whole params (frozen leaves included) and the model state the step's micro-batches left (DeepSeek's bias
+        update from the selections they counted); not run on a skipped update.
 
     A non-finite loss or gradient never reaches the parameters: that update is skipped (params, optimizer
     and model state stay as they were), counted in ``skipped_steps`` and flagged by the ``nonfinite``
@@ -249,6 +253,10 @@ def make_train_step(
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
         if trainable is not None:
             new_params = combine(trainable, new_params, frozen)
+        if end_of_step is not None:
+            new_params, new_model_state = jax.lax.cond(
+                finite, lambda pair: end_of_step(*pair), lambda pair: pair, (new_params, new_model_state)
+            )
 
         if dynamic_loss_scale:
             loss_scale, good_steps = update_loss_scale(state.loss_scale, state.good_steps, finite)

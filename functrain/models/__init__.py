@@ -10,6 +10,7 @@ import importlib
 from typing import Any
 
 from functrain.models.configs.base import FamilyConfig
+from functrain.models.configs.deepseek_v3 import DeepseekV3Config
 from functrain.models.configs.gemma2 import Gemma2Config
 from functrain.models.configs.gemma3 import Gemma3TextConfig
 from functrain.models.configs.gpt import GPTConfig
@@ -40,6 +41,7 @@ MODEL_FAMILIES: dict[str, tuple[type[FamilyConfig], str]] = {
     "qwen3": (Qwen3Config, "functrain.models.qwen3"),
     "qwen2_moe": (Qwen2MoeConfig, "functrain.models.qwen2_moe"),
     "qwen3_moe": (Qwen3MoeConfig, "functrain.models.qwen3_moe"),
+    "deepseek_v3": (DeepseekV3Config, "functrain.models.deepseek_v3"),
 }
 
 

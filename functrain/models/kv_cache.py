@@ -39,17 +39,21 @@ def next_positions(module: nn.Module, length: int) -> Array:
 def extend_cache(module: nn.Module, key: Array, value: Array, positions: Array) -> tuple[Array, Array]:
     """Keys and values ``[B, T, KV, D]`` of the new tokens at ``positions`` -> those of the whole cache
     ``[B, S, KV, D]`` (the new ones written in); unchanged when not decoding."""
+    return cached(module, "cached_key", key, positions), cached(module, "cached_value", value, positions)
+
+
+def cached(module: nn.Module, name: str, new: Array, positions: Array) -> Array:
+    """One cached array ``[B, S, ...]`` (the cache variable ``name``) with the new tokens' ``[B, T, ...]``
+    written at ``positions``; ``new`` itself when not decoding or while taking the cache's shapes."""
     if not decoding(module):
-        return key, value
-    primed = module.has_variable("cache", "cached_key")
-    cached_key = module.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
-    cached_value = module.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
+        return new
+    primed = module.has_variable("cache", name)
+    variable = module.variable("cache", name, jnp.zeros, new.shape, new.dtype)
     if not primed:
-        return key, value
-    start = (0, positions[0], 0, 0)
-    cached_key.value = jax.lax.dynamic_update_slice(cached_key.value, key.astype(cached_key.value.dtype), start)
-    cached_value.value = jax.lax.dynamic_update_slice(cached_value.value, value.astype(cached_value.value.dtype), start)
-    return cached_key.value, cached_value.value
+        return new
+    start = (0, positions[0]) + (0,) * (new.ndim - 2)
+    variable.value = jax.lax.dynamic_update_slice(variable.value, new.astype(variable.value.dtype), start)
+    return variable.value
 
 
 def causal_mask(positions: Array, kv_length: int, window: int | None = None) -> Array:

@@ -34,14 +34,25 @@ def projection_paths(params: Any) -> list[Path]:
     ]
 
 
+def _matches(path: Path, pattern: str) -> bool:
+    return fnmatch.fnmatchcase(path[-1], pattern) or fnmatch.fnmatchcase("/".join(path), pattern)
+
+
 def target_paths(params: Any, targets: tuple[str, ...]) -> list[Path]:
-    """The projections matching any pattern; a pattern matching none is a ConfigError naming it."""
+    """The projections matching any pattern; a pattern matching none, or a mixture of experts' stacked expert
+    weights (which carry no adapters), is a ConfigError naming it."""
     projections = projection_paths(params)
+    experts = [path for path, leaf in flatten_dict(params).items() if "experts" in path and len(jnp.shape(leaf)) == 3]
     chosen: set[Path] = set()
     for pattern in targets:
-        matched = {
-            p for p in projections if fnmatch.fnmatchcase(p[-1], pattern) or fnmatch.fnmatchcase("/".join(p), pattern)
-        }
+        stacked = next((path for path in experts if _matches(path, pattern)), None)
+        if stacked is not None:
+            raise ConfigError(
+                f"model.lora.targets: {pattern!r} names the stacked experts {'/'.join(stacked)}, which LoRA does "
+                f"not adapt; target the attention projections (q_proj, k_proj, v_proj, o_proj) or a path that "
+                f"leaves the experts out"
+            )
+        matched = {p for p in projections if _matches(p, pattern)}
         if not matched:
             names = sorted({p[-1] for p in projections})
             raise ConfigError(
@@ -200,6 +211,7 @@ def lora_transform(pieces: Any, settings: LoraConfig) -> Any:
         trainable=trainable_mask,
         complete_params=complete_params,
         adapter_checkpoints=True,
+        end_of_step=pieces.end_of_step,
     )
 
 

@@ -16,7 +16,9 @@ RematPolicy = Literal["none", "full", "dots_saveable", "offload"]
 
 RUNTIME_KEYS = frozenset({"attention", "remat", "scan_layers"})
 
-SCANNING_MODELS = "gpt, llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3_text, mixtral, qwen2_moe, qwen3_moe, gpt_oss"
+SCANNING_MODELS = (
+    "gpt, llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3_text, mixtral, qwen2_moe, qwen3_moe, gpt_oss, deepseek_v3"
+)
 
 
 def scan_refusal(model_name: str) -> str:

@@ -42,19 +42,21 @@ def _llama3(inv_freq: np.ndarray, scaling: RopeScaling) -> np.ndarray:
     return np.where(medium, smoothed, scaled)
 
 
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context ``scale`` times longer (1 when not longer)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
 def _yarn(theta: float, dim: int, scaling: RopeScaling) -> tuple[np.ndarray, float]:
     factor, original = scaling.factor, scaling.original_max_position_embeddings
     assert factor is not None and original is not None, "set: RopeScaling requires them for yarn"
 
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
     attention_factor = scaling.attention_factor
     if attention_factor is None:
         attention_factor = (
-            mscale(factor, scaling.mscale) / mscale(factor, scaling.mscale_all_dim)
+            yarn_mscale(factor, scaling.mscale) / yarn_mscale(factor, scaling.mscale_all_dim)
             if scaling.mscale and scaling.mscale_all_dim
-            else mscale(factor)
+            else yarn_mscale(factor)
         )
 
     def correction_dim(rotations: float) -> float:

@@ -90,7 +90,7 @@ def apply_layers(
         first_unrolled = groups * period
         stack = nn.scan(
             _Group,
-            variable_axes={"params": 0},
+            variable_axes={True: 0},  # every collection a block holds is per layer (params, router counts)
             split_rngs={"params": True, "dropout": True},
             in_axes=nn.broadcast,
             length=groups,

@@ -50,6 +50,7 @@ DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
     "kv_heads": "tensor",
     "vocab": "tensor",
     "head_dim": None,
+    "latent": None,  # the compressed width of latent attention (DeepSeek's q/kv LoRA ranks)
     "max_len": None,
     "classes": None,
     "norm": None,

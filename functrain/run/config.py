@@ -23,6 +23,7 @@ from functrain.core.section import Section
 from functrain.errors import ConfigError
 from functrain.models import MODEL_FAMILIES, model_config_class
 from functrain.models.configs.base import FamilyConfig, ModelConfig
+from functrain.models.configs.moe import MOE_RUNTIME_KEYS, MoeOptions
 from functrain.models.options import scan_refusal
 from functrain.run.config_files import apply_overrides, read_yaml
 
@@ -640,6 +641,15 @@ def _suggest(key: str, model_name: str | None) -> str:
     return f"; did you mean '{match[0]}'?" if match else ""
 
 
+def _dense_moe_key(key: str, model_name: Any) -> str:
+    """The refusal of a mixture-of-experts option on a model without experts."""
+    moe = sorted(name for name, (config_cls, _) in MODEL_FAMILIES.items() if issubclass(config_cls, MoeOptions))
+    return (
+        f"{key} applies to mixture-of-experts models ({', '.join(moe)}) and model {model_name} has no experts; "
+        f"remove {key}"
+    )
+
+
 def _format_validation_error(error: pydantic.ValidationError, raw: dict) -> str:
     """One line for the first problem: the dotted key, what is wrong and the nearest valid key."""
     first = error.errors()[0]
@@ -649,6 +659,8 @@ def _format_validation_error(error: pydantic.ValidationError, raw: dict) -> str:
     key = ".".join(loc)
     model_name = raw.get("model", {}).get("name") if isinstance(raw.get("model"), dict) else None
     if first["type"] == "extra_forbidden":
+        if loc[:1] == ["model"] and loc[-1] in MOE_RUNTIME_KEYS:
+            return _dense_moe_key(key, model_name)
         return f"unknown config key '{key}'{_suggest(key, model_name)}"
     message = first["msg"].removeprefix("Value error, ")
     if first["type"] in ("value_error", "assertion_error") and (not key or message.startswith(f"{key}.")):

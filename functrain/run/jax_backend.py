@@ -108,6 +108,7 @@ class JaxBackend:
             stateful=True,
             trainable=trainable,
             batch_totals=program.batch_totals,
+            end_of_step=program.end_of_step,
         )
         eval_step = make_eval_step(program.eval_loss_fn, compute_dtype=compute_dtype, stateful=True)
 

@@ -18,6 +18,7 @@ expert of every layer has its rule, so a missing or extra expert is named.
 """
 
 import dataclasses
+import functools
 import re
 from types import ModuleType
 from typing import Any, Callable, Literal
@@ -25,6 +26,7 @@ from typing import Any, Callable, Literal
 import numpy as np
 
 from functrain.models import (
+    deepseek_v3,
     gemma2,
     gemma3,
     gpt2,
@@ -139,6 +141,9 @@ class Architecture:
     # A second table read when a file holds its names (transformers' in-memory layout, experts fused into one
     # tensor per projection); writing always uses ``rules`` (what transformers' save_pretrained writes).
     fused_rules: Callable[[Any], list[Rule]] | None = None
+    # The part of the model an HF tensor belongs to when conversion knowingly leaves it out (named in one log
+    # line: DeepSeek-V3's multi-token-prediction layer), else None.
+    left_out: Callable[[str, Any], str | None] = lambda name, config: None
 
 
 def _linear(hf_prefix: str, path: Path, bias: bool) -> list[Rule]:
@@ -368,11 +373,57 @@ def _gemma2_ignorable(name: str, cfg: gemma2.Gemma2Config) -> bool:
     return name == "lm_head.weight" or name == "model.embed_tokens.embed_scale"  # tied head; a buffer
 
 
+def _deepseek_v3_rules(cfg: deepseek_v3.DeepseekV3Config, fused: bool = False) -> list[Rule]:
+    """DeepSeek-V3: latent attention; HF's layer ``i`` is ``dense_layers_{i}`` or ``moe_layers_{i - k}``, whose
+    router is ``mlp.gate`` (with the correction bias), experts ``mlp.experts.<e>.*`` (``fused``: transformers'
+    in-memory ``gate_up_proj`` / ``down_proj``) and always-on ``mlp.shared_experts``."""
+    rules = [Rule("model.embed_tokens.weight", (("embed_tokens", "embedding"),))]
+    for i in range(cfg.num_hidden_layers):
+        hf, layer = f"model.layers.{i}", deepseek_v3.hf_layer_path(cfg, i)
+        attention = {"kv_a_proj_with_mqa": cfg.attention_bias, "kv_b_proj": False, "o_proj": cfg.attention_bias}
+        attention.update(
+            {"q_proj": False} if cfg.q_lora_rank is None else {"q_a_proj": cfg.attention_bias, "q_b_proj": False}
+        )
+        for proj, bias in attention.items():
+            rules += _linear(f"{hf}.self_attn.{proj}", (layer, "self_attn", proj), bias)
+        for norm in ("kv_a_layernorm",) + (() if cfg.q_lora_rank is None else ("q_a_layernorm",)):
+            rules.append(Rule(f"{hf}.self_attn.{norm}.weight", ((layer, "self_attn", norm, "scale"),)))
+        if not cfg.moe_layer(i):
+            rules += _dense_mlp(f"{hf}.mlp", (layer, "mlp"), False)
+        else:
+            rules += _linear(f"{hf}.mlp.gate", (layer, "mlp", "gate"), bias=False)
+            rules.append(Rule(f"{hf}.mlp.gate.{deepseek_v3.CORRECTION_BIAS}", ((layer, deepseek_v3.CORRECTION_BIAS),)))
+            experts, path = f"{hf}.mlp.experts", (layer, "mlp", "experts")
+            if fused:
+                rules += _fused_experts(experts, path, cfg.moe_intermediate_size)
+            else:
+                rules += _experts(experts, path, cfg.n_routed_experts, ("gate_proj", "up_proj", "down_proj"))
+            if cfg.n_shared_experts:
+                rules += _dense_mlp(f"{hf}.mlp.shared_experts", (layer, "shared_experts"), False)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            rules.append(Rule(f"{hf}.{norm}.weight", ((layer, norm, "scale"),)))
+    rules.append(Rule("model.norm.weight", (("norm", "scale"),)))
+    if not cfg.tie_word_embeddings:
+        rules += _linear("lm_head", ("lm_head",), bias=False)
+    return rules
+
+
 _LLAMA_BUFFERS = re.compile(r"model\.(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
 
 
 def _llama_ignorable(name: str, cfg: llama.LlamaConfig) -> bool:
     return bool(_LLAMA_BUFFERS.fullmatch(name)) or (cfg.tie_word_embeddings and name == "lm_head.weight")
+
+
+_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _deepseek_v3_left_out(name: str, cfg: deepseek_v3.DeepseekV3Config) -> str | None:
+    # Released checkpoints carry the multi-token-prediction module as the layers past num_hidden_layers.
+    layer = _HF_LAYER.match(name)
+    if layer is None or int(layer.group(1)) < cfg.num_hidden_layers:
+        return None
+    return f"the multi-token-prediction layer model.layers.{layer.group(1)}"
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -400,4 +451,13 @@ ARCHITECTURES: dict[str, Architecture] = {
         )
         for name, module in (("qwen2_moe", qwen2_moe), ("qwen3_moe", qwen3_moe))
     },
+    "deepseek_v3": Architecture(
+        "deepseek_v3",
+        deepseek_v3,
+        _deepseek_v3_rules,
+        lambda name: name,
+        _llama_ignorable,
+        fused_rules=functools.partial(_deepseek_v3_rules, fused=True),
+        left_out=_deepseek_v3_left_out,
+    ),
 }

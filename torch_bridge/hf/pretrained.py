@@ -2,11 +2,13 @@
 
 Conversion is strict: every HF tensor must map to a functrain leaf (or be on the architecture's allow-list
 of buffers and tied heads), every leaf must be filled, and every shape must agree with config.json. All of
-that is checked from file headers before any tensor data is read. MXFP4 checkpoints (config.json's
-``quantization_config.quant_method: mxfp4``, the released GPT-OSS weights) are dequantized as they are read
-(:mod:`torch_bridge.hf.mxfp4`).
+that is checked from file headers before any tensor data is read. Quantised checkpoints are dequantized as they
+are read: MXFP4 (config.json's ``quantization_config.quant_method: mxfp4``, the released GPT-OSS weights;
+:mod:`torch_bridge.hf.mxfp4`) and block-scaled FP8 (``fp8``, the released DeepSeek-V3 weights;
+:mod:`torch_bridge.hf.fp8`).
 """
 
+import logging
 import os
 import re
 from typing import Any, Callable, Iterable
@@ -21,9 +23,10 @@ from functrain.core.program import logits_of
 from functrain.errors import CheckpointError
 from functrain.models.configs.base import ModelConfig
 from functrain.models.stacking import unstack_layers
-from torch_bridge.hf import mxfp4, reader, writer
+from torch_bridge.hf import fp8, mxfp4, reader, writer
 from torch_bridge.hf.mappings import ARCHITECTURES, Architecture, Path, Rule
 
+logger = logging.getLogger(__name__)
 Place = Callable[[Path, np.ndarray], Any]
 _SUPPORTED_DTYPES = {"F32", "BF16", "F16", "float32", "bfloat16", "float16", mxfp4.PACKED_DTYPE}
 
@@ -54,6 +57,21 @@ def _summary(names: list[str], limit: int = 5) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
+def _left_out(arch: Architecture, config: Any, names: list[str], where: str) -> None:
+    """One log line for each part of the checkpoint the architecture knowingly leaves out (DeepSeek-V3's
+    multi-token-prediction layer), naming it and its tensors."""
+    parts: dict[str, list[str]] = {}
+    for name in names:
+        part = arch.left_out(arch.canonical_name(name), config)
+        if part is not None:
+            parts.setdefault(part, []).append(name)
+    for part, tensors in parts.items():
+        logger.warning(
+            "%s: left out %s (%d tensors: %s); functrain's model does not use it", where, part, len(tensors),
+            _summary(sorted(tensors), 2),
+        )  # fmt: skip
+
+
 def _named(name: str) -> str:
     """``name``, with the layer and expert it belongs to when it is one expert's tensor."""
     match = _EXPERT.search(name)
@@ -75,17 +93,20 @@ def _leaf_shape(rule: Rule, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _match_tensors(
-    arch: Architecture, config: Any, infos: dict[str, reader.TensorInfo], where: str
-) -> tuple[dict[str, Rule], dict[Path, tuple[int, ...]]]:
-    """Map each needed file tensor name to its rule, with the shape of every leaf; CheckpointError on
+    arch: Architecture, config: Any, infos: dict[str, reader.TensorInfo], where: str, block: tuple[int, int] | None
+) -> tuple[dict[str, Rule], dict[Path, tuple[int, ...]], dict[str, str]]:
+    """Map each needed file tensor name to its rule, with the shape of every leaf and the scales' name of each
+    FP8 weight (``block``: config.json's FP8 block, None when not quantised); CheckpointError on
     missing/unexpected/mis-shaped ones."""
-    by_canonical = {arch.canonical_name(name): name for name in infos}
+    scales = {name for name in infos if block is not None and name.endswith(fp8.SCALE_SUFFIX)}
+    by_canonical = {arch.canonical_name(name): name for name in infos if name not in scales}
     rules = _rules_for(arch, config, by_canonical)
     unexpected = sorted(
         name
         for canonical, name in by_canonical.items()
-        if canonical not in rules and not arch.ignorable(canonical, config)
+        if canonical not in rules and not arch.ignorable(canonical, config) and arch.left_out(canonical, config) is None
     )
+    unexpected += sorted(name for name in scales if name.removesuffix(fp8.SCALE_SUFFIX) not in infos)
     missing = sorted(name for name in rules if name not in by_canonical)
     if missing or unexpected:
         parts = ([f"missing {_summary(missing)}"] if missing else []) + (
@@ -95,14 +116,17 @@ def _match_tensors(
             f"{where} does not match a {arch.model_type} model with this config.json: "
             f"{'; '.join(parts)}; check config.json or convert a supported checkpoint"
         )
+    _left_out(arch, config, list(by_canonical.values()), where)
     shapes = expected_shapes(arch, config)
-    needed = {}
+    needed, scale_of = {}, {}
     for hf_name, rule in rules.items():
         info = infos[by_canonical[hf_name]]
-        if info.dtype not in _SUPPORTED_DTYPES:
+        if fp8.scale_name(info.name) in scales:
+            scale_of[info.name] = fp8.scale_name(info.name)
+        elif info.dtype not in _SUPPORTED_DTYPES:
             raise CheckpointError(
-                f"{info.name} in {info.file.name} has dtype {info.dtype}; "
-                "only float32, bfloat16 and float16 weights are supported"
+                f"{info.name} in {info.file.name} has dtype {info.dtype}; only float32, bfloat16 and float16 "
+                "weights are supported, and float8 ones with their weight_scale_inv under an fp8 quantization_config"
             )
         got = rule.functrain_shapes(info.shape)
         want = tuple(_leaf_shape(rule, shapes[path]) for path in rule.paths)
@@ -114,7 +138,7 @@ def _match_tensors(
                 f"{list(rule.hf_shape(want))}; config.json does not describe these weights"
             )
         needed[info.name] = rule
-    return needed, shapes
+    return needed, shapes, scale_of
 
 
 def read_params(hf_dir: str | os.PathLike, place: Place | None = None) -> tuple[dict[str, Any], Any]:
@@ -122,21 +146,28 @@ def read_params(hf_dir: str | os.PathLike, place: Place | None = None) -> tuple[
 
     ``place(path, array)`` receives each finished leaf (path is a tuple of param keys, array numpy) and
     returns what to store, e.g. a ``jax.Array`` on its target sharding; by default leaves stay numpy.
-    Dtypes are kept (bf16 stays bf16).
+    Dtypes are kept (bf16 stays bf16); block-quantised FP8 weights become float32 (:mod:`torch_bridge.hf.fp8`).
     """
     hf_config = reader.read_config(hf_dir)
     arch = architecture_for(hf_config)
     config = arch.model.from_hf_config(hf_config)
     weights = reader.find_weights(hf_dir)
+    block = fp8.block_shape(hf_config)
     infos = reader.catalog(weights)
     if (hf_config.get("quantization_config") or {}).get("quant_method") == "mxfp4":
         infos = mxfp4.unpacked_catalog(infos)
-    needed, shapes = _match_tensors(arch, config, infos, str(hf_dir))
+    needed, shapes, scale_of = _match_tensors(arch, config, infos, str(hf_dir), block)
     packed = {name: info for name, info in infos.items() if isinstance(info, mxfp4.PackedInfo) and name in needed}
     file_names = {part.name for info in packed.values() for part in (info.blocks, info.scales)} | set(needed)
+    # FP8: the scales first (one number per block: small), then each weight dequantised as it streams.
+    scales = dict(reader.stream(weights, set(scale_of.values())))
+    by_weight = {weight: scales[scale] for weight, scale in scale_of.items()}
+    tensors = mxfp4.unpacked_stream(reader.stream(weights, file_names), packed)
+    if block is not None:
+        tensors = fp8.dequantized(tensors, by_weight, block)
     flat: dict[Path, Any] = {}
     stacking: dict[Path, tuple[np.ndarray, set[int]]] = {}  # stacked leaves being filled, expert by expert
-    for name, array in mxfp4.unpacked_stream(reader.stream(weights, file_names), packed):
+    for name, array in tensors:
         rule = needed[name]
         for path, leaf in zip(rule.paths, rule.to_functrain(array)):
             if rule.index is not None:

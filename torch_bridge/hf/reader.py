@@ -8,6 +8,7 @@ read; `stream` then yields one tensor at a time, one shard at a time. bf16 stays
 import dataclasses
 import json
 import os
+import struct
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -17,6 +18,8 @@ from safetensors import safe_open
 
 from functrain.errors import CheckpointError
 
+# safetensors' numpy backend has no float8 dtypes (FP8 checkpoints): those tensors are read from the file's bytes.
+RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
 CONFIG_FILE = "config.json"
 SAFETENSORS_FILE, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 BIN_FILE, BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
@@ -160,13 +163,26 @@ def stream(weights: WeightFiles, names: set[str] | None = None) -> Iterator[tupl
                 keys = [k for k in handle.keys() if names is None or k in names]
             for name in keys:
                 with _open_safetensors(file) as handle:
-                    array = handle.get_slice(name)[:]
+                    tensor_slice = handle.get_slice(name)
+                    raw = tensor_slice.get_dtype() in RAW_DTYPES
+                    array = _raw_tensor(file, name) if raw else tensor_slice[:]
                 yield name, array
         else:
             state = _load_bin(file)
             for name in [k for k in state if names is None or k in names]:
                 yield name, torch_to_numpy(state.pop(name))
             del state
+
+
+def _raw_tensor(file: Path, name: str) -> np.ndarray:
+    """Tensor ``name`` of a safetensors ``file`` read from its bytes (the 8-byte header length, the JSON header
+    with each tensor's dtype, shape and data offsets, then the data)."""
+    with open(file, "rb") as handle:
+        header_bytes = struct.unpack("<Q", handle.read(8))[0]
+        entry = json.loads(handle.read(header_bytes))[name]
+    start, end = entry["data_offsets"]
+    data = np.fromfile(file, dtype=np.uint8, count=end - start, offset=8 + header_bytes + start)
+    return data.view(RAW_DTYPES[entry["dtype"]]).reshape(entry["shape"])
 
 
 def torch_to_numpy(tensor: Any) -> np.ndarray:
@@ -176,4 +192,7 @@ def torch_to_numpy(tensor: Any) -> np.ndarray:
     tensor = tensor.detach().contiguous()
     if tensor.dtype == torch.bfloat16:
         return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16).copy()
+    if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        like = ml_dtypes.float8_e4m3fn if tensor.dtype == torch.float8_e4m3fn else ml_dtypes.float8_e5m2
+        return tensor.view(torch.uint8).numpy().view(like).copy()
     return tensor.numpy().copy()

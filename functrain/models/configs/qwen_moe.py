@@ -2,6 +2,7 @@
 layers ``decoder_sparse_step`` and ``mlp_only_layers`` leave sparse (:mod:`functrain.models.qwen_moe`)."""
 
 import dataclasses
+import typing
 from typing import Any, Hashable, Literal, Sequence
 
 import pydantic
@@ -101,7 +102,8 @@ class Qwen2MoeConfig(Qwen2Config, QwenMoeOptions):
 
     def unrolled(self, layers: Sequence[int]) -> "Qwen2MoeConfig":
         """Qwen2's copy, its sparse layers kept sparse."""
-        return super().unrolled(layers).model_copy(update=self.sparse_update(layers))
+        copy = typing.cast(Qwen2MoeConfig, super().unrolled(layers))  # Qwen2's model_copy keeps the class
+        return copy.model_copy(update=self.sparse_update(layers))
 
 
 class Qwen3MoeConfig(Qwen3Config, QwenMoeOptions):
@@ -128,4 +130,5 @@ class Qwen3MoeConfig(Qwen3Config, QwenMoeOptions):
 
     def unrolled(self, layers: Sequence[int]) -> "Qwen3MoeConfig":
         """Qwen3's copy, its sparse layers kept sparse."""
-        return super().unrolled(layers).model_copy(update=self.sparse_update(layers))
+        copy = typing.cast(Qwen3MoeConfig, super().unrolled(layers))  # Qwen2's model_copy keeps the class
+        return copy.model_copy(update=self.sparse_update(layers))

@@ -25,7 +25,8 @@ from flax.traverse_util import flatten_dict
 from jax.sharding import PartitionSpec
 
 from functrain.core.fields import Fields, canonical, require_builtin
-from functrain.core.losses import model_inputs, model_keywords
+from functrain.core.losses import JAX_OPS, model_inputs, model_keywords
+from functrain.core.model_terms import add_model_terms
 from functrain.core.precision import COMPUTE_DTYPES
 from functrain.core.program import ModelPieces, Program, check_logits, logits_of, model_pieces, program_on
 from functrain.errors import CheckpointError, ConfigError
@@ -109,7 +110,7 @@ def distill_program(student: ModelPieces, teacher: ModelPieces, fields: Fields, 
     def loss(train: bool):
         def loss_fn(params, model_state, batch, rng):
             batch = canonical(fields, batch)
-            inputs, keywords = model_inputs("causal_lm", batch), model_keywords("causal_lm", batch)
+            inputs, keywords = model_inputs("causal_lm", batch), model_keywords("causal_lm", batch, JAX_OPS)
             own = {name: value for name, value in model_state.items() if name != TEACHER}
             output, new_state = student.apply(params, own, inputs, train, rng, **keywords)
             frozen = model_state[TEACHER]
@@ -117,6 +118,7 @@ def distill_program(student: ModelPieces, teacher: ModelPieces, fields: Fields, 
             loss_sum, count, aux = sums(logits_of(output), jax.lax.stop_gradient(logits_of(teacher_output)), batch)
             if not train:  # the student's cross-entropy: comparable with a run that has no teacher
                 loss_sum = aux["cross_entropy"]
+            loss_sum, aux = add_model_terms(output, loss_sum, count, aux)  # an MoE student's balancing
             return loss_sum, count, aux, {**new_state, TEACHER: frozen}
 
         return loss_fn

@@ -36,6 +36,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from functrain.core.model_terms import add_model_terms, logits_of
+
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "simpo", "orpo")
 REFERENCE_FREE = ("simpo", "orpo")
 # The losses whose log-probs are averaged over the completion's tokens before anything else.
@@ -177,7 +179,7 @@ def forward_reference_logps(reference: Reference) -> ReferenceLogps:
     def reference_logps(params, model_state, batch):
         tokens, mask = pair_rows(batch)
         output = jax.lax.stop_gradient(reference(params, model_state, tokens[:, :-1]))
-        return completion_logps(getattr(output, "logits", output), tokens, mask)[0]
+        return completion_logps(logits_of(output), tokens, mask)[0]
 
     return reference_logps
 
@@ -208,13 +210,16 @@ def preference_loss(
         def policy_logps(params, model_state):
             output: Any  # an array or an object with .logits (typeshed's getattr would add None to a tuple's Any)
             output, new_state = apply(params, model_state, tokens[:, :-1], train, rng)
-            return completion_logps(getattr(output, "logits", output), tokens, mask), new_state
+            # The terms the output carries (an MoE policy's balancing), per pair as the step divides.
+            terms = add_model_terms(output, jnp.zeros((), jnp.float32), jnp.sum(batch["weight"]), {})
+            return completion_logps(logits_of(output), tokens, mask), terms, new_state
 
-        policy, new_state = jax.checkpoint(policy_logps)(params, model_state)
+        policy, (terms_sum, terms_aux), new_state = jax.checkpoint(policy_logps)(params, model_state)
         ref_logps = None
         if settings.uses_reference and reference_logps is not None:
             ref_logps = reference_logps(params, model_state, batch)
-        return (*preference_sums(settings, policy, ref_logps, batch["weight"]), new_state)
+        loss_sum, weight, aux = preference_sums(settings, policy, ref_logps, batch["weight"])
+        return loss_sum + terms_sum, weight, {**aux, **terms_aux}, new_state
 
     return loss_fn
 

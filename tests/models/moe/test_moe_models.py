@@ -1,0 +1,78 @@
+"""The MoE families as functrain models: scanned layers (sparse and dense kinds grouped) and remat compute the
+unrolled model's logits, router statistics and gradients; sampling with the KV cache equals sampling without;
+LoRA adapts the attention and refuses the stacked experts in one line."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from functrain.core.program import as_program
+from functrain.errors import ConfigError
+from functrain.models import build_model
+from functrain.models.configs.lora import LoraConfig
+from functrain.models.configs.mixtral import MixtralConfig
+from functrain.models.configs.qwen_moe import Qwen2MoeConfig
+from functrain.models.lora import lora_program
+from functrain.models.stacking import relayout_like
+from functrain.text.decode import Generator, Sampling
+
+TOKENS = np.random.default_rng(0).integers(0, 64, (2, 12))
+BATCH = {"tokens": TOKENS, "weight": np.ones(2, np.float32)}
+SMALL = dict(vocab_size=64, hidden_size=16, num_attention_heads=2, num_key_value_heads=1,
+             output_router_logits=True, router_aux_loss_coef=0.5, router_z_loss_coef=0.1, initializer_range=0.3)
+# Layers: dense, sparse, dense, sparse, and a fifth (dense) past the last whole group: scanned by period 2.
+QWEN2 = Qwen2MoeConfig(**SMALL, intermediate_size=20, num_hidden_layers=5, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=8, shared_expert_intermediate_size=12, decoder_sparse_step=2)
+MIXTRAL = MixtralConfig(**SMALL, intermediate_size=8, num_hidden_layers=2, num_local_experts=4, sliding_window=6)
+
+
+def test_scanned_and_rematerialised_layers_compute_the_unrolled_model():
+    unrolled = as_program(build_model(QWEN2), BATCH)
+    scanned = as_program(build_model(QWEN2.model_copy(update={"scan_layers": True, "remat": "full"})), BATCH)
+    params, _ = unrolled.init(jax.random.PRNGKey(0))
+    stacked = relayout_like(params, jax.eval_shape(scanned.init, jax.random.PRNGKey(0))[0])
+
+    @jax.jit
+    def both(params, stacked):
+        def value_and_grad(program, p):
+            def loss(p):
+                loss_sum, weight, aux, _ = program.loss_fn(p, {}, BATCH, jax.random.PRNGKey(0))
+                return loss_sum / weight, aux
+            return jax.value_and_grad(loss, has_aux=True)(p)
+        return value_and_grad(unrolled, params), value_and_grad(scanned, stacked)
+
+    with jax.default_matmul_precision("highest"):
+        ((loss, aux), grads), ((scanned_loss, scanned_aux), scanned_grads) = both(params, stacked)
+    np.testing.assert_allclose(scanned_loss, loss, rtol=1e-6)
+    assert set(aux) == set(scanned_aux) and {"moe/load_entropy/layer_1", "moe/load_entropy/layer_3"} <= set(aux)
+    assert "moe/load_entropy/layer_0" not in aux  # a dense layer has no router
+    for name in aux:
+        np.testing.assert_allclose(scanned_aux[name], aux[name], rtol=1e-5, err_msg=name)
+    scanned_grads = relayout_like(scanned_grads, grads)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), scanned_grads, grads)
+
+
+def test_sampling_with_the_cache_equals_sampling_without():
+    model = build_model(MIXTRAL)
+    params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), TOKENS)["params"])
+    sampling = Sampling(max_new_tokens=6)
+    cached = Generator(model)(params, TOKENS[:, :5], sampling)
+    uncached = Generator(model)(params, TOKENS[:, :5], sampling, use_cache=False)
+    assert cached.shape == (2, 6)
+    np.testing.assert_array_equal(cached, uncached)
+
+
+def test_lora_adapts_attention_and_refuses_the_experts():
+    program = lora_program(build_model(MIXTRAL), BATCH, "causal_lm", LoraConfig(rank=2, targets=("q_proj", "v_proj")))
+    params, _ = program.init(jax.random.PRNGKey(0))
+    mask = program.trainable(params)
+    trained = {jax.tree_util.keystr(path) for path, m in jax.tree_util.tree_flatten_with_path(mask)[0] if m}
+    assert len(trained) == 2 * 2 * 2 and all("self_attn" in path for path in trained)
+    grads = jax.grad(lambda p: program.loss_fn(p, {}, BATCH, jax.random.PRNGKey(0))[0])(params)
+    assert float(jnp.abs(grads["layers_0"]["self_attn"]["q_proj"]["lora_b"]).sum()) > 0
+    for targets in (("gate_proj",), ("layers_0/mlp/experts/*",)):
+        with pytest.raises(ConfigError, match="names the stacked experts layers_0/mlp/experts/") as caught:
+            lora_program(build_model(MIXTRAL), BATCH, "causal_lm", LoraConfig(rank=2, targets=targets))
+        assert "\n" not in str(caught.value)

@@ -1,0 +1,150 @@
+"""DeepSeek-V3's module: decoding with the compressed-latent cache computes the full forward's logits and continues a
+prompt as transformers' greedy ``generate`` does; the cache holds the latent, not per-head keys and values;
+``scan_layers`` with ``remat`` trains as the unrolled model does; the auxiliary-loss-free bias update moves the
+correction biases by the step's total counts alike for any number of micro-batches, outside the optimizer, and a
+killed run with it resumes bitwise."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import torch
+import yaml
+from flax.traverse_util import flatten_dict
+from jax.tree_util import tree_flatten_with_path
+
+from functrain.commands.cli import main
+from functrain.core.program import as_program
+from functrain.core.state import TrainState
+from functrain.core.step import make_train_step, trainable_only
+from functrain.models import build_model, model_config_class
+from functrain.models.kv_cache import zeros_like_shapes
+from functrain.models.stacking import relayout_like
+from functrain.text.decode import Generator, Sampling
+from tests.torch_bridge.hf.test_hf_convert import highest_precision  # noqa: F401 (a fixture)
+from tests.torch_bridge.hf.test_hf_deepseek_v3 import TINY, VOCAB, build_deepseek
+from torch_bridge.hf import load_pretrained
+
+PROMPT = np.array([[5, 17, 42, 8, 3], [60, 2, 9, 33, 11]])
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """transformers' tiny DeepSeek-V3 (YaRN, q LoRA) and the same weights loaded into functrain."""
+    hf_model = build_deepseek("q_lora_yarn")
+    directory = tmp_path_factory.mktemp("deepseek")
+    hf_model.save_pretrained(directory)
+    _, params, config = load_pretrained(directory)
+    return hf_model, params, config
+
+
+def _logits(output):
+    return getattr(output, "logits", output)
+
+
+def test_decoding_with_the_latent_cache_computes_the_full_forward(converted, highest_precision):
+    _, params, config = converted
+    model = build_model(config)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, VOCAB, (2, 10)))
+    full = _logits(jax.jit(model.apply)({"params": params}, tokens))
+    shapes = jax.eval_shape(
+        lambda: model.apply({"params": params}, jnp.zeros((2, 10), jnp.int32), mutable=["cache"])[1]["cache"]
+    )
+    attention = shapes["dense_layers_0"]["self_attn"]
+    assert {name: leaf.shape for name, leaf in attention.items()} == {
+        "cache_index": (), "cached_latent": (2, 10, config.kv_lora_rank),
+        "cached_rotary_key": (2, 10, config.qk_rope_head_dim),
+    }  # fmt: skip
+    feed = jax.jit(lambda cache, new: model.apply({"params": params, "cache": cache}, new, mutable=["cache"]))
+    cache, pieces = zeros_like_shapes(shapes), []
+    for start, stop in ((0, 6), (6, 7), (7, 8), (8, 9), (9, 10)):  # a prompt, then one token at a time
+        output, updated = feed(cache, tokens[:, start:stop])
+        cache = updated["cache"]
+        pieces.append(_logits(output))
+    np.testing.assert_allclose(np.concatenate(pieces, axis=1), full, atol=1e-5, rtol=0)
+
+
+def test_greedy_generation_continues_as_transformers_does(converted, highest_precision):
+    hf_model, params, config = converted
+    hf_model.generation_config.eos_token_id = None  # the full length, as functrain generates
+    hf_model.generation_config.pad_token_id = 0
+    with torch.no_grad():
+        expected = hf_model.generate(torch.tensor(PROMPT), max_new_tokens=12, do_sample=False)
+    got = Generator(build_model(config))(params, PROMPT, Sampling(12))
+    np.testing.assert_array_equal(got, expected.numpy()[:, PROMPT.shape[1] :])
+
+
+def test_scanned_layers_with_remat_train_as_the_unrolled_ones(converted, highest_precision):
+    _, params, config = converted
+    unrolled = build_model(config)
+    scanned = build_model(config.model_copy(update={"scan_layers": True, "remat": "full"}))
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, VOCAB, (2, 9)))
+    boxed = jax.eval_shape(scanned.init, jax.random.PRNGKey(0), tokens)["params"]
+    assert {"dense_layers_stack", "moe_layers_stack"} <= set(boxed)
+    stacked = relayout_like(params, nn.meta.unbox(boxed))
+
+    def loss(model, p):
+        logits = _logits(model.apply({"params": p}, tokens[:, :-1]))
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1))
+
+    value, grads = jax.jit(jax.value_and_grad(lambda p: loss(unrolled, p)))(params)
+    scanned_value, scanned_grads = jax.jit(jax.value_and_grad(lambda p: loss(scanned, p)))(stacked)
+    np.testing.assert_allclose(scanned_value, value, rtol=1e-6)
+    for got, want in zip(jax.tree.leaves(relayout_like(scanned_grads, grads)), jax.tree.leaves(grads)):
+        np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------- bias update
+
+# One MoE layer after one dense layer, each expert's selections counted over the step.
+BALANCED = dict(TINY, name="deepseek_v3", vocab_size=VOCAB, num_hidden_layers=2, bias_update_rate=0.01,
+                initializer_range=0.2)
+
+
+def _two_steps(micro_batches: int, tokens: np.ndarray):
+    """Two AdamW steps (weight decay on) of a DeepSeek-V3 with the bias update on; the final TrainState."""
+    config = model_config_class("deepseek_v3").model_validate(BALANCED)
+    batch = {"tokens": tokens, "weight": np.ones(len(tokens), np.float32)}
+    program = as_program(build_model(config), batch)
+    params, model_state = program.init(jax.random.PRNGKey(0))
+    trainable = program.trainable(params)
+    tx = trainable_only(optax.adamw(1e-2, weight_decay=0.1), trainable)
+    step = jax.jit(make_train_step(program.loss_fn, tx, micro_batches=micro_batches, stateful=True,
+                                   trainable=trainable, end_of_step=program.end_of_step))  # fmt: skip
+    state = TrainState.create(params, tx, jax.random.PRNGKey(1), model_state)
+    for _ in range(2):
+        state, _ = step(state, batch)
+    return state
+
+
+def _biases(params):
+    return {path: leaf for path, leaf in flatten_dict(params).items() if path[-1] == "e_score_correction_bias"}
+
+
+def test_bias_update_moves_the_bias_alike_for_any_micro_batching():
+    tokens = np.random.default_rng(3).integers(0, VOCAB, (8, 9))
+    whole, split = _two_steps(1, tokens), _two_steps(4, tokens)
+    biases = _biases(whole.params)
+    assert len(biases) == 1  # the MoE layer
+    for path, bias in biases.items():
+        # Two steps of +-0.01 (or 0 at the mean) from zero: moved by the counts alone, bitwise alike when split.
+        steps = np.asarray(bias) / 0.01
+        np.testing.assert_allclose(steps, np.round(steps), atol=1e-4)
+        assert np.abs(steps).max() == pytest.approx(2)
+        np.testing.assert_array_equal(_biases(split.params)[path], bias)
+    # The counts restart from zero each step; no optimizer state is kept for the frozen biases.
+    assert all(not np.asarray(leaf).any() for leaf in jax.tree.leaves(whole.model_state["router_counts"]))
+    assert not any("e_score_correction_bias" in str(path) for path, _ in tree_flatten_with_path(whole.opt_state)[0])
+
+
+def test_killed_run_resumes_bitwise_with_the_bias_update(tmp_path, capsys):
+    model = {**BALANCED, "vocab_size": 256, "max_position_embeddings": 64}
+    config = {"seed": 0, "run": {"dir": str(tmp_path / "run")}, "model": model,
+              "data": {"name": "char_text", "seq_len": 16, "global_batch_size": 4},
+              "optimizer": {"name": "adamw", "learning_rate": 0.01}, "train": {"steps_per_call": 1}}  # fmt: skip
+    path = tmp_path / "deepseek.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert main(["verify-resume", str(path), "--steps", "4", "eval.every_steps=0"]) == 0
+    assert capsys.readouterr().out.startswith("PASS")
