@@ -13,7 +13,7 @@ import sys
 from typing import Any
 
 from functrain.errors import EXIT_BAD_INPUT, EXIT_SIGNAL, FunctrainError
-from functrain.run.signals import CommandSignals, Interrupted, check_interrupted
+from functrain.run.signals import CommandSignals, Interrupted, check_interrupted, interrupted_message
 
 # The verbs, in the order `functrain --help` lists them; each module has HELP, add_arguments() and run().
 VERBS = {
@@ -97,11 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return _run(argv)
         except Interrupted as exc:
-            print(
-                f"functrain: {exc} received outside the training loop: stopped, the run directory keeps its "
-                f"newest whole checkpoint; run the same command again to resume",
-                file=sys.stderr,
-            )
+            print(interrupted_message(str(exc)), file=sys.stderr)
             return EXIT_SIGNAL
 
 

@@ -35,6 +35,7 @@ from functrain.data.kinds import Order
 from functrain.data.loader import batch_split_problem
 from functrain.errors import ConfigError
 from functrain.models.scan import fewer_groups_unrolled, scan_groups
+from functrain.parallel.capacity import check_state_fits
 from functrain.parallel.target import compiling_for
 from functrain.run.callbacks import Callback, CallbackList, EarlyStopping, EveryNSteps, MetricsWriter, ProgressBar
 from functrain.run.config import Config
@@ -453,6 +454,10 @@ def build_run(
     data, task_data = config.data, parts.data
     sampler, max_steps, example_batch = _order(config, parts)
     backend, pieces = backend_of(config, parts, example_batch, max_steps)
+    from functrain.run.jax_backend import JaxBackend
+
+    if isinstance(backend, JaxBackend):  # refused from shapes, in seconds: a state too large hangs in its allocation
+        check_state_fits(backend.abstract_state, backend.state_shardings, backend.mesh)
     train_source = task_data.train if task_data.loader_train is None else task_data.loader_train
     eval_source = task_data.eval if task_data.loader_eval is None else task_data.loader_eval
     loader = loader_for(
