@@ -197,7 +197,7 @@ def test_nonfinite_stop_sees_an_incident_in_a_call_it_never_read(tmp_path):
     """One poisoned record at a step that is not logged: the run stops within the calls in flight, names
     that exact step, exits with the non-finite status and keeps params finite."""
     features = np.random.default_rng(0).random((640, 64), np.float32)
-    features[5 * 32 + 3, 0] = np.nan  # the 6th batch of 32, unshuffled: step 6
+    features[5 * 32 + 3] = np.finfo(np.float32).max  # finite, overflows in the 6th batch of 32 (unshuffled): step 6
     np.savez(tmp_path / "poisoned.npz", x=features, y=np.zeros(640, np.int32))
     result = run(tmp_path, **{"data.name": "array_file", "data.path": str(tmp_path / "poisoned.npz"),
                               "data.shuffle": False, "data.global_batch_size": 32, "data.eval_fraction": 0.0,
