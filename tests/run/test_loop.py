@@ -278,3 +278,13 @@ def test_metrics_after_the_resumed_checkpoint_are_set_aside_not_duplicated(tmp_p
     assert steps == [4, 8, 12, 16]
     aside = (tmp_path / "run" / "metrics.abandoned.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in aside if json.loads(line)["split"] == "train"] == [12, 16]
+
+
+def test_fit_says_what_the_command_line_says_and_its_result_prints_as_one_line(tmp_path, capsys):
+    result = run(tmp_path, **{"train.max_steps": 8})
+    said = capsys.readouterr().err
+    assert f"run {tmp_path / 'run'}: steps 0 -> 8" in said and f"summary of {tmp_path / 'run'}:" in said
+    text = repr(result)
+    assert "\n" not in text and len(text) < 300 and "TrainState" not in text
+    assert text.startswith(f"FitResult(finished at step 8, 8 steps run, run_dir='{tmp_path / 'run'}'")
+    assert "train loss" in text and "eval accuracy" in text and str(result) == text
