@@ -1,9 +1,10 @@
 """Where a run's own lines go: the ``functrain`` logger, on stderr, for the command line and ``fit()`` alike.
 
 The loop logs the run directory and the start, warnings and the end summary at INFO on the ``functrain`` logger.
-Python prints nothing below WARNING until a handler is configured, so without one ``fit()`` would train in silence
-where ``functrain train`` says all of it: :func:`show_run_lines` gives the logger a stderr handler, unless the
-program configured that logger itself (a handler or a level of its own: then its lines go where it says).
+Python prints nothing below WARNING until logging is configured, so ``fit()`` would train in silence where
+``functrain train`` says all of it: :func:`show_run_lines` gives the logger a stderr handler of its own, unless the
+program configured logging itself (the ``functrain`` logger, or a handler on the root logger other than the bare
+one absl's first log call installs): then the lines go where the program says, at the levels it set.
 """
 
 from __future__ import annotations
@@ -41,10 +42,23 @@ def add_stderr_handler(run_log: logging.Logger) -> None:
     run_log.setLevel(logging.INFO)
 
 
+def _is_bare_default(handler: logging.Handler) -> bool:
+    """Whether ``handler`` is what ``logging.basicConfig()`` installs unasked (absl calls it on its first log
+    line, as Orbax's import does): a plain stream handler to stderr with the default format."""
+    formatter = handler.formatter
+    return (
+        type(handler) is logging.StreamHandler
+        and handler.stream in (sys.stderr, sys.__stderr__)
+        and (formatter is None or formatter._fmt == logging.BASIC_FORMAT)
+    )
+
+
 def show_run_lines() -> None:
-    """Print the run's INFO lines on stderr as the command line does, unless the program configured the
-    ``functrain`` logger (a handler or a level) itself."""
+    """Print the run's INFO lines on stderr as the command line does, unless the program configured logging
+    itself (see the module)."""
     run_log = logging.getLogger(RUN_LOGGER)
     if run_log.handlers or run_log.level != logging.NOTSET:
+        return
+    if not all(_is_bare_default(handler) for handler in logging.getLogger().handlers):
         return
     add_stderr_handler(run_log)

@@ -105,7 +105,8 @@ def fit(
         is read (map-style data; ``data.transform`` in the config), to reshape records without a data source.
 
     It prints what ``functrain train`` prints (the run directory at the start, warnings, the summary at the end)
-    on stderr, unless the program configured the ``functrain`` logger itself; ``print(fit(...))`` is one line.
+    on stderr, unless the program configured logging itself (:mod:`functrain.run.console`); ``print(fit(...))``
+    is one line.
     """
     show_run_lines()
     return drive(

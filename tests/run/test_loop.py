@@ -1,8 +1,10 @@
 """The loop: callback events and controls, early stopping, SIGTERM, non-finite stop, resume."""
 
 import json
+import logging
 import os
 import signal
+import sys
 
 import jax
 import numpy as np
@@ -14,6 +16,7 @@ from functrain.run.outcome import StopKind
 from functrain.run.view import RunRecord, RunView
 from functrain.checkpoint import load_params
 from functrain.errors import ConfigError
+from tests.conftest import run_python
 
 BASE = {"config": "configs/mlp_digits.yaml", "model.hidden": [16], "log.progress": False,
         "log.tensorboard": False, "train.steps_per_call": 4, "log.every_steps": 4, "eval.every_steps": 8,
@@ -280,11 +283,33 @@ def test_metrics_after_the_resumed_checkpoint_are_set_aside_not_duplicated(tmp_p
     assert [json.loads(line)["step"] for line in aside if json.loads(line)["split"] == "train"] == [12, 16]
 
 
-def test_fit_says_what_the_command_line_says_and_its_result_prints_as_one_line(tmp_path, capsys):
-    result = run(tmp_path, **{"train.max_steps": 8})
-    said = capsys.readouterr().err
-    assert f"run {tmp_path / 'run'}: steps 0 -> 8" in said and f"summary of {tmp_path / 'run'}:" in said
-    text = repr(result)
-    assert "\n" not in text and len(text) < 300 and "TrainState" not in text
-    assert text.startswith(f"FitResult(finished at step 8, 8 steps run, run_dir='{tmp_path / 'run'}'")
-    assert "train loss" in text and "eval accuracy" in text and str(result) == text
+def test_fit_says_what_the_command_line_says_and_its_result_prints_as_one_line(tmp_path):
+    """A plain script (logging left as Python and absl leave it): fit prints the run directory line and the
+    summary on stderr, once each, and its result as one line."""
+    proc = run_python(f"""
+        import functrain
+        result = functrain.fit("configs/mlp_digits.yaml", **{{"run.dir": "{tmp_path / 'run'}", "train.max_steps": 8,
+                               "model.hidden": [16], "log.progress": False}})
+        print(result)
+    """)
+    run_dir = tmp_path / "run"
+    assert proc.stderr.count(f"run {run_dir}: steps 0 -> 8") == 1 and proc.stderr.count(f"summary of {run_dir}:") == 1
+    printed = proc.stdout.strip().splitlines()
+    assert len(printed) == 1 and len(printed[0]) < 300 and "TrainState" not in printed[0]
+    assert printed[0].startswith(f"FitResult(finished at step 8, 8 steps run, run_dir='{run_dir}'")
+    assert "train loss" in printed[0] and "eval accuracy" in printed[0]
+
+
+def test_fit_leaves_logging_a_program_configured_to_it(monkeypatch):
+    from functrain.run import console
+
+    run_log = logging.getLogger(console.RUN_LOGGER)
+    monkeypatch.setattr(run_log, "handlers", [])
+    monkeypatch.setattr(run_log, "level", logging.NOTSET)
+    monkeypatch.setattr(run_log, "propagate", True)
+    monkeypatch.setattr(logging.getLogger(), "handlers", [logging.FileHandler(os.devnull)])  # the program's own
+    console.show_run_lines()
+    assert run_log.handlers == [] and run_log.propagate  # its records still reach the program's handlers
+    monkeypatch.setattr(logging.getLogger(), "handlers", [logging.StreamHandler(sys.stderr)])  # absl's bare default
+    console.show_run_lines()
+    assert [type(h) for h in run_log.handlers] == [console.StderrHandler] and not run_log.propagate
