@@ -33,7 +33,7 @@ from functrain.core.step import StepSettings
 from functrain.data import BatchLoader, IndexSampler, loader_for, order_for
 from functrain.data.kinds import Order
 from functrain.data.loader import batch_split_problem
-from functrain.errors import ConfigError
+from functrain.errors import TORCH_INSTALL, ConfigError
 from functrain.models.scan import fewer_groups_unrolled, scan_groups
 from functrain.parallel.capacity import check_state_fits
 from functrain.parallel.target import compiling_for
@@ -213,7 +213,7 @@ def torch_backend(
         from torch_bridge import distributed, optim, user_model
         from torch_bridge.twins import twin_model
     except ImportError as exc:
-        raise ConfigError(f"backend: torch needs PyTorch ({exc}); pip install 'functrain[torch]'") from None
+        raise ConfigError(f"backend: torch needs PyTorch ({exc.__cause__ or exc}); {TORCH_INSTALL}") from None
     if config.model.lora_settings() is not None:
         raise ConfigError("model.lora needs backend: jax; remove model.lora or set backend: jax")
     if optimizer is not None:
