@@ -15,6 +15,14 @@ EXIT_SIGNAL = 75
 PLANNED_EXITS = (EXIT_FINISHED, EXIT_NONFINITE, EXIT_MOSTLY_SKIPPED, EXIT_SIGNAL)
 
 
+# How to install PyTorch, in the errors that need it: the script picks the CPU build where no GPU is present (a plain
+# `pip install torch` pulls several GB of CUDA packages onto a machine that cannot use them).
+TORCH_INSTALL = (
+    "install it with `sh tools/install_torch.sh PYTHON` from a checkout (the CPU build where no GPU is present), "
+    "or pip install 'functrain[torch]'"
+)
+
+
 class FunctrainError(Exception):
     """Bad input from the user: a config, data, checkpoint or directory problem."""
 

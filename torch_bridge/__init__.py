@@ -7,10 +7,12 @@ run config makes the loop use :mod:`torch_bridge.backend`, which trains the conf
 checkpoint conversion lives in :mod:`torch_bridge.hf` and is imported only when asked for.
 """
 
+from functrain.errors import TORCH_INSTALL
+
 try:
     import torch  # noqa: F401  (fail here, with the fix, rather than deep inside a submodule)
 except ImportError as error:  # pragma: no cover - exercised only where torch is absent
-    raise ImportError("torch_bridge needs PyTorch: install functrain[torch]") from error
+    raise ImportError(f"torch_bridge needs PyTorch ({error}); {TORCH_INSTALL}") from error
 
 from torch_bridge.optim import Optimizer, adamw, from_settings, lion, make_optimizer, make_schedule, sgd
 from torch_bridge.step import TorchState, make_eval_step, make_train_step, step_generator

@@ -117,7 +117,9 @@ def load_params_and_meta(run_dir: str | os.PathLike, step: int | None = None) ->
     """:func:`load_params` and the same checkpoint's meta (model config, data position, metrics)."""
     ckpt_dir, step_in_path = layout.locate(run_dir)
     chosen = step if step is not None else step_in_path
-    result = reader.restore_newest(ckpt_dir, {layout.PARAMS: None}, "auto" if chosen is None else int(chosen))
+    result = reader.restore_newest(
+        ckpt_dir, {layout.PARAMS: None}, "auto" if chosen is None else int(chosen), step_key="--step"
+    )
     if result is None:
         raise CheckpointError(f"no committed checkpoint in {ckpt_dir}; train first or pass another run.dir")
     items, meta, _ = result

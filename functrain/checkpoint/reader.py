@@ -257,11 +257,19 @@ def _restore_everywhere(ckpt_dir: Path, step: int, targets: Targets) -> tuple[tu
     return None, reason or "another process could not read it"
 
 
-def restore_newest(ckpt_dir: Path, targets: Targets, step: str | int = "auto") -> tuple[dict, dict, int] | None:
-    """Restore ``step`` ("auto": the newest step that reads cleanly; an int: exactly that step).
+def restore_newest(
+    ckpt_dir: Path, targets: Targets, step: str | int = "auto", step_key: str = "checkpoint.resume"
+) -> tuple[dict, dict, int] | None:
+    """Restore ``step`` ("auto": the newest step that reads cleanly; an int: exactly that step). ``step_key``:
+    the setting that named the step, in errors (``--step`` where a run is read rather than resumed).
 
     Returns ``(items, meta, step)``, or ``None`` for "never" or when no step was ever committed.
     """
+    other = (
+        "use checkpoint.resume=auto"
+        if step_key == "checkpoint.resume"
+        else f"leave {step_key} out for the newest whole checkpoint"
+    )
     if step == "never":
         return None
     steps = layout.committed_steps(ckpt_dir)
@@ -271,13 +279,12 @@ def restore_newest(ckpt_dir: Path, targets: Targets, step: str | int = "auto") -
         if step not in steps:
             raise CheckpointError(
                 f"no checkpoint for step {step} in {ckpt_dir} (steps there: "
-                f"{_steps_text(steps)}); pick one of them or use checkpoint.resume=auto"
+                f"{_steps_text(steps)}); pick one of them or {other}"
             )
         restored, reason = _restore_everywhere(ckpt_dir, step, targets)
         if restored is None:
             raise CheckpointError(
-                f"checkpoint step {step} in {ckpt_dir} is damaged ({reason}); "
-                f"resume from another step or use checkpoint.resume=auto"
+                f"checkpoint step {step} in {ckpt_dir} is damaged ({reason}); pick another step or {other}"
             )
         return restored
     damaged: list[tuple[int, str]] = []  # newest first

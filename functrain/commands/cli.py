@@ -13,7 +13,8 @@ import sys
 from typing import Any
 
 from functrain.errors import EXIT_BAD_INPUT, EXIT_SIGNAL, FunctrainError
-from functrain.run.signals import CommandSignals, Interrupted, check_interrupted
+from functrain.run.console import RUN_LOGGER, add_stderr_handler
+from functrain.run.signals import CommandSignals, Interrupted, check_interrupted, interrupted_message
 
 # The verbs, in the order `functrain --help` lists them; each module has HELP, add_arguments() and run().
 VERBS = {
@@ -50,28 +51,8 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-class _StderrHandler(logging.StreamHandler):
-    """Writes each line to ``sys.stderr`` as it is when the line is logged, never to the stream that was
-    ``sys.stderr`` when ``main()`` ran: that one may be closed since (a test's captured stream, a redirect)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.setFormatter(logging.Formatter("%(message)s"))
-
-    @property
-    def stream(self) -> Any:
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, _: Any) -> None:  # StreamHandler.__init__ sets one; this handler has none of its own
-        pass
-
-
 def _configure_logging(debug: bool) -> None:
-    run_log = logging.getLogger("functrain")
-    if not any(isinstance(handler, _StderrHandler) for handler in run_log.handlers):  # once per process
-        run_log.addHandler(_StderrHandler())
-    run_log.propagate = False  # absl installs its own root handler; print the run's lines once, plainly
+    add_stderr_handler(logging.getLogger(RUN_LOGGER))
     # Orbax logs every save step through absl at INFO; keep the console for the run's own lines.
     for noisy in ("absl", "jax", "orbax"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -81,7 +62,6 @@ def _configure_logging(debug: bool) -> None:
         absl_logging.set_verbosity(absl_logging.WARNING)
     except ImportError:
         pass
-    run_log.setLevel(logging.INFO)
     if not debug:  # one line per error: no tracebacks from Orbax's background threads
         from functrain.checkpoint.noise import silence_background_tracebacks
 
@@ -97,11 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return _run(argv)
         except Interrupted as exc:
-            print(
-                f"functrain: {exc} received outside the training loop: stopped, the run directory keeps its "
-                f"newest whole checkpoint; run the same command again to resume",
-                file=sys.stderr,
-            )
+            print(interrupted_message(str(exc)), file=sys.stderr)
             return EXIT_SIGNAL
 
 

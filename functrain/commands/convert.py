@@ -2,7 +2,7 @@
 
 import argparse
 
-from functrain.errors import FunctrainError
+from functrain.errors import TORCH_INSTALL, FunctrainError
 
 HELP = "HF-style checkpoints <-> functrain run directories"
 
@@ -25,7 +25,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         from torch_bridge.hf import convert
     except ImportError as exc:
-        raise FunctrainError(f"conversion needs PyTorch and safetensors ({exc}); pip install 'functrain[hf]'") from None
+        raise FunctrainError(
+            f"conversion needs PyTorch and safetensors ({exc.__cause__ or exc}); {TORCH_INSTALL}, then pip "
+            f"install 'functrain[hf]'"
+        ) from None
     if args.direction == "hf-to-functrain":
         step = convert.hf_to_run_dir(args.hf_dir, args.run_dir)
         print(

@@ -8,7 +8,10 @@ HELP = "loss, learning rate, grad norm, throughput of runs in one PNG"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     parser.add_argument(
-        "-o", "--output", default=None, help="PNG path (default RUN_DIR/plot.png for one run, ./plot.png for several)"
+        "-o",
+        "--output",
+        default=None,
+        help="PNG file, or a directory to write plot.png in (default RUN_DIR/plot.png; ./plot.png for several runs)",
     )
 
 

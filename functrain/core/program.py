@@ -478,11 +478,21 @@ def check_user_loss(loss_fn: Callable, params: Any, batch: Batch, model_state: A
             )
 
 
+def _described(value: Any) -> str:
+    """What a loss returned, as shapes (``float32[]``, ``a 2-tuple (float32[], float32[])``), not as the
+    ``ShapeDtypeStruct`` it was traced to."""
+    if isinstance(value, tuple):
+        return f"a {len(value)}-tuple ({', '.join(_described(item) for item in value)})"
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return f"{np.dtype(value.dtype).name}{list(value.shape)}"
+    return type(value).__name__
+
+
 def _check_result(result: Any, stateful: bool) -> None:
     size = 4 if stateful else 3
     if not isinstance(result, tuple) or len(result) != size:
-        got = f"a {len(result)}-tuple" if isinstance(result, tuple) else type(result).__name__
-        raise ConfigError(f"loss_fn returned {got}; {_contract(stateful)}")
+        got = _described(result) if isinstance(result, tuple) else f"one value, {_described(result)}"
+        raise ConfigError(f"loss_fn returned {got} where a {size}-tuple was expected; {_contract(stateful)}")
     loss_sum, weight, aux = result[:3]
     if not isinstance(aux, dict):
         raise ConfigError(f"loss_fn returned aux of type {type(aux).__name__}; {_contract(stateful)}")
@@ -494,7 +504,7 @@ def _check_result(result: Any, stateful: bool) -> None:
         if getattr(value, "shape", None) != ():
             raise ConfigError(
                 f"loss_fn returned {name} of shape {getattr(value, 'shape', type(value).__name__)}, "
-                f"not a scalar; {_contract(stateful)}"
+                f"not a scalar (shape ()); {_contract(stateful)}"
             )
 
 

@@ -71,6 +71,11 @@ def _existing_path(data_config: Any) -> Path:
     if not data_config.path:
         raise DataError(f"data.name={data_config.name} needs data.path; set data.path=FILE")
     path = Path(data_config.path)
+    if path.is_dir():
+        raise DataError(
+            f"data.path={str(path)!r} is a directory, and data.name={data_config.name} reads one file; point "
+            f"data.path at the file (a token store directory is data.name=tokens)"
+        )
     if not path.is_file():
         raise DataError(f"data file {str(path)!r} does not exist; fix data.path or create the file")
     return path

@@ -1,8 +1,9 @@
 """Checks at the data edge: what the model and loss read must be there, of the right kind and in range.
 
-An embedding lookup clamps an out-of-range token id and a cross-entropy of a label >= classes is NaN (so every
-step is skipped as non-finite): both train on silently. :class:`BatchCheck` is built from what the task reads
-and runs where batches are assembled (the prefetch thread), vectorised: one min and one max per checked field.
+An embedding lookup clamps an out-of-range token id, and a cross-entropy of a label >= classes or a NaN input
+is NaN (so every step on it is skipped as non-finite): all train on silently. :class:`BatchCheck` is built from
+what the task reads and runs where batches are assembled (the prefetch thread), vectorised: one min and one max
+per checked field (integers in range, numbers finite).
 A bad batch raises a one-line :class:`~functrain.errors.DataError` naming the record and field before the step
 that would use it is dispatched, so nothing computed from it is ever saved.
 """
@@ -66,10 +67,11 @@ class BatchCheck:
         """Raise a DataError naming the first record whose field is out of range (``records`` maps rows to
         record indices; None: rows are record indices)."""
         for rule in self.rules:
-            if not rule.integer:
-                continue
             values = batch[rule.name]
             if not values.size:
+                continue
+            if not rule.integer:
+                self._check_finite(rule, values, records)
                 continue
             low, high = values.min(), values.max()
             if low >= 0 and (rule.upper is None or high < rule.upper):
@@ -91,6 +93,20 @@ class BatchCheck:
             raise DataError(
                 f"{self.source} record {record} field {rule.name!r} holds {rule.what} {value}, outside {allowed}; {fix}"
             )
+
+    def _check_finite(self, rule: FieldRule, values: np.ndarray, records: np.ndarray | None) -> None:
+        """A NaN or infinity in a number field makes every step on its batch non-finite (skipped, epoch after
+        epoch, and blamed on the learning rate): name the record instead. min and max propagate NaN."""
+        if values.dtype.kind in "biu" or (np.isfinite(values.min()) and np.isfinite(values.max())):
+            return
+        bad = ~np.isfinite(values.reshape(len(values), -1))
+        row = int(np.flatnonzero(bad.any(axis=1))[0])
+        value = values.reshape(len(values), -1)[row][bad[row]][0]
+        record = row if records is None else int(np.asarray(records)[row])
+        raise DataError(
+            f"{self.source} record {record} field {rule.name!r} holds {value}, but {rule.what}s must be finite "
+            f"numbers (a step on it is skipped as non-finite, every epoch); fix or drop that record"
+        )
 
 
 def check_arrays(check: BatchCheck | None, arrays: Mapping[str, np.ndarray]) -> None:

@@ -33,8 +33,9 @@ from functrain.core.step import StepSettings
 from functrain.data import BatchLoader, IndexSampler, loader_for, order_for
 from functrain.data.kinds import Order
 from functrain.data.loader import batch_split_problem
-from functrain.errors import ConfigError
+from functrain.errors import TORCH_INSTALL, ConfigError
 from functrain.models.scan import fewer_groups_unrolled, scan_groups
+from functrain.parallel.capacity import check_state_fits
 from functrain.parallel.target import compiling_for
 from functrain.run.callbacks import Callback, CallbackList, EarlyStopping, EveryNSteps, MetricsWriter, ProgressBar
 from functrain.run.config import Config
@@ -212,7 +213,7 @@ def torch_backend(
         from torch_bridge import distributed, optim, user_model
         from torch_bridge.twins import twin_model
     except ImportError as exc:
-        raise ConfigError(f"backend: torch needs PyTorch ({exc}); pip install 'functrain[torch]'") from None
+        raise ConfigError(f"backend: torch needs PyTorch ({exc.__cause__ or exc}); {TORCH_INSTALL}") from None
     if config.model.lora_settings() is not None:
         raise ConfigError("model.lora needs backend: jax; remove model.lora or set backend: jax")
     if optimizer is not None:
@@ -453,6 +454,10 @@ def build_run(
     data, task_data = config.data, parts.data
     sampler, max_steps, example_batch = _order(config, parts)
     backend, pieces = backend_of(config, parts, example_batch, max_steps)
+    from functrain.run.jax_backend import JaxBackend
+
+    if isinstance(backend, JaxBackend):  # refused from shapes, in seconds: a state too large hangs in its allocation
+        check_state_fits(backend.abstract_state, backend.state_shardings, backend.mesh)
     train_source = task_data.train if task_data.loader_train is None else task_data.loader_train
     eval_source = task_data.eval if task_data.loader_eval is None else task_data.loader_eval
     loader = loader_for(

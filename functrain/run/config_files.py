@@ -9,6 +9,7 @@ from typing import Any
 
 import yaml
 
+from functrain.core.yaml_text import DuplicateKeyError, load_yaml
 from functrain.errors import ConfigError
 
 
@@ -18,7 +19,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not sep or not key:
         raise ConfigError(f"override {text!r} is not of the form dotted.key=value")
     try:
-        parsed = yaml.safe_load(value) if value.strip() else None
+        parsed = load_yaml(value) if value.strip() else None
+    except DuplicateKeyError as exc:
+        raise ConfigError(f"override {text!r}: key {exc.key!r} appears twice; keep one") from None
     except yaml.YAMLError:
         parsed = value
     return key.strip().split("."), parsed
@@ -59,12 +62,18 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
 
 
 def read_yaml(path: str | os.PathLike) -> dict:
-    """Read a YAML mapping; a missing file or malformed YAML is a one-line ConfigError."""
+    """Read a YAML mapping; a missing file, malformed YAML or a key twice in one mapping is a one-line
+    ConfigError."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist; pass the path of a YAML file (see configs/)")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = load_yaml(path.read_text())
+    except DuplicateKeyError as exc:
+        raise ConfigError(
+            f"config file {str(path)!r} has key {exc.key!r} twice in one mapping, at lines {exc.lines[0]} and "
+            f"{exc.lines[1]} (only the last would count); merge them into one"
+        ) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

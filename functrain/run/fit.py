@@ -9,6 +9,7 @@ from functrain.run.build import Run, build_run
 from functrain.run.callbacks import Callback
 from functrain.run.config import PYTHON_OBJECT, Config, RunSections, load_config
 from functrain.run.config_files import override_list
+from functrain.run.console import show_run_lines
 from functrain.run.loop import drive
 from functrain.run.outcome import FitResult
 from functrain.run.parts import describe_object
@@ -102,7 +103,12 @@ def fit(
         (``data.fields`` in the config; these win).
       transform: ``transform(record, rng) -> record`` applied to every training and evaluation record as it
         is read (map-style data; ``data.transform`` in the config), to reshape records without a data source.
+
+    It prints what ``functrain train`` prints (the run directory at the start, warnings, the summary at the end)
+    on stderr, unless the program configured logging itself (:mod:`functrain.run.console`); ``print(fit(...))``
+    is one line.
     """
+    show_run_lines()
     return drive(
         build(
             config,

@@ -41,7 +41,7 @@ class HarnessEvaluation(Callback):
         self.tasks, self.limit = list(tasks), limit
         self.manager = task_manager(self.tasks, include_path, where="eval.harness_tasks")
         self.model = build_model(for_sampling(model_config))
-        tokenizer_object = load_tokenizer(tokenizer) if tokenizer else None
+        tokenizer_object = load_tokenizer(tokenizer, "eval.harness_tokenizer") if tokenizer else None
         self.lm = FunctrainLM.from_params(self.model, None, tokenizer_object, batch_size)  # params: each evaluation's
 
     def on_evaluate(self, view: RunView, metrics: dict[str, float]) -> Control | None:

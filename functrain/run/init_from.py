@@ -18,8 +18,9 @@ from functrain.errors import CheckpointError
 from functrain.models.lora import is_adapter
 
 
-def initial_state_from(run_dir: Path, backend: Any) -> Any:
-    """A step-0 state of the JAX ``backend`` whose weights are those of ``run_dir``'s newest checkpoint."""
+def initial_state_from(run_dir: Path, backend: Any) -> tuple[Any, dict[str, Any]]:
+    """A step-0 state of the JAX ``backend`` whose weights are those of ``run_dir``'s newest checkpoint, and where
+    they came from (``{"run": run_dir, "step": its step}``, for the start-up lines, the summary and the meta)."""
     params, meta = load_params_and_meta(run_dir)
     wanted = {
         path: tuple(leaf.shape)
@@ -34,4 +35,4 @@ def initial_state_from(run_dir: Path, backend: Any) -> Any:
                 f"{'/'.join(path)} is {given.get(path)} there and {wanted.get(path)} here; use "
                 f"the same model section as that run"
             )
-    return backend.state_from_items({"params": params, "state": None})
+    return backend.state_from_items({"params": params, "state": None}), {"run": str(run_dir), "step": meta.get("step")}

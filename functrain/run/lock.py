@@ -24,6 +24,7 @@ from typing import Any
 import psutil
 
 from functrain.errors import ConfigError
+from functrain.run.signals import forget_on_hard_exit, release_on_hard_exit
 
 log = logging.getLogger("functrain")
 
@@ -159,6 +160,7 @@ class RunLock:
                 f"make sure one job at a time uses run.dir {self.run_dir}"
             )
         self.held = True
+        release_on_hard_exit(self.release)  # a process ended from its stop-signal watcher leaves no lock behind
         self._thread = threading.Thread(target=self._beat, name="functrain-run-lock", daemon=True)
         self._thread.start()
         return self
@@ -180,6 +182,7 @@ class RunLock:
 
     def release(self) -> None:
         """Stop the heartbeat and remove the lock if it is still ours."""
+        forget_on_hard_exit(self.release)
         self._stop.set()
         if self._thread is not None:
             self._thread.join()

@@ -33,7 +33,7 @@ from functrain.run.callbacks import Control
 from functrain.run.config_checks import check_metric_logged
 from functrain.run.lock import RunLock
 from functrain.run.outcome import FitResult, StopKind, skipped_report
-from functrain.run.resume import Start, write_run_config
+from functrain.run.resume import Start, describe_source, write_run_config
 from functrain.run.signals import StopSignals, check_interrupted
 from functrain.run.view import RunRecord, RunView
 
@@ -162,7 +162,14 @@ class _Driver:
             # Stale eval metrics would let a never-evaluated step outrank the evaluated one (keep-best).
             metrics = {"train": metrics["train"]} if "train" in metrics else {}
         meta = self.run.resume.meta(
-            step, self.run.sampler, position, self.last_meta, self.started.position_jump, metrics, self.backend
+            step,
+            self.run.sampler,
+            position,
+            self.last_meta,
+            self.started.position_jump,
+            metrics,
+            self.backend,
+            self.started.started_from,
         )
         saver = self.adapter_saves or self.checkpointer
         saver.save(step, self.backend.state_to_items(state), meta)
@@ -206,6 +213,8 @@ class _Driver:
         state, position = self.start.state, self.start.position
         step = self.backend.step_of(state)
         self.record.start_step = step
+        if self.start.started_from is not None:
+            self.record.started_from = describe_source(self.start.started_from)
         return state, step, position
 
     def announce(self, step: int, position: int) -> None:
@@ -219,6 +228,10 @@ class _Driver:
                 step,
                 self.run.sampler.epoch_of(position),
                 position,
+            )
+        elif self.record.started_from is not None:
+            log.info(
+                "started from the weights of %s (train.init_from); fresh optimizer state", self.record.started_from
             )
         write_run_config(self.run.run_dir, self.run.config_record)
         for warning in self.run.warnings:

@@ -74,6 +74,20 @@ class FitResult:
     skipped_steps: int = 0
     max_skipped_fraction: float = 0.5
 
+    def __repr__(self) -> str:
+        """One line, not the whole TrainState: how the run ended, its steps, its directory and the last losses and
+        accuracies read (``.state`` and ``.metrics`` hold everything)."""
+        shown = "".join(
+            f", {split} {name} {value:.4g}"
+            for split, metrics in self.metrics.items()
+            for name, value in metrics.items()
+            if name == "loss" or "accurac" in name
+        )
+        return (
+            f"FitResult({self.stop_kind.value} at step {self.step}, {self.steps_run} steps run, "
+            f"run_dir='{self.run_dir}'{shown})"
+        )
+
     @property
     def skipped_fraction(self) -> float:
         """The share of this invocation's steps whose update was skipped as non-finite."""

@@ -36,6 +36,7 @@ import jax
 import numpy as np
 
 from functrain.errors import ConfigError
+from functrain.parallel.platform import describe_host_to_libtpu
 from functrain.parallel.sharding import state_bytes_per_device
 from functrain.run.build import Planned, plan_run
 from functrain.run.chips import chip_of
@@ -55,6 +56,7 @@ def topology_devices(name: str) -> list:
         )
     # Planning only compiles: it may share libtpu with a training process that holds libtpu's lockfile.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    describe_host_to_libtpu(name)
     from jax.experimental import topologies
 
     try:
@@ -162,23 +164,30 @@ COUNTED_WHOLE = {
 }
 
 
+def chip_name(topology: str) -> str:
+    """``v5p:4x4x8`` -> ``TPU v5p``: the chip as the topology names it (libtpu's device kind is ``TPU v5`` for a
+    v5p and ``TPU v5 lite`` for a v5e)."""
+    return f"TPU {topology.partition(':')[0]}"
+
+
 def plan(config: Config, topology: str | None = None) -> Plan:
     """Compile ``config``'s train call for the local devices or TPU ``topology`` and report (see the module)."""
     planned = plan_run(config, topology_devices(topology) if topology else None)
+    device_kind = chip_name(topology) if topology else None
     try:
         compiled = _compile(planned.backend, planned)
     except jax.errors.JaxRuntimeError as exc:
         required = _required_temporaries(str(exc))
         if required is None:
             raise
-        return report(planned, None, temporaries=required)
+        return report(planned, None, temporaries=required, device_kind=device_kind)
     if planned.scan_groups > 1:
         cost = scanned_run_cost(planned)
     elif _on_tpu(planned.backend):
         cost = _first(_compile(planned.backend, planned, counted=True).cost_analysis())
     else:
         cost = None  # the compiled program's own count is whole
-    return report(planned, compiled, cost=cost)
+    return report(planned, compiled, cost=cost, device_kind=device_kind)
 
 
 def _on_tpu(backend: Any) -> bool:
@@ -226,14 +235,18 @@ def attention_kernel_of(compiled: jax.stages.Compiled, trains_tokens: bool) -> s
 
 
 def report(
-    planned: Planned, compiled: jax.stages.Compiled | None, temporaries: int = 0, cost: dict[str, float] | None = None
+    planned: Planned,
+    compiled: jax.stages.Compiled | None,
+    temporaries: int = 0,
+    cost: dict[str, float] | None = None,
+    device_kind: str | None = None,
 ) -> Plan:
     """The :class:`Plan` of a compiled train call; without one (the compiler refused a program that needs
     ``temporaries`` bytes more than HBM holds) memory is state + batch + temporaries and FLOPs are unknown (0).
     ``cost``: the step's FLOPs and bytes when not the compiled program's count (a scanned run's,
-    :func:`scanned_run_cost`)."""
+    :func:`scanned_run_cost`); ``device_kind``: the chip's name when not the devices' own (:func:`chip_name`)."""
     backend, step = planned.backend, planned.step
-    chips, device_kind = len(backend.devices), backend.devices[0].device_kind
+    chips, device_kind = len(backend.devices), device_kind or backend.devices[0].device_kind
     chip = chip_of(device_kind)
     if compiled is None:
         sizes = per_chip_bytes(

@@ -11,6 +11,7 @@ vertical lines. matplotlib renders headless (Agg).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from functrain.errors import DataError
+from functrain.errors import DataError, FunctrainError
 from functrain.run.events import read_events
 
 SMOOTHING = 0.6  # weight of the past in the moving average (TensorBoard's default)
@@ -174,13 +175,17 @@ def _resolve(panel: tuple, runs: list[RunCurves]) -> tuple:
 
 
 def plot_runs(run_dirs: list[str | os.PathLike], out: str | os.PathLike) -> Path:
-    """Write the PNG of the runs' curves to ``out`` and return its path (runs are read before anything is
-    written, so a bad run directory leaves no file behind)."""
+    """Write the PNG of the runs' curves to ``out`` (a directory: ``plot.png`` in it) and return its path. Runs
+    are read before anything is written and a failed write removes its temporary file, so an error leaves no
+    file behind."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    out = Path(out)
+    if out.is_dir():  # `-o DIR`: the PNG goes inside it, as `cp FILE DIR` puts a file there
+        out = out / "plot.png"
     names = [Path(d).name for d in run_dirs]
     if len(set(names)) < len(names):  # same leaf name: tell them apart by their full paths
         names = [str(d) for d in run_dirs]
@@ -211,12 +216,20 @@ def plot_runs(run_dirs: list[str | os.PathLike], out: str | os.PathLike) -> Path
         labels.append("resume")
     fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 4), fontsize="small", frameon=False)
     fig.tight_layout(rect=(0, 0.06 + 0.02 * (len(labels) // 4), 1, 1))
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    tmp.replace(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(tmp, dpi=100)
+        tmp.replace(out)
+    except OSError as exc:
+        with contextlib.suppress(OSError):  # never created where the directory could not be
+            tmp.unlink(missing_ok=True)
+        where = f": {exc.filename}" if exc.filename else ""
+        raise FunctrainError(
+            f"cannot write the plot to {out} ({exc.strerror or exc}{where}); choose another -o path"
+        ) from None
+    finally:
+        plt.close(fig)
     return out
 
 

@@ -34,6 +34,8 @@ class Start:
     meta: dict[str, Any] | None = None
     restored_step: int | None = None
     position_jump: dict[str, int] | None = None  # where skip_samples/ignore_skip moved the data
+    # The run whose weights this one began with (train.init_from): {"run", "step"}, kept in every checkpoint's meta.
+    started_from: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -48,8 +50,9 @@ class ResumePolicy:
     backend: str
     optimizer: dict[str, Any]  # the optimizer section as recorded (its name must match on resume)
     record: dict[str, Any] = field(default_factory=dict)  # config digest, model section: written in every meta
-    # The state of a run started from another run's weights (preference.init_from) when it has no checkpoint.
-    initial_state: Callable[[Backend], Any] | None = None
+    # The state of a run started from another run's weights (train.init_from) when it has no checkpoint, and
+    # where they came from ({"run", "step"}).
+    initial_state: Callable[[Backend], tuple[Any, dict[str, Any]]] | None = None
 
     def data_override(self) -> dict[str, Any]:
         """The one-time data position settings of this run, recorded in its checkpoints."""
@@ -106,7 +109,8 @@ class ResumePolicy:
         if restored is None:
             fresh = resume_position(None, self.ignore_skip, self.skip_samples)
             if self.initial_state is not None:
-                return Start(self.initial_state(backend), fresh)
+                state, source = self.initial_state(backend)
+                return Start(state, fresh, started_from=source)
             return Start(backend.init_state(), fresh)
         items, meta, step = restored
         if adapter_saves is not None:
@@ -122,7 +126,7 @@ class ResumePolicy:
         sampler.restore(None if ignore_skip else meta, position)
         saved_position = int(meta.get("samples_consumed", 0))
         jump = {"step": step, "from": saved_position, "to": position} if position != saved_position else None
-        return Start(state, position, meta, step, jump)
+        return Start(state, position, meta, step, jump, meta.get("started_from"))
 
     def meta(
         self,
@@ -133,9 +137,10 @@ class ResumePolicy:
         position_jump: dict[str, int] | None,
         metrics: dict[str, Any],
         backend: Backend,
+        started_from: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """The JSON meta item of the checkpoint at ``step``: the data position and its history (continued from
-        the ``previous`` meta), this run's record, and what wrote it."""
+        the ``previous`` meta), this run's record, the run whose weights it began with, and what wrote it."""
         return {
             "step": step,
             **data_meta(sampler, position, previous, position_jump),
@@ -148,7 +153,13 @@ class ResumePolicy:
             "processes": backend.process_count,
             "data_override": self.data_override(),
             "resume_request": self.request if isinstance(self.request, int) else None,
+            "started_from": started_from,
         }
+
+
+def describe_source(started_from: dict[str, Any]) -> str:
+    """``{"run": "runs/a", "step": 500}`` -> ``runs/a at step 500``."""
+    return f"{started_from.get('run')} at step {started_from.get('step')}"
 
 
 def write_run_config(run_dir: Path, config: dict[str, Any]) -> None:

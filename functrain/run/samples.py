@@ -62,7 +62,8 @@ class SampleWriter(Callback):
 
         check_language_model_run(model_config, backend, "eval.samples", "set eval.samples.count=0")
         self.settings, self.tensorboard = settings, tensorboard
-        self.tokenizer = load_tokenizer(self.settings.tokenizer) if self.settings.tokenizer else None
+        tokenizer = self.settings.tokenizer
+        self.tokenizer = load_tokenizer(tokenizer, "eval.samples.tokenizer") if tokenizer else None
         self.model = build_model(for_sampling(model_config))
         self.generator = Generator(self.model)
         self.writer: Any = None  # a tensorboardX SummaryWriter, opened at the first samples

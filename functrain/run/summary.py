@@ -24,8 +24,13 @@ def _duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m{seconds:02d}s" if hours else f"{minutes}m{seconds:02d}s"
 
 
+# Eval metrics the summary reports when a run logs them, and which way is better.
+SUMMARY_METRICS = (("loss", min), ("accuracy", max), ("rewards/margins", max), ("rewards/accuracies", max))
+
+
 def eval_lines(run_dir: Path) -> list[str]:
-    """``eval <metric>: last .. at step .., best .. at step ..`` for loss and accuracy, from metrics.jsonl."""
+    """``eval <metric>: last .. at step .., best .. at step ..`` for the :data:`SUMMARY_METRICS` a run logs
+    (a preference run's reward margin and accuracy too), from metrics.jsonl."""
     from functrain.run.plots import read_run
 
     try:
@@ -33,7 +38,7 @@ def eval_lines(run_dir: Path) -> list[str]:
     except FunctrainError:
         return []
     lines = []
-    for metric, best_of in (("loss", min), ("accuracy", max)):
+    for metric, best_of in SUMMARY_METRICS:
         series = run.series("eval", metric)
         if series is None:
             continue
@@ -64,6 +69,8 @@ def summary_lines(
         f"summary of {view.run_dir}:",
         f"  steps {view.start_step} -> {view.step} ({view.stop_reason}) in {_duration(wall_seconds)}; {seen} seen",
     ]
+    if view.started_from is not None:
+        lines.append(f"  started from the weights of {view.started_from} (train.init_from)")
     lines += [f"  {line}" for line in eval_lines(view.run_dir)]
     kept = layout.committed_steps(layout.checkpoints_dir(view.run_dir))
     lines.append(f"  checkpoints kept: {', '.join(map(str, kept)) if kept else 'none'}")

@@ -28,6 +28,7 @@ class RunRecord:
     epoch: int = 0
     samples_consumed: int = 0
     start_step: int = 0
+    started_from: str | None = None  # the run (and step) whose weights this one began with (train.init_from)
     stop_kind: StopKind | None = None  # set when the run stops, before on_train_end
     stop_reason: str | None = None
     last_metrics: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -93,6 +94,12 @@ class RunView:
     def start_step(self) -> int:
         """The step this session started from (0, or the restored checkpoint's)."""
         return self._record.start_step
+
+    @property
+    def started_from(self) -> str | None:
+        """The run and step whose weights this run began with (``train.init_from``: ``runs/a at step 500``), else
+        None; kept across resumes."""
+        return self._record.started_from
 
     @property
     def stop_kind(self) -> StopKind | None:

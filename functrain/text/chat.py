@@ -126,7 +126,7 @@ def load_chat_tokenizer(path: str | os.PathLike) -> Any:
     """An HF fast tokenizer with a chat template from a directory; DataError (one line) otherwise."""
     from functrain.text.decode import load_tokenizer
 
-    tokenizer = load_tokenizer(path)
+    tokenizer = load_tokenizer(path, "data.kwargs.tokenizer")
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(
             f"the tokenizer in {str(path)!r} has no chat template; use the model's tokenizer files "

@@ -270,20 +270,33 @@ def decode_tokens(ids: np.ndarray, tokenizer: Any = None) -> str:
     return bytes(int(i) & 0xFF for i in ids).decode("utf-8", errors="replace")
 
 
-def load_tokenizer(path: str | os.PathLike) -> Any:
-    """An HF tokenizer from a directory (needs transformers: ``pip install 'functrain[hf]'``)."""
+# Files one of which an HF tokenizer directory holds (the fast tokenizer, its config, or a slow one's vocabulary).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def load_tokenizer(path: str | os.PathLike, setting: str = "--tokenizer") -> Any:
+    """An HF tokenizer from a directory (needs transformers: ``pip install 'functrain[hf]'``). ``setting`` is
+    what the user set it with (``--tokenizer``, ``data.tokenizer``, ``eval.samples.tokenizer``), named in errors."""
+    where = f"{setting}={str(path)!r}"
+    directory = Path(path)
+    if directory.is_file():
+        raise ConfigError(f"{where} is a file; pass the HF tokenizer directory that holds it ({directory.parent})")
+    if not directory.is_dir():
+        raise ConfigError(f"{where} does not exist; pass an HF tokenizer directory (one that holds tokenizer.json)")
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(
+            f"{where} holds no tokenizer files ({', '.join(TOKENIZER_FILES)}); pass the directory an HF "
+            f"tokenizer was saved in"
+        )
     try:
         from transformers import AutoTokenizer
     except ImportError:
-        raise ConfigError("--tokenizer needs transformers; pip install 'functrain[hf]'") from None
-    if not Path(path).is_dir():
-        raise ConfigError(f"tokenizer directory {str(path)!r} does not exist; pass an HF tokenizer directory")
+        raise ConfigError(f"{setting} needs transformers; pip install 'functrain[hf]'") from None
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        return AutoTokenizer.from_pretrained(str(directory))
     except (OSError, ValueError) as exc:
-        raise ConfigError(
-            f"cannot load a tokenizer from {str(path)!r} ({exc}); pass an HF tokenizer directory"
-        ) from None
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ConfigError(f"cannot load a tokenizer from {where} ({reason}); pass an HF tokenizer directory") from None
 
 
 def load_language_model(run_dir: str | os.PathLike, step: int | None = None) -> tuple[Any, Any, int]:

@@ -13,6 +13,8 @@ def jsonl_records(path: str | os.PathLike, what: str, path_key: str) -> Iterator
     the file and line for error messages); a missing file names ``path_key`` to fix, a line that is not JSON is
     named."""
     file = Path(path)
+    if file.is_dir():
+        raise DataError(f"{what} file {str(file)!r} is a directory; point {path_key} at the .jsonl file")
     if not file.is_file():
         raise DataError(f"{what} file {str(file)!r} does not exist; fix {path_key}")
     for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):

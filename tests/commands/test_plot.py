@@ -73,3 +73,18 @@ def test_plot_of_a_run_without_metrics_is_one_line_exit_2_and_writes_nothing(tmp
     assert main(["plot", str(empty), "-o", str(tmp_path / "x.png")]) == 2
     assert "holds no metrics" in capsys.readouterr().err
     assert sorted(p.name for p in empty.iterdir()) == ["metrics.jsonl"] and not (tmp_path / "x.png").exists()
+
+
+def test_plot_into_a_directory_writes_plot_png_there_and_a_failed_write_is_one_line_leaving_nothing(tmp_path, capsys):
+    run = write_metrics(tmp_path / "run", list(np.linspace(3.0, 1.0, 6)))
+    into = tmp_path / "figures"
+    into.mkdir()
+    assert main(["plot", str(run), "-o", str(into)]) == 0
+    assert sorted(p.name for p in into.iterdir()) == ["plot.png"]
+    assert f"wrote {into / 'plot.png'}" in capsys.readouterr().out
+    (tmp_path / "a_file").write_text("not a directory")
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    assert main(["plot", str(run), "-o", str(tmp_path / "a_file" / "x.png")]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "cannot write the plot to" in lines[0] and "choose another -o" in lines[0], lines
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before

@@ -5,6 +5,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -27,6 +28,27 @@ def test_an_attached_tpu_leaves_the_choice_to_jax(monkeypatch):
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)
     platform.choose_platforms()
     assert "JAX_PLATFORMS" not in os.environ
+
+
+def test_a_script_that_imported_jax_first_gets_the_choice_through_jax_config(monkeypatch):
+    updates = []
+    config = SimpleNamespace(jax_platforms=None, update=lambda name, value: updates.append((name, value)))
+    monkeypatch.setitem(sys.modules, "jax", SimpleNamespace(config=config))
+    monkeypatch.setattr(platform.glob, "glob", lambda pattern: [])
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    platform.choose_platforms()
+    assert updates == [("jax_platforms", "cpu")]
+
+
+def test_libtpu_is_told_the_topologys_accelerator_type_where_no_tpu_is_attached(monkeypatch):
+    for name in ("TPU_SKIP_MDS_QUERY", "TPU_WORKER_HOSTNAMES", "TPU_ACCELERATOR_TYPE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(platform.glob, "glob", lambda pattern: [])
+    platform.describe_host_to_libtpu("v5p:4x4x8")
+    assert os.environ["TPU_ACCELERATOR_TYPE"] == "v5p-256" and os.environ["TPU_WORKER_HOSTNAMES"] == "localhost"
+    monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "v5litepod-16")
+    platform.describe_host_to_libtpu("v5e:4x4")  # a value already set wins
+    assert os.environ["TPU_ACCELERATOR_TYPE"] == "v5litepod-16"
 
 
 def test_a_user_setting_wins(monkeypatch):

@@ -47,6 +47,23 @@ def test_malformed_yaml_names_the_line(tmp_path):
     assert "not valid YAML" in message and "line" in message and str(path) in message
 
 
+def test_a_key_twice_in_a_config_or_an_override_names_the_key_and_its_lines_and_writes_nothing(tmp_path, capsys):
+    from functrain.commands.cli import main
+
+    run_dir = tmp_path / "run"
+    path = write(tmp_path, f"run: {{dir: {run_dir}}}\ntrain:\n  max_steps: 5\nmodel: {{name: mlp}}\n"
+                           "data: {name: digits}\ntrain:\n  epochs: 1\n")
+    assert main(["train", str(path)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "has key 'train' twice in one mapping, at lines 2 and 6" in lines[0], lines
+    assert "key 'hidden' twice in one mapping, at lines 1 and 1" in error_of(
+        write(tmp_path, "model: {name: mlp, hidden: [8], hidden: [4]}\n"))
+    assert "key 'name' appears twice" in error_of(base=MLP, overrides=["model={name: mlp, name: gpt}"])
+    assert load_config(write(tmp_path, "model: {<<: {name: mlp, hidden: [8]}, hidden: [4]}\n"
+                                       "data: {name: digits}\n")).model.hidden == [4]  # a merge key overrides
+    assert not run_dir.exists()
+
+
 def test_missing_config_file(tmp_path):
     assert "does not exist" in error_of(tmp_path / "nope.yaml")
 

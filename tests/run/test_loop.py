@@ -1,8 +1,10 @@
 """The loop: callback events and controls, early stopping, SIGTERM, non-finite stop, resume."""
 
 import json
+import logging
 import os
 import signal
+import sys
 
 import jax
 import numpy as np
@@ -14,6 +16,7 @@ from functrain.run.outcome import StopKind
 from functrain.run.view import RunRecord, RunView
 from functrain.checkpoint import load_params
 from functrain.errors import ConfigError
+from tests.conftest import run_python
 
 BASE = {"config": "configs/mlp_digits.yaml", "model.hidden": [16], "log.progress": False,
         "log.tensorboard": False, "train.steps_per_call": 4, "log.every_steps": 4, "eval.every_steps": 8,
@@ -197,7 +200,7 @@ def test_nonfinite_stop_sees_an_incident_in_a_call_it_never_read(tmp_path):
     """One poisoned record at a step that is not logged: the run stops within the calls in flight, names
     that exact step, exits with the non-finite status and keeps params finite."""
     features = np.random.default_rng(0).random((640, 64), np.float32)
-    features[5 * 32 + 3, 0] = np.nan  # the 6th batch of 32, unshuffled: step 6
+    features[5 * 32 + 3] = np.finfo(np.float32).max  # finite, overflows in the 6th batch of 32 (unshuffled): step 6
     np.savez(tmp_path / "poisoned.npz", x=features, y=np.zeros(640, np.int32))
     result = run(tmp_path, **{"data.name": "array_file", "data.path": str(tmp_path / "poisoned.npz"),
                               "data.shuffle": False, "data.global_batch_size": 32, "data.eval_fraction": 0.0,
@@ -278,3 +281,35 @@ def test_metrics_after_the_resumed_checkpoint_are_set_aside_not_duplicated(tmp_p
     assert steps == [4, 8, 12, 16]
     aside = (tmp_path / "run" / "metrics.abandoned.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in aside if json.loads(line)["split"] == "train"] == [12, 16]
+
+
+def test_fit_says_what_the_command_line_says_and_its_result_prints_as_one_line(tmp_path):
+    """A plain script (logging left as Python and absl leave it): fit prints the run directory line and the
+    summary on stderr, once each, and its result as one line."""
+    proc = run_python(f"""
+        import functrain
+        result = functrain.fit("configs/mlp_digits.yaml", **{{"run.dir": "{tmp_path / 'run'}", "train.max_steps": 8,
+                               "model.hidden": [16], "log.progress": False}})
+        print(result)
+    """)
+    run_dir = tmp_path / "run"
+    assert proc.stderr.count(f"run {run_dir}: steps 0 -> 8") == 1 and proc.stderr.count(f"summary of {run_dir}:") == 1
+    printed = proc.stdout.strip().splitlines()
+    assert len(printed) == 1 and len(printed[0]) < 300 and "TrainState" not in printed[0]
+    assert printed[0].startswith(f"FitResult(finished at step 8, 8 steps run, run_dir='{run_dir}'")
+    assert "train loss" in printed[0] and "eval accuracy" in printed[0]
+
+
+def test_fit_leaves_logging_a_program_configured_to_it(monkeypatch):
+    from functrain.run import console
+
+    run_log = logging.getLogger(console.RUN_LOGGER)
+    monkeypatch.setattr(run_log, "handlers", [])
+    monkeypatch.setattr(run_log, "level", logging.NOTSET)
+    monkeypatch.setattr(run_log, "propagate", True)
+    monkeypatch.setattr(logging.getLogger(), "handlers", [logging.FileHandler(os.devnull)])  # the program's own
+    console.show_run_lines()
+    assert run_log.handlers == [] and run_log.propagate  # its records still reach the program's handlers
+    monkeypatch.setattr(logging.getLogger(), "handlers", [logging.StreamHandler(sys.stderr)])  # absl's bare default
+    console.show_run_lines()
+    assert [type(h) for h in run_log.handlers] == [console.StderrHandler] and not run_log.propagate

@@ -51,6 +51,10 @@ def _data_case(name: str, tmp: Path) -> tuple[list[str], str]:
     if name == "label_beyond_classes":
         y[150] = 10
         return ["data.name=array_file", _digits_like(npz, x=x, y=y)], "record 150 field 'y' holds label 10"
+    if name == "nonfinite_input":
+        x[150, 3] = np.nan
+        return (["data.name=array_file", _digits_like(npz, x=x, y=y)],
+                "record 150 field 'x' holds nan, but inputs must be finite numbers")
     if name == "negative_label":
         y[7] = -1
         return ["data.name=array_file", _digits_like(npz, x=x, y=y)], "record 7 field 'y' holds label -1"
@@ -66,7 +70,7 @@ SETTINGS = {
     "early_stop_metric_never_logged": (["eval.early_stopping_metric=eval/acc"],
                                        "'eval/acc' is not a metric this run logs; choose one of eval/accuracy"),
 }
-DATA = ["empty_npz", "missing_field", "float_labels", "label_beyond_classes", "negative_label"]
+DATA = ["empty_npz", "missing_field", "float_labels", "label_beyond_classes", "negative_label", "nonfinite_input"]
 
 
 @pytest.mark.parametrize("case", sorted(SETTINGS) + DATA)
@@ -99,7 +103,7 @@ def test_a_run_that_barely_trained_exits_4_and_says_how_many_steps_were_skipped(
 
 def test_a_non_finite_stop_exits_3_naming_the_first_bad_step(tmp_path):
     x = np.random.default_rng(0).random((320, 64), np.float32)
-    x[9 * 32] = np.nan  # the batch of step 10 (unshuffled, batch 32)
+    x[9 * 32] = np.finfo(np.float32).max  # finite, but it overflows the forward pass of step 10 (batch 32)
     np.savez(tmp_path / "d.npz", x=x, y=np.zeros(320, np.int32))
     proc = functrain("train", "configs/mlp_digits.yaml", f"run.dir={tmp_path / 'r'}", *TINY, "train.max_steps=40",
                      "train.nonfinite=stop", "data.name=array_file", f"data.path={tmp_path / 'd.npz'}",
@@ -217,3 +221,74 @@ def test_sigterm_before_the_first_step_exits_75_and_leaves_the_run_as_it_was(fin
     assert proc.returncode == 75, stderr
     assert "SIGTERM received outside the training loop" in stderr
     assert snapshot(finished_run) == before
+
+
+def test_a_model_too_large_for_the_machine_is_refused_in_seconds_with_nothing_allocated(finished_run, capsys):
+    """A trillion parameters (12 TB with Adam's moments): the refusal comes from shapes, before the lock or any
+    allocation (an allocation this large would hang rather than fail)."""
+    before = snapshot(finished_run)
+    started = time.monotonic()
+    status = main(["train", "configs/mlp_digits.yaml", f"run.dir={finished_run}", *TINY,
+                   "model.hidden=[1000000,1000000]"])
+    elapsed = time.monotonic() - started
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert status == 2 and len(lines) == 1, lines
+    assert "the training state needs" in lines[0] and "of host memory" in lines[0], lines[0]
+    assert "mesh.fsdp" in lines[0] and "smaller model" in lines[0] and "functrain plan" in lines[0], lines[0]
+    assert elapsed < 30, elapsed
+    assert snapshot(finished_run) == before
+
+
+SLOW_INIT_MODEL = '''
+import time
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+
+
+def _wait(value):
+    Path(__file__).with_name("init_started").touch()
+    time.sleep(120)  # the runtime busy for minutes (an allocation that waits for memory): the main thread with it
+    return value
+
+
+def slow_init(key, shape, dtype=None):
+    value = jax.random.normal(key, shape)
+    return jax.pure_callback(_wait, jax.ShapeDtypeStruct(value.shape, value.dtype), value)
+
+
+class SlowInit(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(10, kernel_init=slow_init)(x)
+
+
+def slow_mlp(num_classes):
+    return SlowInit()
+'''
+
+
+def test_sigint_while_the_state_is_created_in_the_runtime_exits_75_within_seconds(tmp_path):
+    """The main thread waits inside the runtime, where Python runs no signal handler: the stop-signal watcher
+    ends the process with the same line and status, and the run directory keeps no file (not even the lock)."""
+    (tmp_path / "slow_init.py").write_text(SLOW_INIT_MODEL)
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "functrain", "train", "configs/mlp_digits.yaml",
+                             f"run.dir={run_dir}", *TINY, "model={target: 'slow_init:slow_mlp', num_classes: 10}"],
+                            cwd=REPO_ROOT, env=cli_env(PYTHONPATH=f"{tmp_path}{os.pathsep}{REPO_ROOT}"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "init_started").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        signalled = time.monotonic()
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert time.monotonic() - signalled < 15
+    assert proc.returncode == 75, stderr
+    assert "SIGINT received outside the training loop" in stderr
+    assert snapshot(run_dir) == {}

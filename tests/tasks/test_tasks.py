@@ -90,14 +90,19 @@ def test_init_from_is_a_train_key_and_the_old_preference_key_an_alias():
         load_config(base={**base, "preference": {"init_from": "runs/a"}, "train": {"init_from": "runs/b"}})
 
 
-def test_init_from_starts_any_task_from_another_runs_weights(tmp_path):
+def test_init_from_starts_any_task_from_another_runs_weights(tmp_path, capsys):
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
     assert main(["train", str(_config(tmp_path / "a"))]) == 0
     source = tmp_path / "a" / "run"
+    source_step = max(int(p.name) for p in (source / "checkpoints").iterdir() if p.name.isdigit())
     assert build_parts(load_config(_config(tmp_path / "b"), [f"train.init_from={source}"])).task.name == "supervised"
+    capsys.readouterr()
     assert main(["train", str(_config(tmp_path / "b")), f"train.init_from={source}", "train.max_steps=1",
                  "optimizer.learning_rate=1e-9"]) == 0
+    said = capsys.readouterr().err  # the start-up lines and the summary name the source run and its step
+    assert f"started from the weights of {source} at step {source_step} (train.init_from)" in said
+    assert said.count(f"{source} at step {source_step}") == 2, said
     trained, started = sorted(_leaves(load_params(source))), sorted(_leaves(load_params(tmp_path / "b" / "run")))
     assert [path for path, _ in started] == [path for path, _ in trained]
     for (_, want), (_, got) in zip(trained, started):  # one step at a learning rate of 1e-9: the weights of run a

@@ -81,14 +81,14 @@ assert "torch" not in sys.modules
 try:
     import torch_bridge
 except ImportError as error:
-    assert "install functrain[torch]" in str(error), error
+    assert "tools/install_torch.sh" in str(error) and "functrain[torch]" in str(error), error
 else:
     raise AssertionError("torch_bridge imported without torch")
 config = functrain.run.config.load_config("configs/mlp_digits_torch.yaml")
 try:
     functrain.run.build.torch_backend(config, {}, 1)
 except functrain.errors.ConfigError as error:
-    assert "functrain[torch]" in str(error), error
+    assert "tools/install_torch.sh" in str(error) and "functrain[torch]" in str(error), error
 else:
     raise AssertionError("backend: torch worked without torch")
 print("ok")

@@ -47,6 +47,9 @@ class WeightFiles:
 def read_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
     """The parsed config.json of ``hf_dir``."""
     path = Path(hf_dir) / CONFIG_FILE
+    if not Path(hf_dir).is_dir():
+        what = "is a file" if Path(hf_dir).exists() else "does not exist"
+        raise CheckpointError(f"{hf_dir} {what}; pass an HF model directory (config.json next to its weights)")
     if not path.is_file():
         raise CheckpointError(f"{path} not found; an HF model directory needs config.json next to its weights")
     try:

@@ -22,6 +22,7 @@ import yaml
 
 from functrain.checkpoint import load_params
 from functrain.checkpoint.layout import CHECKPOINTS_SUBDIR, committed_steps
+from functrain.core.yaml_text import load_yaml
 from functrain.errors import ConfigError
 from functrain.models import build_model, is_language_model, model_config_class
 
@@ -53,7 +54,11 @@ def _run_dir_model(run_dir: Path, step: int | None) -> tuple[Any, Callable[[], A
             f"distill.teacher={run_dir} has checkpoints but no config.yaml naming its model; point "
             f"distill.teacher at a run directory that functrain train or convert wrote"
         )
-    section = (yaml.safe_load(config_file.read_text()) or {}).get("model")
+    try:
+        section = (load_yaml(config_file.read_text()) or {}).get("model")
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or "malformed YAML"
+        raise ConfigError(f"the teacher's {config_file} is not valid YAML: {problem}; fix the file") from None
     if not isinstance(section, dict) or "name" not in section:
         raise ConfigError(
             f"the teacher {run_dir} is not a registry model (its config.yaml has no model.name); a "

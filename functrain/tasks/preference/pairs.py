@@ -158,7 +158,7 @@ def load_preference_tokenizer(path: str | os.PathLike | None) -> Any:
         return ByteTokenizer()
     from functrain.text.decode import load_tokenizer
 
-    return load_tokenizer(path)
+    return load_tokenizer(path, "data.tokenizer")
 
 
 def preference_arrays(
