@@ -17,6 +17,7 @@ from functrain.models.configs.qwen_moe import Qwen2MoeConfig
 from functrain.models.lora import lora_program
 from functrain.models.stacking import relayout_like
 from functrain.text.decode import Generator, Sampling
+from tests.conftest import run_python
 
 TOKENS = np.random.default_rng(0).integers(0, 64, (2, 12))
 BATCH = {"tokens": TOKENS, "weight": np.ones(2, np.float32)}
@@ -76,3 +77,30 @@ def test_lora_adapts_attention_and_refuses_the_experts():
         with pytest.raises(ConfigError, match="names the stacked experts layers_0/mlp/experts/") as caught:
             lora_program(build_model(MIXTRAL), BATCH, "causal_lm", LoraConfig(rank=2, targets=targets))
         assert "\n" not in str(caught.value)
+
+
+def test_experts_run_on_each_batch_shard_with_the_one_device_result():
+    """Under a data x fsdp mesh the dispatch sorts each shard's tokens alone (no global gather): the same logits
+    and gradients as one device."""
+    run_python("""
+        import flax.linen as nn, jax, jax.numpy as jnp, numpy as np
+        from jax.sharding import AxisType, NamedSharding, PartitionSpec
+        from functrain.models import build_model
+        from tests.models.moe.test_moe_models import QWEN2, TOKENS
+
+        model = build_model(QWEN2)
+        tokens = np.concatenate([TOKENS] * 4)
+        params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), tokens)["params"])
+        def loss(p, ids):
+            output = model.apply({"params": p}, ids)
+            return jnp.mean(output.logits ** 2) + jnp.mean(output.router.prob_sums), output.logits
+        step = jax.jit(jax.value_and_grad(loss, has_aux=True))
+        with jax.default_matmul_precision("highest"):
+            (_, logits), grads = step(params, tokens)
+            mesh = jax.make_mesh((2, 2), ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2)
+            with jax.set_mesh(mesh):
+                sharded = jax.device_put(tokens, NamedSharding(mesh, PartitionSpec(("data", "fsdp"))))
+                (_, mesh_logits), mesh_grads = step(params, sharded)
+        np.testing.assert_allclose(mesh_logits, logits, rtol=1e-5, atol=1e-6)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-6), mesh_grads, grads)
+    """, devices=4)
