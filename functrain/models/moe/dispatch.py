@@ -22,6 +22,7 @@ batch's tokens would gather them all onto every device (Mixtral 8x7B on 128 v5p 
 temporaries a chip that way). The capacity then counts each shard's tokens, as GShard's groups do.
 """
 
+import functools
 import math
 from typing import Callable, NamedTuple
 
@@ -139,7 +140,7 @@ def run_experts(
     """``([T, hidden] outputs, [T] selections dropped per real token)``: the experts on ``x`` [T, hidden] by
     ``dispatch`` with the optional capacity (``real`` [T]: 1 on real tokens), on each batch shard's tokens
     alone under a mesh (module docstring)."""
-    local = lambda *args: _run_local(*args, glu, dispatch, capacity_factor)  # noqa: E731
+    local = functools.partial(_run_local, glu=glu, dispatch=dispatch, factor=capacity_factor)
     mesh = jax.sharding.get_abstract_mesh()
     axes = () if mesh.empty else tuple(axis for axis in BATCH_AXES if mesh.shape.get(axis, 1) > 1)
     if not axes or x.shape[0] % math.prod(mesh.shape[axis] for axis in axes):
