@@ -16,6 +16,7 @@ from functrain.models.configs.mixtral import MixtralConfig
 from functrain.models.configs.qwen_moe import Qwen2MoeConfig
 from functrain.models.lora import lora_program
 from functrain.models.stacking import relayout_like
+from functrain.run.mfu import train_flops_per_token
 from functrain.text.decode import Generator, Sampling
 from tests.conftest import run_python
 
@@ -104,3 +105,16 @@ def test_experts_run_on_each_batch_shard_with_the_one_device_result():
         np.testing.assert_allclose(mesh_logits, logits, rtol=1e-5, atol=1e-6)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-6), mesh_grads, grads)
     """, devices=4)
+
+
+def test_flops_count_the_active_parameters():
+    """Mixtral 8x7B's FLOPs per token are those of its active matmul parameters (2 of 8 experts, the router and
+    the head: with the embedding, the published 12.9B active)."""
+    mixtral = MixtralConfig(num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=32768)
+    active = 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 2 * 14336 + 4096 * 8) + 4096 * 32000
+    assert round((active + 4096 * 32000) / 1e9, 1) == 12.9
+    assert train_flops_per_token(mixtral.decoder_shape(), 4096) == 6 * active + 6 * 32 * 4096 * 4096
+    # Qwen2-MoE's dense layer counts its own MLP, a sparse one k experts, the shared expert and its gate.
+    shape = QWEN2.decoder_shape()
+    sparse, dense = 2 * 8 + 12, 20
+    assert shape.mlp_width == round((2 * sparse + 3 * dense) / 5) and shape.router_width == round(2 * 5 / 5)
