@@ -149,6 +149,12 @@ def default_causal_lm_loss(
     (targets that start a document do not count), :func:`hf_call` for HF ones."""
     inputs = batch["tokens"].long()[:, :-1]
     hf = "labels" in batch or "attention_mask" in batch
+    balanced = bool(getattr(getattr(model, "config", None), "output_router_logits", False))
+    if balanced and "segment_ids" in batch:
+        raise ConfigError(
+            f"{type(model).__name__} adds its load-balancing loss (output_router_logits), which transformers "
+            f"computes from a 2-D padding mask, not a packed batch's; set data.packing=false"
+        )
     output = (
         hf_call(model, inputs, batch, argument)
         if hf
@@ -156,7 +162,26 @@ def default_causal_lm_loss(
     )
     logits = logits_of(output, model)
     _check_shape(logits, tuple(inputs.shape), "causal-LM", model)
-    return causal_lm_sums(logits, batch)
+    loss_sum, weight, aux = causal_lm_sums(logits, batch)
+    if balanced:
+        return with_balancing_loss(model, output, loss_sum, weight, aux)
+    return loss_sum, weight, aux
+
+
+def with_balancing_loss(model: nn.Module, output: Any, loss_sum: Tensor, weight: Tensor, aux: dict) -> LossOutput:
+    """A transformers mixture of experts' sums with its load-balancing loss added as its own forward adds it
+    with ``output_router_logits`` (``router_aux_loss_coef x aux_loss``, over this forward's tokens: transformers'
+    micro-batch scope), times the weight so that the step's one division leaves it whole; ``moe/aux_loss``
+    unweighted in the metrics."""
+    aux_loss = getattr(output, "aux_loss", None)
+    if not isinstance(aux_loss, Tensor):
+        raise ConfigError(
+            f"{type(model).__name__} sets output_router_logits but its output has no aux_loss; set "
+            f"output_router_logits=false in its config or pass loss_fn= that adds the balancing loss"
+        )
+    scaled = aux_loss * weight
+    coefficient = float(getattr(model, "config").router_aux_loss_coef)  # noqa: B009 (nn.Module types attributes as Tensor | Module)
+    return loss_sum + coefficient * scaled, weight, {**aux, "moe/aux_loss": scaled}
 
 
 def default_classifier_loss(

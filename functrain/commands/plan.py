@@ -35,7 +35,8 @@ def format_plan(plan) -> str:
     lines = [
         f"{plan.chips} x {plan.device_kind} (mesh {mesh}); {plan.parameters:,} parameters; batch "
         f"{plan.global_batch_size} x {plan.seq_len} tokens in {plan.micro_batches} micro-batch(es)"
-        + (f"; {plan.attention} attention" if plan.attention else ""),
+        + (f"; {plan.attention} attention" if plan.attention else "")
+        + (f"; experts: {plan.experts}" if plan.experts else ""),
         "per chip:",
     ]
     lines += [

@@ -36,6 +36,7 @@ import jax
 import numpy as np
 
 from functrain.errors import ConfigError
+from functrain.models.configs.moe import MoeOptions
 from functrain.parallel.platform import describe_host_to_libtpu
 from functrain.parallel.sharding import state_bytes_per_device
 from functrain.run.build import Planned, plan_run
@@ -93,6 +94,7 @@ class Plan:
     layers_scanned: bool = False  # model.scan_layers: FLOPs and bytes measured unrolled (module)
     advice: list[str] = field(default_factory=list)
     attention: str | None = None  # the attention kernel compiled: splash, cudnn, xla (None: no LM)
+    experts: str | None = None  # a mixture of experts' matmuls as compiled (expert_kernel_of; None: no experts)
 
     def to_json(self) -> dict[str, Any]:
         """The plan as one JSON-able object (``functrain plan --json``)."""
@@ -234,6 +236,18 @@ def attention_kernel_of(compiled: jax.stages.Compiled, trains_tokens: bool) -> s
     return "splash" if "splash_mha" in text else "cudnn" if "__cudnn$fmha" in text else "xla"
 
 
+def expert_kernel_of(compiled: jax.stages.Compiled, model_config: Any) -> str | None:
+    """How a mixture of experts' expert matmuls compiled: ``ragged_dot kernel`` (XLA's grouped Mosaic kernel on
+    TPU, for the forward pass and the tokens' gradient; the expert weights' gradient is decomposed densely),
+    ``ragged_dot decomposed`` (XLA computes every expert densely, masked), ``dense`` (``moe_dispatch: dense``);
+    None for a model without experts."""
+    if not isinstance(model_config, MoeOptions):
+        return None
+    if model_config.moe_dispatch == "dense":
+        return "dense"
+    return "ragged_dot kernel" if "ragged-dot" in (compiled.as_text() or "") else "ragged_dot decomposed"
+
+
 def report(
     planned: Planned,
     compiled: jax.stages.Compiled | None,
@@ -301,4 +315,5 @@ def report(
         layers_scanned=planned.scan_groups > 0,
         advice=advice(planned, sizes, chips, mesh) if fits is False else [],
         attention=attention,
+        experts=None if compiled is None else expert_kernel_of(compiled, planned.model_config),
     )

@@ -1,6 +1,8 @@
 """A mixture of experts through the CLI: configs/moe_char.yaml (global-batch balancing over micro-batches)
 resumes bitwise after a kill, samples with ``generate``, and bad MoE settings are one line and exit 2."""
 
+import json
+
 import pytest
 
 from functrain.commands.cli import main
@@ -28,3 +30,10 @@ def test_bad_moe_settings_are_one_line_exit_2(tmp_path, capsys, config, override
     assert status == 2
     assert named in err and "\n" not in err, err
     assert not (tmp_path / "run").exists()
+
+
+def test_plan_names_the_expert_kernel_compiled_for_a_tpu(capsys):
+    assert main(["plan", "configs/moe_char.yaml", *TINY, "--topology", "v5e:2x2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["experts"] == "ragged_dot kernel" and report["fits"] is True
+    assert report["model_flops_per_step"] > 0

@@ -17,6 +17,10 @@ class MixtralConfig(MistralConfig, MoeOptions):
 
     name: Literal["mixtral"] = "mixtral"  # type: ignore[assignment]  # each family's own tag (a discriminator's Literal)
     intermediate_size: int = pydantic.Field(14336, gt=0)
+    num_key_value_heads: int | None = 8
+    max_position_embeddings: int = pydantic.Field(4096 * 32, gt=0)
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 1000000.0
     num_local_experts: int = pydantic.Field(8, gt=0)
     num_experts_per_tok: int = pydantic.Field(2, gt=0)
     output_router_logits: bool = False

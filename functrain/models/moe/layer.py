@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from functrain.models.hf_common import dense
-from functrain.models.moe.dispatch import DISPATCH, ExpertWeights, Glu, capacity, within_capacity
+from functrain.models.moe.dispatch import ExpertWeights, Glu, run_experts
 from functrain.models.moe.routing import Router
 
 Array = jax.Array
@@ -134,14 +134,9 @@ class MoeBlock(nn.Module):
         )()
         real = jnp.ones((batch * length,), jnp.float32) if token_mask is None else token_mask.reshape(-1)
         real = real.astype(jnp.float32)
-        weights, dropped = routing.weights, jnp.zeros((), jnp.float32)
-        if self.capacity_factor is not None:
-            top_k = routing.experts.shape[1]
-            limit = capacity(batch * length, top_k, self.num_experts, self.capacity_factor)
-            kept = within_capacity(routing.experts, self.num_experts, limit)
-            weights = jnp.where(kept, weights, 0.0)
-            dropped = jnp.sum(real[:, None] * ~kept)
-        out = DISPATCH[self.dispatch](flat, weights, routing.experts, experts, self.glu)
+        out, dropped = run_experts(
+            flat, routing.weights, routing.experts, real, experts, self.glu, self.dispatch, self.capacity_factor
+        )
         if self.shared_size is not None:
             shared = SharedExpert(hidden, self.shared_size, self.glu, self.init_std, self.dtype, name="shared_expert")
             always = shared(flat)
@@ -164,6 +159,6 @@ class MoeBlock(nn.Module):
             prob_sums=jnp.sum(routing.probs * real[:, None], axis=0),
             z_sums=jnp.sum(real * jnp.square(jax.nn.logsumexp(logits, axis=-1))),
             tokens=jnp.sum(real),
-            dropped=dropped,
+            dropped=jnp.sum(dropped),
         )
         return out.reshape(batch, length, hidden).astype(x.dtype), stats

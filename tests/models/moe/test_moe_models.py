@@ -16,7 +16,9 @@ from functrain.models.configs.mixtral import MixtralConfig
 from functrain.models.configs.qwen_moe import Qwen2MoeConfig
 from functrain.models.lora import lora_program
 from functrain.models.stacking import relayout_like
+from functrain.run.mfu import train_flops_per_token
 from functrain.text.decode import Generator, Sampling
+from tests.conftest import run_python
 
 TOKENS = np.random.default_rng(0).integers(0, 64, (2, 12))
 BATCH = {"tokens": TOKENS, "weight": np.ones(2, np.float32)}
@@ -76,3 +78,43 @@ def test_lora_adapts_attention_and_refuses_the_experts():
         with pytest.raises(ConfigError, match="names the stacked experts layers_0/mlp/experts/") as caught:
             lora_program(build_model(MIXTRAL), BATCH, "causal_lm", LoraConfig(rank=2, targets=targets))
         assert "\n" not in str(caught.value)
+
+
+def test_experts_run_on_each_batch_shard_with_the_one_device_result():
+    """Under a data x fsdp mesh the dispatch sorts each shard's tokens alone (no global gather): the same logits
+    and gradients as one device."""
+    run_python("""
+        import flax.linen as nn, jax, jax.numpy as jnp, numpy as np
+        from jax.sharding import AxisType, NamedSharding, PartitionSpec
+        from functrain.models import build_model
+        from tests.models.moe.test_moe_models import QWEN2, TOKENS
+
+        model = build_model(QWEN2)
+        tokens = np.concatenate([TOKENS] * 4)
+        params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), tokens)["params"])
+        def loss(p, ids):
+            output = model.apply({"params": p}, ids)
+            return jnp.mean(output.logits ** 2) + jnp.mean(output.router.prob_sums), output.logits
+        step = jax.jit(jax.value_and_grad(loss, has_aux=True))
+        with jax.default_matmul_precision("highest"):
+            (_, logits), grads = step(params, tokens)
+            mesh = jax.make_mesh((2, 2), ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2)
+            with jax.set_mesh(mesh):
+                sharded = jax.device_put(tokens, NamedSharding(mesh, PartitionSpec(("data", "fsdp"))))
+                (_, mesh_logits), mesh_grads = step(params, sharded)
+        np.testing.assert_allclose(mesh_logits, logits, rtol=1e-5, atol=1e-6)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-6), mesh_grads, grads)
+    """, devices=4)
+
+
+def test_flops_count_the_active_parameters():
+    """Mixtral 8x7B's FLOPs per token are those of its active matmul parameters (2 of 8 experts, the router and
+    the head: with the embedding, the published 12.9B active)."""
+    mixtral = MixtralConfig(num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=32768)
+    active = 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 2 * 14336 + 4096 * 8) + 4096 * 32000
+    assert round((active + 4096 * 32000) / 1e9, 1) == 12.9
+    assert train_flops_per_token(mixtral.decoder_shape(), 4096) == 6 * active + 6 * 32 * 4096 * 4096
+    # Qwen2-MoE's dense layer counts its own MLP, a sparse one k experts, the shared expert and its gate.
+    shape = QWEN2.decoder_shape()
+    sparse, dense = 2 * 8 + 12, 20
+    assert shape.mlp_width == round((2 * sparse + 3 * dense) / 5) and shape.router_width == round(2 * 5 / 5)
