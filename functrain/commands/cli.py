@@ -14,7 +14,7 @@ from typing import Any
 
 from functrain.errors import EXIT_BAD_INPUT, EXIT_SIGNAL, FunctrainError
 from functrain.run.console import RUN_LOGGER, add_stderr_handler
-from functrain.run.signals import CommandSignals, Interrupted, check_interrupted, interrupted_message
+from functrain.run.signals import CommandSignals, Interrupted, announce_interrupted, check_interrupted
 
 # The verbs, in the order `functrain --help` lists them; each module has HELP, add_arguments() and run().
 VERBS = {
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return _run(argv)
         except Interrupted as exc:
-            print(interrupted_message(str(exc)), file=sys.stderr)
+            announce_interrupted(str(exc))
             return EXIT_SIGNAL
 
 

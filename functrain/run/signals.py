@@ -38,6 +38,15 @@ def interrupted_message(signal_name: str) -> str:
     )
 
 
+_announced = threading.Lock()  # held once the line is printed: the command and the watcher print it once between them
+
+
+def announce_interrupted(signal_name: str) -> None:
+    """Print :func:`interrupted_message` to stderr, unless this process printed it already."""
+    if _announced.acquire(blocking=False):
+        print(interrupted_message(signal_name), file=sys.stderr)
+
+
 def release_on_hard_exit(cleanup: Callable[[], None]) -> None:
     """Run ``cleanup`` if a stop signal ends the process from the watcher thread (see the module)."""
     _hard_exit_cleanups.append(cleanup)
@@ -148,8 +157,9 @@ class CommandSignals(_Handlers):
                 cleanup()
             except Exception:  # noqa: BLE001 -- the process ends either way; release what else it holds
                 pass
-        if not _received_outside:  # the handler never ran, so the command printed nothing
-            print(interrupted_message(signal_name), file=sys.stderr)
+        # Whether or not the handler ran: its Interrupted may have been raised where Python swallows exceptions
+        # (a garbage-collection callback: "Exception ignored in ..."), so the command may have printed nothing.
+        announce_interrupted(signal_name)
         sys.stderr.flush()
         sys.stdout.flush()
         os._exit(EXIT_SIGNAL)
@@ -161,3 +171,5 @@ class CommandSignals(_Handlers):
             os.close(self.wakeup[1])  # the watcher's read sees the end of the pipe, closes its end and returns
             self.wakeup = None
         _received_outside.clear()
+        if _announced.locked():  # the next command in this process announces its own stop
+            _announced.release()
