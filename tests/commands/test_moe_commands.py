@@ -8,9 +8,9 @@ import pytest
 from functrain.commands.cli import main
 
 # moe_char shrunk to seconds; two micro-batches so the global-batch counting pass runs.
-TINY = ["train.steps_per_call=2", "eval.every_steps=0", "model.hidden_size=32", "model.intermediate_size=32",
-        "model.num_attention_heads=2", "model.num_key_value_heads=2", "data.seq_len=16",
-        "data.global_batch_size=8", "train.micro_batches=2", "log.plot=false"]
+TINY = ["train.steps_per_call=2", "eval.every_steps=0", "model.hidden_size=16", "model.intermediate_size=16",
+        "model.num_hidden_layers=1", "model.num_attention_heads=2", "model.num_key_value_heads=2",
+        "data.seq_len=16", "data.global_batch_size=8", "train.micro_batches=2", "log.plot=false"]
 
 
 def test_moe_char_resumes_bitwise(capsys):

@@ -3,6 +3,7 @@ classes, decoder shape, scanned layers) as the getattr guesses it replaces did; 
 discriminated by ``name`` whose errors name the key (and the nearest valid one) for every family; and the config
 validates without importing model code."""
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -40,11 +41,17 @@ SECTIONS: dict[str, dict[str, Any]] = {
     "gpt_oss": dict(LLAMA, head_dim=16, sliding_window=8, num_local_experts=4, num_experts_per_tok=2),
     "mixtral": dict(LLAMA, sliding_window=8, num_local_experts=4, num_experts_per_tok=2),
     "qwen2_moe": dict(LLAMA, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
-                      shared_expert_intermediate_size=40, decoder_sparse_step=2),
-    "qwen3_moe": dict(LLAMA, head_dim=24, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
-                      mlp_only_layers=[1]),
+                      shared_expert_intermediate_size=40),
+    "qwen3_moe": dict(LLAMA, head_dim=24, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=16),
     "deepseek_v3": dict(LLAMA, num_key_value_heads=None, moe_intermediate_size=16, n_routed_experts=8, n_group=4,
                         topk_group=2, num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=None),
+}
+# A mixture of experts' MLP width and router outputs per token (every layer sparse in these configs).
+ACTIVE = {
+    "mixtral": lambda c: (c.num_experts_per_tok * c.intermediate_size, c.num_local_experts),
+    "qwen2_moe": lambda c: (c.num_experts_per_tok * c.moe_intermediate_size + c.shared_expert_intermediate_size,
+                            c.num_experts + 1),
+    "qwen3_moe": lambda c: (c.num_experts_per_tok * c.moe_intermediate_size, c.num_experts),
 }
 
 
@@ -93,12 +100,15 @@ def test_each_family_answers_as_the_guesses_did(name, defaults):
     config = model_config_class(name)() if defaults else family(name)
     assert config.registry_name() == name
     assert config.max_positions() == guessed_positions(config)
-    # Latent attention and layers of two MLP widths fit no DecoderShape: DeepSeek-V3 reports no MFU. Qwen's MoE
-    # layers average a shared expert and dense layers into their width (tests/models/moe/test_moe_models.py).
+    # Latent attention and layers of two MLP widths fit no DecoderShape: DeepSeek-V3 reports no MFU.
     if name == "deepseek_v3":
         assert config.decoder_shape() is None
-    elif name not in ("qwen2_moe", "qwen3_moe"):
-        assert config.decoder_shape() == guessed_shape(config)
+        return
+    shape = guessed_shape(config)
+    if name in ACTIVE:
+        width, router = ACTIVE[name](config)
+        shape = dataclasses.replace(shape, mlp_width=width, router_width=router)
+    assert config.decoder_shape() == shape
     assert config.vocabulary_size() == getattr(config, "vocab_size", None)
     assert config.class_count() == getattr(config, "num_classes", None)
 

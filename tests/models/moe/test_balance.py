@@ -60,7 +60,7 @@ def test_aux_loss_and_total_loss_match_transformers(tmp_path):
 
 
 CONFIG = MixtralConfig(
-    vocab_size=VOCAB, hidden_size=16, intermediate_size=8, num_hidden_layers=2, num_attention_heads=2,
+    vocab_size=VOCAB, hidden_size=16, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
     num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
     router_aux_loss_coef=0.5, router_z_loss_coef=0.1, initializer_range=0.3,
 )
@@ -84,20 +84,20 @@ def one_step(scope: str, micro_batches: int):
 
 @pytest.fixture(scope="module")
 def steps():
-    return {(scope, micro): one_step(scope, micro) for scope in ("global_batch", "micro_batch") for micro in (1, 4)}
+    # One micro-batch is the same program under either scope: compiled once.
+    return {key: one_step(*key) for key in (("global_batch", 1), ("global_batch", 4), ("micro_batch", 4))}
 
 
 def test_global_batch_is_exact_over_micro_batches(steps):
     (whole, whole_params), (split, split_params) = steps["global_batch", 1], steps["global_batch", 4]
-    for name in ("loss", "moe/aux_loss", "moe/z_loss", "moe/load_max_over_mean/layer_1"):
+    for name in ("loss", "moe/aux_loss", "moe/z_loss", "moe/load_max_over_mean/layer_0"):
         np.testing.assert_allclose(split[name], whole[name], rtol=2e-6, err_msg=name)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), split_params, whole_params)
     assert float(whole["moe/aux_loss"]) > 1.0  # balancing is part of the loss being compared
 
 
 def test_micro_batch_scope_differs_with_micro_batches(steps):
-    (whole, whole_params), (split, split_params) = steps["micro_batch", 1], steps["micro_batch", 4]
-    np.testing.assert_allclose(whole["loss"], steps["global_batch", 1][0]["loss"], rtol=1e-6)  # same at one
+    (whole, whole_params), (split, split_params) = steps["global_batch", 1], steps["micro_batch", 4]
     assert abs(float(split["moe/aux_loss"]) - float(whole["moe/aux_loss"])) > 1e-3
     difference = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(*map(jax.tree.leaves, (split_params, whole_params))))
     assert difference > 1e-4
