@@ -19,7 +19,6 @@ distribution, in nats: ``log E`` is perfect balance), and ``dropped_fraction`` w
 """
 
 import dataclasses
-from typing import Any
 
 import flax.struct
 import jax
@@ -93,13 +92,3 @@ class MoeOutput:
             dropped = jnp.sum(scope["dropped"]) / (rows * settings.top_k)
             metrics["moe/dropped_fraction"] = dropped * weight
         return loss_sum, metrics
-
-
-def stacked(stats: list[RouterStats]) -> RouterStats:
-    """Per-layer statistics stacked ``[L, ...]`` in layer order."""
-    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *stats)
-
-
-def empty_stats(num_experts: int, layers: int) -> Any:
-    """``[L, ...]`` statistics of ``layers`` layers without experts."""
-    return stacked([RouterStats.zeros(num_experts)] * layers)
