@@ -14,7 +14,13 @@ from typing import Any
 
 from functrain.errors import EXIT_BAD_INPUT, EXIT_SIGNAL, FunctrainError
 from functrain.run.console import RUN_LOGGER, add_stderr_handler
-from functrain.run.signals import CommandSignals, Interrupted, announce_interrupted, check_interrupted
+from functrain.run.signals import (
+    CommandSignals,
+    Interrupted,
+    announce_interrupted,
+    check_interrupted,
+    interrupted_by,
+)
 
 # The verbs, in the order `functrain --help` lists them; each module has HELP, add_arguments() and run().
 VERBS = {
@@ -78,6 +84,14 @@ def main(argv: list[str] | None = None) -> int:
             return _run(argv)
         except Interrupted as exc:
             announce_interrupted(str(exc))
+            return EXIT_SIGNAL
+        except Exception:
+            # A stop signal came first and its Interrupted surfaced as another error (raised inside a JAX host
+            # callback, it reaches us as a JaxRuntimeError): the signal is the outcome.
+            signal_name = interrupted_by()
+            if signal_name is None:
+                raise
+            announce_interrupted(signal_name)
             return EXIT_SIGNAL
 
 

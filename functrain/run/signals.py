@@ -62,6 +62,11 @@ class Interrupted(Exception):
     """A stop signal arrived while the loop was not running (before its first step, or after its last)."""
 
 
+def interrupted_by() -> str | None:
+    """The stop signal this command received outside the training loop (``SIGTERM``), or None."""
+    return _received_outside[0] if _received_outside else None
+
+
 def check_interrupted() -> None:
     """Raise :class:`Interrupted` when a stop signal came before the loop took over. The handler raises it at
     once too, but code that swallows exceptions (a garbage-collection callback, a ``__del__``) can eat that
