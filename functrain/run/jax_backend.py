@@ -77,7 +77,7 @@ class JaxBackend:
         allow_replicated_fallback: bool = False,
         step: StepSettings = StepSettings(),
         seed: int = 0,
-        experience: Callable[[Any, dict[str, Any], jax.Array], dict[str, Any]] | None = None,
+        experience: Callable[[Any, dict[str, Any], jax.Array, int], dict[str, Any]] | None = None,
     ) -> None:
         """``schedule`` is reported as the ``learning_rate`` metric (None: not reported); ``rules`` map logical
         axes to mesh axes and ``param_rules`` parameter paths to specs (:mod:`functrain.parallel.sharding`);
@@ -222,7 +222,7 @@ class JaxBackend:
 
     def _experience_steps(
         self,
-        experience: Callable[[Any, dict[str, Any], jax.Array], dict[str, Any]],
+        experience: Callable[[Any, dict[str, Any], jax.Array, int], dict[str, Any]],
         state: TrainState,
         batches: dict[str, Any],
     ) -> tuple[TrainState, dict]:
@@ -234,7 +234,10 @@ class JaxBackend:
         per_step = []
         for k in range(len(next(iter(batches.values())))):
             batch = experience(
-                state.params, {name: value[k] for name, value in batches.items()}, jax.random.fold_in(stream, step + k)
+                state.params,
+                {name: value[k] for name, value in batches.items()},
+                jax.random.fold_in(stream, step + k),
+                step + k,
             )
             state, metrics = self._train_call(state, {name: jnp.asarray(value)[None] for name, value in batch.items()})
             per_step.append(metrics)

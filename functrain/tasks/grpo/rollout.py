@@ -1,0 +1,222 @@
+"""GRPO's experience stage: the loader's prompts -> G completions each, sampled with the current weights, scored on
+the host, as a training batch (:mod:`functrain.tasks.grpo.loss` describes its fields).
+
+Sampling runs in-process on the model being trained, through the KV-cache decoder
+(:func:`functrain.text.decode.generate_ragged`: prompts of any length in one batch, without a padding mask),
+compiled once for the run's shapes (every batch holds ``global_batch_size`` rows of the file's longest prompt
+plus ``max_completion_length``). The weights are the step's own (cast to ``train.compute_dtype``, LoRA adapters
+merged, scanned layers unrolled), so there is no second copy to keep in sync. The key of step ``s`` derives from
+(seed, ``s``): a batch is a pure function of (weights, data position, step), and a resumed run draws what an
+uninterrupted one drew.
+
+Each step the training forward also scores the drawn tokens; ``rollout/logprob_gap`` is the largest absolute
+difference from the sampler's log-probs (both at ``temperature``, before the top-k/top-p filters). With
+``num_iterations`` above 1 those forward log-probs are the old policy's; the batch generated at a step whose
+index is a multiple of ``num_iterations`` is trained on for that many steps (the loader's prompts of the steps in
+between are not used), and a run that resumes inside a generation samples anew.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from functrain.core.precision import COMPUTE_DTYPES, cast_floating
+from functrain.core.program import ModelPieces
+from functrain.models import build_model
+from functrain.models.lora import merged_for_inference
+from functrain.models.options import for_sampling
+from functrain.models.stacking import unstack_layers
+from functrain.tasks.grpo.advantages import group_advantages, reward_metrics
+from functrain.tasks.grpo.config import GRPOConfig
+from functrain.tasks.grpo.loss import token_logps
+from functrain.tasks.grpo.prompts import Prompts
+from functrain.tasks.grpo.rewards import RewardFunction, scores
+from functrain.text.decode import generate_ragged
+
+
+def host_metric_names(functions: list[RewardFunction]) -> tuple[str, ...]:
+    """The metrics the stage computes on the host, in the order of the batch's ``host_metrics`` columns."""
+    per_function = [f"rewards/{f.name}/{stat}" for f in functions for stat in ("mean", "std")]
+    return (
+        "reward",
+        "reward_std",
+        *per_function,
+        "frac_reward_zero_std",
+        "completions/mean_length",
+        "completions/min_length",
+        "completions/max_length",
+        "completions/clipped_ratio",
+        "rollout/logprob_gap",
+    )
+
+
+@dataclass(frozen=True)
+class Completions:
+    """What a generation drew for ``R`` rows (each prompt ``num_generations`` times, consecutively): the rows'
+    prompt indices, the completions' token ids (EOS included, nothing after it), which ended without an EOS, and
+    the sampler's log-prob of each completion token."""
+
+    prompt_index: np.ndarray
+    ids: list[np.ndarray]
+    truncated: np.ndarray
+    sampler_logps: list[np.ndarray]
+
+
+class Sampler:
+    """The compiled sampler and training forward of one run (see the module docstring)."""
+
+    def __init__(self, model_config: Any, pieces: ModelPieces, section: GRPOConfig, compute_dtype: str) -> None:
+        self.dtype = COMPUTE_DTYPES[compute_dtype]
+        sampling_model = build_model(for_sampling(model_config), self.dtype)
+        top_k = section.top_k or None  # TRL: 0 keeps every token
+        top_p = section.top_p if section.top_p < 1.0 else None
+        temperature = section.temperature
+
+        def sample(params, prompts, lengths, key, prefill):
+            weights = unstack_layers(merged_for_inference(cast_floating(params, self.dtype), model_config))
+            return generate_ragged(
+                sampling_model,
+                weights,
+                prompts,
+                lengths,
+                key,
+                prefill=prefill,
+                max_new_tokens=section.max_completion_length,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+            )
+
+        def forward(params, tokens):
+            weights = cast_floating(params, self.dtype)
+            output: Any = pieces.apply(weights, {}, tokens[:, :-1], False, jax.random.PRNGKey(0))[0]
+            return token_logps(getattr(output, "logits", output), tokens, temperature)[0]
+
+        self.sample = jax.jit(sample, static_argnames="prefill")
+        self.forward = jax.jit(forward)
+
+
+def draw(
+    sampler: Sampler, params: Any, prompts: Prompts, indices: np.ndarray, key: jax.Array, generations: int, length: int
+) -> Completions:
+    """``generations`` completions of at most ``length`` tokens for each prompt of ``indices``."""
+    rows = np.repeat(indices, generations)
+    width = prompts.longest
+    padded = np.full((len(rows), width), prompts.pad_id, np.int32)
+    lengths = np.array([len(prompts.ids[index]) for index in rows], np.int32)
+    for row, index in enumerate(rows):
+        padded[row, : lengths[row]] = prompts.ids[index]
+    prefill = prompts.shortest
+    tokens, logps = jax.device_get(sampler.sample(params, padded, lengths, key, prefill=prefill))
+    ids, sampler_logps, truncated = [], [], np.zeros(len(rows), bool)
+    for row, start in enumerate(lengths - prefill):
+        drawn, drawn_logps = tokens[row, start : start + length], logps[row, start : start + length]
+        ends = np.flatnonzero(np.isin(drawn, prompts.eos_ids))
+        stop = int(ends[0]) + 1 if len(ends) else length
+        ids.append(drawn[:stop])
+        sampler_logps.append(drawn_logps[:stop])
+        truncated[row] = drawn[stop - 1] not in (*prompts.eos_ids, prompts.pad_id)
+    return Completions(rows, ids, truncated, sampler_logps)
+
+
+def training_rows(prompts: Prompts, completions: Completions, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(tokens, completion_mask)`` ``[R, longest prompt + length]``: each row its prompt, its completion and
+    padding."""
+    width = prompts.longest + length
+    tokens = np.full((len(completions.ids), width), prompts.pad_id, np.int32)
+    mask = np.zeros((len(completions.ids), width), np.int32)
+    for row, (index, ids) in enumerate(zip(completions.prompt_index, completions.ids)):
+        prompt = prompts.ids[index]
+        tokens[row, : len(prompt)] = prompt
+        tokens[row, len(prompt) : len(prompt) + len(ids)] = ids
+        mask[row, len(prompt) : len(prompt) + len(ids)] = 1
+    return tokens, mask
+
+
+def logprob_gap(prompts: Prompts, completions: Completions, forward_logps: np.ndarray) -> float:
+    """The largest absolute difference between the sampler's and the training forward's log-probs of the drawn
+    tokens (``forward_logps`` ``[R, L-1]``: position ``t`` scores token ``t + 1``)."""
+    gaps = [
+        np.abs(forward_logps[row, len(prompts.ids[index]) - 1 : len(prompts.ids[index]) - 1 + len(ids)] - drawn)
+        for row, (index, ids, drawn) in enumerate(
+            zip(completions.prompt_index, completions.ids, completions.sampler_logps)
+        )
+    ]
+    return float(max(gap.max() for gap in gaps))
+
+
+class Rollouts:
+    """The experience stage (:class:`functrain.tasks.base.ExperienceStage`) of a GRPO run."""
+
+    def __init__(self, sampler: Sampler, prompts: Prompts, rewards: list[RewardFunction], section: GRPOConfig) -> None:
+        self.sampler, self.prompts, self.rewards, self.section = sampler, prompts, rewards, section
+        self.weights = np.asarray(section.reward_weights or [1.0] * len(rewards), np.float32)
+        self.metric_names = host_metric_names(rewards)
+        self._generation: tuple[int, dict[str, np.ndarray]] | None = None  # (generation index, its batch)
+
+    def __call__(self, params: Any, batch: dict[str, Any], key: jax.Array, step: int) -> dict[str, np.ndarray]:
+        generation = step // self.section.num_iterations
+        if self._generation is None or self._generation[0] != generation:
+            self._generation = (generation, self.generate(params, np.asarray(batch["prompt_index"]), key, step))
+        return self._generation[1]
+
+    def generate(self, params: Any, indices: np.ndarray, key: jax.Array, step: int) -> dict[str, np.ndarray]:
+        """The training batch of the prompts ``indices``: sampled, scored and laid out for the loss."""
+        section, prompts = self.section, self.prompts
+        length = section.max_completion_length
+        completions = draw(self.sampler, params, prompts, indices, key, section.num_generations, length)
+        tokens, mask = training_rows(prompts, completions, length)
+        forward_logps = np.asarray(jax.device_get(self.sampler.forward(params, tokens)))
+        table = scores(
+            self.rewards,
+            [prompts.rows[index]["prompt"] for index in completions.prompt_index],
+            prompts.decode(completions.ids),
+            [ids.tolist() for ids in completions.ids],
+            prompts.columns(completions.prompt_index),
+            step,
+        )
+        advantages, is_std_zero = group_advantages(table, self.weights, section.num_generations, section.scale_rewards)
+        if section.mask_truncated_completions:
+            mask = mask * ~completions.truncated[:, None]
+        lengths = np.array([len(ids) for ids in completions.ids], np.float32)
+        metrics = {
+            **reward_metrics(table, self.weights, [f.name for f in self.rewards]),
+            "frac_reward_zero_std": float(is_std_zero.mean()),
+            "completions/mean_length": float(lengths.mean()),
+            "completions/min_length": float(lengths.min()),
+            "completions/max_length": float(lengths.max()),
+            "completions/clipped_ratio": float(completions.truncated.mean()),
+            "rollout/logprob_gap": logprob_gap(prompts, completions, forward_logps),
+        }
+        rows = len(completions.ids)
+        training = {
+            "tokens": tokens,
+            "completion_mask": mask.astype(np.int32),
+            "advantages": advantages,
+            "batch_rows": np.full(rows, rows, np.float32),
+            "batch_tokens": np.full(rows, mask[:, 1:].sum(), np.float32),
+            "host_metrics": np.tile(np.array([metrics[name] for name in self.metric_names], np.float32), (rows, 1)),
+        }
+        if section.num_iterations > 1:
+            training["old_logps"] = forward_logps.astype(np.float32)
+        return training
+
+
+def example_batch(prompts: Prompts, section: GRPOConfig, rows: int, metrics: int) -> dict[str, np.ndarray]:
+    """A training batch of ``rows`` completions shaped as the stage makes them (zeros), to build the step for."""
+    width = prompts.longest + section.max_completion_length
+    batch = {
+        "tokens": np.zeros((rows, width), np.int32),
+        "completion_mask": np.zeros((rows, width), np.int32),
+        "advantages": np.zeros(rows, np.float32),
+        "batch_rows": np.full(rows, rows, np.float32),
+        "batch_tokens": np.ones(rows, np.float32),
+        "host_metrics": np.zeros((rows, metrics), np.float32),
+    }
+    if section.num_iterations > 1:
+        batch["old_logps"] = np.zeros((rows, width - 1), np.float32)
+    return batch
