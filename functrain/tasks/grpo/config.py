@@ -22,7 +22,8 @@ class GRPOConfig(TaskSection):
     ``reward_weights`` (None: 1 each). Advantages: reward minus its group's mean, divided by the group's standard
     deviation (``scale_rewards: group``), the batch's (``batch``) or nothing (``none``). Loss: the clipped
     ratio ``[1 - epsilon, 1 + epsilon_high]`` per token or per sequence (``importance_sampling_level``, GSPO:
-    ``sequence``), plus ``beta`` times the k3 KL to the reference (0: no reference kept), reduced as
+    ``sequence``), plus ``beta`` times the k3 KL to the reference (0: no reference kept; multiplied by the ratio with
+    ``use_bias_correction_kl``, TRL 1.16's default: the unbiased reverse-KL gradient), reduced as
     ``loss_type`` says (``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``); ``num_iterations`` updates per generation;
     ``mask_truncated_completions`` drops completions that reached ``max_completion_length`` without an EOS."""
 
@@ -38,6 +39,7 @@ class GRPOConfig(TaskSection):
     importance_sampling_level: Literal["token", "sequence"] = "token"
     scale_rewards: Literal["group", "batch", "none"] = "group"
     num_iterations: int = Field(1, ge=1)
+    use_bias_correction_kl: bool = True
     mask_truncated_completions: bool = False
     reward_funcs: list[str] = Field(default_factory=list)
     reward_weights: list[float] | None = None

@@ -14,7 +14,8 @@ A training batch (made by the experience stage, :mod:`functrain.tasks.grpo.rollo
 Per token, with ``logp`` the policy's log-prob of the token at ``temperature`` (TRL divides the logits by it):
 ``ratio = exp(logp - old_logp)`` (``importance_sampling_level: token``) or ``exp`` of the sequence's mean token
 log-ratio (``sequence``, GSPO); the token's loss is ``-min(ratio A, clip(ratio, 1 - epsilon, 1 + epsilon_high) A)``
-plus ``beta`` times the k3 estimator ``exp(ref - logp) - (ref - logp) - 1``. At ``num_iterations: 1`` the old
+plus ``beta`` times the k3 estimator ``exp(ref - logp) - (ref - logp) - 1`` (times the ratio with
+``use_bias_correction_kl``, TRL's default, also in the ``kl`` metric). At ``num_iterations: 1`` the old
 log-probs are the current ones outside the gradient, so the ratio is exactly 1 (TRL's rule). ``loss_type``:
 
 - ``grpo``: each sequence's mean over its tokens, then the mean over sequences (the weight: sequences);
@@ -54,6 +55,7 @@ class LossSettings:
     temperature: float = 1.0
     num_iterations: int = 1
     max_completion_length: int = 512
+    use_bias_correction_kl: bool = True
 
 
 def token_logps(logits: jax.Array, tokens: jax.Array, temperature: float) -> tuple[jax.Array, jax.Array]:
@@ -89,6 +91,8 @@ def grpo_sums(
     if ref_logps is not None:
         gap = ref_logps - logps
         kl = jnp.exp(gap) - gap - 1
+        if settings.use_bias_correction_kl:  # the ratio's gradient counts even where its value is exactly 1
+            kl = kl * ratio
         per_token = per_token + settings.beta * kl
     masked = (per_token * mask).sum(-1)
     rows = jnp.asarray(mask.shape[0], jnp.float32)
@@ -145,11 +149,20 @@ def grpo_program(pieces: ModelPieces, settings: LossSettings, host_metrics: tupl
     apply = model.apply if model is not None else pieces.apply
 
     def loss(train: bool) -> Callable:
-        def loss_fn(params: Any, model_state: Any, batch: dict[str, jax.Array], rng: jax.Array):
-            tokens = batch["tokens"]
+        def policy_logps(params: Any, model_state: Any, tokens: jax.Array, rng: jax.Array):
             output: Any
             output, new_state = apply(params, model_state, tokens[:, :-1], train, rng)
-            logps, entropies = token_logps(getattr(output, "logits", output), tokens, settings.temperature)
+            return token_logps(getattr(output, "logits", output), tokens, settings.temperature), new_state
+
+        # With a reference, the policy's forward is rematerialised (run again in the backward, nothing kept), so
+        # XLA compiles it as it compiles the reference's plain forward: at the start they are bitwise equal and the
+        # KL's gradient is exactly 0 (a last-bit difference gives tokens no other term reaches a gradient of 1e-9,
+        # which Adam's first step blows up to a full step). As preference's DPO does.
+        forward = jax.checkpoint(policy_logps) if model is not None else policy_logps
+
+        def loss_fn(params: Any, model_state: Any, batch: dict[str, jax.Array], rng: jax.Array):
+            tokens = batch["tokens"]
+            (logps, entropies), new_state = forward(params, model_state, tokens, rng)
             entropies = jax.lax.stop_gradient(entropies)
             if settings.num_iterations == 1:
                 old_logps = jax.lax.stop_gradient(logps)

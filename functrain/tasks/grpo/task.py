@@ -28,6 +28,7 @@ def loss_settings(section: GRPOConfig) -> LossSettings:
         temperature=section.temperature,
         num_iterations=section.num_iterations,
         max_completion_length=section.max_completion_length,
+        use_bias_correction_kl=section.use_bias_correction_kl,
     )
 
 
