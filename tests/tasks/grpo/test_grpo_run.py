@@ -139,3 +139,40 @@ def test_a_reward_of_the_wrong_length_or_nan_is_one_line(workspace, function, ex
     rewards = __import__("grpo_test_rewards")
     with pytest.raises(DataError, match=expected):
         scores([RewardFunction(function, getattr(rewards, function))], ["a", "b"], ["x", "y"], [[1], [2]], {}, 7)
+
+
+ONE_WEIGHT = {"grpo.reward_weights": None}  # one function: the weights of two do not apply
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    ({"grpo.num_generations": 1}, "config key 'grpo.num_generations': Input should be greater than or equal to 2"),
+    ({"data.global_batch_size": 6}, "data.global_batch_size=6 counts completions and is not divisible by "
+                                    "grpo.num_generations=4; set it to a multiple of 4"),
+    ({"grpo.reward_funcs": ["grpo_test_rewards:missing"], **ONE_WEIGHT}, "grpo.reward_funcs entry='grpo_test_rewards:missing' "
+                                                           "does not resolve"),
+    ({"grpo.reward_funcs": ["no_such_module:f"], **ONE_WEIGHT}, "cannot import 'no_such_module'"),
+    ({"grpo.reward_funcs": ["grpo_test_rewards:two_arguments"], **ONE_WEIGHT}, "the reward function "
+                                                                 "'grpo_test_rewards:two_arguments' cannot be called"),
+    ({"grpo.reward_funcs": [], **ONE_WEIGHT}, "task grpo needs at least one reward function"),
+    ({"grpo.reward_weights": [1.0]}, "grpo.reward_weights has 1 weights for 2 reward functions"),
+    ({"grpo.max_completion_length": 10}, "the longest prompt of prompts.jsonl (7 tokens) plus "
+                                         "grpo.max_completion_length=10 is 17 positions and the model has 16"),
+    ({"backend": "torch"}, "task grpo runs on backend jax; set backend=jax"),
+    ({"data.path": None}, "task grpo needs prompts; set data.path=PROMPTS.jsonl"),
+    ({"model.name": "mlp", "model.vocab_size": None, "model.max_len": None, "model.d_model": None,
+      "model.n_layers": None, "model.n_heads": None, "model.d_ff": None, "model.dropout": None},
+     "task grpo samples completions from a built-in causal LM"),
+    ({"train.steps_per_call": 2, "grpo.num_iterations": 4, "log.every_steps": 4, "checkpoint.every_steps": 4},
+     "train.steps_per_call=2 is not a multiple of grpo.num_iterations=4"),
+])
+def test_bad_input_is_one_line_exit_2_and_nothing_is_written(workspace, tmp_path, capsys, overrides, expected):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text("{}\n")  # an earlier run's record
+    settings = {key: value for key, value in {**config(workspace, run_dir), **overrides}.items() if value is not None}
+    path = tmp_path / "config.yaml"
+    path.write_text("{}")
+    assert main(["train", str(path), *[f"{key}={json.dumps(value)}" for key, value in settings.items()]]) == 2
+    err = capsys.readouterr().err.strip()
+    assert expected in err and "\n" not in err
+    assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.jsonl"]
