@@ -84,6 +84,9 @@ class JaxBackend:
         ``experience``: a task's stage that makes each step's training batch from the loader's with the current
         weights (:class:`functrain.tasks.base.ExperienceStage`), or None."""
         self.program, self.mesh, self.seed, self.experience = program, mesh, seed, experience
+        # An experience stage reads each step's results before the next step can start: a call has (all but) run
+        # when train_call returns, so the loop times it then, as a synchronous backend's.
+        self.synchronous = experience is not None
         self.process_index, self.process_count = jax.process_index(), jax.process_count()
         self.writes_checkpoints = True  # Orbax writes a checkpoint with every process
         self.devices = list(mesh.devices.flat)  # jax.devices(), or a TPU topology's when planning

@@ -2,7 +2,8 @@
 
 Panels against step: train and eval loss (log scale when it spans more than a decade), learning rate,
 gradient norm, throughput (tokens/s, else samples/s, else steps/s), and MFU, accuracy and a preference run's
-reward margin and accuracy (TRL's ``rewards/margins``, ``rewards/accuracies``) when a run logs them, and one
+reward margin and accuracy (TRL's ``rewards/margins``, ``rewards/accuracies``) and a GRPO run's mean reward and KL
+(``reward``, ``kl``) when a run logs them, and one
 panel per lm-eval score (``harness/<task>/<metric>``, see ``eval.harness_tasks``). Each run has one colour; a
 smoothed line (TensorBoard's debiased moving average) is drawn over the faint raw values. Steps whose update
 was skipped for a non-finite loss or gradient are red crosses; resumes (from ``events.jsonl``) are dotted
@@ -34,8 +35,10 @@ PANELS = [
     ("accuracy", "accuracy", "accuracy", True, True),
     ("reward margin", "rewards/margins", "rewards/margins", True, True),
     ("reward accuracy", "rewards/accuracies", "rewards/accuracies", True, True),
+    ("reward", "mean reward", "reward", False, True),
+    ("KL to the reference", "kl", "kl", False, True),
 ]
-# The first four panels; MFU, accuracy and the preference rewards only when some run logs them.
+# The first four panels; MFU, accuracy and the rewards only when some run logs them.
 ALWAYS_SHOWN = 4
 HARNESS = "harness"  # the split of lm-eval scores: a panel each
 

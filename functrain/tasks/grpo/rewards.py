@@ -6,7 +6,8 @@ completions' token ids (lists of ints, EOS included), and every other column of 
 value per completion. ``None`` marks a completion the function does not score (it is left out of that function's
 mean; a completion no function scores gets advantage 0, as in TRL).
 
-``grpo.reward_funcs`` entries are ``module:function`` import paths, or the built-ins: ``accuracy`` (1 when the
+``grpo.reward_funcs`` entries are ``module:function`` import paths, ``path/to/file.py:function`` (a file, relative to
+the working directory, loaded as a module), or the built-ins: ``accuracy`` (1 when the
 completion's final answer equals the row's ``answer`` column: the text of its last ``<answer>...</answer>``, else
 its last number, compared as numbers when both are numbers, else as stripped text) and ``format`` (1 when the whole
 completion matches ``grpo.format_pattern``, a regex matched with ``re.DOTALL``).
@@ -17,10 +18,12 @@ run with one line naming it (the run's last checkpoint is whole; fix the functio
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import math
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -102,16 +105,37 @@ def reward_functions(names: list[str], format_pattern: str, columns: set[str]) -
             function = accuracy
         elif name == "format":
             function = format_reward(format_pattern)
+        elif ".py:" in name:
+            function = _from_file(name)
         elif ":" in name:
             function = import_target(name, "grpo.reward_funcs entry")
         else:
             raise ConfigError(
                 f"grpo.reward_funcs entry {name!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}) nor a "
-                f"module:function path; fix it"
+                f"module:function or file.py:function path; fix it"
             )
         _check_signature(name, function, columns)
         functions.append(RewardFunction(getattr(function, "__name__", name), function))
     return functions
+
+
+def _from_file(name: str) -> Any:
+    """The function of a ``path/to/file.py:function`` entry (the file run as a module of its own name)."""
+    path, _, attribute = name.rpartition(":")
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"grpo.reward_funcs entry {name!r}: {path} is not a file; fix the path")
+    spec = importlib.util.spec_from_file_location(file.stem, file)
+    assert spec is not None and spec.loader is not None, "a .py file has a source loader"
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # noqa: BLE001 (user code: any failure is one line)
+        detail = " ".join(f"{type(exc).__name__}: {exc}".split())
+        raise ConfigError(f"grpo.reward_funcs entry {name!r}: {path} does not run ({detail}); fix it") from None
+    if not hasattr(module, attribute):
+        raise ConfigError(f"grpo.reward_funcs entry {name!r}: {path} has no {attribute!r}; fix the name")
+    return getattr(module, attribute)
 
 
 def _check_signature(name: str, function: Any, columns: set[str]) -> None:

@@ -3,6 +3,7 @@ bitwise resume (also with num_iterations 2), and reward functions that fail stop
 
 import json
 import textwrap
+from pathlib import Path
 
 import pytest
 import yaml
@@ -15,6 +16,7 @@ from functrain.errors import DataError
 from functrain.run.fit import fit
 from functrain.tasks.grpo.rewards import RewardFunction, scores
 
+REPO = Path(__file__).resolve().parents[3]
 WORDS = ["The ", "A list ", "To ", "If the ", "When ", "This ", "It ", "In "]
 REWARDS = '''
 def no_e(completions, **columns):
@@ -176,3 +178,15 @@ def test_bad_input_is_one_line_exit_2_and_nothing_is_written(workspace, tmp_path
     err = capsys.readouterr().err.strip()
     assert expected in err and "\n" not in err
     assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.jsonl"]
+
+
+def test_the_bundled_example_builds_and_its_rewards_score_lipograms(monkeypatch):
+    from functrain.run.config import load_config
+    from functrain.run.parts import build_parts
+    monkeypatch.chdir(REPO)
+    parts = build_parts(load_config("configs/grpo_char_gpt.yaml"))
+    assert parts.data.records_per_step == 8 and len(parts.data.train) == 400
+    no_e, real_words = (reward.function for reward in parts.task.rewards(parts.context, parts.data.train.prompts))
+    completions = ["it is a list of", "the value is", "zqx vvv kk jj"]
+    assert no_e(completions) == [1.0, 0.0, 1.0]
+    assert real_words(completions) == [1.0, 0.5, 0.0]
