@@ -61,6 +61,11 @@ class Prompts:
         names = sorted({name for index in indices for name in self.rows[index] if name != PROMPT})
         return {name: [self.rows[index].get(name) for index in indices] for name in names}
 
+    def text(self, index: int) -> str:
+        """Prompt ``index`` as the model reads it (a conversation rendered by the chat template)."""
+        ids = self.ids[index]
+        return decode_tokens(ids) if self.tokenizer is None else self.tokenizer.decode(ids.tolist())
+
     def decode(self, completion_ids: list[np.ndarray]) -> list[Any]:
         """The completions as TRL hands them to a reward function: text without special tokens, or for
         conversational prompts ``[{"role": "assistant", "content": text}]``."""

@@ -9,6 +9,10 @@ merged, scanned layers unrolled), so there is no second copy to keep in sync. Th
 (seed, ``s``): a batch is a pure function of (weights, data position, step), and a resumed run draws what an
 uninterrupted one drew.
 
+At every ``log.every_steps``-th step the stage appends the first prompt's completions, their rewards and advantages
+to ``RUN_DIR/samples.jsonl`` (``{"step", "index", "prompt", "text", "reward", "rewards", "advantage"}``; the run's
+summary prints the first).
+
 Each step the training forward also scores the drawn tokens; ``rollout/logprob_gap`` is the largest absolute
 difference from the sampler's log-probs (both at ``temperature``, before the top-k/top-p filters). With
 ``num_iterations`` above 1 those forward log-probs are the old policy's; the batch generated at a step whose
@@ -18,7 +22,9 @@ between are not used), and a run that resumes inside a generation samples anew.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -149,11 +155,55 @@ def logprob_gap(prompts: Prompts, completions: Completions, forward_logps: np.nd
     return float(max(gap.max() for gap in gaps))
 
 
-class Rollouts:
-    """The experience stage (:class:`functrain.tasks.base.ExperienceStage`) of a GRPO run."""
+SAMPLES_FILE = "samples.jsonl"  # functrain.run.samples.SAMPLES_FILE: the run's summary prints its newest
 
-    def __init__(self, sampler: Sampler, prompts: Prompts, rewards: list[RewardFunction], section: GRPOConfig) -> None:
+
+def sample_records(
+    step: int,
+    prompts: Prompts,
+    completions: Completions,
+    texts: list[Any],
+    table: np.ndarray,
+    names: list[str],
+    weights: np.ndarray,
+    advantages: np.ndarray,
+    rows: int,
+) -> list[dict[str, Any]]:
+    """The first ``rows`` completions of a generation as ``samples.jsonl`` records."""
+    records = []
+    for row in range(rows):
+        text = texts[row][-1]["content"] if isinstance(texts[row], list) else texts[row]
+        scored = {name: None if np.isnan(value) else float(value) for name, value in zip(names, table[row])}
+        reward = None if np.isnan(table[row]).all() else float(np.nansum(table[row] * weights))
+        prompt = prompts.text(int(completions.prompt_index[row]))
+        records.append(
+            {
+                "step": step,
+                "index": row,
+                "prompt": prompt,
+                "text": text,
+                "reward": reward,
+                "rewards": scored,
+                "advantage": float(advantages[row]),
+            }
+        )
+    return records
+
+
+class Rollouts:
+    """The experience stage (:class:`functrain.tasks.base.ExperienceStage`) of a GRPO run; ``samples``: the file
+    to append samples to and every how many steps (None: none written)."""
+
+    def __init__(
+        self,
+        sampler: Sampler,
+        prompts: Prompts,
+        rewards: list[RewardFunction],
+        section: GRPOConfig,
+        samples: tuple[Path, int] | None = None,
+    ) -> None:
         self.sampler, self.prompts, self.rewards, self.section = sampler, prompts, rewards, section
+        self.samples = samples
         self.weights = np.asarray(section.reward_weights or [1.0] * len(rewards), np.float32)
         self.metric_names = host_metric_names(rewards)
         self._generation: tuple[int, dict[str, np.ndarray]] | None = None  # (generation index, its batch)
@@ -171,15 +221,23 @@ class Rollouts:
         completions = draw(self.sampler, params, prompts, indices, key, section.num_generations, length)
         tokens, mask = training_rows(prompts, completions, length)
         forward_logps = np.asarray(jax.device_get(self.sampler.forward(params, tokens)))
+        texts = prompts.decode(completions.ids)
         table = scores(
             self.rewards,
             [prompts.rows[index]["prompt"] for index in completions.prompt_index],
-            prompts.decode(completions.ids),
+            texts,
             [ids.tolist() for ids in completions.ids],
             prompts.columns(completions.prompt_index),
             step,
         )
         advantages, is_std_zero = group_advantages(table, self.weights, section.num_generations, section.scale_rewards)
+        if self.samples is not None and (step + 1) % self.samples[1] == 0:
+            names = [f.name for f in self.rewards]
+            records = sample_records(
+                step + 1, prompts, completions, texts, table, names, self.weights, advantages, section.num_generations
+            )
+            with open(self.samples[0], "a") as file:
+                file.writelines(json.dumps(record) + "\n" for record in records)
         if section.mask_truncated_completions:
             mask = mask * ~completions.truncated[:, None]
         lengths = np.array([len(ids) for ids in completions.ids], np.float32)

@@ -135,12 +135,14 @@ class GRPO(Task):
 
     def experience(self, context: TaskContext, data: TaskData, pieces: ModelPieces) -> ExperienceStage:
         """The rollouts: G completions per prompt with the current weights, scored on the host."""
-        from functrain.tasks.grpo.rollout import Rollouts, Sampler
+        from functrain.tasks.grpo.rollout import SAMPLES_FILE, Rollouts, Sampler
 
         config, section = context.config, context.config.section(self.name)
         prompts = prompts_of(data)
         sampler = Sampler(config.model, pieces, section, config.train.compute_dtype)
-        return Rollouts(sampler, prompts, self.rewards(context, prompts), section)
+        every = config.log.every_steps
+        samples = (context.run_dir / SAMPLES_FILE, every) if every else None
+        return Rollouts(sampler, prompts, self.rewards(context, prompts), section, samples)
 
 
 def prompts_of(data: TaskData) -> Prompts:

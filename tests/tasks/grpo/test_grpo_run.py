@@ -88,6 +88,11 @@ def test_a_run_logs_trls_metrics_and_its_sampler_agrees_with_the_training_forwar
         assert line["clip_ratio/region_mean"] == 0.0  # num_iterations 1: the ratio is exactly 1
         assert 1 <= line["completions/min_length"] <= line["completions/mean_length"] <= 6
         assert 0.0 <= line["rewards/no_e/mean"] <= 1.0
+    samples = [json.loads(line) for line in (whole_run / "samples.jsonl").read_text().splitlines()]
+    assert [(s["step"], s["index"]) for s in samples] == [(step, i) for step in (2, 4) for i in range(4)]
+    first = samples[0]
+    assert first["prompt"] in WORDS and set(first["rewards"]) == {"no_e", "length"}
+    assert first["reward"] == pytest.approx(first["rewards"]["no_e"] + 0.5 * (first["rewards"]["length"] or 0))
     recorded = yaml.safe_load((whole_run / "config.yaml").read_text())
     assert recorded["task"] == "grpo" and recorded["grpo"]["num_generations"] == 4
 
