@@ -37,6 +37,8 @@ def nan(completions, **columns):
 def two_arguments(a, b):
     return []
 '''
+LLAMA = {"name": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 16, "lora": {"rank": 4}}
 TRL_METRICS = ("loss", "reward", "reward_std", "rewards/no_e/mean", "rewards/no_e/std", "rewards/length/mean",
                "rewards/length/std", "frac_reward_zero_std", "completions/mean_length", "completions/min_length",
                "completions/max_length", "completions/clipped_ratio", "entropy", "clip_ratio/low_mean",
@@ -110,11 +112,18 @@ def test_a_cut_run_resumes_bitwise(workspace, whole_run, tmp_path):
     _same_training(tmp_path / "cut", whole_run)
 
 
-def test_a_cut_run_resumes_bitwise_with_two_updates_per_generation_and_a_reference(workspace, tmp_path):
+def test_a_cut_run_resumes_bitwise_with_two_updates_per_generation_and_lora_as_the_reference(workspace, tmp_path):
+    # LoRA: the sampler merges the adapters, the reference is the base (adapters off), checkpoints hold adapters.
     options = {"grpo.num_iterations": 2, "grpo.beta": 0.05}
-    fit({}, **config(workspace, tmp_path / "whole", **options))
-    fit({}, **config(workspace, tmp_path / "cut", **options, **{"train.max_steps": 2}))
-    fit({}, **config(workspace, tmp_path / "cut", **options))
+
+    def llama_config(run_dir, **more):
+        settings = config(workspace, run_dir, **options, **more)
+        return {**{k: v for k, v in settings.items() if not k.startswith("model.")},
+                **{f"model.{k}": v for k, v in LLAMA.items()}}
+
+    fit({}, **llama_config(tmp_path / "whole"))
+    fit({}, **llama_config(tmp_path / "cut", **{"train.max_steps": 2}))
+    fit({}, **llama_config(tmp_path / "cut"))
     _same_training(tmp_path / "cut", tmp_path / "whole")
     last = train_lines(tmp_path / "whole")[-1]
     assert last["kl"] > 0  # the second update of a generation moves away from the weights that drew it
