@@ -38,6 +38,7 @@ import jax.numpy as jnp
 
 from functrain.core.program import ModelPieces, Program
 from functrain.tasks.reference import with_reference
+from functrain.tasks.sampling import token_logps
 
 # Loss types whose weight (what the step divides by) is the completion tokens; the others divide by sequences.
 TOKEN_WEIGHTED = ("bnpo", "dapo")
@@ -56,15 +57,6 @@ class LossSettings:
     num_iterations: int = 1
     max_completion_length: int = 512
     use_bias_correction_kl: bool = True
-
-
-def token_logps(logits: jax.Array, tokens: jax.Array, temperature: float) -> tuple[jax.Array, jax.Array]:
-    """``(log-probs, entropies)`` ``[B, L-1]`` at ``temperature``: ``logits`` ``[B, L-1, V]`` of ``tokens[:, :-1]``;
-    position ``t`` scores token ``t + 1`` and holds the entropy of the distribution it was drawn from."""
-    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
-    picked = jnp.take_along_axis(log_probs, tokens[:, 1:, None], axis=-1)[..., 0]
-    entropies = -(jnp.exp(log_probs) * log_probs).sum(-1)
-    return picked, entropies
 
 
 def grpo_sums(

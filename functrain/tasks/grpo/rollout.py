@@ -1,11 +1,9 @@
 """GRPO's experience stage: the loader's prompts -> G completions each, sampled with the current weights, scored on
 the host, as a training batch (:mod:`functrain.tasks.grpo.loss` describes its fields).
 
-Sampling runs in-process on the model being trained, through the KV-cache decoder
-(:func:`functrain.text.decode.generate_ragged`: prompts of any length in one batch, without a padding mask),
-compiled once for the run's shapes (every batch holds ``global_batch_size`` rows of the file's longest prompt
-plus ``max_completion_length``). The weights are the step's own (cast to ``train.compute_dtype``, LoRA adapters
-merged, scanned layers unrolled), so there is no second copy to keep in sync. The key of step ``s`` derives from
+Sampling runs in-process on the model being trained (:class:`functrain.tasks.sampling.Sampler`: the KV-cache
+decoder on the step's own weights), compiled once for the run's shapes (every batch holds ``global_batch_size``
+rows of the file's longest prompt plus ``max_completion_length``). The key of step ``s`` derives from
 (seed, ``s``): a batch is a pure function of (weights, data position, step), and a resumed run draws what an
 uninterrupted one drew.
 
@@ -30,18 +28,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from functrain.core.precision import COMPUTE_DTYPES, cast_floating
-from functrain.core.program import ModelPieces
-from functrain.models import build_model
-from functrain.models.lora import merged_for_inference
-from functrain.models.options import for_sampling
-from functrain.models.stacking import unstack_layers
 from functrain.tasks.grpo.advantages import group_advantages, reward_metrics
 from functrain.tasks.grpo.config import GRPOConfig
-from functrain.tasks.grpo.loss import token_logps
 from functrain.tasks.grpo.prompts import Prompts
 from functrain.tasks.grpo.rewards import RewardFunction, scores
-from functrain.text.decode import generate_ragged
+from functrain.tasks.sampling import Sampler
 
 
 def host_metric_names(functions: list[RewardFunction]) -> tuple[str, ...]:
@@ -70,40 +61,6 @@ class Completions:
     ids: list[np.ndarray]
     truncated: np.ndarray
     sampler_logps: list[np.ndarray]
-
-
-class Sampler:
-    """The compiled sampler and training forward of one run (see the module docstring)."""
-
-    def __init__(self, model_config: Any, pieces: ModelPieces, section: GRPOConfig, compute_dtype: str) -> None:
-        self.dtype = COMPUTE_DTYPES[compute_dtype]
-        sampling_model = build_model(for_sampling(model_config), self.dtype)
-        top_k = section.top_k or None  # TRL: 0 keeps every token
-        top_p = section.top_p if section.top_p < 1.0 else None
-        temperature = section.temperature
-
-        def sample(params, prompts, lengths, key, prefill):
-            weights = unstack_layers(merged_for_inference(cast_floating(params, self.dtype), model_config))
-            return generate_ragged(
-                sampling_model,
-                weights,
-                prompts,
-                lengths,
-                key,
-                prefill=prefill,
-                max_new_tokens=section.max_completion_length,
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-            )
-
-        def forward(params, tokens):
-            weights = cast_floating(params, self.dtype)
-            output: Any = pieces.apply(weights, {}, tokens[:, :-1], False, jax.random.PRNGKey(0))[0]
-            return token_logps(getattr(output, "logits", output), tokens, temperature)[0]
-
-        self.sample = jax.jit(sample, static_argnames="prefill")
-        self.forward = jax.jit(forward)
 
 
 def draw(

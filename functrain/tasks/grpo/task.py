@@ -135,11 +135,20 @@ class GRPO(Task):
 
     def experience(self, context: TaskContext, data: TaskData, pieces: ModelPieces) -> ExperienceStage:
         """The rollouts: G completions per prompt with the current weights, scored on the host."""
-        from functrain.tasks.grpo.rollout import SAMPLES_FILE, Rollouts, Sampler
+        from functrain.tasks.grpo.rollout import SAMPLES_FILE, Rollouts
+        from functrain.tasks.sampling import Sampler
 
         config, section = context.config, context.config.section(self.name)
         prompts = prompts_of(data)
-        sampler = Sampler(config.model, pieces, section, config.train.compute_dtype)
+        sampler = Sampler(
+            config.model,
+            pieces,
+            config.train.compute_dtype,
+            max_new_tokens=section.max_completion_length,
+            temperature=section.temperature,
+            top_k=section.top_k or None,  # TRL: 0 keeps every token
+            top_p=section.top_p if section.top_p < 1.0 else None,
+        )
         every = config.log.every_steps
         samples = (context.run_dir / SAMPLES_FILE, every) if every else None
         return Rollouts(sampler, prompts, self.rewards(context, prompts), section, samples)

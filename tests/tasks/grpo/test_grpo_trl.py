@@ -26,7 +26,8 @@ from functrain.commands.cli import main
 from functrain.models import build_model, model_config_class
 from functrain.tasks.grpo import rollout
 from functrain.tasks.grpo.advantages import group_advantages
-from functrain.tasks.grpo.loss import LossSettings, grpo_sums, token_logps
+from functrain.tasks.grpo.loss import LossSettings, grpo_sums
+from functrain.tasks.sampling import token_logps
 from functrain.tasks.grpo.prompts import read_prompts
 
 # Prompts of one length (TRL left-pads prompts, and a row's own positions must not move). Every token the inputs
