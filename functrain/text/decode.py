@@ -142,14 +142,15 @@ def generate_ragged(
     """Prompts of several lengths in one batch, without a padding mask: ``prompts`` [B, W] is right-padded,
     row ``b`` holds ``lengths[b] >= prefill`` tokens. The first ``prefill`` positions are fed at once, then one
     position per step for every row: a row's own prompt token while it lasts (forced), its picked token after.
-    Every row attends only to real tokens, so each gets what it would get alone. Returns the token at each
-    position ``prefill .. W + max_new_tokens - 1`` [B, W + max_new_tokens - prefill] and its log-prob under the
-    model's distribution at ``temperature`` (before the top-k/top-p filters: the log-prob a training forward
-    computes; meaningful where the token was picked, not forced)."""
+    Every row attends only to real tokens, so each gets what it would get alone; the last token is returned, never
+    fed back (the model sees ``W + max_new_tokens - 1`` positions). Returns the token at each position
+    ``prefill .. W + max_new_tokens - 1`` [B, W + max_new_tokens - prefill] and its log-prob under the model's
+    distribution at ``temperature`` (before the top-k/top-p filters: the log-prob a training forward computes;
+    meaningful where the token was picked, not forced)."""
     batch, width = prompts.shape
     total = width + max_new_tokens
     shapes = jax.eval_shape(
-        lambda: model.apply({"params": params}, jnp.zeros((batch, total), jnp.int32), mutable=["cache"])[1]["cache"]
+        lambda: model.apply({"params": params}, jnp.zeros((batch, total - 1), jnp.int32), mutable=["cache"])[1]["cache"]
     )
 
     def feed(cache: Any, tokens: jax.Array) -> tuple[jax.Array, Any]:
@@ -159,20 +160,24 @@ def generate_ragged(
     forced = jnp.pad(prompts, ((0, 0), (0, max_new_tokens)))
     scale = temperature if temperature > 0 else 1.0
 
+    def pick(logits: jax.Array, position: jax.Array | int) -> tuple[jax.Array, jax.Array]:
+        picked = _pick(logits, jax.random.fold_in(key, position), temperature, top_k, top_p)
+        token = jnp.where(position < lengths, forced[:, position], picked)
+        log_probs = jax.nn.log_softmax(logits.astype(jnp.float32) / scale, axis=-1)
+        return token, jnp.take_along_axis(log_probs, token[:, None], axis=-1)[:, 0]
+
     def one_position(
         carry: tuple[Any, jax.Array], position: jax.Array
     ) -> tuple[tuple[Any, jax.Array], tuple[jax.Array, jax.Array]]:
         cache, logits = carry
-        picked = _pick(logits, jax.random.fold_in(key, position), temperature, top_k, top_p)
-        token = jnp.where(position < lengths, forced[:, position], picked)
-        log_probs = jax.nn.log_softmax(logits.astype(jnp.float32) / scale, axis=-1)
-        logp = jnp.take_along_axis(log_probs, token[:, None], axis=-1)[:, 0]
+        token, logp = pick(logits, position)
         logits, cache = feed(cache, token[:, None])
         return (cache, logits), (token, logp)
 
     logits, cache = feed(zeros_like_shapes(shapes), prompts[:, :prefill])
-    _, (tokens, logps) = jax.lax.scan(one_position, (cache, logits), jnp.arange(prefill, total))
-    return tokens.T, logps.T
+    (_, logits), (tokens, logps) = jax.lax.scan(one_position, (cache, logits), jnp.arange(prefill, total - 1))
+    last, last_logp = pick(logits, total - 1)
+    return jnp.concatenate([tokens.T, last[:, None]], 1), jnp.concatenate([logps.T, last_logp[:, None]], 1)
 
 
 def _power_of_two_at_most(value: int) -> int:

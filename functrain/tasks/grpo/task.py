@@ -109,14 +109,16 @@ class GRPO(Task):
 
     @staticmethod
     def check_positions(config: Any, section: GRPOConfig, prompts: Prompts) -> None:
-        """The longest prompt plus ``max_completion_length`` must fit in the model's positions."""
+        """The longest prompt and its completion, but the last token (never fed back), must fit in the model's
+        positions."""
         limit = config.model.max_positions()
-        needed = prompts.longest + section.max_completion_length
+        needed = prompts.longest + section.max_completion_length - 1
         if limit is not None and needed > limit:
             raise ConfigError(
-                f"the longest prompt of {prompts.path} ({prompts.longest} tokens) plus "
-                f"grpo.max_completion_length={section.max_completion_length} is {needed} positions and the model "
-                f"has {limit}; lower grpo.max_completion_length, shorten the prompts or use a longer context"
+                f"the longest prompt of {prompts.path} ({prompts.longest} tokens) and "
+                f"grpo.max_completion_length={section.max_completion_length} tokens need {needed} positions (the "
+                f"last token is never fed back) and the model has {limit}; lower grpo.max_completion_length, "
+                f"shorten the prompts or use a longer context"
             )
 
     def model_inputs(self, context: TaskContext, data: TaskData, example_batch: dict[str, np.ndarray]) -> Any:

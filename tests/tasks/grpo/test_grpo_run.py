@@ -171,8 +171,8 @@ ONE_WEIGHT = {"grpo.reward_weights": None}  # one function: the weights of two d
                                                                  "'grpo_test_rewards:two_arguments' cannot be called"),
     ({"grpo.reward_funcs": [], **ONE_WEIGHT}, "task grpo needs at least one reward function"),
     ({"grpo.reward_weights": [1.0]}, "grpo.reward_weights has 1 weights for 2 reward functions"),
-    ({"grpo.max_completion_length": 10}, "the longest prompt of prompts.jsonl (7 tokens) plus "
-                                         "grpo.max_completion_length=10 is 17 positions and the model has 16"),
+    ({"grpo.max_completion_length": 11}, "the longest prompt of prompts.jsonl (7 tokens) and "
+                                         "grpo.max_completion_length=11 tokens need 17 positions"),
     ({"backend": "torch"}, "task grpo runs on backend jax; set backend=jax"),
     ({"data.path": None}, "task grpo needs prompts; set data.path=PROMPTS.jsonl"),
     ({"model.name": "mlp", "model.vocab_size": None, "model.max_len": None, "model.d_model": None,
