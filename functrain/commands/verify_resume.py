@@ -37,6 +37,9 @@ COMPARED = (
     "rewards/accuracies",
     "logps/chosen",
     "logps/rejected",
+    "reward",
+    "kl",
+    "completions/mean_length",
 )
 
 

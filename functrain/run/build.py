@@ -246,12 +246,6 @@ def backend_of(
 ) -> tuple[Backend, ModelPieces | None]:
     """The backend the config names, built from the parts, and the model's pieces its program runs (None: the
     torch twin, which runs modules)."""
-    experience = parts.task.experience(parts.context)
-    if experience is not None and jax.process_count() > 1:
-        raise ConfigError(
-            f"task {parts.task.name} makes its batches with an experience stage, which runs on one "
-            f"process for now; run it on one host"
-        )
     if config.backend == "torch":
         return torch_backend(
             config,
@@ -263,6 +257,12 @@ def backend_of(
             optimizer=parts.optimizer,
         ), None
     program, pieces = task_program(config, parts, example_batch)
+    experience = parts.task.experience(parts.context, parts.data, pieces)
+    if experience is not None and jax.process_count() > 1:
+        raise ConfigError(
+            f"task {parts.task.name} makes its batches with an experience stage, which runs on one "
+            f"process for now; run it on one host"
+        )
     return jax_backend(
         config, program, max_steps, optimizer=parts.optimizer, devices=devices, experience=experience
     ), pieces
@@ -274,9 +274,8 @@ def backend_of(
 def _order(config: Config, parts: Parts) -> tuple[Order, int, dict[str, np.ndarray]]:
     """The training data's order, the run's length and its first batch (whose shapes the step is built for)."""
     data, task_data = config.data, parts.data
-    sampler = order_for(
-        task_data.train, data.global_batch_size, data_seed(config), shuffle=data.shuffle, last_batch=data.last_batch
-    )
+    records = task_data.records_per_step or data.global_batch_size
+    sampler = order_for(task_data.train, records, data_seed(config), shuffle=data.shuffle, last_batch=data.last_batch)
     example_batch, _ = loader_for(task_data.train, sampler, prefetch=0, transform=task_data.transform).host_batch(0)
     if task_data.example_fields is not None:
         example_batch = task_data.example_fields(example_batch)

@@ -77,13 +77,16 @@ class JaxBackend:
         allow_replicated_fallback: bool = False,
         step: StepSettings = StepSettings(),
         seed: int = 0,
-        experience: Callable[[Any, dict[str, Any], jax.Array], dict[str, Any]] | None = None,
+        experience: Callable[[Any, dict[str, Any], jax.Array, int], dict[str, Any]] | None = None,
     ) -> None:
         """``schedule`` is reported as the ``learning_rate`` metric (None: not reported); ``rules`` map logical
         axes to mesh axes and ``param_rules`` parameter paths to specs (:mod:`functrain.parallel.sharding`);
         ``experience``: a task's stage that makes each step's training batch from the loader's with the current
         weights (:class:`functrain.tasks.base.ExperienceStage`), or None."""
         self.program, self.mesh, self.seed, self.experience = program, mesh, seed, experience
+        # An experience stage reads each step's results before the next step can start: a call has (all but) run
+        # when train_call returns, so the loop times it then, as a synchronous backend's.
+        self.synchronous = experience is not None
         self.process_index, self.process_count = jax.process_index(), jax.process_count()
         self.writes_checkpoints = True  # Orbax writes a checkpoint with every process
         self.devices = list(mesh.devices.flat)  # jax.devices(), or a TPU topology's when planning
@@ -224,7 +227,7 @@ class JaxBackend:
 
     def _experience_steps(
         self,
-        experience: Callable[[Any, dict[str, Any], jax.Array], dict[str, Any]],
+        experience: Callable[[Any, dict[str, Any], jax.Array, int], dict[str, Any]],
         state: TrainState,
         batches: dict[str, Any],
     ) -> tuple[TrainState, dict]:
@@ -236,7 +239,10 @@ class JaxBackend:
         per_step = []
         for k in range(len(next(iter(batches.values())))):
             batch = experience(
-                state.params, {name: value[k] for name, value in batches.items()}, jax.random.fold_in(stream, step + k)
+                state.params,
+                {name: value[k] for name, value in batches.items()},
+                jax.random.fold_in(stream, step + k),
+                step + k,
             )
             state, metrics = self._train_call(state, {name: jnp.asarray(value)[None] for name, value in batch.items()})
             per_step.append(metrics)

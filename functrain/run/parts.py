@@ -12,7 +12,6 @@ task's data and program, the backend and the rest of the run from these.
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ import optax
 
 from functrain.core.optim import OptimizerSettings, ScheduleSettings, named_optimizer
 from functrain.core.program import ModelPieces, Program, model_pieces
+from functrain.core.targets import import_target
 from functrain.data import ConcatSource, Mixture, Source, Stream, as_data, as_source
 from functrain.data.datasets import load_dataset, open_source, token_store
 from functrain.data.stream import is_stream
@@ -129,24 +129,6 @@ def describe_object(obj: Any) -> str:
         obj = obj[0]
     named = obj if inspect.isfunction(obj) or isinstance(obj, type) else type(obj)
     return f"{named.__module__}.{named.__qualname__}"
-
-
-def import_target(path: str, what: str) -> Any:
-    """The object at ``"package.module:attribute"``; a path that does not resolve is a ConfigError naming it."""
-    module_name, _, attribute = path.partition(":")
-    fix = "fix the import path (package.module:attribute, importable from the working directory or PYTHONPATH)"
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"{what}={path!r} does not resolve: cannot import {module_name!r} ({exc}); {fix}") from None
-    obj = module
-    for part in attribute.split("."):
-        if not hasattr(obj, part):
-            raise ConfigError(
-                f"{what}={path!r} does not resolve: {module_name!r} has no attribute {attribute!r}; {fix}"
-            )
-        obj = getattr(obj, part)
-    return obj
 
 
 def call_target(path: str, kwargs: dict[str, Any], what: str) -> Any:

@@ -2,8 +2,9 @@
 
 Panels against step: train and eval loss (log scale when it spans more than a decade), learning rate,
 gradient norm, throughput (tokens/s, else samples/s, else steps/s), and MFU, accuracy, a preference run's
-reward margin and accuracy (TRL's ``rewards/margins``, ``rewards/accuracies``) and a mixture of experts' router
-losses and dropped fraction (``moe/aux_loss``, ``moe/z_loss``, ``moe/dropped_fraction``) when a run logs them, and one
+reward margin and accuracy (TRL's ``rewards/margins``, ``rewards/accuracies``), a GRPO run's mean reward and KL
+(``reward``, ``kl``) and a mixture of experts' router losses and dropped fraction (``moe/aux_loss``, ``moe/z_loss``,
+``moe/dropped_fraction``) when a run logs them, and one
 panel per lm-eval score (``harness/<task>/<metric>``, see ``eval.harness_tasks``). Each run has one colour; a
 smoothed line (TensorBoard's debiased moving average) is drawn over the faint raw values. Steps whose update
 was skipped for a non-finite loss or gradient are red crosses; resumes (from ``events.jsonl``) are dotted
@@ -36,12 +37,14 @@ PANELS = [
     ("accuracy", "accuracy", "accuracy", True, True),
     ("reward margin", "rewards/margins", "rewards/margins", True, True),
     ("reward accuracy", "rewards/accuracies", "rewards/accuracies", True, True),
+    ("reward", "mean reward", "reward", False, True),
+    ("KL to the reference", "kl", "kl", False, True),
     ("router balancing loss", "moe/aux_loss", "moe/aux_loss", True, True),
     ("router z-loss", "moe/z_loss", "moe/z_loss", True, True),
     ("dropped selections", "moe/dropped_fraction", "moe/dropped_fraction", True, True),
 ]
-# The first four panels; MFU, accuracy, the preference rewards and a mixture of experts' router losses only when
-# some run logs them.
+# The first four panels; MFU, accuracy, the rewards and a mixture of experts' router losses only when some run logs
+# them.
 ALWAYS_SHOWN = 4
 HARNESS = "harness"  # the split of lm-eval scores: a panel each
 

@@ -22,11 +22,13 @@ TASK_MODULES = {
     "causal_lm": "functrain.tasks.supervised.task",
     "preference": "functrain.tasks.preference.task",
     "distill": "functrain.tasks.distill.task",
+    "grpo": "functrain.tasks.grpo.task",
 }
 # name -> the module whose ``SECTION`` is the task's config section (tasks with settings only).
 SECTION_MODULES = {
     "preference": "functrain.tasks.preference.config",
     "distill": "functrain.tasks.distill.config",
+    "grpo": "functrain.tasks.grpo.config",
 }
 # What a config naming no task trains (the data's fields decide between a classifier and a causal LM).
 SUPERVISED = "supervised"

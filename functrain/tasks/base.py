@@ -78,6 +78,8 @@ class TaskData:
         ``example_fields(batch) -> batch`` adds them to a host batch; None: none.
       loader_train, loader_eval: what the loaders read when it is not ``train`` / ``eval`` themselves (the same
         records with fields a start hook fills in); None: the sources.
+      records_per_step: the records one step reads when they are not ``data.global_batch_size`` (GRPO: the
+        prompts, each sampled ``num_generations`` times by the experience stage); None: the global batch.
     """
 
     train: Source | Stream
@@ -90,6 +92,7 @@ class TaskData:
     example_fields: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None
     loader_train: Source | None = None
     loader_eval: Source | None = None
+    records_per_step: int | None = None
 
 
 class StartHook(Protocol):
@@ -103,11 +106,12 @@ class StartHook(Protocol):
 
 class ExperienceStage(Protocol):
     """Turns the data's batch into the training batch with the current weights, between the loader and the step
-    (rollouts: sample completions with the policy, score them on the host): ``stage(params, batch, key) ->
-    batch``. ``key`` derives from the run's seed and the step, so an experience batch is a pure function of
-    (weights, data position, step) and a resumed run stays bitwise equal to one that never stopped."""
+    (rollouts: sample completions with the policy, score them on the host): ``stage(params, batch, key, step) ->
+    batch``. ``key`` derives from the run's seed and ``step`` (the step the batch trains), so an experience batch
+    is a pure function of (weights, data position, step) and a resumed run stays bitwise equal to one that never
+    stopped."""
 
-    def __call__(self, params: Any, batch: dict[str, Any], key: Any) -> dict[str, Any]: ...
+    def __call__(self, params: Any, batch: dict[str, Any], key: Any, step: int) -> dict[str, Any]: ...
 
 
 class Task:
@@ -138,9 +142,9 @@ class Task:
         """Hooks run once the start is decided (default: none); ``pieces``: the model's, as the program has them."""
         return []
 
-    def experience(self, context: TaskContext) -> ExperienceStage | None:
+    def experience(self, context: TaskContext, data: TaskData, pieces: ModelPieces) -> ExperienceStage | None:
         """The stage that makes training batches with the current weights (default: none; the loader's batch is
-        the training batch)."""
+        the training batch); ``pieces``: the model's, as the program has them."""
         return None
 
     def check(self, context: TaskContext) -> None:

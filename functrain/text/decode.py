@@ -49,14 +49,24 @@ class Sampling:
             raise ConfigError(f"--temperature {self.temperature} must be 0 (greedy) or more")
 
 
-def _pick(logits: jax.Array, key: jax.Array, temperature: float, top_k: int | None) -> jax.Array:
-    """The next token ids [B] from the last position's logits [B, vocab]."""
+def _pick(
+    logits: jax.Array, key: jax.Array, temperature: float, top_k: int | None, top_p: float | None = None
+) -> jax.Array:
+    """The next token ids [B] from the last position's logits [B, vocab]: greedy at temperature 0, else drawn at
+    ``temperature`` from the ``top_k`` most likely tokens, then from the fewest most likely whose probabilities
+    reach ``top_p`` (HF's order of the warpers; None: no filter)."""
     if temperature == 0.0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth_largest = jax.lax.top_k(logits, top_k)[0][..., -1:]
         logits = jnp.where(logits < kth_largest, -jnp.inf, logits)
+    if top_p is not None and top_p < 1.0:
+        descending = jnp.sort(logits, axis=-1)[..., ::-1]
+        probs = jax.nn.softmax(descending, axis=-1)
+        kept = (jnp.cumsum(probs, axis=-1) - probs < top_p).sum(-1, keepdims=True)  # at least the most likely
+        smallest_kept = jnp.take_along_axis(descending, kept - 1, axis=-1)
+        logits = jnp.where(logits < smallest_kept, -jnp.inf, logits)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
@@ -117,7 +127,7 @@ def _generate_uncached(
     return jax.lax.fori_loop(0, max_new_tokens, one_token, tokens)[:, prompt_len:]
 
 
-def _generate_ragged(
+def generate_ragged(
     model: Any,
     params: Any,
     prompts: jax.Array,
@@ -128,16 +138,20 @@ def _generate_ragged(
     max_new_tokens: int,
     temperature: float,
     top_k: int | None,
-) -> jax.Array:
+    top_p: float | None = None,
+) -> tuple[jax.Array, jax.Array]:
     """Prompts of several lengths in one batch, without a padding mask: ``prompts`` [B, W] is right-padded,
     row ``b`` holds ``lengths[b] >= prefill`` tokens. The first ``prefill`` positions are fed at once, then one
     position per step for every row: a row's own prompt token while it lasts (forced), its picked token after.
-    Every row attends only to real tokens, so each gets what it would get alone. Returns the token at each
-    position ``prefill .. W + max_new_tokens - 1`` [B, W + max_new_tokens - prefill]."""
+    Every row attends only to real tokens, so each gets what it would get alone; the last token is returned, never
+    fed back (the model sees ``W + max_new_tokens - 1`` positions). Returns the token at each position
+    ``prefill .. W + max_new_tokens - 1`` [B, W + max_new_tokens - prefill] and its log-prob under the model's
+    distribution at ``temperature`` (before the top-k/top-p filters: the log-prob a training forward computes;
+    meaningful where the token was picked, not forced)."""
     batch, width = prompts.shape
     total = width + max_new_tokens
     shapes = jax.eval_shape(
-        lambda: model.apply({"params": params}, jnp.zeros((batch, total), jnp.int32), mutable=["cache"])[1]["cache"]
+        lambda: model.apply({"params": params}, jnp.zeros((batch, total - 1), jnp.int32), mutable=["cache"])[1]["cache"]
     )
 
     def feed(cache: Any, tokens: jax.Array) -> tuple[jax.Array, Any]:
@@ -145,17 +159,26 @@ def _generate_ragged(
         return logits_of(output)[:, -1], updated["cache"]
 
     forced = jnp.pad(prompts, ((0, 0), (0, max_new_tokens)))
+    scale = temperature if temperature > 0 else 1.0
 
-    def one_position(carry: tuple[Any, jax.Array], position: jax.Array) -> tuple[tuple[Any, jax.Array], jax.Array]:
-        cache, logits = carry
-        picked = _pick(logits, jax.random.fold_in(key, position), temperature, top_k)
+    def pick(logits: jax.Array, position: jax.Array | int) -> tuple[jax.Array, jax.Array]:
+        picked = _pick(logits, jax.random.fold_in(key, position), temperature, top_k, top_p)
         token = jnp.where(position < lengths, forced[:, position], picked)
+        log_probs = jax.nn.log_softmax(logits.astype(jnp.float32) / scale, axis=-1)
+        return token, jnp.take_along_axis(log_probs, token[:, None], axis=-1)[:, 0]
+
+    def one_position(
+        carry: tuple[Any, jax.Array], position: jax.Array
+    ) -> tuple[tuple[Any, jax.Array], tuple[jax.Array, jax.Array]]:
+        cache, logits = carry
+        token, logp = pick(logits, position)
         logits, cache = feed(cache, token[:, None])
-        return (cache, logits), token
+        return (cache, logits), (token, logp)
 
     logits, cache = feed(zeros_like_shapes(shapes), prompts[:, :prefill])
-    _, tokens = jax.lax.scan(one_position, (cache, logits), jnp.arange(prefill, total))
-    return tokens.T
+    (_, logits), (tokens, logps) = jax.lax.scan(one_position, (cache, logits), jnp.arange(prefill, total - 1))
+    last, last_logp = pick(logits, total - 1)
+    return jnp.concatenate([tokens.T, last[:, None]], 1), jnp.concatenate([logps.T, last_logp[:, None]], 1)
 
 
 def _power_of_two_at_most(value: int) -> int:
@@ -174,7 +197,7 @@ class Generator:
             True: jax.jit(partial(_generate_cached, model), static_argnames=_STATIC),
             False: jax.jit(partial(_generate_uncached, model), static_argnames=_STATIC),
         }
-        self._ragged = jax.jit(partial(_generate_ragged, model), static_argnames=("prefill", *_STATIC))
+        self._ragged = jax.jit(partial(generate_ragged, model), static_argnames=("prefill", *_STATIC))
 
     def __call__(self, params: Any, prompt_ids: np.ndarray, sampling: Sampling, use_cache: bool = True) -> np.ndarray:
         """New token ids ``[B, max_new_tokens]`` continuing ``prompt_ids`` ``[B, P]``."""
@@ -227,7 +250,7 @@ class Generator:
                 max_new_tokens=sampling.max_new_tokens,
                 temperature=float(sampling.temperature),
                 top_k=sampling.top_k,
-            )
+            )[0]
         )
         return [
             out[row, length - prefill : length - prefill + sampling.max_new_tokens]

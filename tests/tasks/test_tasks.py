@@ -141,8 +141,8 @@ class PseudoLabels(Supervised):
         self.name = "pseudo_labels"
         self.keys = []
 
-    def experience(self, context):
-        def stage(params, batch, key):
+    def experience(self, context, data, pieces):
+        def stage(params, batch, key, step):
             self.keys.append(np.asarray(key).tobytes())
             predicted = jnp.argmax(context.model.apply({"params": params}, batch["x"]), -1)
             relabel = jax.random.bernoulli(key, 0.5, batch["y"].shape)

@@ -16,7 +16,10 @@ class DistillConfig(TaskSection):
     ``loss``: ``forward_kl`` (KL(teacher || student)), ``reverse_kl`` (KL(student || teacher)) or ``jsd`` (TRL's
     generalized Jensen-Shannon divergence, ``beta`` the teacher's weight in the mixture; 0 and 1 are forward and
     reverse KL). ``temperature`` divides both models' logits in the divergence. ``alpha`` is the weight of the
-    divergence; ``1 - alpha`` that of the student's hard-label cross-entropy."""
+    divergence; ``1 - alpha`` that of the student's hard-label cross-entropy.
+    ``lmbda``: GKD's share of on-policy steps (TRL's name): a step is on-policy with this probability, drawn from
+    the run's seed and the step, and then the last ``max_new_tokens`` tokens of each window are the student's own
+    continuation of the tokens before it, sampled at ``temperature`` (0: the data's text only)."""
 
     teacher: str | None = None
     teacher_step: int | None = Field(None, ge=0)
@@ -24,6 +27,8 @@ class DistillConfig(TaskSection):
     beta: float = Field(0.5, ge=0.0, le=1.0)
     temperature: float = Field(1.0, gt=0.0)
     alpha: float = Field(0.5, ge=0.0, le=1.0)
+    lmbda: float = Field(0.0, ge=0.0, le=1.0)
+    max_new_tokens: int = Field(16, ge=1)
 
 
 SECTION = DistillConfig

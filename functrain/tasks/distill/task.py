@@ -30,7 +30,7 @@ from functrain.core.model_terms import add_model_terms
 from functrain.core.precision import COMPUTE_DTYPES
 from functrain.core.program import ModelPieces, Program, check_logits, logits_of, model_pieces, program_on
 from functrain.errors import CheckpointError, ConfigError
-from functrain.tasks.base import StartHook, Task, TaskContext, TaskData
+from functrain.tasks.base import ExperienceStage, StartHook, Task, TaskContext, TaskData
 from functrain.tasks.distill.config import DistillConfig
 from functrain.tasks.distill.loss import distill_sums
 from functrain.tasks.distill.teacher import Teacher, check_teacher, open_teacher
@@ -92,6 +92,30 @@ class Distill(Task):
     def start_hooks(self, context: TaskContext, data: TaskData, pieces: ModelPieces) -> list[StartHook]:
         """Load the teacher's weights where the starting state does not hold them."""
         return [LoadTeacher(self.teacher(context))]
+
+    def experience(self, context: TaskContext, data: TaskData, pieces: ModelPieces) -> ExperienceStage | None:
+        """With ``distill.lmbda`` above 0, the stage that ends a share of the steps' windows in the student's own
+        text (:mod:`functrain.tasks.distill.on_policy`); none otherwise."""
+        config, section = context.config, context.config.section(self.name)
+        if section.lmbda == 0:
+            return None
+        fields = data.fields
+        if fields is None or fields.hf or config.data.packing or config.model.registry_name() is None:
+            raise ConfigError(
+                "distill.lmbda samples the student's continuations of token windows: it needs a built-in causal "
+                "LM (model.name) on unpacked tokens (not HF input_ids, not data.packing); set distill.lmbda=0"
+            )
+        from functrain.tasks.distill.on_policy import OnPolicy
+        from functrain.tasks.sampling import Sampler
+
+        sampler = Sampler(
+            config.model,
+            pieces,
+            config.train.compute_dtype,
+            max_new_tokens=section.max_new_tokens,
+            temperature=section.temperature,
+        )
+        return OnPolicy(sampler, fields.inputs, section.lmbda, section.max_new_tokens)
 
 
 def distill_program(student: ModelPieces, teacher: ModelPieces, fields: Fields, section: DistillConfig) -> Program:

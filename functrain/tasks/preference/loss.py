@@ -224,10 +224,6 @@ def preference_loss(
     return loss_fn
 
 
-# The model-state entry holding the frozen reference weights (runs without adapters).
-REFERENCE = "reference"
-
-
 def preference_program(
     init: Callable,
     apply: Apply,
@@ -249,16 +245,9 @@ def preference_program(
     ``train.micro_batches`` the step's forward runs in its accumulation loop, which XLA compiles otherwise, and a
     first-step tie may break in the last bit (the in-step references are computed in the same loop, and stay exact).
     Otherwise, without ``reference_apply``, a frozen copy of the starting weights sits in the model state under
-    ``reference``: never differentiated nor seen by the optimizer, sharded like the params, checkpointed with
-    the state, and set to the loaded weights when a run starts from a converted checkpoint. Reference-free
-    losses hold none."""
+    ``reference`` (:mod:`functrain.tasks.reference`). Reference-free losses hold none."""
     from functrain.core.program import Program
-
-    def inner(model_state):
-        return {name: value for name, value in model_state.items() if name != REFERENCE}
-
-    def reference(params, model_state, inputs):  # the base (adapters off), or the weights given (the start)
-        return (reference_apply or apply)(params, model_state, inputs, False, jax.random.PRNGKey(0))[0]
+    from functrain.tasks.reference import with_reference
 
     if not settings.uses_reference:
         return Program(
@@ -278,42 +267,16 @@ def preference_program(
             trainable=trainable,
             complete_params=complete_params,
         )
-    if reference_apply is not None:
-        reference_logps = forward_reference_logps(reference)
-        return Program(
-            init,
-            preference_loss(apply, reference_logps, settings, True),
-            preference_loss(apply, reference_logps, settings, False),
-            logical_specs,
-            trainable=trainable,
-            complete_params=complete_params,
-        )
-
-    def init_with_reference(rng):
-        params, model_state = init(rng)
-        return params, {**model_state, REFERENCE: params}
-
-    def apply_policy(params, model_state, inputs, train, rng):
-        output, new_state = apply(params, inner(model_state), inputs, train, rng)
-        return output, {**new_state, REFERENCE: model_state[REFERENCE]}
-
-    def frozen_reference(params, model_state, inputs):
-        # In the params' dtype (train.compute_dtype), so the first step compares like with like.
-        weights = jax.tree.map(lambda ref, p: ref.astype(p.dtype), model_state[REFERENCE], params)
-        return apply(weights, inner(model_state), inputs, False, jax.random.PRNGKey(0))[0]
-
-    def state_for_params(params, model_state):
-        return {**inner(model_state), REFERENCE: params}
-
-    frozen_logps = forward_reference_logps(frozen_reference)
+    model = with_reference(init, apply, reference_apply)
+    reference_logps = forward_reference_logps(model.reference)
     return Program(
-        init_with_reference,
-        preference_loss(apply_policy, frozen_logps, settings, True),
-        preference_loss(apply_policy, frozen_logps, settings, False),
+        model.init,
+        preference_loss(model.apply, reference_logps, settings, True),
+        preference_loss(model.apply, reference_logps, settings, False),
         logical_specs,
         trainable=trainable,
         complete_params=complete_params,
-        state_for_params=state_for_params,
+        state_for_params=model.state_for_params,
     )
 
 

@@ -13,7 +13,8 @@ import yaml
 
 from functrain.checkpoint import Checkpointer
 from functrain.commands.cli import main
-from functrain.tasks.preference.loss import REFERENCE, PreferenceSettings, precomputed_reference_logps
+from functrain.tasks.preference.loss import PreferenceSettings, precomputed_reference_logps
+from functrain.tasks.reference import REFERENCE
 from functrain.core.state import TrainState
 from functrain.core.step import StepSettings, make_train_step, trainable_only
 from functrain.models import build_model, gpt, llama

@@ -12,7 +12,8 @@ import pytest
 
 import functrain
 from functrain.commands.cli import main
-from functrain.tasks.preference.loss import (REFERENCE, REFERENCE_LOGPS, PreferenceSettings,
+from functrain.tasks.reference import REFERENCE
+from functrain.tasks.preference.loss import (REFERENCE_LOGPS, PreferenceSettings,
                                              precomputed_reference_logps)
 from functrain.models import build_model, gpt
 from functrain.models.lora import LoraConfig

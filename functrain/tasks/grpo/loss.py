@@ -1,0 +1,180 @@
+"""GRPO's loss and its variants, as TRL 1.16's ``GRPOTrainer._compute_loss`` defines them, as sums.
+
+A training batch (made by the experience stage, :mod:`functrain.tasks.grpo.rollout`) holds ``B`` completions:
+
+- ``tokens`` ``[B, L]``: each row its prompt, its completion (EOS included) and padding, right padded;
+- ``completion_mask`` ``[B, L]``: 1 on the completion's tokens (0 on every token of a truncated completion with
+  ``mask_truncated_completions``);
+- ``advantages`` ``[B]``; ``old_logps`` ``[B, L-1]`` (with ``num_iterations`` above 1: the log-probs at the
+  generation, position ``t`` scoring token ``t + 1``);
+- ``batch_rows`` and ``batch_tokens`` ``[B]``: the whole batch's completions and completion tokens, on every row,
+  so that the sums below divide into TRL's means under accumulation and over devices;
+- ``host_metrics`` ``[B, M]``: metrics the stage computed on the host (rewards, lengths), the same on every row.
+
+Per token, with ``logp`` the policy's log-prob of the token at ``temperature`` (TRL divides the logits by it):
+``ratio = exp(logp - old_logp)`` (``importance_sampling_level: token``) or ``exp`` of the sequence's mean token
+log-ratio (``sequence``, GSPO); the token's loss is ``-min(ratio A, clip(ratio, 1 - epsilon, 1 + epsilon_high) A)``
+plus ``beta`` times the k3 estimator ``exp(ref - logp) - (ref - logp) - 1`` (times the ratio with
+``use_bias_correction_kl``, TRL's default, also in the ``kl`` metric). At ``num_iterations: 1`` the old
+log-probs are the current ones outside the gradient, so the ratio is exactly 1 (TRL's rule). ``loss_type``:
+
+- ``grpo``: each sequence's mean over its tokens, then the mean over sequences (the weight: sequences);
+- ``bnpo`` and ``dapo``: the sum over the batch's completion tokens divided by their number (the weight: tokens).
+  TRL's ``bnpo`` divides by each micro-batch's tokens and averages the micro-batches; here the division is once,
+  by the whole batch's tokens (``dapo``'s rule), which is the same with one micro-batch per step;
+- ``dr_grpo``: the sum over tokens divided by ``B * max_completion_length`` (the weight: sequences).
+
+Metrics, TRL's names: ``kl`` (beta > 0) and ``entropy`` as means over completion tokens; ``clip_ratio/low_mean``,
+``clip_ratio/high_mean``, ``clip_ratio/region_mean`` as means over tokens (per sequence with GSPO's ratio).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from functrain.core.program import ModelPieces, Program
+from functrain.tasks.reference import with_reference
+from functrain.tasks.sampling import token_logps
+
+# Loss types whose weight (what the step divides by) is the completion tokens; the others divide by sequences.
+TOKEN_WEIGHTED = ("bnpo", "dapo")
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """What the loss reads of the ``grpo`` section (TRL's names)."""
+
+    loss_type: str = "dapo"
+    importance_sampling_level: str = "token"
+    beta: float = 0.0
+    epsilon: float = 0.2
+    epsilon_high: float = 0.2
+    temperature: float = 1.0
+    num_iterations: int = 1
+    max_completion_length: int = 512
+    use_bias_correction_kl: bool = True
+
+
+def grpo_sums(
+    settings: LossSettings,
+    logps: jax.Array,
+    entropies: jax.Array,
+    old_logps: jax.Array,
+    ref_logps: jax.Array | None,
+    batch: dict[str, jax.Array],
+) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """``(loss_sum, weight, metric sums)`` of a (micro-)batch from per-token log-probs ``[B, L-1]`` (see the module
+    docstring); the step divides them once by the whole batch's weight."""
+    mask = batch["completion_mask"][:, 1:].astype(jnp.float32)
+    advantages = batch["advantages"].astype(jnp.float32)[:, None]
+    tokens_per_row = mask.sum(-1)
+    log_ratio = logps - old_logps
+    if settings.importance_sampling_level == "sequence":
+        log_weights = ((log_ratio * mask).sum(-1) / jnp.maximum(tokens_per_row, 1.0))[:, None]
+    else:
+        log_weights = log_ratio
+    ratio = jnp.exp(log_weights)
+    clipped = jnp.clip(ratio, 1 - settings.epsilon, 1 + settings.epsilon_high)
+    per_token = -jnp.minimum(ratio * advantages, clipped * advantages)
+    if ref_logps is not None:
+        gap = ref_logps - logps
+        kl = jnp.exp(gap) - gap - 1
+        if settings.use_bias_correction_kl:  # the ratio's gradient counts even where its value is exactly 1
+            kl = kl * ratio
+        per_token = per_token + settings.beta * kl
+    masked = (per_token * mask).sum(-1)
+    rows = jnp.asarray(mask.shape[0], jnp.float32)
+    if settings.loss_type == "grpo":
+        loss_sum, weight = (masked / jnp.maximum(tokens_per_row, 1.0)).sum(), rows
+    elif settings.loss_type == "dr_grpo":
+        loss_sum, weight = masked.sum() / settings.max_completion_length, rows
+    else:
+        loss_sum, weight = masked.sum(), mask.sum()
+
+    # Metric sums scaled so that the step's division by the whole batch's weight gives TRL's means: over the
+    # batch's completion tokens, or over its sequences.
+    batch_rows = batch["batch_rows"][0].astype(jnp.float32)
+    batch_tokens = jnp.maximum(batch["batch_tokens"][0].astype(jnp.float32), 1.0)
+    whole_weight = batch_tokens if settings.loss_type in TOKEN_WEIGHTED else batch_rows
+    per_token_scale, per_row_scale = whole_weight / batch_tokens, whole_weight / batch_rows
+
+    def token_mean(values: jax.Array) -> jax.Array:
+        if values.shape[1] == 1:  # one value per sequence (GSPO's ratio): a mean over sequences, as TRL's
+            return values.sum() * per_row_scale
+        return (values * mask).sum() * per_token_scale
+
+    low = ((ratio < 1 - settings.epsilon) & (advantages < 0)).astype(jnp.float32)
+    high = ((ratio > 1 + settings.epsilon_high) & (advantages > 0)).astype(jnp.float32)
+    metrics = {
+        "entropy": token_mean(entropies),
+        "clip_ratio/low_mean": token_mean(low),
+        "clip_ratio/high_mean": token_mean(high),
+        "clip_ratio/region_mean": token_mean(jnp.maximum(low, high)),
+    }
+    if ref_logps is not None:
+        metrics["kl"] = token_mean(kl)
+    return loss_sum, weight, metrics
+
+
+def host_metric_sums(batch: dict[str, jax.Array], names: tuple[str, ...], settings: LossSettings) -> dict:
+    """The stage's host metrics (the same on every row) as sums that the step's division turns back into them."""
+    batch_rows = batch["batch_rows"][0].astype(jnp.float32)
+    whole_weight = (
+        jnp.maximum(batch["batch_tokens"][0].astype(jnp.float32), 1.0)
+        if settings.loss_type in TOKEN_WEIGHTED
+        else batch_rows
+    )
+    values = batch["host_metrics"].astype(jnp.float32).sum(0) * (whole_weight / batch_rows)
+    return {name: values[index] for index, name in enumerate(names)}
+
+
+def grpo_program(pieces: ModelPieces, settings: LossSettings, host_metrics: tuple[str, ...]) -> Program:
+    """The Program of a causal LM's pieces trained on GRPO batches; with ``beta`` > 0 the reference is the frozen
+    base when a transform froze one (LoRA), else a frozen copy of the starting weights
+    (:mod:`functrain.tasks.reference`)."""
+    uses_reference = settings.beta > 0
+    model = with_reference(pieces.init, pieces.apply, pieces.frozen_apply) if uses_reference else None
+    apply = model.apply if model is not None else pieces.apply
+
+    def loss(train: bool) -> Callable:
+        def policy_logps(params: Any, model_state: Any, tokens: jax.Array, rng: jax.Array):
+            output: Any
+            output, new_state = apply(params, model_state, tokens[:, :-1], train, rng)
+            return token_logps(getattr(output, "logits", output), tokens, settings.temperature), new_state
+
+        # With a reference, the policy's forward is rematerialised (run again in the backward, nothing kept), so
+        # XLA compiles it as it compiles the reference's plain forward: at the start they are bitwise equal and the
+        # KL's gradient is exactly 0 (a last-bit difference gives tokens no other term reaches a gradient of 1e-9,
+        # which Adam's first step blows up to a full step). As preference's DPO does.
+        forward = jax.checkpoint(policy_logps) if model is not None else policy_logps
+
+        def loss_fn(params: Any, model_state: Any, batch: dict[str, jax.Array], rng: jax.Array):
+            tokens = batch["tokens"]
+            (logps, entropies), new_state = forward(params, model_state, tokens, rng)
+            entropies = jax.lax.stop_gradient(entropies)
+            if settings.num_iterations == 1:
+                old_logps = jax.lax.stop_gradient(logps)
+            else:
+                old_logps = batch["old_logps"].astype(jnp.float32)
+            ref_logps = None
+            if model is not None:
+                reference = model.reference(params, model_state, tokens[:, :-1])
+                ref_logps = token_logps(getattr(reference, "logits", reference), tokens, settings.temperature)[0]
+            loss_sum, weight, metrics = grpo_sums(settings, logps, entropies, old_logps, ref_logps, batch)
+            return loss_sum, weight, {**metrics, **host_metric_sums(batch, host_metrics, settings)}, new_state
+
+        return loss_fn
+
+    return Program(
+        model.init if model is not None else pieces.init,
+        loss(True),
+        loss(False),
+        pieces.logical_specs,
+        trainable=pieces.trainable,
+        complete_params=pieces.complete_params,
+        state_for_params=model.state_for_params if model is not None else None,
+    )

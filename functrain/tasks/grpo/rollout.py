@@ -1,0 +1,237 @@
+"""GRPO's experience stage: the loader's prompts -> G completions each, sampled with the current weights, scored on
+the host, as a training batch (:mod:`functrain.tasks.grpo.loss` describes its fields).
+
+Sampling runs in-process on the model being trained (:class:`functrain.tasks.sampling.Sampler`: the KV-cache
+decoder on the step's own weights), compiled once for the run's shapes (every batch holds ``global_batch_size``
+rows of the file's longest prompt plus ``max_completion_length``). The key of step ``s`` derives from
+(seed, ``s``): a batch is a pure function of (weights, data position, step), and a resumed run draws what an
+uninterrupted one drew.
+
+At every ``log.every_steps``-th step the stage appends the first prompt's completions, their rewards and advantages
+to ``RUN_DIR/samples.jsonl`` (``{"step", "index", "prompt", "text", "reward", "rewards", "advantage"}``; the run's
+summary prints the first).
+
+Each step the training forward also scores the drawn tokens; ``rollout/logprob_gap`` is the largest absolute
+difference from the sampler's log-probs (both at ``temperature``, before the top-k/top-p filters). With
+``num_iterations`` above 1 those forward log-probs are the old policy's; the batch generated at a step whose
+index is a multiple of ``num_iterations`` is trained on for that many steps (the loader's prompts of the steps in
+between are not used), and a run that resumes inside a generation samples anew.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from functrain.tasks.grpo.advantages import group_advantages, reward_metrics
+from functrain.tasks.grpo.config import GRPOConfig
+from functrain.tasks.grpo.prompts import Prompts
+from functrain.tasks.grpo.rewards import RewardFunction, scores
+from functrain.tasks.sampling import Sampler
+
+
+def host_metric_names(functions: list[RewardFunction]) -> tuple[str, ...]:
+    """The metrics the stage computes on the host, in the order of the batch's ``host_metrics`` columns."""
+    per_function = [f"rewards/{f.name}/{stat}" for f in functions for stat in ("mean", "std")]
+    return (
+        "reward",
+        "reward_std",
+        *per_function,
+        "frac_reward_zero_std",
+        "completions/mean_length",
+        "completions/min_length",
+        "completions/max_length",
+        "completions/clipped_ratio",
+        "rollout/logprob_gap",
+    )
+
+
+@dataclass(frozen=True)
+class Completions:
+    """What a generation drew for ``R`` rows (each prompt ``num_generations`` times, consecutively): the rows'
+    prompt indices, the completions' token ids (EOS included, nothing after it), which ended without an EOS, and
+    the sampler's log-prob of each completion token."""
+
+    prompt_index: np.ndarray
+    ids: list[np.ndarray]
+    truncated: np.ndarray
+    sampler_logps: list[np.ndarray]
+
+
+def draw(
+    sampler: Sampler, params: Any, prompts: Prompts, indices: np.ndarray, key: jax.Array, generations: int, length: int
+) -> Completions:
+    """``generations`` completions of at most ``length`` tokens for each prompt of ``indices``."""
+    rows = np.repeat(indices, generations)
+    width = prompts.longest
+    padded = np.full((len(rows), width), prompts.pad_id, np.int32)
+    lengths = np.array([len(prompts.ids[index]) for index in rows], np.int32)
+    for row, index in enumerate(rows):
+        padded[row, : lengths[row]] = prompts.ids[index]
+    prefill = prompts.shortest
+    tokens, logps = jax.device_get(sampler.sample(params, padded, lengths, key, prefill=prefill))
+    ids, sampler_logps, truncated = [], [], np.zeros(len(rows), bool)
+    for row, start in enumerate(lengths - prefill):
+        drawn, drawn_logps = tokens[row, start : start + length], logps[row, start : start + length]
+        ends = np.flatnonzero(np.isin(drawn, prompts.eos_ids))
+        stop = int(ends[0]) + 1 if len(ends) else length
+        ids.append(drawn[:stop])
+        sampler_logps.append(drawn_logps[:stop])
+        truncated[row] = drawn[stop - 1] not in (*prompts.eos_ids, prompts.pad_id)
+    return Completions(rows, ids, truncated, sampler_logps)
+
+
+def training_rows(prompts: Prompts, completions: Completions, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(tokens, completion_mask)`` ``[R, longest prompt + length]``: each row its prompt, its completion and
+    padding."""
+    width = prompts.longest + length
+    tokens = np.full((len(completions.ids), width), prompts.pad_id, np.int32)
+    mask = np.zeros((len(completions.ids), width), np.int32)
+    for row, (index, ids) in enumerate(zip(completions.prompt_index, completions.ids)):
+        prompt = prompts.ids[index]
+        tokens[row, : len(prompt)] = prompt
+        tokens[row, len(prompt) : len(prompt) + len(ids)] = ids
+        mask[row, len(prompt) : len(prompt) + len(ids)] = 1
+    return tokens, mask
+
+
+def logprob_gap(prompts: Prompts, completions: Completions, forward_logps: np.ndarray) -> float:
+    """The largest absolute difference between the sampler's and the training forward's log-probs of the drawn
+    tokens (``forward_logps`` ``[R, L-1]``: position ``t`` scores token ``t + 1``)."""
+    gaps = [
+        np.abs(forward_logps[row, len(prompts.ids[index]) - 1 : len(prompts.ids[index]) - 1 + len(ids)] - drawn)
+        for row, (index, ids, drawn) in enumerate(
+            zip(completions.prompt_index, completions.ids, completions.sampler_logps)
+        )
+    ]
+    return float(max(gap.max() for gap in gaps))
+
+
+SAMPLES_FILE = "samples.jsonl"  # functrain.run.samples.SAMPLES_FILE: the run's summary prints its newest
+
+
+def sample_records(
+    step: int,
+    prompts: Prompts,
+    completions: Completions,
+    texts: list[Any],
+    table: np.ndarray,
+    names: list[str],
+    weights: np.ndarray,
+    advantages: np.ndarray,
+    rows: int,
+) -> list[dict[str, Any]]:
+    """The first ``rows`` completions of a generation as ``samples.jsonl`` records."""
+    records = []
+    for row in range(rows):
+        text = texts[row][-1]["content"] if isinstance(texts[row], list) else texts[row]
+        scored = {name: None if np.isnan(value) else float(value) for name, value in zip(names, table[row])}
+        reward = None if np.isnan(table[row]).all() else float(np.nansum(table[row] * weights))
+        prompt = prompts.text(int(completions.prompt_index[row]))
+        records.append(
+            {
+                "step": step,
+                "index": row,
+                "prompt": prompt,
+                "text": text,
+                "reward": reward,
+                "rewards": scored,
+                "advantage": float(advantages[row]),
+            }
+        )
+    return records
+
+
+class Rollouts:
+    """The experience stage (:class:`functrain.tasks.base.ExperienceStage`) of a GRPO run; ``samples``: the file
+    to append samples to and every how many steps (None: none written)."""
+
+    def __init__(
+        self,
+        sampler: Sampler,
+        prompts: Prompts,
+        rewards: list[RewardFunction],
+        section: GRPOConfig,
+        samples: tuple[Path, int] | None = None,
+    ) -> None:
+        self.sampler, self.prompts, self.rewards, self.section = sampler, prompts, rewards, section
+        self.samples = samples
+        self.weights = np.asarray(section.reward_weights or [1.0] * len(rewards), np.float32)
+        self.metric_names = host_metric_names(rewards)
+        self._generation: tuple[int, dict[str, np.ndarray]] | None = None  # (generation index, its batch)
+
+    def __call__(self, params: Any, batch: dict[str, Any], key: jax.Array, step: int) -> dict[str, np.ndarray]:
+        generation = step // self.section.num_iterations
+        if self._generation is None or self._generation[0] != generation:
+            self._generation = (generation, self.generate(params, np.asarray(batch["prompt_index"]), key, step))
+        return self._generation[1]
+
+    def generate(self, params: Any, indices: np.ndarray, key: jax.Array, step: int) -> dict[str, np.ndarray]:
+        """The training batch of the prompts ``indices``: sampled, scored and laid out for the loss."""
+        section, prompts = self.section, self.prompts
+        length = section.max_completion_length
+        completions = draw(self.sampler, params, prompts, indices, key, section.num_generations, length)
+        tokens, mask = training_rows(prompts, completions, length)
+        forward_logps = np.asarray(jax.device_get(self.sampler.forward(params, tokens)))
+        texts = prompts.decode(completions.ids)
+        table = scores(
+            self.rewards,
+            [prompts.rows[index]["prompt"] for index in completions.prompt_index],
+            texts,
+            [ids.tolist() for ids in completions.ids],
+            prompts.columns(completions.prompt_index),
+            step,
+        )
+        advantages, is_std_zero = group_advantages(table, self.weights, section.num_generations, section.scale_rewards)
+        if self.samples is not None and (step + 1) % self.samples[1] == 0:
+            names = [f.name for f in self.rewards]
+            records = sample_records(
+                step + 1, prompts, completions, texts, table, names, self.weights, advantages, section.num_generations
+            )
+            with open(self.samples[0], "a") as file:
+                file.writelines(json.dumps(record) + "\n" for record in records)
+        if section.mask_truncated_completions:
+            mask = mask * ~completions.truncated[:, None]
+        lengths = np.array([len(ids) for ids in completions.ids], np.float32)
+        metrics = {
+            **reward_metrics(table, self.weights, [f.name for f in self.rewards]),
+            "frac_reward_zero_std": float(is_std_zero.mean()),
+            "completions/mean_length": float(lengths.mean()),
+            "completions/min_length": float(lengths.min()),
+            "completions/max_length": float(lengths.max()),
+            "completions/clipped_ratio": float(completions.truncated.mean()),
+            "rollout/logprob_gap": logprob_gap(prompts, completions, forward_logps),
+        }
+        rows = len(completions.ids)
+        training = {
+            "tokens": tokens,
+            "completion_mask": mask.astype(np.int32),
+            "advantages": advantages,
+            "batch_rows": np.full(rows, rows, np.float32),
+            "batch_tokens": np.full(rows, mask[:, 1:].sum(), np.float32),
+            "host_metrics": np.tile(np.array([metrics[name] for name in self.metric_names], np.float32), (rows, 1)),
+        }
+        if section.num_iterations > 1:
+            training["old_logps"] = forward_logps.astype(np.float32)
+        return training
+
+
+def example_batch(prompts: Prompts, section: GRPOConfig, rows: int, metrics: int) -> dict[str, np.ndarray]:
+    """A training batch of ``rows`` completions shaped as the stage makes them (zeros), to build the step for."""
+    width = prompts.longest + section.max_completion_length
+    batch = {
+        "tokens": np.zeros((rows, width), np.int32),
+        "completion_mask": np.zeros((rows, width), np.int32),
+        "advantages": np.zeros(rows, np.float32),
+        "batch_rows": np.full(rows, rows, np.float32),
+        "batch_tokens": np.ones(rows, np.float32),
+        "host_metrics": np.zeros((rows, metrics), np.float32),
+    }
+    if section.num_iterations > 1:
+        batch["old_logps"] = np.zeros((rows, width - 1), np.float32)
+    return batch

@@ -1,0 +1,165 @@
+"""The GRPO task: prompts from ``data.path``, completions sampled in-process by the experience stage, rewards on
+the host, TRL's clipped policy loss on the step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from functrain.core.program import ModelPieces, Program
+from functrain.errors import ConfigError, DataError
+from functrain.models import is_language_model
+from functrain.tasks.base import ExperienceStage, Task, TaskContext, TaskData
+from functrain.tasks.grpo.config import GRPOConfig
+from functrain.tasks.grpo.loss import LossSettings, grpo_program
+from functrain.tasks.grpo.prompts import PROMPT, Prompts, PromptSource, read_prompts
+from functrain.tasks.grpo.rewards import RewardFunction, reward_functions
+
+
+def loss_settings(section: GRPOConfig) -> LossSettings:
+    """The ``grpo.*`` keys the loss reads."""
+    return LossSettings(
+        loss_type=section.loss_type,
+        importance_sampling_level=section.importance_sampling_level,
+        beta=section.beta,
+        epsilon=section.epsilon,
+        epsilon_high=section.upper_epsilon,
+        temperature=section.temperature,
+        num_iterations=section.num_iterations,
+        max_completion_length=section.max_completion_length,
+        use_bias_correction_kl=section.use_bias_correction_kl,
+    )
+
+
+class GRPO(Task):
+    """Reinforcement learning from rewards: GRPO and its variants (``grpo.*``, see :mod:`functrain.tasks.grpo`)."""
+
+    name = "grpo"
+
+    def check(self, context: TaskContext) -> None:
+        """Backend jax, no user loss, a built-in causal LM (the sampler decodes it with a KV cache) and batches
+        that split into whole groups of completions."""
+        super().check(context)
+        config, section = context.config, context.config.section(self.name)
+        name = config.model.registry_name()
+        if name is None or not is_language_model(name):
+            raise ConfigError(
+                f"task grpo samples completions from a built-in causal LM (model.name gpt, llama, ...), not "
+                f"{name or 'a user model'}; set model.name"
+            )
+        generations, batch = section.num_generations, config.data.global_batch_size
+        if batch % generations:
+            raise ConfigError(
+                f"data.global_batch_size={batch} counts completions and is not divisible by "
+                f"grpo.num_generations={generations}; set it to a multiple of {generations}"
+            )
+        if config.train.steps_per_call % section.num_iterations:
+            raise ConfigError(
+                f"train.steps_per_call={config.train.steps_per_call} is not a multiple of "
+                f"grpo.num_iterations={section.num_iterations}: a call (and a checkpoint) must end where a "
+                f"generation does; set train.steps_per_call to a multiple of {section.num_iterations}"
+            )
+        if context.data_given:
+            raise ConfigError("task grpo reads its prompts from data.path; remove train_data= or use another task")
+        if config.data.last_batch != "drop":
+            raise ConfigError("task grpo reads whole batches of prompts; remove data.last_batch (drop)")
+
+    def prompts(self, context: TaskContext) -> Prompts:
+        """The prompts of ``data.path``, tokenised with ``data.tokenizer`` (UTF-8 bytes when unset)."""
+        from functrain.tasks.preference.pairs import load_preference_tokenizer
+
+        data = context.config.data
+        if not data.path:
+            raise ConfigError(
+                'task grpo needs prompts; set data.path=PROMPTS.jsonl (a "prompt" per line, other keys are '
+                "columns the reward functions read)"
+            )
+        tokenizer = load_preference_tokenizer(data.tokenizer) if data.tokenizer else None
+        return read_prompts(data.path, tokenizer)
+
+    def rewards(self, context: TaskContext, prompts: Prompts) -> list[RewardFunction]:
+        """The reward functions of ``grpo.reward_funcs``, checked against the prompts' columns."""
+        section = context.config.section(self.name)
+        columns = {name for row in prompts.rows for name in row if name != PROMPT}
+        return reward_functions(section.reward_funcs, section.format_pattern, columns)
+
+    def data(self, context: TaskContext) -> TaskData:
+        """The prompts' indices as the loader's records (a step reads ``global_batch_size / num_generations``);
+        the step is built for the training batch the experience stage makes of them."""
+        from functrain.tasks.grpo.rollout import example_batch, host_metric_names
+
+        config, section = context.config, context.config.section(self.name)
+        prompts = self.prompts(context)
+        rewards = self.rewards(context, prompts)
+        self.check_positions(config, section, prompts)
+        per_step = config.data.global_batch_size // section.num_generations
+        if len(prompts.rows) < per_step:
+            raise DataError(
+                f"{prompts.path} holds {len(prompts.rows)} prompts and a step reads {per_step} "
+                f"(data.global_batch_size / grpo.num_generations); add prompts or lower data.global_batch_size"
+            )
+        metrics = len(host_metric_names(rewards))
+        return TaskData(
+            train=PromptSource(prompts),
+            eval=None,
+            example_fields=lambda _: example_batch(prompts, section, config.data.global_batch_size, metrics),
+            records_per_step=per_step,
+        )
+
+    @staticmethod
+    def check_positions(config: Any, section: GRPOConfig, prompts: Prompts) -> None:
+        """The longest prompt and its completion, but the last token (never fed back), must fit in the model's
+        positions."""
+        limit = config.model.max_positions()
+        needed = prompts.longest + section.max_completion_length - 1
+        if limit is not None and needed > limit:
+            raise ConfigError(
+                f"the longest prompt of {prompts.path} ({prompts.longest} tokens) and "
+                f"grpo.max_completion_length={section.max_completion_length} tokens need {needed} positions (the "
+                f"last token is never fed back) and the model has {limit}; lower grpo.max_completion_length, "
+                f"shorten the prompts or use a longer context"
+            )
+
+    def model_inputs(self, context: TaskContext, data: TaskData, example_batch: dict[str, np.ndarray]) -> Any:
+        """A causal LM called on the rows' tokens but the last."""
+        return np.asarray(example_batch["tokens"])[:, :-1]
+
+    def program(
+        self, context: TaskContext, data: TaskData, pieces: ModelPieces, example_batch: dict[str, np.ndarray]
+    ) -> Program:
+        """TRL's GRPO loss on the model's pieces, with the host metrics the stage computes."""
+        from functrain.tasks.grpo.rollout import host_metric_names
+
+        section = context.config.section(self.name)
+        rewards = self.rewards(context, prompts_of(data))
+        return grpo_program(pieces, loss_settings(section), host_metric_names(rewards))
+
+    def experience(self, context: TaskContext, data: TaskData, pieces: ModelPieces) -> ExperienceStage:
+        """The rollouts: G completions per prompt with the current weights, scored on the host."""
+        from functrain.tasks.grpo.rollout import SAMPLES_FILE, Rollouts
+        from functrain.tasks.sampling import Sampler
+
+        config, section = context.config, context.config.section(self.name)
+        prompts = prompts_of(data)
+        sampler = Sampler(
+            config.model,
+            pieces,
+            config.train.compute_dtype,
+            max_new_tokens=section.max_completion_length,
+            temperature=section.temperature,
+            top_k=section.top_k or None,  # TRL: 0 keeps every token
+            top_p=section.top_p if section.top_p < 1.0 else None,
+        )
+        every = config.log.every_steps
+        samples = (context.run_dir / SAMPLES_FILE, every) if every else None
+        return Rollouts(sampler, prompts, self.rewards(context, prompts), section, samples)
+
+
+def prompts_of(data: TaskData) -> Prompts:
+    """The prompts :meth:`GRPO.data` read (its training source holds them)."""
+    assert isinstance(data.train, PromptSource), "GRPO.data made the training source"
+    return data.train.prompts
+
+
+TASKS = {"grpo": GRPO()}

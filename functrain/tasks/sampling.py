@@ -1,0 +1,80 @@
+"""Sampling from the model being trained, for the tasks whose experience stage needs its own completions (GRPO's
+rollouts, on-policy distillation), and the per-token log-probs both the sampler and the losses read.
+
+:class:`Sampler` compiles, once per run, the KV-cache decoder of ``functrain generate``
+(:func:`functrain.text.decode.generate_ragged`: prompts of any length in one batch, without a padding mask) on the
+step's own weights (cast to ``train.compute_dtype``, LoRA adapters merged, scanned layers unrolled: no second copy
+to keep in sync), and the training forward (the program's pieces) that scores tokens as the loss does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from functrain.core.precision import COMPUTE_DTYPES, cast_floating
+from functrain.core.program import ModelPieces
+from functrain.models import build_model
+from functrain.models.lora import merged_for_inference
+from functrain.models.options import for_sampling
+from functrain.models.stacking import unstack_layers
+from functrain.text.decode import generate_ragged
+
+
+def token_logps(logits: jax.Array, tokens: jax.Array, temperature: float) -> tuple[jax.Array, jax.Array]:
+    """``(log-probs, entropies)`` ``[B, L-1]`` at ``temperature``: ``logits`` ``[B, L-1, V]`` of ``tokens[:, :-1]``;
+    position ``t`` scores token ``t + 1`` and holds the entropy of the distribution it was drawn from."""
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
+    picked = jnp.take_along_axis(log_probs, tokens[:, 1:, None], axis=-1)[..., 0]
+    entropies = -(jnp.exp(log_probs) * log_probs).sum(-1)
+    return picked, entropies
+
+
+class Sampler:
+    """A run's compiled sampler (``sample``) and training forward (``forward``).
+
+    ``sample(params, prompts, lengths, key, prefill=N) -> (tokens, logps)``: ``max_new_tokens`` new tokens after
+    each right-padded prompt (see :func:`~functrain.text.decode.generate_ragged`), drawn at ``temperature`` from the
+    ``top_k`` most likely (None: all) within ``top_p`` of the probability (None: all), with their log-probs at
+    ``temperature``. ``forward(params, tokens) -> logps`` ``[B, L-1]``: the training forward's log-probs of
+    ``tokens[:, 1:]`` at ``temperature``."""
+
+    def __init__(
+        self,
+        model_config: Any,
+        pieces: ModelPieces,
+        compute_dtype: str,
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        top_k: int | None = None,
+        top_p: float | None = None,
+    ) -> None:
+        dtype = COMPUTE_DTYPES[compute_dtype]
+        sampling_model = build_model(for_sampling(model_config), dtype)
+
+        def sample(params, prompts, lengths, key, prefill):
+            weights = unstack_layers(merged_for_inference(cast_floating(params, dtype), model_config))
+            return generate_ragged(
+                sampling_model,
+                weights,
+                prompts,
+                lengths,
+                key,
+                prefill=prefill,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+            )
+
+        def forward(params, tokens):
+            output: Any = pieces.apply(cast_floating(params, dtype), {}, tokens[:, :-1], False, jax.random.PRNGKey(0))[
+                0
+            ]
+            return token_logps(getattr(output, "logits", output), tokens, temperature)[0]
+
+        self.sample = jax.jit(sample, static_argnames="prefill")
+        self.forward = jax.jit(forward)
