@@ -79,7 +79,6 @@ def test_state_bytes_per_chip_are_parameters_times_bytes_over_fsdp_shards():
 
 
 @needs_libtpu
-@needs_libtpu
 def test_planned_flops_hold_the_model_flops_and_the_recompute_so_mfu_stays_below_one():
     # libtpu splits a matmul fed by an FSDP all-gather into a loop over the shards (a windowed einsum) whose body
     # cost_analysis counted once: Llama 3 8B on v5p:2x2x2 was planned at half its FLOPs and an MFU of 113%. This
@@ -93,8 +92,9 @@ def test_planned_flops_hold_the_model_flops_and_the_recompute_so_mfu_stays_below
                  "model.num_attention_heads=4", "model.num_key_value_heads=4",
                  "data.seq_len=1024", "data.global_batch_size=8", "train.micro_batches=1", "model.remat=full"]
         plans = []
-        # Two layers make two groups, so the scanned plan extrapolates; one unrolled layer is two compiles fewer.
-        for scan, attention, layers in (("true", "auto", 2), ("false", "xla", 1)):
+        # One layer each: two compiles a plan (the program, and the program counted whole). Extrapolating a scan of
+        # several groups from the unrolled one and two is checked on CPU (test above).
+        for scan, attention, layers in (("true", "auto", 1), ("false", "xla", 1)):
             config = load_config("configs/llama3_8b.yaml", small + [f"model.scan_layers={scan}",
                                  f"model.attention={attention}", f"model.num_hidden_layers={layers}"])
             planned = plan(config, "v5p:2x2x2")
