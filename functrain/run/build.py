@@ -38,6 +38,8 @@ from functrain.models.scan import fewer_groups_unrolled, scan_groups
 from functrain.parallel.capacity import check_state_fits
 from functrain.parallel.target import compiling_for
 from functrain.run.callbacks import Callback, CallbackList, EarlyStopping, EveryNSteps, MetricsWriter, ProgressBar
+from functrain.run.compile_cache import CompileReport, compile_seconds
+from functrain.run.compile_cache import enable as enable_compile_cache
 from functrain.run.config import Config
 from functrain.run.config_checks import likely_mistakes
 from functrain.run.events import RunEvents
@@ -100,6 +102,8 @@ class Run:
     warnings: tuple[str, ...]
     # The task's hooks, run in order once the start is known and before any batch is read (see StartHook).
     start_hooks: tuple[StartHook, ...] = ()
+    # Seconds this process has compiled so far (the goodput report keeps compiling apart from what it interrupts).
+    compile_seconds: Callable[[], float] = lambda: 0.0
 
 
 def total_steps(config: Config, sampler: Order) -> int:
@@ -362,7 +366,12 @@ def _profile_window(config: Config, max_steps: int) -> list[Callback]:
 
 
 def _callbacks(
-    config: Config, parts: Parts, trackers: list[Callback], extra: list[Callback], max_steps: int
+    config: Config,
+    parts: Parts,
+    trackers: list[Callback],
+    extra: list[Callback],
+    max_steps: int,
+    compile_cache: Path | None,
 ) -> CallbackList:
     """The built-in callbacks the config asks for, the user's, then the summary (it reads what the others
     wrote and closed)."""
@@ -371,6 +380,7 @@ def _callbacks(
         EveryNSteps(config.eval.every_steps, config.checkpoint.every_steps),
         MetricsWriter(tensorboard=tensorboard),
         RunEvents(),
+        *([CompileReport(compile_cache)] if config.backend == "jax" else []),
         *trackers,
         *_profile_window(config, max_steps),
     ]
@@ -439,6 +449,7 @@ def build_run(
 ) -> Run:
     """The Run of a resolved config, with any objects given in place of the config's (see
     :func:`functrain.fit` for what each may be)."""
+    compile_cache = enable_compile_cache(config.run.compile_cache) if config.backend == "jax" else None
     parts = build_parts(
         config,
         model=model,
@@ -532,9 +543,10 @@ def build_run(
         backend=backend,
         open_checkpointer=open_checkpointer,
         adapter_checkpoints=pieces is not None and pieces.adapter_checkpoints,
-        callbacks=_callbacks(config, parts, trackers, callbacks or [], max_steps),
+        callbacks=_callbacks(config, parts, trackers, callbacks or [], max_steps, compile_cache),
         resume=resume,
         speed=speed,
         warnings=(*likely_mistakes(config, max_steps, has_eval_data=task_data.eval is not None), *task_data.notes),
         start_hooks=hooks,
+        compile_seconds=compile_seconds if config.backend == "jax" else (lambda: 0.0),
     )

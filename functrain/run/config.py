@@ -42,9 +42,12 @@ MetricName = Annotated[str, pydantic.AfterValidator(_split_and_name)]
 
 
 class RunConfig(Section):
-    """``run.*``: where the run directory (config, metrics, TensorBoard, checkpoints) lives."""
+    """``run.*``: where the run directory (config, metrics, TensorBoard, checkpoints) lives, and the persistent
+    compilation cache (``compile_cache``: a directory; ``auto``: one per host under the user's cache directory;
+    null: none; see :mod:`functrain.run.compile_cache`)."""
 
     dir: str = "runs/default"
+    compile_cache: str | None = "auto"
 
 
 # What the run's config records for an object passed to fit (model, data name, optimizer name).

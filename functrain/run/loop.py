@@ -31,6 +31,7 @@ from functrain.run.build import Run
 from functrain.run.call_metrics import CallMetrics
 from functrain.run.callbacks import Control
 from functrain.run.config_checks import check_metric_logged
+from functrain.run.goodput import session_time_spent
 from functrain.run.lock import RunLock
 from functrain.run.outcome import FitResult, StopKind, skipped_report
 from functrain.run.resume import Start, describe_source, write_run_config
@@ -52,7 +53,11 @@ class _Driver:
         self.is_primary = self.backend.process_index == 0
         # Where the run stands: written here only; callbacks read it through the view.
         self.record = RunRecord(
-            config=run.config, run_dir=run.run_dir, max_steps=self.settings.max_steps, is_primary=self.is_primary
+            config=run.config,
+            run_dir=run.run_dir,
+            max_steps=self.settings.max_steps,
+            is_primary=self.is_primary,
+            time_spent=session_time_spent(run.compile_seconds),
         )
         self.view = RunView(self.record)
         self.metrics = CallMetrics(run, self.record, self.view)
@@ -118,6 +123,10 @@ class _Driver:
         (``on_evaluate``), each logged under its split."""
         if self.run.eval_loader is None and not self.settings.evaluate_without_data:
             return Control()
+        with self.record.time_spent.measure("eval"):
+            return self._evaluate(state)
+
+    def _evaluate(self, state: Any) -> Control:
         metrics = self.eval_metrics(state, self.run.eval_loader()) if self.run.eval_loader is not None else {}
         record, callbacks = self.record, self.run.callbacks
         self.last_eval_step = record.step
@@ -172,7 +181,8 @@ class _Driver:
             self.started.started_from,
         )
         saver = self.adapter_saves or self.checkpointer
-        saver.save(step, self.backend.state_to_items(state), meta)
+        with self.record.time_spent.measure("save"):
+            saver.save(step, self.backend.state_to_items(state), meta)
         self.last_meta, self.last_saved_step = meta, step
         self.run.callbacks.fire("on_save", self.view, step)
 
@@ -206,7 +216,9 @@ class _Driver:
     # -- the loop ----------------------------------------------------------------------------------------------
     def begin(self) -> tuple[Any, int, int]:
         """Restore or initialise; write the run's config once the start is known to be good."""
-        self.start = self.run.resume.start(self.checkpointer, self.backend, self.run.sampler, self.adapter_saves)
+        with self.record.time_spent.measure("restore"):  # or initialise
+            self.start = self.run.resume.start(self.checkpointer, self.backend, self.run.sampler, self.adapter_saves)
+        self.record.restore_source = self.start.source
         self.last_meta = self.start.meta
         if self.start.restored_step is not None:
             self.last_saved_step = self.start.restored_step
@@ -336,7 +348,8 @@ class _Driver:
         if finished and self.last_eval_step != step:
             self.evaluate(state)
         self.save(state, step, position)
-        self.checkpointer.close()  # waits for the last save and surfaces its failure
+        with self.record.time_spent.measure("save"):
+            self.checkpointer.close()  # waits for the last save and surfaces its failure
         if finished:
             callbacks.fire("on_epoch_end", self.view)
         if not finished:

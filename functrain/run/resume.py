@@ -36,6 +36,7 @@ class Start:
     position_jump: dict[str, int] | None = None  # where skip_samples/ignore_skip moved the data
     # The run whose weights this one began with (train.init_from): {"run", "step"}, kept in every checkpoint's meta.
     started_from: dict[str, Any] | None = None
+    source: str | None = None  # where the restored step came from: local, peer or persistent (None: fresh)
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,7 @@ class ResumePolicy:
         sampler.restore(None if ignore_skip else meta, position)
         saved_position = int(meta.get("samples_consumed", 0))
         jump = {"step": step, "from": saved_position, "to": position} if position != saved_position else None
-        return Start(state, position, meta, step, jump, meta.get("started_from"))
+        return Start(state, position, meta, step, jump, meta.get("started_from"), "persistent")
 
     def meta(
         self,
