@@ -46,6 +46,11 @@ def read_events(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     return events
 
 
+def history_started(run_dir: str | os.PathLike) -> float | None:
+    """When the run directory's history began: the time of its first ``start`` event (None before it has one)."""
+    return next((float(e["time"]) for e in read_events(run_dir) if e["event"] == "start" and "time" in e), None)
+
+
 def _rounded(seconds: dict[str, float]) -> dict[str, float]:
     return {name: round(value, 3) for name, value in seconds.items()}
 

@@ -40,13 +40,15 @@ _FINAL = {
 
 
 def describe_exit(code: int) -> str:
-    """``status 75`` / ``SIGKILL`` for a child's return code."""
-    if code < 0:
-        try:
-            return signal.Signals(-code).name
-        except ValueError:
-            return f"signal {-code}"
-    return f"status {code}"
+    """``status 75`` / ``SIGKILL`` for a child's return code (a ``--processes`` launcher reports a process killed
+    by signal ``s`` as 128+s)."""
+    signum = -code if code < 0 else code - 128 if code > 128 else None
+    if signum is None:
+        return f"status {code}"
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"status {code}"
 
 
 def run_with_restarts(argv: list[str], restarts: int, first_delay_s: float) -> int:

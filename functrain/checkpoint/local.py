@@ -1,0 +1,226 @@
+"""Local checkpoints: each process's own shards of the train state, saved often to fast local storage.
+
+Persistent checkpoints go to shared storage and are written rarely; a local checkpoint (``checkpoint.local_dir``,
+every ``checkpoint.local_every_steps``) holds only what this process has on its devices, on its own disk or
+``/dev/shm``, so it is quick to write and a crash costs the steps since it rather than since the last
+persistent step. Layout::
+
+    LOCAL_DIR/<run dir name>-<hash of its path>/process_<i>/<step>/shards.bin      every shard's bytes, one file
+                                                          /<step>/manifest.json   where each shard lies, its
+                                                                                   checksum, the step's meta
+
+A save copies the shards to host memory (the next call donates the state) and writes them in a background
+thread into ``<step>.tmp-<pid>/``, hashes the file (:mod:`functrain.checkpoint.checksum`), writes the
+manifest, syncs, and renames the directory to ``<step>``: a step is whole or absent. The newest ``keep``
+steps stay. A directory that cannot be written (permissions, a full disk) costs one warning; local saves stop
+for the run and the persistent checkpoints carry on.
+
+Which step a restart restores, and the transfer from a peer for a process whose copy is gone, are in
+:mod:`functrain.checkpoint.local_restore`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from functrain.checkpoint import checksum
+
+log = logging.getLogger("functrain.checkpoint")
+
+MANIFEST, DATA = "manifest.json", "shards.bin"
+
+# A shard's place in its array: (start, stop) per dimension.
+Index = tuple[tuple[int, int], ...]
+
+
+def run_key(run_dir: str | os.PathLike) -> str:
+    """The folder of a run under ``checkpoint.local_dir``: runs sharing a local disk never mix."""
+    path = Path(run_dir).absolute()
+    return f"{path.name}-{hashlib.sha256(str(path).encode()).hexdigest()[:12]}"
+
+
+def normalized(index: tuple[slice, ...], shape: tuple[int, ...]) -> Index:
+    """A shard's index as (start, stop) pairs (a full dimension's ``slice(None)`` included)."""
+    return tuple(part.indices(size)[:2] for part, size in zip(index, shape))
+
+
+def _shards(leaf: Any) -> dict[Index, Any]:
+    """The distinct shards of ``leaf`` this process holds (an array replicated on its devices counts once)."""
+    if not isinstance(leaf, jax.Array):
+        array = np.asarray(leaf)
+        return {tuple((0, size) for size in array.shape): array}
+    found: dict[Index, Any] = {}
+    for shard in leaf.addressable_shards:
+        found.setdefault(normalized(shard.index, leaf.shape), shard.data)
+    return found
+
+
+@dataclass(frozen=True)
+class LocalStep:
+    """A whole local step of this process: its manifest and where its data file is."""
+
+    step: int
+    path: Path
+    manifest: dict[str, Any]
+
+    def verified(self) -> bool:
+        """Whether the data file is there and matches its recorded checksum (one warning when not)."""
+        try:
+            if checksum.file_checksum(self.path / DATA) == self.manifest["checksum"]:
+                return True
+            problem = "checksum mismatch"
+        except OSError as error:
+            problem = error.strerror or str(error)
+        log.warning("functrain: warning: local checkpoint %s is damaged (%s); not restored", self.path, problem)
+        return False
+
+    def read(self) -> dict[tuple[int, Index], np.ndarray]:
+        """Every shard of the step: ``{(leaf number, index): array}`` (see :meth:`verified`)."""
+        leaves, raw = self.manifest["leaves"], (self.path / DATA).read_bytes()
+        shards = {}
+        for entry in self.manifest["shards"]:
+            leaf = leaves[entry["leaf"]]
+            index = tuple(tuple(pair) for pair in entry["index"])
+            array = np.frombuffer(
+                raw, jnp.dtype(leaf["dtype"]), count=int(np.prod([b - a for a, b in index])), offset=entry["offset"]
+            )
+            shards[(entry["leaf"], index)] = array.reshape([b - a for a, b in index])
+        return shards
+
+
+class LocalCheckpoints:
+    """This process's local checkpoints of one run (see the module).
+
+    Args:
+      local_dir: ``checkpoint.local_dir``.
+      run_dir: the run's (persistent) directory; names the run's folder under ``local_dir``.
+      keep: local steps kept (1 or 2).
+      history: when the run directory's history began (the time of its first ``start`` event), or None before it
+        has one: a local step written for another history of the same directory (deleted and started again) is
+        never restored.
+    """
+
+    def __init__(
+        self,
+        local_dir: str | os.PathLike,
+        run_dir: str | os.PathLike,
+        keep: int,
+        history: Callable[[], float | None],
+    ):
+        self.directory = Path(local_dir).absolute() / run_key(run_dir) / f"process_{jax.process_index()}"
+        self.keep, self._history = keep, history
+        self._history_started: float | None = None
+        self._writer: threading.Thread | None = None
+        self._failure: str | None = None
+        self.enabled = True
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            for leftover in self.directory.glob("*.tmp-*"):  # a write a crash cut short
+                shutil.rmtree(leftover, ignore_errors=True)
+        except OSError as error:
+            self._disable(f"{self.directory} cannot be created ({error.strerror or error})")
+
+    def history_started(self) -> float | None:
+        """When the run directory's history began (None before its first start)."""
+        if self._history_started is None:
+            self._history_started = self._history()
+        return self._history_started
+
+    def steps(self) -> list[LocalStep]:
+        """Whole local steps of this run's history, newest first (a step from another history is left out)."""
+        history, found = self.history_started(), []
+        for path in self.directory.glob("[0-9]*") if self.enabled and history is not None else ():
+            try:
+                manifest = json.loads((path / MANIFEST).read_text())
+            except (OSError, ValueError):
+                continue
+            if path.name.isdigit() and manifest.get("history_started") == history:
+                found.append(LocalStep(int(path.name), path, manifest))
+        return sorted(found, key=lambda local: -local.step)
+
+    def save(self, step: int, items: Any, meta: dict[str, Any]) -> None:
+        """Copy this process's shards of ``items`` to host memory and write them as ``step`` in the background."""
+        self.wait()
+        if not self.enabled:
+            return
+        leaves = jax.tree.leaves(items)
+        shards = [
+            (number, index, np.array(data, copy=True))  # a copy: the next call donates the device buffers
+            for number, leaf in enumerate(leaves)
+            for index, data in _shards(leaf).items()
+        ]
+        described = [{"shape": list(np.shape(leaf)), "dtype": str(leaf.dtype)} for leaf in leaves]
+        self._writer = threading.Thread(
+            target=self._write, args=(step, shards, described, meta), name="functrain-local-save", daemon=True
+        )
+        self._writer.start()
+
+    def wait(self) -> None:
+        """Wait for the write in flight; a failed one turns local saves off with one warning."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        if self._failure is not None:
+            self._disable(self._failure)
+            self._failure = None
+
+    def _disable(self, reason: str) -> None:
+        if self.enabled:
+            log.warning(
+                "functrain: warning: local checkpoint not written: %s; local checkpoints are off for this run, "
+                "persistent checkpoints carry on",
+                reason,
+            )
+        self.enabled = False
+
+    def _write(self, step: int, shards: list, leaves: list[dict], meta: dict[str, Any]) -> None:
+        tmp = self.directory / f"{step}.tmp-{os.getpid()}"
+        try:
+            tmp.mkdir(parents=True)
+            entries, offset = [], 0
+            with open(tmp / DATA, "wb") as data:
+                for number, index, array in shards:
+                    data.write(np.ascontiguousarray(array).tobytes())
+                    entries.append({"leaf": number, "index": [list(pair) for pair in index], "offset": offset})
+                    offset += array.nbytes
+                data.flush()
+                os.fsync(data.fileno())
+            manifest = {
+                "step": step,
+                "history_started": self.history_started(),
+                "leaves": leaves,
+                "shards": entries,
+                "checksum": checksum.file_checksum(tmp / DATA),
+                "algorithm": checksum.ALGORITHM,
+                "meta": meta,
+            }
+            with open(tmp / MANIFEST, "w") as f:
+                json.dump(manifest, f)
+                f.flush()
+                os.fsync(f.fileno())
+            target = self.directory / str(step)
+            if target.exists():  # the same step again (a resumed history): the new one replaces it
+                shutil.rmtree(target)
+            os.rename(tmp, target)  # the commit
+            descriptor = os.open(self.directory, os.O_RDONLY)
+            try:
+                os.fsync(descriptor)
+            finally:
+                os.close(descriptor)
+            for old in self.steps()[self.keep :]:
+                shutil.rmtree(old.path, ignore_errors=True)
+        except OSError as error:
+            shutil.rmtree(tmp, ignore_errors=True)
+            self._failure = f"step {step} in {self.directory} ({error.strerror or error})"
