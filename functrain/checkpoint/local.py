@@ -107,9 +107,9 @@ class LocalCheckpoints:
       local_dir: ``checkpoint.local_dir``.
       run_dir: the run's (persistent) directory; names the run's folder under ``local_dir``.
       keep: local steps kept (1 or 2).
-      history: when the run directory's history began (the time of its first ``start`` event), or None before it
-        has one: a local step written for another history of the same directory (deleted and started again) is
-        never restored.
+      history: when the run directory's current line of history began (its newest fresh start or rewind), or
+        None before it has one: a local step of another line (the directory deleted and started again, or rewound)
+        is never restored.
     """
 
     def __init__(
@@ -132,15 +132,9 @@ class LocalCheckpoints:
         except OSError as error:
             self._disable(f"{self.directory} cannot be created ({error.strerror or error})")
 
-    def history_started(self) -> float | None:
-        """When the run directory's history began (None before its first start)."""
-        if self._history_started is None:
-            self._history_started = self._history()
-        return self._history_started
-
     def steps(self) -> list[LocalStep]:
-        """Whole local steps of this run's history, newest first (a step from another history is left out)."""
-        history, found = self.history_started(), []
+        """Whole local steps of this run's line of history, newest first (a step of another line is left out)."""
+        history, found = self._history(), []
         for path in self.directory.glob("[0-9]*") if self.enabled and history is not None else ():
             try:
                 manifest = json.loads((path / MANIFEST).read_text())
@@ -155,6 +149,8 @@ class LocalCheckpoints:
         self.wait()
         if not self.enabled:
             return
+        if self._history_started is None:  # saves come after the session's start is recorded: read it once
+            self._history_started = self._history()
         leaves = jax.tree.leaves(items)
         shards = [
             (number, index, np.array(data, copy=True))  # a copy: the next call donates the device buffers
@@ -199,7 +195,7 @@ class LocalCheckpoints:
                 os.fsync(data.fileno())
             manifest = {
                 "step": step,
-                "history_started": self.history_started(),
+                "history_started": self._history_started,
                 "leaves": leaves,
                 "shards": entries,
                 "checksum": checksum.file_checksum(tmp / DATA),

@@ -47,8 +47,10 @@ def read_events(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 def history_started(run_dir: str | os.PathLike) -> float | None:
-    """When the run directory's history began: the time of its first ``start`` event (None before it has one)."""
-    return next((float(e["time"]) for e in read_events(run_dir) if e["event"] == "start" and "time" in e), None)
+    """When the run directory's current line of history began: the time of its newest ``start`` (a fresh start)
+    or ``rewind`` event; None before it has one."""
+    starts = [float(e["time"]) for e in read_events(run_dir) if e["event"] in ("start", "rewind") and "time" in e]
+    return starts[-1] if starts else None
 
 
 def _rounded(seconds: dict[str, float]) -> dict[str, float]:
