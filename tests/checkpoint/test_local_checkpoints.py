@@ -61,10 +61,10 @@ def test_the_newest_step_every_process_can_have_wins():
 
 
 def test_a_full_local_disk_is_one_warning_and_saving_stops(tmp_path, monkeypatch, caplog):
-    def disk_full(descriptor):
+    def disk_full(path, text):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(local_module.os, "fsync", disk_full)
+    monkeypatch.setattr(local_module.Path, "write_text", disk_full)  # the manifest, after the shards
     local = LocalCheckpoints(tmp_path, tmp_path / "run", keep=1, history=lambda: 1.0)
     with caplog.at_level(logging.WARNING):
         local.save(5, _state(), {})
