@@ -6,7 +6,8 @@ between its lines live here: ``{"event": "start" | "resume" | "rewind" | "progre
 (:mod:`functrain.run.goodput`) reads the seconds each session spent where: ``start``/``resume`` carry when the
 session started (its process's start, for the first ``fit`` of a process), where the start came from
 (``source``: local, peer or persistent) and, for a supervisor's restart, how the previous attempt ended;
-``progress`` (each train log step and save) and ``end`` carry the session's running totals.
+``progress`` (each save, and train log steps at most every :data:`PROGRESS_EVERY_S`) and ``end`` carry the
+session's running totals.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from functrain.run.callbacks import Callback, RunView
 from functrain.run.restarts import ENV_PREVIOUS_EXIT
 
 EVENTS_FILE = "events.jsonl"
+PROGRESS_EVERY_S = 30.0  # the most often a train log step writes a progress line
 
 
 def append_event(run_dir: str | os.PathLike, event: str, step: int, **details: Any) -> None:
@@ -63,6 +65,7 @@ class RunEvents(Callback):
 
     def __init__(self) -> None:
         self._startup = 0.0
+        self._last_progress = 0.0  # when the last progress line was written
 
     def on_train_begin(self, view: RunView) -> None:
         if not view.is_primary:
@@ -86,12 +89,15 @@ class RunEvents(Callback):
         self._startup = seconds["startup"]
 
     def _progress(self, view: RunView, event: str, step: int, **details: Any) -> None:
+        self._last_progress = time.time()
         if view.is_primary:
             seconds = {**view.time_spent, "startup": self._startup}
             append_event(view.run_dir, event, step, seconds=_rounded(seconds), **details)
 
     def on_log(self, view: RunView, split: str, step: int, metrics: dict[str, float]) -> None:
-        if split == "train":
+        # At most one line per PROGRESS_EVERY_S from log steps (saves always write one): a run that logs every
+        # step does not grow a line per step; a kill loses the time since the last line to "down" in the report.
+        if split == "train" and time.time() - self._last_progress >= PROGRESS_EVERY_S:
             self._progress(view, "progress", step)
 
     def on_save(self, view: RunView, step: int) -> None:

@@ -2,7 +2,7 @@
 
 While a session runs, :class:`TimeSpent` adds up the seconds the loop spends restoring, evaluating and saving,
 each without the compiling that happened inside it (compiling is its own bin, from JAX's monitoring events), and
-:class:`~functrain.run.events.RunEvents` writes the totals into ``events.jsonl`` at each log step, save and end.
+:class:`~functrain.run.events.RunEvents` writes the totals into ``events.jsonl`` at saves, log steps and the end.
 From those lines alone (a session killed with SIGKILL leaves its last ones), :func:`goodput_of` splits the wall
 time from the first process start to the last event into productive step time and what was lost:
 

@@ -252,12 +252,14 @@ class _Driver:
         if not self.is_primary:
             return
         if self.started.restored_step is not None:
+            source = self.started.source or "persistent"
             log.info(
-                "resumed from %s checkpoint %d (epoch %d, samples consumed %d)",
-                "a persistent" if self.started.source == "persistent" else f"a local ({self.started.source})",
+                "resumed from %scheckpoint %d (epoch %d, samples consumed %d%s)",
+                "" if source == "persistent" else "local ",
                 step,
                 self.run.sampler.epoch_of(position),
                 position,
+                f"; {source}" if source.startswith("peer") else "",
             )
         elif self.record.started_from is not None:
             log.info(

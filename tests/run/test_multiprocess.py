@@ -136,7 +136,7 @@ def test_a_killed_job_restarts_from_local_copies_and_a_peer_bitwise(runs, tmp_pa
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-3000:]
     assert (tmp_path / "killed").exists() and "the run ended with SIGKILL; restarting in 0s (restart 1 of 1)" in output
-    assert "resumed from a local (peer: process 1 from process 0) checkpoint 2" in output
+    assert "resumed from local checkpoint 2 (epoch 0, samples consumed 128; peer: process 1 from process 0)" in output
     assert "train step: compilation cache hit" in output  # the restart loaded its step, it did not compile it
     assert params_digest(load_params(run_dir)) == params_digest(load_params(runs["one_process"]))
     assert _metric_rows(run_dir) == _metric_rows(runs["one_process"])  # the killed attempt's lines too
