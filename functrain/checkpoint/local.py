@@ -14,9 +14,8 @@ thread into ``<step>.tmp-<pid>/`` with each shard's checksum (xxh3, of the bytes
 then renames the directory to ``<step>``: a step is whole or absent. Nothing is synced to the device: a local
 step guards against a process's death (the page cache outlives it), and a machine that crashes loses its local
 disk's newest writes, or its ``/dev/shm`` altogether; what a crash left half-written fails its checksums and is
-passed over. The newest ``keep``
-steps stay. A directory that cannot be written (permissions, a full disk) costs one warning; local saves stop
-for the run and the persistent checkpoints carry on.
+passed over. The newest ``keep`` steps stay. A directory that cannot be written (permissions, a full disk) costs
+one warning; local saves stop for the run and the persistent checkpoints carry on.
 
 Which step a restart restores, and the transfer from a peer for a process whose copy is gone, are in
 :mod:`functrain.checkpoint.local_restore`.
