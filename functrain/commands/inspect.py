@@ -119,8 +119,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step", type=int, default=None)
     parser.add_argument("--digest", action="store_true", help="print the SHA-256 of the parameters")
     parser.add_argument("--verify", action="store_true", help="read every array to find damaged checkpoints")
+    parser.add_argument(
+        "--goodput", action="store_true", help="productive step time and what was lost, from events.jsonl"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.goodput:
+        from functrain.run.goodput import goodput_report
+
+        if not Path(args.run_dir).is_dir():
+            raise CheckpointError(f"{args.run_dir} is not a directory; give the run directory of a run")
+        print(goodput_report(args.run_dir))
+        return 0
     print(inspect_report(args.run_dir, step=args.step, digest=args.digest, verify=args.verify))
     return 0

@@ -28,6 +28,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from functrain.errors import PLANNED_EXITS, ConfigError
+from functrain.parallel.launch_flags import without_flags
 
 ENV_COORDINATOR = "FUNCTRAIN_COORDINATOR"
 ENV_NUM_PROCESSES = "FUNCTRAIN_NUM_PROCESSES"
@@ -124,15 +125,7 @@ def _check_port(port: int) -> None:
 
 def strip_processes_flag(argv: list[str]) -> list[str]:
     """``argv`` without ``--processes N`` / ``--processes=N`` / ``--port P`` (the launcher's own flags)."""
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg in ("--processes", "--port"):
-            skip = True
-        elif not arg.startswith(("--processes=", "--port=")):
-            out.append(arg)
-    return out
+    return without_flags(argv, ("--processes", "--port"))
 
 
 def _tail(path: Path, lines: int = 20) -> str:

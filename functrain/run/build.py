@@ -26,6 +26,7 @@ import jax
 import numpy as np
 
 from functrain.checkpoint import Checkpointer
+from functrain.checkpoint.local import LocalCheckpoints
 from functrain.core.backend import Backend
 from functrain.core.fields import Fields, require_builtin, resolve_fields
 from functrain.core.program import ModelPieces, Program
@@ -38,9 +39,11 @@ from functrain.models.scan import fewer_groups_unrolled, scan_groups
 from functrain.parallel.capacity import check_state_fits
 from functrain.parallel.target import compiling_for
 from functrain.run.callbacks import Callback, CallbackList, EarlyStopping, EveryNSteps, MetricsWriter, ProgressBar
+from functrain.run.compile_cache import CompileReport, compile_seconds
+from functrain.run.compile_cache import enable as enable_compile_cache
 from functrain.run.config import Config
 from functrain.run.config_checks import likely_mistakes
-from functrain.run.events import RunEvents
+from functrain.run.events import RunEvents, history_started
 from functrain.run.mfu import SpeedReport, speed_report
 from functrain.run.parts import (
     Parts,
@@ -72,6 +75,7 @@ class Settings:
     best_metric: str | None  # checkpoint.best_metric when keep_best is on
     watched_metrics: tuple[tuple[str, str], ...]  # (key, metric) that early stopping / keep-best read
     evaluate_without_data: bool = False  # callbacks evaluate on their own (eval.harness_tasks) without eval data
+    local_every: int = 0  # checkpoint.local_every_steps (0: no local checkpoints)
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,10 @@ class Run:
     warnings: tuple[str, ...]
     # The task's hooks, run in order once the start is known and before any batch is read (see StartHook).
     start_hooks: tuple[StartHook, ...] = ()
+    # This process's local checkpoints (checkpoint.local_dir), opened with the checkpointer; None: none.
+    open_local_checkpoints: Callable[[], LocalCheckpoints | None] = lambda: None
+    # Seconds this process has compiled so far (the goodput report keeps compiling apart from what it interrupts).
+    compile_seconds: Callable[[], float] = lambda: 0.0
 
 
 def total_steps(config: Config, sampler: Order) -> int:
@@ -144,6 +152,7 @@ def loop_settings(config: Config, max_steps: int) -> Settings:
         best_metric=best_metric,
         watched_metrics=watched,
         evaluate_without_data=bool(config.eval.harness_tasks),
+        local_every=config.checkpoint.local_every_steps,
     )
 
 
@@ -361,7 +370,12 @@ def _profile_window(config: Config, max_steps: int) -> list[Callback]:
 
 
 def _callbacks(
-    config: Config, parts: Parts, trackers: list[Callback], extra: list[Callback], max_steps: int
+    config: Config,
+    parts: Parts,
+    trackers: list[Callback],
+    extra: list[Callback],
+    max_steps: int,
+    compile_cache: Path | None,
 ) -> CallbackList:
     """The built-in callbacks the config asks for, the user's, then the summary (it reads what the others
     wrote and closed)."""
@@ -370,6 +384,7 @@ def _callbacks(
         EveryNSteps(config.eval.every_steps, config.checkpoint.every_steps),
         MetricsWriter(tensorboard=tensorboard),
         RunEvents(),
+        *([CompileReport(compile_cache)] if config.backend == "jax" else []),
         *trackers,
         *_profile_window(config, max_steps),
     ]
@@ -425,6 +440,26 @@ def _initial_state(config: Config) -> Callable[[Backend], Any] | None:
     return functools.partial(initial_state_from, path)
 
 
+def _local_checkpoints(
+    config: Config, run_dir: Path, adapter_checkpoints: bool
+) -> Callable[[], LocalCheckpoints | None]:
+    """How the loop opens this process's local checkpoints (``checkpoint.local_dir``)."""
+    checkpoint = config.checkpoint
+    if checkpoint.local_dir is None:
+        return lambda: None
+    if adapter_checkpoints:
+        raise ConfigError(
+            "checkpoint.local_dir saves the whole state, a LoRA run's checkpoints its adapters; remove local_dir"
+        )
+    return functools.partial(
+        LocalCheckpoints,
+        checkpoint.local_dir,
+        run_dir,
+        checkpoint.local_keep,
+        functools.partial(history_started, run_dir),
+    )
+
+
 def build_run(
     config: Config,
     *,
@@ -438,6 +473,7 @@ def build_run(
 ) -> Run:
     """The Run of a resolved config, with any objects given in place of the config's (see
     :func:`functrain.fit` for what each may be)."""
+    compile_cache = enable_compile_cache(config.run.compile_cache) if config.backend == "jax" else None
     parts = build_parts(
         config,
         model=model,
@@ -498,6 +534,7 @@ def build_run(
         on_error=checkpoint.on_error,
         is_primary=backend.process_index == 0,
     )
+    open_local_checkpoints = _local_checkpoints(config, run_dir, pieces is not None and pieces.adapter_checkpoints)
     resume = ResumePolicy(
         run_dir,
         checkpoint.resume,
@@ -531,9 +568,11 @@ def build_run(
         backend=backend,
         open_checkpointer=open_checkpointer,
         adapter_checkpoints=pieces is not None and pieces.adapter_checkpoints,
-        callbacks=_callbacks(config, parts, trackers, callbacks or [], max_steps),
+        callbacks=_callbacks(config, parts, trackers, callbacks or [], max_steps, compile_cache),
         resume=resume,
         speed=speed,
         warnings=(*likely_mistakes(config, max_steps, has_eval_data=task_data.eval is not None), *task_data.notes),
         start_hooks=hooks,
+        open_local_checkpoints=open_local_checkpoints,
+        compile_seconds=compile_seconds if config.backend == "jax" else (lambda: 0.0),
     )

@@ -14,6 +14,7 @@ import os
 import re
 import types
 import typing
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
 import pydantic
@@ -42,9 +43,12 @@ MetricName = Annotated[str, pydantic.AfterValidator(_split_and_name)]
 
 
 class RunConfig(Section):
-    """``run.*``: where the run directory (config, metrics, TensorBoard, checkpoints) lives."""
+    """``run.*``: where the run directory (config, metrics, TensorBoard, checkpoints) lives, and the persistent
+    compilation cache (``compile_cache``: a directory; ``auto``: one per host under the user's cache directory;
+    null: none; see :mod:`functrain.run.compile_cache`)."""
 
     dir: str = "runs/default"
+    compile_cache: str | None = "auto"
 
 
 # What the run's config records for an object passed to fit (model, data name, optimizer name).
@@ -238,7 +242,9 @@ class TrainConfig(Section):
 
 class CheckpointConfig(Section):
     """``checkpoint.*``: save interval, retention (latest ``keep`` plus best ``keep_best`` by
-    ``best_metric``), which checkpoint to resume from, async saves and what a failed save does."""
+    ``best_metric``), which checkpoint to resume from, async saves and what a failed save does; local
+    checkpoints (``local_dir``, every ``local_every_steps``, ``local_keep`` of them: see
+    :mod:`functrain.checkpoint.local`)."""
 
     every_steps: int = Field(0, ge=0)  # 0: only at the end (and on SIGTERM)
     keep: int = Field(3, ge=1)
@@ -248,6 +254,9 @@ class CheckpointConfig(Section):
     resume: Literal["auto", "never"] | Annotated[int, Field(ge=0)] = "auto"
     async_save: bool = True
     on_error: Literal["stop", "warn"] = "stop"
+    local_dir: str | None = None
+    local_every_steps: int = Field(0, ge=0)
+    local_keep: int = Field(1, ge=1, le=2)
 
     @pydantic.field_validator("resume", mode="before")
     @classmethod
@@ -538,12 +547,14 @@ class RunSections(Section):
             ("log.every_steps", self.log.every_steps),
             ("eval.every_steps", self.eval.every_steps),
             ("checkpoint.every_steps", self.checkpoint.every_steps),
+            ("checkpoint.local_every_steps", self.checkpoint.local_every_steps),
         ):
             if every and every % k:
                 raise ValueError(
                     f"{key}={every} is not a multiple of train.steps_per_call={k}: intervals fall "
                     f"on call boundaries; use a multiple of {k} for {key}"
                 )
+        self._check_local_checkpoints()
         from functrain.data.loader import batch_split_problem
 
         problem = batch_split_problem(self.data.global_batch_size, self.train.micro_batches)
@@ -564,6 +575,30 @@ class RunSections(Section):
                 f"step is always compiled); remove it or set backend=torch"
             )
         return self
+
+    def _check_local_checkpoints(self) -> None:
+        checkpoint = self.checkpoint
+        if checkpoint.local_every_steps and not checkpoint.local_dir:
+            raise ValueError(
+                "checkpoint.local_every_steps needs checkpoint.local_dir (a directory on fast local storage, "
+                "e.g. /dev/shm/functrain); set it or remove local_every_steps"
+            )
+        if checkpoint.local_dir is None:
+            return
+        if not checkpoint.local_every_steps:
+            raise ValueError(
+                "checkpoint.local_dir needs checkpoint.local_every_steps (how often to save locally); set it "
+                "or remove local_dir"
+            )
+        local, run_dir = Path(checkpoint.local_dir).absolute(), Path(self.run.dir).absolute()
+        if local == run_dir or run_dir in local.parents:
+            raise ValueError(
+                f"checkpoint.local_dir={checkpoint.local_dir!r} is inside run.dir={self.run.dir!r}: local "
+                f"checkpoints belong on each machine's own fast storage (a local disk or /dev/shm), apart from "
+                f"the persistent run directory; choose a directory outside it"
+            )
+        if self.backend != "jax":
+            raise ValueError("checkpoint.local_dir saves the JAX state's shards; set backend=jax or remove it")
 
     def section(self, task: str) -> Any:
         """The config section of task ``task``."""

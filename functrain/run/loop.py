@@ -24,6 +24,7 @@ import logging
 from collections import deque
 from typing import Any
 
+from functrain.checkpoint.local import LocalCheckpoints
 from functrain.checkpoint.lora_saves import AdapterSaves
 from functrain.data import BatchLoader
 from functrain.errors import ConfigError
@@ -31,6 +32,7 @@ from functrain.run.build import Run
 from functrain.run.call_metrics import CallMetrics
 from functrain.run.callbacks import Control
 from functrain.run.config_checks import check_metric_logged
+from functrain.run.goodput import session_time_spent
 from functrain.run.lock import RunLock
 from functrain.run.outcome import FitResult, StopKind, skipped_report
 from functrain.run.resume import Start, describe_source, write_run_config
@@ -52,12 +54,17 @@ class _Driver:
         self.is_primary = self.backend.process_index == 0
         # Where the run stands: written here only; callbacks read it through the view.
         self.record = RunRecord(
-            config=run.config, run_dir=run.run_dir, max_steps=self.settings.max_steps, is_primary=self.is_primary
+            config=run.config,
+            run_dir=run.run_dir,
+            max_steps=self.settings.max_steps,
+            is_primary=self.is_primary,
+            time_spent=session_time_spent(run.compile_seconds),
         )
         self.view = RunView(self.record)
         self.metrics = CallMetrics(run, self.record, self.view)
         self.signals = StopSignals()
         self.checkpointer: Any = None
+        self.local: LocalCheckpoints | None = None  # checkpoint.local_dir
         self.adapter_saves: AdapterSaves | None = None
         self.start: Start | None = None
         self.last_meta: dict[str, Any] | None = None
@@ -85,10 +92,13 @@ class _Driver:
             if failure is not None:
                 raise failure
             self.checkpointer = self.run.open_checkpointer()
+            self.local = self.run.open_local_checkpoints()
             if self.run.adapter_checkpoints:
                 self.adapter_saves = AdapterSaves(self.checkpointer)
             yield
         finally:
+            if self.local is not None:
+                self.local.wait()
             if self.checkpointer is not None:
                 # Finish (or clean up) a save in flight before the directory is let go, without letting that
                 # hide an error being raised.
@@ -118,6 +128,10 @@ class _Driver:
         (``on_evaluate``), each logged under its split."""
         if self.run.eval_loader is None and not self.settings.evaluate_without_data:
             return Control()
+        with self.record.time_spent.measure("eval"):
+            return self._evaluate(state)
+
+    def _evaluate(self, state: Any) -> Control:
         metrics = self.eval_metrics(state, self.run.eval_loader()) if self.run.eval_loader is not None else {}
         record, callbacks = self.record, self.run.callbacks
         self.last_eval_step = record.step
@@ -154,14 +168,13 @@ class _Driver:
         self.record.last_metrics["eval"] = metrics
         return metrics
 
-    def save(self, state: Any, step: int, position: int) -> None:
-        if step == self.last_saved_step or not self.backend.writes_checkpoints:
-            return
+    def checkpoint_meta(self, step: int, position: int) -> dict[str, Any]:
+        """The meta of a checkpoint of ``step``: its data position, this run's record, the metrics it reached."""
         metrics = dict(self.record.last_metrics)
         if self.last_eval_step != step:
             # Stale eval metrics would let a never-evaluated step outrank the evaluated one (keep-best).
             metrics = {"train": metrics["train"]} if "train" in metrics else {}
-        meta = self.run.resume.meta(
+        return self.run.resume.meta(
             step,
             self.run.sampler,
             position,
@@ -171,8 +184,20 @@ class _Driver:
             self.backend,
             self.started.started_from,
         )
+
+    def save_local(self, state: Any, step: int, position: int) -> None:
+        """Save this process's shards of ``state`` to its local checkpoints (written in the background)."""
+        assert self.local is not None
+        with self.record.time_spent.measure("save"):
+            self.local.save(step, self.backend.state_to_items(state), self.checkpoint_meta(step, position))
+
+    def save(self, state: Any, step: int, position: int) -> None:
+        if step == self.last_saved_step or not self.backend.writes_checkpoints:
+            return
+        meta = self.checkpoint_meta(step, position)
         saver = self.adapter_saves or self.checkpointer
-        saver.save(step, self.backend.state_to_items(state), meta)
+        with self.record.time_spent.measure("save"):
+            saver.save(step, self.backend.state_to_items(state), meta)
         self.last_meta, self.last_saved_step = meta, step
         self.run.callbacks.fire("on_save", self.view, step)
 
@@ -206,10 +231,14 @@ class _Driver:
     # -- the loop ----------------------------------------------------------------------------------------------
     def begin(self) -> tuple[Any, int, int]:
         """Restore or initialise; write the run's config once the start is known to be good."""
-        self.start = self.run.resume.start(self.checkpointer, self.backend, self.run.sampler, self.adapter_saves)
+        with self.record.time_spent.measure("restore"):  # or initialise
+            self.start = self.run.resume.start(
+                self.checkpointer, self.backend, self.run.sampler, self.adapter_saves, self.local
+            )
+        self.record.restore_source = self.start.source
         self.last_meta = self.start.meta
-        if self.start.restored_step is not None:
-            self.last_saved_step = self.start.restored_step
+        if self.start.source == "persistent" and self.start.restored_step is not None:
+            self.last_saved_step = self.start.restored_step  # a step from local copies is saved persistently again
         state, position = self.start.state, self.start.position
         step = self.backend.step_of(state)
         self.record.start_step = step
@@ -223,11 +252,14 @@ class _Driver:
         if not self.is_primary:
             return
         if self.started.restored_step is not None:
+            source = self.started.source or "persistent"
             log.info(
-                "resumed from checkpoint %d (epoch %d, samples consumed %d)",
+                "resumed from %scheckpoint %d (epoch %d, samples consumed %d%s)",
+                "" if source == "persistent" else "local ",
                 step,
                 self.run.sampler.epoch_of(position),
                 position,
+                f"; {source}" if source.startswith("peer") else "",
             )
         elif self.record.started_from is not None:
             log.info(
@@ -281,18 +313,21 @@ class _Driver:
                     stop_reason="another process asked to stop (a signal or a callback)",
                 )
             control = dataclasses.replace(control, should_stop=stop, should_save=save, should_evaluate=evaluate)
-        if control.should_evaluate or control.should_save or control.should_stop:
+        local_due = self.local is not None and self.settings.local_every and step % self.settings.local_every == 0
+        if control.should_evaluate or control.should_save or control.should_stop or local_due:
             control = control.merge(self.metrics.finish_all(in_flight))
         if control.should_evaluate:
             control = control.merge(self.evaluate(state))
         if control.should_save:
             self.save(state, step, position)
+        elif local_due:
+            self.save_local(state, step, position)
         return control
 
     def train(self) -> FitResult:
         state, step, position = self.begin()
         max_steps, steps_per_call = self.settings.max_steps, self.settings.steps_per_call
-        if self.started.restored_step is not None and step >= max_steps:
+        if self.started.source == "persistent" and step >= max_steps:
             # Rerunning a finished job leaves its directory as it was: no config, metrics or event files.
             self.stopped(
                 StopKind.ALREADY_FINISHED, f"already finished (train.max_steps={max_steps}: raise it to train further)"
@@ -336,7 +371,8 @@ class _Driver:
         if finished and self.last_eval_step != step:
             self.evaluate(state)
         self.save(state, step, position)
-        self.checkpointer.close()  # waits for the last save and surfaces its failure
+        with self.record.time_spent.measure("save"):
+            self.checkpointer.close()  # waits for the last save and surfaces its failure
         if finished:
             callbacks.fire("on_epoch_end", self.view)
         if not finished:

@@ -19,6 +19,8 @@ from typing import Any, Callable
 import yaml
 
 from functrain.checkpoint import list_checkpoints
+from functrain.checkpoint.local import LocalCheckpoints
+from functrain.checkpoint.local_restore import restore_local
 from functrain.core.backend import Backend
 from functrain.data import check_resume, data_meta, resume_position
 from functrain.data.kinds import Order
@@ -36,6 +38,7 @@ class Start:
     position_jump: dict[str, int] | None = None  # where skip_samples/ignore_skip moved the data
     # The run whose weights this one began with (train.init_from): {"run", "step"}, kept in every checkpoint's meta.
     started_from: dict[str, Any] | None = None
+    source: str | None = None  # where the restored step came from: local, peer or persistent (None: fresh)
 
 
 @dataclass(frozen=True)
@@ -101,16 +104,32 @@ class ResumePolicy:
                 f"optimizer.name={saved_optimizer} or use a new run.dir"
             )
 
-    def start(self, checkpointer: Any, backend: Backend, sampler: Order, adapter_saves: Any = None) -> Start:
-        """The starting state and data position: from the checkpoint the request names, or fresh."""
+    def start(
+        self,
+        checkpointer: Any,
+        backend: Backend,
+        sampler: Order,
+        adapter_saves: Any = None,
+        local: LocalCheckpoints | None = None,
+    ) -> Start:
+        """The starting state and data position: from the checkpoint the request names (with ``auto``, a step
+        of the local checkpoints when one is at least as new as the newest persistent step), or fresh."""
         request = self.effective_request()
         self.check_saved_run_fits(request)
-        restored = checkpointer.restore(backend.restore_targets(), step=request)
+        restored: tuple[dict, dict, int] | None = None
+        source = "persistent"
+        if local is not None and request == "auto":
+            whole = [info.step for info in list_checkpoints(self.run_dir, verify=False) if info.whole]
+            from_local = restore_local(local, backend.restore_targets(), whole[-1] if whole else None)
+            if from_local is not None:
+                restored, source = from_local[:3], from_local[3]
+        if restored is None:
+            restored = checkpointer.restore(backend.restore_targets(), step=request)
         if restored is None:
             fresh = resume_position(None, self.ignore_skip, self.skip_samples)
             if self.initial_state is not None:
-                state, source = self.initial_state(backend)
-                return Start(state, fresh, started_from=source)
+                state, weights_from = self.initial_state(backend)
+                return Start(state, fresh, started_from=weights_from)
             return Start(backend.init_state(), fresh)
         items, meta, step = restored
         if adapter_saves is not None:
@@ -126,7 +145,7 @@ class ResumePolicy:
         sampler.restore(None if ignore_skip else meta, position)
         saved_position = int(meta.get("samples_consumed", 0))
         jump = {"step": step, "from": saved_position, "to": position} if position != saved_position else None
-        return Start(state, position, meta, step, jump, meta.get("started_from"))
+        return Start(state, position, meta, step, jump, meta.get("started_from"), source)
 
     def meta(
         self,

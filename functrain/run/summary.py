@@ -2,7 +2,8 @@
 
 ``RunSummary`` writes ``RUN_DIR/plot.png`` (``log.plot``) and then logs: steps and stop reason, wall time of
 this session, samples and tokens seen, the last and best eval metrics over the run's whole history
-(``metrics.jsonl``, resumes included), the checkpoints kept, and where the plot and the samples are.
+(``metrics.jsonl``, resumes included), the goodput of the whole run (``events.jsonl``), the checkpoints kept,
+and where the plot and the samples are.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ def summary_lines(
     """The summary of a finished (or stopped) run, one fact per line (``tokens_per_sample``: a language
     model's sequence length, for the tokens seen)."""
     from functrain.checkpoint import layout
+    from functrain.run.events import read_events
+    from functrain.run.goodput import goodput_lines, goodput_of
     from functrain.run.samples import SAMPLES_FILE, last_samples
 
     seen = f"{view.samples_consumed:,} samples"
@@ -72,6 +75,9 @@ def summary_lines(
     if view.started_from is not None:
         lines.append(f"  started from the weights of {view.started_from} (train.init_from)")
     lines += [f"  {line}" for line in eval_lines(view.run_dir)]
+    goodput = goodput_of(read_events(view.run_dir))
+    if goodput.sessions:
+        lines += [f"  {line}" for line in goodput_lines(goodput)]
     kept = layout.committed_steps(layout.checkpoints_dir(view.run_dir))
     lines.append(f"  checkpoints kept: {', '.join(map(str, kept)) if kept else 'none'}")
     if plot_path is not None:

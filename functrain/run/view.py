@@ -13,6 +13,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping, NoReturn
 
+from functrain.run.goodput import TimeSpent
 from functrain.run.outcome import StopKind
 
 
@@ -33,6 +34,8 @@ class RunRecord:
     stop_reason: str | None = None
     last_metrics: dict[str, dict[str, float]] = field(default_factory=dict)
     state: Any = None  # the train state during on_evaluate, else None (the next call donates it)
+    time_spent: TimeSpent = field(default_factory=lambda: TimeSpent(lambda: 0.0))  # restore, eval, save, compile
+    restore_source: str | None = None  # where the start came from: local, peer or persistent (None: fresh)
 
 
 class RunView:
@@ -117,6 +120,24 @@ class RunView:
         return MappingProxyType(
             {split: MappingProxyType(metrics) for split, metrics in self._record.last_metrics.items()}
         )
+
+    @property
+    def time_spent(self) -> Mapping[str, float]:
+        """Seconds this session spent restoring, evaluating, saving and compiling so far (see
+        :mod:`functrain.run.goodput`)."""
+        return MappingProxyType(self._record.time_spent.totals())
+
+    @property
+    def session_started(self) -> float:
+        """When this session began (seconds since the epoch): its process's start, for the first ``fit`` of a
+        process."""
+        return self._record.time_spent.started
+
+    @property
+    def restore_source(self) -> str | None:
+        """Where this session's start came from: ``local`` (this process's local checkpoint), ``peer`` (a
+        process's local checkpoint sent from another), ``persistent``; None for a fresh start."""
+        return self._record.restore_source
 
     @property
     def state(self) -> Any:

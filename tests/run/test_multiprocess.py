@@ -2,7 +2,8 @@
 
 Two processes with one CPU device each must compute exactly what one process with two devices computes
 (same mesh, same data order; a sum of two partial sums is the same in either order), so the parameter
-digests are equal bit for bit. Only process 0 writes metrics.
+digests are equal bit for bit. Only process 0 writes metrics. A 2-process job killed after a local save and
+restarted by the supervisor (``--restarts``), one process's local copy gone, ends with the same digest too.
 """
 
 import json
@@ -92,3 +93,54 @@ def test_sigterm_to_the_launcher_saves_on_every_process_and_exits_for_a_rerun(tm
     steps = [int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()]
     assert len(steps) == 1 and 0 < steps[0] < 100000
     assert params_digest(load_params(run_dir)) is not None
+
+
+# Loaded by every interpreter of the job (PYTHONPATH): in the first attempt of a training process, the first
+# local save waits for its write, deletes this process's local directory when FT_LOSE names it, and SIGKILLs it.
+KILL_AFTER_LOCAL_SAVE = """
+import os, sys
+marker = os.environ.get("FT_MARKER", "")
+if marker and "--restarts" not in sys.argv and "--processes" not in sys.argv and not os.path.exists(marker):
+    import shutil, signal
+    from functrain.checkpoint import local
+    real_save = local.LocalCheckpoints.save
+    def save(self, *args, **kwargs):
+        real_save(self, *args, **kwargs)
+        self.wait()
+        if self.directory.name == os.environ["FT_LOSE"]:
+            shutil.rmtree(self.directory)
+        open(marker, "a").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+    local.LocalCheckpoints.save = save
+"""
+
+
+def test_a_killed_job_restarts_from_local_copies_and_a_peer_bitwise(runs, tmp_path):
+    """Killed after its local save of step 2 (no persistent step yet), process 1's local directory deleted (a
+    replaced VM): the supervisor restarts both processes; process 0 restores its own copy, process 1 receives its
+    shards from process 0 (a data-parallel replica), the train step is a compilation cache hit, and the run ends
+    bitwise equal to the uninterrupted ones."""
+    from functrain.checkpoint.local import run_key
+    from functrain.run.goodput import goodput_report
+
+    hook, run_dir, local_dir = tmp_path / "hook", tmp_path / "run", tmp_path / "local"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(KILL_AFTER_LOCAL_SAVE)
+    env = cli_env(FT_MARKER=str(tmp_path / "killed"), FT_LOSE="process_1")
+    env["PYTHONPATH"] = f"{hook}:{env['PYTHONPATH']}"
+    proc = subprocess.run(
+        [sys.executable, "-m", "functrain", "train", "configs/mlp_digits.yaml", f"run.dir={run_dir}", *OVERRIDES,
+         f"checkpoint.local_dir={local_dir}", "checkpoint.local_every_steps=2", "--processes", "2",
+         "--restarts", "1", "--restart-delay", "0"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-3000:]
+    assert (tmp_path / "killed").exists() and "the run ended with SIGKILL; restarting in 0s (restart 1 of 1)" in output
+    assert "resumed from local checkpoint 2 (epoch 0, samples consumed 128; peer: process 1 from process 0)" in output
+    assert "train step: compilation cache hit" in output  # the restart loaded its step, it did not compile it
+    assert params_digest(load_params(run_dir)) == params_digest(load_params(runs["one_process"]))
+    assert _metric_rows(run_dir) == _metric_rows(runs["one_process"])  # the killed attempt's lines too
+    report = goodput_report(run_dir)
+    assert "session 2, restarted after SIGKILL: resumed from step 2 (peer: process 1 from process 0)" in report
+    for process in (0, 1):  # each holds the newest step again, and only it (checkpoint.local_keep: 1)
+        assert [p.name for p in (local_dir / run_key(run_dir) / f"process_{process}").iterdir()] == ["4"]
