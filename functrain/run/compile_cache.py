@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -91,6 +92,9 @@ def enable(setting: str | None) -> Path | None:
     import jax
 
     compile_counts()  # count from here on
+    # A cache entry that cannot be written (a full disk) costs a compile on the next start, nothing more; JAX's
+    # warning about it would read as the run's failure beside the one line the run's own error gets.
+    warnings.filterwarnings("ignore", message="Error writing persistent compilation cache entry")
     configured = jax.config.values["jax_compilation_cache_dir"]
     if setting is None or (setting == DEFAULT and configured):
         return Path(configured) if configured and jax.config.values["jax_enable_compilation_cache"] else None

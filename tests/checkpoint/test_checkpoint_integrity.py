@@ -200,12 +200,13 @@ runpy.run_module("functrain", run_name="__main__")
 
 
 def test_a_full_disk_during_an_async_save_is_one_line_and_keeps_the_checkpoints(trained):
-    # No compilation cache: its writes would hit the file-size limit too and print a warning of their own.
-    no_cache_env = {key: value for key, value in cli_env().items() if key != "JAX_COMPILATION_CACHE_DIR"}
+    # The compilation cache's writes (to a cache of its own: every entry is new) hit the file-size limit too:
+    # they must not add a line of their own.
     run_dir = _copy(trained, "full_disk")
     before = snapshot(run_dir / "checkpoints")
     proc = subprocess.run([sys.executable, "-c", _LIMITED_CLI, "train", CONFIG, f"run.dir={run_dir}", *TINY,
-                           "train.max_steps=60"], capture_output=True, text=True, env=no_cache_env, timeout=300)
+                           "train.max_steps=60", f"run.compile_cache={run_dir.parent / 'full_disk_cache'}"],
+                          capture_output=True, text=True, env=cli_env(), timeout=300)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.splitlines()
     # Before it: the run's own start-up lines only; no tracebacks from Orbax's or tensorstore's threads.
