@@ -5,11 +5,11 @@ set -e
 py="$1"
 if "$py" -c "import torch" 2>/dev/null; then exit 0; fi
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
-    exec "$py" -m pip install --quiet "torch>=2.11,<2.14"
+    exec "$py" -m pip install --quiet --no-compile "torch>=2.11,<2.14"
 fi
 # A local CPU wheel (pip's find-links) is taken as is; otherwise ask PyTorch's CPU index.
 if "$py" -m pip download --quiet --no-deps --no-index --dest /tmp/functrain-torch-probe "torch==2.13.0" >/dev/null 2>&1; then
-    exec "$py" -m pip install --quiet "torch==2.13.0"
+    exec "$py" -m pip install --quiet --no-compile "torch==2.13.0"
 fi
-exec "$py" -m pip install --quiet "torch>=2.11,<2.14" --index-url https://download.pytorch.org/whl/cpu \
+exec "$py" -m pip install --quiet --no-compile "torch>=2.11,<2.14" --index-url https://download.pytorch.org/whl/cpu \
     --extra-index-url https://pypi.org/simple
