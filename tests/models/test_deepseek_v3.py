@@ -148,3 +148,25 @@ def test_killed_run_resumes_bitwise_with_the_bias_update(tmp_path, capsys):
     path.write_text(yaml.safe_dump(config))
     assert main(["verify-resume", str(path), "--steps", "4", "eval.every_steps=0"]) == 0
     assert capsys.readouterr().out.startswith("PASS")
+
+
+def test_preference_training_moves_the_bias_too():
+    """DPO on DeepSeek-V3 (a frozen reference copy in the model state): the step applies the bias update from the
+    policy's counts, as a causal-LM step does, and keeps the reference."""
+    from functrain.tasks.preference.loss import REFERENCE, PreferenceSettings
+    from functrain.tasks.preference.task import preference_program_of
+
+    rows = np.random.default_rng(4).integers(0, VOCAB, (4, 9))
+    mask = np.ones((4, 9), np.float32)
+    batch = {"chosen": rows[:2], "rejected": rows[2:], "chosen_mask": mask[:2], "rejected_mask": mask[2:],
+             "weight": np.ones(2, np.float32)}
+    config = model_config_class("deepseek_v3").model_validate(BALANCED)
+    program = preference_program_of(build_model(config), batch, PreferenceSettings("sigmoid"))
+    params, model_state = program.init(jax.random.PRNGKey(0))
+    tx = trainable_only(optax.sgd(1e-2), program.trainable(params))
+    step = jax.jit(make_train_step(program.loss_fn, tx, stateful=True, trainable=program.trainable(params),
+                                   end_of_step=program.end_of_step))  # fmt: skip
+    state, _ = step(TrainState.create(params, tx, jax.random.PRNGKey(1), model_state), batch)
+    (bias,) = _biases(state.params).values()
+    assert np.abs(np.asarray(bias)).max() == pytest.approx(0.01)  # one step of the update
+    assert not _biases(state.model_state[REFERENCE])[next(iter(_biases(state.params)))].any()  # the start's

@@ -238,6 +238,7 @@ def preference_program(
     trainable: Callable | None = None,
     complete_params: Callable | None = None,
     precompute_reference: bool = False,
+    end_of_step: Callable | None = None,
 ) -> Any:
     """The :class:`~functrain.core.program.Program` of a model's pieces trained on preference pairs.
 
@@ -251,8 +252,11 @@ def preference_program(
     Otherwise, without ``reference_apply``, a frozen copy of the starting weights sits in the model state under
     ``reference``: never differentiated nor seen by the optimizer, sharded like the params, checkpointed with
     the state, and set to the loaded weights when a run starts from a converted checkpoint. Reference-free
-    losses hold none."""
+    losses hold none. ``end_of_step`` is the model's (DeepSeek-V3's correction-bias update), run after every
+    step whatever the reference."""
     from functrain.core.program import Program
+
+    kept = dict(trainable=trainable, complete_params=complete_params, end_of_step=end_of_step)  # the model's pieces
 
     def inner(model_state):
         return {name: value for name, value in model_state.items() if name != REFERENCE}
@@ -266,8 +270,7 @@ def preference_program(
             preference_loss(apply, None, settings, True),
             preference_loss(apply, None, settings, False),
             logical_specs,
-            trainable=trainable,
-            complete_params=complete_params,
+            **kept,
         )
     if precompute_reference:  # the batches carry them (see precomputed_reference_logps)
         return Program(
@@ -275,8 +278,7 @@ def preference_program(
             preference_loss(apply, carried_reference_logps, settings, True),
             preference_loss(apply, carried_reference_logps, settings, False),
             logical_specs,
-            trainable=trainable,
-            complete_params=complete_params,
+            **kept,
         )
     if reference_apply is not None:
         reference_logps = forward_reference_logps(reference)
@@ -285,8 +287,7 @@ def preference_program(
             preference_loss(apply, reference_logps, settings, True),
             preference_loss(apply, reference_logps, settings, False),
             logical_specs,
-            trainable=trainable,
-            complete_params=complete_params,
+            **kept,
         )
 
     def init_with_reference(rng):
@@ -311,8 +312,7 @@ def preference_program(
         preference_loss(apply_policy, frozen_logps, settings, True),
         preference_loss(apply_policy, frozen_logps, settings, False),
         logical_specs,
-        trainable=trainable,
-        complete_params=complete_params,
+        **kept,
         state_for_params=state_for_params,
     )
 
