@@ -25,8 +25,9 @@ def mesh_config(data=-1, fsdp=1, tensor=1, rules=None, allow_replicated_fallback
 
 def test_mesh_shape_fills_the_minus_one_axis():
     assert sharding.resolve_mesh_shape(mesh_config(data=-1, fsdp=2, tensor=2), 8) == \
-        {"data": 2, "fsdp": 2, "tensor": 2}
-    assert sharding.resolve_mesh_shape(mesh_config(data=1, fsdp=-1), 8) == {"data": 1, "fsdp": 8, "tensor": 1}
+        {"data": 2, "fsdp": 2, "expert": 1, "tensor": 2}
+    assert sharding.resolve_mesh_shape(mesh_config(data=1, fsdp=-1), 8) == \
+        {"data": 1, "fsdp": 8, "expert": 1, "tensor": 1}
 
 
 def test_mesh_product_mismatch_names_device_count_and_a_fitting_mesh():
@@ -202,8 +203,8 @@ def test_describe_shows_mesh_largest_params_and_bytes(device_results):
 
 def test_tensor_and_batch_shardings(device_results):
     assert device_results["tp_attn_out"] == "P('tensor', None, 'fsdp')"
-    assert device_results["batch_spec"] == "P(None, ('data', 'fsdp'))"
-    assert device_results["batch_spec_flat"] == "P(('data', 'fsdp'),)"
+    assert device_results["batch_spec"] == "P(None, ('data', 'fsdp', 'expert'))"
+    assert device_results["batch_spec_flat"] == "P(('data', 'fsdp', 'expert'),)"
     assert device_results["batch_devices"] == 4
     assert device_results["constrained_spec"].startswith("P(('data', 'fsdp')")
 
