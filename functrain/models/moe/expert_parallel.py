@@ -33,7 +33,6 @@ class Route(NamedTuple):
     sent: Array  # rows this device sent each device
     received: Array  # rows each device sent this one
     received_at: Array  # where each source's rows start in this device's receive buffer
-    left_from: Array  # where this device's rows for each destination start in its own sorted rows
     returned_to: Array  # where this device's rows from each source go back to in that source's sorted rows
     order: Array  # the sort of the receive buffer by local expert
     rows: int  # N, the rows each device sorted
@@ -71,7 +70,7 @@ def gathered_all_to_all(
 
 
 def _transfer(target: str) -> Callable[..., Array]:
-    return jax.lax.ragged_all_to_all if target in ("tpu", "gpu", "cuda", "rocm") else gathered_all_to_all
+    return jax.lax.ragged_all_to_all if target in ("tpu", "gpu") else gathered_all_to_all
 
 
 def send_to_experts(
@@ -94,7 +93,8 @@ def send_to_experts(
     repeats = jnp.concatenate([counts.reshape(-1), (buffer.shape[0] - counts.sum()).reshape(1)])
     row_experts = jnp.repeat(labels, repeats, total_repeat_length=buffer.shape[0])
     order = jnp.argsort(row_experts, stable=True)
-    route = Route(sent, received, received_at, left_from, returned_to, order, rows.shape[0])
+    route = Route(sent, received, received_at, returned_to, order, rows.shape[0])
+    # The padding's label clipped to a real expert: its rows are never sent back, but a bias is looked up for them.
     return arrived[order], counts.sum(0), jnp.minimum(row_experts[order], local_experts - 1), route
 
 

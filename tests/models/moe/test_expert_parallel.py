@@ -30,10 +30,26 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("expert_parallel")
     dirs = {name: str(root / name) for name in [*MESHES, "single"]}
     run_python(f"""
+        import json
+        import jax, jax.numpy as jnp, numpy as np
+        from jax.sharding import NamedSharding, PartitionSpec
         import functrain
+        from functrain.models.moe.expert_parallel import gathered_all_to_all
+
+        # jax.lax.ragged_all_to_all's documented example, on 2 devices.
+        args = [[[1, 2, 2], [3, 4, 0]], [[0] * 4] * 2, [[0, 1]] * 2, [[1, 2], [1, 1]], [[0, 0], [1, 2]],
+                [[1, 1], [2, 1]]]
+        mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+        exchange = jax.shard_map(lambda *a: gathered_all_to_all(*(b[0] for b in a), axis_name="x")[None],
+                                 mesh=mesh, in_specs=PartitionSpec("x"), out_specs=PartitionSpec("x"))
+        result = exchange(*(jax.device_put(np.array(a, np.int32), NamedSharding(mesh, PartitionSpec('x')))
+                            for a in args))
+        with open({str(root / "exchange.json")!r}, "w") as out:
+            json.dump(np.asarray(result).tolist(), out)
         for name, mesh in {MESHES!r}.items():
             functrain.fit("configs/moe_char.yaml", **{{"run.dir": {dirs!r}[name], **{TINY!r}, **mesh}})
     """, devices=8)
+    dirs["exchange"] = str(root / "exchange.json")
     fit("configs/moe_char.yaml", **{"run.dir": dirs["single"], **TINY, "mesh.data": 1})
     return dirs
 
@@ -43,6 +59,12 @@ def test_expert_parallel_training_matches_one_device(runs, mesh):
     reference = load_params(runs["single"], step=3)
     assert max_abs_diff(reference, load_params(runs[mesh], step=3)) <= TOLERANCE
     assert max(abs(a - b) for a, b in zip(_losses(runs["single"]), _losses(runs[mesh]), strict=True)) <= TOLERANCE
+
+
+def test_the_cpu_exchange_is_ragged_all_to_all(runs):
+    """gathered_all_to_all (CPU) gives jax.lax.ragged_all_to_all's documented result (2 devices, ragged slices)."""
+    with open(runs["exchange"]) as result:
+        assert json.load(result) == [[1, 3, 0, 0], [2, 2, 4, 0]]
 
 
 def test_the_steps_change_the_loss_far_beyond_the_tolerance(runs):
