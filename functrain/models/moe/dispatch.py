@@ -84,11 +84,19 @@ def expert_mlp(rows: Array, group_sizes: Array, row_experts: Array, w: ExpertWei
 
 
 def grouped(
-    x: Array, weights: Array, experts: Array, w: ExpertWeights, glu: Glu, expert_axis: str | None = None
+    x: Array,
+    weights: Array,
+    experts: Array,
+    w: ExpertWeights,
+    glu: Glu,
+    expert_axis: str | None = None,
+    limit: int | None = None,
 ) -> Array:
     """``[T, hidden]`` outputs through the sorted grouped matmul (``x`` [T, hidden], ``weights``/``experts``
     [T, k]); with ``expert_axis`` (inside a ``shard_map``), ``w`` holds this device's share of the experts and the
-    rows travel to the devices holding theirs (:mod:`functrain.models.moe.expert_parallel`)."""
+    rows travel to the devices holding theirs (:mod:`functrain.models.moe.expert_parallel`), at most ``limit``
+    rows of each expert from each device when a capacity set one (dropped selections, marked with the expert id
+    ``E``, stay home: weight 0)."""
     tokens, top_k = experts.shape
     local_experts = w.gate.shape[0]
     num_experts = local_experts * (1 if expert_axis is None else jax.lax.axis_size(expert_axis))
@@ -99,7 +107,7 @@ def grouped(
     if expert_axis is None:
         out = expert_mlp(rows, group_sizes, flat[order], w, glu)
     else:
-        arrived, local_sizes, row_experts, route = send_to_experts(rows, group_sizes, local_experts, expert_axis)
+        arrived, local_sizes, row_experts, route = send_to_experts(rows, group_sizes, local_experts, expert_axis, limit)
         out = return_from_experts(expert_mlp(arrived, local_sizes, row_experts, w, glu), route, expert_axis)
     out = out[_inverse(order)].reshape(tokens, top_k, -1)
     # Summed over a token's k experts in a fixed order: the result does not depend on the batch's sort.
@@ -143,11 +151,16 @@ def _run_local(
     if factor is not None:
         tokens, top_k = experts.shape
         num_experts = w.gate.shape[0] * (1 if expert_axis is None else jax.lax.axis_size(expert_axis))
-        kept = within_capacity(experts, num_experts, capacity(tokens, top_k, num_experts, factor))
+        limit = capacity(tokens, top_k, num_experts, factor)
+        kept = within_capacity(experts, num_experts, limit)
         weights = jnp.where(kept, weights, 0.0)
         dropped = real * jnp.sum(~kept, axis=1)
     if expert_axis is not None:
-        return grouped(x, weights, experts, w, glu, expert_axis), dropped
+        if factor is None:
+            return grouped(x, weights, experts, w, glu, expert_axis), dropped
+        # The dropped selections are not sent, so each device receives at most ``limit`` rows of each expert.
+        sent = jnp.where(kept, experts, num_experts)
+        return grouped(x, weights, sent, w, glu, expert_axis, limit), dropped
     return DISPATCH[dispatch](x, weights, experts, w, glu), dropped
 
 

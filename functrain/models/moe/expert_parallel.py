@@ -8,8 +8,9 @@ every device the whole ``[source, destination, local expert]`` traffic table, fr
 offsets and sizes of a ragged all-to-all; the receiver sorts what arrived (grouped by source, then by expert) by
 its local expert, runs the grouped matmul, unsorts, and a second ragged all-to-all with the offsets swapped
 returns every row to the slot it left. Dropless: a device's receive buffer holds ``ep * N`` rows, what it would
-get if every device sent it every row (MaxText sizes its buffer the same way; a capacity factor, when set, has
-already zeroed the dropped rows' weights).
+get if every device sent it every row (MaxText sizes its buffer the same way). With a capacity factor each device
+keeps at most ``C`` rows of each expert and sends no dropped one, so ``ep * E_local * C`` rows (about
+``capacity_factor * N``) suffice.
 
 The transfer is ``jax.lax.ragged_all_to_all`` on TPU and GPU. XLA:CPU does not implement it, so on CPU
 :func:`gathered_all_to_all` computes the same result from all-gathers: every offset and size the TPU's collective
@@ -74,18 +75,21 @@ def _transfer(target: str) -> Callable[..., Array]:
 
 
 def send_to_experts(
-    rows: Array, group_sizes: Array, local_experts: int, axis: str
+    rows: Array, group_sizes: Array, local_experts: int, axis: str, limit: int | None = None
 ) -> tuple[Array, Array, Array, Route]:
-    """Send ``rows`` [N, hidden] sorted by global expert (``group_sizes`` [E]) to the devices along ``axis`` that
-    hold their experts; returns ``(received rows sorted by local expert [ep * N, hidden], local group sizes
-    [E_local], each received row's local expert (clipped), route back)``. Rows past the group sizes are padding."""
+    """Send ``rows`` [N, hidden] sorted by global expert (``group_sizes`` [E]; rows past their sum stay home) to
+    the devices along ``axis`` that hold their experts; returns ``(received rows sorted by local expert [B,
+    hidden], local group sizes [E_local], each received row's local expert (clipped), route back)``, rows past the
+    group sizes padding. ``B = ep * N``, or ``ep * E_local * limit`` when no device sends more than ``limit`` rows
+    of an expert (a capacity)."""
     ep, me = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
     table = jax.lax.all_gather(group_sizes, axis).reshape(ep, ep, local_experts)  # [source, destination, expert]
     traffic = table.sum(-1)  # [source, destination]
     sent, received = traffic[me], traffic[:, me]
     left_from, lands = _exclusive_cumsum(sent), _exclusive_cumsum(traffic, axis=0)[me]
     received_at, returned_to = _exclusive_cumsum(received), _exclusive_cumsum(traffic, axis=1)[:, me]
-    buffer = jnp.zeros((ep * rows.shape[0],) + rows.shape[1:], rows.dtype)
+    per_source = rows.shape[0] if limit is None else min(rows.shape[0], local_experts * limit)
+    buffer = jnp.zeros((ep * per_source,) + rows.shape[1:], rows.dtype)
     arrived = _transfer(target_platform())(rows, buffer, left_from, sent, lands, received, axis_name=axis)
     # Arrived grouped by source, then by local expert: label each row (padding: ``local_experts``), then sort.
     counts = table[:, me, :]  # [source, local expert]

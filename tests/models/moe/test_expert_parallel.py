@@ -46,10 +46,28 @@ def runs(tmp_path_factory):
                             for a in args))
         with open({str(root / "exchange.json")!r}, "w") as out:
             json.dump(np.asarray(result).tolist(), out)
+
+        # A capacity under expert parallelism drops what data parallelism over as many token shards drops.
+        from functrain.models.moe.dispatch import ExpertWeights, run_experts
+        from types import SimpleNamespace
+        from functrain.parallel.sharding import make_mesh
+        rng = np.random.default_rng(0)
+        x, logits = rng.normal(size=(64, 8)).astype(np.float32), rng.normal(size=(64, 8)).astype(np.float32)
+        experts = np.argsort(-logits, axis=1)[:, :2].astype(np.int32)
+        weights = np.take_along_axis(jax.nn.softmax(logits), experts, 1)
+        w = ExpertWeights(*(rng.normal(size=shape).astype(np.float32) for shape in ((8, 8, 4), (8, 8, 4), (8, 4, 8))))
+        def moe(**sizes):
+            with jax.set_mesh(make_mesh(SimpleNamespace(**sizes))):
+                return jax.jit(lambda *a: run_experts(*a, lambda gate, up: jax.nn.silu(gate) * up, "grouped", 1.0))(
+                    x, weights, experts, np.ones(64, np.float32), w)
+        (by_experts, dropped), (by_data, data_dropped) = moe(data=2, expert=4), moe(data=8)
+        with open({str(root / "capacity.json")!r}, "w") as out:
+            relative = np.abs(by_experts - by_data).max() / np.abs(by_data).max()
+            json.dump([float(relative), float(dropped.sum()), float(data_dropped.sum())], out)
         for name, mesh in {MESHES!r}.items():
             functrain.fit("configs/moe_char.yaml", **{{"run.dir": {dirs!r}[name], **{TINY!r}, **mesh}})
     """, devices=8)
-    dirs["exchange"] = str(root / "exchange.json")
+    dirs["exchange"], dirs["capacity"] = str(root / "exchange.json"), str(root / "capacity.json")
     fit("configs/moe_char.yaml", **{"run.dir": dirs["single"], **TINY, "mesh.data": 1})
     return dirs
 
@@ -65,6 +83,14 @@ def test_the_cpu_exchange_is_ragged_all_to_all(runs):
     """gathered_all_to_all (CPU) gives jax.lax.ragged_all_to_all's documented result (2 devices, ragged slices)."""
     with open(runs["exchange"]) as result:
         assert json.load(result) == [[1, 3, 0, 0], [2, 2, 4, 0]]
+
+
+def test_a_capacity_drops_as_data_parallelism_over_as_many_shards_does(runs):
+    """capacity_factor 1 with the experts split 4 ways (dropped selections not sent, the receive buffer bounded by
+    the capacity) computes what 8-way data parallelism computes: the same selections dropped, the same outputs."""
+    with open(runs["capacity"]) as result:
+        relative_difference, dropped, data_dropped = json.load(result)
+    assert dropped == data_dropped > 0 and relative_difference <= 1e-6
 
 
 def test_the_steps_change_the_loss_far_beyond_the_tolerance(runs):
