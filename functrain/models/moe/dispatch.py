@@ -58,7 +58,7 @@ def capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float) 
 def within_capacity(experts: Array, num_experts: int, limit: int) -> Array:
     """``[T, k]`` bool: whether each selection is among the first ``limit`` of its expert, counted in token
     order (token ``t``'s ``j``-th choice at flat position ``t * k + j``)."""
-    flat = experts.reshape(-1)
+    flat = jnp.ravel(experts)
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=num_experts)
     starts = jnp.cumsum(sizes) - sizes
@@ -100,7 +100,7 @@ def grouped(
     tokens, top_k = experts.shape
     local_experts = w.gate.shape[0]
     num_experts = local_experts * (1 if expert_axis is None else jax.lax.axis_size(expert_axis))
-    flat = experts.reshape(-1)
+    flat = jnp.ravel(experts)
     order = jnp.argsort(flat, stable=True)  # selections grouped by expert, token order within a group
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     rows = x[order // top_k]  # [T * k, hidden]
