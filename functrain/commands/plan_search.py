@@ -8,8 +8,10 @@ Remat policies are tried cheapest first (``none`` recomputes nothing, ``dots_sav
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from functrain.data.global_array import BATCH_AXES
 from functrain.run.config import Config, validate_config
 from functrain.run.config_files import apply_overrides
 from functrain.run.plan import Plan, plan
@@ -28,8 +30,8 @@ class Candidate:
 
     @property
     def per_chip_batch(self) -> float:
-        """Samples per chip per step: the batch over the data-parallel (data x fsdp) chips."""
-        return self.global_batch_size / (self.plan.mesh["data"] * self.plan.mesh["fsdp"])
+        """Samples per chip per step: the batch over the data-parallel (data x fsdp x expert) chips."""
+        return self.global_batch_size / math.prod(self.plan.mesh.get(axis, 1) for axis in BATCH_AXES)
 
 
 def _with(config: Config, **settings: object) -> Config:

@@ -18,13 +18,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from functrain.errors import DataError
 
-# The mesh axes a batch is split over (the rest of the mesh holds replicas of each row).
-BATCH_AXES = ("data", "fsdp")
+# The mesh axes a batch is split over (the rest of the mesh holds replicas of each row); ``expert`` is data
+# parallelism outside a mixture of experts' experts.
+BATCH_AXES = ("data", "fsdp", "expert")
 
 
 def batch_sharding(mesh: Mesh, batch_axis: int = 1, mesh_axes: Sequence[str] | None = None) -> NamedSharding:
     """The sharding that splits array axis ``batch_axis`` over ``mesh_axes`` (default: those of
-    ``("data", "fsdp")`` in the mesh, or all mesh axes if it has neither) and replicates the rest."""
+    :data:`BATCH_AXES` in the mesh, or all mesh axes if it has none) and replicates the rest."""
     if mesh_axes is None:
         mesh_axes = tuple(name for name in BATCH_AXES if name in mesh.axis_names) or tuple(mesh.axis_names)
     return NamedSharding(mesh, PartitionSpec(*([None] * batch_axis), tuple(mesh_axes)))

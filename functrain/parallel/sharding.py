@@ -1,16 +1,17 @@
 """Device mesh, logical-axis rules and the shardings of the train state and batches.
 
 Models name their parameter axes with *logical* names (``embed``, ``mlp``, ``heads``, ...). Rules map each
-logical name to mesh axes of a ``("data", "fsdp", "tensor")`` mesh, so one model runs data-parallel, FSDP
-(ZeRO-3: parameters and optimizer moments sharded on ``embed``) or tensor-parallel by config alone:
+logical name to mesh axes of a ``("data", "fsdp", "expert", "tensor")`` mesh, so one model runs data-parallel,
+FSDP (ZeRO-3: parameters and optimizer moments sharded on ``embed``), expert-parallel (a mixture of experts'
+stacked experts sharded on ``expert``) or tensor-parallel by config alone:
 
     mesh = make_mesh(config.mesh)
     rules = logical_rules(config.mesh)
     params_sh = param_shardings(task.logical_specs(), abstract_params, mesh, rules)
     state_sh = state_shardings(abstract_state, params_sh, mesh)
 
-Batches are split over ``data`` and ``fsdp`` together (FSDP is data parallelism whose parameters are
-gathered on use), whatever the rules say.
+Batches are split over ``data``, ``fsdp`` and ``expert`` together (FSDP is data parallelism whose parameters
+are gathered on use; outside the experts, expert parallelism is data parallelism too), whatever the rules say.
 
 Parameters without logical axis names (user models that do not annotate them) follow, in order:
 
@@ -40,12 +41,14 @@ from functrain.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-MESH_AXES = ("data", "fsdp", "tensor")
+# ``expert`` before ``tensor``: the batch axes stay outermost, so each process holds a contiguous block of rows.
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
 # Logical axis -> mesh axis (None: replicated). Names missing here are replicated too.
 DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
     "embed": "fsdp",
     "mlp": "tensor",
+    "expert": "expert",  # the leading axis of a mixture of experts' stacked experts
     "heads": "tensor",
     "kv_heads": "tensor",
     "vocab": "tensor",
@@ -64,14 +67,15 @@ Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
 
 def _mesh_sizes(mesh_config: Any) -> dict[str, int]:
-    return {axis: int(getattr(mesh_config, axis)) for axis in MESH_AXES}
+    # An axis a mesh config leaves out (research code's own namespace) has size 1.
+    return {axis: int(getattr(mesh_config, axis, 1)) for axis in MESH_AXES}
 
 
 def _fitting_mesh(sizes: dict[str, int], device_count: int) -> dict[str, int]:
-    """A mesh for ``device_count`` devices that keeps as much of the requested tensor/fsdp sizes as fits."""
+    """A mesh for ``device_count`` devices that keeps as much of the requested tensor/expert/fsdp sizes as fits."""
     fit = {}
     remaining = device_count
-    for axis in ("tensor", "fsdp"):
+    for axis in ("tensor", "expert", "fsdp"):
         wanted = sizes[axis]
         fit[axis] = wanted if wanted > 0 and remaining % wanted == 0 else 1
         remaining //= fit[axis]
@@ -112,9 +116,10 @@ def resolve_mesh_shape(mesh_config: Any, device_count: int) -> dict[str, int]:
 
 
 def make_mesh(mesh_config: Any, devices: list | None = None) -> Mesh:
-    """The ``("data", "fsdp", "tensor")`` mesh over all (global) devices, or ``devices``.
+    """The ``("data", "fsdp", "expert", "tensor")`` mesh over all (global) devices, or ``devices``.
 
-    ``mesh_config`` has ``.data``, ``.fsdp`` and ``.tensor``; one may be ``-1`` (the rest). Axes are
+    ``mesh_config`` has ``.data``, ``.fsdp``, ``.expert`` and ``.tensor`` (a missing one is 1); one may be ``-1``
+    (the rest). Axes are
     ``Auto`` so the compiler propagates shardings through the step from the in/out shardings alone.
     The device order is process-major (``jax.make_mesh``), which the global-batch assembly relies on.
     """
@@ -347,7 +352,7 @@ def state_shardings(abstract_state: Any, params_shardings: Any, mesh: Mesh) -> A
 
 
 def constrain_batch(x: jax.Array, batch_axis: int = 0) -> jax.Array:
-    """Pin an activation's batch axis to ``("data", "fsdp")``, leaving its other axes to the compiler.
+    """Pin an activation's batch axis to ``("data", "fsdp", "expert")``, leaving its other axes to the compiler.
 
     Models call this on the residual stream (block inputs/outputs, logits). Without it the partitioner may
     follow the FSDP-sharded ``embed`` axis of the weights into the activations and reshard whole batches
@@ -366,7 +371,7 @@ def constrain_batch(x: jax.Array, batch_axis: int = 0) -> jax.Array:
 
 
 def batch_devices(mesh: Mesh) -> int:
-    """How many ways the batch is split: ``data * fsdp``. The global batch must divide by
+    """How many ways the batch is split: ``data * fsdp * expert``. The global batch must divide by
     ``micro_batches`` times this."""
     return math.prod(mesh.shape[axis] for axis in BATCH_AXES if axis in mesh.axis_names)
 

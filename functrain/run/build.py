@@ -229,8 +229,8 @@ def torch_backend(
         raise ConfigError(
             f"{optimizer[1]} is an optax optimizer, which backend: torch does not run; use optimizer.name"
         )
-    if config.mesh.fsdp != 1 or config.mesh.tensor != 1:
-        raise ConfigError("backend: torch shards only over data; set mesh.fsdp=1 and mesh.tensor=1")
+    if config.mesh.fsdp != 1 or config.mesh.expert != 1 or config.mesh.tensor != 1:
+        raise ConfigError("backend: torch shards only over data; set mesh.fsdp=1, mesh.expert=1 and mesh.tensor=1")
     distributed.init_from_env()
     check_batch_split(config, distributed.world_size(), "processes")
     builtin = model is None

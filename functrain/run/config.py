@@ -291,6 +291,7 @@ class MeshConfig(Section):
 
     data: int = -1
     fsdp: int = 1
+    expert: int = 1  # expert parallelism: a mixture of experts' experts split this many ways (it divides them)
     tensor: int = 1
     rules: dict[str, str | list[str] | None] | None = None  # None: the defaults in functrain.parallel.sharding
     param_rules: list[ParamRule] = Field(default_factory=list)
@@ -508,6 +509,25 @@ class RunSections(Section):
         return self
 
     @pydantic.model_validator(mode="after")
+    def _check_expert_mesh(self) -> "RunSections":
+        ways = self.mesh.expert
+        if ways == 1 or self.model is None:
+            return self
+        if not isinstance(self.model, MoeOptions):
+            name = self.model.registry_name()
+            if name is None:  # a user model may name an "expert" logical axis of its own
+                return self
+            raise ValueError(_dense_moe_key(f"mesh.expert={ways}", name, fix="set mesh.expert=1"))
+        experts = self.model.expert_count()
+        if ways > 1 and experts % ways:
+            divisors = ", ".join(str(d) for d in range(1, experts + 1) if experts % d == 0)
+            raise ValueError(
+                f"mesh.expert={ways} does not divide the model's {experts} experts "
+                f"(model.{self.model.expert_count_key}); use one of {divisors}"
+            )
+        return self
+
+    @pydantic.model_validator(mode="after")
     def _resolve_task(self) -> "RunSections":
         """The task the data implies when none is named; a task's section given for another task is refused;
         the running task's moved keys (``preference.init_from``) land where they live now."""
@@ -676,12 +696,12 @@ def _suggest(key: str, model_name: str | None) -> str:
     return f"; did you mean '{match[0]}'?" if match else ""
 
 
-def _dense_moe_key(key: str, model_name: Any) -> str:
-    """The refusal of a mixture-of-experts option on a model without experts."""
+def _dense_moe_key(key: str, model_name: Any, fix: str | None = None) -> str:
+    """The refusal of a mixture-of-experts option on a model without experts (``fix``: default, remove it)."""
     moe = sorted(name for name, (config_cls, _) in MODEL_FAMILIES.items() if issubclass(config_cls, MoeOptions))
     return (
         f"{key} applies to mixture-of-experts models ({', '.join(moe)}) and model {model_name} has no experts; "
-        f"remove {key}"
+        f"{fix or f'remove {key}'}"
     )
 
 

@@ -7,6 +7,10 @@ decoder-only transformer with L layers, width d, H query heads and K key/value h
     matmuls     6 * (L * (d*H*h + 2*d*K*h + H*h*d + m*d*f + d*r) + d*V)   (m = 2 or 3; the head counted, tied or not)
     attention   6 * L * T * H*h   causal (QK^T and AV over the T/2 earlier positions on average)
 
+Latent attention (DeepSeek-V3) replaces ``d*H*h + 2*d*K*h + H*h*d`` by its projections' parameters
+(``DecoderShape.attention_params``: the low-rank query and key-value projections and the output) and ``H*h`` in
+the attention term by ``H*(h + h_v)/2`` (queries and keys of width ``h``, values of ``h_v``).
+
 A mixture of experts counts its active parameters: f is the width of the k experts a token takes (plus its
 shared experts'), r the router's outputs (0 for a dense model).
 
@@ -40,15 +44,15 @@ def train_flops_per_token(shape: DecoderShape, context: int, attention: str = "c
     """Training FLOPs per token (formula in the module docstring); ``attention``: "causal" or "full"."""
     s = shape
     attention_width = s.heads * s.head_dim
-    per_layer = (
-        s.width * attention_width
-        + 2 * s.width * s.kv_heads * s.head_dim
-        + attention_width * s.width
-        + s.mlp_matrices * s.width * s.mlp_width
-        + s.width * s.router_width
+    projections = (
+        s.width * attention_width + 2 * s.width * s.kv_heads * s.head_dim + attention_width * s.width
+        if s.attention_params is None
+        else s.attention_params
     )
+    per_layer = projections + s.mlp_matrices * s.width * s.mlp_width + s.width * s.router_width
     matmuls = 6.0 * (s.layers * per_layer + s.width * s.vocab)
-    full_attention = 12.0 * s.layers * context * attention_width
+    value_width = s.heads * (s.head_dim if s.value_head_dim is None else s.value_head_dim)
+    full_attention = 6.0 * s.layers * context * (attention_width + value_width)
     return matmuls + (full_attention / 2 if attention == "causal" else full_attention)
 
 

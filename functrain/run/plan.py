@@ -236,16 +236,22 @@ def attention_kernel_of(compiled: jax.stages.Compiled, trains_tokens: bool) -> s
     return "splash" if "splash_mha" in text else "cudnn" if "__cudnn$fmha" in text else "xla"
 
 
-def expert_kernel_of(compiled: jax.stages.Compiled, model_config: Any) -> str | None:
+def expert_kernel_of(compiled: jax.stages.Compiled, model_config: Any, expert_shards: int = 1) -> str | None:
     """How a mixture of experts' expert matmuls compiled: ``ragged_dot kernel`` (XLA's grouped Mosaic kernel on
     TPU, for the forward pass and the tokens' gradient; the expert weights' gradient is decomposed densely),
     ``ragged_dot decomposed`` (XLA computes every expert densely, masked), ``dense`` (``moe_dispatch: dense``);
-    None for a model without experts."""
+    with experts sharded over ``mesh.expert``, how the rows reach them (``ragged all-to-all`` on TPU and GPU,
+    ``all-gathered`` on CPU: :mod:`functrain.models.moe.expert_parallel`); None for a model without experts."""
     if not isinstance(model_config, MoeOptions):
         return None
     if model_config.moe_dispatch == "dense":
         return "dense"
-    return "ragged_dot kernel" if "ragged-dot" in (compiled.as_text() or "") else "ragged_dot decomposed"
+    text = compiled.as_text() or ""
+    kernel = "ragged_dot kernel" if "ragged-dot" in text else "ragged_dot decomposed"
+    if expert_shards == 1:
+        return kernel
+    exchange = "ragged all-to-all" if "ragged-all-to-all" in text else "all-gathered"
+    return f"{kernel}; rows sent to {expert_shards} expert shards by {exchange}"
 
 
 def report(
@@ -315,5 +321,5 @@ def report(
         layers_scanned=planned.scan_groups > 0,
         advice=advice(planned, sizes, chips, mesh) if fits is False else [],
         attention=attention,
-        experts=None if compiled is None else expert_kernel_of(compiled, planned.model_config),
+        experts=None if compiled is None else expert_kernel_of(compiled, planned.model_config, mesh.get("expert", 1)),
     )

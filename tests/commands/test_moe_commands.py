@@ -1,11 +1,15 @@
-"""A mixture of experts through the CLI: configs/moe_char.yaml (global-batch balancing over micro-batches)
-resumes bitwise after a kill, samples with ``generate``, and bad MoE settings are one line and exit 2."""
+"""A mixture of experts through the CLI: configs/moe_char.yaml (global-batch balancing over micro-batches, the
+experts sharded over mesh.expert) resumes bitwise after a kill, bad MoE settings are one line and exit 2, and plan
+names the expert kernel and exchange compiled for a TPU."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
 from functrain.commands.cli import main
+from tests.conftest import REPO_ROOT, cli_env
 
 # moe_char shrunk to seconds; two micro-batches so the global-batch counting pass runs.
 TINY = ["train.steps_per_call=2", "eval.every_steps=0", "model.hidden_size=16", "model.intermediate_size=16",
@@ -13,16 +17,21 @@ TINY = ["train.steps_per_call=2", "eval.every_steps=0", "model.hidden_size=16", 
         "data.seq_len=16", "data.global_batch_size=8", "train.micro_batches=2", "log.plot=false"]
 
 
-def test_moe_char_resumes_bitwise(capsys):
-    assert main(["verify-resume", "configs/moe_char.yaml", "--steps", "8", *TINY]) == 0
-    out = capsys.readouterr().out
-    assert out.startswith("PASS") and "params sha256 equal" in out
+def test_moe_char_resumes_bitwise_with_its_experts_sharded():
+    """On 4 simulated devices with mesh.expert=4: the experts split 4 ways, each device's rows sent to them."""
+    proc = subprocess.run([sys.executable, "-m", "functrain", "verify-resume", "configs/moe_char.yaml", "--steps", "8",
+                           *TINY, "mesh.expert=4"], capture_output=True, text=True, env=cli_env(4), cwd=REPO_ROOT,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("PASS") and "params sha256 equal" in proc.stdout
 
 
 @pytest.mark.parametrize("config, overrides, named", [
     ("configs/moe_char.yaml", ["model.num_experts_per_tok=9"], "num_experts_per_tok 9 is above num_local_experts 8"),
     ("configs/char_gpt.yaml", ["model.load_balance_scope=global_batch"], "mixture-of-experts"),
     ("configs/moe_char.yaml", ["model.load_balance_scope=global"], "load_balance_scope"),
+    ("configs/moe_char.yaml", ["mesh.expert=3"], "mesh.expert=3 does not divide the model's 8 experts"),
+    ("configs/char_gpt.yaml", ["mesh.expert=2"], "mesh.expert=2 applies to mixture-of-experts models"),
 ])
 def test_bad_moe_settings_are_one_line_exit_2(tmp_path, capsys, config, overrides, named):
     status = main(["train", config, f"run.dir={tmp_path / 'run'}", *overrides])
@@ -32,8 +41,10 @@ def test_bad_moe_settings_are_one_line_exit_2(tmp_path, capsys, config, override
     assert not (tmp_path / "run").exists()
 
 
-def test_plan_names_the_expert_kernel_compiled_for_a_tpu(capsys):
-    assert main(["plan", "configs/moe_char.yaml", *TINY, "--topology", "v5e:2x2", "--json"]) == 0
+def test_plan_names_the_expert_kernel_and_exchange_compiled_for_a_tpu(capsys):
+    """With the experts split over mesh.expert, the rows travel by XLA's ragged all-to-all on a TPU."""
+    assert main(["plan", "configs/moe_char.yaml", *TINY, "mesh.expert=4", "--topology", "v5e:2x2", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["experts"] == "ragged_dot kernel" and report["fits"] is True
+    assert report["experts"] == "ragged_dot kernel; rows sent to 4 expert shards by ragged all-to-all"
+    assert report["fits"] is True and report["mesh"]["expert"] == 4
     assert report["model_flops_per_step"] > 0

@@ -148,3 +148,27 @@ def test_killed_run_resumes_bitwise_with_the_bias_update(tmp_path, capsys):
     path.write_text(yaml.safe_dump(config))
     assert main(["verify-resume", str(path), "--steps", "4", "eval.every_steps=0"]) == 0
     assert capsys.readouterr().out.startswith("PASS")
+
+
+
+def test_preference_training_carries_the_bias_update():
+    """DPO on DeepSeek-V3 (a frozen reference copy in the model state): its Program runs the model's end_of_step,
+    and the policy's loss returns the selection counts that update reads beside the reference (traced only: the
+    step applying end_of_step is tested above)."""
+    from functrain.models.deepseek_v3 import COUNTS_COLLECTION
+    from functrain.tasks.preference.loss import REFERENCE, PreferenceSettings
+    from functrain.tasks.preference.task import preference_program_of
+
+    rows = np.random.default_rng(4).integers(0, VOCAB, (4, 9))
+    mask = np.ones((4, 9), np.float32)
+    batch = {"chosen": rows[:2], "rejected": rows[2:], "chosen_mask": mask[:2], "rejected_mask": mask[2:],
+             "weight": np.ones(2, np.float32)}
+    model = build_model(model_config_class("deepseek_v3").model_validate(BALANCED))
+    program = preference_program_of(model, batch, PreferenceSettings("sigmoid"))
+    assert program.end_of_step is not None
+    key = jax.random.PRNGKey(0)
+    params, model_state = jax.eval_shape(program.init, key)
+    new_state = jax.eval_shape(program.loss_fn, params, model_state, batch, key)[3]
+    assert set(new_state) == {COUNTS_COLLECTION, REFERENCE}
+    new_params, updated = jax.eval_shape(program.end_of_step, params, new_state)
+    assert set(updated) == {COUNTS_COLLECTION, REFERENCE} and len(_biases(new_params)) == 1

@@ -100,9 +100,7 @@ def test_each_family_answers_as_the_guesses_did(name, defaults):
     config = model_config_class(name)() if defaults else family(name)
     assert config.registry_name() == name
     assert config.max_positions() == guessed_positions(config)
-    # Latent attention and layers of two MLP widths fit no DecoderShape: DeepSeek-V3 reports no MFU.
-    if name == "deepseek_v3":
-        assert config.decoder_shape() is None
+    if name == "deepseek_v3":  # latent attention: test_deepseek_v3_shape_counts_the_models_own_parameters
         return
     shape = guessed_shape(config)
     if name in ACTIVE:
@@ -224,3 +222,40 @@ def test_the_config_validates_without_importing_model_code():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
                             cwd=Path(__file__).resolve().parents[2])
     assert result.stdout.strip() == "[]"
+
+
+
+def test_deepseek_v3_shape_counts_the_models_own_parameters():
+    """Latent attention's projections and the MLP a token uses, as the module's own parameters count them (a small
+    config with a dense first layer, a query LoRA and a shared expert); the released config's 37B active."""
+    import flax.linen as nn
+    import jax
+    import numpy as np
+
+    from functrain.models import build_model
+    from functrain.models.configs.deepseek_v3 import DeepseekV3Config
+    from functrain.run.mfu import train_flops_per_token
+
+    config = family("deepseek_v3", q_lora_rank=12, first_k_dense_replace=1, n_shared_experts=1, num_hidden_layers=3)
+    params = nn.meta.unbox(jax.eval_shape(build_model(config).init, jax.random.PRNGKey(0),
+                                          np.zeros((1, 4), np.int32))["params"])
+
+    def matrices(tree):  # the matmul parameters: kernels and stacked experts (no norms, no biases)
+        leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+        return {jax.tree_util.keystr(path): leaf.size for path, leaf in leaves if len(leaf.shape) >= 2}
+
+    shape, layers, width = config.decoder_shape(), config.num_hidden_layers, config.hidden_size
+    sparse_layer = params["moe_layers_0"]
+    assert shape.attention_params == sum(matrices(sparse_layer["self_attn"]).values())
+    assert (shape.head_dim, shape.value_head_dim) == (config.qk_head_dim, config.v_head_dim)
+    dense = sum(matrices(params["dense_layers_0"]["mlp"]).values())
+    router = sparse_layer["mlp"]["gate"]["kernel"].size
+    routed = sum(matrices(sparse_layer["mlp"]["experts"]).values())
+    shared = sum(matrices(sparse_layer["shared_experts"]).values())
+    active = dense + (layers - 1) * (shared + routed * config.num_experts_per_tok // config.n_routed_experts)
+    # The shape averages the MLP width and the router over the layers (rounded).
+    assert abs(layers * shape.mlp_matrices * width * shape.mlp_width - active) <= layers * 3 * width / 2
+    assert abs(layers * width * shape.router_width - (layers - 1) * router) <= layers * width / 2
+    released = DeepseekV3Config()
+    embedding = released.hidden_size * released.vocab_size
+    assert 37e9 < train_flops_per_token(released.decoder_shape(), 0) / 6 + embedding < 38e9

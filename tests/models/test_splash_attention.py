@@ -29,7 +29,7 @@ TPU = SimpleNamespace(platform="tpu", device_kind="TPU v5")
 
 def one_device_mesh():
     """A ``(data, fsdp, tensor)`` mesh: under it splash runs inside shard_map, as in a sharded train call."""
-    return jax.make_mesh((1, 1, 1), MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+    return jax.make_mesh((1,) * len(MESH_AXES), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def test_splash_matches_xla_in_output_and_gradients():

@@ -26,6 +26,10 @@ class DecoderShape:
     mlp_matrices: int  # 3 for a gated MLP (SwiGLU, GeGLU), 2 for a plain one
     vocab: int
     router_width: int = 0  # a mixture of experts: the router's outputs (its experts, + a shared expert's gate)
+    # Latent attention (DeepSeek): the attention projections' parameters a layer (None: Llama's, from the heads) and
+    # the values' head width where it is not the queries' and keys' (None: head_dim).
+    attention_params: int | None = None
+    value_head_dim: int | None = None
 
 
 class ModelConfig(pydantic.BaseModel):

@@ -14,6 +14,7 @@ from typing import ClassVar, Hashable, Literal, Sequence
 
 import pydantic
 
+from functrain.models.configs.base import DecoderShape
 from functrain.models.configs.hf import HFModelConfig, check_activation
 from functrain.models.configs.moe import MoeOptions
 from functrain.models.configs.rope import RopeScaling
@@ -111,6 +112,35 @@ class DeepseekV3Config(HFModelConfig, MoeOptions):
         """0: DeepSeek-V3 balances by its correction bias (``bias_update_rate``), transformers adds no auxiliary
         loss (``model.router_z_loss_coef`` still applies when set)."""
         return 0.0
+
+    def decoder_shape(self) -> DecoderShape:
+        """Latent attention's projections (queries through ``q_lora_rank`` when set, keys and values through
+        ``kv_lora_rank`` plus the shared rotary key, the output), and the MLP width a token uses averaged over the
+        layers (``intermediate_size`` on the first ``first_k_dense_replace``, then ``k`` routed experts and the
+        shared ones of ``moe_intermediate_size``, and the router). The multi-token-prediction layer is left out,
+        as the model leaves it out."""
+        d, heads, layers = self.hidden_size, self.num_attention_heads, self.num_hidden_layers
+        queries = heads * self.qk_head_dim
+        query_params = d * queries if self.q_lora_rank is None else self.q_lora_rank * (d + queries)
+        key_value_params = d * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank * heads * (
+            self.qk_nope_head_dim + self.v_head_dim
+        )
+        sparse = layers - self.dense_layers
+        active = sparse * (self.num_experts_per_tok + self.n_shared_experts) * self.moe_intermediate_size
+        active += self.dense_layers * self.intermediate_size
+        return DecoderShape(
+            layers=layers,
+            width=d,
+            heads=heads,
+            kv_heads=heads,
+            head_dim=self.qk_head_dim,
+            mlp_width=round(active / layers),
+            mlp_matrices=3,
+            vocab=self.vocab_size,
+            router_width=round(sparse * self.n_routed_experts / layers),
+            attention_params=query_params + key_value_params + heads * self.v_head_dim * d,
+            value_head_dim=self.v_head_dim,
+        )
 
     @property
     def dense_layers(self) -> int:

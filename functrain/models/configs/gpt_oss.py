@@ -6,15 +6,13 @@ router whose top ``num_experts_per_tok`` logits are softmaxed, experts with bias
 (``swiglu_alpha``, ``swiglu_limit``).
 """
 
-import dataclasses
-from typing import Any, ClassVar, Literal, Sequence
+from typing import Any, Literal, Sequence
 
 import pydantic
 
-from functrain.models.configs.base import DecoderShape
 from functrain.models.configs.hf import LayerType
 from functrain.models.configs.llama import LlamaConfig
-from functrain.models.configs.moe import MoeOptions
+from functrain.models.configs.moe import LocalExperts
 from functrain.models.configs.rope import RopeScaling
 
 # transformers' GptOssConfig default rope_parameters (what the released checkpoints use).
@@ -23,9 +21,9 @@ GPT_OSS_YARN = RopeScaling(
 )
 
 
-class GptOssConfig(LlamaConfig, MoeOptions):
+class GptOssConfig(LocalExperts, LlamaConfig):
     """GPT-OSS hyper-parameters, named as in HF's config.json (defaults: gpt-oss-120b's), plus the MoE options of
-    :class:`MoeOptions`."""
+    :class:`LocalExperts`."""
 
     name: Literal["gpt_oss"] = "gpt_oss"  # type: ignore[assignment]  # each family's own tag (a discriminator's Literal)
     vocab_size: int = pydantic.Field(201088, gt=0)
@@ -47,10 +45,6 @@ class GptOssConfig(LlamaConfig, MoeOptions):
     num_experts_per_tok: int = pydantic.Field(4, gt=0)
     swiglu_alpha: float = 1.702
     swiglu_limit: float = pydantic.Field(7.0, gt=0)
-    router_aux_loss_coef: float = pydantic.Field(0.001, ge=0)
-    output_router_logits: bool = False
-
-    expert_count_key: ClassVar[str] = "num_local_experts"
 
     @pydantic.model_validator(mode="after")
     def _layers_fit(self):
@@ -64,26 +58,6 @@ class GptOssConfig(LlamaConfig, MoeOptions):
         """``layer_types``, or transformers' default: sliding windows on the even layers, full on the odd ones."""
         return self.layer_types or tuple(
             "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(self.num_hidden_layers)
-        )
-
-    def expert_count(self) -> int:
-        """``num_local_experts``."""
-        return self.num_local_experts
-
-    def experts_per_token(self) -> int:
-        """``num_experts_per_tok``."""
-        return self.num_experts_per_tok
-
-    def balancing_coefficient(self) -> float:
-        """``router_aux_loss_coef`` with ``output_router_logits``, else 0 (transformers' rule)."""
-        return self.router_aux_loss_coef if self.output_router_logits else 0.0
-
-    def decoder_shape(self) -> DecoderShape:
-        """Llama's shape with the active experts' width (``k x intermediate_size``) and the router."""
-        return dataclasses.replace(
-            super().decoder_shape(),
-            mlp_width=self.num_experts_per_tok * self.intermediate_size,
-            router_width=self.num_local_experts,
         )
 
     @property

@@ -7,9 +7,12 @@ own fields and answers :meth:`MoeOptions.expert_count` / :meth:`MoeOptions.exper
 are the same keys everywhere.
 """
 
+import dataclasses
 from typing import ClassVar, Literal
 
 import pydantic
+
+from functrain.models.configs.base import DecoderShape
 
 # Whose tokens count an expert's load in the balancing loss: each forward's own (transformers'), or the whole
 # global batch's (every device and micro-batch; Qwen's "Demons in the Detail", what Qwen3-MoE trained with).
@@ -58,3 +61,39 @@ class MoeOptions(pydantic.BaseModel):
                 f"{self.expert_count()}; a token can take at most {self.expert_count()} experts"
             )
         return self
+
+
+class LocalExperts(MoeOptions):
+    """The MoE keys Mixtral and GPT-OSS share (``num_local_experts``, ``num_experts_per_tok``, transformers'
+    balancing switch and coefficient): mixed in before the attention family's config, whose decoder shape it
+    narrows to the active experts. A family sets its own defaults by redeclaring the fields."""
+
+    intermediate_size: int = pydantic.Field(14336, gt=0)  # each expert's width
+    num_local_experts: int = pydantic.Field(8, gt=0)
+    num_experts_per_tok: int = pydantic.Field(2, gt=0)
+    output_router_logits: bool = False
+    router_aux_loss_coef: float = pydantic.Field(0.001, ge=0)
+
+    expert_count_key: ClassVar[str] = "num_local_experts"
+
+    def expert_count(self) -> int:
+        """``num_local_experts``."""
+        return self.num_local_experts
+
+    def experts_per_token(self) -> int:
+        """``num_experts_per_tok``."""
+        return self.num_experts_per_tok
+
+    def balancing_coefficient(self) -> float:
+        """``router_aux_loss_coef`` with ``output_router_logits``, else 0 (transformers' rule)."""
+        return self.router_aux_loss_coef if self.output_router_logits else 0.0
+
+    def decoder_shape(self) -> DecoderShape:
+        """The attention family's shape with the active experts' width (``k x intermediate_size``) and the
+        router."""
+        shape = super().decoder_shape()  # type: ignore[misc]  # the attention family's, next in the MRO
+        return dataclasses.replace(
+            shape,
+            mlp_width=self.num_experts_per_tok * self.intermediate_size,
+            router_width=self.num_local_experts,
+        )

@@ -234,6 +234,7 @@ def preference_program(
     trainable: Callable | None = None,
     complete_params: Callable | None = None,
     precompute_reference: bool = False,
+    end_of_step: Callable | None = None,
 ) -> Any:
     """The :class:`~functrain.core.program.Program` of a model's pieces trained on preference pairs.
 
@@ -245,9 +246,12 @@ def preference_program(
     ``train.micro_batches`` the step's forward runs in its accumulation loop, which XLA compiles otherwise, and a
     first-step tie may break in the last bit (the in-step references are computed in the same loop, and stay exact).
     Otherwise, without ``reference_apply``, a frozen copy of the starting weights sits in the model state under
-    ``reference`` (:mod:`functrain.tasks.reference`). Reference-free losses hold none."""
+    ``reference`` (:mod:`functrain.tasks.reference`). Reference-free losses hold none. ``end_of_step`` is the
+    model's (DeepSeek-V3's correction-bias update), run after every step whatever the reference."""
     from functrain.core.program import Program
     from functrain.tasks.reference import with_reference
+
+    kept = dict(trainable=trainable, complete_params=complete_params, end_of_step=end_of_step)  # the model's pieces
 
     if not settings.uses_reference:
         return Program(
@@ -255,8 +259,7 @@ def preference_program(
             preference_loss(apply, None, settings, True),
             preference_loss(apply, None, settings, False),
             logical_specs,
-            trainable=trainable,
-            complete_params=complete_params,
+            **kept,
         )
     if precompute_reference:  # the batches carry them (see precomputed_reference_logps)
         return Program(
@@ -264,8 +267,7 @@ def preference_program(
             preference_loss(apply, carried_reference_logps, settings, True),
             preference_loss(apply, carried_reference_logps, settings, False),
             logical_specs,
-            trainable=trainable,
-            complete_params=complete_params,
+            **kept,
         )
     model = with_reference(init, apply, reference_apply)
     reference_logps = forward_reference_logps(model.reference)
@@ -274,8 +276,7 @@ def preference_program(
         preference_loss(model.apply, reference_logps, settings, True),
         preference_loss(model.apply, reference_logps, settings, False),
         logical_specs,
-        trainable=trainable,
-        complete_params=complete_params,
+        **kept,
         state_for_params=model.state_for_params,
     )
 

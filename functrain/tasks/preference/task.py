@@ -151,6 +151,7 @@ def program_on_pieces(pieces: ModelPieces, settings: PreferenceSettings, *, prec
         trainable=pieces.trainable,
         complete_params=pieces.complete_params,
         precompute_reference=precompute_ref,
+        end_of_step=pieces.end_of_step,
     )
 
 
