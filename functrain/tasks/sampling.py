@@ -23,6 +23,12 @@ from functrain.models.stacking import unstack_layers
 from functrain.text.decode import generate_ragged
 
 
+# XLA:CPU's YNNPACK fusions (of reductions and dots) round by the shape they run on: a decoded token's one-row
+# log-softmax and a whole sequence's sum a row's exponentials in different orders. Compiled without them, the sampler's
+# log-probs equal the training forward's bit for bit (rollout/logprob_gap 0; other platforms ignore the option).
+SAME_ROUNDING = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
 def token_logps(logits: jax.Array, tokens: jax.Array, temperature: float) -> tuple[jax.Array, jax.Array]:
     """``(log-probs, entropies)`` ``[B, L-1]`` at ``temperature``: ``logits`` ``[B, L-1, V]`` of ``tokens[:, :-1]``;
     position ``t`` scores token ``t + 1`` and holds the entropy of the distribution it was drawn from."""
@@ -76,5 +82,5 @@ class Sampler:
             ]
             return token_logps(getattr(output, "logits", output), tokens, temperature)[0]
 
-        self.sample = jax.jit(sample, static_argnames="prefill")
-        self.forward = jax.jit(forward)
+        self.sample = jax.jit(sample, static_argnames="prefill", compiler_options=SAME_ROUNDING)
+        self.forward = jax.jit(forward, compiler_options=SAME_ROUNDING)
