@@ -174,11 +174,12 @@ def jax_backend(
     optimizer: tuple[Any, str] | None = None,
     devices: list | None = None,
     experience: ExperienceStage | None = None,
+    compiler_options: dict[str, str] | None = None,
 ) -> Backend:
     """The JAX backend: the ``program`` (a task's, or :func:`functrain.core.program.as_program`'s), the optax
     transformation (``optimizer``: a user's, with its name for errors; None: the config's), the mesh over
-    ``devices`` (None: all; a TPU topology's when planning), the task's experience stage (or None). Building it
-    allocates nothing on the devices."""
+    ``devices`` (None: all; a TPU topology's when planning), the task's experience stage (or None) and the XLA
+    options of its train step (None: XLA's). Building it allocates nothing on the devices."""
     from functrain.core.optim import as_transformation
     from functrain.parallel import sharding
     from functrain.run.jax_backend import JaxBackend
@@ -201,6 +202,7 @@ def jax_backend(
         step=step_settings(config),
         seed=config.seed,
         experience=experience,
+        compiler_options=compiler_options,
     )
 
 
@@ -273,7 +275,13 @@ def backend_of(
             f"process for now; run it on one host"
         )
     return jax_backend(
-        config, program, max_steps, optimizer=parts.optimizer, devices=devices, experience=experience
+        config,
+        program,
+        max_steps,
+        optimizer=parts.optimizer,
+        devices=devices,
+        experience=experience,
+        compiler_options=parts.task.step_compiler_options(),
     ), pieces
 
 
@@ -334,7 +342,10 @@ def plan_run(config: Config, devices: list | None = None) -> Planned:
         with compiling_for(devices):
             model, _ = resolve_model(variant, None)
             program, _ = task_program(variant, parts, example_batch, model)
-            return jax_backend(variant, program, max_steps, optimizer=parts.optimizer, devices=devices)
+            options = parts.task.step_compiler_options()
+            return jax_backend(
+                variant, program, max_steps, optimizer=parts.optimizer, devices=devices, compiler_options=options
+            )
 
     groups = scan_groups(config.model)
     return Planned(

@@ -78,11 +78,13 @@ class JaxBackend:
         step: StepSettings = StepSettings(),
         seed: int = 0,
         experience: Callable[[Any, dict[str, Any], jax.Array, int], dict[str, Any]] | None = None,
+        compiler_options: dict[str, str] | None = None,
     ) -> None:
         """``schedule`` is reported as the ``learning_rate`` metric (None: not reported); ``rules`` map logical
         axes to mesh axes and ``param_rules`` parameter paths to specs (:mod:`functrain.parallel.sharding`);
         ``experience``: a task's stage that makes each step's training batch from the loader's with the current
-        weights (:class:`functrain.tasks.base.ExperienceStage`), or None."""
+        weights (:class:`functrain.tasks.base.ExperienceStage`), or None; ``compiler_options``: XLA options of the
+        train call (None: XLA's)."""
         self.program, self.mesh, self.seed, self.experience = program, mesh, seed, experience
         # An experience stage reads each step's results before the next step can start: a call has (all but) run
         # when train_call returns, so the loop times it then, as a synchronous backend's.
@@ -170,6 +172,7 @@ class JaxBackend:
             donate_argnums=0,
             in_shardings=(self.state_shardings, self.stacked_batch_sharding),
             out_shardings=(self.state_shardings, replicated),
+            compiler_options=compiler_options,
         )
         self._eval_step = jax.jit(
             eval_step, in_shardings=(self.state_shardings, self.batch_sharding), out_shardings=replicated

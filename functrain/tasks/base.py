@@ -123,6 +123,10 @@ class Task:
     # Whether a user ``loss_fn`` may replace the task's loss.
     takes_loss_fn: ClassVar[bool] = False
 
+    def step_compiler_options(self) -> dict[str, str] | None:
+        """XLA options the JAX train step is compiled with (default: None, XLA's own)."""
+        return None
+
     def data(self, context: TaskContext) -> TaskData:
         """The task's data (default: the config's or ``fit``'s data as it is, no check)."""
         train, evaluation = context.read_data()

@@ -37,6 +37,13 @@ class GRPO(Task):
 
     name = "grpo"
 
+    def step_compiler_options(self) -> dict[str, str] | None:
+        """On CPU, YNNPACK fuses dots only: its elementwise and reduction fusions make XLA:CPU's backward of a Llama
+        about twice as slow (bench/README.md: a GRPO step 118 -> 69 ms)."""
+        from functrain.tasks.sampling import on_cpu
+
+        return on_cpu({"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"})
+
     def check(self, context: TaskContext) -> None:
         """Backend jax, no user loss, a built-in causal LM (the sampler decodes it with a KV cache) and batches
         that split into whole groups of completions."""
