@@ -20,6 +20,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
 from functrain.core.section import Section
+from functrain.core.unembedding import LogitsChunk
 from functrain.errors import ConfigError
 from functrain.models import MODEL_FAMILIES, model_config_class
 from functrain.models.configs.base import FamilyConfig, ModelConfig
@@ -231,9 +232,20 @@ class TrainConfig(Section):
     offload_optimizer: bool = False
     # backend: torch only: the module's training forward through torch.compile (minutes to compile on CPU).
     torch_compile: bool = False
+    # A causal LM's loss (and preference log-probs) over chunks of positions, so the [tokens, vocab] logits never
+    # exist whole: auto (when they would be large), off, or positions per chunk (functrain/core/unembedding.py).
+    logits_chunk: LogitsChunk = "auto"
     # A run directory (a trained run, or one `functrain convert hf-to-functrain` wrote) whose newest checkpoint's
     # weights start this run (fresh optimizer, step 0) when it has no checkpoint of its own yet; any task.
     init_from: str | None = None
+
+    @pydantic.field_validator("logits_chunk", mode="before")
+    @classmethod
+    def _chunk_setting(cls, value: Any) -> Any:
+        # One message for the union (pydantic would name its internal members).
+        if value in ("auto", "off") or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            return value
+        raise ValueError("must be 'auto', 'off' or a number of positions per chunk (an integer >= 1)")
 
 
 class CheckpointConfig(Section):

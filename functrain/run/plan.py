@@ -35,6 +35,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from functrain.core.unembedding import chunk_loops_traced, counted_whole
 from functrain.errors import ConfigError
 from functrain.models.configs.moe import MoeOptions
 from functrain.parallel.platform import describe_host_to_libtpu
@@ -177,7 +178,8 @@ def plan(config: Config, topology: str | None = None) -> Plan:
     planned = plan_run(config, topology_devices(topology) if topology else None)
     device_kind = chip_name(topology) if topology else None
     try:
-        compiled = _compile(planned.backend, planned)
+        with chunk_loops_traced() as chunk_loops:
+            compiled = _compile(planned.backend, planned)
     except jax.errors.JaxRuntimeError as exc:
         required = _required_temporaries(str(exc))
         if required is None:
@@ -185,6 +187,10 @@ def plan(config: Config, topology: str | None = None) -> Plan:
         return report(planned, None, temporaries=required, device_kind=device_kind)
     if planned.scan_groups > 1:
         cost = scanned_run_cost(planned)
+    elif chunk_loops:  # the cross-entropy's chunk loop, counted unrolled on a new trace of the run
+        assert planned.rebuilt_backend is not None, "plan_run builds every run's rebuilt_backend"
+        with counted_whole():
+            cost = _first(_compile(planned.rebuilt_backend(), planned, counted=True).cost_analysis())
     elif _on_tpu(planned.backend):
         cost = _first(_compile(planned.backend, planned, counted=True).cost_analysis())
     else:
@@ -210,7 +216,8 @@ def scanned_run_cost(planned: Planned) -> dict[str, float]:
     unrolled = planned.unrolled_groups_backend
     if unrolled is None:
         raise ValueError("scanned_run_cost needs the plan of a run that scans its layers (model.scan_layers)")
-    one, two = (_first(_compile(unrolled(groups), planned, counted=True).cost_analysis()) for groups in (1, 2))
+    with counted_whole():  # the cross-entropy's chunk loops too
+        one, two = (_first(_compile(unrolled(groups), planned, counted=True).cost_analysis()) for groups in (1, 2))
     return {
         key: float(one.get(key, 0.0))
         + (planned.scan_groups - 1) * (float(two.get(key, 0.0)) - float(one.get(key, 0.0)))
