@@ -43,9 +43,10 @@ AUTO_CHUNK_BYTES = 128 * 2**20
 class Unembedding:
     """The head of a causal LM, not yet applied: ``logits = finish(float32(hidden @ weight))``.
 
-    ``hidden`` ``[B, T, D]`` and ``weight`` ``[D, V]`` in the model's compute dtype; ``finish`` an element-wise
-    function of the float32 logits (Gemma 2's soft-cap) or None; ``chunk`` the ``logits_chunk`` the model was
-    called with (``auto`` or positions per chunk)."""
+    ``hidden`` ``[B, T, D]`` in the model's compute dtype; ``weight`` ``[D, V]`` as stored (the parameter; cast to
+    the compute dtype inside each chunk, so the chunks' gradients add up in the parameter's dtype, not in
+    bfloat16); ``finish`` an element-wise function of the float32 logits (Gemma 2's soft-cap) or None; ``chunk``
+    the ``logits_chunk`` the model was called with (``auto`` or positions per chunk)."""
 
     hidden: Any
     weight: Any
@@ -59,8 +60,8 @@ class Unembedding:
 
 
 def head_logits(hidden: Any, weight: Any, finish: Callable[[Any], Any] | None) -> jax.Array:
-    """``finish(float32(hidden @ weight))``: the logits of hidden states ``[..., D]``."""
-    logits = jnp.dot(hidden, weight).astype(jnp.float32)
+    """``finish(float32(hidden @ weight))``: the logits of hidden states ``[..., D]``, in their dtype."""
+    logits = jnp.dot(hidden, jnp.asarray(weight, hidden.dtype)).astype(jnp.float32)
     return logits if finish is None else finish(logits)
 
 

@@ -30,8 +30,7 @@ def untied_head(
         return logits if finish is None else finish(logits)
     assert dense.name is not None, "the head is named (its params are read by name)"
     kernel = parent.variables["params"][dense.name]["kernel"]
-    dtype = dense.dtype or jnp.float32
-    return Unembedding(jnp.asarray(x, dtype), jnp.asarray(kernel, dtype), logits_chunk, finish)
+    return Unembedding(jnp.asarray(x, dense.dtype or kernel.dtype), kernel, logits_chunk, finish)
 
 
 def tied_head(
@@ -39,9 +38,8 @@ def tied_head(
 ) -> Any:
     """The float32 logits of ``x`` on the (already called) input ``embedding`` transposed, as ``Embed.attend``
     computes them (``finish`` applied), or with ``logits_chunk`` an :class:`Unembedding` of it."""
-    dtype = embedding.dtype or jnp.float32
-    weight = jnp.asarray(embedding.embedding, dtype).T
-    hidden = jnp.asarray(x, dtype)
+    weight = embedding.embedding.T
+    hidden = jnp.asarray(x, embedding.dtype or weight.dtype)
     if logits_chunk is None:
         return head_logits(hidden, weight, finish)
     return Unembedding(hidden, weight, logits_chunk, finish)

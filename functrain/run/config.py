@@ -243,6 +243,8 @@ class TrainConfig(Section):
     @classmethod
     def _chunk_setting(cls, value: Any) -> Any:
         # One message for the union (pydantic would name its internal members).
+        if value is False:  # YAML reads a bare `off` as false
+            return "off"
         if value in ("auto", "off") or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
             return value
         raise ValueError("must be 'auto', 'off' or a number of positions per chunk (an integer >= 1)")
@@ -288,16 +290,32 @@ class ParamRule(Section):
 
 
 class MeshConfig(Section):
-    """``mesh.*``: device mesh axes (one may be -1 for the rest), logical-to-mesh axis rules, and rules by
-    parameter path for parameters without logical axes (``param_rules``, first match wins; see
-    :mod:`functrain.parallel.sharding` for the default rule)."""
+    """``mesh.*``: device mesh axes (one may be -1 for the rest; within one slice when the devices span
+    several), how many slices the data and FSDP axes span over the data-centre network (``dcn_data``,
+    ``dcn_fsdp``; their product is the number of slices), logical-to-mesh axis rules, and rules by parameter path
+    for parameters without logical axes (``param_rules``, first match wins; see :mod:`functrain.parallel.sharding`
+    for the default rule)."""
 
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
+    dcn_data: int = Field(1, ge=1)
+    dcn_fsdp: int = Field(1, ge=1)
+    # Pipeline stages across slices: accepted as 1 only until functrain pipelines its layers.
+    dcn_pipeline: int = Field(1, ge=1)
     rules: dict[str, str | list[str] | None] | None = None  # None: the defaults in functrain.parallel.sharding
     param_rules: list[ParamRule] = Field(default_factory=list)
     allow_replicated_fallback: bool = False
+
+    @pydantic.field_validator("dcn_pipeline")
+    @classmethod
+    def _no_pipeline(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError(
+                "pipeline stages across slices need pipeline parallelism, which functrain does not have yet; "
+                "set mesh.dcn_pipeline=1 and span the slices with mesh.dcn_data or mesh.dcn_fsdp"
+            )
+        return value
 
 
 class LogConfig(Section):

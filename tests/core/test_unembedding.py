@@ -123,3 +123,12 @@ def test_a_bad_chunk_setting_is_one_line_exit_2(value, tmp_path, capsys):
     assert code == 2 and len(lines) == 1 and "train.logits_chunk" in lines[0], lines
     assert "'auto', 'off' or a number of positions per chunk" in lines[0]
     assert not run_dir.exists()
+
+
+def test_off_auto_and_a_number_are_read_from_yaml():
+    from functrain.run.config import load_config
+
+    base = {"model": {"name": "gpt"}, "data": {"name": "char_text"}}
+    chunks = [load_config(base=base, overrides=[f"train.logits_chunk={value}"]).train.logits_chunk
+              for value in ("off", "auto", "256")]
+    assert chunks == ["off", "auto", 256]  # YAML reads a bare off as false

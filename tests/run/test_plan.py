@@ -163,7 +163,7 @@ def test_bad_plans_are_one_line_exit_2(args, words):
 def test_search_takes_the_cheapest_remat_that_fits_then_doubles_the_batch(monkeypatch):
     from functrain.commands import plan_search
 
-    def fake_plan(config, topology):
+    def fake_plan(config, topology, slices=None):
         # Memory grows with the batch and shrinks with remat; 64 samples fit with remat=dots_saveable.
         need = config.data.global_batch_size * {"none": 8, "dots_saveable": 1, "full": 0.5}[config.model.remat]
         return SimpleNamespace(fits=need <= 64, mesh={"data": 2, "fsdp": 2, "tensor": 1})
