@@ -60,7 +60,7 @@ class Unembedding:
 
 
 def head_logits(hidden: Any, weight: Any, finish: Callable[[Any], Any] | None) -> jax.Array:
-    """``finish(float32(hidden @ weight))``: the logits of hidden states ``[..., D]``, in their dtype."""
+    """``finish(float32(hidden @ weight))``: the logits of hidden states ``[..., D]``, the matmul in their dtype."""
     logits = jnp.dot(hidden, jnp.asarray(weight, hidden.dtype)).astype(jnp.float32)
     return logits if finish is None else finish(logits)
 

@@ -122,6 +122,9 @@ def make_mesh(mesh_config: Any, devices: list | None = None) -> Mesh:
     ``mesh_config`` has ``.data``, ``.fsdp`` and ``.tensor``; one may be ``-1`` (the rest). Axes are
     ``Auto`` so the compiler propagates shardings through the step from the in/out shardings alone.
     The device order is process-major (``jax.make_mesh``), which the global-batch assembly relies on.
+    Devices that span several TPU slices (their ``slice_index``) get a hybrid mesh: ``mesh_config.dcn_data`` and
+    ``.dcn_fsdp`` slices extend the data and FSDP axes, slices outermost (:data:`DCN_AXES`); their product must
+    be the number of slices, and the other sizes are then per slice.
     """
     devices = list(jax.devices() if devices is None else devices)
     slices = slice_count(devices)

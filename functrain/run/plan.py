@@ -22,6 +22,12 @@ instead on the same run (mesh, shardings, batch, remat, attention) compiled unro
 (each with the remainder layers after the last whole group): ``cost(1) + (G - 1) * (cost(2) - cost(1))``, which
 is, layer for layer, the cost of the whole run unrolled (:func:`scanned_run_cost`). Memory is the scanned
 program's own.
+
+A causal LM's cross-entropy over chunks of positions (``train.logits_chunk``) is a loop too: a run that traced one
+is counted on a new trace of it with the chunks unrolled (:func:`functrain.core.unembedding.counted_whole`).
+
+Over several TPU slices (``--slices``), the bytes each chip sends over the data-centre network per step are read
+from the counted program's transfers (:mod:`functrain.run.dcn`), with their time at a DCN bandwidth.
 """
 
 from __future__ import annotations
