@@ -18,6 +18,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="TPU topology to compile for, e.g. v5p:4x4x8 (needs libtpu: pip install 'functrain[tpu]')",
     )
+    parser.add_argument(
+        "--slices",
+        type=int,
+        default=None,
+        help="compile for N slices of the topology joined over the data-centre network (DCN), spanned by "
+        "mesh.dcn_data x mesh.dcn_fsdp; reports the bytes each chip sends over DCN per step",
+    )
+    parser.add_argument(
+        "--dcn-gbps",
+        type=float,
+        default=None,
+        help="DCN bandwidth per chip in Gbit/s for the DCN time (default 50: TPU v5p's)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
         "--search",
@@ -54,6 +67,12 @@ def format_plan(plan) -> str:
         )
     else:
         lines.append("FLOPs and step time unknown: the compiler refused a program larger than HBM")
+    if plan.dcn_bytes_per_step is not None:
+        hides = {True: "hides under", False: "exceeds", None: "compare with"}[plan.dcn_hidden]
+        lines.append(
+            f"DCN ({plan.slices} slices): {human_bytes(plan.dcn_bytes_per_step)} per chip per step, "
+            f"{plan.dcn_time_s * 1e3:.1f} ms at {plan.dcn_gbps:g} Gbit/s; {hides} the step's compute"
+        )
     if plan.step_time_s is not None:
         throughput = f", {plan.tokens_per_sec_per_chip:,.0f} tokens/s/chip" if plan.tokens_per_sec_per_chip else ""
         lines.append(f"roofline step time {plan.step_time_s * 1e3:.1f} ms; MFU {plan.mfu:.1%}{throughput}")
@@ -101,13 +120,13 @@ def format_search(tried, chosen) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from functrain.run.config import load_config
-    from functrain.run.plan import plan
+    from functrain.run.plan import DEFAULT_DCN_GBPS, plan
 
     config = load_config(args.config, args.overrides)
     if args.search:
         from functrain.commands.plan_search import search
 
-        tried, chosen = search(config, args.topology)
+        tried, chosen = search(config, args.topology, args.slices)
         record = {
             "tried": [dict(remat=c.remat, global_batch_size=c.global_batch_size, plan=c.plan.to_json()) for c in tried],
             "chosen": None
@@ -116,6 +135,6 @@ def run(args: argparse.Namespace) -> int:
         }
         print(json.dumps(record) if args.json else format_search(tried, chosen))
         return 0
-    result = plan(config, args.topology)
+    result = plan(config, args.topology, args.slices, DEFAULT_DCN_GBPS if args.dcn_gbps is None else args.dcn_gbps)
     print(json.dumps(result.to_json()) if args.json else format_plan(result))
     return 0

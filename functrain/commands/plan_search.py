@@ -38,14 +38,16 @@ def _with(config: Config, **settings: object) -> Config:
     return validate_config(apply_overrides(config.to_dict(), [f"{key}={value}" for key, value in settings.items()]))
 
 
-def search(config: Config, topology: str | None = None) -> tuple[list[Candidate], Candidate | None]:
+def search(
+    config: Config, topology: str | None = None, slices: int | None = None
+) -> tuple[list[Candidate], Candidate | None]:
     """Every candidate compiled, and the chosen one (None: nothing fits, or the chips' HBM is unknown)."""
     tried: list[Candidate] = []
     policies = REMAT_COST_ORDER if hasattr(config.model, "remat") else (None,)
     chosen = None
     for policy in policies:
         candidate = config if policy is None else _with(config, **{"model.remat": policy})
-        tried.append(Candidate(policy, config.data.global_batch_size, plan(candidate, topology)))
+        tried.append(Candidate(policy, config.data.global_batch_size, plan(candidate, topology, slices)))
         if tried[-1].plan.fits:
             chosen, config = tried[-1], candidate
             break
@@ -55,7 +57,7 @@ def search(config: Config, topology: str | None = None) -> tuple[list[Candidate]
         return tried, None
     for _ in range(MAX_DOUBLINGS):
         bigger = _with(config, **{"data.global_batch_size": config.data.global_batch_size * 2})
-        tried.append(Candidate(chosen.remat, bigger.data.global_batch_size, plan(bigger, topology)))
+        tried.append(Candidate(chosen.remat, bigger.data.global_batch_size, plan(bigger, topology, slices)))
         if not tried[-1].plan.fits:
             break
         chosen, config = tried[-1], bigger

@@ -32,6 +32,7 @@ import optax
 
 from functrain.core.fields import Fields
 from functrain.core.model_terms import add_model_terms, logits_of
+from functrain.core.unembedding import LOGITS_CHUNK, LogitsChunk, chunk_positions, chunked_statistics, logits_array
 from functrain.data.validate import BatchCheck, FieldRule
 
 # Per-token fields of a packed LM batch that the model takes as keyword arguments.
@@ -48,13 +49,18 @@ def model_inputs(kind: str, batch: dict) -> Any:
     return batch["x"] if kind == "classifier" else batch["tokens"][:, :-1]
 
 
-def model_keywords(kind: str, batch: dict, ops: "ArrayOps | None" = None) -> dict[str, Any]:
+def model_keywords(
+    kind: str, batch: dict, ops: "ArrayOps | None" = None, logits_chunk: LogitsChunk = "off"
+) -> dict[str, Any]:
     """The model's keyword inputs: a causal LM's ``segment_ids`` / ``positions`` / ``attention_mask`` of its
-    input tokens, those the batch has, and with ``ops`` its ``token_mask`` (:func:`input_token_mask`); ``{}``
-    otherwise."""
+    input tokens, those the batch has, with ``ops`` its ``token_mask`` (:func:`input_token_mask`), and unless
+    ``logits_chunk`` is ``off`` that setting (the model then returns its head unapplied,
+    :mod:`functrain.core.unembedding`); ``{}`` otherwise."""
     if kind != "causal_lm":
         return {}
     keywords = {name: batch[name][:, :-1] for name in (*SEQUENCE_FIELDS, "attention_mask") if name in batch}
+    if logits_chunk != "off":
+        keywords[LOGITS_CHUNK] = logits_chunk
     return keywords if ops is None else {**keywords, TOKEN_MASK: input_token_mask(batch, ops)}
 
 
@@ -136,10 +142,19 @@ def classifier_sums(logits: Any, batch: dict) -> tuple[Any, Any, dict]:
 
 
 def causal_lm_sums(logits: Any, batch: dict) -> tuple[Any, Any, dict]:
-    """Next-token cross-entropy summed over real tokens (see :func:`target_weights`)."""
+    """Next-token cross-entropy summed over real tokens (see :func:`target_weights`); ``logits`` may be an
+    :class:`~functrain.core.unembedding.Unembedding`, whose logits are then formed chunk by chunk where they
+    would be large."""
     targets = lm_targets(batch)
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-    return weighted_sums(losses, _jax_hits(logits, targets), target_weights(batch, JAX_OPS), JAX_OPS)
+    chunk = chunk_positions(logits)
+    if chunk is None:
+        logits = logits_array(logits)
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+        hits = _jax_hits(logits, targets)
+    else:
+        label_logits, log_normalisers, max_logits = chunked_statistics(logits, targets, chunk)
+        losses, hits = log_normalisers - label_logits, label_hits(label_logits, max_logits)
+    return weighted_sums(losses, hits, target_weights(batch, JAX_OPS), JAX_OPS)
 
 
 LOSSES = {"classifier": classifier_sums, "causal_lm": causal_lm_sums}

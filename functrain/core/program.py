@@ -71,6 +71,7 @@ from jax.sharding import PartitionSpec
 from functrain.core.fields import Fields, canonical, require_builtin, resolve_fields
 from functrain.core.losses import JAX_OPS, LOSSES, TOKEN_MASK, model_inputs, model_keywords
 from functrain.core.model_terms import add_model_terms, batch_totals, logits_of, wants_batch_totals
+from functrain.core.unembedding import LOGITS_CHUNK, LogitsChunk
 from functrain.errors import ConfigError, DataError
 
 Batch = dict[str, Any]
@@ -172,9 +173,12 @@ def _supported(keywords: dict[str, Any], names: set[str] | None) -> dict[str, An
     argument as ``segment_ids`` when it takes those (functrain's models): padding and real tokens are then two
     segments, so no real token attends to a padded key, as with HF's mask. A model that takes neither gets
     no mask: exact for right padding, where only padded queries (never counted) see padded keys. The
-    ``token_mask`` goes only to a model whose call names it."""
-    if TOKEN_MASK in keywords and (names is None or TOKEN_MASK not in names):
-        keywords = {name: value for name, value in keywords.items() if name != TOKEN_MASK}
+    ``token_mask`` and the ``logits_chunk`` setting go only to a model whose call names them."""
+    keywords = {
+        name: value
+        for name, value in keywords.items()
+        if name not in (TOKEN_MASK, LOGITS_CHUNK) or (names is not None and name in names)
+    }
     if "attention_mask" not in keywords or names is None or "attention_mask" in names:
         return keywords
     kept = {name: value for name, value in keywords.items() if name != "attention_mask"}
@@ -325,26 +329,30 @@ def _fields(batch: Batch) -> list[str]:
     return sorted(name for name in batch if name != "weight")
 
 
-def _builtin_forward(apply: Apply, kind: str, train: bool, fields: Fields | None) -> Callable:
+def _builtin_forward(
+    apply: Apply, kind: str, train: bool, fields: Fields | None, logits_chunk: LogitsChunk = "off"
+) -> Callable:
     """``forward(params, model_state, batch, rng) -> (output, (loss_sum, weight, aux), new_state)``."""
     sums = LOSSES[kind]
 
     def forward(params, model_state, batch, rng):
         batch = batch if fields is None else canonical(fields, batch)
-        output, new_state = apply(
-            params, model_state, model_inputs(kind, batch), train, rng, **model_keywords(kind, batch, JAX_OPS)
-        )
+        keywords = model_keywords(kind, batch, JAX_OPS, logits_chunk)
+        output, new_state = apply(params, model_state, model_inputs(kind, batch), train, rng, **keywords)
         return output, sums(logits_of(output), batch), new_state
 
     return forward
 
 
-def builtin_loss(apply: Apply, kind: str, train: bool, fields: Fields | None = None) -> Callable:
+def builtin_loss(
+    apply: Apply, kind: str, train: bool, fields: Fields | None = None, logits_chunk: LogitsChunk = "off"
+) -> Callable:
     """The built-in loss of ``kind`` on the logits of ``apply``, in the stateful form, with the terms the
     model's output carries (:mod:`functrain.core.model_terms`; ``totals``: the global batch's sums they need,
     None: this batch's own); ``fields``: the batch's roles when its names are not the loss's own (see
-    :func:`functrain.core.fields.canonical`)."""
-    forward = _builtin_forward(apply, kind, train, fields)
+    :func:`functrain.core.fields.canonical`); ``logits_chunk``: a causal LM's cross-entropy over chunks of
+    positions (:mod:`functrain.core.unembedding`; a model that does not take the setting gives its logits)."""
+    forward = _builtin_forward(apply, kind, train, fields, logits_chunk)
 
     def loss_fn(params, model_state, batch, rng, totals=None):
         output, (loss_sum, weight, aux), new_state = forward(params, model_state, batch, rng)
@@ -554,9 +562,11 @@ def model_pieces(model: Any, inputs: Any, example_batch: Batch, argument: str | 
     return ModelPieces(*functional_pieces(model, example_batch), framework=framework)
 
 
-def builtin_program(pieces: ModelPieces, fields: Fields, example_batch: Batch) -> Program:
+def builtin_program(
+    pieces: ModelPieces, fields: Fields, example_batch: Batch, logits_chunk: LogitsChunk = "off"
+) -> Program:
     """The built-in loss of ``fields.kind`` on the model's logits, after checking the model returns logits that
-    fit it (shapes only)."""
+    fit it (shapes only); ``logits_chunk``: see :func:`builtin_loss`."""
     loss_kind = fields.kind
     if loss_kind is None:
         raise ValueError("builtin_program needs fields of a built-in loss (require_builtin gives them)")
@@ -564,8 +574,8 @@ def builtin_program(pieces: ModelPieces, fields: Fields, example_batch: Batch) -
     output = check_logits(pieces.apply, loss_kind, params, model_state, canonical(fields, example_batch))
     return program_on(
         pieces,
-        builtin_loss(pieces.apply, loss_kind, True, fields),
-        builtin_loss(pieces.apply, loss_kind, False, fields),
+        builtin_loss(pieces.apply, loss_kind, True, fields, logits_chunk),
+        builtin_loss(pieces.apply, loss_kind, False, fields, logits_chunk),
         batch_totals=builtin_batch_totals(pieces.apply, loss_kind, fields) if wants_batch_totals(output) else None,
     )
 

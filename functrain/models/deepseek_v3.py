@@ -30,6 +30,7 @@ from functrain.models.attention import attention_kernel
 from functrain.models.configs.deepseek_v3 import DeepseekV3Config
 from functrain.models.configs.moe import MOE_RUNTIME_KEYS
 from functrain.models.deepseek_routing import sigmoid_group_limited, updated_bias
+from functrain.models.head import tied_head, untied_head
 from functrain.models.hf_common import RMSNorm, dense, embed, hf_config_dict
 from functrain.models.mla import LatentAttention
 from functrain.models.moe.balance import MoeOutput
@@ -169,10 +170,20 @@ class DeepseekV3ForCausalLM(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, input_ids, deterministic: bool = True, *, segment_ids=None, positions=None, token_mask=None):
+    def __call__(
+        self,
+        input_ids,
+        deterministic: bool = True,
+        *,
+        segment_ids=None,
+        positions=None,
+        token_mask=None,
+        logits_chunk=None,
+    ):
         """Logits and router statistics for ``input_ids``; ``deterministic`` is accepted for the task interface
         (no dropout here); ``segment_ids`` / ``positions`` [B, T]: packed documents (as
-        :mod:`functrain.models.llama`); ``token_mask`` [B, T]: the real tokens the statistics count."""
+        :mod:`functrain.models.llama`); ``token_mask`` [B, T]: the real tokens the statistics count;
+        ``logits_chunk``: the head unapplied (:mod:`functrain.models.head`)."""
         cfg = self.config
         std = cfg.initializer_range
         tokens = embed(cfg.vocab_size, cfg.hidden_size, ("vocab", "embed"), dtype=self.dtype, init_std=std,
@@ -193,12 +204,13 @@ class DeepseekV3ForCausalLM(nn.Module):
             stats.append(run_stats)
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(x)
         if cfg.tie_word_embeddings:
-            logits = tokens.attend(x)
+            logits = tied_head(tokens, x, logits_chunk)
         else:
-            logits = dense(cfg.vocab_size, ("embed", "vocab"), use_bias=False, dtype=self.dtype, init_std=std,
-                           name="lm_head")(x)  # fmt: skip
+            head = dense(cfg.vocab_size, ("embed", "vocab"), use_bias=False, dtype=self.dtype, init_std=std,
+                         name="lm_head")  # fmt: skip
+            logits = untied_head(self, x, head, logits_chunk)
         layers = jax.tree.map(lambda *runs: jnp.concatenate(runs), *stats)  # [L, ...] in layer order
-        return MoeOutput(logits.astype(jnp.float32), layers, balancing(cfg))
+        return MoeOutput(logits, layers, balancing(cfg))
 
     @nn.nowrap
     def trainable_mask(self, params: Any) -> Any:

@@ -8,6 +8,7 @@ MLP (``hidden_activation``, Llama's MLP module); the LM head tied to the embeddi
 ``final_logit_softcapping``. Parameter names mirror HF's.
 """
 
+from functools import partial
 from typing import Any, TypeVar
 
 import flax.linen as nn
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 from functrain.errors import ConfigError
 from functrain.models.attention import attend, attention_kernel
 from functrain.models.configs.gemma2 import Gemma2Config
+from functrain.models.head import tied_head
 from functrain.models.hf_common import dense, embed, hf_config_dict, token_positions
 from functrain.models.kv_cache import decoding, extend_cache, next_positions
 from functrain.models.llama import LlamaMLP
@@ -157,9 +159,10 @@ class Gemma2ForCausalLM(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, input_ids, deterministic: bool = True, *, segment_ids=None, positions=None):
+    def __call__(self, input_ids, deterministic: bool = True, *, segment_ids=None, positions=None, logits_chunk=None):
         """Logits for ``input_ids``; ``deterministic`` is accepted for the task interface (no dropout here).
-        ``segment_ids`` / ``positions`` [B, T]: packed sequences, as for Llama."""
+        ``segment_ids`` / ``positions`` [B, T]: packed sequences, as for Llama; with ``logits_chunk`` the head
+        unapplied (:mod:`functrain.models.head`)."""
         cfg = self.config
         tokens = embed(
             cfg.vocab_size,
@@ -183,7 +186,8 @@ class Gemma2ForCausalLM(nn.Module):
             args=(segment_ids, positions),
         )
         x = GemmaRMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(x)
-        return soft_cap(tokens.attend(x).astype(jnp.float32), cfg.final_logit_softcapping)
+        cap = cfg.final_logit_softcapping
+        return tied_head(tokens, x, logits_chunk, None if cap is None else partial(soft_cap, cap=cap))
 
 
 def build(config: Gemma2Config, dtype: Any = jnp.float32) -> Gemma2ForCausalLM:

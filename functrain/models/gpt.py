@@ -13,8 +13,10 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
+from functrain.core.unembedding import LogitsChunk
 from functrain.models.attention import attend, attention_kernel
 from functrain.models.configs.gpt import GPTConfig
+from functrain.models.head import untied_head
 from functrain.models.kv_cache import decoding, extend_cache, next_positions
 from functrain.models.remat import check_remat, remat_block
 from functrain.models.scan import apply_layers
@@ -112,8 +114,10 @@ class GPT(nn.Module):
         *,
         segment_ids: jnp.ndarray | None = None,
         positions: jnp.ndarray | None = None,
-    ) -> jnp.ndarray:
-        """Logits for ``tokens``; see the module docstring for ``segment_ids`` and ``positions``."""
+        logits_chunk: LogitsChunk | None = None,
+    ) -> Any:
+        """Logits for ``tokens``; see the module docstring for ``segment_ids`` and ``positions``; with
+        ``logits_chunk`` the head unapplied (:mod:`functrain.models.head`)."""
         cfg = self.config
         init = nn.initializers.normal(0.02)
         embed = nn.Embed(
@@ -147,10 +151,10 @@ class GPT(nn.Module):
             scale_init=_param(nn.initializers.ones, ("norm",)),
             bias_init=_param(nn.initializers.zeros, ("norm",)),
         )(x)
-        logits = nn.Dense(
+        head = nn.Dense(
             cfg.vocab_size, dtype=self.dtype, name="head", kernel_init=_param(init, ("embed", "vocab")), use_bias=False
-        )(x)
-        return logits.astype(jnp.float32)
+        )
+        return untied_head(self, x, head, logits_chunk)
 
 
 def build(config: GPTConfig, dtype: Any = jnp.float32) -> GPT:

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from functrain.models.attention import attend, attention_kernel
 from functrain.models.configs.gpt2 import GPT2Config
+from functrain.models.head import tied_head
 from functrain.models.hf_common import activation, dense, embed, hf_config_dict, layer_norm, token_positions
 from functrain.models.kv_cache import decoding, extend_cache, next_positions
 from functrain.models.remat import check_remat, remat_block
@@ -126,9 +127,10 @@ class GPT2LMHead(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, input_ids, deterministic: bool = True, *, segment_ids=None, positions=None):
+    def __call__(self, input_ids, deterministic: bool = True, *, segment_ids=None, positions=None, logits_chunk=None):
         """Logits for ``input_ids``; ``deterministic`` is accepted for the task interface (no dropout here);
-        ``segment_ids`` / ``positions``: see the module docstring."""
+        ``segment_ids`` / ``positions``: see the module docstring; with ``logits_chunk`` the head unapplied
+        (:mod:`functrain.models.head`)."""
         cfg = self.config
         length = input_ids.shape[1]
         if length > cfg.n_positions:
@@ -146,7 +148,7 @@ class GPT2LMHead(nn.Module):
         for i in range(cfg.n_layer):
             x = constrain_batch(block(cfg, i, self.dtype, name=f"h_{i}")(x, segment_ids))
         x = layer_norm(cfg.layer_norm_epsilon, dtype=self.dtype, name="ln_f")(x)
-        return wte.attend(x).astype(jnp.float32)  # tied LM head
+        return tied_head(wte, x, logits_chunk)
 
 
 def build(config: GPT2Config, dtype: Any = jnp.float32) -> GPT2LMHead:

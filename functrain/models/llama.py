@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from functrain.errors import ConfigError
 from functrain.models.attention import attend, attention_kernel
 from functrain.models.configs.llama import LlamaConfig
+from functrain.models.head import tied_head, untied_head
 from functrain.models.hf_common import RMSNorm, activation, dense, embed, hf_config_dict, token_positions
 from functrain.models.kv_cache import decoding, extend_cache, next_positions
 from functrain.models.remat import check_remat, remat_block
@@ -177,9 +178,10 @@ class LlamaForCausalLM(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, input_ids, deterministic: bool = True, *, segment_ids=None, positions=None):
+    def __call__(self, input_ids, deterministic: bool = True, *, segment_ids=None, positions=None, logits_chunk=None):
         """Logits for ``input_ids``; ``deterministic`` is accepted for the task interface (no dropout here);
-        ``segment_ids`` / ``positions``: see the module docstring."""
+        ``segment_ids`` / ``positions``: see the module docstring; with ``logits_chunk`` the head unapplied
+        (:mod:`functrain.models.head`)."""
         cfg = self.config
         tokens = embed(
             cfg.vocab_size,
@@ -202,17 +204,16 @@ class LlamaForCausalLM(nn.Module):
         )
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(x)
         if cfg.tie_word_embeddings:
-            logits = tokens.attend(x)
-        else:
-            logits = dense(
-                cfg.vocab_size,
-                ("embed", "vocab"),
-                use_bias=False,
-                dtype=self.dtype,
-                init_std=cfg.initializer_range,
-                name="lm_head",
-            )(x)
-        return logits.astype(jnp.float32)
+            return tied_head(tokens, x, logits_chunk)
+        head = dense(
+            cfg.vocab_size,
+            ("embed", "vocab"),
+            use_bias=False,
+            dtype=self.dtype,
+            init_std=cfg.initializer_range,
+            name="lm_head",
+        )
+        return untied_head(self, x, head, logits_chunk)
 
 
 def build(config: LlamaConfig, dtype: Any = jnp.float32) -> LlamaForCausalLM:

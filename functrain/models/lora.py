@@ -19,9 +19,11 @@ import jax.numpy as jnp
 from flax.traverse_util import flatten_dict, unflatten_dict
 from jax.sharding import PartitionSpec
 
+from functrain.core.unembedding import LOGITS_CHUNK
 from functrain.errors import ConfigError
 from functrain.models.configs.base import ModelConfig
 from functrain.models.configs.lora import LoraConfig
+from functrain.models.head import HEAD_MODULES
 
 ADAPTER_A, ADAPTER_B = "lora_a", "lora_b"
 Path = tuple[str, ...]
@@ -138,11 +140,14 @@ def adapter_interceptor(settings: LoraConfig, train: bool, rng: jax.Array) -> Ca
     return intercept
 
 
-def with_adapters(apply: Callable, settings: LoraConfig) -> Callable:
+def with_adapters(apply: Callable, settings: LoraConfig, adapts_head: bool = False) -> Callable:
     """A program ``apply(params, model_state, inputs, train, rng, **keywords)`` that runs the adapters too
-    (keywords: a packed batch's ``segment_ids`` / ``positions``)."""
+    (keywords: a packed batch's ``segment_ids`` / ``positions``). ``adapts_head``: an LM head carries adapters,
+    so it is applied whole (an unapplied head, :mod:`functrain.models.head`, would leave its adapters out)."""
 
     def apply_with_adapters(params, model_state, inputs, train, rng, **keywords):
+        if adapts_head:
+            keywords.pop(LOGITS_CHUNK, None)
         with nn.intercept_methods(adapter_interceptor(settings, train, rng)):
             return apply(params, model_state, inputs, train, rng, **keywords)
 
@@ -195,7 +200,7 @@ def lora_transform(pieces: Any, settings: LoraConfig) -> Any:
             return params
         return add_adapters(params, paths, settings.rank, jax.random.fold_in(rng, _ADAPTER_KEY))
 
-    adapted = with_adapters(base_apply, settings)
+    adapted = with_adapters(base_apply, settings, adapts_head=any(path[-1] in HEAD_MODULES for path in paths))
 
     def adapters_off(params, model_state, inputs, train, rng, **keywords):
         # The adapted program with every lora_b zero, not the base alone: a policy whose adapters are still zero

@@ -33,6 +33,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from functrain.core.tree import path_string
@@ -43,6 +44,10 @@ logger = logging.getLogger(__name__)
 
 # ``expert`` before ``tensor``: the batch axes stay outermost, so each process holds a contiguous block of rows.
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
+# The config key of the slices a mesh axis spans over the data-centre network (DCN). A multi-slice mesh keeps
+# the same axes: ``data`` is ``mesh.dcn_data`` slices x ``mesh.data`` chips in each, slices outermost, so every
+# rule, the batch split and the models' constraints are the same on one slice and on several.
+DCN_AXES = {"data": "dcn_data", "fsdp": "dcn_fsdp"}
 
 # Logical axis -> mesh axis (None: replicated). Names missing here are replicated too.
 DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
@@ -122,18 +127,45 @@ def make_mesh(mesh_config: Any, devices: list | None = None) -> Mesh:
     (the rest). Axes are
     ``Auto`` so the compiler propagates shardings through the step from the in/out shardings alone.
     The device order is process-major (``jax.make_mesh``), which the global-batch assembly relies on.
+    Devices that span several TPU slices (their ``slice_index``) get a hybrid mesh: ``mesh_config.dcn_data`` and
+    ``.dcn_fsdp`` slices extend the data and FSDP axes, slices outermost (:data:`DCN_AXES`); their product must
+    be the number of slices, and the other sizes are then per slice.
     """
     devices = list(jax.devices() if devices is None else devices)
-    sizes = resolve_mesh_shape(mesh_config, len(devices))
+    slices = slice_count(devices)
+    dcn = dcn_shape(mesh_config)
+    if math.prod(dcn.values()) != slices:
+        raise ConfigError(
+            f"mesh.dcn_data={dcn['data']} x mesh.dcn_fsdp={dcn['fsdp']} spans {math.prod(dcn.values())} slice(s) "
+            f"but the {len(devices)} devices are {slices} slice(s); make the product of mesh.dcn_data and "
+            f"mesh.dcn_fsdp {slices}"
+        )
+    sizes = resolve_mesh_shape(mesh_config, len(devices) // slices)
     shape = tuple(sizes[axis] for axis in MESH_AXES)
+    axis_types = (AxisType.Auto,) * len(MESH_AXES)
     try:
-        return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+        if slices > 1:
+            # Slices outermost on each axis they extend: a collective over the rest of the axis stays in a slice.
+            hybrid = mesh_utils.create_hybrid_device_mesh(shape, tuple(dcn[axis] for axis in MESH_AXES), devices)
+            return Mesh(hybrid, MESH_AXES, axis_types=axis_types)
+        return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
     except NotImplementedError as exc:  # a TPU torus that these axis sizes cannot be laid along
         raise ConfigError(
             f"{_format_mesh(sizes)} cannot be laid on the {len(devices)} devices' torus "
             f"({str(exc).splitlines()[0][:160]}); make each mesh axis a product of the torus "
             f"dimensions (e.g. mesh.tensor equal to one of them)"
         ) from None
+
+
+def slice_count(devices: list) -> int:
+    """How many TPU slices ``devices`` span (their ``slice_index``; 1 for devices without one)."""
+    return len({getattr(device, "slice_index", 0) for device in devices})
+
+
+def dcn_shape(mesh_config: Any) -> dict[str, int]:
+    """How many slices each mesh axis spans over the data-centre network: ``mesh.dcn_data`` extends the data
+    axis, ``mesh.dcn_fsdp`` the FSDP axis (:data:`DCN_AXES`), ``tensor`` stays in a slice."""
+    return {axis: int(getattr(mesh_config, DCN_AXES[axis], 1)) if axis in DCN_AXES else 1 for axis in MESH_AXES}
 
 
 # ---------------------------------------------------------------------------------------------- rules

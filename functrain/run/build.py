@@ -317,6 +317,9 @@ class Planned:
     # The backend of the same run (mesh, shardings, batch, step) with the model cut to ``k`` groups of layers
     # and its remainder, unrolled: XLA counts a loop body once, so a plan measures the layers' cost from these.
     unrolled_groups_backend: Callable[[int], Any] | None = None
+    # The same run's backend built again (a new trace): for a compile traced under another context (a plan counts
+    # the cross-entropy's chunk loops unrolled, functrain.core.unembedding.counted_whole).
+    rebuilt_backend: Callable[[], Any] | None = None
 
     @property
     def tokens_per_step(self) -> int | None:
@@ -338,7 +341,9 @@ def plan_run(config: Config, devices: list | None = None) -> Planned:
         backend, _ = backend_of(config, parts, example_batch, max_steps, devices)
 
     def unrolled_groups_backend(groups: int) -> Any:
-        variant = config.model_copy(update={"model": fewer_groups_unrolled(config.model, groups)})
+        return variant_backend(config.model_copy(update={"model": fewer_groups_unrolled(config.model, groups)}))
+
+    def variant_backend(variant: Config) -> Any:
         with compiling_for(devices):
             model, _ = resolve_model(variant, None)
             program, _ = task_program(variant, parts, example_batch, model)
@@ -360,6 +365,7 @@ def plan_run(config: Config, devices: list | None = None) -> Planned:
         model_config=config.model,
         scan_groups=groups,
         unrolled_groups_backend=unrolled_groups_backend if groups else None,
+        rebuilt_backend=lambda: variant_backend(config),
     )
 
 

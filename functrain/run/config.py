@@ -21,6 +21,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
 from functrain.core.section import Section
+from functrain.core.unembedding import LogitsChunk
 from functrain.errors import ConfigError
 from functrain.models import MODEL_FAMILIES, model_config_class
 from functrain.models.configs.base import FamilyConfig, ModelConfig
@@ -235,9 +236,22 @@ class TrainConfig(Section):
     offload_optimizer: bool = False
     # backend: torch only: the module's training forward through torch.compile (minutes to compile on CPU).
     torch_compile: bool = False
+    # A causal LM's loss (and preference log-probs) over chunks of positions, so the [tokens, vocab] logits never
+    # exist whole: auto (when they would be large), off, or positions per chunk (functrain/core/unembedding.py).
+    logits_chunk: LogitsChunk = "auto"
     # A run directory (a trained run, or one `functrain convert hf-to-functrain` wrote) whose newest checkpoint's
     # weights start this run (fresh optimizer, step 0) when it has no checkpoint of its own yet; any task.
     init_from: str | None = None
+
+    @pydantic.field_validator("logits_chunk", mode="before")
+    @classmethod
+    def _chunk_setting(cls, value: Any) -> Any:
+        # One message for the union (pydantic would name its internal members).
+        if value is False:  # YAML reads a bare `off` as false
+            return "off"
+        if value in ("auto", "off") or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            return value
+        raise ValueError("must be 'auto', 'off' or a number of positions per chunk (an integer >= 1)")
 
 
 class CheckpointConfig(Section):
@@ -285,17 +299,33 @@ class ParamRule(Section):
 
 
 class MeshConfig(Section):
-    """``mesh.*``: device mesh axes (one may be -1 for the rest), logical-to-mesh axis rules, and rules by
-    parameter path for parameters without logical axes (``param_rules``, first match wins; see
-    :mod:`functrain.parallel.sharding` for the default rule)."""
+    """``mesh.*``: device mesh axes (one may be -1 for the rest; within one slice when the devices span
+    several), how many slices the data and FSDP axes span over the data-centre network (``dcn_data``,
+    ``dcn_fsdp``; their product is the number of slices), logical-to-mesh axis rules, and rules by parameter path
+    for parameters without logical axes (``param_rules``, first match wins; see :mod:`functrain.parallel.sharding`
+    for the default rule)."""
 
     data: int = -1
     fsdp: int = 1
     expert: int = 1  # expert parallelism: a mixture of experts' experts split this many ways (it divides them)
     tensor: int = 1
+    dcn_data: int = Field(1, ge=1)
+    dcn_fsdp: int = Field(1, ge=1)
+    # Pipeline stages across slices: accepted as 1 only until functrain pipelines its layers.
+    dcn_pipeline: int = Field(1, ge=1)
     rules: dict[str, str | list[str] | None] | None = None  # None: the defaults in functrain.parallel.sharding
     param_rules: list[ParamRule] = Field(default_factory=list)
     allow_replicated_fallback: bool = False
+
+    @pydantic.field_validator("dcn_pipeline")
+    @classmethod
+    def _no_pipeline(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError(
+                "pipeline stages across slices need pipeline parallelism, which functrain does not have yet; "
+                "set mesh.dcn_pipeline=1 and span the slices with mesh.dcn_data or mesh.dcn_fsdp"
+            )
+        return value
 
 
 class LogConfig(Section):

@@ -22,6 +22,12 @@ instead on the same run (mesh, shardings, batch, remat, attention) compiled unro
 (each with the remainder layers after the last whole group): ``cost(1) + (G - 1) * (cost(2) - cost(1))``, which
 is, layer for layer, the cost of the whole run unrolled (:func:`scanned_run_cost`). Memory is the scanned
 program's own.
+
+A causal LM's cross-entropy over chunks of positions (``train.logits_chunk``) is a loop too: a run that traced one
+is counted on a new trace of it with the chunks unrolled (:func:`functrain.core.unembedding.counted_whole`).
+
+Over several TPU slices (``--slices``), the bytes each chip sends over the data-centre network per step are read
+from the counted program's transfers (:mod:`functrain.run.dcn`), with their time at a DCN bandwidth.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from functrain.core.unembedding import chunk_loops_traced, counted_whole
 from functrain.errors import ConfigError
 from functrain.models.configs.moe import MoeOptions
 from functrain.parallel.platform import describe_host_to_libtpu
@@ -42,15 +49,19 @@ from functrain.parallel.sharding import state_bytes_per_device
 from functrain.run.build import Planned, plan_run
 from functrain.run.chips import chip_of
 from functrain.run.config import Config
+from functrain.run.dcn import dcn_bytes
 from functrain.run.mfu import train_flops_per_token
 
 TOPOLOGY_EXAMPLES = ("v4:2x2x2", "v5e:4x4", "v5p:4x4x8", "v6e:16x16")
 # Part of HBM a plan may fill: the runtime, the compiled program and fragmentation take the rest.
 HBM_USABLE = 0.95
+# DCN bandwidth per chip, Gbit/s: Cloud TPU v5p's data sheet ("Data center network (DCN) bandwidth per chip").
+DEFAULT_DCN_GBPS = 50.0
 
 
-def topology_devices(name: str) -> list:
-    """The devices of TPU topology ``name`` (``v5p:2x2x2``), described by libtpu; no TPU needs to be attached."""
+def topology_devices(name: str, slices: int = 1) -> list:
+    """The devices of ``slices`` slices of TPU topology ``name`` (``v5p:2x2x2``), described by libtpu (each with
+    its ``slice_index``); no TPU needs to be attached."""
     if importlib.util.find_spec("libtpu") is None:
         raise ConfigError(
             f"--topology {name} compiles through libtpu, which is not installed; pip install 'functrain[tpu]'"
@@ -61,7 +72,7 @@ def topology_devices(name: str) -> list:
     from jax.experimental import topologies
 
     try:
-        return list(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
+        return list(topologies.get_topology_desc(platform="tpu", topology_name=name, num_slices=slices).devices)
     except Exception as exc:  # noqa: BLE001 -- libtpu: XlaRuntimeError/JaxRuntimeError/ValueError
         raise ConfigError(
             f"unknown TPU topology {name!r} ({str(exc).splitlines()[0][:120]}); give GENERATION:SHAPE, "
@@ -95,6 +106,11 @@ class Plan:
     advice: list[str] = field(default_factory=list)
     attention: str | None = None  # the attention kernel compiled: splash, cudnn, xla (None: no LM)
     experts: str | None = None  # a mixture of experts' matmuls as compiled (expert_kernel_of; None: no experts)
+    slices: int = 1  # TPU slices joined over the data-centre network (DCN)
+    dcn_bytes_per_step: float | None = None  # per chip, sent over DCN (functrain.run.dcn); None: one slice
+    dcn_gbps: float | None = None  # the DCN bandwidth per chip the time is computed at
+    dcn_time_s: float | None = None  # dcn_bytes_per_step at dcn_gbps
+    dcn_hidden: bool | None = None  # the DCN time fits under the roofline step time (overlapped with compute)
 
     def to_json(self) -> dict[str, Any]:
         """The plan as one JSON-able object (``functrain plan --json``)."""
@@ -158,6 +174,8 @@ def advice(planned: Planned, sizes: dict[str, int], chips: int, mesh: dict[str, 
 
 
 COST_KEYS = ("flops", "bytes accessed")
+# The cost entry of the bytes a chip sends over DCN in one train call (counted_cost).
+DCN_KEY = "dcn bytes"
 # libtpu's options for a program compiled to be counted: every matmul whole, none split into a windowed einsum's
 # loop (whose body cost_analysis would count once; see the module docstring).
 COUNTED_WHOLE = {
@@ -172,24 +190,56 @@ def chip_name(topology: str) -> str:
     return f"TPU {topology.partition(':')[0]}"
 
 
-def plan(config: Config, topology: str | None = None) -> Plan:
-    """Compile ``config``'s train call for the local devices or TPU ``topology`` and report (see the module)."""
-    planned = plan_run(config, topology_devices(topology) if topology else None)
+def check_slices(topology: str | None, slices: int | None, dcn_gbps: float) -> None:
+    """``--slices`` needs a TPU ``--topology`` and is at least 1; ``--dcn-gbps`` is positive (one-line errors)."""
+    if slices is not None and topology is None:
+        raise ConfigError(
+            f"--slices {slices} compiles for several slices of a TPU topology; add --topology (e.g. v5p:4x4x4)"
+        )
+    if slices is not None and slices < 1:
+        raise ConfigError(f"--slices {slices} is not a number of slices; give 1 or more")
+    if not dcn_gbps > 0:
+        raise ConfigError(f"--dcn-gbps {dcn_gbps} is not a bandwidth; give Gbit/s per chip, e.g. {DEFAULT_DCN_GBPS:g}")
+
+
+def plan(
+    config: Config, topology: str | None = None, slices: int | None = None, dcn_gbps: float = DEFAULT_DCN_GBPS
+) -> Plan:
+    """Compile ``config``'s train call for the local devices or TPU ``topology`` (``slices`` of it joined over DCN,
+    spanned by ``mesh.dcn_data`` x ``mesh.dcn_fsdp``) and report (see the module); ``dcn_gbps``: the DCN bandwidth
+    per chip the DCN time is computed at."""
+    check_slices(topology, slices, dcn_gbps)
+    slices = slices or 1
+    planned = plan_run(config, topology_devices(topology, slices) if topology else None)
     device_kind = chip_name(topology) if topology else None
     try:
-        compiled = _compile(planned.backend, planned)
+        with chunk_loops_traced() as chunk_loops:
+            compiled = _compile(planned.backend, planned)
     except jax.errors.JaxRuntimeError as exc:
         required = _required_temporaries(str(exc))
         if required is None:
             raise
         return report(planned, None, temporaries=required, device_kind=device_kind)
     if planned.scan_groups > 1:
-        cost = scanned_run_cost(planned)
+        cost = scanned_run_cost(planned, slices)
+    elif chunk_loops:  # the cross-entropy's chunk loop, counted unrolled on a new trace of the run
+        assert planned.rebuilt_backend is not None, "plan_run builds every run's rebuilt_backend"
+        with counted_whole():
+            cost = counted_cost(_compile(planned.rebuilt_backend(), planned, counted=True), slices)
     elif _on_tpu(planned.backend):
-        cost = _first(_compile(planned.backend, planned, counted=True).cost_analysis())
+        cost = counted_cost(_compile(planned.backend, planned, counted=True), slices)
     else:
         cost = None  # the compiled program's own count is whole
-    return report(planned, compiled, cost=cost, device_kind=device_kind)
+    return report(planned, compiled, cost=cost, device_kind=device_kind, slices=slices, dcn_gbps=dcn_gbps)
+
+
+def counted_cost(compiled: jax.stages.Compiled, slices: int) -> dict[str, float]:
+    """XLA's cost (``COST_KEYS``) of a compiled train call, with the bytes each chip sends over DCN
+    (``dcn bytes``, :func:`functrain.run.dcn.dcn_bytes`) when it spans several slices."""
+    cost = dict(_first(compiled.cost_analysis()))
+    if slices > 1:
+        cost[DCN_KEY] = dcn_bytes(compiled.as_text() or "", slices)
+    return cost
 
 
 def _on_tpu(backend: Any) -> bool:
@@ -203,18 +253,21 @@ def _compile(backend: Any, planned: Planned, counted: bool = False) -> jax.stage
     return backend.compile_train_call(*args, compiler_options=options)
 
 
-def scanned_run_cost(planned: Planned) -> dict[str, float]:
-    """XLA's cost (``COST_KEYS``, per chip, one micro-batch) of a scanned run's train call with all its layers
-    counted: the same run compiled with one group of layers and with two, unrolled, extrapolated to its
-    ``scan_groups`` groups (identical groups cost the same; what lies outside the layers is in both)."""
+def scanned_run_cost(planned: Planned, slices: int = 1) -> dict[str, float]:
+    """XLA's cost (``COST_KEYS``, per chip, one micro-batch; and the DCN bytes of the call over ``slices`` slices)
+    of a scanned run's train call with all its layers counted: the same run compiled with one group of layers and
+    with two, unrolled, extrapolated to its ``scan_groups`` groups (identical groups cost the same; what lies
+    outside the layers is in both)."""
     unrolled = planned.unrolled_groups_backend
     if unrolled is None:
         raise ValueError("scanned_run_cost needs the plan of a run that scans its layers (model.scan_layers)")
-    one, two = (_first(_compile(unrolled(groups), planned, counted=True).cost_analysis()) for groups in (1, 2))
+    with counted_whole():  # the cross-entropy's chunk loops too
+        one, two = (counted_cost(_compile(unrolled(groups), planned, counted=True), slices) for groups in (1, 2))
     return {
         key: float(one.get(key, 0.0))
         + (planned.scan_groups - 1) * (float(two.get(key, 0.0)) - float(one.get(key, 0.0)))
-        for key in COST_KEYS
+        for key in (*COST_KEYS, DCN_KEY)
+        if key in one
     }
 
 
@@ -260,11 +313,15 @@ def report(
     temporaries: int = 0,
     cost: dict[str, float] | None = None,
     device_kind: str | None = None,
+    slices: int = 1,
+    dcn_gbps: float = DEFAULT_DCN_GBPS,
 ) -> Plan:
     """The :class:`Plan` of a compiled train call; without one (the compiler refused a program that needs
     ``temporaries`` bytes more than HBM holds) memory is state + batch + temporaries and FLOPs are unknown (0).
     ``cost``: the step's FLOPs and bytes when not the compiled program's count (a scanned run's,
-    :func:`scanned_run_cost`); ``device_kind``: the chip's name when not the devices' own (:func:`chip_name`)."""
+    :func:`scanned_run_cost`); ``device_kind``: the chip's name when not the devices' own (:func:`chip_name`);
+    ``slices``: the TPU slices the run spans, whose DCN bytes (in ``cost``, for a whole call) take their time at
+    ``dcn_gbps`` per chip."""
     backend, step = planned.backend, planned.step
     chips, device_kind = len(backend.devices), device_kind or backend.devices[0].device_kind
     chip = chip_of(device_kind)
@@ -297,6 +354,7 @@ def report(
             mfu = (model_flops or flops * chips) / (chips * chip.peak_flops * step_time) if step_time else None
             tokens_per_chip = tokens / step_time / chips if tokens and step_time else None
         fits = compiled is not None and sizes["total"] <= HBM_USABLE * hbm
+    dcn = dcn_figures(cost.get(DCN_KEY), planned.steps_per_call, dcn_gbps, step_time)
     mesh = {axis: int(size) for axis, size in backend.mesh.shape.items()}
     parameters = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(backend.abstract_state.params))
     return Plan(
@@ -322,4 +380,20 @@ def report(
         advice=advice(planned, sizes, chips, mesh) if fits is False else [],
         attention=attention,
         experts=None if compiled is None else expert_kernel_of(compiled, planned.model_config, mesh.get("expert", 1)),
+        slices=slices,
+        **dcn,
     )
+
+
+def dcn_figures(
+    call_bytes: float | None, steps_per_call: int, dcn_gbps: float, step_time: float | None
+) -> dict[str, Any]:
+    """A plan's DCN fields from the bytes a chip sends over DCN in one call of ``steps_per_call`` steps (None: the
+    run spans one slice, or its program was refused): per step, their time at ``dcn_gbps`` Gbit/s, and whether
+    that time fits under the roofline ``step_time`` (the transfers overlap the compute)."""
+    if call_bytes is None:
+        return {}
+    per_step = call_bytes / steps_per_call
+    seconds = per_step * 8 / (dcn_gbps * 1e9)
+    hidden = None if step_time is None else seconds <= step_time
+    return dict(dcn_bytes_per_step=per_step, dcn_gbps=dcn_gbps, dcn_time_s=seconds, dcn_hidden=hidden)

@@ -62,6 +62,15 @@ def test_a_scanned_run_plans_the_flops_and_bytes_of_the_same_run_unrolled(monkey
     assert "roofline step time" in format_plan(scanned)
 
 
+def test_a_chunked_cross_entropy_is_planned_with_every_chunk_counted(compilation_cache):
+    # XLA counts the chunk loop's body once: plan counts a new trace of the run with the loop unrolled, so the
+    # chunked loss costs what the whole one does plus the head's forward recomputed in the backward pass.
+    whole = plan(load_config("configs/char_gpt.yaml", TINY))
+    chunked = plan(load_config("configs/char_gpt.yaml", TINY + ["train.logits_chunk=4"]))
+    recompute = 2 * 32 * 256 * 8 * 15 / whole.chips  # 2 x d_model x vocab x tokens, per chip
+    assert 0.9 * recompute < chunked.flops_per_step - whole.flops_per_step < 1.5 * recompute
+
+
 def test_state_bytes_per_chip_are_parameters_times_bytes_over_fsdp_shards():
     # AdamW in float32: 4 bytes of weight and 8 of moments per parameter, split over 4 FSDP shards.
     result = run_python("""
@@ -154,7 +163,7 @@ def test_bad_plans_are_one_line_exit_2(args, words):
 def test_search_takes_the_cheapest_remat_that_fits_then_doubles_the_batch(monkeypatch):
     from functrain.commands import plan_search
 
-    def fake_plan(config, topology):
+    def fake_plan(config, topology, slices=None):
         # Memory grows with the batch and shrinks with remat; 64 samples fit with remat=dots_saveable.
         need = config.data.global_batch_size * {"none": 8, "dots_saveable": 1, "full": 0.5}[config.model.remat]
         return SimpleNamespace(fits=need <= 64, mesh={"data": 2, "fsdp": 2, "tensor": 1})

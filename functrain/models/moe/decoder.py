@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from functrain.models.attention import attention_kernel
+from functrain.models.head import tied_head, untied_head
 from functrain.models.hf_common import RMSNorm, activation, dense, embed
 from functrain.models.llama import LlamaAttention
 from functrain.models.moe.balance import Balancing, MoeOutput
@@ -85,10 +86,18 @@ class MoeForCausalLM(nn.Module):
 
     @nn.compact
     def __call__(
-        self, input_ids, deterministic: bool = True, *, segment_ids=None, positions=None, token_mask=None
+        self,
+        input_ids,
+        deterministic: bool = True,
+        *,
+        segment_ids=None,
+        positions=None,
+        token_mask=None,
+        logits_chunk=None,
     ) -> MoeOutput:
         """Logits and router statistics for ``input_ids``; ``deterministic`` is accepted for the task interface
-        (no dropout here); the keywords: see the module docstring."""
+        (no dropout here); the keywords: see the module docstring (``logits_chunk``: the head unapplied,
+        :mod:`functrain.models.head`)."""
         cfg = self.config
         tokens = embed(
             cfg.vocab_size,
@@ -111,17 +120,16 @@ class MoeForCausalLM(nn.Module):
         )
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(x)
         if cfg.tie_word_embeddings:
-            logits = tokens.attend(x)
-        else:
-            logits = dense(
-                cfg.vocab_size,
-                ("embed", "vocab"),
-                use_bias=False,
-                dtype=self.dtype,
-                init_std=cfg.initializer_range,
-                name="lm_head",
-            )(x)
-        return MoeOutput(logits.astype(jnp.float32), stats, balancing(cfg))
+            return MoeOutput(tied_head(tokens, x, logits_chunk), stats, balancing(cfg))
+        head = dense(
+            cfg.vocab_size,
+            ("embed", "vocab"),
+            use_bias=False,
+            dtype=self.dtype,
+            init_std=cfg.initializer_range,
+            name="lm_head",
+        )
+        return MoeOutput(untied_head(self, x, head, logits_chunk), stats, balancing(cfg))
 
 
 def build_decoder(config: Any, feed_forward: FeedForward, dtype: Any = jnp.float32) -> MoeForCausalLM:

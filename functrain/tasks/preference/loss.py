@@ -30,6 +30,7 @@ log-probs averaged over each completion's tokens, with rewards ``beta * logp``:
   long; per pair keeps accumulation exact).
 """
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -37,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from functrain.core.model_terms import add_model_terms, logits_of
+from functrain.core.unembedding import LOGITS_CHUNK, LogitsChunk, chunk_positions, chunked_statistics, logits_array
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "simpo", "orpo")
 REFERENCE_FREE = ("simpo", "orpo")
@@ -68,12 +70,19 @@ class PreferenceSettings:
         return self.loss_type not in REFERENCE_FREE
 
 
-def completion_logps(logits: jax.Array, tokens: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+def completion_logps(logits: Any, tokens: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(sum of log-probs, token count)`` ``[N]`` of each sequence's completion: ``logits`` ``[N, L-1, V]`` of
-    ``tokens[:, :-1]``; position ``t`` predicts token ``t + 1``, counted where ``mask[:, t + 1]`` is set."""
+    ``tokens[:, :-1]`` (or the model's :class:`~functrain.core.unembedding.Unembedding`, whose logits are then
+    formed chunk by chunk where they would be large); position ``t`` predicts token ``t + 1``, counted where
+    ``mask[:, t + 1]`` is set."""
     targets, counted = tokens[:, 1:], mask[:, 1:].astype(jnp.float32)
-    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    token_logps = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+    chunk = chunk_positions(logits)
+    if chunk is None:
+        log_probs = jax.nn.log_softmax(logits_array(logits).astype(jnp.float32), axis=-1)
+        token_logps = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+    else:
+        label_logits, log_normalisers, _ = chunked_statistics(logits, targets, chunk)
+        token_logps = label_logits - log_normalisers
     return (token_logps * counted).sum(-1), counted.sum(-1)
 
 
@@ -167,6 +176,15 @@ Apply = Callable[[Any, Any, Any, bool, jax.Array], tuple[Any, Any]]
 Reference = Callable[[Any, Any, Any], Any]
 # reference_logps(params, model_state, batch) -> the reference's completion log-prob sums [2B].
 ReferenceLogps = Callable[[Any, Any, Any], jax.Array]
+
+
+def with_logits_chunk(apply: Apply, logits_chunk: LogitsChunk) -> Apply:
+    """``apply`` asking the model for its head unapplied (:mod:`functrain.core.unembedding`) unless
+    ``logits_chunk`` is ``off``; a model that does not take the setting gives its logits."""
+    if logits_chunk == "off":
+        return apply
+    return functools.partial(apply, **{LOGITS_CHUNK: logits_chunk})
+
 
 # TRL's names of the reference's log-prob sums a batch carries when they were computed once before training
 # (``preference.precompute_ref``, TRL's ``precompute_ref_log_probs``): float32 ``[B]`` per pair.

@@ -3,11 +3,13 @@ precomputed reference's start hook."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
 
 from functrain.core.program import ModelPieces, Program
+from functrain.core.unembedding import LogitsChunk
 from functrain.data import as_source
 from functrain.data.datasets import split_records
 from functrain.data.validate import BatchCheck, FieldRule
@@ -18,6 +20,7 @@ from functrain.tasks.preference.loss import (
     PreferenceSettings,
     precomputed_reference_logps,
     preference_program,
+    with_logits_chunk,
 )
 
 
@@ -106,7 +109,11 @@ class Preference(Task):
         """The preference loss on the model's pieces; the reference is the frozen base when a transform froze one
         (LoRA), else a frozen copy of the starting weights, or the log-probs the batches carry."""
         section = context.config.section(self.name)
-        return program_on_pieces(pieces, settings_of(section), precompute_ref=section.precompute_ref)
+        return program_on_pieces(
+            chunked_pieces(pieces, context.config.train.logits_chunk),
+            settings_of(section),
+            precompute_ref=section.precompute_ref,
+        )
 
     def start_hooks(self, context: TaskContext, data: TaskData, pieces: ModelPieces) -> list[StartHook]:
         """``preference.precompute_ref``: the reference's log-probs of every pair, computed (or read back) once
@@ -117,6 +124,7 @@ class Preference(Task):
         from functrain.tasks.preference.reference import PrecomputedReference
 
         config = context.config
+        pieces = chunked_pieces(pieces, config.train.logits_chunk)
         # data() gave the loaders the pairs wrapped as ComputedColumns, which this hook fills.
         columns = {
             split: loader if isinstance(loader, ComputedColumns) else None
@@ -133,6 +141,17 @@ class Preference(Task):
                 precomputed_reference_logps(pieces.apply, pieces.frozen_apply),
             )
         ]
+
+
+def chunked_pieces(pieces: ModelPieces, logits_chunk: LogitsChunk) -> ModelPieces:
+    """``pieces`` whose forwards hand the loss their head unapplied, for log-probs formed over chunks of positions
+    (``train.logits_chunk``, :mod:`functrain.core.unembedding`)."""
+    frozen = pieces.frozen_apply
+    return dataclasses.replace(
+        pieces,
+        apply=with_logits_chunk(pieces.apply, logits_chunk),
+        frozen_apply=None if frozen is None else with_logits_chunk(frozen, logits_chunk),
+    )
 
 
 def program_on_pieces(pieces: ModelPieces, settings: PreferenceSettings, *, precompute_ref: bool = False) -> Program:

@@ -98,7 +98,8 @@ class Supervised(Task):
     ) -> Program:
         if context.loss_fn is not None:
             return user_program(pieces, context.loss_fn, example_batch)
-        return builtin_program(pieces, require_builtin(data.fields, example_batch), example_batch)
+        fields = require_builtin(data.fields, example_batch)
+        return builtin_program(pieces, fields, example_batch, context.config.train.logits_chunk)
 
 
 def _is_linen(model: Any) -> bool:
