@@ -156,7 +156,8 @@ def test_preference_training_carries_the_bias_update():
     and the policy's loss returns the selection counts that update reads beside the reference (traced only: the
     step applying end_of_step is tested above)."""
     from functrain.models.deepseek_v3 import COUNTS_COLLECTION
-    from functrain.tasks.preference.loss import REFERENCE, PreferenceSettings
+    from functrain.tasks.preference.loss import PreferenceSettings
+    from functrain.tasks.reference import REFERENCE
     from functrain.tasks.preference.task import preference_program_of
 
     rows = np.random.default_rng(4).integers(0, VOCAB, (4, 9))
