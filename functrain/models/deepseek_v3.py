@@ -30,8 +30,7 @@ from functrain.models.attention import attention_kernel
 from functrain.models.configs.deepseek_v3 import DeepseekV3Config
 from functrain.models.configs.moe import MOE_RUNTIME_KEYS
 from functrain.models.deepseek_routing import sigmoid_group_limited, updated_bias
-from functrain.models.head import tied_head, untied_head
-from functrain.models.hf_common import RMSNorm, dense, embed, hf_config_dict
+from functrain.models.hf_common import RMSNorm, embed, hf_config_dict, lm_head
 from functrain.models.mla import LatentAttention
 from functrain.models.moe.balance import MoeOutput
 from functrain.models.moe.decoder import balancing, gated
@@ -203,12 +202,7 @@ class DeepseekV3ForCausalLM(nn.Module):
             )  # fmt: skip
             stats.append(run_stats)
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(x)
-        if cfg.tie_word_embeddings:
-            logits = tied_head(tokens, x, logits_chunk)
-        else:
-            head = dense(cfg.vocab_size, ("embed", "vocab"), use_bias=False, dtype=self.dtype, init_std=std,
-                         name="lm_head")  # fmt: skip
-            logits = untied_head(self, x, head, logits_chunk)
+        logits = lm_head(self, tokens, x, cfg, std, logits_chunk)
         layers = jax.tree.map(lambda *runs: jnp.concatenate(runs), *stats)  # [L, ...] in layer order
         return MoeOutput(logits, layers, balancing(cfg))
 

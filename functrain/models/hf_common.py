@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from functrain.models.configs.hf import ACTIVATIONS, HFModelConfig, check_activation
+from functrain.models.head import tied_head, untied_head
 from functrain.models.options import RUNTIME_KEYS
 
 Array = jax.Array
@@ -45,6 +46,17 @@ def dense(
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (axes[1],)),
         name=name,
     )
+
+
+def lm_head(parent: nn.Module, embedding: nn.Embed, x: Any, cfg: Any, init_std: float, logits_chunk: Any) -> Any:
+    """An HF-style causal LM's head on its final hidden states ``x``, declared in the compact module ``parent``: the
+    input ``embedding`` transposed when ``cfg.tie_word_embeddings``, else a Dense named ``lm_head`` (the logits, or
+    an :class:`~functrain.core.unembedding.Unembedding` with ``logits_chunk``; see :mod:`functrain.models.head`)."""
+    if cfg.tie_word_embeddings:
+        return tied_head(embedding, x, logits_chunk)
+    head = dense(cfg.vocab_size, ("embed", "vocab"), use_bias=False, dtype=parent.dtype, init_std=init_std,
+                 name="lm_head")  # fmt: skip
+    return untied_head(parent, x, head, logits_chunk)
 
 
 def embed(num: int, features: int, axes: tuple[str | None, str], *, dtype: Any, init_std: float, name: str) -> nn.Embed:

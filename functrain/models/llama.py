@@ -19,8 +19,7 @@ import jax.numpy as jnp
 from functrain.errors import ConfigError
 from functrain.models.attention import attend, attention_kernel
 from functrain.models.configs.llama import LlamaConfig
-from functrain.models.head import tied_head, untied_head
-from functrain.models.hf_common import RMSNorm, activation, dense, embed, hf_config_dict, token_positions
+from functrain.models.hf_common import RMSNorm, activation, dense, embed, hf_config_dict, lm_head, token_positions
 from functrain.models.kv_cache import decoding, extend_cache, next_positions
 from functrain.models.remat import check_remat, remat_block
 from functrain.models.rope import apply_rope, frequencies, hf_rope_parameters, parse_hf_rope
@@ -203,17 +202,7 @@ class LlamaForCausalLM(nn.Module):
             args=(segment_ids, positions),
         )
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(x)
-        if cfg.tie_word_embeddings:
-            return tied_head(tokens, x, logits_chunk)
-        head = dense(
-            cfg.vocab_size,
-            ("embed", "vocab"),
-            use_bias=False,
-            dtype=self.dtype,
-            init_std=cfg.initializer_range,
-            name="lm_head",
-        )
-        return untied_head(self, x, head, logits_chunk)
+        return lm_head(self, tokens, x, cfg, cfg.initializer_range, logits_chunk)
 
 
 def build(config: LlamaConfig, dtype: Any = jnp.float32) -> LlamaForCausalLM:

@@ -16,8 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from functrain.models.attention import attention_kernel
-from functrain.models.head import tied_head, untied_head
-from functrain.models.hf_common import RMSNorm, activation, dense, embed
+from functrain.models.hf_common import RMSNorm, activation, embed, lm_head
 from functrain.models.llama import LlamaAttention
 from functrain.models.moe.balance import Balancing, MoeOutput
 from functrain.models.moe.dispatch import Glu
@@ -119,17 +118,8 @@ class MoeForCausalLM(nn.Module):
             collect=True,
         )
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(x)
-        if cfg.tie_word_embeddings:
-            return MoeOutput(tied_head(tokens, x, logits_chunk), stats, balancing(cfg))
-        head = dense(
-            cfg.vocab_size,
-            ("embed", "vocab"),
-            use_bias=False,
-            dtype=self.dtype,
-            init_std=cfg.initializer_range,
-            name="lm_head",
-        )
-        return MoeOutput(untied_head(self, x, head, logits_chunk), stats, balancing(cfg))
+        logits = lm_head(self, tokens, x, cfg, cfg.initializer_range, logits_chunk)
+        return MoeOutput(logits, stats, balancing(cfg))
 
 
 def build_decoder(config: Any, feed_forward: FeedForward, dtype: Any = jnp.float32) -> MoeForCausalLM:
