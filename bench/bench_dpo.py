@@ -18,7 +18,6 @@ process, which other jobs on a shared machine disturb less).
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -26,6 +25,8 @@ import numpy as np
 import optax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from step_timing import compiled_flops, timed  # noqa: E402
 
 from functrain.tasks.preference.loss import (  # noqa: E402
     REFERENCE_LOGPS,
@@ -49,22 +50,6 @@ def build(program, batch):
     # Created under jit, as the backend creates it: the reference copy gets buffers of its own.
     state = jax.jit(create)(jax.random.PRNGKey(0))
     return jax.jit(step, donate_argnums=0), state
-
-
-def compiled_flops(step, state, batch) -> float:
-    """XLA's FLOP count of one compiled step."""
-    analysis = step.lower(state, batch).compile().cost_analysis()
-    return (analysis[0] if isinstance(analysis, list) else analysis).get("flops", 0.0)
-
-
-def timed(step, state, batch, steps):
-    state, metrics = step(state, batch)  # compiled on the first call
-    jax.block_until_ready(metrics)
-    start, cpu_start = time.perf_counter(), time.process_time()
-    for _ in range(steps):
-        state, metrics = step(state, batch)
-    jax.block_until_ready(metrics)
-    return (time.perf_counter() - start) / steps, (time.process_time() - cpu_start) / steps, state
 
 
 def main() -> None:

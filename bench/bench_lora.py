@@ -11,7 +11,6 @@ the process, which other jobs on a shared machine disturb less) and the optimize
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -19,6 +18,8 @@ import numpy as np
 import optax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from step_timing import compiled_flops, timed  # noqa: E402
 
 from functrain.models.lora import LoraConfig, lora_program  # noqa: E402
 from functrain.models import llama  # noqa: E402
@@ -37,22 +38,6 @@ def build(program, trainable, batch):
     params, model_state = program.init(jax.random.PRNGKey(0))
     state = TrainState.create(params, tx, jax.random.PRNGKey(1), model_state=model_state)
     return jax.jit(step, donate_argnums=0), state
-
-
-def compiled_flops(step, state, batch) -> float:
-    """XLA's FLOP count of one compiled step (a machine-independent view of the work saved)."""
-    analysis = step.lower(state, batch).compile().cost_analysis()
-    return (analysis[0] if isinstance(analysis, list) else analysis).get("flops", 0.0)
-
-
-def timed(step, state, batch, steps):
-    state, metrics = step(state, batch)  # compiled on the first call
-    jax.block_until_ready(metrics)
-    start, cpu_start = time.perf_counter(), time.process_time()
-    for _ in range(steps):
-        state, metrics = step(state, batch)
-    jax.block_until_ready(metrics)
-    return steps / (time.perf_counter() - start), steps / (time.process_time() - cpu_start), state
 
 
 def main() -> None:
@@ -93,8 +78,9 @@ def main() -> None:
           f"({100 * lora_bytes / full_bytes:.2f}% of full; target <= 5%)")
     ratios, cpu_ratios, full_rates, lora_rates = [], [], [], []
     for _ in range(args.repeats):
-        full_rate, full_cpu, full_state = timed(full_step, full_state, batch, args.steps)
-        lora_rate, lora_cpu, lora_state = timed(lora_step, lora_state, batch, args.steps)
+        full_time, full_cpu_time, full_state = timed(full_step, full_state, batch, args.steps)
+        lora_time, lora_cpu_time, lora_state = timed(lora_step, lora_state, batch, args.steps)
+        full_rate, full_cpu, lora_rate, lora_cpu = (1 / t for t in (full_time, full_cpu_time, lora_time, lora_cpu_time))
         full_rates.append(full_rate)
         lora_rates.append(lora_rate)
         ratios.append(lora_rate / full_rate)

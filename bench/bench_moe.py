@@ -19,7 +19,6 @@ expert weights, against the active arithmetic ``2 T H I``: which parts run as a 
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -27,6 +26,8 @@ import numpy as np
 import optax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from step_timing import compiled_flops, compiled_flops_of, timed  # noqa: E402
 
 from functrain.core.program import as_program  # noqa: E402
 from functrain.core.state import TrainState  # noqa: E402
@@ -45,20 +46,6 @@ def build(config: MixtralConfig, batch: dict, micro_batches: int = 1):
     params, model_state = program.init(jax.random.PRNGKey(0))
     state = TrainState.create(params, tx, jax.random.PRNGKey(1), model_state=model_state)
     return jax.jit(step, donate_argnums=0), state
-
-
-def compiled_flops(step, state, batch) -> float:
-    return compiled_flops_of(step.lower(state, batch).compile())
-
-
-def timed(step, state, batch, steps):
-    state, metrics = step(state, batch)  # compiled on the first call
-    jax.block_until_ready(metrics)
-    start, cpu_start = time.perf_counter(), time.process_time()
-    for _ in range(steps):
-        state, metrics = step(state, batch)
-    jax.block_until_ready(metrics)
-    return (time.perf_counter() - start) / steps, (time.process_time() - cpu_start) / steps, state
 
 
 def paired(variants: dict, batch: dict, steps: int, repeats: int) -> dict[str, list[tuple[float, float]]]:
@@ -102,11 +89,6 @@ def ragged_dot_on_tpu(topology: str, tokens: int = 8192, width: int = 1024, expe
         flops = compiled_flops_of(compiled)
         kernels = compiled.as_text().count("tpu_custom_call")
         print(f"  {name}: XLA FLOPs {flops / 1e9:.1f} G ({flops / active:.1f}x active), grouped kernels: {kernels}")
-
-
-def compiled_flops_of(compiled) -> float:
-    analysis = compiled.cost_analysis()
-    return (analysis[0] if isinstance(analysis, list) else analysis).get("flops", 0.0)
 
 
 def main() -> None:
