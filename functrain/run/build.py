@@ -38,6 +38,7 @@ from functrain.errors import TORCH_INSTALL, ConfigError
 from functrain.models.scan import fewer_groups_unrolled, scan_groups
 from functrain.parallel.capacity import check_state_fits
 from functrain.parallel.target import compiling_for
+from functrain.run import determinism
 from functrain.run.callbacks import Callback, CallbackList, EarlyStopping, EveryNSteps, MetricsWriter, ProgressBar
 from functrain.run.compile_cache import CompileReport, compile_seconds
 from functrain.run.compile_cache import enable as enable_compile_cache
@@ -191,6 +192,7 @@ def jax_backend(
         tx, reported = as_transformation(optimizer[0], schedule, optimizer[1])
     mesh = sharding.make_mesh(config.mesh, devices)
     check_batch_split(config, sharding.batch_devices(mesh), "data-parallel devices")
+    platform = next(iter(mesh.devices.flat)).platform
     return JaxBackend(
         program,
         tx,
@@ -202,7 +204,7 @@ def jax_backend(
         step=step_settings(config),
         seed=config.seed,
         experience=experience,
-        compiler_options=compiler_options,
+        compiler_options=determinism.step_compiler_options(platform, config.train.deterministic, compiler_options),
     )
 
 

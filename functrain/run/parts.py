@@ -32,7 +32,10 @@ from functrain.data.validate import check_arrays
 from functrain.errors import ConfigError, DataError
 from functrain.models import build_model, model_spec
 from functrain.models.lora import lora_transform
+from functrain.models.options import RuntimeOptions
+from functrain.parallel.target import target_platform
 from functrain.run.config import PYTHON_OBJECT, PythonModelConfig, TargetModelConfig
+from functrain.run.determinism import attention_choice
 from functrain.tasks import task_for
 from functrain.tasks.base import Task, TaskContext, TaskData
 
@@ -172,6 +175,9 @@ def resolve_model(config: Any, model: Any) -> tuple[Any, str | None]:
         return None, kind  # the bridge builds its own registry models
     from functrain.core.precision import COMPUTE_DTYPES
 
+    if isinstance(section, RuntimeOptions):
+        choice = attention_choice(section.attention, target_platform(), config.train.deterministic)
+        section = section.model_copy(update={"attention": choice})
     return build_model(section, COMPUTE_DTYPES[config.train.compute_dtype]), kind
 
 
