@@ -48,7 +48,7 @@ lint: $(VENV)/.dev
 	$(VENV)/bin/mypy
 
 test: lint
-	$(PY) -m pytest -n 2 --dist loadfile --durations=25 tests
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscopereorder --durations=25 tests
 
 bench: $(VENV)/.dev
 	for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

@@ -38,3 +38,11 @@ def test_tests_mirror_the_package():
         package = layers.ROOT / ("torch_bridge" if folder.parts[0] == "torch_bridge" else "functrain") / Path(
             *folder.parts[1:] if folder.parts[0] == "torch_bridge" else folder.parts)
         assert package.is_dir() and any(package.glob("*.py")), f"tests/{folder} mirrors no package folder"
+
+
+def test_the_modules_started_first_exist():
+    # conftest.LONGEST_MODULES orders the suite for its two workers: a renamed module would silently go last.
+    from tests.conftest import LONGEST_MODULES
+
+    tests = Path(__file__).parent
+    assert [module for module in LONGEST_MODULES if not (tests / module).is_file()] == []
