@@ -59,13 +59,13 @@ when the model's call takes it). A user loss replaces it, in one of two forms (t
 from __future__ import annotations
 
 import inspect
+import sys
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import flax.linen as nn
 import jax
 import numpy as np
-from flax import nnx
 from jax.sharding import PartitionSpec
 
 from functrain.core.fields import Fields, canonical, require_builtin, resolve_fields
@@ -73,6 +73,9 @@ from functrain.core.losses import JAX_OPS, LOSSES, TOKEN_MASK, model_inputs, mod
 from functrain.core.model_terms import add_model_terms, batch_totals, logits_of, wants_batch_totals
 from functrain.core.unembedding import LOGITS_CHUNK, LogitsChunk
 from functrain.errors import ConfigError, DataError
+
+if TYPE_CHECKING:
+    from flax import nnx
 
 Batch = dict[str, Any]
 # apply(params, model_state, inputs, train, rng, **keywords) -> (output, model_state)
@@ -244,6 +247,8 @@ def nnx_pieces(module: nnx.Module, argument: str | None = None) -> tuple[Callabl
     """``(init, apply, logical_specs)`` of an NNX module: params are the ``nnx.Param`` variables as a pure
     dict, model state every other variable except RNG streams (reseeded from the step key on each call);
     inputs go positionally, or as the keyword ``argument``."""
+    from flax import nnx
+
     # nnx.split's stub returns a variadic tuple; three filters and the rest give four parts (ignore below).
     graphdef, params, rng_state, rest = nnx.split(module, nnx.Param, nnx.RngState, ...)  # type: ignore[misc]
     initial = (nnx.to_pure_dict(params), nnx.to_pure_dict(rest))
@@ -312,7 +317,10 @@ def model_kind_of(model: Any) -> str:
     """``linen``, ``nnx`` or ``functions``; anything else is a one-line ConfigError."""
     if isinstance(model, nn.Module):
         return "linen"
-    if isinstance(model, nnx.Module):
+    # An NNX module exists only where its author imported flax.nnx: a process without one never imports it (it
+    # is over a third of a second of every start-up).
+    nnx_package = sys.modules.get("flax.nnx")
+    if nnx_package is not None and isinstance(model, nnx_package.Module):
         return "nnx"
     if isinstance(model, tuple) and len(model) == 2 and all(callable(part) for part in model):
         return "functions"
