@@ -47,8 +47,12 @@ lint: $(VENV)/.dev
 	$(VENV)/bin/ruff format --check $(LINTED)
 	$(VENV)/bin/mypy
 
+# The tests' temporary files (run directories, checkpoints, the session's XLA cache) go to memory where /dev/shm has
+# room (over 4 GB free): the checkpoint tests' synced writes wait on no disk (about 15% of their time here).
+TEST_TMPDIR := $(shell df -Pk /dev/shm 2>/dev/null | awk 'NR == 2 && $$4 > 4000000 {print "/dev/shm"}')
+
 test: lint
-	$(PY) -m pytest -n 2 --dist loadfile --no-loadscopereorder --durations=25 tests
+	$(if $(TEST_TMPDIR),TMPDIR=$(TEST_TMPDIR)) $(PY) -m pytest -n 2 --dist loadfile --no-loadscopereorder --durations=25 tests
 
 bench: $(VENV)/.dev
 	for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
