@@ -43,6 +43,7 @@ from functrain.run.compile_cache import CompileReport, compile_seconds
 from functrain.run.compile_cache import enable as enable_compile_cache
 from functrain.run.config import Config
 from functrain.run.config_checks import likely_mistakes
+from functrain.run.pipeline_config import pipeline_schedule
 from functrain.run.events import RunEvents, history_started
 from functrain.run.mfu import SpeedReport, speed_report
 from functrain.run.parts import (
@@ -191,6 +192,7 @@ def jax_backend(
         tx, reported = as_transformation(optimizer[0], schedule, optimizer[1])
     mesh = sharding.make_mesh(config.mesh, devices)
     check_batch_split(config, sharding.batch_devices(mesh), "data-parallel devices")
+    pipeline = pipeline_schedule(config, sharding.batch_devices(mesh))
     return JaxBackend(
         program,
         tx,
@@ -203,6 +205,7 @@ def jax_backend(
         seed=config.seed,
         experience=experience,
         compiler_options=compiler_options,
+        pipeline=pipeline,
     )
 
 
