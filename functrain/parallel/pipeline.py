@@ -49,9 +49,7 @@ class PipelineSchedule:
     microbatches: int | None = None
 
 
-_SCHEDULE: contextvars.ContextVar[PipelineSchedule] = contextvars.ContextVar(
-    "pipeline_schedule", default=PipelineSchedule()
-)
+_SCHEDULE: contextvars.ContextVar[PipelineSchedule | None] = contextvars.ContextVar("pipeline_schedule", default=None)
 
 
 @contextlib.contextmanager
@@ -66,7 +64,7 @@ def scheduled(schedule: PipelineSchedule) -> Iterator[None]:
 
 def current_schedule() -> PipelineSchedule:
     """The schedule :func:`scheduled` set (the defaults outside it)."""
-    return _SCHEDULE.get()
+    return _SCHEDULE.get() or PipelineSchedule()
 
 
 def stage_count() -> int:

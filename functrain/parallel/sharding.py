@@ -129,8 +129,8 @@ def make_mesh(mesh_config: Any, devices: list | None = None) -> Mesh:
     ``Auto`` so the compiler propagates shardings through the step from the in/out shardings alone.
     The device order is process-major (``jax.make_mesh``), which the global-batch assembly relies on.
     Devices that span several TPU slices (their ``slice_index``) get a hybrid mesh: ``mesh_config.dcn_data``,
-    ``.dcn_fsdp`` and ``.dcn_pipeline`` slices extend the data, FSDP and pipeline axes, slices outermost (:data:`DCN_AXES`); their product must
-    be the number of slices, and the other sizes are then per slice.
+    ``.dcn_fsdp`` and ``.dcn_pipeline`` slices extend the data, FSDP and pipeline axes, slices outermost
+    (:data:`DCN_AXES`); their product must be the number of slices, and the other sizes are then per slice.
     """
     devices = list(jax.devices() if devices is None else devices)
     slices = slice_count(devices)

@@ -43,7 +43,6 @@ from functrain.run.compile_cache import CompileReport, compile_seconds
 from functrain.run.compile_cache import enable as enable_compile_cache
 from functrain.run.config import Config
 from functrain.run.config_checks import likely_mistakes
-from functrain.run.pipeline_config import pipeline_schedule
 from functrain.run.events import RunEvents, history_started
 from functrain.run.mfu import SpeedReport, speed_report
 from functrain.run.parts import (
@@ -57,6 +56,7 @@ from functrain.run.parts import (
     schedule_settings,
     task_program,
 )
+from functrain.run.pipeline_config import pipeline_schedule
 from functrain.run.resume import ResumePolicy
 from functrain.run.summary import RunSummary
 from functrain.run.trackers import make_trackers

@@ -304,9 +304,9 @@ class ParamRule(Section):
 class MeshConfig(Section):
     """``mesh.*``: device mesh axes (one may be -1 for the rest; within one slice when the devices span
     several), how many slices the data, FSDP and pipeline axes span over the data-centre network (``dcn_data``,
-    ``dcn_fsdp``, ``dcn_pipeline``; their product is the number of slices), logical-to-mesh axis rules, and rules by parameter path
-    for parameters without logical axes (``param_rules``, first match wins; see :mod:`functrain.parallel.sharding`
-    for the default rule)."""
+    ``dcn_fsdp``, ``dcn_pipeline``; their product is the number of slices), logical-to-mesh axis rules, and rules by
+    parameter path for parameters without logical axes (``param_rules``, first match wins; see
+    :mod:`functrain.parallel.sharding` for the default rule)."""
 
     data: int = -1
     fsdp: int = 1

@@ -80,15 +80,16 @@ class JaxBackend:
         seed: int = 0,
         experience: Callable[[Any, dict[str, Any], jax.Array, int], dict[str, Any]] | None = None,
         compiler_options: dict[str, str] | None = None,
-        pipeline: PipelineSchedule = PipelineSchedule(),
+        pipeline: PipelineSchedule | None = None,
     ) -> None:
         """``schedule`` is reported as the ``learning_rate`` metric (None: not reported); ``rules`` map logical
         axes to mesh axes and ``param_rules`` parameter paths to specs (:mod:`functrain.parallel.sharding`);
         ``experience``: a task's stage that makes each step's training batch from the loader's with the current
         weights (:class:`functrain.tasks.base.ExperienceStage`), or None; ``compiler_options``: XLA options of the
-        train call (None: XLA's); ``pipeline``: the schedule of the layers' stages over the mesh's pipeline axis."""
+        train call (None: XLA's); ``pipeline``: the schedule of the layers' stages over the mesh's pipeline axis
+        (None: the defaults)."""
         self.program, self.mesh, self.seed, self.experience = program, mesh, seed, experience
-        self.pipeline = pipeline
+        self.pipeline = pipeline or PipelineSchedule()
         # An experience stage reads each step's results before the next step can start: a call has (all but) run
         # when train_call returns, so the loop times it then, as a synchronous backend's.
         self.synchronous = experience is not None

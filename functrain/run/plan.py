@@ -231,7 +231,17 @@ def plan(
     if planned.scan_groups > 1:
         schedule = pipeline_schedule_of(planned)
         share = 1.0 if schedule is None else 1 / (schedule[0] * (1 - bubble_fraction(*schedule)))
-        cost = scanned_run_cost(planned, slices, layer_share=share)
+        try:
+            cost = scanned_run_cost(planned, slices, layer_share=share)
+        except jax.errors.JaxRuntimeError as exc:
+            if schedule is None or _required_temporaries(str(exc)) is None:
+                raise
+            # The counted copies run their layers on a replica's whole micro-batch, the pipeline on 1/M of it.
+            raise ConfigError(
+                f"the pipelined run compiles, but counting its FLOPs compiles its layers unpipelined on each "
+                f"replica's whole micro-batch at once (the pipeline takes 1/{schedule[2]} of it at a time), which "
+                f"does not fit in HBM; plan it with train.micro_batches={2 * planned.step.micro_batches} or more"
+            ) from None
     elif chunk_loops:  # the cross-entropy's chunk loop, counted unrolled on a new trace of the run
         assert planned.rebuilt_backend is not None, "plan_run builds every run's rebuilt_backend"
         with counted_whole():
@@ -378,9 +388,10 @@ def report(
     dcn = dcn_figures(cost.get(DCN_KEY), planned.steps_per_call, dcn_gbps, step_time)
     mesh = {axis: int(size) for axis, size in backend.mesh.shape.items()}
     schedule = pipeline_schedule_of(planned)
-    pipeline = {} if schedule is None else dict(
-        pipeline_repeats=schedule[1], pipeline_microbatches=schedule[2], pipeline_bubble=bubble_fraction(*schedule)
-    )
+    pipeline: dict[str, Any] = {}
+    if schedule is not None:
+        pipeline = dict(pipeline_repeats=schedule[1], pipeline_microbatches=schedule[2])
+        pipeline["pipeline_bubble"] = bubble_fraction(*schedule)
     parameters = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(backend.abstract_state.params))
     return Plan(
         device_kind=device_kind,
