@@ -25,7 +25,7 @@ from functrain.models.stacking import SLOT_PREFIX, STACK_SUFFIX
 from functrain.parallel.pipeline import current_schedule, pipeline_layers, stage_count
 from functrain.parallel.sharding import constrain_batch
 
-LAYERS_AXIS = "layers"  # the logical name of the stacked axis: never sharded (sharding.DEFAULT_RULES)
+LAYERS_AXIS = "layers"  # the logical name of the stacked axis: split over the pipeline stages (sharding.DEFAULT_RULES)
 
 MakeBlock = Callable[[int, str], nn.Module]  # (layer index, module name) -> a block module
 
