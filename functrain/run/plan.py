@@ -27,8 +27,9 @@ A causal LM's cross-entropy over chunks of positions (``train.logits_chunk``) is
 is counted on a new trace of it with the chunks unrolled (:func:`functrain.core.unembedding.counted_whole`).
 
 Pipelined (``mesh.pipeline`` stages, :mod:`functrain.parallel.pipeline`), each chip computes its stage's share
-of the layers on every iteration of the schedule, busy or idle: the layers' cost of the unrolled extrapolation
-(every layer on every chip) is divided by the stages and by ``1 - bubble``; the bubble is reported.
+of the layers on every iteration of the schedule, busy or idle: the unrolled copies run with the stages folded
+into the data axis, and their layers' cost is divided by ``1 - bubble`` (:func:`pipelined_run_cost`); the bubble
+is reported.
 
 Over several TPU slices (``--slices``), the bytes each chip sends over the data-centre network per step are read
 from the counted program's transfers (:mod:`functrain.run.dcn`), with their time at a DCN bandwidth.
@@ -230,18 +231,7 @@ def plan(
         return report(planned, None, temporaries=required, device_kind=device_kind)
     if planned.scan_groups > 1:
         schedule = pipeline_schedule_of(planned)
-        share = 1.0 if schedule is None else 1 / (schedule[0] * (1 - bubble_fraction(*schedule)))
-        try:
-            cost = scanned_run_cost(planned, slices, layer_share=share)
-        except jax.errors.JaxRuntimeError as exc:
-            if schedule is None or _required_temporaries(str(exc)) is None:
-                raise
-            # The counted copies run their layers on a replica's whole micro-batch, the pipeline on 1/M of it.
-            raise ConfigError(
-                f"the pipelined run compiles, but counting its FLOPs compiles its layers unpipelined on each "
-                f"replica's whole micro-batch at once (the pipeline takes 1/{schedule[2]} of it at a time), which "
-                f"does not fit in HBM; plan it with train.micro_batches={2 * planned.step.micro_batches} or more"
-            ) from None
+        cost = scanned_run_cost(planned, slices) if schedule is None else pipelined_run_cost(planned, slices, schedule)
     elif chunk_loops:  # the cross-entropy's chunk loop, counted unrolled on a new trace of the run
         assert planned.rebuilt_backend is not None, "plan_run builds every run's rebuilt_backend"
         with counted_whole():
@@ -283,12 +273,24 @@ def pipeline_schedule_of(planned: Planned) -> tuple[int, int, int] | None:
     return stages, backend.pipeline.repeats, microbatch_count(backend.pipeline.microbatches, stages, rows)
 
 
+def pipelined_run_cost(planned: Planned, slices: int, schedule: tuple[int, int, int]) -> dict[str, float]:
+    """XLA's cost (``COST_KEYS``, per chip, one micro-batch) of a pipelined run's train call: :func:`scanned_run_cost`
+    on copies whose stages are folded into the data axis (each chip has ``1 / stages`` of the rows, so the copies
+    fit where the run without its pipeline would), scaled back to a pipelined chip: its rows ``stages`` times the
+    copy's, its layers ``1 / stages`` of them for ``1 - bubble`` of the time (``schedule``: stages, repeats,
+    micro-batches). Bytes scale with the rows too: the weights' reads are over-counted. The DCN bytes are the
+    copies' (the stages' activations between slices are not counted)."""
+    stages = schedule[0]
+    cost = scanned_run_cost(planned, slices, layer_share=1 / (stages * (1 - bubble_fraction(*schedule))))
+    return {key: value * stages if key in COST_KEYS else value for key, value in cost.items()}
+
+
 def scanned_run_cost(planned: Planned, slices: int = 1, layer_share: float = 1.0) -> dict[str, float]:
     """XLA's cost (``COST_KEYS``, per chip, one micro-batch; and the DCN bytes of the call over ``slices`` slices)
     of a scanned run's train call with all its layers counted: the same run compiled with one group of layers and
     with two, unrolled, extrapolated to its ``scan_groups`` groups (identical groups cost the same; what lies
-    outside the layers is in both). ``layer_share``: the share of the groups' cost each chip computes (a
-    pipeline's: ``1 / (stages x (1 - bubble))``)."""
+    outside the layers is in both). ``layer_share``: the share of the groups' cost each chip computes
+    (:func:`pipelined_run_cost`)."""
     unrolled = planned.unrolled_groups_backend
     if unrolled is None:
         raise ValueError("scanned_run_cost needs the plan of a run that scans its layers (model.scan_layers)")
