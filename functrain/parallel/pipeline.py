@@ -141,7 +141,7 @@ def pipeline_layers(
         leaf = jnp.swapaxes(leaf.reshape(repeats, stages, per_chunk, *leaf.shape[1:]), 0, 1)
         return _constrain(leaf, PIPELINE_AXIS)
 
-    def per_row(arg: Any) -> Any:
+    def per_row(arg: Any) -> bool:
         return arg is not None and arg.shape[0] == batch
 
     params = jax.tree.map(stage_layout, stacked)
