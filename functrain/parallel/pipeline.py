@@ -151,7 +151,9 @@ def pipeline_layers(
         activations = _constrain(activations, None, stage_axes)
 
     def run_stage(chunks: Any, h: jax.Array, stage: jax.Array, repeat: jax.Array, micro: jax.Array) -> jax.Array:
-        chunk = jax.tree.map(lambda leaf: leaf[repeat], chunks)  # [L, ...]: this stage's groups this repeat
+        # [L, ...]: this stage's groups this repeat. One repeat: a static slice of the scan's loop-invariant weights,
+        # which its backward pass reads as they are; several: a slice per iteration, which it keeps.
+        chunk = jax.tree.map(lambda leaf: leaf[0] if repeats == 1 else leaf[repeat], chunks)
         stage_args = tuple(arg[micro] if per_row(original) else arg for arg, original in zip(split_args, args))
         first_group = (repeat * stages + stage) * per_chunk
 
