@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="compile for N slices of the topology joined over the data-centre network (DCN), spanned by "
-        "mesh.dcn_data x mesh.dcn_fsdp; reports the bytes each chip sends over DCN per step",
+        "mesh.dcn_data x mesh.dcn_fsdp x mesh.dcn_pipeline; reports the bytes each chip sends over DCN per step",
     )
     parser.add_argument(
         "--dcn-gbps",
@@ -67,6 +67,11 @@ def format_plan(plan) -> str:
         )
     else:
         lines.append("FLOPs and step time unknown: the compiler refused a program larger than HBM")
+    if plan.pipeline_bubble is not None:
+        lines.append(
+            f"pipeline: {plan.mesh['pipeline']} stages x {plan.pipeline_repeats} repeat(s), "
+            f"{plan.pipeline_microbatches} micro-batches; bubble {plan.pipeline_bubble:.1%} of each stage's time"
+        )
     if plan.dcn_bytes_per_step is not None:
         hides = {True: "hides under", False: "exceeds", None: "compare with"}[plan.dcn_hidden]
         lines.append(

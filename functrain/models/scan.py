@@ -22,9 +22,10 @@ import jax.numpy as jnp
 
 from functrain.models.configs.base import ModelConfig
 from functrain.models.stacking import SLOT_PREFIX, STACK_SUFFIX
+from functrain.parallel.pipeline import current_schedule, pipeline_layers, stage_count
 from functrain.parallel.sharding import constrain_batch
 
-LAYERS_AXIS = "layers"  # the logical name of the stacked axis: never sharded (sharding.DEFAULT_RULES)
+LAYERS_AXIS = "layers"  # the logical name of the stacked axis: split over the pipeline stages (sharding.DEFAULT_RULES)
 
 MakeBlock = Callable[[int, str], nn.Module]  # (layer index, module name) -> a block module
 
@@ -96,7 +97,14 @@ def apply_layers(
             length=groups,
             metadata_params={nn.PARTITION_NAME: LAYERS_AXIS},
         )
-        x, grouped = stack(make_block, period, tuple(leading_args), collect, name=f"{prefix}{STACK_SUFFIX}")(x, *args)
+        scanned = stack(make_block, period, tuple(leading_args), collect, name=f"{prefix}{STACK_SUFFIX}")
+        stages = stage_count()
+        if stages > 1 and not scanned.is_initializing():  # the stack over the mesh's pipeline stages
+            if collect:
+                raise TypeError("pipelined layers return no per-layer outputs (a mixture of experts' statistics)")
+            x = _pipelined(scanned, make_block, period, tuple(leading_args), x, args, stages)
+        else:
+            x, grouped = scanned(x, *args)
         if collect:  # [groups, period, ...] -> [groups * period, ...]: layer g * period + j at that index
             outputs = [jax.tree.map(lambda leaf: leaf.reshape(-1, *leaf.shape[2:]), grouped)]
     for i in range(first_unrolled, count):
@@ -105,6 +113,22 @@ def apply_layers(
     if not collect:
         return x
     return x, jax.tree.map(lambda *leaves: jnp.concatenate(leaves), *outputs)
+
+
+def _pipelined(
+    scanned: nn.Module, make_block: MakeBlock, period: int, leading_args: tuple, x: jax.Array, args: tuple, stages: int
+) -> jax.Array:
+    """What ``scanned(x, *args)`` computes, run by :func:`functrain.parallel.pipeline.pipeline_layers` on the
+    scan's own stacked variables (initialised, and checkpointed, by the scan)."""
+    variables = scanned.variables
+    dropout = scanned.make_rng("dropout") if scanned.has_rng("dropout") else None
+
+    def apply_group(group: Any, h: jax.Array, group_args: tuple, index: jax.Array) -> jax.Array:
+        rngs = {} if dropout is None else {"dropout": jax.random.fold_in(dropout, index)}
+        module = _Group(make_block, period, leading_args, parent=None)
+        return module.apply(group, h, *group_args, rngs=rngs)[0]
+
+    return pipeline_layers(apply_group, variables, x, args, stages=stages, schedule=current_schedule())
 
 
 def scan_groups(model_config: ModelConfig) -> int:

@@ -42,12 +42,13 @@ from functrain.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-# ``expert`` before ``tensor``: the batch axes stay outermost, so each process holds a contiguous block of rows.
-MESH_AXES = ("data", "fsdp", "expert", "tensor")
+# ``expert`` before ``tensor``: the batch axes stay outermost, so each process holds a contiguous block of rows;
+# ``pipeline`` (the stages of the scanned layers, :mod:`functrain.parallel.pipeline`) outside them.
+MESH_AXES = ("pipeline", "data", "fsdp", "expert", "tensor")
 # The config key of the slices a mesh axis spans over the data-centre network (DCN). A multi-slice mesh keeps
 # the same axes: ``data`` is ``mesh.dcn_data`` slices x ``mesh.data`` chips in each, slices outermost, so every
 # rule, the batch split and the models' constraints are the same on one slice and on several.
-DCN_AXES = {"data": "dcn_data", "fsdp": "dcn_fsdp"}
+DCN_AXES = {"pipeline": "dcn_pipeline", "data": "dcn_data", "fsdp": "dcn_fsdp"}
 
 # Logical axis -> mesh axis (None: replicated). Names missing here are replicated too.
 DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
@@ -62,7 +63,7 @@ DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
     "max_len": None,
     "classes": None,
     "norm": None,
-    "layers": None,  # the stacked axis of scanned layers (model.scan_layers): each device holds every layer
+    "layers": "pipeline",  # the stacked axis of scanned layers (model.scan_layers): split into pipeline stages
 }
 
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
@@ -80,7 +81,7 @@ def _fitting_mesh(sizes: dict[str, int], device_count: int) -> dict[str, int]:
     """A mesh for ``device_count`` devices that keeps as much of the requested tensor/expert/fsdp sizes as fits."""
     fit = {}
     remaining = device_count
-    for axis in ("tensor", "expert", "fsdp"):
+    for axis in ("tensor", "expert", "fsdp", "pipeline"):
         wanted = sizes[axis]
         fit[axis] = wanted if wanted > 0 and remaining % wanted == 0 else 1
         remaining //= fit[axis]
@@ -121,24 +122,24 @@ def resolve_mesh_shape(mesh_config: Any, device_count: int) -> dict[str, int]:
 
 
 def make_mesh(mesh_config: Any, devices: list | None = None) -> Mesh:
-    """The ``("data", "fsdp", "expert", "tensor")`` mesh over all (global) devices, or ``devices``.
+    """The :data:`MESH_AXES` mesh over all (global) devices, or ``devices``.
 
-    ``mesh_config`` has ``.data``, ``.fsdp``, ``.expert`` and ``.tensor`` (a missing one is 1); one may be ``-1``
-    (the rest). Axes are
+    ``mesh_config`` has ``.pipeline``, ``.data``, ``.fsdp``, ``.expert`` and ``.tensor`` (a missing one is 1); one
+    may be ``-1`` (the rest). Axes are
     ``Auto`` so the compiler propagates shardings through the step from the in/out shardings alone.
     The device order is process-major (``jax.make_mesh``), which the global-batch assembly relies on.
-    Devices that span several TPU slices (their ``slice_index``) get a hybrid mesh: ``mesh_config.dcn_data`` and
-    ``.dcn_fsdp`` slices extend the data and FSDP axes, slices outermost (:data:`DCN_AXES`); their product must
-    be the number of slices, and the other sizes are then per slice.
+    Devices that span several TPU slices (their ``slice_index``) get a hybrid mesh: ``mesh_config.dcn_data``,
+    ``.dcn_fsdp`` and ``.dcn_pipeline`` slices extend the data, FSDP and pipeline axes, slices outermost
+    (:data:`DCN_AXES`); their product must be the number of slices, and the other sizes are then per slice.
     """
     devices = list(jax.devices() if devices is None else devices)
     slices = slice_count(devices)
     dcn = dcn_shape(mesh_config)
     if math.prod(dcn.values()) != slices:
+        spans = " x ".join(f"mesh.{DCN_AXES[axis]}={dcn[axis]}" for axis in DCN_AXES)
         raise ConfigError(
-            f"mesh.dcn_data={dcn['data']} x mesh.dcn_fsdp={dcn['fsdp']} spans {math.prod(dcn.values())} slice(s) "
-            f"but the {len(devices)} devices are {slices} slice(s); make the product of mesh.dcn_data and "
-            f"mesh.dcn_fsdp {slices}"
+            f"{spans} spans {math.prod(dcn.values())} slice(s) but the {len(devices)} devices are {slices} "
+            f"slice(s); make the product of the mesh.dcn_* sizes {slices}"
         )
     sizes = resolve_mesh_shape(mesh_config, len(devices) // slices)
     shape = tuple(sizes[axis] for axis in MESH_AXES)
@@ -164,7 +165,8 @@ def slice_count(devices: list) -> int:
 
 def dcn_shape(mesh_config: Any) -> dict[str, int]:
     """How many slices each mesh axis spans over the data-centre network: ``mesh.dcn_data`` extends the data
-    axis, ``mesh.dcn_fsdp`` the FSDP axis (:data:`DCN_AXES`), ``tensor`` stays in a slice."""
+    axis, ``mesh.dcn_fsdp`` the FSDP axis, ``mesh.dcn_pipeline`` the pipeline axis (:data:`DCN_AXES`); the others
+    stay in a slice."""
     return {axis: int(getattr(mesh_config, DCN_AXES[axis], 1)) if axis in DCN_AXES else 1 for axis in MESH_AXES}
 
 

@@ -57,6 +57,7 @@ from functrain.run.parts import (
     schedule_settings,
     task_program,
 )
+from functrain.run.pipeline_config import pipeline_schedule, stages_as_data
 from functrain.run.resume import ResumePolicy
 from functrain.run.summary import RunSummary
 from functrain.run.trackers import make_trackers
@@ -193,6 +194,7 @@ def jax_backend(
     mesh = sharding.make_mesh(config.mesh, devices)
     check_batch_split(config, sharding.batch_devices(mesh), "data-parallel devices")
     platform = next(iter(mesh.devices.flat)).platform
+    pipeline = pipeline_schedule(config, sharding.batch_devices(mesh))
     return JaxBackend(
         program,
         tx,
@@ -205,6 +207,7 @@ def jax_backend(
         seed=config.seed,
         experience=experience,
         compiler_options=determinism.step_compiler_options(platform, config.train.deterministic, compiler_options),
+        pipeline=pipeline,
     )
 
 
@@ -343,7 +346,9 @@ def plan_run(config: Config, devices: list | None = None) -> Planned:
         backend, _ = backend_of(config, parts, example_batch, max_steps, devices)
 
     def unrolled_groups_backend(groups: int) -> Any:
-        return variant_backend(config.model_copy(update={"model": fewer_groups_unrolled(config.model, groups)}))
+        # A pipelined run's copies fold its stages into the data axis (functrain.run.plan.pipelined_run_cost).
+        update = {"model": fewer_groups_unrolled(config.model, groups), "mesh": stages_as_data(config.mesh)}
+        return variant_backend(config.model_copy(update=update))
 
     def variant_backend(variant: Config) -> Any:
         with compiling_for(devices):

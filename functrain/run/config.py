@@ -28,6 +28,7 @@ from functrain.models.configs.base import FamilyConfig, ModelConfig
 from functrain.models.configs.moe import MOE_RUNTIME_KEYS, MoeOptions
 from functrain.models.options import scan_refusal
 from functrain.run.config_files import apply_overrides, read_yaml
+from functrain.run.pipeline_config import PipelineConfig, pipeline_problem
 
 # The "split" of metrics.jsonl lines, and of metric names like "eval/loss" (harness: eval.harness_tasks' lm-eval
 # scores, named "harness/<task>/<metric>").
@@ -225,6 +226,8 @@ class TrainConfig(Section):
     max_steps: int | None = Field(None, ge=1)
     epochs: float | None = Field(None, gt=0)
     micro_batches: int = Field(1, ge=1)
+    # Micro-batches of the pipeline's schedule (mesh.pipeline > 1): None, one per stage.
+    pipeline_microbatches: int | None = Field(None, ge=1)
     steps_per_call: int = Field(1, ge=1)
     clip_norm: float | None = Field(None, gt=0)
     nonfinite: Literal["skip", "stop"] = "skip"
@@ -303,32 +306,27 @@ class ParamRule(Section):
 
 class MeshConfig(Section):
     """``mesh.*``: device mesh axes (one may be -1 for the rest; within one slice when the devices span
-    several), how many slices the data and FSDP axes span over the data-centre network (``dcn_data``,
-    ``dcn_fsdp``; their product is the number of slices), logical-to-mesh axis rules, and rules by parameter path
-    for parameters without logical axes (``param_rules``, first match wins; see :mod:`functrain.parallel.sharding`
-    for the default rule)."""
+    several), how many slices the data, FSDP and pipeline axes span over the data-centre network (``dcn_data``,
+    ``dcn_fsdp``, ``dcn_pipeline``; their product is the number of slices), logical-to-mesh axis rules, and rules by
+    parameter path for parameters without logical axes (``param_rules``, first match wins; see
+    :mod:`functrain.parallel.sharding` for the default rule)."""
 
     data: int = -1
     fsdp: int = 1
     expert: int = 1  # expert parallelism: a mixture of experts' experts split this many ways (it divides them)
     tensor: int = 1
+    # Pipeline stages of the scanned layers (functrain/parallel/pipeline.py), in each slice.
+    pipeline: int = Field(1, ge=1)
     dcn_data: int = Field(1, ge=1)
     dcn_fsdp: int = Field(1, ge=1)
-    # Pipeline stages across slices: accepted as 1 only until functrain pipelines its layers.
     dcn_pipeline: int = Field(1, ge=1)
     rules: dict[str, str | list[str] | None] | None = None  # None: the defaults in functrain.parallel.sharding
     param_rules: list[ParamRule] = Field(default_factory=list)
     allow_replicated_fallback: bool = False
 
-    @pydantic.field_validator("dcn_pipeline")
-    @classmethod
-    def _no_pipeline(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError(
-                "pipeline stages across slices need pipeline parallelism, which functrain does not have yet; "
-                "set mesh.dcn_pipeline=1 and span the slices with mesh.dcn_data or mesh.dcn_fsdp"
-            )
-        return value
+    def pipeline_stages(self) -> int:
+        """The stages of the pipeline: ``pipeline`` in each slice x ``dcn_pipeline`` slices."""
+        return self.pipeline * self.dcn_pipeline
 
 
 class LogConfig(Section):
@@ -475,6 +473,7 @@ class RunSections(Section):
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     mesh: MeshConfig = MeshConfig()
+    pipeline: PipelineConfig = PipelineConfig()
     log: LogConfig = LogConfig()
     eval: EvalConfig = EvalConfig()
     profile: ProfileConfig = ProfileConfig()
@@ -558,6 +557,13 @@ class RunSections(Section):
                 f"mesh.expert={ways} does not divide the model's {experts} experts "
                 f"(model.{self.model.expert_count_key}); use one of {divisors}"
             )
+        return self
+
+    @pydantic.model_validator(mode="after")
+    def _check_pipeline(self) -> "RunSections":
+        problem = pipeline_problem(self) if self.model is not None else None
+        if problem:
+            raise ValueError(problem)
         return self
 
     @pydantic.model_validator(mode="after")

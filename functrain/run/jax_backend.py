@@ -22,6 +22,7 @@ from functrain.core.step import StepSettings, make_eval_step, make_train_call, m
 from functrain.data import batch_sharding, to_global
 from functrain.parallel import distributed, sharding
 from functrain.parallel.offload import check_offload, offload_opt_state, streaming_optimizer
+from functrain.parallel.pipeline import PipelineSchedule, scheduled
 
 # Folded into the seed's key for the experience stage's keys (then the step): a stream of its own.
 EXPERIENCE_STREAM = 0xE4E7
@@ -79,13 +80,16 @@ class JaxBackend:
         seed: int = 0,
         experience: Callable[[Any, dict[str, Any], jax.Array, int], dict[str, Any]] | None = None,
         compiler_options: dict[str, str] | None = None,
+        pipeline: PipelineSchedule | None = None,
     ) -> None:
         """``schedule`` is reported as the ``learning_rate`` metric (None: not reported); ``rules`` map logical
         axes to mesh axes and ``param_rules`` parameter paths to specs (:mod:`functrain.parallel.sharding`);
         ``experience``: a task's stage that makes each step's training batch from the loader's with the current
         weights (:class:`functrain.tasks.base.ExperienceStage`), or None; ``compiler_options``: XLA options of the
-        train call (None: XLA's)."""
+        train call (None: XLA's); ``pipeline``: the schedule of the layers' stages over the mesh's pipeline axis
+        (None: the defaults)."""
         self.program, self.mesh, self.seed, self.experience = program, mesh, seed, experience
+        self.pipeline = pipeline or PipelineSchedule()
         # An experience stage reads each step's results before the next step can start: a call has (all but) run
         # when train_call returns, so the loop times it then, as a synchronous backend's.
         self.synchronous = experience is not None
@@ -180,9 +184,15 @@ class JaxBackend:
         self._compute_dtype = compute_dtype
         self._weight_sums = jax.jit(weight_sums, out_shardings=replicated)
 
+    @contextlib.contextmanager
+    def _traced(self) -> Any:
+        """Where the calls are traced and run: under the mesh and the pipeline's schedule."""
+        with jax.set_mesh(self.mesh), scheduled(self.pipeline):
+            yield
+
     def init_state(self) -> TrainState:
         """A fresh step-0 state from the config's seed, created in its shardings."""
-        with jax.set_mesh(self.mesh):
+        with self._traced():
             return self._create(self.seed)
 
     def restore_targets(self) -> dict[str, Any]:
@@ -204,7 +214,7 @@ class JaxBackend:
             init_key = jax.random.split(jax.random.PRNGKey(self.seed))[0]  # as create_state's
             params = jax.device_put(self.program.complete_params(params, init_key), self.param_shardings)
         if items.get("state") is None:
-            with jax.set_mesh(self.mesh):
+            with self._traced():
                 return self._state_for_params(params, self.seed)
         saved = dict(items["state"])
         saved.setdefault("model_state", {})  # an empty collection is not stored
@@ -223,7 +233,7 @@ class JaxBackend:
     def train_call(self, state: TrainState, batches: dict[str, jax.Array]) -> tuple[TrainState, dict]:
         """Run ``K`` steps (asynchronously dispatched); metrics stay on device."""
         # The mesh in context lets the models pin activations' batch axis (sharding.constrain_batch).
-        with jax.set_mesh(self.mesh):
+        with self._traced():
             if (experience := self.experience) is not None:
                 return self._experience_steps(experience, state, batches)
             return self._train_call(state, batches)
@@ -256,7 +266,7 @@ class JaxBackend:
     ) -> jax.stages.Compiled:
         """The train call compiled for these arguments (with XLA ``compiler_options``), for XLA's analyses
         (``memory_analysis``, ``cost_analysis``); running the call goes through :meth:`train_call`."""
-        with jax.set_mesh(self.mesh):
+        with self._traced():
             return self._train_call.lower(state, batches).compile(compiler_options=compiler_options)
 
     def abstract_train_args(
@@ -275,7 +285,7 @@ class JaxBackend:
     def eval_batch(self, state: TrainState, host_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Metric sums of one evaluation batch ``[B_local, ...]``."""
         batch = to_global(host_batch, self.batch_sharding, batch_axis=0)
-        with jax.set_mesh(self.mesh):
+        with self._traced():
             return self._eval_step(state, batch)
 
     def batch_function(
@@ -298,7 +308,7 @@ class JaxBackend:
 
         def run(state: TrainState, host_batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             batch = to_global(host_batch, self.batch_sharding, batch_axis=0)
-            with jax.set_mesh(self.mesh):
+            with self._traced():
                 return self.to_host(compiled(state, batch))
 
         return run
@@ -306,7 +316,7 @@ class JaxBackend:
     def params_digest(self, state: TrainState) -> str:
         """A hex digest of the state's params computed on the devices: the same for the same values on any
         mesh or process count (integer sums), with no host copy of the weights."""
-        with jax.set_mesh(self.mesh):
+        with self._traced():
             sums = self.to_host(self._weight_sums(state.params))
         leaves = jax.tree_util.tree_flatten_with_path(state.params)[0]
         named = {jax.tree_util.keystr(path): leaf for path, leaf in leaves}

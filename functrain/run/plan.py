@@ -26,6 +26,11 @@ program's own.
 A causal LM's cross-entropy over chunks of positions (``train.logits_chunk``) is a loop too: a run that traced one
 is counted on a new trace of it with the chunks unrolled (:func:`functrain.core.unembedding.counted_whole`).
 
+Pipelined (``mesh.pipeline`` stages, :mod:`functrain.parallel.pipeline`), each chip computes its stage's share
+of the layers on every iteration of the schedule, busy or idle: the unrolled copies run with the stages folded
+into the data axis, and their layers' cost is divided by ``1 - bubble`` (:func:`pipelined_run_cost`); the bubble
+is reported.
+
 Over several TPU slices (``--slices``), the bytes each chip sends over the data-centre network per step are read
 from the counted program's transfers (:mod:`functrain.run.dcn`), with their time at a DCN bandwidth.
 """
@@ -44,6 +49,7 @@ import numpy as np
 from functrain.core.unembedding import chunk_loops_traced, counted_whole
 from functrain.errors import ConfigError
 from functrain.models.configs.moe import MoeOptions
+from functrain.parallel.pipeline import PIPELINE_AXIS, bubble_fraction, microbatch_count
 from functrain.parallel.platform import describe_host_to_libtpu
 from functrain.parallel.sharding import state_bytes_per_device
 from functrain.run.build import Planned, plan_run
@@ -111,6 +117,9 @@ class Plan:
     dcn_gbps: float | None = None  # the DCN bandwidth per chip the time is computed at
     dcn_time_s: float | None = None  # dcn_bytes_per_step at dcn_gbps
     dcn_hidden: bool | None = None  # the DCN time fits under the roofline step time (overlapped with compute)
+    pipeline_repeats: int = 1  # pipeline.repeats: the chunks of layers each stage holds
+    pipeline_microbatches: int | None = None  # the pipeline's micro-batches per batch (None: no pipeline)
+    pipeline_bubble: float | None = None  # the share of each stage's iterations spent idle (None: no pipeline)
 
     def to_json(self) -> dict[str, Any]:
         """The plan as one JSON-able object (``functrain plan --json``)."""
@@ -221,7 +230,8 @@ def plan(
             raise
         return report(planned, None, temporaries=required, device_kind=device_kind)
     if planned.scan_groups > 1:
-        cost = scanned_run_cost(planned, slices)
+        schedule = pipeline_schedule_of(planned)
+        cost = scanned_run_cost(planned, slices) if schedule is None else pipelined_run_cost(planned, slices, schedule)
     elif chunk_loops:  # the cross-entropy's chunk loop, counted unrolled on a new trace of the run
         assert planned.rebuilt_backend is not None, "plan_run builds every run's rebuilt_backend"
         with counted_whole():
@@ -253,11 +263,34 @@ def _compile(backend: Any, planned: Planned, counted: bool = False) -> jax.stage
     return backend.compile_train_call(*args, compiler_options=options)
 
 
-def scanned_run_cost(planned: Planned, slices: int = 1) -> dict[str, float]:
+def pipeline_schedule_of(planned: Planned) -> tuple[int, int, int] | None:
+    """``(stages, repeats, micro-batches)`` of a pipelined run's schedule; None when its layers are not pipelined."""
+    backend = planned.backend
+    stages = int(backend.mesh.shape.get(PIPELINE_AXIS, 1))
+    if stages == 1:
+        return None
+    rows = planned.global_batch_size // planned.step.micro_batches
+    return stages, backend.pipeline.repeats, microbatch_count(backend.pipeline.microbatches, stages, rows)
+
+
+def pipelined_run_cost(planned: Planned, slices: int, schedule: tuple[int, int, int]) -> dict[str, float]:
+    """XLA's cost (``COST_KEYS``, per chip, one micro-batch) of a pipelined run's train call: :func:`scanned_run_cost`
+    on copies whose stages are folded into the data axis (each chip has ``1 / stages`` of the rows, so the copies
+    fit where the run without its pipeline would), scaled back to a pipelined chip: its rows ``stages`` times the
+    copy's, its layers ``1 / stages`` of them for ``1 - bubble`` of the time (``schedule``: stages, repeats,
+    micro-batches). Bytes scale with the rows too: the weights' reads are over-counted. The DCN bytes are the
+    copies' (the stages' activations between slices are not counted)."""
+    stages = schedule[0]
+    cost = scanned_run_cost(planned, slices, layer_share=1 / (stages * (1 - bubble_fraction(*schedule))))
+    return {key: value * stages if key in COST_KEYS else value for key, value in cost.items()}
+
+
+def scanned_run_cost(planned: Planned, slices: int = 1, layer_share: float = 1.0) -> dict[str, float]:
     """XLA's cost (``COST_KEYS``, per chip, one micro-batch; and the DCN bytes of the call over ``slices`` slices)
     of a scanned run's train call with all its layers counted: the same run compiled with one group of layers and
     with two, unrolled, extrapolated to its ``scan_groups`` groups (identical groups cost the same; what lies
-    outside the layers is in both)."""
+    outside the layers is in both). ``layer_share``: the share of the groups' cost each chip computes
+    (:func:`pipelined_run_cost`)."""
     unrolled = planned.unrolled_groups_backend
     if unrolled is None:
         raise ValueError("scanned_run_cost needs the plan of a run that scans its layers (model.scan_layers)")
@@ -265,7 +298,7 @@ def scanned_run_cost(planned: Planned, slices: int = 1) -> dict[str, float]:
         one, two = (counted_cost(_compile(unrolled(groups), planned, counted=True), slices) for groups in (1, 2))
     return {
         key: float(one.get(key, 0.0))
-        + (planned.scan_groups - 1) * (float(two.get(key, 0.0)) - float(one.get(key, 0.0)))
+        + (planned.scan_groups * layer_share - 1) * (float(two.get(key, 0.0)) - float(one.get(key, 0.0)))
         for key in (*COST_KEYS, DCN_KEY)
         if key in one
     }
@@ -356,6 +389,11 @@ def report(
         fits = compiled is not None and sizes["total"] <= HBM_USABLE * hbm
     dcn = dcn_figures(cost.get(DCN_KEY), planned.steps_per_call, dcn_gbps, step_time)
     mesh = {axis: int(size) for axis, size in backend.mesh.shape.items()}
+    schedule = pipeline_schedule_of(planned)
+    pipeline: dict[str, Any] = {}
+    if schedule is not None:
+        pipeline = dict(pipeline_repeats=schedule[1], pipeline_microbatches=schedule[2])
+        pipeline["pipeline_bubble"] = bubble_fraction(*schedule)
     parameters = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(backend.abstract_state.params))
     return Plan(
         device_kind=device_kind,
@@ -382,6 +420,7 @@ def report(
         experts=None if compiled is None else expert_kernel_of(compiled, planned.model_config, mesh.get("expert", 1)),
         slices=slices,
         **dcn,
+        **pipeline,
     )
 
 

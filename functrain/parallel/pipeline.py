@@ -1,0 +1,185 @@
+"""Pipeline parallelism over the ``pipeline`` mesh axis: a scanned layer stack split into stages, micro-batched,
+on a circular (interleaved) schedule.
+
+The ``G`` stacked layer groups (:mod:`functrain.models.scan`) form ``stages x repeats`` chunks of
+``L = G / (stages x repeats)`` consecutive groups; chunk ``k`` runs on stage ``k % stages``, so each stage holds
+``repeats`` chunks that are not adjacent and a micro-batch passes through the stages ``repeats`` times
+(``repeats=1`` is GPipe). The batch splits into ``M`` micro-batches; micro-batch ``m`` runs its repeat ``r`` on
+stage ``s`` at iteration ``t = r * P + m + s`` with ``P = max(M, stages)``, so::
+
+    iterations = (repeats - 1) * P + M + stages - 1      each stage busy repeats * M of them
+    bubble     = 1 - repeats * M / iterations            = (stages - 1) / (repeats * M + stages - 1) when M >= stages
+
+The loop is one ``lax.scan`` over iterations. Its carry is every stage's input ``[stages, micro-batch, ...]``
+(sharded on ``pipeline``: each device computes its own stage, a ``vmap`` over stages whose constraints name the
+axis) and the micro-batches' activations between passes; after each iteration the stages' outputs rotate one
+stage on (``jnp.roll``: XLA's collective-permute). Micro-batches take every ``M``-th row, so each stays split over
+the data axes as the batch was.
+
+The parameters keep their logical layout ``[G, ...]`` (checkpoints restore onto any stage count); with
+``repeats > 1`` the stage layout ``[stages, repeats, L, ...]`` is gathered from it inside the step (an all-to-all
+of the layer weights over the axis each step; none for ``repeats=1``). The schedule is forward-then-backward over
+all micro-batches (the backward pass is the scan's transpose), so the activations of all ``M`` micro-batches are
+live at the peak, as in GPipe; 1F1B would keep ``stages`` of them and is not implemented (docs/sharding-and-memory.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from functrain.data.global_array import BATCH_AXES
+
+PIPELINE_AXIS = "pipeline"
+
+
+@dataclass(frozen=True)
+class PipelineSchedule:
+    """How the stages run: ``repeats`` chunks per stage (``pipeline.repeats``) and ``microbatches`` per batch
+    (``train.pipeline_microbatches``; None: as many as stages)."""
+
+    repeats: int = 1
+    microbatches: int | None = None
+
+
+_SCHEDULE: contextvars.ContextVar[PipelineSchedule | None] = contextvars.ContextVar("pipeline_schedule", default=None)
+
+
+@contextlib.contextmanager
+def scheduled(schedule: PipelineSchedule) -> Iterator[None]:
+    """Trace models under ``schedule`` (entered beside ``jax.set_mesh``; the stage count is the mesh's)."""
+    token = _SCHEDULE.set(schedule)
+    try:
+        yield
+    finally:
+        _SCHEDULE.reset(token)
+
+
+def current_schedule() -> PipelineSchedule:
+    """The schedule :func:`scheduled` set (the defaults outside it)."""
+    return _SCHEDULE.get() or PipelineSchedule()
+
+
+def stage_count() -> int:
+    """The ``pipeline`` axis size of the mesh being traced under (1 without a mesh or the axis)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty or PIPELINE_AXIS not in mesh.axis_names else int(mesh.shape[PIPELINE_AXIS])
+
+
+def microbatch_count(requested: int | None, stages: int, batch: int) -> int:
+    """The micro-batches a batch of ``batch`` rows splits into: ``requested`` (None: ``stages``), lowered to a
+    divisor of ``batch`` (an eval batch of another size); the config checks that training's divides."""
+    return math.gcd(stages if requested is None else requested, batch)
+
+
+def iterations(stages: int, repeats: int, microbatches: int) -> int:
+    """The schedule's length (module docstring)."""
+    return (repeats - 1) * max(microbatches, stages) + microbatches + stages - 1
+
+
+def bubble_fraction(stages: int, repeats: int, microbatches: int) -> float:
+    """The share of each stage's iterations spent idle: ``(stages - 1) / (repeats * M + stages - 1)`` when
+    ``M >= stages`` (module docstring); 0 for one stage."""
+    return 1.0 - repeats * microbatches / iterations(stages, repeats, microbatches)
+
+
+def _constrain(x: jax.Array, *leading: Any) -> jax.Array:
+    """Pin ``x``'s leading axes to ``leading`` mesh axes, the rest left to the compiler."""
+    spec = [*leading, *[PartitionSpec.UNCONSTRAINED] * (x.ndim - len(leading))]
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(*spec))
+
+
+def _batch_axes(rows: int) -> tuple[str, ...] | None:
+    """The data axes a micro-batch of ``rows`` rows stays split over (None: it does not divide them)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = tuple(axis for axis in BATCH_AXES if axis in mesh.axis_names)
+    return axes if axes and rows % math.prod(mesh.shape[axis] for axis in axes) == 0 else None
+
+
+def _split_rows(x: jax.Array, microbatches: int) -> jax.Array:
+    """``[B, ...] -> [M, B / M, ...]``, micro-batch ``m`` the rows ``m, m + M, ...``."""
+    return jnp.swapaxes(x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]), 0, 1)
+
+
+def _join_rows(x: jax.Array) -> jax.Array:
+    """The inverse of :func:`_split_rows`."""
+    return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
+
+
+def pipeline_layers(
+    apply_group: Callable[[Any, jax.Array, tuple, jax.Array], jax.Array],
+    stacked: Any,
+    x: jax.Array,
+    args: tuple,
+    *,
+    stages: int,
+    schedule: PipelineSchedule,
+) -> jax.Array:
+    """``x`` through the ``G`` groups of ``stacked`` (leaves ``[G, ...]``), pipelined over ``stages`` stages.
+
+    ``apply_group(group_params, x, args, index)`` applies one group (its leaves without the leading axis) to a
+    micro-batch; ``index`` (int32) tells apart each group's call on each micro-batch (``group * M + m``: a key
+    to fold into dropout's); ``args`` are per-row arrays ``[B, ...]`` (split with ``x``), arrays of one row ``[1, ...]``
+    (broadcast) or None. Equal to applying the groups in order to the whole batch (module docstring).
+    """
+    repeats = schedule.repeats
+    groups = jax.tree.leaves(stacked)[0].shape[0]
+    per_chunk = groups // (stages * repeats)
+    batch = x.shape[0]
+    count = microbatch_count(schedule.microbatches, stages, batch)
+    period = max(count, stages)
+    stage_axes = _batch_axes(batch // count)
+
+    def stage_layout(leaf: jax.Array) -> jax.Array:  # [G, ...] -> [stages, repeats, L, ...]
+        leaf = jnp.swapaxes(leaf.reshape(repeats, stages, per_chunk, *leaf.shape[1:]), 0, 1)
+        return _constrain(leaf, PIPELINE_AXIS)
+
+    def per_row(arg: Any) -> bool:
+        return arg is not None and arg.shape[0] == batch
+
+    params = jax.tree.map(stage_layout, stacked)
+    split_args = tuple(_split_rows(arg, count) if per_row(arg) else arg for arg in args)
+    activations = _split_rows(x, count)
+    if stage_axes:
+        activations = _constrain(activations, None, stage_axes)
+
+    def run_stage(chunks: Any, h: jax.Array, stage: jax.Array, repeat: jax.Array, micro: jax.Array) -> jax.Array:
+        # [L, ...]: this stage's groups this repeat. One repeat: a static slice of the scan's loop-invariant weights,
+        # which its backward pass reads as they are; several: a slice per iteration, which it keeps.
+        chunk = jax.tree.map(lambda leaf: leaf[0] if repeats == 1 else leaf[repeat], chunks)
+        stage_args = tuple(arg[micro] if per_row(original) else arg for arg, original in zip(split_args, args))
+        first_group = (repeat * stages + stage) * per_chunk
+
+        def one_group(h: jax.Array, group: tuple[Any, jax.Array]) -> tuple[jax.Array, None]:
+            group_params, position = group
+            return apply_group(group_params, h, stage_args, (first_group + position) * count + micro), None
+
+        return jax.lax.scan(one_group, h, (chunk, jnp.arange(per_chunk)))[0]
+
+    stage_ids = jnp.arange(stages)
+
+    def iteration(carry: tuple[jax.Array, jax.Array], t: jax.Array) -> tuple[tuple[jax.Array, jax.Array], None]:
+        inputs, activations = carry
+        inputs = inputs.at[0].set(activations[jnp.minimum(t % period, count - 1)])
+        if stage_axes:
+            inputs = _constrain(inputs, PIPELINE_AXIS, stage_axes)
+        offset = t - stage_ids  # where each stage is in its own schedule; idle stages compute on stale rows
+        repeat = jnp.clip(offset // period, 0, repeats - 1)
+        micro = jnp.clip(offset % period, 0, count - 1)
+        outputs = jax.vmap(run_stage, spmd_axis_name=PIPELINE_AXIS)(params, inputs, stage_ids, repeat, micro)
+        last = offset[-1]
+        done = (last >= 0) & (last // period < repeats) & (last % period < count)
+        slot = micro[-1]
+        activations = activations.at[slot].set(jnp.where(done, outputs[-1], activations[slot]))
+        return (jnp.roll(outputs, 1, axis=0), activations), None
+
+    inputs = jnp.zeros((stages, *activations.shape[1:]), x.dtype)
+    (_, activations), _ = jax.lax.scan(iteration, (inputs, activations), jnp.arange(iterations(stages, repeats, count)))
+    return _join_rows(activations)

@@ -1,0 +1,86 @@
+"""The pipeline's config: the ``pipeline`` section (``pipeline.repeats``), what a run must be to pipeline its
+layers (``mesh.pipeline`` / ``mesh.dcn_pipeline`` stages) and the schedule the backend traces its model under
+(:mod:`functrain.parallel.pipeline`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+
+from functrain.core.section import Section
+from functrain.errors import ConfigError
+from functrain.models.configs.moe import MoeOptions
+from functrain.models.scan import layer_period
+from functrain.parallel.pipeline import PipelineSchedule
+
+
+class PipelineConfig(Section):
+    """``pipeline.*``: ``repeats``, the chunks of layers each stage holds (the circular schedule: a micro-batch
+    passes through the stages ``repeats`` times; 1 is GPipe). The stage count is ``mesh.pipeline`` x
+    ``mesh.dcn_pipeline``; the micro-batches are ``train.pipeline_microbatches``."""
+
+    repeats: int = Field(1, ge=1)
+
+
+def _divisors(count: int) -> str:
+    return ", ".join(str(d) for d in range(1, count + 1) if count % d == 0)
+
+
+def pipeline_problem(config: Any) -> str | None:
+    """Why ``config`` cannot pipeline its layers over its stages (one line naming the key and the fix), or None."""
+    stages = config.mesh.pipeline_stages()
+    if stages == 1:
+        return None
+    where = f"mesh.pipeline={config.mesh.pipeline} x mesh.dcn_pipeline={config.mesh.dcn_pipeline} ({stages} stages)"
+    if config.backend != "jax":
+        return f"{where} pipelines the JAX backend's scanned layers; set backend=jax or mesh.pipeline=1"
+    model = config.model
+    name = model.registry_name() or "given to this run"
+    kinds = model.layer_kinds()
+    if kinds is None:
+        return f"{where} splits a model's scanned layers and model {name} does not scan its layers; set mesh.pipeline=1"
+    if isinstance(model, MoeOptions):
+        return f"{where}: the mixture-of-experts model {name} cannot be pipelined yet; set mesh.pipeline=1"
+    if not model.layers_scanned():
+        return f"{where} splits the scanned layers; set model.scan_layers=true"
+    groups = len(kinds) // layer_period(kinds)
+    repeats = config.pipeline.repeats
+    if groups % (stages * repeats):
+        period = layer_period(kinds)
+        unit = "layers" if period == 1 else f"groups of {period} layers"
+        return (
+            f"{where} x pipeline.repeats={repeats} does not divide the model's {groups} {unit}; "
+            f"make stages x repeats one of {_divisors(groups)}"
+        )
+    return None
+
+
+def stages_as_data(mesh: Any) -> Any:
+    """``mesh`` (a ``mesh`` section) with its pipeline stages folded into the data axis, in each slice and across
+    slices (unchanged without stages)."""
+    if mesh.pipeline_stages() == 1:
+        return mesh
+    data = -1 if mesh.data == -1 else mesh.data * mesh.pipeline
+    return mesh.model_copy(
+        update={"pipeline": 1, "data": data, "dcn_pipeline": 1, "dcn_data": mesh.dcn_data * mesh.dcn_pipeline}
+    )
+
+
+def pipeline_schedule(config: Any, batch_ways: int) -> PipelineSchedule:
+    """The schedule the backend traces under; a ConfigError when ``train.pipeline_microbatches`` (default: the
+    stage count) does not divide the batch each of the ``batch_ways`` data-parallel replicas computes."""
+    stages = config.mesh.pipeline_stages()
+    microbatches = config.train.pipeline_microbatches or stages
+    if stages > 1:
+        per_replica = config.data.global_batch_size // (config.train.micro_batches * batch_ways)
+        if per_replica % microbatches:
+            key = f"train.pipeline_microbatches={microbatches}"
+            if config.train.pipeline_microbatches is None:
+                key += " (the default: one per stage)"
+            raise ConfigError(
+                f"{key} does not divide the {per_replica} rows each data-parallel replica computes per step "
+                f"(data.global_batch_size / train.micro_batches / {batch_ways} replicas); "
+                f"set train.pipeline_microbatches to one of {_divisors(per_replica)}"
+            )
+    return PipelineSchedule(repeats=config.pipeline.repeats, microbatches=microbatches)
