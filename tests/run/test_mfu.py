@@ -77,3 +77,13 @@ def test_an_accelerator_without_a_known_peak_is_named_in_a_warning(caplog):
     assert report.flops_per_token and report.peak_flops_per_device is None
     assert "'Mystery Accelerator X1'" in caplog.text and "MFU is not reported" in caplog.text
     assert "mfu" not in report.fields(1.0) and "model_tflops_per_sec_per_device" in report.fields(1.0)
+
+
+def test_the_maxtext_configs_count_flops_as_maxtext_published_them():
+    # MaxText's tiering: Llama 2 70B on v5p, 692 tokens/s/chip ("approx") at 65.4% MFU (docs/plan.md).
+    llama2 = load_config("configs/llama2_70b.yaml", []).model.decoder_shape()
+    mfu = 692 * train_flops_per_token(llama2, 4096) / (peak_tflops("TPU v5p") * 1e12)
+    assert mfu == pytest.approx(0.654, abs=0.01)
+    # Llama 3.1 405B: 405.85B parameters, of which 2.1B are the input embedding (not a matmul).
+    llama3 = load_config("configs/llama3_405b.yaml", []).model.decoder_shape()
+    assert train_flops_per_token(llama3, 0) / 6 == pytest.approx(405.85e9 - 128256 * 16384, rel=1e-3)
