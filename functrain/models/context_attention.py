@@ -73,7 +73,14 @@ def context_attention(
         def local_splash(q: Array, k: Array, v: Array, s: Array | None, h: Array | None, run: object) -> Array:
             return run_kernel(run, q, gathered(k), gathered(v), *segments(s), h)
 
-        in_specs = (sequence_spec, sequence_spec, sequence_spec, segment_spec, sinks_spec, kernel_specs(splash))
+        in_specs = (
+            sequence_spec,
+            sequence_spec,
+            sequence_spec,
+            segment_spec,
+            sinks_spec,
+            kernel_specs(splash, CONTEXT_AXIS),
+        )
         attention = jax.shard_map(local_splash, in_specs=in_specs, out_specs=sequence_spec, check_vma=False)
         return attention(query, key, value, segment_ids, sinks, splash)
 

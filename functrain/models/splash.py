@@ -144,12 +144,12 @@ def _ordered_mask_class() -> type:
     return OrderedCausalMask
 
 
-@functools.lru_cache(maxsize=8)
 def ordered_kernel(heads: int, length: int, shards: int, window: int | None, softcap: float | None) -> Any:
     """The splash kernel over ``heads`` heads of a ``length``-token sequence whose queries are split over
     ``shards`` devices in load-balanced order (:func:`functrain.parallel.context.load_balanced_order`) and whose
     keys are whole, in their original order. Pass it to ``shard_map`` with :func:`kernel_specs`, so that each
-    device reads its queries' part of the mask. Cached: a 128k-token mask takes a minute of CPU to process."""
+    device reads its queries' part of the mask. Its processed mask is cached by the mask's hash (a 128k-token
+    mask takes a minute of CPU to process): the layers and the backward pass share it."""
     block = next(size for size in BLOCK_CHOICES if (length // shards) % size == 0)
     return _kernel(heads, length, block, window, softcap, load_balanced_order(length, shards), shards)
 
