@@ -3,22 +3,25 @@
 One subprocess with 8 CPU devices trains a tiny Llama with ``mesh.context=4 mesh.data=2`` on packed documents
 (segment ids, positions restarting per document: RoPE), a tiny GPT on plain windows (no positions given: the model
 makes them) with ``mesh.context=2`` beside FSDP and tensor parallelism, scanned layers, full remat and two
-micro-batches, and then runs ``functrain verify-resume`` on the
-packed Llama (killed at a random step, resumed, compared bitwise). This process trains the same runs on its one
+micro-batches; then the packed Llama again, killed (SIGKILL) after a random step and resumed, which must end
+bitwise equal to the uninterrupted run. This process trains the same runs on its one
 device; the parameters after 3 steps must agree within float32 rounding.
 """
 
 import json
 import subprocess
 import sys
-import textwrap
 
+import jax
 import numpy as np
 import pytest
 import yaml
 
 import functrain
+from examples import plain_functions
 from functrain.checkpoint import load_params
+from functrain.commands import cli
+from functrain.errors import ConfigError
 from functrain.data.token_store import StoreWriter
 from functrain.parallel.context import load_balanced_order
 from tests.conftest import REPO_ROOT, cli_env, max_abs_diff
@@ -37,16 +40,32 @@ RUNS = {  # name: (model, packing, the 8-device run's overrides; the reference's
                                   "train.micro_batches": 2}),
 }
 
+# Trains the runs, then starts itself again to train the packed Llama into another directory and SIGKILL itself
+# right after a random train call (2 or 3: a checkpoint of step 1 or 2 is the newest), then resumes that run here.
 WORKER = r"""
-import json, sys
+import json, os, random, signal, subprocess, sys
 import functrain
-from functrain.commands import cli
+from functrain.run import jax_backend
 
-runs, resume_config = json.loads(sys.argv[1])
+runs, (killed_config, killed_overrides) = json.loads(sys.argv[1])
+if "KILL_AT_CALL" in os.environ:
+    calls, real_call = [0], jax_backend.JaxBackend.train_call
+    def train_call(self, state, batches):
+        result = real_call(self, state, batches)
+        calls[0] += 1
+        if calls[0] == int(os.environ["KILL_AT_CALL"]):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return result
+    jax_backend.JaxBackend.train_call = train_call
+    functrain.fit(killed_config, **killed_overrides)
+    sys.exit("the run was not killed")
 for config, overrides in runs:
     functrain.fit(config, **overrides)
-code = cli.main(["verify-resume", resume_config, "--steps", "4", "mesh.context=4", "mesh.data=2"])
-sys.exit(code)
+kill_at = random.randint(2, 3)
+killed = subprocess.run([sys.executable, __file__, sys.argv[1]], env=dict(os.environ, KILL_AT_CALL=str(kill_at)))
+assert killed.returncode == -signal.SIGKILL, killed.returncode
+functrain.fit(killed_config, **killed_overrides)  # resumes from its newest checkpoint
+print("killed after call", kill_at)
 """
 
 
@@ -79,9 +98,10 @@ def runs(tmp_path_factory):
     configs = {name: _config(root, name, model, packing, root / "store") for name, (model, packing, _) in
                RUNS.items()}
     sharded = [[configs[name], {"run.dir": str(root / name), **mesh}] for name, (_, _, mesh) in RUNS.items()]
-    worker = subprocess.Popen([sys.executable, "-c", textwrap.dedent(WORKER), json.dumps([sharded,
-                              configs["llama_packed"]])], cwd=REPO_ROOT, env=cli_env(8), text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    killed = [configs["llama_packed"], {"run.dir": str(root / "killed"), **RUNS["llama_packed"][2]}]
+    (root / "worker.py").write_text(WORKER)
+    worker = subprocess.Popen([sys.executable, str(root / "worker.py"), json.dumps([sharded, killed])],
+                              cwd=REPO_ROOT, env=cli_env(8), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     for name, (_, _, mesh) in RUNS.items():  # the references, on this process's one device, meanwhile
         micro = {"train.micro_batches": mesh["train.micro_batches"]} if "train.micro_batches" in mesh else {}
         functrain.fit(configs[name], **{"run.dir": str(root / f"{name}_single"), "mesh.data": 1, **micro})
@@ -100,10 +120,44 @@ def test_context_parallel_training_matches_one_device(runs, name):
 
 
 def test_context_parallel_run_killed_at_random_resumes_bitwise(runs):
-    _, output = runs
-    assert "PASS" in output and "params sha256 equal" in output, output
+    root, output = runs
+    assert "killed after call" in output, output
+    uninterrupted, resumed = load_params(str(root / "llama_packed")), load_params(str(root / "killed"))
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(uninterrupted), jax.tree.leaves(resumed)))
+    losses = [[json.loads(line)["loss"] for line in (root / run / "metrics.jsonl").read_text().splitlines()]
+              for run in ("llama_packed", "killed")]
+    assert losses[0] == losses[1][-len(losses[0]):]
 
 
 def test_load_balanced_order_pairs_a_chunk_from_each_end():
     assert load_balanced_order(16, 2).tolist() == [0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11]
     assert load_balanced_order(8, 1).tolist() == list(range(8))
+
+
+REFUSED = {  # config + overrides -> what the one line says
+    "sequence_not_in_2C_chunks": (["configs/char_gpt.yaml", "data.seq_len=60", "mesh.context=4"],
+                                  "data.seq_len=60 does not split into 2 x mesh.context=4 equal chunks"),
+    "splash_blocks": (["configs/char_gpt.yaml", "model.attention=splash", "mesh.context=2"],
+                      "leaves 32 tokens a device, which splash attention's 128-token blocks do not divide"),
+    "torch_backend": (["configs/char_gpt_torch.yaml", "mesh.context=2"], "backend: jax only"),
+    "model_without_the_hook": (["configs/mlp_digits.yaml", "mesh.context=2"], "and mlp has none"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_bad_context_settings_are_one_line_exit_2_and_write_nothing(case, tmp_path, capsys):
+    args, expected = REFUSED[case]
+    run_dir = tmp_path / "run"
+    assert cli.main(["train", *args, f"run.dir={run_dir}"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and expected in lines[0], lines
+    assert not run_dir.exists()
+
+
+def test_a_user_model_under_a_context_axis_is_refused(tmp_path):
+    model = functrain.FunctionalModel(plain_functions.init, plain_functions.apply)
+    data = {"x": np.zeros((64, 64), np.float32), "y": np.zeros(64, np.int32)}
+    with pytest.raises(ConfigError, match="and a user model .* has none; set mesh.context=1"):
+        functrain.fit(plain_functions.CONFIG, model=model, train_data=data,
+                      **{"run.dir": str(tmp_path / "run"), "mesh.context": 2})
+    assert not (tmp_path / "run").exists()
