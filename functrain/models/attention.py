@@ -185,10 +185,10 @@ def attend(
         )
     if softcap is not None or sinks is not None or query_slots is not None:
         slots = jnp.arange(query.shape[1], dtype=jnp.int32) if query_slots is None else query_slots
-        mask = causal_mask(slots, key.shape[1], window)[None, None]
+        written = causal_mask(slots, key.shape[1], window)[None, None]
         if segment_ids is not None:
-            mask = mask & segment_mask(segment_ids)
-        return masked_attention(query, key, value, scale=scale, mask=mask, softcap=softcap, sinks=sinks)
+            written = written & segment_mask(segment_ids)
+        return masked_attention(query, key, value, scale=scale, mask=written, softcap=softcap, sinks=sinks)
     mask = None if segment_ids is None else segment_mask(segment_ids)
     local = None if window is None else (window - 1, 0)
     return jax.nn.dot_product_attention(

@@ -60,8 +60,9 @@ def context_attention(
         """This device's ``[b, T / C, ...]`` -> the whole ``[b, T, ...]``, in the original token order."""
         return jnp.take(jax.lax.all_gather(x, CONTEXT_AXIS, axis=1, tiled=True), original, axis=1)
 
-    def segments(local: Array | None) -> tuple[Array | None, Array | None]:
-        return (None, None) if local is None else (local, gathered(local))
+    def segments(local: Array | None) -> tuple[Array, Array] | None:
+        """The queries' segment ids and the keys' (all of them, gathered), or None."""
+        return None if local is None else (local, gathered(local))
 
     if kernel == "splash":
         head_axis = sequence_spec[2]
@@ -71,7 +72,7 @@ def context_attention(
         query = query * jnp.asarray(scale, query.dtype)
 
         def local_splash(q: Array, k: Array, v: Array, s: Array | None, h: Array | None, run: object) -> Array:
-            return run_kernel(run, q, gathered(k), gathered(v), *segments(s), h)
+            return run_kernel(run, q, gathered(k), gathered(v), segments(s), h)
 
         in_specs = (
             sequence_spec,
@@ -81,16 +82,17 @@ def context_attention(
             sinks_spec,
             kernel_specs(splash, CONTEXT_AXIS),
         )
-        attention = jax.shard_map(local_splash, in_specs=in_specs, out_specs=sequence_spec, check_vma=False)
-        return attention(query, key, value, segment_ids, sinks, splash)
+        return jax.shard_map(local_splash, in_specs=in_specs, out_specs=sequence_spec, check_vma=False)(
+            query, key, value, segment_ids, sinks, splash
+        )
 
     def local_xla(q: Array, k: Array, v: Array, s: Array | None, h: Array | None, positions: Array) -> Array:
         mask = causal_mask(positions, length, window)[None, None]
-        query_segments, key_segments = segments(s)
-        if query_segments is not None and key_segments is not None:
-            mask = mask & (query_segments[:, None, :, None] == key_segments[:, None, None, :])
+        if (pair := segments(s)) is not None:
+            mask = mask & (pair[0][:, None, :, None] == pair[1][:, None, None, :])
         return masked_attention(q, gathered(k), gathered(v), scale=scale, mask=mask, softcap=softcap, sinks=h)
 
     in_specs = (sequence_spec, sequence_spec, sequence_spec, segment_spec, sinks_spec, PartitionSpec(CONTEXT_AXIS))
-    attention = jax.shard_map(local_xla, in_specs=in_specs, out_specs=sequence_spec, check_vma=False)
-    return attention(query, key, value, segment_ids, sinks, jnp.asarray(order))
+    return jax.shard_map(local_xla, in_specs=in_specs, out_specs=sequence_spec, check_vma=False)(
+        query, key, value, segment_ids, sinks, jnp.asarray(order)
+    )

@@ -165,16 +165,15 @@ def run_kernel(
     query: Array,
     key: Array,
     value: Array,
-    query_segments: Array | None,
-    key_segments: Array | None,
+    segment_ids: tuple[Array, Array] | None,
     sinks: Array | None,
 ) -> Array:
-    """``kernel`` on ``[B, T, H, D]`` queries and ``[B, S, KV, D]`` keys and values (each sequence's segment ids
-    ``[B, T]`` and ``[B, S]``, or None) and the heads' ``[H]`` sinks."""
+    """``kernel`` on ``[B, T, H, D]`` queries and ``[B, S, KV, D]`` keys and values (the segment ids ``[B, T]`` of
+    the queries and ``[B, S]`` of the keys, or None) and the heads' ``[H]`` sinks."""
     from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
 
     heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731 -- [B, H, T, D], the kernel's layout
-    segments = None if query_segments is None else SegmentIds(q=query_segments, kv=key_segments)
+    segments = None if segment_ids is None else SegmentIds(q=segment_ids[0], kv=segment_ids[1])
     run = lambda q, k, v, s: kernel(q, k, v, segment_ids=s, sinks=sinks)  # noqa: E731 -- the sinks are per head
     out = jax.vmap(run)(heads_first(query), heads_first(key), heads_first(value), segments)
     return heads_first(out)
@@ -193,7 +192,7 @@ def _local_attention(
 ) -> Array:
     """Splash on this device's ``[B, T, H, D]`` shard (T already padded) and its heads' ``[H]`` sinks."""
     kernel = _kernel(query.shape[2], query.shape[1], block, window, softcap)
-    return run_kernel(kernel, query, key, value, segment_ids, segment_ids, sinks)
+    return run_kernel(kernel, query, key, value, None if segment_ids is None else (segment_ids, segment_ids), sinks)
 
 
 def shard_specs(
