@@ -25,7 +25,9 @@ written out (scores and softmax in float32).
 Grouped-query heads (fewer key/value heads than query heads) are grouped under their shared key/value head by
 every kernel; keys and values are never repeated in memory. When decoding with a KV cache
 (:mod:`functrain.models.kv_cache`) the queries sit at given slots of a longer cache, so the mask is written
-out and the XLA kernel runs (one new token gains nothing from a flash kernel).
+out and the XLA kernel runs (one new token gains nothing from a flash kernel). Under a ``context`` mesh axis larger
+than 1 a whole sequence arrives in load-balanced order, split over that axis, and attends through
+:mod:`functrain.models.context_attention`.
 """
 
 from typing import Any, Literal
