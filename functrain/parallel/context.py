@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from functrain.parallel.sharding import constrain_batch
+
 CONTEXT_AXIS = "context"
 
 
@@ -52,8 +54,12 @@ def to_context_order(x: jax.Array, ways: int) -> jax.Array:
 
 
 def from_context_order(x: jax.Array, ways: int) -> jax.Array:
-    """The inverse of :func:`to_context_order`: ``x [B, T, ...]`` back in the original token order."""
-    return x if ways == 1 else jnp.take(x, np.argsort(load_balanced_order(x.shape[1], ways)), axis=1)
+    """The inverse of :func:`to_context_order`: ``x [B, T, ...]`` back in the original token order, its sequence
+    still split over ``context`` (the gather would otherwise leave it whole on every device, and the LM head
+    after it would run ``ways`` times over)."""
+    if ways == 1:
+        return x
+    return constrain_batch(jnp.take(x, np.argsort(load_balanced_order(x.shape[1], ways)), axis=1))
 
 
 def context_inputs(
