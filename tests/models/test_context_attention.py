@@ -1,6 +1,8 @@
 """Attention with the sequence split over ``context`` (4 simulated devices: context 2 x tensor 2) equals one
 device's, in output and gradients: splash (its mask computed from the queries' true positions, each device
-reading its part), and XLA with a sliding window, soft-cap and attention sinks; packed segments in both."""
+reading its part), and XLA with a sliding window, soft-cap and attention sinks; packed segments in both. A device
+of a context-split model computes no more than a device of a data-split one (the LM head and the chunked
+cross-entropy included)."""
 
 from tests.conftest import run_python
 
@@ -34,9 +36,30 @@ with pallas_interpreted():
         for ours, theirs in zip(jax.tree.leaves(split), jax.tree.leaves(whole)):  # the loss sums 32k terms
             np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5, err_msg=name)
         print(name, "equal")
+
+# No device computes another's share: a small Llama's loss (chunked cross-entropy: strided chunks) and gradient
+# cost as many FLOPs a device split over context as over data.
+import flax.linen as nn
+from functrain.core.losses import causal_lm_sums
+from functrain.models import build_model
+from functrain.models.configs.llama import LlamaConfig
+model = build_model(LlamaConfig(name="llama", vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                num_attention_heads=4, num_key_value_heads=2, attention="xla"))
+tokens = jax.ShapeDtypeStruct((4, 513), jnp.int32)
+params = jax.eval_shape(lambda: nn.meta.unbox(model.init(jax.random.PRNGKey(0), jnp.zeros((4, 8), jnp.int32))["params"]))
+def loss(p, tokens):
+    batch = {"tokens": tokens, "weight": jnp.ones(4)}
+    return causal_lm_sums(model.apply({"params": p}, tokens[:, :-1], logits_chunk=64), batch)[0]
+flops = {}
+for name, sizes in {"data": {"data": 4}, "context": {"data": 2, "context": 2}}.items():
+    mesh = jax.make_mesh(tuple(sizes.get(a, 1) for a in MESH_AXES), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    with jax.set_mesh(mesh):
+        flops[name] = jax.jit(jax.grad(loss)).lower(params, tokens).compile().cost_analysis()["flops"]
+assert abs(flops["context"] / flops["data"] - 1) < 0.02, flops
+print("flops", flops)
 """
 
 
 def test_context_split_attention_equals_one_device_in_output_and_gradients():
     proc = run_python(CHECK, devices=4)
-    assert "splash" in proc.stdout and "xla" in proc.stdout, proc.stdout
+    assert "splash" in proc.stdout and "xla" in proc.stdout and "flops" in proc.stdout, proc.stdout
