@@ -14,6 +14,9 @@ Gemma 2's logit soft-cap and GPT-OSS's attention sinks (one logit per query head
   block), which causality makes invisible to the real tokens; the padded rows are cut off again.
 - It takes bfloat16 or float32 and head widths up to 256 (:func:`splash_problem`); float16 does not compile for
   TPU (Mosaic) and wider heads overflow the kernel's VMEM at 512-token blocks.
+- Context parallelism (:mod:`functrain.models.context_attention`) runs :func:`ordered_kernel`: each device's
+  queries, in load-balanced order, against the whole gathered keys, with the causal mask computed from the
+  queries' true positions and split over the devices with them (:func:`kernel_specs`).
 - :func:`interpreted` runs it through the Pallas interpreter on any platform, for tests on CPU.
 """
 
