@@ -79,7 +79,7 @@ def _config(tmp_path, name, model, packing, store):
         # lr * g / (|g| + eps), which turns float32 rounding of a gradient near zero into a difference of lr.
         "optimizer": {"name": "sgd", "learning_rate": 1.0},
         "train": {"max_steps": STEPS, "steps_per_call": 1},
-        "checkpoint": {"every_steps": 1, "keep": STEPS, "async_save": False},
+        "checkpoint": {"every_steps": STEPS, "async_save": False},
         "log": {"every_steps": 1, "progress": False, "tensorboard": False, "plot": False},
         "eval": {"every_steps": 0},
     }
@@ -98,7 +98,8 @@ def runs(tmp_path_factory):
     configs = {name: _config(root, name, model, packing, root / "store") for name, (model, packing, _) in
                RUNS.items()}
     sharded = [[configs[name], {"run.dir": str(root / name), **mesh}] for name, (_, _, mesh) in RUNS.items()]
-    killed = [configs["llama_packed"], {"run.dir": str(root / "killed"), **RUNS["llama_packed"][2]}]
+    killed = [configs["llama_packed"],
+              {"run.dir": str(root / "killed"), "checkpoint.every_steps": 1, **RUNS["llama_packed"][2]}]
     (root / "worker.py").write_text(WORKER)
     worker = subprocess.Popen([sys.executable, str(root / "worker.py"), json.dumps([sharded, killed])],
                               cwd=REPO_ROOT, env=cli_env(8), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -113,9 +114,9 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("name", list(RUNS))
 def test_context_parallel_training_matches_one_device(runs, name):
     root, _ = runs
+    losses = [json.loads(line)["loss"] for line in (root / f"{name}_single" / "metrics.jsonl").read_text().splitlines()]
+    assert abs(losses[-1] - losses[0]) > 100 * TOLERANCE  # the params move, so agreeing within TOLERANCE means something
     reference = load_params(str(root / f"{name}_single"), step=STEPS)
-    # The params really move between steps, so agreeing within the tolerance means something.
-    assert max_abs_diff(reference, load_params(str(root / f"{name}_single"), step=1)) > 100 * TOLERANCE
     assert max_abs_diff(reference, load_params(str(root / name), step=STEPS)) <= TOLERANCE
 
 
