@@ -33,6 +33,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from functrain.data.global_array import BATCH_AXES
+from functrain.errors import ConfigError
 from functrain.parallel.context import load_balanced_order
 
 Array = jax.Array
@@ -153,6 +154,12 @@ def ordered_kernel(heads: int, length: int, shards: int, window: int | None, sof
     keys are whole, in their original order. Pass it to ``shard_map`` with :func:`kernel_specs`, so that each
     device reads its queries' part of the mask. Its processed mask is cached by the mask's hash (a 128k-token
     mask takes a minute of CPU to process): the layers and the backward pass share it."""
+    if (length // shards) % LANES:  # data whose length is not data.seq_len (the config checks that one)
+        raise ConfigError(
+            f"a sequence of {length} tokens over mesh.context={shards} leaves {length // shards} tokens a device, "
+            f"which splash attention's {LANES}-token blocks do not divide; make it a multiple of {LANES * shards} "
+            f"or set model.attention=xla"
+        )
     block = next(size for size in BLOCK_CHOICES if (length // shards) % size == 0)
     return _kernel(heads, length, block, window, softcap, load_balanced_order(length, shards), shards)
 

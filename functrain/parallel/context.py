@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from functrain.errors import ConfigError
 from functrain.parallel.sharding import constrain_batch
 
 CONTEXT_AXIS = "context"
@@ -73,6 +74,11 @@ def context_inputs(
     ways = 1 if decoding else context_ways()
     if ways == 1:
         return tokens, segment_ids, positions, 1
+    if tokens.shape[1] % (2 * ways):  # data whose length is not data.seq_len (the config checks that one)
+        raise ConfigError(
+            f"a sequence of {tokens.shape[1]} tokens does not split into 2 x mesh.context={ways} equal chunks; "
+            f"make the data's sequences a multiple of {2 * ways} tokens long"
+        )
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     permute = functools.partial(to_context_order, ways=ways)

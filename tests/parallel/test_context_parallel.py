@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import yaml
@@ -23,7 +24,8 @@ from functrain.checkpoint import load_params
 from functrain.commands import cli
 from functrain.errors import ConfigError
 from functrain.data.token_store import StoreWriter
-from functrain.parallel.context import load_balanced_order
+from functrain.models.splash import ordered_kernel
+from functrain.parallel.context import context_inputs, load_balanced_order
 from tests.conftest import REPO_ROOT, cli_env, max_abs_diff
 
 TOLERANCE = 1e-5  # float32: only the order of cross-device sums differs
@@ -162,3 +164,11 @@ def test_a_user_model_under_a_context_axis_is_refused(tmp_path):
         functrain.fit(plain_functions.CONFIG, model=model, train_data=data,
                       **{"run.dir": str(tmp_path / "run"), "mesh.context": 2})
     assert not (tmp_path / "run").exists()
+
+
+def test_data_of_another_length_than_the_config_says_is_refused_when_traced():
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((2,), ("context",))):
+        with pytest.raises(ConfigError, match="a sequence of 30 tokens does not split into 2 x mesh.context=2"):
+            context_inputs(jnp.zeros((1, 30), jnp.int32), None, None)
+        with pytest.raises(ConfigError, match="leaves 64 tokens a device, which splash attention's 128-token"):
+            ordered_kernel(heads=1, length=128, shards=2, window=None, softcap=None)
