@@ -7,7 +7,7 @@ A causal LM whose call names the keyword ``logits_chunk`` (:data:`LOGITS_CHUNK`)
 loss then asks it for :func:`chunked_statistics` where :func:`chunk_positions` says so, else for its
 :meth:`Unembedding.whole_logits`.
 
-Chunks are ``[B, chunk, vocab]`` slices along the sequence (the batch axis, sharded over the mesh, stays whole):
+Chunks are ``[B, chunk, vocab]`` strided slices of the sequence (the batch axis, sharded over the mesh, stays whole):
 a ``lax.scan`` over them, the head's matmul inside, each chunk rematerialised in the backward pass
 (``jax.checkpoint``), so the forward keeps one chunk's logits at a time and the backward recomputes them. The
 cost: the head's forward matmul once more (``2 * d_model * vocab`` FLOPs a token).
@@ -93,8 +93,10 @@ def chunked_statistics(head: Unembedding, targets: Any, chunk: int) -> tuple[jax
     padding = count * chunk - length  # the last chunk is padded; its statistics are cut off below
     hidden = jnp.pad(head.hidden, ((0, 0), (0, padding), (0, 0)))
     targets = jnp.pad(targets, ((0, 0), (0, padding)))
-    hidden = hidden.reshape(batch, count, chunk, width).swapaxes(0, 1)
-    targets = targets.reshape(batch, count, chunk).swapaxes(0, 1)
+    # Chunk k holds positions k, k + count, k + 2 * count, ...: strided, so that a sequence split over devices in
+    # blocks (context parallelism) has its share of every chunk on every device, and none computes another's.
+    hidden = hidden.reshape(batch, chunk, count, width).transpose(2, 0, 1, 3)
+    targets = targets.reshape(batch, chunk, count).transpose(2, 0, 1)
 
     @jax.checkpoint  # the backward recomputes a chunk's logits instead of keeping every chunk's
     def one_chunk(hidden_chunk: Any, target_chunk: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -108,7 +110,7 @@ def chunked_statistics(head: Unembedding, targets: Any, chunk: int) -> tuple[jax
         traced.append(count)
     _, stats = jax.lax.scan(lambda _, xs: (None, one_chunk(*xs)), None, (hidden, targets), unroll=_unroll.get())
     label_logits, log_normalisers, max_logits = (
-        value.swapaxes(0, 1).reshape(batch, count * chunk)[:, :length] for value in stats
+        value.transpose(1, 2, 0).reshape(batch, count * chunk)[:, :length] for value in stats
     )
     return label_logits, log_normalisers, max_logits
 

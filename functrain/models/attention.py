@@ -25,7 +25,9 @@ written out (scores and softmax in float32).
 Grouped-query heads (fewer key/value heads than query heads) are grouped under their shared key/value head by
 every kernel; keys and values are never repeated in memory. When decoding with a KV cache
 (:mod:`functrain.models.kv_cache`) the queries sit at given slots of a longer cache, so the mask is written
-out and the XLA kernel runs (one new token gains nothing from a flash kernel).
+out and the XLA kernel runs (one new token gains nothing from a flash kernel). Under a ``context`` mesh axis larger
+than 1 a whole sequence arrives in load-balanced order, split over that axis, and attends through
+:mod:`functrain.models.context_attention`.
 """
 
 from typing import Any, Literal
@@ -34,10 +36,13 @@ import jax
 import jax.numpy as jnp
 
 from functrain.errors import ConfigError
+from functrain.models.context_attention import context_attention
 from functrain.models.kv_cache import causal_mask
+from functrain.models.masked_attention import masked_attention
 from functrain.models.options import AttentionChoice
 from functrain.models.splash import interpreted as pallas_interpreted
 from functrain.models.splash import is_interpreted, splash_attention, splash_problem
+from functrain.parallel.context import context_ways
 from functrain.parallel.target import target_name, target_platform
 
 Array = jax.Array
@@ -164,15 +169,28 @@ def attend(
             sinks=sinks,
         )
         return doubled[:, :1]
+    if query_slots is None and context_ways() > 1:
+        return context_attention(
+            query,
+            key,
+            value,
+            scale=scale,
+            kernel=kernel,
+            segment_ids=segment_ids,
+            window=window,
+            softcap=softcap,
+            sinks=sinks,
+        )
     if kernel == "splash" and query_slots is None:
         return splash_attention(
             query, key, value, scale=scale, segment_ids=segment_ids, window=window, softcap=softcap, sinks=sinks
         )
-    if softcap is not None or sinks is not None:
-        return _written_out(query, key, value, scale, query_slots, segment_ids, window, softcap, sinks)
-    if query_slots is not None:
-        causal = causal_mask(query_slots, key.shape[1], window)[None, None]
-        return jax.nn.dot_product_attention(query, key, value, mask=causal, scale=scale, implementation="xla")
+    if softcap is not None or sinks is not None or query_slots is not None:
+        slots = jnp.arange(query.shape[1], dtype=jnp.int32) if query_slots is None else query_slots
+        written = causal_mask(slots, key.shape[1], window)[None, None]
+        if segment_ids is not None:
+            written = written & segment_mask(segment_ids)
+        return masked_attention(query, key, value, scale=scale, mask=written, softcap=softcap, sinks=sinks)
     mask = None if segment_ids is None else segment_mask(segment_ids)
     local = None if window is None else (window - 1, 0)
     return jax.nn.dot_product_attention(
@@ -185,40 +203,3 @@ def attend(
         local_window_size=local,
         implementation="cudnn" if kernel == "cudnn" else "xla",
     )
-
-
-def _written_out(
-    query: Array,
-    key: Array,
-    value: Array,
-    scale: float,
-    query_slots: Array | None,
-    segment_ids: Array | None,
-    window: int | None,
-    softcap: float | None,
-    sinks: Array | None,
-) -> Array:
-    """Soft-capped attention or attention with sinks, which no fused XLA kernel offers: grouped-query einsums,
-    float32 scores."""
-    batch, length, heads, head_dim = query.shape
-    kv_heads = key.shape[2]
-    # Group query heads under their shared key/value head instead of repeating k and v in memory.
-    grouped = query.reshape(batch, length, kv_heads, heads // kv_heads, head_dim)
-    scores = jnp.einsum("btkgd,bskd->bkgts", grouped, key, preferred_element_type=jnp.float32) * scale
-    if softcap is not None:
-        scores = jnp.tanh(scores / softcap) * softcap
-    slots = jnp.arange(length, dtype=jnp.int32) if query_slots is None else query_slots
-    mask = causal_mask(slots, key.shape[1], window)[None, None, None]
-    if segment_ids is not None:
-        mask = mask & segment_mask(segment_ids)[:, :, None]
-    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-    if sinks is None:
-        probs = jax.nn.softmax(scores, axis=-1)
-    else:
-        # Each head's sink is one more column of its softmax, dropped afterwards (HF's eager GPT-OSS attention).
-        sink_column = jnp.broadcast_to(
-            sinks.astype(jnp.float32).reshape(1, kv_heads, heads // kv_heads, 1, 1), scores.shape[:-1] + (1,)
-        )
-        probs = jax.nn.softmax(jnp.concatenate([scores, sink_column], axis=-1), axis=-1)[..., :-1]
-    probs = probs.astype(value.dtype)
-    return jnp.einsum("bkgts,bskd->btkgd", probs, value).reshape(batch, length, heads, head_dim)

@@ -20,6 +20,7 @@ from functrain.models.head import untied_head
 from functrain.models.kv_cache import decoding, extend_cache, next_positions
 from functrain.models.remat import check_remat, remat_block
 from functrain.models.scan import apply_layers
+from functrain.parallel.context import context_inputs, from_context_order
 from functrain.parallel.sharding import constrain_batch
 
 
@@ -128,6 +129,8 @@ class GPT(nn.Module):
             embedding_init=_param(init, ("vocab", "embed")),
         )
         position_table = self.param("position_embed", _param(init, ("max_len", "embed")), (cfg.max_len, cfg.d_model))
+        # Under a context mesh axis the blocks run on the sequence in load-balanced order (parallel/context.py).
+        tokens, segment_ids, positions, ways = context_inputs(tokens, segment_ids, positions, decoding(self))
         slots = next_positions(self, tokens.shape[1])
         x = embed(tokens) + position_table[slots if positions is None else positions].astype(self.dtype)
         x = nn.Dropout(cfg.dropout)(x, deterministic=deterministic)
@@ -151,6 +154,7 @@ class GPT(nn.Module):
             scale_init=_param(nn.initializers.ones, ("norm",)),
             bias_init=_param(nn.initializers.zeros, ("norm",)),
         )(x)
+        x = from_context_order(x, ways)  # the logits in the batch's order, for the loss and every task
         head = nn.Dense(
             cfg.vocab_size, dtype=self.dtype, name="head", kernel_init=_param(init, ("embed", "vocab")), use_bias=False
         )

@@ -24,6 +24,7 @@ from functrain.models.kv_cache import decoding, extend_cache, next_positions
 from functrain.models.remat import check_remat, remat_block
 from functrain.models.rope import apply_rope, frequencies, hf_rope_parameters, parse_hf_rope
 from functrain.models.scan import apply_layers
+from functrain.parallel.context import context_inputs, from_context_order
 from functrain.parallel.sharding import constrain_batch
 
 _Config = TypeVar("_Config", bound=LlamaConfig)
@@ -182,6 +183,8 @@ class LlamaForCausalLM(nn.Module):
         ``segment_ids`` / ``positions``: see the module docstring; with ``logits_chunk`` the head unapplied
         (:mod:`functrain.models.head`)."""
         cfg = self.config
+        # Under a context mesh axis the layers run on the sequence in load-balanced order (parallel/context.py).
+        input_ids, segment_ids, positions, ways = context_inputs(input_ids, segment_ids, positions, decoding(self))
         tokens = embed(
             cfg.vocab_size,
             cfg.hidden_size,
@@ -202,6 +205,7 @@ class LlamaForCausalLM(nn.Module):
             args=(segment_ids, positions),
         )
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(x)
+        x = from_context_order(x, ways)  # the logits in the batch's order, for the loss and every task
         return lm_head(self, tokens, x, cfg, cfg.initializer_range, logits_chunk)
 
 

@@ -14,10 +14,14 @@ Gemma 2's logit soft-cap and GPT-OSS's attention sinks (one logit per query head
   block), which causality makes invisible to the real tokens; the padded rows are cut off again.
 - It takes bfloat16 or float32 and head widths up to 256 (:func:`splash_problem`); float16 does not compile for
   TPU (Mosaic) and wider heads overflow the kernel's VMEM at 512-token blocks.
+- Context parallelism (:mod:`functrain.models.context_attention`) runs :func:`ordered_kernel`: each device's
+  queries, in load-balanced order, against the whole gathered keys, with the causal mask computed from the
+  queries' true positions and split over the devices with them (:func:`kernel_specs`).
 - :func:`interpreted` runs it through the Pallas interpreter on any platform, for tests on CPU.
 """
 
 import contextlib
+import functools
 import math
 from collections.abc import Iterator
 from contextvars import ContextVar
@@ -25,9 +29,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from functrain.data.global_array import BATCH_AXES
+from functrain.errors import ConfigError
+from functrain.parallel.context import load_balanced_order
 
 Array = jax.Array
 SPLASH_DTYPES = (jnp.bfloat16, jnp.float32)
@@ -71,15 +78,24 @@ def padded_length(length: int) -> tuple[int, int]:
     return padded, block
 
 
-def _kernel(heads: int, length: int, block: int, window: int | None, softcap: float | None) -> Any:
+def _kernel(
+    heads: int,
+    length: int,
+    block: int,
+    window: int | None,
+    softcap: float | None,
+    query_order: np.ndarray | None = None,
+    query_shards: int = 1,
+) -> Any:
     # Imported on use: Pallas adds a third of a second to every process that imports the models.
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
-    mask = (
-        splash.CausalMask((length, length))
-        if window is None
-        else splash.LocalMask((length, length), (window - 1, 0), offset=0)
-    )
+    if query_order is not None:
+        mask = _ordered_mask_class()(length, query_order, window)
+    elif window is None:
+        mask = splash.CausalMask((length, length))
+    else:
+        mask = splash.LocalMask((length, length), (window - 1, 0), offset=0)
     sizes = splash.BlockSizes(
         block_q=block,
         block_kv=block,
@@ -94,10 +110,83 @@ def _kernel(heads: int, length: int, block: int, window: int | None, softcap: fl
         splash.MultiHeadMask([mask] * heads),
         block_sizes=sizes,
         head_shards=1,
-        q_seq_shards=1,
+        q_seq_shards=query_shards,
         attn_logits_soft_cap=softcap,
         interpret=is_interpreted(),
     )
+
+
+@functools.cache
+def _ordered_mask_class() -> type:
+    # Made on first use: the mask module comes with Pallas, which every process importing the models need not load.
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+    class OrderedCausalMask(masks._ComputableMask):
+        """The causal (or sliding-window) mask of queries at the true positions ``query_order`` over keys in their
+        original order: the load-balanced order of context parallelism (MaxText's ``LoadBalancedCausalMask``)."""
+
+        def __init__(self, length: int, query_order: np.ndarray, window: int | None) -> None:
+            self.window = window
+
+            def visible(query: Any, key: Any) -> Any:  # numpy blocks while processing the mask, jnp in the kernel
+                causal = query >= key
+                return causal if window is None else causal & (query - key < window)
+
+            super().__init__((length, length), visible)
+            self.q_sequence = query_order  # the kernel reads it for the blocks it masks element by element
+
+        def __eq__(self, other: object) -> bool:
+            return (
+                isinstance(other, OrderedCausalMask)
+                and (self.shape, self.window) == (other.shape, other.window)
+                and np.array_equal(self.q_sequence, other.q_sequence)
+            )
+
+        def __hash__(self) -> int:
+            return hash((self.shape, self.window, self.q_sequence.tobytes()))
+
+    return OrderedCausalMask
+
+
+def ordered_kernel(heads: int, length: int, shards: int, window: int | None, softcap: float | None) -> Any:
+    """The splash kernel over ``heads`` heads of a ``length``-token sequence whose queries are split over
+    ``shards`` devices in load-balanced order (:func:`functrain.parallel.context.load_balanced_order`) and whose
+    keys are whole, in their original order. Pass it to ``shard_map`` with :func:`kernel_specs`, so that each
+    device reads its queries' part of the mask. Its processed mask is cached by the mask's hash (a 128k-token
+    mask takes a minute of CPU to process): the layers and the backward pass share it."""
+    if (length // shards) % LANES:  # data whose length is not data.seq_len (the config checks that one)
+        raise ConfigError(
+            f"a sequence of {length} tokens over mesh.context={shards} leaves {length // shards} tokens a device, "
+            f"which splash attention's {LANES}-token blocks do not divide; make it a multiple of {LANES * shards} "
+            f"or set model.attention=xla"
+        )
+    block = next(size for size in BLOCK_CHOICES if (length // shards) % size == 0)
+    return _kernel(heads, length, block, window, softcap, load_balanced_order(length, shards), shards)
+
+
+def kernel_specs(kernel: Any, sequence_axis: str) -> Any:
+    """The ``shard_map`` specs of :func:`ordered_kernel`'s kernel: its mask split over ``sequence_axis``."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return kernel.manual_sharding_spec(NamedSharding(mesh, PartitionSpec(None, sequence_axis)))
+
+
+def run_kernel(
+    kernel: Any,
+    query: Array,
+    key: Array,
+    value: Array,
+    segment_ids: tuple[Array, Array] | None,
+    sinks: Array | None,
+) -> Array:
+    """``kernel`` on ``[B, T, H, D]`` queries and ``[B, S, KV, D]`` keys and values (the segment ids ``[B, T]`` of
+    the queries and ``[B, S]`` of the keys, or None) and the heads' ``[H]`` sinks."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
+
+    heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731 -- [B, H, T, D], the kernel's layout
+    segments = None if segment_ids is None else SegmentIds(q=segment_ids[0], kv=segment_ids[1])
+    run = lambda q, k, v, s: kernel(q, k, v, segment_ids=s, sinks=sinks)  # noqa: E731 -- the sinks are per head
+    out = jax.vmap(run)(heads_first(query), heads_first(key), heads_first(value), segments)
+    return heads_first(out)
 
 
 def _local_attention(
@@ -112,20 +201,16 @@ def _local_attention(
     softcap: float | None,
 ) -> Array:
     """Splash on this device's ``[B, T, H, D]`` shard (T already padded) and its heads' ``[H]`` sinks."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
-
     kernel = _kernel(query.shape[2], query.shape[1], block, window, softcap)
-    heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731 -- [B, H, T, D], the kernel's layout
-    segments = None if segment_ids is None else SegmentIds(q=segment_ids, kv=segment_ids)
-    run = lambda q, k, v, s: kernel(q, k, v, segment_ids=s, sinks=sinks)  # noqa: E731 -- the sinks are per head
-    out = jax.vmap(run)(heads_first(query), heads_first(key), heads_first(value), segments)
-    return heads_first(out)
+    return run_kernel(kernel, query, key, value, None if segment_ids is None else (segment_ids, segment_ids), sinks)
 
 
-def _specs(batch: int, heads: int, kv_heads: int) -> tuple[PartitionSpec, PartitionSpec, PartitionSpec] | None:
+def shard_specs(
+    batch: int, heads: int, kv_heads: int, sequence_axis: str | None = None
+) -> tuple[PartitionSpec, PartitionSpec, PartitionSpec] | None:
     """The shard_map specs of ``[B, T, H, D]`` arrays, ``[B, T]`` segment ids and ``[H]`` sinks under the mesh in
-    context, or None without one. Axes that do not divide their dimension leave it whole (each device then
-    computes it)."""
+    context, or None without one; the sequence split over ``sequence_axis`` when given. Axes that do not divide
+    their dimension leave it whole (each device then computes it)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return None
@@ -135,7 +220,11 @@ def _specs(batch: int, heads: int, kv_heads: int) -> tuple[PartitionSpec, Partit
     head_ways = mesh.shape.get(HEAD_AXIS, 1)
     head_axis = HEAD_AXIS if head_ways > 1 and heads % head_ways == 0 and kv_heads % head_ways == 0 else None
     batch_spec = batch_axes or None
-    return PartitionSpec(batch_spec, None, head_axis, None), PartitionSpec(batch_spec, None), PartitionSpec(head_axis)
+    return (
+        PartitionSpec(batch_spec, sequence_axis, head_axis, None),
+        PartitionSpec(batch_spec, sequence_axis),
+        PartitionSpec(head_axis),
+    )
 
 
 def splash_attention(
@@ -166,7 +255,7 @@ def splash_attention(
     def attention(q: Array, k: Array, v: Array, s: Array | None, h: Array | None) -> Array:
         return _local_attention(q, k, v, s, h, block=block, window=window, softcap=softcap)
 
-    specs = _specs(batch, heads, key.shape[2])
+    specs = shard_specs(batch, heads, key.shape[2])
     if specs is not None:
         qkv_spec, segment_spec, sinks_spec = specs
         in_specs = (qkv_spec, qkv_spec, qkv_spec, segment_spec, sinks_spec)  # an absent (None) input has no leaves

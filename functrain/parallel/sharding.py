@@ -43,8 +43,9 @@ from functrain.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 # ``expert`` before ``tensor``: the batch axes stay outermost, so each process holds a contiguous block of rows;
-# ``pipeline`` (the stages of the scanned layers, :mod:`functrain.parallel.pipeline`) outside them.
-MESH_AXES = ("pipeline", "data", "fsdp", "expert", "tensor")
+# ``pipeline`` (the stages of the scanned layers, :mod:`functrain.parallel.pipeline`) outside them. ``context``
+# splits the sequence (:mod:`functrain.parallel.context`); ``tensor`` stays innermost.
+MESH_AXES = ("pipeline", "data", "fsdp", "expert", "context", "tensor")
 # The config key of the slices a mesh axis spans over the data-centre network (DCN). A multi-slice mesh keeps
 # the same axes: ``data`` is ``mesh.dcn_data`` slices x ``mesh.data`` chips in each, slices outermost, so every
 # rule, the batch split and the models' constraints are the same on one slice and on several.
@@ -81,7 +82,7 @@ def _fitting_mesh(sizes: dict[str, int], device_count: int) -> dict[str, int]:
     """A mesh for ``device_count`` devices that keeps as much of the requested tensor/expert/fsdp sizes as fits."""
     fit = {}
     remaining = device_count
-    for axis in ("tensor", "expert", "fsdp", "pipeline"):
+    for axis in ("tensor", "context", "expert", "fsdp", "pipeline"):
         wanted = sizes[axis]
         fit[axis] = wanted if wanted > 0 and remaining % wanted == 0 else 1
         remaining //= fit[axis]
@@ -386,7 +387,8 @@ def state_shardings(abstract_state: Any, params_shardings: Any, mesh: Mesh) -> A
 
 
 def constrain_batch(x: jax.Array, batch_axis: int = 0) -> jax.Array:
-    """Pin an activation's batch axis to ``("data", "fsdp", "expert")``, leaving its other axes to the compiler.
+    """Pin an activation's batch axis to ``("data", "fsdp", "expert")``, and the sequence axis after it of a
+    ``[B, T, ...]`` activation to ``context`` (context parallelism), leaving its other axes to the compiler.
 
     Models call this on the residual stream (block inputs/outputs, logits). Without it the partitioner may
     follow the FSDP-sharded ``embed`` axis of the weights into the activations and reshard whole batches
@@ -401,6 +403,9 @@ def constrain_batch(x: jax.Array, batch_axis: int = 0) -> jax.Array:
         return x
     spec: list[Any] = [PartitionSpec.UNCONSTRAINED] * x.ndim
     spec[batch_axis] = axes
+    context = mesh.shape.get("context", 1) if "context" in mesh.axis_names else 1
+    if context > 1 and x.ndim > batch_axis + 2 and x.shape[batch_axis + 1] % context == 0:
+        spec[batch_axis + 1] = "context"
     return jax.lax.with_sharding_constraint(x, PartitionSpec(*spec))
 
 

@@ -24,9 +24,11 @@ from functrain.core.section import Section
 from functrain.core.unembedding import LogitsChunk
 from functrain.errors import ConfigError
 from functrain.models import MODEL_FAMILIES, model_config_class
+from functrain.models.attention import splash_available
 from functrain.models.configs.base import FamilyConfig, ModelConfig
 from functrain.models.configs.moe import MOE_RUNTIME_KEYS, MoeOptions
-from functrain.models.options import scan_refusal
+from functrain.models.options import RuntimeOptions, scan_refusal
+from functrain.models.splash import LANES
 from functrain.run.config_files import apply_overrides, read_yaml
 from functrain.run.pipeline_config import PipelineConfig, pipeline_problem
 
@@ -314,6 +316,7 @@ class MeshConfig(Section):
     data: int = -1
     fsdp: int = 1
     expert: int = 1  # expert parallelism: a mixture of experts' experts split this many ways (it divides them)
+    context: int = Field(1, ge=1)  # context parallelism: the sequence split this many ways (parallel/context.py)
     tensor: int = 1
     # Pipeline stages of the scanned layers (functrain/parallel/pipeline.py), in each slice.
     pipeline: int = Field(1, ge=1)
@@ -564,6 +567,35 @@ class RunSections(Section):
         problem = pipeline_problem(self) if self.model is not None else None
         if problem:
             raise ValueError(problem)
+        return self
+
+    @pydantic.model_validator(mode="after")
+    def _check_context_mesh(self) -> "RunSections":
+        ways = self.mesh.context
+        if ways == 1 or self.model is None:
+            return self
+        if self.backend == "torch":
+            raise ValueError(f"mesh.context={ways} splits the sequence in backend: jax only; set mesh.context=1")
+        if not self.model.context_parallel:
+            name = self.model.registry_name() or "a user model (model.target or a model given to fit)"
+            raise ValueError(
+                f"mesh.context={ways} needs a model whose attention splits the sequence (gpt, llama and its dense "
+                f"kin: mistral, qwen2, qwen3, phi3) and {name} has none; set mesh.context=1"
+            )
+        length = self.data.seq_len
+        if length % (2 * ways):
+            raise ValueError(
+                f"data.seq_len={length} does not split into 2 x mesh.context={ways} equal chunks (each device "
+                f"holds one from the start and one from the end); make data.seq_len a multiple of {2 * ways}"
+            )
+        attention = self.model.attention if isinstance(self.model, RuntimeOptions) else "xla"
+        splash = attention == "splash" or (attention == "auto" and splash_available())
+        if splash and (length // ways) % LANES:
+            raise ValueError(
+                f"data.seq_len={length} over mesh.context={ways} leaves {length // ways} tokens a device, which "
+                f"splash attention's {LANES}-token blocks do not divide; make data.seq_len a multiple of "
+                f"{LANES * ways} or set model.attention=xla"
+            )
         return self
 
     @pydantic.model_validator(mode="after")

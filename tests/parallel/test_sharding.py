@@ -25,9 +25,9 @@ def mesh_config(data=-1, fsdp=1, tensor=1, rules=None, allow_replicated_fallback
 
 def test_mesh_shape_fills_the_minus_one_axis():
     assert sharding.resolve_mesh_shape(mesh_config(data=-1, fsdp=2, tensor=2), 8) == \
-        {"pipeline": 1, "data": 2, "fsdp": 2, "expert": 1, "tensor": 2}
+        {"pipeline": 1, "data": 2, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2}
     assert sharding.resolve_mesh_shape(mesh_config(data=1, fsdp=-1), 8) == \
-        {"pipeline": 1, "data": 1, "fsdp": 8, "expert": 1, "tensor": 1}
+        {"pipeline": 1, "data": 1, "fsdp": 8, "expert": 1, "context": 1, "tensor": 1}
 
 
 def test_mesh_product_mismatch_names_device_count_and_a_fitting_mesh():
@@ -35,8 +35,8 @@ def test_mesh_product_mismatch_names_device_count_and_a_fitting_mesh():
         sharding.resolve_mesh_shape(mesh_config(data=2, fsdp=2, tensor=1), 8)
     message = str(err.value)
     assert "\n" not in message
-    assert "8 are available" in message and "mesh.data=2 mesh.fsdp=2 mesh.expert=1 mesh.tensor=1" in message
-    assert "mesh.data=4 mesh.fsdp=2 mesh.expert=1 mesh.tensor=1" in message  # keeps fsdp, gives the rest to data
+    assert "8 are available" in message and "mesh.data=2 mesh.fsdp=2 mesh.expert=1 mesh.context=1 mesh.tensor=1" in message
+    assert "mesh.data=4 mesh.fsdp=2 mesh.expert=1 mesh.context=1 mesh.tensor=1" in message  # keeps fsdp, gives the rest to data
     with pytest.raises(ConfigError, match="only one mesh axis may be -1"):
         sharding.resolve_mesh_shape(mesh_config(data=-1, fsdp=-1), 8)
     with pytest.raises(ConfigError, match="not divisible by 3"):
@@ -195,7 +195,7 @@ def test_fsdp8_state_per_device_is_an_eighth(device_results):
 
 def test_describe_shows_mesh_largest_params_and_bytes(device_results):
     text = device_results["describe"]
-    assert "mesh: pipeline=1 data=1 fsdp=8 expert=1 tensor=1" in text
+    assert "mesh: pipeline=1 data=1 fsdp=8 expert=1 context=1 tensor=1" in text
     assert "block_0/mlp_in/kernel" in text and "P('fsdp',)" in text
     share = float(re.search(r"state per device: .* total \(([\d.]+)%\)", text).group(1))
     assert 12.5 <= share <= 12.5 * 1.10  # ~1/8 of the state

@@ -65,7 +65,7 @@ def test_two_slices_compile_with_the_dcn_bytes_of_their_transfers(compilation_ca
     config = load_config("configs/char_gpt.yaml", TINY + ["mesh.dcn_data=2", "mesh.data=1", "mesh.fsdp=8",
                                                           "data.global_batch_size=16"])
     planned = plan(config, "v5p:2x2x2", slices=2, dcn_gbps=25.0)
-    assert planned.chips == 16 and planned.slices == 2 and planned.mesh == {"pipeline": 1, "data": 2, "fsdp": 8, "expert": 1, "tensor": 1}
+    assert planned.chips == 16 and planned.slices == 2 and planned.mesh == {"pipeline": 1, "data": 2, "fsdp": 8, "expert": 1, "context": 1, "tensor": 1}
     # The gradients cross the slices once a step: at least the parameters' float32 bytes over the FSDP shards.
     assert planned.dcn_bytes_per_step >= planned.parameters * 4 / 8
     assert planned.dcn_time_s == pytest.approx(planned.dcn_bytes_per_step * 8 / 25e9)

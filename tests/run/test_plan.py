@@ -194,5 +194,5 @@ def test_a_mesh_the_torus_cannot_hold_is_one_line(monkeypatch):
 
     monkeypatch.setattr(sharding.jax, "make_mesh", refuse)
     config = load_config("configs/char_gpt.yaml", ["mesh.data=1"])
-    with pytest.raises(ConfigError, match=r"mesh.data=1 mesh.fsdp=1 mesh.expert=1 mesh.tensor=1 cannot be laid .*size 256"):
+    with pytest.raises(ConfigError, match=r"mesh.data=1 mesh.fsdp=1 mesh.expert=1 mesh.context=1 mesh.tensor=1 cannot be laid .*size 256"):
         sharding.make_mesh(config.mesh)

@@ -38,6 +38,9 @@ class ModelConfig(pydantic.BaseModel):
 
     # Whether the family's module can run its layers as one scan (``model.scan_layers``).
     scans_layers: ClassVar[bool] = False
+    # Whether the family's module splits its sequence over a ``context`` mesh axis (``mesh.context``): it reorders
+    # its inputs and attends over all-gathered keys and values (:mod:`functrain.parallel.context`).
+    context_parallel: ClassVar[bool] = False
 
     def registry_name(self) -> str | None:
         """The family's ``model.name`` in the registry; None for a user model."""

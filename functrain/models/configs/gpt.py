@@ -22,6 +22,7 @@ class GPTConfig(RuntimeOptions):
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
 
     scans_layers: ClassVar[bool] = True
+    context_parallel: ClassVar[bool] = True
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> "GPTConfig":

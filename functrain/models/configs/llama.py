@@ -34,6 +34,7 @@ class LlamaConfig(HFModelConfig):
     initializer_range: float = 0.02
 
     scans_layers: ClassVar[bool] = True
+    context_parallel: ClassVar[bool] = True
 
     @pydantic.model_validator(mode="after")
     def _consistent_heads(self):

@@ -35,6 +35,8 @@ class MoeOptions(pydantic.BaseModel):
     # The HF keys of the two counts, for messages.
     expert_count_key: ClassVar[str] = "num_experts"
     top_k_key: ClassVar[str] = "num_experts_per_tok"
+    # The MoE decoders route tokens in their batch order (capacity drops the last): no context parallelism.
+    context_parallel: ClassVar[bool] = False
 
     def expert_count(self) -> int:
         """The routed experts of each MoE layer."""

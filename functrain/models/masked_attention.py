@@ -1,0 +1,57 @@
+"""Softmax attention under a mask written out as an array: what decoding with a KV cache, context parallelism
+(:mod:`functrain.models.context_attention`) and the fused forms no XLA kernel offers (soft-capped scores,
+attention sinks) run on."""
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+def masked_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    *,
+    scale: float,
+    mask: Array,
+    softcap: float | None = None,
+    sinks: Array | None = None,
+) -> Array:
+    """Attention of ``[B, T, H, D]`` queries over ``[B, S, KV, D]`` keys and values where ``mask`` (``[B or 1, 1,
+    T, S]`` bool) is True; soft-capped scores and sinks as :func:`functrain.models.attention.attend` takes them.
+    Returns ``[B, T, H, D]`` in the query's dtype."""
+    if softcap is None and sinks is None:
+        return jax.nn.dot_product_attention(query, key, value, mask=mask, scale=scale, implementation="xla")
+    return _written_out(query, key, value, scale, mask, softcap, sinks)
+
+
+def _written_out(
+    query: Array,
+    key: Array,
+    value: Array,
+    scale: float,
+    mask: Array,
+    softcap: float | None,
+    sinks: Array | None,
+) -> Array:
+    """Soft-capped attention or attention with sinks, which no fused XLA kernel offers: grouped-query einsums,
+    float32 scores."""
+    batch, length, heads, head_dim = query.shape
+    kv_heads = key.shape[2]
+    # Group query heads under their shared key/value head instead of repeating k and v in memory.
+    grouped = query.reshape(batch, length, kv_heads, heads // kv_heads, head_dim)
+    scores = jnp.einsum("btkgd,bskd->bkgts", grouped, key, preferred_element_type=jnp.float32) * scale
+    if softcap is not None:
+        scores = jnp.tanh(scores / softcap) * softcap
+    scores = jnp.where(mask[:, :, None], scores, jnp.finfo(jnp.float32).min)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1)
+    else:
+        # Each head's sink is one more column of its softmax, dropped afterwards (HF's eager GPT-OSS attention).
+        sink_column = jnp.broadcast_to(
+            sinks.astype(jnp.float32).reshape(1, kv_heads, heads // kv_heads, 1, 1), scores.shape[:-1] + (1,)
+        )
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink_column], axis=-1), axis=-1)[..., :-1]
+    probs = probs.astype(value.dtype)
+    return jnp.einsum("bkgts,bskd->btkgd", probs, value).reshape(batch, length, heads, head_dim)
