@@ -52,7 +52,7 @@ lint: $(VENV)/.dev
 TEST_TMPDIR := $(shell df -Pk /dev/shm 2>/dev/null | awk 'NR == 2 && $$4 > 4000000 {print "/dev/shm"}')
 
 test: lint
-	$(if $(TEST_TMPDIR),TMPDIR=$(TEST_TMPDIR)) $(PY) -m pytest -n 2 --dist loadfile --no-loadscopereorder --durations=25 tests
+	$(if $(TEST_TMPDIR),TMPDIR=$(TEST_TMPDIR)) $(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=25 tests
 
 bench: $(VENV)/.dev
 	for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

@@ -54,7 +54,7 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir())
 
 
 # The longest modules, longest first (from `make test`'s durations; together about 60% of the suite). xdist hands
-# whole modules to its two workers (--dist loadfile) in collection order (--no-loadscopereorder: by default it
+# whole modules to its two workers (--dist loadfile) in collection order (--no-loadscope-reorder: by default it
 # orders them by their number of tests, which put several long modules of few tests last), so a long module
 # started late would leave one worker running alone at the end. Started first, the short ones fill the gaps.
 LONGEST_MODULES = (
