@@ -177,7 +177,7 @@ class Rollouts:
         length = section.max_completion_length
         completions = draw(self.sampler, params, prompts, indices, key, section.num_generations, length)
         tokens, mask = training_rows(prompts, completions, length)
-        forward_logps = np.asarray(jax.device_get(self.sampler.forward(params, tokens)))
+        scored = self.sampler.forward(params, tokens)  # dispatched: it runs while the host decodes and scores
         texts = prompts.decode(completions.ids)
         table = scores(
             self.rewards,
@@ -195,6 +195,7 @@ class Rollouts:
             )
             with open(self.samples[0], "a") as file:
                 file.writelines(json.dumps(record) + "\n" for record in records)
+        forward_logps = np.asarray(jax.device_get(scored))
         if section.mask_truncated_completions:
             mask = mask * ~completions.truncated[:, None]
         lengths = np.array([len(ids) for ids in completions.ids], np.float32)
