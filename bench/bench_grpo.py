@@ -7,7 +7,10 @@ same reward function, ``loss_type: dapo``, ``beta: 0``, AdamW, float32, one upda
 runs ``--warmup`` steps (compilation, allocation) and then ``--steps`` timed steps; the step time is the median
 of the timed steps, and the sampling share is the time spent drawing completions over the step time (TRL's
 ``_generate_single_turn``, functrain's ``draw``, each timed from outside). Each trainer runs in a process of its
-own, the two alternating ``--repeats`` times; the ratio is the median of the paired ratios.
+own, the two alternating ``--repeats`` times; the ratio is the median of the paired ratios. Beside the wall-clock
+time, each process's CPU time a step (all its threads) is compared: on a machine that other jobs share it moves less
+than the wall-clock time, and for a trainer on one thread it is what the step would take on an idle core (a trainer
+whose threads spin while they wait, as torch's OpenMP threads do, is counted for its spinning too).
 
     python bench/bench_grpo.py [--layers 2] [--hidden 64] [--prompts 4] [--generations 8] [--prompt-len 16]
                                [--completion-len 32] [--warmup 2] [--steps 6] [--repeats 3] [--trl-threads 0]
@@ -15,6 +18,7 @@ own, the two alternating ``--repeats`` times; the ratio is the median of the pai
 
 import argparse
 import json
+import os
 import random
 import shutil
 import statistics
@@ -48,15 +52,26 @@ def char_tokenizer(directory: Path):
     return tokenizer
 
 
+def cpu_seconds() -> float:
+    """The process's CPU time so far (all its threads, user and system)."""
+    times = os.times()
+    return times.user + times.system
+
+
 class StepClock:
-    """Wall-clock time of each step and of the sampling inside it."""
+    """Wall-clock time of each step and of the sampling inside it, and the process's CPU time of each step."""
 
     def __init__(self) -> None:
         self.ends: list[float] = [time.perf_counter()]
+        self.cpu_ends: list[float] = [cpu_seconds()]
         self.sampling: list[float] = []
+
+    def start(self) -> None:
+        self.ends, self.cpu_ends = [time.perf_counter()], [cpu_seconds()]
 
     def step_done(self) -> None:
         self.ends.append(time.perf_counter())
+        self.cpu_ends.append(cpu_seconds())
 
     def timed(self, function):
         def wrapper(*args, **kwargs):
@@ -68,11 +83,13 @@ class StepClock:
 
         return wrapper
 
-    def report(self, warmup: int, lengths: list[float]) -> tuple[float, float, float]:
-        """(median step seconds, median sampling share, mean completion length) of the steps after ``warmup``."""
+    def report(self, warmup: int, lengths: list[float]) -> tuple[float, float, float, float]:
+        """(median step seconds, median sampling share, mean completion length, CPU seconds a step) of the steps
+        after ``warmup``."""
         steps = [b - a for a, b in zip(self.ends, self.ends[1:])][warmup:]
         shares = [s / t for s, t in zip(self.sampling[warmup:], steps)]
-        return statistics.median(steps), statistics.median(shares), statistics.mean(lengths[warmup:])
+        cpu = (self.cpu_ends[-1] - self.cpu_ends[warmup]) / len(steps)  # os.times ticks are 10 ms: a mean
+        return statistics.median(steps), statistics.median(shares), statistics.mean(lengths[warmup:]), cpu
 
 
 def trl_step(root: Path, tokenizer, args) -> tuple[float, float, float]:
@@ -124,7 +141,7 @@ def trl_step(root: Path, tokenizer, args) -> tuple[float, float, float]:
         callbacks=[Clock()],
     )
     trainer._generate_single_turn = clock.timed(trainer._generate_single_turn)
-    clock.ends = [time.perf_counter()]
+    clock.start()
     trainer.train()
     lengths = [
         entry["completions/mean_length"] for entry in trainer.state.log_history if "completions/mean_length" in entry
@@ -171,7 +188,7 @@ def functrain_step(root: Path, args) -> tuple[float, float, float]:
         "checkpoint.every_steps": 0,
         "checkpoint.async_save": False,
     }
-    clock.ends = [time.perf_counter()]
+    clock.start()
     functrain.fit(str(run / "config.yaml"), callbacks=[Clock()], **overrides)
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     lengths = [line["completions/mean_length"] for line in lines if line["split"] == "train"]
@@ -220,7 +237,7 @@ def worker(which: str, root: Path, args) -> None:
         result = functrain_step(root, args)
     else:
         result = trl_step(root, transformers.AutoTokenizer.from_pretrained(root / "tok"), args)
-    print("RESULT " + json.dumps(dict(zip(("step", "share", "length"), result))))
+    print("RESULT " + json.dumps(dict(zip(("step", "share", "length", "cpu"), result))))
 
 
 def measured(which: str, root: Path, argv: list[str]) -> dict:
@@ -266,9 +283,15 @@ def main() -> None:
         step = statistics.median(run[which]["step"] for run in runs)
         share = statistics.median(run[which]["share"] for run in runs)
         length = statistics.mean(run[which]["length"] for run in runs)
-        print(f"  {name:10} {step * 1000:8.1f} ms/step, sampling {share:.0%} of it, completions {length:.1f} tokens")
-    ratios = [run["trl"]["step"] / run["functrain"]["step"] for run in runs]
-    print(f"  functrain is {statistics.median(ratios):.2f}x faster (runs: {', '.join(f'{r:.2f}' for r in ratios)})")
+        cpu = statistics.median(run[which]["cpu"] for run in runs)
+        print(
+            f"  {name:10} {step * 1000:8.1f} ms/step, sampling {share:.0%} of it, completions {length:.1f} tokens; "
+            f"CPU {cpu * 1000:.1f} ms/step"
+        )
+    for measure, what in (("step", "wall-clock"), ("cpu", "CPU time")):
+        ratios = [run["trl"][measure] / run["functrain"][measure] for run in runs]
+        runs_text = ", ".join(f"{ratio:.2f}" for ratio in ratios)
+        print(f"  {what}: functrain is {statistics.median(ratios):.2f}x faster (runs: {runs_text})")
 
 
 if __name__ == "__main__":

@@ -88,6 +88,22 @@ def chunked_statistics(head: Unembedding, targets: Any, chunk: int) -> tuple[jax
     computed over chunks of ``chunk`` positions (:func:`chunk_positions`): the cross-entropy is
     ``log_normalisers - label_logits``, the log-prob its negative, a prediction right where
     ``label_logits >= max_logits``."""
+
+    def statistics(logits: jax.Array, target_chunk: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+        label_logits = jnp.take_along_axis(logits, target_chunk[..., None], axis=-1)[..., 0]
+        # The maximum only decides accuracy: no gradient flows through it.
+        return label_logits, jax.nn.logsumexp(logits, axis=-1), jax.lax.stop_gradient(jnp.max(logits, axis=-1))
+
+    label_logits, log_normalisers, max_logits = over_chunks(head, targets, chunk, statistics)
+    return label_logits, log_normalisers, max_logits
+
+
+def over_chunks(
+    head: Unembedding, targets: Any, chunk: int, statistics: Callable[[jax.Array, Any], tuple[jax.Array, ...]]
+) -> tuple[jax.Array, ...]:
+    """``statistics(logits, targets)`` of each chunk of ``chunk`` positions (its float32 logits ``[B, chunk, V]``
+    and targets ``[B, chunk]`` -> arrays ``[B, chunk]``), put together ``[B, T]``: the logits of one chunk exist at
+    a time, and the backward recomputes them."""
     batch, length, width = head.hidden.shape
     count = -(-length // chunk)
     padding = count * chunk - length  # the last chunk is padded; its statistics are cut off below
@@ -99,20 +115,14 @@ def chunked_statistics(head: Unembedding, targets: Any, chunk: int) -> tuple[jax
     targets = targets.reshape(batch, chunk, count).transpose(2, 0, 1)
 
     @jax.checkpoint  # the backward recomputes a chunk's logits instead of keeping every chunk's
-    def one_chunk(hidden_chunk: Any, target_chunk: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
-        logits = head_logits(hidden_chunk, head.weight, head.finish)
-        label_logits = jnp.take_along_axis(logits, target_chunk[..., None], axis=-1)[..., 0]
-        # The maximum only decides accuracy: no gradient flows through it.
-        return label_logits, jax.nn.logsumexp(logits, axis=-1), jax.lax.stop_gradient(jnp.max(logits, axis=-1))
+    def one_chunk(hidden_chunk: Any, target_chunk: Any) -> tuple[jax.Array, ...]:
+        return statistics(head_logits(hidden_chunk, head.weight, head.finish), target_chunk)
 
     traced = _traced.get()
     if traced is not None:
         traced.append(count)
     _, stats = jax.lax.scan(lambda _, xs: (None, one_chunk(*xs)), None, (hidden, targets), unroll=_unroll.get())
-    label_logits, log_normalisers, max_logits = (
-        value.transpose(1, 2, 0).reshape(batch, count * chunk)[:, :length] for value in stats
-    )
-    return label_logits, log_normalisers, max_logits
+    return tuple(value.transpose(1, 2, 0).reshape(batch, count * chunk)[:, :length] for value in stats)
 
 
 def logits_array(logits: Any) -> Any:

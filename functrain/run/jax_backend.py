@@ -257,8 +257,11 @@ class JaxBackend:
                 jax.random.fold_in(stream, step + k),
                 step + k,
             )
-            state, metrics = self._train_call(state, {name: jnp.asarray(value)[None] for name, value in batch.items()})
+            # Host arrays, placed by the call's input shardings (as place() hands the loader's batches over).
+            state, metrics = self._train_call(state, {name: np.asarray(value)[None] for name, value in batch.items()})
             per_step.append(metrics)
+        if len(per_step) == 1:  # metrics [1] already: no concatenation to dispatch per metric
+            return state, per_step[0]
         return state, jax.tree.map(lambda *values: jnp.concatenate(values), *per_step)
 
     def compile_train_call(

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from functrain.core.precision import COMPUTE_DTYPES, cast_floating
 from functrain.core.program import ModelPieces
+from functrain.core.unembedding import chunk_positions, logits_array, over_chunks
 from functrain.models import build_model
 from functrain.models.lora import merged_for_inference
 from functrain.models.options import for_sampling
@@ -34,12 +35,21 @@ def on_cpu(options: dict[str, str]) -> dict[str, str] | None:
     return options if target_platform() == "cpu" else None
 
 
-def token_logps(logits: jax.Array, tokens: jax.Array, temperature: float) -> tuple[jax.Array, jax.Array]:
-    """``(log-probs, entropies)`` ``[B, L-1]`` at ``temperature``: ``logits`` ``[B, L-1, V]`` of ``tokens[:, :-1]``;
-    position ``t`` scores token ``t + 1`` and holds the entropy of the distribution it was drawn from."""
-    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
-    picked = jnp.take_along_axis(log_probs, tokens[:, 1:, None], axis=-1)[..., 0]
-    entropies = -(jnp.exp(log_probs) * log_probs).sum(-1)
+def token_logps(logits: Any, tokens: jax.Array, temperature: float) -> tuple[jax.Array, jax.Array]:
+    """``(log-probs, entropies)`` ``[B, L-1]`` at ``temperature``: ``logits`` ``[B, L-1, V]`` of ``tokens[:, :-1]``
+    (or the model's :class:`~functrain.core.unembedding.Unembedding`, whose logits are then formed chunk by chunk
+    where they would be large, ``train.logits_chunk``); position ``t`` scores token ``t + 1`` and holds the entropy
+    of the distribution it was drawn from."""
+
+    def scored(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+        log_probs = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
+        picked = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+        return picked, -(jnp.exp(log_probs) * log_probs).sum(-1)
+
+    chunk = chunk_positions(logits)
+    if chunk is None:
+        return scored(logits_array(logits), tokens[:, 1:])
+    picked, entropies = over_chunks(logits, tokens[:, 1:], chunk, scored)
     return picked, entropies
 
 

@@ -30,6 +30,9 @@ from functrain.models.kv_cache import zeros_like_shapes
 from functrain.models.options import RuntimeOptions, for_sampling
 from functrain.models.stacking import unstack_layers
 
+# The most Gumbel noise generate_ragged draws at once (positions x rows x vocabulary).
+NOISE_BLOCK_BYTES = 32 * 2**20
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -49,14 +52,10 @@ class Sampling:
             raise ConfigError(f"--temperature {self.temperature} must be 0 (greedy) or more")
 
 
-def _pick(
-    logits: jax.Array, key: jax.Array, temperature: float, top_k: int | None, top_p: float | None = None
-) -> jax.Array:
-    """The next token ids [B] from the last position's logits [B, vocab]: greedy at temperature 0, else drawn at
-    ``temperature`` from the ``top_k`` most likely tokens, then from the fewest most likely whose probabilities
-    reach ``top_p`` (HF's order of the warpers; None: no filter)."""
-    if temperature == 0.0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+def _filtered(logits: jax.Array, temperature: float, top_k: int | None, top_p: float | None) -> jax.Array:
+    """The last position's logits [B, vocab] at ``temperature`` (> 0), outside the ``top_k`` most likely tokens and
+    then outside the fewest most likely whose probabilities reach ``top_p`` set to -inf (HF's order of the warpers;
+    None: no filter)."""
     logits = logits / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth_largest = jax.lax.top_k(logits, top_k)[0][..., -1:]
@@ -67,7 +66,17 @@ def _pick(
         kept = (jnp.cumsum(probs, axis=-1) - probs < top_p).sum(-1, keepdims=True)  # at least the most likely
         smallest_kept = jnp.take_along_axis(descending, kept - 1, axis=-1)
         logits = jnp.where(logits < smallest_kept, -jnp.inf, logits)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+    return logits
+
+
+def _pick(
+    logits: jax.Array, key: jax.Array, temperature: float, top_k: int | None, top_p: float | None = None
+) -> jax.Array:
+    """The next token ids [B] from the last position's logits [B, vocab]: greedy at temperature 0, else drawn at
+    ``temperature`` from the tokens :func:`_filtered` keeps."""
+    if temperature == 0.0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, _filtered(logits, temperature, top_k, top_p), axis=-1).astype(jnp.int32)
 
 
 def _generate_cached(
@@ -160,24 +169,41 @@ def generate_ragged(
 
     forced = jnp.pad(prompts, ((0, 0), (0, max_new_tokens)))
     scale = temperature if temperature > 0 else 1.0
+    logits, cache = feed(zeros_like_shapes(shapes), prompts[:, :prefill])
+    # jax.random.categorical(key, logits) is argmax(logits + gumbel(key)): the Gumbel noise of a block of positions
+    # is drawn at once, the numbers each position's key draws alone. XLA:CPU runs threefry as a loop of five small
+    # kernels; drawn one position at a time, that loop took about 40% of a decoded token (bench_grpo).
+    block = max(1, min(total - prefill, NOISE_BLOCK_BYTES // (batch * logits.shape[-1] * logits.dtype.itemsize)))
 
-    def pick(logits: jax.Array, position: jax.Array | int) -> tuple[jax.Array, jax.Array]:
-        picked = _pick(logits, jax.random.fold_in(key, position), temperature, top_k, top_p)
+    def noise_from(position: jax.Array | int) -> jax.Array:
+        keys = jax.vmap(lambda offset: jax.random.fold_in(key, position + offset))(jnp.arange(block))
+        return jax.vmap(lambda k: jax.random.gumbel(k, logits.shape, logits.dtype))(keys)
+
+    def pick(logits: jax.Array, position: jax.Array | int, noise: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        if temperature == 0.0:
+            picked = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        else:
+            offset = (position - prefill) % block
+            noise = jax.lax.cond(offset == 0, noise_from, lambda _: noise, position)
+            filtered = _filtered(logits, temperature, top_k, top_p)
+            picked = jnp.argmax(noise[offset] + filtered, axis=-1).astype(jnp.int32)
         token = jnp.where(position < lengths, forced[:, position], picked)
         log_probs = jax.nn.log_softmax(logits.astype(jnp.float32) / scale, axis=-1)
-        return token, jnp.take_along_axis(log_probs, token[:, None], axis=-1)[:, 0]
+        return token, jnp.take_along_axis(log_probs, token[:, None], axis=-1)[:, 0], noise
 
     def one_position(
-        carry: tuple[Any, jax.Array], position: jax.Array
-    ) -> tuple[tuple[Any, jax.Array], tuple[jax.Array, jax.Array]]:
-        cache, logits = carry
-        token, logp = pick(logits, position)
+        carry: tuple[Any, jax.Array, jax.Array], position: jax.Array
+    ) -> tuple[tuple[Any, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
+        cache, logits, noise = carry
+        token, logp, noise = pick(logits, position, noise)
         logits, cache = feed(cache, token[:, None])
-        return (cache, logits), (token, logp)
+        return (cache, logits, noise), (token, logp)
 
-    logits, cache = feed(zeros_like_shapes(shapes), prompts[:, :prefill])
-    (_, logits), (tokens, logps) = jax.lax.scan(one_position, (cache, logits), jnp.arange(prefill, total - 1))
-    last, last_logp = pick(logits, total - 1)
+    noise = jnp.zeros((block if temperature > 0 else 0, *logits.shape), logits.dtype)
+    (_, logits, noise), (tokens, logps) = jax.lax.scan(
+        one_position, (cache, logits, noise), jnp.arange(prefill, total - 1)
+    )
+    last, last_logp, _ = pick(logits, total - 1, noise)
     return jnp.concatenate([tokens.T, last[:, None]], 1), jnp.concatenate([logps.T, last_logp[:, None]], 1)
 
 

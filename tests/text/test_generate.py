@@ -82,3 +82,24 @@ def test_generate_cli_prints_a_continuation_and_refuses_bad_prompts(tmp_path, ca
     assert main(["generate", str(run_dir), "--prompt", "AB", "--temperature", "0"]) == 0
     continuation = capsys.readouterr().out.rstrip("\n")[2:]
     assert 0 < len(continuation.encode("utf-8", "replace")) <= 3 * 31
+
+
+def test_ragged_sampling_draws_the_same_tokens_whatever_block_of_noise_is_drawn_at_once(monkeypatch):
+    """generate_ragged draws the Gumbel noise of several positions at once (decode.NOISE_BLOCK_BYTES): one position
+    at a time (each position's key, as jax.random.categorical draws) and four (the last block cut short) give the
+    same tokens and log-probs."""
+    from functrain.text import decode
+
+    model, params = tiny_gpt()
+    prompts, lengths = np.pad(PROMPT, ((0, 0), (0, 1))), np.array([5, 6], np.int32)  # ragged: a prompt token forced
+    row_bytes = len(PROMPT) * 256 * 4  # one position's noise: rows x vocabulary x float32
+    drawn = []
+    for block in (1, 4):  # 27 positions drawn: the last block of four holds three
+        monkeypatch.setattr(decode, "NOISE_BLOCK_BYTES", block * row_bytes)
+        sample = jax.jit(lambda p, x, n, k: decode.generate_ragged(model, p, x, n, k, prefill=5, max_new_tokens=26,
+                                                                    temperature=0.8, top_k=20))  # fmt: skip
+        drawn.append(jax.device_get(sample(params, prompts, lengths, jax.random.PRNGKey(4))))
+    (tokens, logps), (block_tokens, block_logps) = drawn
+    np.testing.assert_array_equal(block_tokens, tokens)
+    np.testing.assert_array_equal(block_logps, logps)
+    assert len(np.unique(tokens)) > 5  # sampled, not one token repeated

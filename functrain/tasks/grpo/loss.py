@@ -135,7 +135,8 @@ def host_metric_sums(batch: dict[str, jax.Array], names: tuple[str, ...], settin
 def grpo_program(pieces: ModelPieces, settings: LossSettings, host_metrics: tuple[str, ...]) -> Program:
     """The Program of a causal LM's pieces trained on GRPO batches; with ``beta`` > 0 the reference is the frozen
     base when a transform froze one (LoRA), else a frozen copy of the starting weights
-    (:mod:`functrain.tasks.reference`)."""
+    (:mod:`functrain.tasks.reference`). The model's ``end_of_step`` (DeepSeek-V3's correction-bias update) runs
+    after every step, as under DPO."""
     uses_reference = settings.beta > 0
     model = with_reference(pieces.init, pieces.apply, pieces.frozen_apply) if uses_reference else None
     apply = model.apply if model is not None else pieces.apply
@@ -177,4 +178,5 @@ def grpo_program(pieces: ModelPieces, settings: LossSettings, host_metrics: tupl
         trainable=pieces.trainable,
         complete_params=pieces.complete_params,
         state_for_params=model.state_for_params if model is not None else None,
+        end_of_step=pieces.end_of_step,
     )

@@ -75,14 +75,14 @@ def draw(
         padded[row, : lengths[row]] = prompts.ids[index]
     prefill = prompts.shortest
     tokens, logps = jax.device_get(sampler.sample(params, padded, lengths, key, prefill=prefill))
-    ids, sampler_logps, truncated = [], [], np.zeros(len(rows), bool)
-    for row, start in enumerate(lengths - prefill):
-        drawn, drawn_logps = tokens[row, start : start + length], logps[row, start : start + length]
-        ends = np.flatnonzero(np.isin(drawn, prompts.eos_ids))
-        stop = int(ends[0]) + 1 if len(ends) else length
-        ids.append(drawn[:stop])
-        sampler_logps.append(drawn_logps[:stop])
-        truncated[row] = drawn[stop - 1] not in (*prompts.eos_ids, prompts.pad_id)
+    drawn_at = (lengths - prefill)[:, None] + np.arange(length)  # each row's drawn tokens, after its own prompt
+    drawn, drawn_logps = np.take_along_axis(tokens, drawn_at, 1), np.take_along_axis(logps, drawn_at, 1)
+    ends = np.isin(drawn, prompts.eos_ids)
+    stops = np.where(ends.any(1), ends.argmax(1) + 1, length)  # through the first EOS
+    last = drawn[np.arange(len(rows)), stops - 1]
+    truncated = ~np.isin(last, (*prompts.eos_ids, prompts.pad_id))
+    ids = [row[:stop] for row, stop in zip(drawn, stops)]
+    sampler_logps = [row[:stop] for row, stop in zip(drawn_logps, stops)]
     return Completions(rows, ids, truncated, sampler_logps)
 
 
@@ -177,7 +177,7 @@ class Rollouts:
         length = section.max_completion_length
         completions = draw(self.sampler, params, prompts, indices, key, section.num_generations, length)
         tokens, mask = training_rows(prompts, completions, length)
-        forward_logps = np.asarray(jax.device_get(self.sampler.forward(params, tokens)))
+        scored = self.sampler.forward(params, tokens)  # dispatched: it runs while the host decodes and scores
         texts = prompts.decode(completions.ids)
         table = scores(
             self.rewards,
@@ -195,6 +195,7 @@ class Rollouts:
             )
             with open(self.samples[0], "a") as file:
                 file.writelines(json.dumps(record) + "\n" for record in records)
+        forward_logps = np.asarray(jax.device_get(scored))
         if section.mask_truncated_completions:
             mask = mask * ~completions.truncated[:, None]
         lengths = np.array([len(ids) for ids in completions.ids], np.float32)

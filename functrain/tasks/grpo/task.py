@@ -15,6 +15,7 @@ from functrain.tasks.grpo.config import GRPOConfig
 from functrain.tasks.grpo.loss import LossSettings, grpo_program
 from functrain.tasks.grpo.prompts import PROMPT, Prompts, PromptSource, read_prompts
 from functrain.tasks.grpo.rewards import RewardFunction, reward_functions
+from functrain.tasks.preference.task import chunked_pieces
 
 
 def loss_settings(section: GRPOConfig) -> LossSettings:
@@ -135,12 +136,14 @@ class GRPO(Task):
     def program(
         self, context: TaskContext, data: TaskData, pieces: ModelPieces, example_batch: dict[str, np.ndarray]
     ) -> Program:
-        """TRL's GRPO loss on the model's pieces, with the host metrics the stage computes."""
+        """TRL's GRPO loss on the model's pieces (its log-probs over chunks of positions where the logits would be
+        large, ``train.logits_chunk``), with the host metrics the stage computes."""
         from functrain.tasks.grpo.rollout import host_metric_names
 
         section = context.config.section(self.name)
         rewards = self.rewards(context, prompts_of(data))
-        return grpo_program(pieces, loss_settings(section), host_metric_names(rewards))
+        chunked = chunked_pieces(pieces, context.config.train.logits_chunk)
+        return grpo_program(chunked, loss_settings(section), host_metric_names(rewards))
 
     def experience(self, context: TaskContext, data: TaskData, pieces: ModelPieces) -> ExperienceStage:
         """The rollouts: G completions per prompt with the current weights, scored on the host."""
@@ -151,7 +154,7 @@ class GRPO(Task):
         prompts = prompts_of(data)
         sampler = Sampler(
             config.model,
-            pieces,
+            chunked_pieces(pieces, config.train.logits_chunk),  # its forward scores as the step's
             config.train.compute_dtype,
             max_new_tokens=section.max_completion_length,
             temperature=section.temperature,
