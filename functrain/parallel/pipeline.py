@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -165,6 +166,13 @@ def pipeline_layers(
 
     stage_ids = jnp.arange(stages)
 
+    # Each iteration keeps only its inputs for the backward pass, which recomputes the stages' forward pass one
+    # iteration at a time: else the transpose of the loop keeps every iteration's residuals of every layer of the
+    # stage (its blocks' inputs under remat), stacked over the iterations.
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def run_stages(params: Any, inputs: jax.Array, repeat: jax.Array, micro: jax.Array) -> jax.Array:
+        return jax.vmap(run_stage, spmd_axis_name=PIPELINE_AXIS)(params, inputs, stage_ids, repeat, micro)
+
     def iteration(carry: tuple[jax.Array, jax.Array], t: jax.Array) -> tuple[tuple[jax.Array, jax.Array], None]:
         inputs, activations = carry
         inputs = inputs.at[0].set(activations[jnp.minimum(t % period, count - 1)])
@@ -173,7 +181,7 @@ def pipeline_layers(
         offset = t - stage_ids  # where each stage is in its own schedule; idle stages compute on stale rows
         repeat = jnp.clip(offset // period, 0, repeats - 1)
         micro = jnp.clip(offset % period, 0, count - 1)
-        outputs = jax.vmap(run_stage, spmd_axis_name=PIPELINE_AXIS)(params, inputs, stage_ids, repeat, micro)
+        outputs = run_stages(params, inputs, repeat, micro)
         last = offset[-1]
         done = (last >= 0) & (last // period < repeats) & (last % period < count)
         slot = micro[-1]
