@@ -19,8 +19,11 @@ the data axes as the batch was.
 The parameters keep their logical layout ``[G, ...]`` (checkpoints restore onto any stage count); with
 ``repeats > 1`` the stage layout ``[stages, repeats, L, ...]`` is gathered from it inside the step (an all-to-all
 of the layer weights over the axis each step; none for ``repeats=1``). The schedule is forward-then-backward over
-all micro-batches (the backward pass is the scan's transpose), so the activations of all ``M`` micro-batches are
-live at the peak, as in GPipe; 1F1B would keep ``stages`` of them and is not implemented (docs/sharding-and-memory.md).
+all micro-batches (the backward pass is the scan's transpose), as in GPipe; 1F1B is not implemented
+(docs/sharding-and-memory.md). Each iteration is checkpointed: the loop keeps only the stages' inputs of each
+iteration ``[iterations, stages, micro-batch, ...]``, and the backward pass recomputes one iteration's stages at a
+time (the blocks' inputs of one iteration live at once, under the model's remat), for one more forward pass of the
+layers.
 """
 
 from __future__ import annotations
@@ -152,8 +155,7 @@ def pipeline_layers(
         activations = _constrain(activations, None, stage_axes)
 
     def run_stage(chunks: Any, h: jax.Array, stage: jax.Array, repeat: jax.Array, micro: jax.Array) -> jax.Array:
-        # [L, ...]: this stage's groups this repeat. One repeat: a static slice of the scan's loop-invariant weights,
-        # which its backward pass reads as they are; several: a slice per iteration, which it keeps.
+        # [L, ...]: this stage's groups this repeat (recomputed in the backward pass, like the rest of the iteration).
         chunk = jax.tree.map(lambda leaf: leaf[0] if repeats == 1 else leaf[repeat], chunks)
         stage_args = tuple(arg[micro] if per_row(original) else arg for arg, original in zip(split_args, args))
         first_group = (repeat * stages + stage) * per_chunk
