@@ -19,14 +19,18 @@ the data axes as the batch was.
 The parameters keep their logical layout ``[G, ...]`` (checkpoints restore onto any stage count); with
 ``repeats > 1`` the stage layout ``[stages, repeats, L, ...]`` is gathered from it inside the step (an all-to-all
 of the layer weights over the axis each step; none for ``repeats=1``). The schedule is forward-then-backward over
-all micro-batches (the backward pass is the scan's transpose), so the activations of all ``M`` micro-batches are
-live at the peak, as in GPipe; 1F1B would keep ``stages`` of them and is not implemented (docs/sharding-and-memory.md).
+all micro-batches (the backward pass is the scan's transpose), as in GPipe; 1F1B is not implemented
+(docs/sharding-and-memory.md). Each iteration is checkpointed: the loop keeps only the stages' inputs of each
+iteration ``[iterations, stages, micro-batch, ...]``, and the backward pass recomputes one iteration's stages at a
+time (the blocks' inputs of one iteration live at once, under the model's remat), for one more forward pass of the
+layers.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -151,8 +155,7 @@ def pipeline_layers(
         activations = _constrain(activations, None, stage_axes)
 
     def run_stage(chunks: Any, h: jax.Array, stage: jax.Array, repeat: jax.Array, micro: jax.Array) -> jax.Array:
-        # [L, ...]: this stage's groups this repeat. One repeat: a static slice of the scan's loop-invariant weights,
-        # which its backward pass reads as they are; several: a slice per iteration, which it keeps.
+        # [L, ...]: this stage's groups this repeat (recomputed in the backward pass, like the rest of the iteration).
         chunk = jax.tree.map(lambda leaf: leaf[0] if repeats == 1 else leaf[repeat], chunks)
         stage_args = tuple(arg[micro] if per_row(original) else arg for arg, original in zip(split_args, args))
         first_group = (repeat * stages + stage) * per_chunk
@@ -165,6 +168,13 @@ def pipeline_layers(
 
     stage_ids = jnp.arange(stages)
 
+    # Each iteration keeps only its inputs for the backward pass, which recomputes the stages' forward pass one
+    # iteration at a time: else the transpose of the loop keeps every iteration's residuals of every layer of the
+    # stage (its blocks' inputs under remat), stacked over the iterations.
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def run_stages(params: Any, inputs: jax.Array, repeat: jax.Array, micro: jax.Array) -> jax.Array:
+        return jax.vmap(run_stage, spmd_axis_name=PIPELINE_AXIS)(params, inputs, stage_ids, repeat, micro)
+
     def iteration(carry: tuple[jax.Array, jax.Array], t: jax.Array) -> tuple[tuple[jax.Array, jax.Array], None]:
         inputs, activations = carry
         inputs = inputs.at[0].set(activations[jnp.minimum(t % period, count - 1)])
@@ -173,7 +183,7 @@ def pipeline_layers(
         offset = t - stage_ids  # where each stage is in its own schedule; idle stages compute on stale rows
         repeat = jnp.clip(offset // period, 0, repeats - 1)
         micro = jnp.clip(offset % period, 0, count - 1)
-        outputs = jax.vmap(run_stage, spmd_axis_name=PIPELINE_AXIS)(params, inputs, stage_ids, repeat, micro)
+        outputs = run_stages(params, inputs, repeat, micro)
         last = offset[-1]
         done = (last >= 0) & (last // period < repeats) & (last % period < count)
         slot = micro[-1]

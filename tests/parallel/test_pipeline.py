@@ -8,19 +8,24 @@ one-device reference and restore run here, beside them.
 """
 
 import json
+import math
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
 import textwrap
 
+import jax
+import jax.ad_checkpoint
+import jax.numpy as jnp
 import pytest
 
 import functrain
 from functrain.checkpoint import load_params
 from functrain.checkpoint.digest import params_digest
-from functrain.parallel.pipeline import bubble_fraction, iterations
+from functrain.parallel.pipeline import PIPELINE_AXIS, PipelineSchedule, bubble_fraction, iterations, pipeline_layers
 from tests.conftest import REPO_ROOT, cli_env, max_abs_diff
 
 TOLERANCE = 1e-5
@@ -112,3 +117,21 @@ def test_a_pipelined_checkpoint_restores_on_one_device(runs):
     dirs, _ = runs
     assert max_abs_diff(load_params(dirs["single"], step=STEPS + 2), load_params(dirs["one_device"], step=STEPS + 2)) \
         <= TOLERANCE
+
+
+def test_the_backward_pass_keeps_each_iterations_stage_inputs_not_every_layers(capsys):
+    # 2 stages of 4 layers, 2 micro-batches of 2 rows: the loop's residuals hold the stages' inputs of each of its
+    # 3 iterations, [3, 2 stages, 2 rows, width]; not the inputs of every layer of every iteration (4 times that).
+    stages, layers, rows, width = 2, 8, 4, 16
+
+    def loss(weights, x):
+        def apply_group(w, h, args, index):
+            return jax.checkpoint(lambda w, h: jnp.tanh(h @ w))(w, h)
+
+        return pipeline_layers(apply_group, weights, x, (), stages=stages, schedule=PipelineSchedule()).sum()
+
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((stages,), (PIPELINE_AXIS,))):
+        jax.ad_checkpoint.print_saved_residuals(loss, jnp.ones((layers, width, width)), jnp.ones((rows, width)))
+    shapes = [[int(d) for d in dims.split(",")] for dims in re.findall(r"\[([\d,]+)\]", capsys.readouterr().out)]
+    kept = sum(math.prod(shape) for shape in shapes if shape[-2:] == [rows // 2, width])
+    assert kept == iterations(stages, 1, 2) * stages * (rows // 2) * width
