@@ -24,11 +24,9 @@ from functrain.core.section import Section
 from functrain.core.unembedding import LogitsChunk
 from functrain.errors import ConfigError
 from functrain.models import MODEL_FAMILIES, model_config_class
-from functrain.models.attention import splash_available
 from functrain.models.configs.base import FamilyConfig, ModelConfig
 from functrain.models.configs.moe import MOE_RUNTIME_KEYS, MoeOptions
 from functrain.models.options import RuntimeOptions, scan_refusal
-from functrain.models.splash import LANES
 from functrain.run.config_files import apply_overrides, read_yaml
 from functrain.run.pipeline_config import PipelineConfig, pipeline_problem
 
@@ -588,6 +586,11 @@ class RunSections(Section):
                 f"data.seq_len={length} does not split into 2 x mesh.context={ways} equal chunks (each device "
                 f"holds one from the start and one from the end); make data.seq_len a multiple of {2 * ways}"
             )
+        # The kernels' modules import flax: only a context-parallel config reads them (a config validates without
+        # model code otherwise).
+        from functrain.models.attention import splash_available
+        from functrain.models.splash import LANES
+
         attention = self.model.attention if isinstance(self.model, RuntimeOptions) else "xla"
         splash = attention == "splash" or (attention == "auto" and splash_available())
         if splash and (length // ways) % LANES:
