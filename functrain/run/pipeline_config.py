@@ -4,15 +4,16 @@ layers (``mesh.pipeline`` / ``mesh.dcn_pipeline`` stages) and the schedule the b
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
 from functrain.core.section import Section
 from functrain.errors import ConfigError
 from functrain.models.configs.moe import MoeOptions
-from functrain.models.scan import layer_period
-from functrain.parallel.pipeline import PipelineSchedule
+
+if TYPE_CHECKING:
+    from functrain.parallel.pipeline import PipelineSchedule
 
 
 class PipelineConfig(Section):
@@ -35,6 +36,8 @@ def pipeline_problem(config: Any) -> str | None:
     where = f"mesh.pipeline={config.mesh.pipeline} x mesh.dcn_pipeline={config.mesh.dcn_pipeline} ({stages} stages)"
     if config.backend != "jax":
         return f"{where} pipelines the JAX backend's scanned layers; set backend=jax or mesh.pipeline=1"
+    from functrain.models.scan import layer_period  # flax: a config without a pipeline validates without it
+
     model = config.model
     name = model.registry_name() or "given to this run"
     kinds = model.layer_kinds()
@@ -70,6 +73,8 @@ def stages_as_data(mesh: Any) -> Any:
 def pipeline_schedule(config: Any, batch_ways: int) -> PipelineSchedule:
     """The schedule the backend traces under; a ConfigError when ``train.pipeline_microbatches`` (default: the
     stage count) does not divide the batch each of the ``batch_ways`` data-parallel replicas computes."""
+    from functrain.parallel.pipeline import PipelineSchedule
+
     stages = config.mesh.pipeline_stages()
     microbatches = config.train.pipeline_microbatches or stages
     if stages > 1:
