@@ -28,7 +28,7 @@ from functrain.models.configs.base import FamilyConfig, ModelConfig
 from functrain.models.configs.moe import MOE_RUNTIME_KEYS, MoeOptions
 from functrain.models.options import RuntimeOptions, scan_refusal
 from functrain.run.config_files import apply_overrides, read_yaml
-from functrain.run.pipeline_config import PipelineConfig, pipeline_problem
+from functrain.run.pipeline_config import PipelineConfig, divisors, pipeline_problem
 
 # The "split" of metrics.jsonl lines, and of metric names like "eval/loss" (harness: eval.harness_tasks' lm-eval
 # scores, named "harness/<task>/<metric>").
@@ -553,10 +553,9 @@ class RunSections(Section):
             raise ValueError(_dense_moe_key(f"mesh.expert={ways}", name, fix="set mesh.expert=1"))
         experts = self.model.expert_count()
         if ways > 1 and experts % ways:
-            divisors = ", ".join(str(d) for d in range(1, experts + 1) if experts % d == 0)
             raise ValueError(
                 f"mesh.expert={ways} does not divide the model's {experts} experts "
-                f"(model.{self.model.expert_count_key}); use one of {divisors}"
+                f"(model.{self.model.expert_count_key}); use one of {divisors(experts)}"
             )
         return self
 

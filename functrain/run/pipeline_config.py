@@ -24,7 +24,8 @@ class PipelineConfig(Section):
     repeats: int = Field(1, ge=1)
 
 
-def _divisors(count: int) -> str:
+def divisors(count: int) -> str:
+    """``count``'s divisors as a list for a message (``"1, 2, 3, 6"``)."""
     return ", ".join(str(d) for d in range(1, count + 1) if count % d == 0)
 
 
@@ -54,7 +55,7 @@ def pipeline_problem(config: Any) -> str | None:
         unit = "layers" if period == 1 else f"groups of {period} layers"
         return (
             f"{where} x pipeline.repeats={repeats} does not divide the model's {groups} {unit}; "
-            f"make stages x repeats one of {_divisors(groups)}"
+            f"make stages x repeats one of {divisors(groups)}"
         )
     return None
 
@@ -86,6 +87,6 @@ def pipeline_schedule(config: Any, batch_ways: int) -> PipelineSchedule:
             raise ConfigError(
                 f"{key} does not divide the {per_replica} rows each data-parallel replica computes per step "
                 f"(data.global_batch_size / train.micro_batches / {batch_ways} replicas); "
-                f"set train.pipeline_microbatches to one of {_divisors(per_replica)}"
+                f"set train.pipeline_microbatches to one of {divisors(per_replica)}"
             )
     return PipelineSchedule(repeats=config.pipeline.repeats, microbatches=microbatches)

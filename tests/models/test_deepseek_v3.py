@@ -150,14 +150,26 @@ def test_killed_run_resumes_bitwise_with_the_bias_update(tmp_path, capsys):
     assert capsys.readouterr().out.startswith("PASS")
 
 
+def _assert_end_of_step_updates_the_bias(program, batch):
+    """The Program runs the model's end_of_step on the selection counts its loss returns beside the frozen
+    reference, and it updates the router's bias (traced only)."""
+    from functrain.models.deepseek_v3 import COUNTS_COLLECTION
+    from functrain.tasks.reference import REFERENCE
+
+    assert program.end_of_step is not None
+    key = jax.random.PRNGKey(0)
+    params, model_state = jax.eval_shape(program.init, key)
+    new_state = jax.eval_shape(program.loss_fn, params, model_state, batch, key)[3]
+    assert set(new_state) == {COUNTS_COLLECTION, REFERENCE}
+    new_params, updated = jax.eval_shape(program.end_of_step, params, new_state)
+    assert set(updated) == {COUNTS_COLLECTION, REFERENCE} and len(_biases(new_params)) == 1
+
 
 def test_preference_training_carries_the_bias_update():
     """DPO on DeepSeek-V3 (a frozen reference copy in the model state): its Program runs the model's end_of_step,
     and the policy's loss returns the selection counts that update reads beside the reference (traced only: the
     step applying end_of_step is tested above)."""
-    from functrain.models.deepseek_v3 import COUNTS_COLLECTION
     from functrain.tasks.preference.loss import PreferenceSettings
-    from functrain.tasks.reference import REFERENCE
     from functrain.tasks.preference.task import preference_program_of
 
     rows = np.random.default_rng(4).integers(0, VOCAB, (4, 9))
@@ -166,22 +178,14 @@ def test_preference_training_carries_the_bias_update():
              "weight": np.ones(2, np.float32)}
     model = build_model(model_config_class("deepseek_v3").model_validate(BALANCED))
     program = preference_program_of(model, batch, PreferenceSettings("sigmoid"))
-    assert program.end_of_step is not None
-    key = jax.random.PRNGKey(0)
-    params, model_state = jax.eval_shape(program.init, key)
-    new_state = jax.eval_shape(program.loss_fn, params, model_state, batch, key)[3]
-    assert set(new_state) == {COUNTS_COLLECTION, REFERENCE}
-    new_params, updated = jax.eval_shape(program.end_of_step, params, new_state)
-    assert set(updated) == {COUNTS_COLLECTION, REFERENCE} and len(_biases(new_params)) == 1
+    _assert_end_of_step_updates_the_bias(program, batch)
 
 
 def test_grpo_training_carries_the_bias_update():
     """GRPO on DeepSeek-V3 (beta > 0: a frozen reference copy in the model state): as DPO's above, its Program runs
     the model's end_of_step on the selection counts the policy's loss returns (traced only)."""
     from functrain.core.program import model_pieces
-    from functrain.models.deepseek_v3 import COUNTS_COLLECTION
     from functrain.tasks.grpo.loss import LossSettings, grpo_program
-    from functrain.tasks.reference import REFERENCE
 
     tokens = np.random.default_rng(5).integers(0, VOCAB, (4, 9)).astype(np.int32)
     batch = {"tokens": tokens, "completion_mask": np.ones((4, 9), np.int32), "advantages": np.ones(4, np.float32),
@@ -189,10 +193,4 @@ def test_grpo_training_carries_the_bias_update():
              "host_metrics": np.zeros((4, 0), np.float32)}
     model = build_model(model_config_class("deepseek_v3").model_validate(BALANCED))
     program = grpo_program(model_pieces(model, tokens[:, :-1], batch), LossSettings(beta=0.04), ())
-    assert program.end_of_step is not None
-    key = jax.random.PRNGKey(0)
-    params, model_state = jax.eval_shape(program.init, key)
-    new_state = jax.eval_shape(program.loss_fn, params, model_state, batch, key)[3]
-    assert set(new_state) == {COUNTS_COLLECTION, REFERENCE}
-    new_params, updated = jax.eval_shape(program.end_of_step, params, new_state)
-    assert set(updated) == {COUNTS_COLLECTION, REFERENCE} and len(_biases(new_params)) == 1
+    _assert_end_of_step_updates_the_bias(program, batch)
