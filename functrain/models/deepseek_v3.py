@@ -33,11 +33,12 @@ from functrain.models.deepseek_routing import sigmoid_group_limited, updated_bia
 from functrain.models.hf_common import RMSNorm, embed, hf_config_dict, lm_head
 from functrain.models.mla import LatentAttention
 from functrain.models.moe.balance import MoeOutput
-from functrain.models.moe.decoder import balancing, gated
+from functrain.models.moe.decoder import balancing, gated, moe_context_inputs
 from functrain.models.moe.layer import MoeBlock, RouterStats
 from functrain.models.remat import check_remat, remat_block
 from functrain.models.rope import hf_rope_parameters, parse_hf_rope
 from functrain.models.scan import apply_layers
+from functrain.parallel.context import from_context_order
 from functrain.parallel.sharding import constrain_batch
 
 DENSE_PREFIX, MOE_PREFIX = "dense_layers_", "moe_layers_"
@@ -185,6 +186,10 @@ class DeepseekV3ForCausalLM(nn.Module):
         ``logits_chunk``: the head unapplied (:mod:`functrain.models.head`)."""
         cfg = self.config
         std = cfg.initializer_range
+        # Under a context mesh axis the layers run on the sequence in load-balanced order (parallel/context.py).
+        input_ids, segment_ids, positions, token_mask, ways = moe_context_inputs(
+            self, input_ids, segment_ids, positions, token_mask
+        )
         tokens = embed(cfg.vocab_size, cfg.hidden_size, ("vocab", "embed"), dtype=self.dtype, init_std=std,
                        name="embed_tokens")  # fmt: skip
         x = constrain_batch(tokens(input_ids))
@@ -202,6 +207,7 @@ class DeepseekV3ForCausalLM(nn.Module):
             )  # fmt: skip
             stats.append(run_stats)
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(x)
+        x = from_context_order(x, ways)  # the logits in the batch's order, for the loss and every task
         logits = lm_head(self, tokens, x, cfg, std, logits_chunk)
         layers = jax.tree.map(lambda *runs: jnp.concatenate(runs), *stats)  # [L, ...] in layer order
         return MoeOutput(logits, layers, balancing(cfg))

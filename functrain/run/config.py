@@ -576,8 +576,15 @@ class RunSections(Section):
         if not self.model.context_parallel:
             name = self.model.registry_name() or "a user model (model.target or a model given to fit)"
             raise ValueError(
-                f"mesh.context={ways} needs a model whose attention splits the sequence (gpt, llama and its dense "
-                f"kin: mistral, qwen2, qwen3, phi3) and {name} has none; set mesh.context=1"
+                f"mesh.context={ways} needs a model whose attention splits the sequence (gpt, llama and its kin: "
+                f"mistral, qwen2, qwen3, phi3, and the mixtures of experts mixtral, qwen2_moe, qwen3_moe, gpt_oss, "
+                f"deepseek_v3) and {name} has none; set mesh.context=1"
+            )
+        if isinstance(self.model, MoeOptions) and self.model.capacity_factor is not None:
+            raise ValueError(
+                f"mesh.context={ways} with model.capacity_factor={self.model.capacity_factor}: each device routes "
+                f"two chunks of every sequence, so which selections a capacity drops would depend on the split; "
+                f"set model.capacity_factor=null (dropless) or mesh.context=1"
             )
         length = self.data.seq_len
         if length % (2 * ways):

@@ -57,6 +57,7 @@ class DeepseekV3Config(HFModelConfig, MoeOptions):
     bias_update_rate: float = pydantic.Field(0.0, ge=0)  # DeepSeek's gamma (0.001 in its report); 0: no update
 
     scans_layers: ClassVar[bool] = True
+    context_parallel: ClassVar[bool] = True  # MoeOptions' answer (ModelConfig's comes first in the MRO)
     expert_count_key: ClassVar[str] = "n_routed_experts"
 
     @pydantic.model_validator(mode="after")

@@ -71,7 +71,6 @@ class Qwen2MoeConfig(Qwen2Config, QwenMoeOptions):
     (``qkv_bias``)."""
 
     name: Literal["qwen2_moe"] = "qwen2_moe"  # type: ignore[assignment]  # each family's own tag
-    context_parallel: ClassVar[bool] = False  # the MoE decoder (MoeOptions), not Qwen2's dense one
     vocab_size: int = pydantic.Field(151936, gt=0)
     hidden_size: int = pydantic.Field(2048, gt=0)
     intermediate_size: int = pydantic.Field(5632, gt=0)
@@ -111,7 +110,6 @@ class Qwen3MoeConfig(Qwen3Config, QwenMoeOptions):
     """Qwen3-MoE hyper-parameters, named as in HF's config.json (no shared expert)."""
 
     name: Literal["qwen3_moe"] = "qwen3_moe"  # type: ignore[assignment]  # each family's own tag
-    context_parallel: ClassVar[bool] = False  # the MoE decoder (MoeOptions), not Qwen3's dense one
     vocab_size: int = pydantic.Field(151936, gt=0)
     hidden_size: int = pydantic.Field(2048, gt=0)
     intermediate_size: int = pydantic.Field(6144, gt=0)

@@ -6,6 +6,10 @@ statistics. Mixtral, Qwen2-MoE and Qwen3-MoE are this decoder with their config 
 ``segment_ids`` / ``positions`` as in :mod:`functrain.models.llama`; ``token_mask`` [B, T] marks the real
 tokens whose routing the statistics count (the built-in losses pass it; None: every token). Attention is
 Llama's (:class:`functrain.models.llama.LlamaAttention`: the config switches biases, windows and QK-norm).
+
+Under a ``context`` mesh axis the layers run on the sequence in load-balanced order
+(:mod:`functrain.parallel.context`), the token mask reordered with it: each device routes the tokens it holds, and
+the router statistics, sums over tokens, are the same in any order.
 """
 
 import functools
@@ -17,12 +21,14 @@ import jax.numpy as jnp
 
 from functrain.models.attention import attention_kernel
 from functrain.models.hf_common import RMSNorm, activation, embed, lm_head
+from functrain.models.kv_cache import decoding
 from functrain.models.llama import LlamaAttention
 from functrain.models.moe.balance import Balancing, MoeOutput
 from functrain.models.moe.dispatch import Glu
 from functrain.models.moe.layer import RouterStats
 from functrain.models.remat import check_remat, remat_block
 from functrain.models.scan import apply_layers
+from functrain.parallel.context import context_inputs, from_context_order, to_context_order
 from functrain.parallel.sharding import constrain_batch
 
 Array = jax.Array
@@ -51,6 +57,15 @@ def balancing(config: Any) -> Balancing:
         capacity=config.capacity_factor is not None,
         moe_layers=tuple(i for i in range(config.num_hidden_layers) if config.moe_layer(i)),
     )
+
+
+def moe_context_inputs(
+    module: nn.Module, input_ids: Array, segment_ids: Array | None, positions: Array | None, token_mask: Array | None
+) -> tuple[Array, Array | None, Array | None, Array | None, int]:
+    """A MoE decoder's ``[B, T]`` inputs in load-balanced order and the ways the sequence is split
+    (:func:`functrain.parallel.context.context_inputs`), the token mask reordered with the tokens."""
+    input_ids, segment_ids, positions, ways = context_inputs(input_ids, segment_ids, positions, decoding(module))
+    return input_ids, segment_ids, positions, None if token_mask is None else to_context_order(token_mask, ways), ways
 
 
 class MoeDecoderBlock(nn.Module):
@@ -98,6 +113,9 @@ class MoeForCausalLM(nn.Module):
         (no dropout here); the keywords: see the module docstring (``logits_chunk``: the head unapplied,
         :mod:`functrain.models.head`)."""
         cfg = self.config
+        input_ids, segment_ids, positions, token_mask, ways = moe_context_inputs(
+            self, input_ids, segment_ids, positions, token_mask
+        )
         tokens = embed(
             cfg.vocab_size,
             cfg.hidden_size,
@@ -118,6 +136,7 @@ class MoeForCausalLM(nn.Module):
             collect=True,
         )
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(x)
+        x = from_context_order(x, ways)  # the logits in the batch's order, for the loss and every task
         logits = lm_head(self, tokens, x, cfg, cfg.initializer_range, logits_chunk)
         return MoeOutput(logits, stats, balancing(cfg))
 

@@ -16,11 +16,13 @@ A capacity (``capacity_factor``) keeps at most ``ceil(capacity_factor * T * k / 
 first in token order; the others are dropped (their weight zeroed), as Switch Transformer and GShard do. The
 expert axis of every stacked weight is the leading one, so it can be sharded (logical axis ``expert``).
 
-Under a mesh with batch axes (``data``, ``fsdp``, ``expert``) :func:`run_experts` runs on each batch shard's
-tokens alone (a ``shard_map`` over those axes, the expert weights gathered over ``fsdp`` as FSDP gathers every
-weight): sorting the global batch's tokens would gather them all onto every device (Mixtral 8x7B on 128 v5p chips
-planned 123 GiB of temporaries a chip that way). The capacity then counts each shard's tokens, as GShard's groups
-do. With an ``expert`` axis the grouped dispatch keeps each device's ``E / mesh.expert`` experts and moves the
+Under a mesh with batch axes (``data``, ``fsdp``, ``expert``; and ``context``, which splits the sequence)
+:func:`run_experts` runs on each device's tokens alone (a ``shard_map`` over those axes, the expert weights
+gathered over ``fsdp`` as FSDP gathers every weight): sorting the global batch's tokens would gather them all onto
+every device (Mixtral 8x7B on 128 v5p chips planned 123 GiB of temporaries a chip that way). The capacity then
+counts each shard's tokens, as GShard's groups do (the config refuses a capacity under ``mesh.context``: a shard
+there holds two chunks of each sequence, so which selections drop would depend on the context split). With an
+``expert`` axis the grouped dispatch keeps each device's ``E / mesh.expert`` experts and moves the
 rows to them (:mod:`functrain.models.moe.expert_parallel`); the dense one gathers every expert (tests, tiny E).
 """
 
@@ -34,6 +36,7 @@ from jax.sharding import PartitionSpec
 
 from functrain.data.global_array import BATCH_AXES
 from functrain.models.moe.expert_parallel import return_from_experts, send_to_experts
+from functrain.parallel.context import CONTEXT_AXIS
 
 Array = jax.Array
 Glu = Callable[[Array, Array], Array]  # (gate projection, up projection) -> the hidden activation
@@ -178,7 +181,8 @@ def run_experts(
     ``dispatch`` with the optional capacity (``real`` [T]: 1 on real tokens), on each batch shard's tokens
     alone under a mesh, the experts sharded over its ``expert`` axis (module docstring)."""
     mesh = jax.sharding.get_abstract_mesh()
-    axes = () if mesh.empty else tuple(axis for axis in BATCH_AXES if mesh.shape.get(axis, 1) > 1)
+    # Rows are a [B, T] batch flattened, batch-major: under context parallelism the sequence's split is innermost.
+    axes = () if mesh.empty else tuple(axis for axis in (*BATCH_AXES, CONTEXT_AXIS) if mesh.shape.get(axis, 1) > 1)
     if not axes or x.shape[0] % math.prod(mesh.shape[axis] for axis in axes):
         return _run_local(x, weights, experts, real, w, glu, dispatch, capacity_factor, None)
     # The grouped dispatch keeps each device's share of the experts; the dense one gathers them all.
