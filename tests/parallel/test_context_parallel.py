@@ -3,9 +3,13 @@
 One subprocess with 8 CPU devices trains a tiny Llama with ``mesh.context=4 mesh.data=2`` on packed documents
 (segment ids, positions restarting per document: RoPE), a tiny GPT on plain windows (no positions given: the model
 makes them) with ``mesh.context=2`` beside FSDP and tensor parallelism, scanned layers, full remat and two
-micro-batches; then the packed Llama again, killed (SIGKILL) after a random step and resumed, which must end
-bitwise equal to the uninterrupted run. This process trains the same runs on its one
-device; the parameters after 3 steps must agree within float32 rounding.
+micro-batches; two mixtures of experts on packed documents with ``mesh.context=2 mesh.expert=2 mesh.data=2`` (each
+device routes the tokens it holds, its experts' rows sent over ``expert``): GPT-OSS (Llama's attention with sinks
+and a sliding window across the chunks, balanced over the global batch with aux and z losses) and DeepSeek-V3 (latent
+attention, whose values are narrower than its queries and keys; a shared expert; the correction bias moved by the
+step's global selection counts); then the packed Llama again, killed (SIGKILL) after a random step and resumed, which
+must end bitwise equal to the uninterrupted run. This process trains the same runs on its one device; the parameters
+after 3 steps (and the router metrics of every step) must agree within float32 rounding.
 """
 
 import json
@@ -35,11 +39,24 @@ LLAMA = {"name": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_siz
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
 GPT = {"name": "gpt", "vocab_size": 64, "max_len": 32, "d_model": 32, "n_layers": 2, "n_heads": 4, "d_ff": 64,
        "scan_layers": True, "remat": "full"}
+GPT_OSS = {"name": "gpt_oss", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 16, "num_hidden_layers": 1,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "sliding_window": 8,
+           "max_position_embeddings": 64, "num_local_experts": 4, "num_experts_per_tok": 2,
+           "output_router_logits": True, "router_aux_loss_coef": 0.1, "router_z_loss_coef": 0.01,
+           "load_balance_scope": "global_batch"}
+DEEPSEEK = {"name": "deepseek_v3", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+            "moe_intermediate_size": 16, "num_hidden_layers": 1, "first_k_dense_replace": 0, "num_attention_heads": 4,
+            "n_routed_experts": 4, "n_group": 2, "topk_group": 1, "num_experts_per_tok": 2, "n_shared_experts": 1,
+            "kv_lora_rank": 16, "q_lora_rank": None, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 12,
+            "bias_update_rate": 0.01, "router_z_loss_coef": 0.01, "max_position_embeddings": 64}
+MOE_MESH = {"mesh.context": 2, "mesh.expert": 2, "mesh.data": 2}
 
 RUNS = {  # name: (model, packing, the 8-device run's overrides; the reference's are the same on one device)
     "llama_packed": (LLAMA, True, {"mesh.context": 4, "mesh.data": 2}),
     "gpt_composed": (GPT, False, {"mesh.context": 2, "mesh.fsdp": 2, "mesh.tensor": 2, "mesh.data": 1,
                                   "train.micro_batches": 2}),
+    "gpt_oss_experts": (GPT_OSS, True, MOE_MESH),
+    "deepseek_v3_experts": (DEEPSEEK, True, MOE_MESH),
 }
 
 # Trains the runs, then starts itself again to train the packed Llama into another directory and SIGKILL itself
@@ -113,13 +130,29 @@ def runs(tmp_path_factory):
     return root, output
 
 
+def _metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 @pytest.mark.parametrize("name", list(RUNS))
 def test_context_parallel_training_matches_one_device(runs, name):
     root, _ = runs
-    losses = [json.loads(line)["loss"] for line in (root / f"{name}_single" / "metrics.jsonl").read_text().splitlines()]
-    assert abs(losses[-1] - losses[0]) > 100 * TOLERANCE  # the params move, so agreeing within TOLERANCE means something
+    single, sharded = _metrics(root / f"{name}_single"), _metrics(root / name)
+    assert abs(single[-1]["loss"] - single[0]["loss"]) > 100 * TOLERANCE  # the params move: agreeing means something
     reference = load_params(str(root / f"{name}_single"), step=STEPS)
     assert max_abs_diff(reference, load_params(str(root / name), step=STEPS)) <= TOLERANCE
+    # A mixture of experts' balancing terms are statistics of the whole global batch, whichever device routed what.
+    router = [{key: value for key, value in step.items() if key.startswith("moe/")} for step in single]
+    assert bool(router[0]) == ("num_experts_per_tok" in RUNS[name][0])  # the mixtures of experts log them
+    for expected, step in zip(router, sharded):
+        assert all(abs(step[key] - value) <= TOLERANCE for key, value in expected.items()), (expected, step)
+
+
+def test_deepseek_correction_bias_moves_by_the_global_counts(runs):
+    root, _ = runs
+    bias = [load_params(str(root / run), step=STEPS)["moe_layers_0"]["e_score_correction_bias"]
+            for run in ("deepseek_v3_experts_single", "deepseek_v3_experts")]
+    assert np.abs(bias[0]).max() > 100 * TOLERANCE and np.abs(bias[0] - bias[1]).max() <= TOLERANCE
 
 
 def test_context_parallel_run_killed_at_random_resumes_bitwise(runs):
@@ -144,6 +177,8 @@ REFUSED = {  # config + overrides -> what the one line says
                       "leaves 32 tokens a device, which splash attention's 128-token blocks do not divide"),
     "torch_backend": (["configs/char_gpt_torch.yaml", "mesh.context=2"], "backend: jax only"),
     "model_without_the_hook": (["configs/mlp_digits.yaml", "mesh.context=2"], "and mlp has none"),
+    "capacity_factor": (["configs/moe_char.yaml", "model.capacity_factor=1.0", "mesh.context=2"],
+                        "mesh.context=2 with model.capacity_factor=1.0: each device routes two chunks"),
 }
 
 

@@ -3,7 +3,7 @@ layers ``decoder_sparse_step`` and ``mlp_only_layers`` leave sparse (:mod:`funct
 
 import dataclasses
 import typing
-from typing import Any, ClassVar, Hashable, Literal, Sequence
+from typing import Any, Hashable, Literal, Sequence
 
 import pydantic
 

@@ -150,21 +150,39 @@ def _run_local(
     factor: float | None,
     expert_axis: str | None,
 ) -> tuple[Array, Array]:
+    """:func:`run_experts` on one device's tokens, laid out as it was given them (``[*tokens, ...]``): flattened
+    in row-major order, the order a capacity keeps the first of."""
+    tokens = real.shape
+    x, weights, experts, real = (a.reshape(-1, *a.shape[len(tokens) :]) for a in (x, weights, experts, real))
     dropped = jnp.zeros_like(real)
     if factor is not None:
-        tokens, top_k = experts.shape
+        rows, top_k = experts.shape
         num_experts = w.gate.shape[0] * (1 if expert_axis is None else jax.lax.axis_size(expert_axis))
-        limit = capacity(tokens, top_k, num_experts, factor)
+        limit = capacity(rows, top_k, num_experts, factor)
         kept = within_capacity(experts, num_experts, limit)
         weights = jnp.where(kept, weights, 0.0)
         dropped = real * jnp.sum(~kept, axis=1)
-    if expert_axis is not None:
-        if factor is None:
-            return grouped(x, weights, experts, w, glu, expert_axis), dropped
+    if expert_axis is None:
+        out = DISPATCH[dispatch](x, weights, experts, w, glu)
+    elif factor is None:
+        out = grouped(x, weights, experts, w, glu, expert_axis)
+    else:
         # The dropped selections are not sent, so each device receives at most ``limit`` rows of each expert.
-        sent = jnp.where(kept, experts, num_experts)
-        return grouped(x, weights, sent, w, glu, expert_axis, limit), dropped
-    return DISPATCH[dispatch](x, weights, experts, w, glu), dropped
+        out = grouped(x, weights, jnp.where(kept, experts, num_experts), w, glu, expert_axis, limit)
+    return out.reshape(*tokens, -1), dropped.reshape(tokens)
+
+
+def _token_split(tokens: tuple[int, ...]) -> tuple[tuple[str, ...], ...]:
+    """The mesh axes (larger than 1) that split each token axis: the batch axes the first, ``context`` the
+    sequence of a ``[B, T]`` batch; () for each without a mesh or where an axis's length does not divide."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ((),) * len(tokens)
+    candidates = (BATCH_AXES, (CONTEXT_AXIS,))[: len(tokens)]
+    split = tuple(tuple(axis for axis in axes if mesh.shape.get(axis, 1) > 1) for axes in candidates)
+    if any(length % math.prod(mesh.shape[axis] for axis in axes) for length, axes in zip(tokens, split)):
+        return ((),) * len(tokens)
+    return split
 
 
 def run_experts(
@@ -177,18 +195,19 @@ def run_experts(
     dispatch: str = "grouped",
     capacity_factor: float | None = None,
 ) -> tuple[Array, Array]:
-    """``([T, hidden] outputs, [T] selections dropped per real token)``: the experts on ``x`` [T, hidden] by
-    ``dispatch`` with the optional capacity (``real`` [T]: 1 on real tokens), on each batch shard's tokens
-    alone under a mesh, the experts sharded over its ``expert`` axis (module docstring)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    # Rows are a [B, T] batch flattened, batch-major: under context parallelism the sequence's split is innermost.
-    axes = () if mesh.empty else tuple(axis for axis in (*BATCH_AXES, CONTEXT_AXIS) if mesh.shape.get(axis, 1) > 1)
-    if not axes or x.shape[0] % math.prod(mesh.shape[axis] for axis in axes):
+    """``([*tokens, hidden] outputs, [*tokens] selections dropped per real token)``: the experts on ``x``
+    [*tokens, hidden] (``tokens``: ``[T]``, or ``[B, T]`` sequences) by ``dispatch`` with the optional capacity
+    (``weights``, ``experts`` [*tokens, k]; ``real`` [*tokens]: 1 on real tokens), on each device's tokens alone
+    under a mesh (a ``[B, T]`` batch's sequences split over ``context`` too), the experts sharded over its
+    ``expert`` axis (module docstring)."""
+    split = _token_split(real.shape)
+    axes = tuple(axis for group in split for axis in group)
+    if not axes:
         return _run_local(x, weights, experts, real, w, glu, dispatch, capacity_factor, None)
     # The grouped dispatch keeps each device's share of the experts; the dense one gathers them all.
     expert_axis = EXPERT_AXIS if EXPERT_AXIS in axes and dispatch == "grouped" else None
     local = functools.partial(_run_local, glu=glu, dispatch=dispatch, factor=capacity_factor, expert_axis=expert_axis)
-    rows = PartitionSpec(axes)
+    rows = PartitionSpec(*(group or None for group in split))
     experts_spec = PartitionSpec(expert_axis)
     return jax.shard_map(
         local, in_specs=(rows, rows, rows, rows, experts_spec), out_specs=(rows, rows), axis_names=set(axes)

@@ -16,6 +16,7 @@ The statistics are sums over the real tokens (``token_mask``; every token when N
 exactly over micro-batches and devices (:mod:`functrain.models.moe.balance` turns them into losses).
 """
 
+import functools
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -119,7 +120,8 @@ class MoeBlock(nn.Module):
     @nn.compact
     def __call__(self, x: Array, token_mask: Array | None = None) -> tuple[Array, RouterStats]:
         batch, length, hidden = x.shape
-        flat = x.reshape(batch * length, hidden)
+        # The hidden states stay [B, T, hidden] (under context parallelism each device keeps the tokens it holds);
+        # the router's narrow outputs are flattened to the [B * T] tokens the routers and statistics take.
         logits = dense(
             self.num_experts,
             ("embed", None),
@@ -127,19 +129,27 @@ class MoeBlock(nn.Module):
             dtype=self.dtype,
             init_std=self.init_std,
             name="gate",
-        )(flat).astype(jnp.float32)
+        )(x).astype(jnp.float32)
+        logits = logits.reshape(batch * length, self.num_experts)
         routing = self.router(logits)
         experts = Experts(
             self.num_experts, self.hidden_size, self.intermediate_size, self.expert_bias, self.init_std, name="experts"
         )()
-        real = jnp.ones((batch * length,), jnp.float32) if token_mask is None else token_mask.reshape(-1)
-        real = real.astype(jnp.float32)
+        real = jnp.ones((batch, length), jnp.float32) if token_mask is None else token_mask.astype(jnp.float32)
+        per_token = functools.partial(jnp.reshape, shape=(batch, length, -1))
         out, dropped = run_experts(
-            flat, routing.weights, routing.experts, real, experts, self.glu, self.dispatch, self.capacity_factor
+            x,
+            per_token(routing.weights),
+            per_token(routing.experts),
+            real,
+            experts,
+            self.glu,
+            self.dispatch,
+            self.capacity_factor,
         )
         if self.shared_size is not None:
             shared = SharedExpert(hidden, self.shared_size, self.glu, self.init_std, self.dtype, name="shared_expert")
-            always = shared(flat)
+            always = shared(x)
             if self.shared_gate:
                 gate = dense(
                     1,
@@ -149,8 +159,9 @@ class MoeBlock(nn.Module):
                     init_std=self.init_std,
                     name="shared_expert_gate",
                 )
-                always = jax.nn.sigmoid(gate(flat)) * always
+                always = jax.nn.sigmoid(gate(x)) * always
             out = out + always.astype(out.dtype)
+        real = real.reshape(-1)
         top_k = routing.experts.shape[1]
         stats = RouterStats(
             counts=jnp.bincount(
@@ -161,4 +172,4 @@ class MoeBlock(nn.Module):
             tokens=jnp.sum(real),
             dropped=jnp.sum(dropped),
         )
-        return out.reshape(batch, length, hidden).astype(x.dtype), stats
+        return out.astype(x.dtype), stats
