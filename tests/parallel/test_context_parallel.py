@@ -49,9 +49,10 @@ DEEPSEEK = {"name": "deepseek_v3", "vocab_size": 64, "hidden_size": 32, "interme
             "n_routed_experts": 4, "n_group": 2, "topk_group": 1, "num_experts_per_tok": 2, "n_shared_experts": 1,
             "kv_lora_rank": 16, "q_lora_rank": None, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 12,
             "bias_update_rate": 0.01, "router_z_loss_coef": 0.01, "max_position_embeddings": 64}
-MOE_MESH = {"mesh.context": 2, "mesh.expert": 2, "mesh.data": 2}
+# Two sequences a device: the experts' [B, T] tokens split over the batch axes and context both.
+MOE_MESH = {"mesh.context": 2, "mesh.expert": 2, "mesh.data": 2, "data.global_batch_size": 8}
 
-RUNS = {  # name: (model, packing, the 8-device run's overrides; the reference's are the same on one device)
+RUNS = {  # name: (model, packing, the 8-device run's overrides; the reference takes those outside mesh.*)
     "llama_packed": (LLAMA, True, {"mesh.context": 4, "mesh.data": 2}),
     "gpt_composed": (GPT, False, {"mesh.context": 2, "mesh.fsdp": 2, "mesh.tensor": 2, "mesh.data": 1,
                                   "train.micro_batches": 2}),
@@ -122,9 +123,9 @@ def runs(tmp_path_factory):
     (root / "worker.py").write_text(WORKER)
     worker = subprocess.Popen([sys.executable, str(root / "worker.py"), json.dumps([sharded, killed])],
                               cwd=REPO_ROOT, env=cli_env(8), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    for name, (_, _, mesh) in RUNS.items():  # the references, on this process's one device, meanwhile
-        micro = {"train.micro_batches": mesh["train.micro_batches"]} if "train.micro_batches" in mesh else {}
-        functrain.fit(configs[name], **{"run.dir": str(root / f"{name}_single"), "mesh.data": 1, **micro})
+    for name, (_, _, overrides) in RUNS.items():  # the references, on this process's one device, meanwhile
+        same = {key: value for key, value in overrides.items() if not key.startswith("mesh.")}
+        functrain.fit(configs[name], **{"run.dir": str(root / f"{name}_single"), "mesh.data": 1, **same})
     output, _ = worker.communicate(timeout=600)
     assert worker.returncode == 0, output
     return root, output
