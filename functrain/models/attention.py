@@ -152,23 +152,6 @@ def attend(
     """
     if query_slots is not None and segment_ids is not None:
         raise ValueError("segment_ids are for whole sequences, not for decoding with a KV cache")
-    if query_slots is not None and query.shape[1] == 1 and target_platform() == "cpu":
-        # XLA:CPU multiplies one query's probabilities by the values as a matrix-vector product, which sums in
-        # another order than the matrix product of a whole sequence; a second copy of the query makes it a matrix
-        # product, and a decoded token's logits round as the training forward's do (GRPO's rollout/logprob_gap).
-        # Other compilers are left their own kernels.
-        doubled = attend(
-            jnp.concatenate([query, query], axis=1),
-            key,
-            value,
-            scale=scale,
-            kernel=kernel,
-            query_slots=jnp.concatenate([query_slots, query_slots]),
-            window=window,
-            softcap=softcap,
-            sinks=sinks,
-        )
-        return doubled[:, :1]
     if query_slots is None and context_ways() > 1:
         return context_attention(
             query,

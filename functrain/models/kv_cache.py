@@ -38,20 +38,29 @@ def next_positions(module: nn.Module, length: int) -> Array:
 
 def extend_cache(module: nn.Module, key: Array, value: Array, positions: Array) -> tuple[Array, Array]:
     """Keys and values ``[B, T, KV, D]`` of the new tokens at ``positions`` -> those of the whole cache
-    ``[B, S, KV, D]`` (the new ones written in); unchanged when not decoding."""
-    return cached(module, "cached_key", key, positions), cached(module, "cached_value", value, positions)
+    ``[B, S, KV, D]`` (the new ones written in); unchanged when not decoding. The cache holds them as
+    ``[B, KV, D, S]``, the order XLA:CPU's attention dots read them in: stored as ``[B, S, KV, D]``, both whole
+    caches were copied into it for every decoded token (bench_grpo's decoder: 7.1 -> 5.2 ms)."""
+    if not decoding(module):
+        return key, value
+    stored = lambda array: jnp.transpose(array, (0, 2, 3, 1))  # noqa: E731
+    read = lambda array: jnp.transpose(array, (0, 3, 1, 2))  # noqa: E731
+    return (
+        read(cached(module, "cached_key", stored(key), positions, axis=3)),
+        read(cached(module, "cached_value", stored(value), positions, axis=3)),
+    )
 
 
-def cached(module: nn.Module, name: str, new: Array, positions: Array) -> Array:
-    """One cached array ``[B, S, ...]`` (the cache variable ``name``) with the new tokens' ``[B, T, ...]``
-    written at ``positions``; ``new`` itself when not decoding or while taking the cache's shapes."""
+def cached(module: nn.Module, name: str, new: Array, positions: Array, axis: int = 1) -> Array:
+    """One cached array (the cache variable ``name``, positions on ``axis``) with the new tokens' (``T`` on
+    ``axis``) written at ``positions``; ``new`` itself when not decoding or while taking the cache's shapes."""
     if not decoding(module):
         return new
     primed = module.has_variable("cache", name)
     variable = module.variable("cache", name, jnp.zeros, new.shape, new.dtype)
     if not primed:
         return new
-    start = (0, positions[0]) + (0,) * (new.ndim - 2)
+    start = tuple(positions[0] if dim == axis else 0 for dim in range(new.ndim))
     variable.value = jax.lax.dynamic_update_slice(variable.value, new.astype(variable.value.dtype), start)
     return variable.value
 

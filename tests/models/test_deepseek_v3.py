@@ -190,7 +190,7 @@ def test_grpo_training_carries_the_bias_update():
     tokens = np.random.default_rng(5).integers(0, VOCAB, (4, 9)).astype(np.int32)
     batch = {"tokens": tokens, "completion_mask": np.ones((4, 9), np.int32), "advantages": np.ones(4, np.float32),
              "batch_rows": np.full(4, 4.0, np.float32), "batch_tokens": np.full(4, 32.0, np.float32),
-             "host_metrics": np.zeros((4, 0), np.float32)}
+             "sampler_logps": np.zeros((4, 8), np.float32), "host_metrics": np.zeros((4, 0), np.float32)}
     model = build_model(model_config_class("deepseek_v3").model_validate(BALANCED))
     program = grpo_program(model_pieces(model, tokens[:, :-1], batch), LossSettings(beta=0.04), ())
     _assert_end_of_step_updates_the_bias(program, batch)

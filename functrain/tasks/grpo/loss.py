@@ -7,6 +7,8 @@ A training batch (made by the experience stage, :mod:`functrain.tasks.grpo.rollo
   ``mask_truncated_completions``);
 - ``advantages`` ``[B]``; ``old_logps`` ``[B, L-1]`` (with ``num_iterations`` above 1: the log-probs at the
   generation, position ``t`` scoring token ``t + 1``);
+- ``sampler_logps`` ``[B, L-1]``: the sampler's log-probs of the tokens it drew, in the same layout, NaN where it
+  drew none;
 - ``batch_rows`` and ``batch_tokens`` ``[B]``: the whole batch's completions and completion tokens, on every row,
   so that the sums below divide into TRL's means under accumulation and over devices;
 - ``host_metrics`` ``[B, M]``: metrics the stage computed on the host (rewards, lengths), the same on every row.
@@ -26,6 +28,9 @@ log-probs are the current ones outside the gradient, so the ratio is exactly 1 (
 
 Metrics, TRL's names: ``kl`` (beta > 0) and ``entropy`` as means over completion tokens; ``clip_ratio/low_mean``,
 ``clip_ratio/high_mean``, ``clip_ratio/region_mean`` as means over tokens (per sequence with GSPO's ratio).
+``rollout/logprob_gap``: the largest absolute difference between the sampler's log-probs and the training
+forward's (this step's own at ``num_iterations: 1``, else the old policy's), so that no second forward scores the
+drawn tokens; with ``train.micro_batches`` above 1, the sum of the micro-batches' largest (a bound on the largest).
 """
 
 from __future__ import annotations
@@ -99,7 +104,7 @@ def grpo_sums(
     # batch's completion tokens, or over its sequences.
     batch_rows = batch["batch_rows"][0].astype(jnp.float32)
     batch_tokens = jnp.maximum(batch["batch_tokens"][0].astype(jnp.float32), 1.0)
-    whole_weight = batch_tokens if settings.loss_type in TOKEN_WEIGHTED else batch_rows
+    whole_weight = whole_batch_weight(batch, settings)
     per_token_scale, per_row_scale = whole_weight / batch_tokens, whole_weight / batch_rows
 
     def token_mean(values: jax.Array) -> jax.Array:
@@ -120,16 +125,26 @@ def grpo_sums(
     return loss_sum, weight, metrics
 
 
+def whole_batch_weight(batch: dict[str, jax.Array], settings: LossSettings) -> jax.Array:
+    """What the step divides the sums by: the whole batch's completion tokens or its sequences."""
+    if settings.loss_type in TOKEN_WEIGHTED:
+        return jnp.maximum(batch["batch_tokens"][0].astype(jnp.float32), 1.0)
+    return batch["batch_rows"][0].astype(jnp.float32)
+
+
 def host_metric_sums(batch: dict[str, jax.Array], names: tuple[str, ...], settings: LossSettings) -> dict:
     """The stage's host metrics (the same on every row) as sums that the step's division turns back into them."""
     batch_rows = batch["batch_rows"][0].astype(jnp.float32)
-    whole_weight = (
-        jnp.maximum(batch["batch_tokens"][0].astype(jnp.float32), 1.0)
-        if settings.loss_type in TOKEN_WEIGHTED
-        else batch_rows
-    )
-    values = batch["host_metrics"].astype(jnp.float32).sum(0) * (whole_weight / batch_rows)
+    values = batch["host_metrics"].astype(jnp.float32).sum(0) * (whole_batch_weight(batch, settings) / batch_rows)
     return {name: values[index] for index, name in enumerate(names)}
+
+
+def logprob_gap_sum(batch: dict[str, jax.Array], logps: jax.Array, settings: LossSettings) -> jax.Array:
+    """The largest absolute difference between ``logps`` and the sampler's log-probs of the tokens it drew, as a sum
+    that the step's division turns back into it."""
+    drawn = batch["sampler_logps"].astype(jnp.float32)
+    gaps = jnp.where(jnp.isnan(drawn), 0.0, jnp.abs(jax.lax.stop_gradient(logps) - drawn))
+    return gaps.max() * whole_batch_weight(batch, settings)
 
 
 def grpo_program(pieces: ModelPieces, settings: LossSettings, host_metrics: tuple[str, ...]) -> Program:
@@ -166,6 +181,7 @@ def grpo_program(pieces: ModelPieces, settings: LossSettings, host_metrics: tupl
                 reference = model.reference(params, model_state, tokens[:, :-1])
                 ref_logps = token_logps(getattr(reference, "logits", reference), tokens, settings.temperature)[0]
             loss_sum, weight, metrics = grpo_sums(settings, logps, entropies, old_logps, ref_logps, batch)
+            metrics["rollout/logprob_gap"] = logprob_gap_sum(batch, old_logps, settings)
             return loss_sum, weight, {**metrics, **host_metric_sums(batch, host_metrics, settings)}, new_state
 
         return loss_fn

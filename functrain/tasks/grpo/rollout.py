@@ -11,11 +11,12 @@ At every ``log.every_steps``-th step the stage appends the first prompt's comple
 to ``RUN_DIR/samples.jsonl`` (``{"step", "index", "prompt", "text", "reward", "rewards", "advantage"}``; the run's
 summary prints the first).
 
-Each step the training forward also scores the drawn tokens; ``rollout/logprob_gap`` is the largest absolute
-difference from the sampler's log-probs (both at ``temperature``, before the top-k/top-p filters). With
-``num_iterations`` above 1 those forward log-probs are the old policy's; the batch generated at a step whose
-index is a multiple of ``num_iterations`` is trained on for that many steps (the loader's prompts of the steps in
-between are not used), and a run that resumes inside a generation samples anew.
+The batch carries the sampler's log-probs of the drawn tokens (``sampler_logps``); the train step compares them
+with its own forward's (``rollout/logprob_gap``, :mod:`functrain.tasks.grpo.loss`), so no second forward scores
+the tokens at ``num_iterations: 1``. With ``num_iterations`` above 1 a training forward scores them once at the
+generation: the old policy's log-probs; the batch generated at a step whose index is a multiple of
+``num_iterations`` is trained on for that many steps (the loader's prompts of the steps in between are not used),
+and a run that resumes inside a generation samples anew.
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ def host_metric_names(functions: list[RewardFunction]) -> tuple[str, ...]:
         "completions/min_length",
         "completions/max_length",
         "completions/clipped_ratio",
-        "rollout/logprob_gap",
     )
 
 
@@ -86,30 +86,24 @@ def draw(
     return Completions(rows, ids, truncated, sampler_logps)
 
 
-def training_rows(prompts: Prompts, completions: Completions, length: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(tokens, completion_mask)`` ``[R, longest prompt + length]``: each row its prompt, its completion and
-    padding."""
+def training_rows(prompts: Prompts, completions: Completions, length: int) -> tuple[np.ndarray, ...]:
+    """``(tokens, completion_mask, sampler_logps)``: ``[R, longest prompt + length]`` each row its prompt, its
+    completion and padding, 1 on its completion; ``[R, longest prompt + length - 1]`` the sampler's log-prob of
+    each drawn token where the position before it is (a training forward's layout: position ``t`` scores token
+    ``t + 1``), NaN elsewhere."""
     width = prompts.longest + length
     tokens = np.full((len(completions.ids), width), prompts.pad_id, np.int32)
     mask = np.zeros((len(completions.ids), width), np.int32)
-    for row, (index, ids) in enumerate(zip(completions.prompt_index, completions.ids)):
+    sampler_logps = np.full((len(completions.ids), width - 1), np.nan, np.float32)
+    for row, (index, ids, logps) in enumerate(
+        zip(completions.prompt_index, completions.ids, completions.sampler_logps)
+    ):
         prompt = prompts.ids[index]
         tokens[row, : len(prompt)] = prompt
         tokens[row, len(prompt) : len(prompt) + len(ids)] = ids
         mask[row, len(prompt) : len(prompt) + len(ids)] = 1
-    return tokens, mask
-
-
-def logprob_gap(prompts: Prompts, completions: Completions, forward_logps: np.ndarray) -> float:
-    """The largest absolute difference between the sampler's and the training forward's log-probs of the drawn
-    tokens (``forward_logps`` ``[R, L-1]``: position ``t`` scores token ``t + 1``)."""
-    gaps = [
-        np.abs(forward_logps[row, len(prompts.ids[index]) - 1 : len(prompts.ids[index]) - 1 + len(ids)] - drawn)
-        for row, (index, ids, drawn) in enumerate(
-            zip(completions.prompt_index, completions.ids, completions.sampler_logps)
-        )
-    ]
-    return float(max(gap.max() for gap in gaps))
+        sampler_logps[row, len(prompt) - 1 : len(prompt) - 1 + len(ids)] = logps
+    return tokens, mask, sampler_logps
 
 
 SAMPLES_FILE = "samples.jsonl"  # functrain.run.samples.SAMPLES_FILE: the run's summary prints its newest
@@ -176,8 +170,9 @@ class Rollouts:
         section, prompts = self.section, self.prompts
         length = section.max_completion_length
         completions = draw(self.sampler, params, prompts, indices, key, section.num_generations, length)
-        tokens, mask = training_rows(prompts, completions, length)
-        scored = self.sampler.forward(params, tokens)  # dispatched: it runs while the host decodes and scores
+        tokens, mask, sampler_logps = training_rows(prompts, completions, length)
+        # The old policy's log-probs, dispatched: the forward runs while the host decodes and scores.
+        old_logps = self.sampler.forward(params, tokens) if section.num_iterations > 1 else None
         texts = prompts.decode(completions.ids)
         table = scores(
             self.rewards,
@@ -195,7 +190,6 @@ class Rollouts:
             )
             with open(self.samples[0], "a") as file:
                 file.writelines(json.dumps(record) + "\n" for record in records)
-        forward_logps = np.asarray(jax.device_get(scored))
         if section.mask_truncated_completions:
             mask = mask * ~completions.truncated[:, None]
         lengths = np.array([len(ids) for ids in completions.ids], np.float32)
@@ -206,19 +200,19 @@ class Rollouts:
             "completions/min_length": float(lengths.min()),
             "completions/max_length": float(lengths.max()),
             "completions/clipped_ratio": float(completions.truncated.mean()),
-            "rollout/logprob_gap": logprob_gap(prompts, completions, forward_logps),
         }
         rows = len(completions.ids)
         training = {
             "tokens": tokens,
             "completion_mask": mask.astype(np.int32),
             "advantages": advantages,
+            "sampler_logps": sampler_logps,
             "batch_rows": np.full(rows, rows, np.float32),
             "batch_tokens": np.full(rows, mask[:, 1:].sum(), np.float32),
             "host_metrics": np.tile(np.array([metrics[name] for name in self.metric_names], np.float32), (rows, 1)),
         }
-        if section.num_iterations > 1:
-            training["old_logps"] = forward_logps.astype(np.float32)
+        if old_logps is not None:
+            training["old_logps"] = np.asarray(jax.device_get(old_logps), np.float32)
         return training
 
 
@@ -229,6 +223,7 @@ def example_batch(prompts: Prompts, section: GRPOConfig, rows: int, metrics: int
         "tokens": np.zeros((rows, width), np.int32),
         "completion_mask": np.zeros((rows, width), np.int32),
         "advantages": np.zeros(rows, np.float32),
+        "sampler_logps": np.zeros((rows, width - 1), np.float32),
         "batch_rows": np.full(rows, rows, np.float32),
         "batch_tokens": np.ones(rows, np.float32),
         "host_metrics": np.zeros((rows, metrics), np.float32),

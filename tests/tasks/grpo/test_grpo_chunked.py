@@ -22,6 +22,7 @@ def test_grpo_log_probs_over_chunks_equal_the_whole_logits():
     batch = {"tokens": rng.integers(0, VOCAB, (ROWS, LENGTH)).astype(np.int32), "completion_mask": mask,
              "advantages": np.array([1.0, -0.5, 0.25, -0.75], np.float32),
              "batch_rows": np.full(ROWS, ROWS, np.float32), "batch_tokens": np.full(ROWS, mask[:, 1:].sum(), np.float32),
+             "sampler_logps": np.zeros((ROWS, LENGTH - 1), np.float32),
              "host_metrics": np.zeros((ROWS, 0), np.float32)}  # fmt: skip
     pieces = model_pieces(build_model(GPTConfig(vocab_size=VOCAB, max_len=16, d_model=16, n_layers=1, n_heads=2,
                                                 d_ff=32)), batch["tokens"][:, :-1], batch)  # fmt: skip
