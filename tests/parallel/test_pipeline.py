@@ -126,9 +126,9 @@ def test_the_backward_pass_keeps_each_iterations_stage_inputs_not_every_layers(c
 
     def loss(weights, x):
         def apply_group(w, h, args, index):
-            return jax.checkpoint(lambda w, h: jnp.tanh(h @ w))(w, h)
+            return jax.checkpoint(lambda w, h: jnp.tanh(h @ w))(w, h), None
 
-        return pipeline_layers(apply_group, weights, x, (), stages=stages, schedule=PipelineSchedule()).sum()
+        return pipeline_layers(apply_group, weights, x, (), stages=stages, schedule=PipelineSchedule())[0].sum()
 
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((stages,), (PIPELINE_AXIS,))):
         jax.ad_checkpoint.print_saved_residuals(loss, jnp.ones((layers, width, width)), jnp.ones((rows, width)))
