@@ -141,9 +141,7 @@ def _pipelined(
         (h, output), added = module.apply({**group, **zeros}, h, *group_args, rngs=rngs, mutable=counters)
         return h, (output, added)
 
-    x, (grouped, added) = pipeline_layers(
-        apply_group, variables, x, args, stages=stages, schedule=current_schedule()
-    )
+    x, (grouped, added) = pipeline_layers(apply_group, variables, x, args, stages=stages, schedule=current_schedule())
     for col, sums in added.items():
         for name, value in sums.items():
             scanned.put_variable(col, name, jax.tree.map(jnp.add, variables[col][name], value))

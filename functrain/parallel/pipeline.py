@@ -185,7 +185,9 @@ def pipeline_layers(
         # One stage's sums [repeats, L, ...] plus its groups' outputs on the micro-batch it worked on, if any.
         return jax.tree.map(lambda t, o: t.at[repeat].add(jnp.where(busy, o, jnp.zeros_like(o))), total, output)
 
-    def iteration(carry: tuple[jax.Array, jax.Array, Any], t: jax.Array) -> tuple[tuple[jax.Array, jax.Array, Any], None]:
+    def iteration(
+        carry: tuple[jax.Array, jax.Array, Any], t: jax.Array
+    ) -> tuple[tuple[jax.Array, jax.Array, Any], None]:
         inputs, activations, totals = carry
         inputs = inputs.at[0].set(activations[jnp.minimum(t % period, count - 1)])
         if stage_axes:
@@ -203,7 +205,9 @@ def pipeline_layers(
     inputs = jnp.zeros((stages, *activations.shape[1:]), x.dtype)
     first = jnp.zeros((stages,), jnp.int32)
     shapes = jax.eval_shape(run_stages, params, inputs, first, first)[1]  # [stages, L, ...]
-    totals = jax.tree.map(lambda s: _constrain(jnp.zeros((stages, repeats, *s.shape[1:]), s.dtype), PIPELINE_AXIS), shapes)
+    totals = jax.tree.map(
+        lambda s: _constrain(jnp.zeros((stages, repeats, *s.shape[1:]), s.dtype), PIPELINE_AXIS), shapes
+    )
     (_, activations, totals), _ = jax.lax.scan(
         iteration, (inputs, activations, totals), jnp.arange(iterations(stages, repeats, count))
     )
