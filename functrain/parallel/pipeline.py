@@ -14,7 +14,9 @@ The loop is one ``lax.scan`` over iterations. Its carry is every stage's input `
 (sharded on ``pipeline``: each device computes its own stage, a ``vmap`` over stages whose constraints name the
 axis) and the micro-batches' activations between passes; after each iteration the stages' outputs rotate one
 stage on (``jnp.roll``: XLA's collective-permute). Micro-batches take every ``M``-th row, so each stays split over
-the data axes as the batch was.
+the data axes as the batch was. What the groups return beside the hidden states (a mixture of experts' router
+statistics: sums over the rows) is summed in the carry, each stage's ``[repeats, L, ...]``, on the iterations
+where the stage works on a real micro-batch: the whole batch's sums, as the unpipelined scan returns them.
 
 The parameters keep their logical layout ``[G, ...]`` (checkpoints restore onto any stage count); with
 ``repeats > 1`` the stage layout ``[stages, repeats, L, ...]`` is gathered from it inside the step (an all-to-all
