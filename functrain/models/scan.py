@@ -141,7 +141,10 @@ def _pipelined(
         (h, output), added = module.apply({**group, **zeros}, h, *group_args, rngs=rngs, mutable=counters)
         return h, (output, added)
 
-    x, (grouped, added) = pipeline_layers(apply_group, variables, x, args, stages=stages, schedule=current_schedule())
+    # Blocks that return statistics are a mixture of experts': its ragged_dot cannot be batched by a vmap on TPU.
+    x, (grouped, added) = pipeline_layers(
+        apply_group, variables, x, args, stages=stages, schedule=current_schedule(), manual_stages=collect
+    )
     for col, sums in added.items():
         for name, value in sums.items():
             scanned.put_variable(col, name, jax.tree.map(jnp.add, variables[col][name], value))

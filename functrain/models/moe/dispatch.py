@@ -34,7 +34,6 @@ from jax.sharding import PartitionSpec
 
 from functrain.data.global_array import BATCH_AXES
 from functrain.models.moe.expert_parallel import return_from_experts, send_to_experts
-from functrain.parallel.pipeline import PIPELINE_AXIS
 
 Array = jax.Array
 Glu = Callable[[Array, Array], Array]  # (gate projection, up projection) -> the hidden activation
@@ -187,8 +186,6 @@ def run_experts(
     local = functools.partial(_run_local, glu=glu, dispatch=dispatch, factor=capacity_factor, expert_axis=expert_axis)
     rows = PartitionSpec(axes)
     experts_spec = PartitionSpec(expert_axis)
-    # Manual over the pipeline axis too: pipelined layers run this under a vmap over the stages that names it.
-    manual = set(axes) | ({PIPELINE_AXIS} if mesh.shape.get(PIPELINE_AXIS, 1) > 1 else set())
     return jax.shard_map(
-        local, in_specs=(rows, rows, rows, rows, experts_spec), out_specs=(rows, rows), axis_names=manual
+        local, in_specs=(rows, rows, rows, rows, experts_spec), out_specs=(rows, rows), axis_names=set(axes)
     )(x, weights, experts, real, w)
