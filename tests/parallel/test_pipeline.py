@@ -4,8 +4,8 @@ remat, 2 steps per call) equals one device; a pipelined run killed at a random c
 checkpoint restores on one device (the stacked layers are saved in their logical order, whatever the stages).
 A tiny DeepSeek-V3 (a dense first layer outside the pipeline, then 2 MoE layers) trained with ``mesh.pipeline=2
 mesh.expert=2 mesh.data=2``, its router z-loss in the loss and its correction biases moved by the step's expert
-counts, equals one device: the router statistics and counts are carried through
-the schedule and summed over its micro-batches.
+counts, equals one device: the router statistics and counts are carried through the schedule and summed over its
+micro-batches.
 
 Two processes of 8 devices one after the other (the pipelined runs and the killed one; the resume); the
 one-device references and restore run here, beside them.
