@@ -8,7 +8,8 @@ plus ``n_shared_experts`` experts' worth of always-on MLP (``shared_experts``). 
 
 Parameters: the dense layers are ``dense_layers_{i}`` and the MoE layers ``moe_layers_{j}`` (HF's layer
 ``first_k_dense_replace + j``): two runs of identical layers, so ``model.scan_layers`` scans each as one stack
-(``dense_layers_stack``, ``moe_layers_stack``), as MaxText does. An MoE layer's ``e_score_correction_bias`` is a
+(``dense_layers_stack``, ``moe_layers_stack``), as MaxText does; pipeline stages (``mesh.pipeline``) split the
+MoE stack, and every stage runs the dense layers whole. An MoE layer's ``e_score_correction_bias`` is a
 leaf of the params (so conversion, sampling and export carry it) that no gradient and no optimizer moves: the
 module marks it frozen (:meth:`DeepseekV3ForCausalLM.trainable_mask`) and, with ``bias_update_rate``, counts each
 expert's selections over a training step in the ``router_counts`` model state, from which the step's end
@@ -201,9 +202,10 @@ class DeepseekV3ForCausalLM(nn.Module):
             def make_block(i: int, name: str, moe: bool = moe) -> nn.Module:
                 return block(cfg, self.dtype, moe, name=name)
 
+            # Only the MoE layers split over pipeline stages: every stage runs the few dense ones whole.
             x, run_stats = apply_layers(
                 x, kinds=[moe] * count, make_block=make_block, prefix=prefix, scan=cfg.scan_layers,
-                args=(segment_ids, positions, token_mask), collect=True,
+                args=(segment_ids, positions, token_mask), collect=True, pipelined=moe,
             )  # fmt: skip
             stats.append(run_stats)
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(x)

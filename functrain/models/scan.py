@@ -75,13 +75,16 @@ def apply_layers(
     leading_args: tuple = (),
     args: tuple = (),
     collect: bool = False,
+    pipelined: bool = True,
 ) -> Any:
     """``x`` through ``len(kinds)`` blocks, inside a compact ``__call__``: unrolled as ``{prefix}{i}``, or with
     ``scan`` by groups of the layers' period (module docstring). ``make_block(i, name)`` builds layer ``i``
     (remat-wrapped as the model wants: a scan keeps its remat per layer); each block is called as
     ``block(x, *leading_args, *args)``. With ``collect`` each block returns ``(x, output)`` (a tree of arrays of
-    the same shapes on every layer, a mixture of experts' router statistics) and the result is ``(x, outputs)``,
-    the outputs stacked ``[layers, ...]`` in layer order."""
+    the same shapes on every layer, sums over the batch's rows: a mixture of experts' router statistics) and the
+    result is ``(x, outputs)``, the outputs stacked ``[layers, ...]`` in layer order. A scanned stack is split
+    over the mesh's pipeline stages unless ``pipelined`` is False (then every stage runs it whole, its weights
+    replicated over the stages: a few layers unlike the rest, DeepSeek-V3's dense first layers)."""
     count = len(kinds)
     first_unrolled = 0
     outputs = []
@@ -95,14 +98,12 @@ def apply_layers(
             split_rngs={"params": True, "dropout": True},
             in_axes=nn.broadcast,
             length=groups,
-            metadata_params={nn.PARTITION_NAME: LAYERS_AXIS},
+            metadata_params={nn.PARTITION_NAME: LAYERS_AXIS if pipelined else None},
         )
         scanned = stack(make_block, period, tuple(leading_args), collect, name=f"{prefix}{STACK_SUFFIX}")
-        stages = stage_count()
+        stages = stage_count() if pipelined else 1
         if stages > 1 and not scanned.is_initializing():  # the stack over the mesh's pipeline stages
-            if collect:
-                raise TypeError("pipelined layers return no per-layer outputs (a mixture of experts' statistics)")
-            x = _pipelined(scanned, make_block, period, tuple(leading_args), x, args, stages)
+            x, grouped = _pipelined(scanned, make_block, period, tuple(leading_args), collect, x, args, stages)
         else:
             x, grouped = scanned(x, *args)
         if collect:  # [groups, period, ...] -> [groups * period, ...]: layer g * period + j at that index
@@ -116,19 +117,38 @@ def apply_layers(
 
 
 def _pipelined(
-    scanned: nn.Module, make_block: MakeBlock, period: int, leading_args: tuple, x: jax.Array, args: tuple, stages: int
-) -> jax.Array:
+    scanned: nn.Module,
+    make_block: MakeBlock,
+    period: int,
+    leading_args: tuple,
+    collect: bool,
+    x: jax.Array,
+    args: tuple,
+    stages: int,
+) -> tuple[jax.Array, Any]:
     """What ``scanned(x, *args)`` computes, run by :func:`functrain.parallel.pipeline.pipeline_layers` on the
-    scan's own stacked variables (initialised, and checkpointed, by the scan)."""
+    scan's own stacked variables (initialised, and checkpointed, by the scan). The collections the blocks update
+    (DeepSeek-V3's router counts) must be counters: each group runs each micro-batch from zeros, and the stack's
+    variables grow by the sum of what every micro-batch added, as the scan over the whole batch adds it."""
     variables = scanned.variables
+    counters = [col for col in variables if col != "params" and scanned.is_mutable_collection(col)]
     dropout = scanned.make_rng("dropout") if scanned.has_rng("dropout") else None
 
-    def apply_group(group: Any, h: jax.Array, group_args: tuple, index: jax.Array) -> jax.Array:
+    def apply_group(group: Any, h: jax.Array, group_args: tuple, index: jax.Array) -> tuple[jax.Array, Any]:
         rngs = {} if dropout is None else {"dropout": jax.random.fold_in(dropout, index)}
-        module = _Group(make_block, period, leading_args, parent=None)
-        return module.apply(group, h, *group_args, rngs=rngs)[0]
+        zeros = {col: jax.tree.map(jnp.zeros_like, group[col]) for col in counters}
+        module = _Group(make_block, period, leading_args, collect, parent=None)
+        (h, output), added = module.apply({**group, **zeros}, h, *group_args, rngs=rngs, mutable=counters)
+        return h, (output, added)
 
-    return pipeline_layers(apply_group, variables, x, args, stages=stages, schedule=current_schedule())
+    # Blocks that return statistics are a mixture of experts': its ragged_dot cannot be batched by a vmap on TPU.
+    x, (grouped, added) = pipeline_layers(
+        apply_group, variables, x, args, stages=stages, schedule=current_schedule(), manual_stages=collect
+    )
+    for col, sums in added.items():
+        for name, value in sums.items():
+            scanned.put_variable(col, name, jax.tree.map(jnp.add, variables[col][name], value))
+    return x, grouped
 
 
 def scan_groups(model_config: ModelConfig) -> int:

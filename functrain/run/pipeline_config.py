@@ -10,7 +10,6 @@ from pydantic import Field
 
 from functrain.core.section import Section
 from functrain.errors import ConfigError
-from functrain.models.configs.moe import MoeOptions
 
 if TYPE_CHECKING:
     from functrain.parallel.pipeline import PipelineSchedule
@@ -41,11 +40,11 @@ def pipeline_problem(config: Any) -> str | None:
 
     model = config.model
     name = model.registry_name() or "given to this run"
-    kinds = model.layer_kinds()
+    kinds = model.pipelined_layer_kinds()
     if kinds is None:
         return f"{where} splits a model's scanned layers and model {name} does not scan its layers; set mesh.pipeline=1"
-    if isinstance(model, MoeOptions):
-        return f"{where}: the mixture-of-experts model {name} cannot be pipelined yet; set mesh.pipeline=1"
+    if not kinds:
+        return f"{where} splits the mixture-of-experts layers and model {name} has none; set mesh.pipeline=1"
     if not model.layers_scanned():
         return f"{where} splits the scanned layers; set model.scan_layers=true"
     groups = len(kinds) // layer_period(kinds)

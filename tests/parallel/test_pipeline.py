@@ -2,9 +2,13 @@
 mesh.data=2`` on the circular schedule (2 chunks a stage, fewer micro-batches than stages, gradient accumulation,
 remat, 2 steps per call) equals one device; a pipelined run killed at a random call resumes bit for bit; its
 checkpoint restores on one device (the stacked layers are saved in their logical order, whatever the stages).
+A tiny DeepSeek-V3 (a dense first layer outside the pipeline, then 2 MoE layers) trained with ``mesh.pipeline=2
+mesh.expert=2 mesh.data=2``, its router z-loss in the loss and its correction biases moved by the step's expert
+counts, equals one device: the router statistics and counts are carried through the schedule and summed over its
+micro-batches.
 
-Two processes of 8 devices one after the other (the pipelined run and the killed one; the resume); the
-one-device reference and restore run here, beside them.
+Two processes of 8 devices one after the other (the pipelined runs and the killed one; the resume); the
+one-device references and restore run here, beside them.
 """
 
 import json
@@ -20,7 +24,9 @@ import textwrap
 import jax
 import jax.ad_checkpoint
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from flax.traverse_util import flatten_dict
 
 import functrain
 from functrain.checkpoint import load_params
@@ -40,6 +46,21 @@ TINY_GPT = {
 PIPELINED = {**TINY_GPT, "mesh.pipeline": 4, "mesh.data": 2, "pipeline.repeats": 2, "train.pipeline_microbatches": 2,
              "train.micro_batches": 2, "model.remat": "full"}
 STEPS = 6
+# One dense layer run whole on both stages, then one MoE layer a stage; 8 rows a step pipelined in 2 micro-batches of
+# 4 rows, each split 4 ways over data x expert (the experts 2 ways).
+DEEPSEEK = {"seed": 0, "data": {"name": "char_text", "seq_len": 16, "global_batch_size": 8, "eval_fraction": 0.0},
+            "model": {"name": "deepseek_v3", "vocab_size": 256, "hidden_size": 16, "intermediate_size": 24,
+                      "moe_intermediate_size": 8, "num_hidden_layers": 3, "first_k_dense_replace": 1,
+                      "num_attention_heads": 2, "num_key_value_heads": 2, "kv_lora_rank": 8, "q_lora_rank": None,
+                      "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 4, "n_routed_experts": 8,
+                      "n_shared_experts": 0, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
+                      "max_position_embeddings": 16, "bias_update_rate": 0.01, "initializer_range": 0.2,
+                      "router_z_loss_coef": 0.01, "scan_layers": True},
+            "optimizer": {"name": "adamw", "learning_rate": 0.01, "warmup_steps": 0},
+            "train": {"max_steps": 3, "steps_per_call": 1},
+            "eval": {"every_steps": 0, "samples": {"count": 0}}, "checkpoint": {"every_steps": 3, "async_save": False},
+            "log": {"every_steps": 1, "plot": False, "tensorboard": False, "progress": False}}
+EXPERTS_PIPELINED = {"mesh.pipeline": 2, "mesh.expert": 2, "mesh.data": 2}
 
 WORKER = r"""
 import json, sys
@@ -47,10 +68,9 @@ import functrain
 from functrain.commands.verify_resume import KillAt
 
 for job in json.loads(sys.argv[1]):
-    run_dir, max_steps, overrides, kill_step = job
+    config, run_dir, max_steps, overrides, kill_step = job
     callbacks = [KillAt(kill_step)] if kill_step else []
-    functrain.fit("configs/char_gpt.yaml", callbacks=callbacks, **{"run.dir": run_dir, "train.max_steps": max_steps,
-                                                                   **overrides})
+    functrain.fit(config, callbacks=callbacks, **{"run.dir": run_dir, "train.max_steps": max_steps, **overrides})
 """
 
 
@@ -81,13 +101,18 @@ def _fit(run_dir: str, max_steps: int) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline")
-    dirs = {name: str(root / name) for name in ("single", "pipelined", "killed", "one_device")}
+    names = ("single", "pipelined", "killed", "one_device", "deepseek_single", "deepseek_pipelined")
+    dirs = {name: str(root / name) for name in names}
     kill_step = random.choice(range(2, STEPS, 2))  # a call boundary before the end
-    pipelined = _start([[dirs["pipelined"], STEPS, PIPELINED, None], [dirs["killed"], STEPS, PIPELINED, kill_step]])
+    gpt = "configs/char_gpt.yaml"
+    pipelined = _start([[DEEPSEEK, dirs["deepseek_pipelined"], 3, EXPERTS_PIPELINED, None],
+                        [gpt, dirs["pipelined"], STEPS, PIPELINED, None],
+                        [gpt, dirs["killed"], STEPS, PIPELINED, kill_step]])
     _fit(dirs["single"], STEPS + 2)
+    functrain.fit(DEEPSEEK, **{"run.dir": dirs["deepseek_single"]})
     _finish(pipelined, killed=True)
     killed_at = max(json.loads(line)["step"] for line in open(os.path.join(dirs["killed"], "metrics.jsonl")))
-    resumed = _start([[dirs["killed"], STEPS, PIPELINED, None]])
+    resumed = _start([[gpt, dirs["killed"], STEPS, PIPELINED, None]])
     shutil.copytree(dirs["pipelined"], dirs["one_device"])
     _fit(dirs["one_device"], STEPS + 2)  # the pipelined run's last checkpoint, restored on one device
     _finish(resumed)
@@ -99,6 +124,23 @@ def test_pipelined_training_matches_one_device(runs):
     reference = load_params(dirs["single"], step=STEPS)
     assert max_abs_diff(reference, load_params(dirs["single"], step=2)) > 100 * TOLERANCE  # the params move
     assert max_abs_diff(reference, load_params(dirs["pipelined"], step=STEPS)) <= TOLERANCE
+
+
+def _train_records(run_dir: str) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as lines:
+        return [record for record in map(json.loads, lines) if record.get("split") == "train"]
+
+
+def test_a_pipelined_mixture_of_experts_with_its_bias_update_matches_one_device(runs):
+    dirs, _ = runs
+    reference, pipelined = load_params(dirs["deepseek_single"], step=3), load_params(dirs["deepseek_pipelined"], step=3)
+    assert max_abs_diff(reference, pipelined) <= TOLERANCE
+    biases = [leaf for path, leaf in flatten_dict(reference).items() if path[-1] == "e_score_correction_bias"]
+    assert len(biases) == 1 and np.abs(biases[0]).max() > 0.005  # the 2 MoE layers' biases moved by the counts
+    for single, split in zip(_train_records(dirs["deepseek_single"]), _train_records(dirs["deepseek_pipelined"]),
+                             strict=True):
+        assert single["moe/z_loss"] > 0 and split["moe/z_loss"] == pytest.approx(single["moe/z_loss"], abs=TOLERANCE)
+        assert split["loss"] == pytest.approx(single["loss"], abs=TOLERANCE)
 
 
 def test_a_killed_pipelined_run_resumes_bitwise(runs):
@@ -126,9 +168,9 @@ def test_the_backward_pass_keeps_each_iterations_stage_inputs_not_every_layers(c
 
     def loss(weights, x):
         def apply_group(w, h, args, index):
-            return jax.checkpoint(lambda w, h: jnp.tanh(h @ w))(w, h)
+            return jax.checkpoint(lambda w, h: jnp.tanh(h @ w))(w, h), None
 
-        return pipeline_layers(apply_group, weights, x, (), stages=stages, schedule=PipelineSchedule()).sum()
+        return pipeline_layers(apply_group, weights, x, (), stages=stages, schedule=PipelineSchedule())[0].sum()
 
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((stages,), (PIPELINE_AXIS,))):
         jax.ad_checkpoint.print_saved_residuals(loss, jnp.ones((layers, width, width)), jnp.ones((rows, width)))

@@ -9,6 +9,8 @@ from functrain.run.config import load_config
 from functrain.run.pipeline_config import pipeline_schedule
 
 GPT = ["model.n_layers=4", "model.scan_layers=true"]
+DEEPSEEK = "name: deepseek_v3, num_hidden_layers: 4, scan_layers: true"
+MIXED_QWEN = "name: qwen2_moe, num_hidden_layers: 4, mlp_only_layers: [0], scan_layers: true"
 REFUSALS = {
     "stages_do_not_divide_the_layers": ("configs/char_gpt.yaml", [*GPT, "mesh.pipeline=3"],
                                         "(3 stages) x pipeline.repeats=1 does not divide the model's 4 layers; "
@@ -23,8 +25,16 @@ REFUSALS = {
                                "model mlp does not scan its layers; set mesh.pipeline=1"),
     "user_model": ("configs/mlp_digits.yaml", ["mesh.pipeline=2", "model={target: 'tests.fake:model'}"],
                    "model given to this run does not scan its layers"),
-    "mixture_of_experts": ("configs/moe_char.yaml", ["model.scan_layers=true", "mesh.pipeline=2"],
-                           "cannot be pipelined yet; set mesh.pipeline=1"),
+    # DeepSeek-V3's dense first layers run outside the pipeline: its MoE layers are what the stages split.
+    "deepseek_moe_layers_do_not_divide": ("configs/moe_char.yaml", [f"model={{{DEEPSEEK}, first_k_dense_replace: 1}}",
+                                                                    "mesh.pipeline=2"],
+                                          "(2 stages) x pipeline.repeats=1 does not divide the model's 3 layers"),
+    "deepseek_without_moe_layers": ("configs/moe_char.yaml", [f"model={{{DEEPSEEK}, first_k_dense_replace: 4}}",
+                                                              "mesh.pipeline=2"],
+                                    "splits the mixture-of-experts layers and model deepseek_v3 has none"),
+    # A dense layer amid the sparse ones: the stack's one group of 4 layers cannot split.
+    "mixed_moe_stack": ("configs/moe_char.yaml", [f"model={{{MIXED_QWEN}}}", "mesh.pipeline=2"],
+                        "does not divide the model's 1 groups of 4 layers"),
     "torch_backend": ("configs/char_gpt_torch.yaml", ["mesh.pipeline=3"],
                       "pipelines the JAX backend's scanned layers; set backend=jax or mesh.pipeline=1"),
 }

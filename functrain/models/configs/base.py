@@ -79,6 +79,11 @@ class ModelConfig(pydantic.BaseModel):
         ``kinds`` to :func:`functrain.models.scan.apply_layers`; None for models whose layers do not scan."""
         return None
 
+    def pipelined_layer_kinds(self) -> list[Hashable] | None:
+        """The kinds of the layers pipeline stages split (``mesh.pipeline``): every layer, unless the family runs
+        some outside the pipeline; None for models whose layers do not scan."""
+        return self.layer_kinds()
+
     def unrolled(self, layers: Sequence[int]) -> Any:
         """A copy of a scanning model's config whose ``i``-th layer is this config's layer ``layers[i]``, not
         scanned, every other setting kept (:func:`functrain.models.scan.fewer_groups_unrolled`)."""

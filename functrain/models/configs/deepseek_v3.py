@@ -161,6 +161,10 @@ class DeepseekV3Config(HFModelConfig, MoeOptions):
         layers as its own stack)."""
         return ["moe" if self.moe_layer(i) else "dense" for i in range(self.num_hidden_layers)]
 
+    def pipelined_layer_kinds(self) -> list[Hashable]:
+        """The MoE layers: every pipeline stage runs the dense first layers whole."""
+        return [kind for kind in self.layer_kinds() if kind == "moe"]
+
     def unrolled(self, layers: Sequence[int]) -> "DeepseekV3Config":
         """``len(layers)`` unrolled layers, the dense ones first (as the layers they stand for)."""
         dense = sum(not self.moe_layer(i) for i in layers)
