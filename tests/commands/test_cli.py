@@ -51,14 +51,16 @@ def test_train_writes_the_run_directory_and_the_loss_falls(trained_run):
     assert steps == [20, 40]
 
 
-def test_inspect_lists_checkpoints_and_a_stable_digest(trained_run):
-    report = functrain("inspect", str(trained_run))
-    assert report.returncode == 0, report.stderr
-    assert "40" in report.stdout and "20" in report.stdout
-    first = functrain("inspect", str(trained_run), "--digest")
-    again = functrain("inspect", str(trained_run), "--digest", "--step", "40")
-    digests = [line for line in first.stdout.split() if len(line) == 64]
-    assert digests and digests[0] in again.stdout
+def test_inspect_lists_checkpoints_and_a_stable_digest(trained_run, capsys):
+    def inspect(*args: str) -> str:  # in this process: the run above is the real process
+        assert main(["inspect", str(trained_run), *args]) == 0
+        return capsys.readouterr().out
+
+    report = inspect()
+    assert "40" in report and "20" in report
+    first, again = inspect("--digest"), inspect("--digest", "--step", "40")
+    digests = [line for line in first.split() if len(line) == 64]
+    assert digests and digests[0] in again
 
 
 BAD_INPUTS = {
@@ -77,18 +79,20 @@ BAD_INPUTS = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
-def test_bad_input_is_one_line_exit_2_and_the_run_directory_is_untouched(case, trained_run, tmp_path):
+def test_bad_input_is_one_line_exit_2_and_the_run_directory_is_untouched(case, trained_run, tmp_path, capfd):
+    # In this process (main is the console script's entry; the process's own exit status and stderr are checked
+    # by the test below, with 4 devices).
     args, expected = BAD_INPUTS[case]
     if args[1] == "{bad}":
         bad = tmp_path / "bad.yaml"
         bad.write_text("model: {name: mlp\n")
         args = ["train", str(bad)]
     before = snapshot(trained_run)
-    proc = functrain(*args, f"run.dir={trained_run}")
-    assert proc.returncode == 2, proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("functrain: error:") and expected in lines[0], proc.stderr
-    assert "Traceback" not in proc.stderr
+    assert main([*args, f"run.dir={trained_run}"]) == 2
+    stderr = capfd.readouterr().err
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("functrain: error:") and expected in lines[0], stderr
+    assert "Traceback" not in stderr
     assert snapshot(trained_run) == before
 
 
@@ -96,7 +100,9 @@ def test_batch_not_divisible_by_micro_batches_times_data_devices(tmp_path):
     proc = functrain("train", "configs/mlp_digits.yaml", f"run.dir={tmp_path / 'r'}", "data.global_batch_size=6",
                      "train.micro_batches=2", "mesh.data=4", devices=4)
     assert proc.returncode == 2
-    assert "train.micro_batches=2 x the 4 data-parallel devices" in proc.stderr and "multiple of 8" in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("functrain: error:"), proc.stderr
+    assert "train.micro_batches=2 x the 4 data-parallel devices" in lines[0] and "multiple of 8" in lines[0]
     assert not (tmp_path / "r").exists()
 
 

@@ -28,6 +28,12 @@ EIGHT = PAIRS + [{"prompt": "dog ", "chosen": "ran", "rejected": "flew"},
                  {"prompt": "up ", "chosen": "down", "rejected": "up"}]
 
 
+# Two programs compute the same values (the frozen copy's forward inside the step, the precomputed file's outside
+# it), each rounding in float32 its own way: the log-probs are sums near -28, whose last bit is 2e-6.
+def same_in_float32(expected: float):
+    return pytest.approx(expected, rel=1e-6, abs=1e-6)
+
+
 def train_metrics(run_dir):
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {line["step"]: line for line in lines if line.get("split") == "train"}
@@ -63,10 +69,9 @@ def test_precomputed_log_probs_train_as_the_frozen_copy_does(runs):
     assert frozen[1]["loss"] == pytest.approx(np.log(2.0), abs=1e-6)
     for step in frozen:
         for name in METRICS:
-            assert precomputed[step][name] == pytest.approx(frozen[step][name], abs=1e-6), (step, name)
+            assert precomputed[step][name] == same_in_float32(frozen[step][name]), (step, name)
     for name in METRICS:
-        assert runs["resumed"].metrics["eval"][name] == pytest.approx(runs["frozen"].metrics["eval"][name],
-                                                                     abs=1e-6), name
+        assert runs["resumed"].metrics["eval"][name] == same_in_float32(runs["frozen"].metrics["eval"][name]), name
 
 
 def test_the_state_holds_no_reference_copy(runs):
@@ -154,5 +159,5 @@ def test_with_lora_the_precomputed_reference_is_the_base_with_adapters_off(tmp_p
     want, got = both(params, model_state, batch, jax.random.PRNGKey(0))
     assert float(got[0]) == pytest.approx(float(want[0]), abs=1e-6) and float(got[1]) == 4.0
     for name in ("rewards/chosen", "rewards/rejected", "logps/chosen"):
-        assert float(got[2][name]) == pytest.approx(float(want[2][name]), abs=1e-6), name
+        assert float(got[2][name]) == same_in_float32(float(want[2][name])), name
     assert abs(float(got[2]["rewards/margins"])) > 1e-4  # the policy moved away from its reference
