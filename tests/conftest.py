@@ -55,33 +55,41 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir())
     f"functrain-tests-inductor-{os.environ.get('ATEN_CPU_CAPABILITY', 'native')}")))
 
 
-# The longest modules, longest first (from `make test`'s durations; together about 60% of the suite). xdist hands
+# The longest modules, longest first (by each module's CPU time, its subprocesses' included, profiled over the whole
+# suite; together about 65% of it). xdist hands
 # whole modules to its two workers (--dist loadfile) in collection order (--no-loadscope-reorder: by default it
 # orders them by their number of tests, which put several long modules of few tests last), so a long module
 # started late would leave one worker running alone at the end. Started first, the short ones fill the gaps.
 LONGEST_MODULES = (
     "run/test_plan.py",
-    "models/test_deepseek_v3.py",
-    "models/moe/test_moe_models.py",
-    "tasks/distill/test_distill_run.py",
-    "commands/test_moe_commands.py",
-    "models/test_scan_layers.py",
+    "parallel/test_pipeline.py",
     "run/test_multiprocess.py",
-    "run/test_backend_parity.py",
-    "tasks/preference/test_preference_trl.py",
-    "text/test_harness.py",
-    "models/moe/test_expert_parallel.py",
-    "run/test_resume_bitwise.py",
-    "run/test_mfu.py",
-    "torch_bridge/test_torch_transformers.py",
-    "text/test_generate.py",
-    "models/test_lora.py",
-    "run/test_loop.py",
+    "parallel/test_context_parallel.py",
+    "models/test_deepseek_v3.py",
+    "core/test_user_models.py",
+    "tasks/distill/test_distill_run.py",
+    "models/moe/test_moe_models.py",
+    "torch_bridge/test_torch_resume.py",
     "tasks/preference/test_preference.py",
     "run/test_token_training.py",
-    "core/test_user_models.py",
-    "torch_bridge/test_torch_resume.py",
+    "commands/test_moe_commands.py",
+    "run/test_run_outcome.py",
+    "run/test_resume_bitwise.py",
+    "checkpoint/test_checkpoint_integrity.py",
     "commands/test_cli.py",
+    "torch_bridge/test_torch_transformers.py",
+    "models/test_lora.py",
+    "text/test_harness.py",
+    "models/test_scan_layers.py",
+    "run/test_loop.py",
+    "commands/test_verify_resume.py",
+    "core/test_data_fields.py",
+    "tasks/grpo/test_grpo_run.py",
+    "models/moe/test_expert_parallel.py",
+    "run/test_backend_parity.py",
+    "run/test_mfu.py",
+    "tasks/preference/test_preference_trl.py",
+    "text/test_generate.py",
 )
 
 
