@@ -56,10 +56,10 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir())
 
 
 # The longest modules, longest first (by each module's CPU time, its subprocesses' included, profiled over the whole
-# suite; together about 65% of it). xdist hands
-# whole modules to its two workers (--dist loadfile) in collection order (--no-loadscope-reorder: by default it
-# orders them by their number of tests, which put several long modules of few tests last), so a long module
-# started late would leave one worker running alone at the end. Started first, the short ones fill the gaps.
+# suite; together about 65% of it). xdist hands whole modules to its two workers (--dist loadfile) in collection
+# order (--no-loadscope-reorder: by default it orders them by their number of tests, which put several long modules
+# of few tests last), so a long module started late would leave one worker running alone at the end. Started first,
+# the short ones fill the gaps.
 LONGEST_MODULES = (
     "run/test_plan.py",
     "parallel/test_pipeline.py",
