@@ -320,8 +320,9 @@ class Planned:
     model_config: Any  # the model section (its decoder shape, its remat policy)
     scan_groups: int = 0  # model.scan_layers: the whole groups of layers scanned; else 0
     # The backend of the same run (mesh, shardings, batch, step) with the model cut to ``k`` groups of layers
-    # and its remainder, unrolled: XLA counts a loop body once, so a plan measures the layers' cost from these.
-    unrolled_groups_backend: Callable[[int], Any] | None = None
+    # and its remainder, unrolled, each micro-batch split ``s`` ways (more micro-batches): XLA counts a loop body
+    # once, so a plan measures the layers' cost from these (on a split micro-batch where a whole one is refused).
+    unrolled_groups_backend: Callable[[int, int], Any] | None = None
     # The same run's backend built again (a new trace): for a compile traced under another context (a plan counts
     # the cross-entropy's chunk loops unrolled, functrain.core.unembedding.counted_whole).
     rebuilt_backend: Callable[[], Any] | None = None
@@ -345,9 +346,13 @@ def plan_run(config: Config, devices: list | None = None) -> Planned:
         _, max_steps, example_batch = _order(config, parts)
         backend, _ = backend_of(config, parts, example_batch, max_steps, devices)
 
-    def unrolled_groups_backend(groups: int) -> Any:
+    def unrolled_groups_backend(groups: int, split: int = 1) -> Any:
         # A pipelined run's copies fold its stages into the data axis (functrain.run.plan.pipelined_run_cost).
-        update = {"model": fewer_groups_unrolled(config.model, groups), "mesh": stages_as_data(config.mesh)}
+        update = {
+            "model": fewer_groups_unrolled(config.model, groups),
+            "mesh": stages_as_data(config.mesh),
+            "train": config.train.model_copy(update={"micro_batches": config.train.micro_batches * split}),
+        }
         return variant_backend(config.model_copy(update=update))
 
     def variant_backend(variant: Config) -> Any:

@@ -290,12 +290,17 @@ def scanned_run_cost(planned: Planned, slices: int = 1, layer_share: float = 1.0
     of a scanned run's train call with all its layers counted: the same run compiled with one group of layers and
     with two, unrolled, extrapolated to its ``scan_groups`` groups (identical groups cost the same; what lies
     outside the layers is in both). ``layer_share``: the share of the groups' cost each chip computes
-    (:func:`pipelined_run_cost`)."""
+    (:func:`pipelined_run_cost`).
+
+    Unrolled, the cross-entropy's chunks no longer take turns in HBM (llama3_8b on v5p:2x2x2: 121 GiB of
+    temporaries for one group of layers, 14.6 GiB with the chunk loop): a copy the TPU compiler refuses is counted
+    on micro-batches split in 2, 4, ... (:func:`counted_copy`), its cost scaled back by the split (the optimizer
+    update, counted once per micro-batch, is over-counted the more: well under 1% of an LM's FLOPs)."""
     unrolled = planned.unrolled_groups_backend
     if unrolled is None:
         raise ValueError("scanned_run_cost needs the plan of a run that scans its layers (model.scan_layers)")
-    with counted_whole():  # the cross-entropy's chunk loops too
-        one, two = (counted_cost(_compile(unrolled(groups), planned, counted=True), slices) for groups in (1, 2))
+    one, split = counted_copy(planned, 1, slices)
+    two, split = counted_copy(planned, 2, slices, split)
     return {
         key: float(one.get(key, 0.0))
         + (planned.scan_groups * layer_share - 1) * (float(two.get(key, 0.0)) - float(one.get(key, 0.0)))
@@ -304,12 +309,46 @@ def scanned_run_cost(planned: Planned, slices: int = 1, layer_share: float = 1.0
     }
 
 
+def counted_copy(planned: Planned, groups: int, slices: int, split: int = 1) -> tuple[dict[str, float], int]:
+    """:func:`counted_cost` of the run unrolled with ``groups`` groups of layers (the cross-entropy's chunk loops
+    too), its ``COST_KEYS`` per micro-batch of the run, and the split of the micro-batches it was compiled on:
+    ``split`` or, where the TPU compiler refuses that program for HBM, the least power of two above it that brings
+    the refused temporaries under HBM (as they shrink with the rows), doubled while still refused."""
+    assert planned.unrolled_groups_backend is not None, "a scanned run's plan has its unrolled copies"
+    while True:
+        try:
+            with counted_whole():
+                backend = planned.unrolled_groups_backend(groups, split)
+                cost = counted_cost(_compile(backend, planned, counted=True), slices)
+            return {key: value * split if key in COST_KEYS else value for key, value in cost.items()}, split
+        except jax.errors.JaxRuntimeError as exc:
+            required, available = _required_temporaries(str(exc)), _available_hbm(str(exc))
+            if required is None:
+                raise
+            split = max(2 * split, 1 << int(np.ceil(np.log2(split * required / (available or required)))))
+        rows = planned.global_batch_size // planned.step.micro_batches
+        if rows % split:
+            raise ConfigError(
+                f"the run compiles, but the copy of it that counts its FLOPs (layers and cross-entropy chunks "
+                f"unrolled) does not fit in HBM, and its {rows} rows a micro-batch do not split {split} ways; "
+                f"plan it with train.micro_batches={planned.step.micro_batches * split} or more"
+            )
+
+
 def _required_temporaries(message: str) -> int | None:
     """The temporaries' bytes from the TPU compiler's refusal of a program that does not fit in HBM, or None
     for another error ("... memory required for HLO temporaries (114.76G) exceeds available HBM (95.74G)")."""
     found = re.search(r"RESOURCE_EXHAUSTED.*?temporaries \(([0-9.]+)([KMGT])\)", message)
-    if found is None:
-        return None
+    return None if found is None else _bytes(found)
+
+
+def _available_hbm(message: str) -> int | None:
+    """The HBM a refusal (:func:`_required_temporaries`) says the program had, or None where it does not say."""
+    found = re.search(r"available HBM \(([0-9.]+)([KMGT])\)", message)
+    return None if found is None else _bytes(found)
+
+
+def _bytes(found: re.Match) -> int:
     return int(float(found.group(1)) * 1024 ** "KMGT".index(found.group(2)) * 1024)
 
 

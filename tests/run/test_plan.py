@@ -62,6 +62,43 @@ def test_a_scanned_run_plans_the_flops_and_bytes_of_the_same_run_unrolled(monkey
     assert "roofline step time" in format_plan(scanned)
 
 
+def test_a_counting_copy_the_compiler_refuses_is_counted_on_split_micro_batches(monkeypatch, compilation_cache):
+    # Unrolled, the counting copies' cross-entropy chunks stop taking turns in HBM: llama3_8b's pipelined plan on
+    # v5p:2x2x2 had its one-group copy refused (121 GiB) where the run fits. Here the "TPU" refuses a copy compiled
+    # on the run's whole micro-batch (1.5x HBM): the plan counts it on halves, scaled back, and matches the plan
+    # whose copies compiled whole.
+    from dataclasses import replace
+
+    from functrain.run import plan as plan_module
+    config = load_config("configs/char_gpt.yaml", THREE_LAYERS + ["model.scan_layers=true"])
+    whole = plan(config)  # compiled by the test above: cached
+    splits, refused = {}, []
+    real_plan_run, real_compile = plan_module.plan_run, plan_module._compile
+
+    def plan_run_seeing_splits(config, devices=None):
+        planned = real_plan_run(config, devices)
+
+        def copy(groups, split=1):
+            backend = planned.unrolled_groups_backend(groups, split)
+            splits[id(backend)] = split
+            return backend
+        return replace(planned, unrolled_groups_backend=copy)
+
+    def compile_refusing_whole_copies(backend, planned, counted=False):
+        if splits.get(id(backend)) == 1:
+            refused.append(backend)
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required "
+                                             "for HLO temporaries (3.00G) exceeds available HBM (2.00G).")
+        return real_compile(backend, planned, counted)
+
+    monkeypatch.setattr(plan_module, "plan_run", plan_run_seeing_splits)
+    monkeypatch.setattr(plan_module, "_compile", compile_refusing_whole_copies)
+    split = plan(config)
+    assert len(refused) == 1 and sorted(splits.values()) == [1, 2, 2]  # the two-group copy starts split
+    # Each half counts the optimizer update once more: 3.5% of this tiny model's FLOPs, never fewer than whole.
+    assert split.compiled and whole.flops_per_step <= split.flops_per_step <= 1.05 * whole.flops_per_step
+
+
 def test_a_chunked_cross_entropy_is_planned_with_every_chunk_counted(compilation_cache):
     # XLA counts the chunk loop's body once: plan counts a new trace of the run with the loop unrolled, so the
     # chunked loss costs what the whole one does plus the head's forward recomputed in the backward pass.
