@@ -323,9 +323,9 @@ class Planned:
     # and its remainder, unrolled, each micro-batch split ``s`` ways (more micro-batches): XLA counts a loop body
     # once, so a plan measures the layers' cost from these (on a split micro-batch where a whole one is refused).
     unrolled_groups_backend: Callable[[int, int], Any] | None = None
-    # The same run's backend built again (a new trace): for a compile traced under another context (a plan counts
-    # the cross-entropy's chunk loops unrolled, functrain.core.unembedding.counted_whole).
-    rebuilt_backend: Callable[[], Any] | None = None
+    # The same run's backend built again (a new trace), each micro-batch split ``s`` ways: for a compile traced
+    # under another context (a plan counts the cross-entropy's chunk loops unrolled, unembedding.counted_whole).
+    rebuilt_backend: Callable[[int], Any] | None = None
 
     @property
     def tokens_per_step(self) -> int | None:
@@ -348,12 +348,12 @@ def plan_run(config: Config, devices: list | None = None) -> Planned:
 
     def unrolled_groups_backend(groups: int, split: int = 1) -> Any:
         # A pipelined run's copies fold its stages into the data axis (functrain.run.plan.pipelined_run_cost).
-        update = {
-            "model": fewer_groups_unrolled(config.model, groups),
-            "mesh": stages_as_data(config.mesh),
-            "train": config.train.model_copy(update={"micro_batches": config.train.micro_batches * split}),
-        }
-        return variant_backend(config.model_copy(update=update))
+        update = {"model": fewer_groups_unrolled(config.model, groups), "mesh": stages_as_data(config.mesh)}
+        return rebuilt_backend(split, config.model_copy(update=update))
+
+    def rebuilt_backend(split: int = 1, variant: Config = config) -> Any:
+        train = variant.train.model_copy(update={"micro_batches": variant.train.micro_batches * split})
+        return variant_backend(variant.model_copy(update={"train": train}))
 
     def variant_backend(variant: Config) -> Any:
         with compiling_for(devices):
@@ -377,7 +377,7 @@ def plan_run(config: Config, devices: list | None = None) -> Planned:
         model_config=config.model,
         scan_groups=groups,
         unrolled_groups_backend=unrolled_groups_backend if groups else None,
-        rebuilt_backend=lambda: variant_backend(config),
+        rebuilt_backend=rebuilt_backend,
     )
 
 

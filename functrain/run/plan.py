@@ -41,7 +41,7 @@ import importlib.util
 import os
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -234,8 +234,7 @@ def plan(
         cost = scanned_run_cost(planned, slices) if schedule is None else pipelined_run_cost(planned, slices, schedule)
     elif chunk_loops:  # the cross-entropy's chunk loop, counted unrolled on a new trace of the run
         assert planned.rebuilt_backend is not None, "plan_run builds every run's rebuilt_backend"
-        with counted_whole():
-            cost = counted_cost(_compile(planned.rebuilt_backend(), planned, counted=True), slices)
+        cost, _ = counted_copy(planned, planned.rebuilt_backend, slices)
     elif _on_tpu(planned.backend):
         cost = counted_cost(_compile(planned.backend, planned, counted=True), slices)
     else:
@@ -299,8 +298,8 @@ def scanned_run_cost(planned: Planned, slices: int = 1, layer_share: float = 1.0
     unrolled = planned.unrolled_groups_backend
     if unrolled is None:
         raise ValueError("scanned_run_cost needs the plan of a run that scans its layers (model.scan_layers)")
-    one, split = counted_copy(planned, 1, slices)
-    two, split = counted_copy(planned, 2, slices, split)
+    one, split = counted_copy(planned, lambda split: unrolled(1, split), slices)
+    two, split = counted_copy(planned, lambda split: unrolled(2, split), slices, split)
     return {
         key: float(one.get(key, 0.0))
         + (planned.scan_groups * layer_share - 1) * (float(two.get(key, 0.0)) - float(one.get(key, 0.0)))
@@ -309,17 +308,18 @@ def scanned_run_cost(planned: Planned, slices: int = 1, layer_share: float = 1.0
     }
 
 
-def counted_copy(planned: Planned, groups: int, slices: int, split: int = 1) -> tuple[dict[str, float], int]:
-    """:func:`counted_cost` of the run unrolled with ``groups`` groups of layers (the cross-entropy's chunk loops
-    too), its ``COST_KEYS`` per micro-batch of the run, and the split of the micro-batches it was compiled on:
-    ``split`` or, where the TPU compiler refuses that program for HBM, the least power of two above it that brings
-    the refused temporaries under HBM (as they shrink with the rows), doubled while still refused."""
-    assert planned.unrolled_groups_backend is not None, "a scanned run's plan has its unrolled copies"
+def counted_copy(
+    planned: Planned, copy: Callable[[int], Any], slices: int, split: int = 1
+) -> tuple[dict[str, float], int]:
+    """:func:`counted_cost` of the backend ``copy(split)`` builds (a copy of the run, its micro-batches split
+    ``split`` ways), traced with the cross-entropy's chunk loops unrolled, its ``COST_KEYS`` per micro-batch of the
+    run, and the split it was compiled on: ``split`` or, where the TPU compiler refuses that program for HBM, the
+    least power of two above it that brings the refused temporaries under HBM (they shrink with the rows), doubled
+    while still refused."""
     while True:
         try:
             with counted_whole():
-                backend = planned.unrolled_groups_backend(groups, split)
-                cost = counted_cost(_compile(backend, planned, counted=True), slices)
+                cost = counted_cost(_compile(copy(split), planned, counted=True), slices)
             return {key: value * split if key in COST_KEYS else value for key, value in cost.items()}, split
         except jax.errors.JaxRuntimeError as exc:
             required, available = _required_temporaries(str(exc)), _available_hbm(str(exc))
