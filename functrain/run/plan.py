@@ -24,7 +24,9 @@ is, layer for layer, the cost of the whole run unrolled (:func:`scanned_run_cost
 program's own.
 
 A causal LM's cross-entropy over chunks of positions (``train.logits_chunk``) is a loop too: a run that traced one
-is counted on a new trace of it with the chunks unrolled (:func:`functrain.core.unembedding.counted_whole`).
+is counted on a new trace of it with the chunks unrolled (:func:`functrain.core.unembedding.counted_whole`). Unrolled,
+the chunks' logits no longer take turns in HBM: a counting compile the TPU compiler refuses for HBM is compiled
+again on micro-batches split 2, 4, ... ways and its cost scaled back (:func:`counted_copy`).
 
 Pipelined (``mesh.pipeline`` stages, :mod:`functrain.parallel.pipeline`), each chip computes its stage's share
 of the layers on every iteration of the schedule, busy or idle: the unrolled copies run with the stages folded
