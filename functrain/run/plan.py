@@ -279,11 +279,22 @@ def pipelined_run_cost(planned: Planned, slices: int, schedule: tuple[int, int, 
     on copies whose stages are folded into the data axis (each chip has ``1 / stages`` of the rows, so the copies
     fit where the run without its pipeline would), scaled back to a pipelined chip: its rows ``stages`` times the
     copy's, its layers ``1 / stages`` of them for ``1 - bubble`` of the time (``schedule``: stages, repeats,
-    micro-batches). Bytes scale with the rows too: the weights' reads are over-counted. The DCN bytes are the
-    copies' (the stages' activations between slices are not counted)."""
+    micro-batches), and their work grown by the forward pass the schedule's checkpointed iterations run again
+    (:func:`pipelined_layer_work`). Bytes scale with the rows too: the weights' reads are over-counted. The DCN
+    bytes are the copies' (the stages' activations between slices are not counted)."""
     stages = schedule[0]
-    cost = scanned_run_cost(planned, slices, layer_share=1 / (stages * (1 - bubble_fraction(*schedule))))
+    work = pipelined_layer_work(planned.model_config.remat_policy())
+    cost = scanned_run_cost(planned, slices, layer_share=work / (stages * (1 - bubble_fraction(*schedule))))
     return {key: value * stages if key in COST_KEYS else value for key, value in cost.items()}
+
+
+def pipelined_layer_work(remat: str) -> float:
+    """A pipelined chip's work on its layers over what the unpipelined counting copies count for them: each of the
+    schedule's iterations is checkpointed (:mod:`functrain.parallel.pipeline`), so the backward pass runs the
+    stage's layers forward once more. In matmul FLOPs a token and weight, the copies count a forward pass (2) and a
+    backward one (4), and with ``remat: full`` the forward again (2); the pipeline adds one forward (2)."""
+    counted = 8 if remat == "full" else 6
+    return (counted + 2) / counted
 
 
 def scanned_run_cost(planned: Planned, slices: int = 1, layer_share: float = 1.0) -> dict[str, float]:

@@ -99,6 +99,25 @@ def test_a_counting_copy_the_compiler_refuses_is_counted_on_split_micro_batches(
     assert split.compiled and whole.flops_per_step <= split.flops_per_step <= 1.05 * whole.flops_per_step
 
 
+@pytest.mark.parametrize("remat, counted", [("full", 8), ("none", 6)])
+def test_a_pipelined_chip_counts_the_forward_its_checkpointed_iterations_run_again(monkeypatch, remat, counted):
+    # The counting copies are unpipelined: a pipelined chip's layers also run forward once more in the backward pass
+    # (2 units a token and weight, beside the copies' forward 2, backward 4 and a full remat's forward 2), on its
+    # share of the layers (1 / stages) for the whole schedule (1 / (1 - bubble)), on stages times the copies' rows.
+    from functrain.run import plan as plan_module
+    shares = []
+
+    def scanned_run_cost(planned, slices, layer_share=1.0):
+        shares.append(layer_share)
+        return {"flops": 1.0, "bytes accessed": 2.0}
+
+    monkeypatch.setattr(plan_module, "scanned_run_cost", scanned_run_cost)
+    planned = SimpleNamespace(model_config=SimpleNamespace(remat_policy=lambda: remat))
+    cost = plan_module.pipelined_run_cost(planned, 1, (4, 2, 8))  # 4 stages, 2 repeats, 8 micro-batches
+    assert shares == [pytest.approx((counted + 2) / counted / (4 * (1 - 3 / 19)))]
+    assert cost == {"flops": 4.0, "bytes accessed": 8.0}
+
+
 def test_a_chunked_cross_entropy_is_planned_with_every_chunk_counted(compilation_cache):
     # XLA counts the chunk loop's body once: plan counts a new trace of the run with the loop unrolled, so the
     # chunked loss costs what the whole one does plus the head's forward recomputed in the backward pass.
