@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from functrain.errors import ConfigError
 from functrain.models.context_attention import context_attention
 from functrain.models.kv_cache import causal_mask
-from functrain.models.masked_attention import masked_attention
+from functrain.models.masked_attention import masked_attention, segment_mask
 from functrain.models.options import AttentionChoice
 from functrain.models.splash import interpreted as pallas_interpreted
 from functrain.models.splash import is_interpreted, splash_attention, splash_problem
@@ -114,11 +114,6 @@ def _checked_splash(dtype: Any, head_dim: int) -> Literal["splash"]:
     if problem is not None:
         raise ConfigError(f"model.attention=splash needs {problem}; set model.attention=xla (or auto)")
     return "splash"
-
-
-def segment_mask(segment_ids: Array) -> Array:
-    """``[B, 1, T, T]``: True where query and key tokens belong to the same segment."""
-    return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
 
 
 def attend(

@@ -26,7 +26,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from functrain.models.kv_cache import causal_mask
-from functrain.models.masked_attention import masked_attention
+from functrain.models.masked_attention import masked_attention, segment_mask
 from functrain.models.splash import kernel_specs, ordered_kernel, run_kernel, shard_specs
 from functrain.parallel.context import CONTEXT_AXIS, context_ways, load_balanced_order
 
@@ -89,7 +89,7 @@ def context_attention(
     def local_xla(q: Array, k: Array, v: Array, s: Array | None, h: Array | None, positions: Array) -> Array:
         mask = causal_mask(positions, length, window)[None, None]
         if (pair := segments(s)) is not None:
-            mask = mask & (pair[0][:, None, :, None] == pair[1][:, None, None, :])
+            mask = mask & segment_mask(*pair)
         return masked_attention(q, gathered(k), gathered(v), scale=scale, mask=mask, softcap=softcap, sinks=h)
 
     in_specs = (sequence_spec, sequence_spec, sequence_spec, segment_spec, sinks_spec, PartitionSpec(CONTEXT_AXIS))

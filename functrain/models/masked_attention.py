@@ -8,6 +8,13 @@ import jax.numpy as jnp
 Array = jax.Array
 
 
+def segment_mask(query_segments: Array, key_segments: Array | None = None) -> Array:
+    """``[B, 1, T, S]``: True where a query token and a key token belong to the same segment (the keys' segment ids
+    ``[B, S]`` are the queries' ``[B, T]`` unless given)."""
+    keys = query_segments if key_segments is None else key_segments
+    return (query_segments[:, :, None] == keys[:, None, :])[:, None]
+
+
 def masked_attention(
     query: Array,
     key: Array,

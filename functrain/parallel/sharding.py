@@ -403,7 +403,7 @@ def constrain_batch(x: jax.Array, batch_axis: int = 0) -> jax.Array:
         return x
     spec: list[Any] = [PartitionSpec.UNCONSTRAINED] * x.ndim
     spec[batch_axis] = axes
-    context = mesh.shape.get("context", 1) if "context" in mesh.axis_names else 1
+    context = mesh.shape.get("context", 1)
     if context > 1 and x.ndim > batch_axis + 2 and x.shape[batch_axis + 1] % context == 0:
         spec[batch_axis + 1] = "context"
     return jax.lax.with_sharding_constraint(x, PartitionSpec(*spec))

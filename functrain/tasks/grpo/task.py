@@ -11,11 +11,11 @@ from functrain.core.program import ModelPieces, Program
 from functrain.errors import ConfigError, DataError
 from functrain.models import is_language_model
 from functrain.tasks.base import ExperienceStage, Task, TaskContext, TaskData
+from functrain.tasks.chunked_logits import chunked_pieces
 from functrain.tasks.grpo.config import GRPOConfig
 from functrain.tasks.grpo.loss import LossSettings, grpo_program
 from functrain.tasks.grpo.prompts import PROMPT, Prompts, PromptSource, read_prompts
 from functrain.tasks.grpo.rewards import RewardFunction, reward_functions
-from functrain.tasks.preference.task import chunked_pieces
 
 
 def loss_settings(section: GRPOConfig) -> LossSettings:

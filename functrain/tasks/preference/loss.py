@@ -30,15 +30,19 @@ log-probs averaged over each completion's tokens, with rewards ``beta * logp``:
   long; per pair keeps accumulation exact).
 """
 
-import functools
+from __future__ import annotations
+
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import jax
 import jax.numpy as jnp
 
 from functrain.core.model_terms import add_model_terms, logits_of
-from functrain.core.unembedding import LOGITS_CHUNK, LogitsChunk, chunk_positions, chunked_statistics, logits_array
+from functrain.core.unembedding import chunk_positions, chunked_statistics, logits_array
+
+if TYPE_CHECKING:
+    from functrain.core.program import Apply  # the program's form of a forward; flax is imported on use
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "simpo", "orpo")
 REFERENCE_FREE = ("simpo", "orpo")
@@ -170,20 +174,10 @@ def pair_rows(batch: dict[str, Any]) -> tuple[jax.Array, jax.Array]:
     return tokens, mask
 
 
-# apply(params, model_state, inputs, train, rng) -> (output, model_state), the program's form.
-Apply = Callable[[Any, Any, Any, bool, jax.Array], tuple[Any, Any]]
 # reference(params, model_state, inputs) -> logits of the frozen reference model.
 Reference = Callable[[Any, Any, Any], Any]
 # reference_logps(params, model_state, batch) -> the reference's completion log-prob sums [2B].
 ReferenceLogps = Callable[[Any, Any, Any], jax.Array]
-
-
-def with_logits_chunk(apply: Apply, logits_chunk: LogitsChunk) -> Apply:
-    """``apply`` asking the model for its head unapplied (:mod:`functrain.core.unembedding`) unless
-    ``logits_chunk`` is ``off``; a model that does not take the setting gives its logits."""
-    if logits_chunk == "off":
-        return apply
-    return functools.partial(apply, **{LOGITS_CHUNK: logits_chunk})
 
 
 # TRL's names of the reference's log-prob sums a batch carries when they were computed once before training

@@ -3,24 +3,22 @@ precomputed reference's start hook."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import numpy as np
 
 from functrain.core.program import ModelPieces, Program
-from functrain.core.unembedding import LogitsChunk
 from functrain.data import as_source
 from functrain.data.datasets import split_records
 from functrain.data.validate import BatchCheck, FieldRule
 from functrain.errors import ConfigError, DataError
 from functrain.tasks.base import StartHook, Task, TaskContext, TaskData
+from functrain.tasks.chunked_logits import chunked_pieces
 from functrain.tasks.preference.loss import (
     REFERENCE_LOGPS,
     PreferenceSettings,
     precomputed_reference_logps,
     preference_program,
-    with_logits_chunk,
 )
 
 
@@ -141,17 +139,6 @@ class Preference(Task):
                 precomputed_reference_logps(pieces.apply, pieces.frozen_apply),
             )
         ]
-
-
-def chunked_pieces(pieces: ModelPieces, logits_chunk: LogitsChunk) -> ModelPieces:
-    """``pieces`` whose forwards hand the loss their head unapplied, for log-probs formed over chunks of positions
-    (``train.logits_chunk``, :mod:`functrain.core.unembedding`)."""
-    frozen = pieces.frozen_apply
-    return dataclasses.replace(
-        pieces,
-        apply=with_logits_chunk(pieces.apply, logits_chunk),
-        frozen_apply=None if frozen is None else with_logits_chunk(frozen, logits_chunk),
-    )
 
 
 def program_on_pieces(pieces: ModelPieces, settings: PreferenceSettings, *, precompute_ref: bool = False) -> Program:
