@@ -187,6 +187,7 @@ def functrain_step(root: Path, args) -> tuple[float, float, float]:
         "log.plot": False,
         "checkpoint.every_steps": 0,
         "checkpoint.async_save": False,
+        **({"grpo.share_prompt": os.environ["SHARE"] == "1"} if "SHARE" in os.environ else {}),
     }
     clock.start()
     functrain.fit(str(run / "config.yaml"), callbacks=[Clock()], **overrides)

@@ -45,6 +45,7 @@ from functrain.run.compile_cache import enable as enable_compile_cache
 from functrain.run.config import Config
 from functrain.run.config_checks import likely_mistakes
 from functrain.run.events import RunEvents, history_started
+from functrain.run.host_memory import keep_temporaries_in_heap
 from functrain.run.mfu import SpeedReport, speed_report
 from functrain.run.parts import (
     Parts,
@@ -503,6 +504,8 @@ def build_run(
     """The Run of a resolved config, with any objects given in place of the config's (see
     :func:`functrain.fit` for what each may be)."""
     compile_cache = enable_compile_cache(config.run.compile_cache) if config.backend == "jax" else None
+    if config.backend == "jax" and jax.default_backend() == "cpu":
+        keep_temporaries_in_heap()
     parts = build_parts(
         config,
         model=model,

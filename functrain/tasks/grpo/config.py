@@ -44,6 +44,7 @@ class GRPOConfig(TaskSection):
     reward_funcs: list[str] = Field(default_factory=list)
     reward_weights: list[float] | None = None
     format_pattern: str = r"^<think>.*?</think>\s*<answer>.*?</answer>$"
+    share_prompt: bool = True  # functrain's: a group's prompt prefix runs once in the step (tasks/shared_prefix.py)
 
     @pydantic.field_validator("scale_rewards", mode="before")
     @classmethod

@@ -42,8 +42,9 @@ import jax
 import jax.numpy as jnp
 
 from functrain.core.program import ModelPieces, Program
-from functrain.tasks.reference import with_reference
+from functrain.tasks.reference import REFERENCE, with_reference
 from functrain.tasks.sampling import token_logps
+from functrain.tasks.shared_prefix import SharedPrefixForward, padded_front
 
 # Loss types whose weight (what the step divides by) is the completion tokens; the others divide by sequences.
 TOKEN_WEIGHTED = ("bnpo", "dapo")
@@ -147,17 +148,40 @@ def logprob_gap_sum(batch: dict[str, jax.Array], logps: jax.Array, settings: Los
     return gaps.max() * whole_batch_weight(batch, settings)
 
 
-def grpo_program(pieces: ModelPieces, settings: LossSettings, host_metrics: tuple[str, ...]) -> Program:
+def grpo_program(
+    pieces: ModelPieces,
+    settings: LossSettings,
+    host_metrics: tuple[str, ...],
+    shared: SharedPrefixForward | None = None,
+) -> Program:
     """The Program of a causal LM's pieces trained on GRPO batches; with ``beta`` > 0 the reference is the frozen
     base when a transform froze one (LoRA), else a frozen copy of the starting weights
     (:mod:`functrain.tasks.reference`). The model's ``end_of_step`` (DeepSeek-V3's correction-bias update) runs
-    after every step, as under DPO."""
+    after every step, as under DPO. With ``shared``, the policy's (and the reference's) forward runs each group's
+    shared prompt prefix once (:mod:`functrain.tasks.shared_prefix`)."""
     uses_reference = settings.beta > 0
     model = with_reference(pieces.init, pieces.apply, pieces.frozen_apply) if uses_reference else None
     apply = model.apply if model is not None else pieces.apply
 
+    def shared_logps(weights: Any, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+        # Positions before the prefix's last score prompt tokens: zeros there (no loss or metric reads them).
+        assert shared is not None
+        start = shared.prefix.length - 1
+        logps, entropies = token_logps(shared(weights, tokens[:, :-1]), tokens[:, start:], settings.temperature)
+        return padded_front(logps, start), padded_front(entropies, start)
+
+    def reference_logps(params: Any, model_state: Any, tokens: jax.Array) -> jax.Array:
+        assert model is not None
+        if shared is not None:  # the frozen copy (sharing is off under a transform such as LoRA)
+            weights = jax.tree.map(lambda ref, p: ref.astype(p.dtype), model_state[REFERENCE], params)
+            return jax.lax.stop_gradient(shared_logps(weights, tokens)[0])
+        reference = model.reference(params, model_state, tokens[:, :-1])
+        return token_logps(getattr(reference, "logits", reference), tokens, settings.temperature)[0]
+
     def loss(train: bool) -> Callable:
         def policy_logps(params: Any, model_state: Any, tokens: jax.Array, rng: jax.Array):
+            if shared is not None:
+                return shared_logps(params, tokens), model_state
             output: Any
             output, new_state = apply(params, model_state, tokens[:, :-1], train, rng)
             return token_logps(getattr(output, "logits", output), tokens, settings.temperature), new_state
@@ -176,10 +200,7 @@ def grpo_program(pieces: ModelPieces, settings: LossSettings, host_metrics: tupl
                 old_logps = jax.lax.stop_gradient(logps)
             else:
                 old_logps = batch["old_logps"].astype(jnp.float32)
-            ref_logps = None
-            if model is not None:
-                reference = model.reference(params, model_state, tokens[:, :-1])
-                ref_logps = token_logps(getattr(reference, "logits", reference), tokens, settings.temperature)[0]
+            ref_logps = None if model is None else reference_logps(params, model_state, tokens)
             loss_sum, weight, metrics = grpo_sums(settings, logps, entropies, old_logps, ref_logps, batch)
             metrics["rollout/logprob_gap"] = logprob_gap_sum(batch, old_logps, settings)
             return loss_sum, weight, {**metrics, **host_metric_sums(batch, host_metrics, settings)}, new_state

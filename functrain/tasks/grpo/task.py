@@ -16,6 +16,7 @@ from functrain.tasks.grpo.config import GRPOConfig
 from functrain.tasks.grpo.loss import LossSettings, grpo_program
 from functrain.tasks.grpo.prompts import PROMPT, Prompts, PromptSource, read_prompts
 from functrain.tasks.grpo.rewards import RewardFunction, reward_functions
+from functrain.tasks.shared_prefix import SharedPrefix, SharedPrefixForward
 
 
 def loss_settings(section: GRPOConfig) -> LossSettings:
@@ -143,7 +144,8 @@ class GRPO(Task):
         section = context.config.section(self.name)
         rewards = self.rewards(context, prompts_of(data))
         chunked = chunked_pieces(pieces, context.config.train.logits_chunk)
-        return grpo_program(chunked, loss_settings(section), host_metric_names(rewards))
+        shared = shared_prefix_forward(context.config, section, pieces, prompts_of(data), example_batch)
+        return grpo_program(chunked, loss_settings(section), host_metric_names(rewards), shared)
 
     def experience(self, context: TaskContext, data: TaskData, pieces: ModelPieces) -> ExperienceStage:
         """The rollouts: G completions per prompt with the current weights, scored on the host."""
@@ -164,6 +166,39 @@ class GRPO(Task):
         every = config.log.every_steps
         samples = (context.run_dir / SAMPLES_FILE, every) if every else None
         return Rollouts(sampler, prompts, self.rewards(context, prompts), section, samples)
+
+
+def shared_prefix_forward(
+    config: Any, section: GRPOConfig, pieces: ModelPieces, prompts: Prompts, example_batch: dict[str, np.ndarray]
+) -> SharedPrefixForward | None:
+    """The forward that runs each group's first ``prompts.shortest`` tokens once (``grpo.share_prompt``), where the
+    step's forward is the plain model's: no transform (LoRA), no pipeline or context split, no remat (the sampling
+    model has none), no dropout, no model state or loss terms (a mixture of experts' router statistics count
+    tokens); and where each micro-batch holds whole runs of a group's rows (``train.micro_batches`` takes every
+    M-th row, so it divides ``num_generations``). Else None: the plain forward."""
+    import jax
+
+    from functrain.core.precision import COMPUTE_DTYPES
+
+    micro_batches, generations = config.train.micro_batches, section.num_generations
+    model = config.model
+    plain = (
+        pieces.trainable is not None
+        or pieces.frozen_apply is not None
+        or config.mesh.pipeline_stages() > 1
+        or config.mesh.context > 1
+        or getattr(model, "remat", "none") != "none"
+        or getattr(model, "dropout", 0.0) > 0
+    )
+    if not section.share_prompt or plain or generations % micro_batches or generations // micro_batches < 2:
+        return None
+    params, model_state = jax.eval_shape(pieces.init, jax.random.PRNGKey(0))
+    inputs = np.asarray(example_batch["tokens"])[:, :-1]
+    output = jax.eval_shape(lambda p: pieces.apply(p, model_state, inputs, True, jax.random.PRNGKey(0))[0], params)
+    if jax.tree.leaves(model_state) or hasattr(output, "loss_terms"):
+        return None
+    prefix = SharedPrefix(rows=generations // micro_batches, length=prompts.shortest)
+    return SharedPrefixForward(model, COMPUTE_DTYPES[config.train.compute_dtype], prefix, config.train.logits_chunk)
 
 
 def prompts_of(data: TaskData) -> Prompts:
