@@ -55,8 +55,9 @@ def token_logps(logits: Any, tokens: jax.Array, temperature: float) -> tuple[jax
 class Sampler:
     """A run's compiled sampler (``sample``) and training forward (``forward``).
 
-    ``sample(params, prompts, lengths, key, prefill=N) -> (tokens, logps)``: ``max_new_tokens`` new tokens after
-    each right-padded prompt (see :func:`~functrain.text.decode.generate_ragged`), drawn at ``temperature`` from the
+    ``sample(params, prompts, lengths, key, prefill=N, repeats=R) -> (tokens, logps)``: ``max_new_tokens`` new tokens
+    after each right-padded prompt (see :func:`~functrain.text.decode.generate_ragged`; rows in runs of ``R`` copies
+    of a prompt share its prefill), drawn at ``temperature`` from the
     ``top_k`` most likely (None: all) within ``top_p`` of the probability (None: all), with their log-probs at
     ``temperature``. ``forward(params, tokens) -> logps`` ``[B, L-1]``: the training forward's log-probs of
     ``tokens[:, 1:]`` at ``temperature``."""
@@ -75,7 +76,7 @@ class Sampler:
         dtype = COMPUTE_DTYPES[compute_dtype]
         sampling_model = build_model(for_sampling(model_config), dtype)
 
-        def sample(params, prompts, lengths, key, prefill):
+        def sample(params, prompts, lengths, key, prefill, repeats=1):
             weights = unstack_layers(merged_for_inference(cast_floating(params, dtype), model_config))
             return generate_ragged(
                 sampling_model,
@@ -88,6 +89,7 @@ class Sampler:
                 temperature=temperature,
                 top_k=top_k,
                 top_p=top_p,
+                repeats=repeats,
             )
 
         def forward(params, tokens):
@@ -97,5 +99,5 @@ class Sampler:
             return token_logps(getattr(output, "logits", output), tokens, temperature)[0]
 
         options = on_cpu(DECODER_OPTIONS)
-        self.sample = jax.jit(sample, static_argnames="prefill", compiler_options=options)
+        self.sample = jax.jit(sample, static_argnames=("prefill", "repeats"), compiler_options=options)
         self.forward = jax.jit(forward, compiler_options=options)

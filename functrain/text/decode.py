@@ -156,6 +156,7 @@ def generate_ragged(
     temperature: float,
     top_k: int | None,
     top_p: float | None = None,
+    repeats: int = 1,
 ) -> tuple[jax.Array, jax.Array]:
     """Prompts of several lengths in one batch, without a padding mask: ``prompts`` [B, W] is right-padded,
     row ``b`` holds ``lengths[b] >= prefill`` tokens. The first ``prefill`` positions are fed at once, then one
@@ -164,12 +165,17 @@ def generate_ragged(
     fed back (the model sees ``W + max_new_tokens - 1`` positions). Returns the token at each position
     ``prefill .. W + max_new_tokens - 1`` [B, W + max_new_tokens - prefill] and its log-prob under the model's
     distribution at ``temperature`` (before the top-k/top-p filters: the log-prob a training forward computes;
-    meaningful where the token was picked, not forced)."""
+    meaningful where the token was picked, not forced). With ``repeats`` above 1 the rows come in runs of
+    ``repeats`` copies of one prompt (GRPO's groups): the first ``prefill`` positions run once per run and their
+    cache is repeated over it."""
     batch, width = prompts.shape
     total = width + max_new_tokens
-    shapes = jax.eval_shape(
-        lambda: model.apply({"params": params}, jnp.zeros((batch, total - 1), jnp.int32), mutable=["cache"])[1]["cache"]
-    )
+
+    def empty_cache(rows: int) -> Any:
+        shapes = jax.eval_shape(
+            lambda: model.apply({"params": params}, jnp.zeros((rows, total - 1), jnp.int32), mutable=["cache"])[1]
+        )
+        return zeros_like_shapes(shapes["cache"])
 
     def feed(cache: Any, tokens: jax.Array) -> tuple[jax.Array, Any]:
         output, updated = model.apply({"params": params, "cache": cache}, tokens, mutable=["cache"])
@@ -177,7 +183,9 @@ def generate_ragged(
 
     forced = jnp.pad(prompts, ((0, 0), (0, max_new_tokens)))
     scale = temperature if temperature > 0 else 1.0
-    logits, cache = feed(zeros_like_shapes(shapes), prompts[:, :prefill])
+    logits, cache = feed(empty_cache(batch // repeats), prompts[::repeats, :prefill])
+    if repeats > 1:  # every cached array holds the rows on its first axis (the cache index is a scalar)
+        logits, cache = jax.tree.map(lambda a: jnp.repeat(a, repeats, axis=0) if a.ndim else a, (logits, cache))
     # jax.random.categorical(key, logits) is argmax(logits + gumbel(key)): the Gumbel noise of a block of positions
     # is drawn at once, the numbers each position's key draws alone. XLA:CPU runs threefry as a loop of five small
     # kernels; drawn one position at a time, that loop took about 40% of a decoded token (bench_grpo).

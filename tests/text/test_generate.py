@@ -103,3 +103,25 @@ def test_ragged_sampling_draws_the_same_tokens_whatever_block_of_noise_is_drawn_
     np.testing.assert_array_equal(block_tokens, tokens)
     np.testing.assert_array_equal(block_logps, logps)
     assert len(np.unique(tokens)) > 5  # sampled, not one token repeated
+
+
+def test_rows_repeating_a_prompt_share_its_prefill_and_draw_what_separate_prefills_draw():
+    """generate_ragged's ``repeats``: rows in runs of copies of one prompt (GRPO's groups) run the prefill once per
+    run; the tokens drawn are the same as with a prefill per row, their log-probs equal within float32 rounding."""
+    from functrain.text import decode
+
+    model, params = tiny_gpt()
+    prompts = np.repeat(np.pad(PROMPT, ((0, 0), (0, 1))), 3, axis=0)  # two prompts, three rows each
+    lengths = np.repeat(np.array([5, 6], np.int32), 3)  # the second one's last token forced after the prefill
+    sample = jax.jit(
+        lambda p, x, n, k, repeats: decode.generate_ragged(
+            model, p, x, n, k, prefill=5, max_new_tokens=12, temperature=1.0, top_k=None, repeats=repeats
+        ),
+        static_argnames="repeats",
+    )
+    (tokens, logps), (shared_tokens, shared_logps) = (
+        jax.device_get(sample(params, prompts, lengths, jax.random.PRNGKey(3), repeats)) for repeats in (1, 3)
+    )
+    np.testing.assert_array_equal(shared_tokens, tokens)
+    np.testing.assert_allclose(shared_logps, logps, rtol=1e-6, atol=1e-6)
+    assert (tokens[0] != tokens[1]).any()  # each row draws its own completion

@@ -12,6 +12,7 @@ experience stage looks the rows up to sample completions and hand the reward fun
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,12 +46,12 @@ class Prompts:
     pad_id: int
     path: str
 
-    @property
+    @functools.cached_property
     def longest(self) -> int:
-        """Tokens of the longest prompt."""
+        """Tokens of the longest prompt (read at every step: counted once)."""
         return max(len(ids) for ids in self.ids)
 
-    @property
+    @functools.cached_property
     def shortest(self) -> int:
         """Tokens of the shortest prompt."""
         return min(len(ids) for ids in self.ids)

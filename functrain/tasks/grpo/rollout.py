@@ -74,7 +74,7 @@ def draw(
     for row, index in enumerate(rows):
         padded[row, : lengths[row]] = prompts.ids[index]
     prefill = prompts.shortest
-    tokens, logps = jax.device_get(sampler.sample(params, padded, lengths, key, prefill=prefill))
+    tokens, logps = jax.device_get(sampler.sample(params, padded, lengths, key, prefill=prefill, repeats=generations))
     drawn_at = (lengths - prefill)[:, None] + np.arange(length)  # each row's drawn tokens, after its own prompt
     drawn, drawn_logps = np.take_along_axis(tokens, drawn_at, 1), np.take_along_axis(logps, drawn_at, 1)
     ends = np.isin(drawn, prompts.eos_ids)
