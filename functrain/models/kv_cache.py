@@ -77,3 +77,20 @@ def causal_mask(positions: Array, kv_length: int, window: int | None = None) -> 
 def zeros_like_shapes(shapes: Any) -> Any:
     """A cache of zeros from the ``jax.ShapeDtypeStruct`` tree of a shape-taking apply."""
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def empty_cache(model: nn.Module, params: Any, rows: int, length: int) -> Any:
+    """``model``'s cache of zeros for ``rows`` sequences of ``length`` positions (shapes from an abstract apply)."""
+
+    def shape_taking(tokens: Array) -> Any:
+        return model.apply({"params": params}, tokens, mutable=["cache"])[1]["cache"]
+
+    return zeros_like_shapes(jax.eval_shape(shape_taking, jax.ShapeDtypeStruct((rows, length), jnp.int32)))
+
+
+def repeated_rows(tree: Any, times: int) -> Any:
+    """A cache (or per-row outputs) with each row repeated ``times`` times in place: every array holds the rows on
+    its first axis, but the scalar cache index."""
+    if times == 1:
+        return tree
+    return jax.tree.map(lambda array: jnp.repeat(array, times, axis=0) if array.ndim else array, tree)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from functrain.core.unembedding import Unembedding
 from functrain.models import build_model
-from functrain.models.kv_cache import zeros_like_shapes
+from functrain.models.kv_cache import empty_cache, repeated_rows
 from functrain.models.options import for_sampling
 from functrain.models.stacking import unstack_layers
 
@@ -62,14 +62,8 @@ class SharedPrefixForward:
             )
             return output, updated["cache"]
 
-        def empty_cache(tokens: jax.Array) -> Any:
-            return self.model.apply({"params": weights}, tokens, mutable=["cache"])[1]["cache"]
-
-        shapes = jax.eval_shape(empty_cache, jax.ShapeDtypeStruct((groups, width), jnp.int32))
-        head, cache = apply(zeros_like_shapes(shapes), inputs[::rows, :length])
-        # Every cached array holds the group's rows on its first axis (the cache index is a scalar).
-        cache = jax.tree.map(lambda array: jnp.repeat(array, rows, axis=0) if array.ndim else array, cache)
-        tail, _ = apply(cache, inputs[:, length:])
+        head, cache = apply(empty_cache(self.model, weights, groups, width), inputs[::rows, :length])
+        tail, _ = apply(repeated_rows(cache, rows), inputs[:, length:])
         return _joined(head, tail, rows)
 
 
@@ -77,7 +71,7 @@ def _joined(head: Any, tail: Any, rows: int) -> Any:
     """The prefix's last position (repeated over its rows) before the rest's positions."""
 
     def join(first: jax.Array, rest: jax.Array) -> jax.Array:
-        return jnp.concatenate([jnp.repeat(first[:, -1:], rows, axis=0), rest], axis=1)
+        return jnp.concatenate([repeated_rows(first[:, -1:], rows), rest], axis=1)
 
     if isinstance(tail, Unembedding):
         return dataclasses.replace(tail, hidden=join(head.hidden, tail.hidden))

@@ -26,7 +26,7 @@ from functrain.core.program import logits_of
 from functrain.errors import ConfigError, DataError
 from functrain.models import build_model, model_config_class, model_spec
 from functrain.models.configs.base import ModelConfig
-from functrain.models.kv_cache import zeros_like_shapes
+from functrain.models.kv_cache import empty_cache, repeated_rows
 from functrain.models.options import RuntimeOptions, for_sampling
 from functrain.models.stacking import unstack_layers
 
@@ -99,15 +99,12 @@ def _generate_cached(
 ) -> jax.Array:
     batch, prompt_len = prompt.shape
     cache_len = prompt_len + max_new_tokens - 1  # the last new token is returned, never fed back
-    shapes = jax.eval_shape(
-        lambda: model.apply({"params": params}, jnp.zeros((batch, cache_len), jnp.int32), mutable=["cache"])[1]["cache"]
-    )
 
     def feed(cache: Any, tokens: jax.Array) -> tuple[jax.Array, Any]:
         output, updated = model.apply({"params": params, "cache": cache}, tokens, mutable=["cache"])
         return logits_of(output)[:, -1], updated["cache"]
 
-    logits, cache = feed(zeros_like_shapes(shapes), prompt)
+    logits, cache = feed(empty_cache(model, params, batch, cache_len), prompt)
     first = _pick(logits, jax.random.fold_in(key, 0), temperature, top_k)
 
     def one_token(carry: tuple[Any, jax.Array], index: jax.Array) -> tuple[tuple[Any, jax.Array], jax.Array]:
@@ -171,21 +168,14 @@ def generate_ragged(
     batch, width = prompts.shape
     total = width + max_new_tokens
 
-    def empty_cache(rows: int) -> Any:
-        shapes = jax.eval_shape(
-            lambda: model.apply({"params": params}, jnp.zeros((rows, total - 1), jnp.int32), mutable=["cache"])[1]
-        )
-        return zeros_like_shapes(shapes["cache"])
-
     def feed(cache: Any, tokens: jax.Array) -> tuple[jax.Array, Any]:
         output, updated = model.apply({"params": params, "cache": cache}, tokens, mutable=["cache"])
         return logits_of(output)[:, -1], updated["cache"]
 
     forced = jnp.pad(prompts, ((0, 0), (0, max_new_tokens)))
     scale = temperature if temperature > 0 else 1.0
-    logits, cache = feed(empty_cache(batch // repeats), prompts[::repeats, :prefill])
-    if repeats > 1:  # every cached array holds the rows on its first axis (the cache index is a scalar)
-        logits, cache = jax.tree.map(lambda a: jnp.repeat(a, repeats, axis=0) if a.ndim else a, (logits, cache))
+    logits, cache = feed(empty_cache(model, params, batch // repeats, total - 1), prompts[::repeats, :prefill])
+    logits, cache = repeated_rows((logits, cache), repeats)
     # jax.random.categorical(key, logits) is argmax(logits + gumbel(key)): the Gumbel noise of a block of positions
     # is drawn at once, the numbers each position's key draws alone. XLA:CPU runs threefry as a loop of five small
     # kernels; drawn one position at a time, that loop took about 40% of a decoded token (bench_grpo).
