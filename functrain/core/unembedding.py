@@ -38,30 +38,39 @@ AUTO_WHOLE_BYTES = 256 * 2**20
 AUTO_CHUNK_BYTES = 128 * 2**20
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["hidden", "weight"], meta_fields=["chunk", "finish"])
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["hidden", "weight"], meta_fields=["chunk", "finish", "product"]
+)
 @dataclass(frozen=True)
 class Unembedding:
     """The head of a causal LM, not yet applied: ``logits = finish(float32(hidden @ weight))``.
 
     ``hidden`` ``[B, T, D]`` in the model's compute dtype; ``weight`` ``[D, V]`` as stored (the parameter; cast to
     the compute dtype inside each chunk, so the chunks' gradients add up in the parameter's dtype, not in
-    bfloat16); ``finish`` an element-wise function of the float32 logits (Gemma 2's soft-cap) or None; ``chunk``
+    bfloat16); ``finish`` an element-wise function of the float32 logits (Gemma 2's soft-cap) or None; ``product``
+    the model's ``lax.dot_general`` for the matmul (None: ``lax.dot_general``); ``chunk``
     the ``logits_chunk`` the model was called with (``auto`` or positions per chunk)."""
 
     hidden: Any
     weight: Any
     chunk: LogitsChunk
     finish: Callable[[Any], Any] | None = None
+    product: Callable[..., Any] | None = None
 
     def whole_logits(self) -> jax.Array:
         """The whole float32 logits ``[B, T, V]`` (a method, not ``.logits``: an output's ``.logits`` are what
         :func:`functrain.core.model_terms.logits_of` hands the loss, and that is this object)."""
-        return head_logits(self.hidden, self.weight, self.finish)
+        return head_logits(self.hidden, self.weight, self.finish, self.product)
 
 
-def head_logits(hidden: Any, weight: Any, finish: Callable[[Any], Any] | None) -> jax.Array:
-    """``finish(float32(hidden @ weight))``: the logits of hidden states ``[..., D]``, the matmul in their dtype."""
-    logits = jnp.dot(hidden, jnp.asarray(weight, hidden.dtype)).astype(jnp.float32)
+def head_logits(
+    hidden: Any, weight: Any, finish: Callable[[Any], Any] | None, product: Callable[..., Any] | None = None
+) -> jax.Array:
+    """``finish(float32(hidden @ weight))``: the logits of hidden states ``[..., D]``, the matmul in their dtype
+    (by ``product``, a ``lax.dot_general``, when given: the model's, :mod:`functrain.models.matmul`)."""
+    dimensions = (((jnp.ndim(hidden) - 1,), (0,)), ((), ()))
+    logits = (product or jax.lax.dot_general)(hidden, jnp.asarray(weight, hidden.dtype), dimensions)
+    logits = logits.astype(jnp.float32)
     return logits if finish is None else finish(logits)
 
 
@@ -116,7 +125,7 @@ def over_chunks(
 
     @jax.checkpoint  # the backward recomputes a chunk's logits instead of keeping every chunk's
     def one_chunk(hidden_chunk: Any, target_chunk: Any) -> tuple[jax.Array, ...]:
-        return statistics(head_logits(hidden_chunk, head.weight, head.finish), target_chunk)
+        return statistics(head_logits(hidden_chunk, head.weight, head.finish, head.product), target_chunk)
 
     traced = _traced.get()
     if traced is not None:

@@ -18,6 +18,7 @@ from functrain.models.attention import attend, attention_kernel
 from functrain.models.configs.gpt import GPTConfig
 from functrain.models.head import untied_head
 from functrain.models.kv_cache import decoding, extend_cache, next_positions
+from functrain.models.matmul import dense_dot_general
 from functrain.models.remat import check_remat, remat_block
 from functrain.models.scan import apply_layers
 from functrain.parallel.context import context_inputs, from_context_order
@@ -51,10 +52,12 @@ class Block(nn.Module):
             )
 
         h = norm("ln_attn")(x)
+        product = dense_dot_general  # see functrain.models.matmul
         qkv = [
             nn.DenseGeneral(
                 (cfg.n_heads, head_dim),
                 dtype=self.dtype,
+                dot_general=product,
                 name=name,
                 kernel_init=_param(init, ("embed", "heads", "head_dim")),
                 bias_init=_param(nn.initializers.zeros, ("heads", "head_dim")),
@@ -77,6 +80,7 @@ class Block(nn.Module):
             cfg.d_model,
             axis=(-2, -1),
             dtype=self.dtype,
+            dot_general=product,
             name="attn_out",
             kernel_init=_param(out_init, ("heads", "head_dim", "embed")),
             bias_init=_param(nn.initializers.zeros, ("embed",)),
@@ -86,6 +90,7 @@ class Block(nn.Module):
         h = nn.Dense(
             cfg.d_ff,
             dtype=self.dtype,
+            dot_general=product,
             name="mlp_in",
             kernel_init=_param(init, ("embed", "mlp")),
             bias_init=_param(nn.initializers.zeros, ("mlp",)),
@@ -94,6 +99,7 @@ class Block(nn.Module):
         h = nn.Dense(
             cfg.d_model,
             dtype=self.dtype,
+            dot_general=product,
             name="mlp_out",
             kernel_init=_param(out_init, ("mlp", "embed")),
             bias_init=_param(nn.initializers.zeros, ("embed",)),
@@ -156,7 +162,12 @@ class GPT(nn.Module):
         )(x)
         x = from_context_order(x, ways)  # the logits in the batch's order, for the loss and every task
         head = nn.Dense(
-            cfg.vocab_size, dtype=self.dtype, name="head", kernel_init=_param(init, ("embed", "vocab")), use_bias=False
+            cfg.vocab_size,
+            dtype=self.dtype,
+            dot_general=dense_dot_general,
+            name="head",
+            kernel_init=_param(init, ("embed", "vocab")),
+            use_bias=False,
         )
         return untied_head(self, x, head, logits_chunk)
 

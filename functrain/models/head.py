@@ -11,6 +11,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from functrain.core.unembedding import LogitsChunk, Unembedding, head_logits
+from functrain.models.matmul import dense_dot_general
 
 # Names of the untied head modules of functrain's LMs: LoRA on one of them runs the head whole.
 HEAD_MODULES = ("head", "lm_head")
@@ -30,7 +31,7 @@ def untied_head(
         return logits if finish is None else finish(logits)
     assert dense.name is not None, "the head is named (its params are read by name)"
     kernel = parent.variables["params"][dense.name]["kernel"]
-    return Unembedding(jnp.asarray(x, dense.dtype or kernel.dtype), kernel, logits_chunk, finish)
+    return Unembedding(jnp.asarray(x, dense.dtype or kernel.dtype), kernel, logits_chunk, finish, dense_dot_general)
 
 
 def tied_head(
@@ -41,5 +42,5 @@ def tied_head(
     weight = embedding.embedding.T
     hidden = jnp.asarray(x, embedding.dtype or weight.dtype)
     if logits_chunk is None:
-        return head_logits(hidden, weight, finish)
-    return Unembedding(hidden, weight, logits_chunk, finish)
+        return head_logits(hidden, weight, finish, dense_dot_general)
+    return Unembedding(hidden, weight, logits_chunk, finish, dense_dot_general)

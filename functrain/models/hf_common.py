@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from functrain.models.configs.hf import ACTIVATIONS, HFModelConfig, check_activation
 from functrain.models.head import tied_head, untied_head
+from functrain.models.matmul import dense_dot_general
 from functrain.models.options import RUNTIME_KEYS
 
 Array = jax.Array
@@ -36,11 +37,13 @@ def activation(name: str) -> Callable[[Array], Array]:
 def dense(
     features: int, axes: tuple[str | None, str | None], *, use_bias: bool, dtype: Any, init_std: float, name: str
 ) -> nn.Dense:
-    """A float32 Dense layer whose kernel (and bias) carry logical axis names for sharding."""
+    """A float32 Dense layer whose kernel (and bias) carry logical axis names for sharding (its product:
+    :mod:`functrain.models.matmul`)."""
     return nn.Dense(
         features,
         use_bias=use_bias,
         dtype=dtype,
+        dot_general=dense_dot_general,
         param_dtype=jnp.float32,
         kernel_init=nn.with_logical_partitioning(nn.initializers.normal(init_std), axes),
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (axes[1],)),
