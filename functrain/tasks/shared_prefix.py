@@ -8,7 +8,7 @@ rest of every row (its prompt's remainder, its completion, its padding) attends 
 same positions as in the plain forward. Gradients flow through the cache back into the prefix's keys and values,
 so the gradient is the plain forward's (up to rounding: the prefix's share is summed over the group once). On
 ``bench_grpo.py``'s shapes (16 prompt + 32 completion tokens, G = 8) a train step's tokens fall from 1,504 to
-1,088 (``bench/README.md``); with long prompts and many generations the saving grows toward ``G`` times the
+1,056 (``bench/README.md``); with long prompts and many generations the saving grows toward ``G`` times the
 prompt's share.
 
 The output covers positions ``length - 1 ..`` only (the last prefix position scores a row's first token after
