@@ -5,8 +5,8 @@ XLA:CPU folds the transpose into the product, and a product of that form is not 
 XLA's own kernel at about a third of the speed (bench_grpo's Llama: ``[992, 256]^T @ [992, 64]`` 387 us, against
 154 us for YNNPACK on a transposed copy, 200 us with the copy made). :func:`dense_dot_general` is ``lax.dot_general``
 with that gradient computed on a transposed copy of ``x``, kept from being folded back by an optimisation barrier.
-The forward pass and the input's gradient are the plain products. On other platforms the models keep
-``lax.dot_general`` (their compilers read transposed operands as they are).
+The forward pass and the input's gradient are the plain products. On other platforms (whose compilers read
+transposed operands as they are) and over several devices it is ``lax.dot_general``.
 """
 
 from __future__ import annotations
