@@ -40,7 +40,7 @@ def dense_dot_general(
     )
     if not dense or preferred_element_type is not None or not _one_cpu_device():
         return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
-    return _dense(lhs, rhs, contracted, precision)
+    return _dense_vjp(lhs, rhs, contracted, precision)
 
 
 def _one_cpu_device() -> bool:
@@ -63,10 +63,6 @@ def _product(lhs: Array, rhs: Array, contracted: int, precision: Any) -> Array:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _dense_vjp(lhs: Array, rhs: Array, contracted: int, precision: Any) -> Array:
     return _product(lhs, rhs, contracted, precision)
-
-
-def _dense(lhs: Array, rhs: Array, contracted: int, precision: Any) -> Array:
-    return _dense_vjp(lhs, rhs, contracted, precision)
 
 
 def _forward(lhs: Array, rhs: Array, contracted: int, precision: Any) -> tuple[Array, tuple[Array, Array]]:

@@ -93,7 +93,10 @@ class JaxBackend:
         # An experience stage reads each step's results before the next step can start: a call has (all but) run
         # when train_call returns, so the loop times it then, as a synchronous backend's.
         self.synchronous = experience is not None
-        self._experience_stream: jax.Array | None = None
+        # The experience stage's keys: (seed, step) folded into a stream of their own.
+        self.experience_stream = (
+            None if experience is None else jax.random.fold_in(jax.random.PRNGKey(seed), EXPERIENCE_STREAM)
+        )
         self.process_index, self.process_count = jax.process_index(), jax.process_count()
         self.writes_checkpoints = True  # Orbax writes a checkpoint with every process
         self.devices = list(mesh.devices.flat)  # jax.devices(), or a TPU topology's when planning
@@ -249,9 +252,8 @@ class JaxBackend:
         a rollout needs the newest weights, so it waits for the step before it. The stage's key is a function of
         the seed and the step, so the batches (and a resumed run) are the same however the run was cut."""
         step = int(jax.device_get(state.step))
-        if self._experience_stream is None:  # made once: two eager dispatches a step less
-            self._experience_stream = jax.random.fold_in(jax.random.PRNGKey(self.seed), EXPERIENCE_STREAM)
-        stream = self._experience_stream
+        stream = self.experience_stream
+        assert stream is not None, "made with the experience stage"
         per_step = []
         for k in range(len(next(iter(batches.values())))):
             batch = experience(

@@ -33,6 +33,12 @@ class WithReference:
     state_for_params: Callable[[Any, Any], Any] | None
 
 
+def reference_weights(params: Any, model_state: Any) -> Any:
+    """The frozen copy of the starting weights kept in ``model_state``, in the params' dtype
+    (``train.compute_dtype``), so that the first step compares like with like."""
+    return jax.tree.map(lambda ref, p: ref.astype(p.dtype), model_state[REFERENCE], params)
+
+
 def _inner(model_state: Any) -> Any:
     return {name: value for name, value in model_state.items() if name != REFERENCE}
 
@@ -57,9 +63,9 @@ def with_reference(init: Callable, apply: Apply, reference_apply: Apply | None =
         return output, {**new_state, REFERENCE: model_state[REFERENCE]}
 
     def frozen(params, model_state, inputs):
-        # In the params' dtype (train.compute_dtype), so the first step compares like with like.
-        weights = jax.tree.map(lambda ref, p: ref.astype(p.dtype), model_state[REFERENCE], params)
-        output = apply(weights, _inner(model_state), inputs, False, jax.random.PRNGKey(0))[0]
+        output = apply(
+            reference_weights(params, model_state), _inner(model_state), inputs, False, jax.random.PRNGKey(0)
+        )[0]
         return jax.lax.stop_gradient(output)
 
     def state_for_params(params, model_state):

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from functrain.core.program import ModelPieces, Program
-from functrain.tasks.reference import REFERENCE, with_reference
+from functrain.tasks.reference import reference_weights, with_reference
 from functrain.tasks.sampling import token_logps
 from functrain.tasks.shared_prefix import SharedPrefixForward, padded_front
 
@@ -173,8 +173,7 @@ def grpo_program(
     def reference_logps(params: Any, model_state: Any, tokens: jax.Array) -> jax.Array:
         assert model is not None
         if shared is not None:  # the frozen copy (sharing is off under a transform such as LoRA)
-            weights = jax.tree.map(lambda ref, p: ref.astype(p.dtype), model_state[REFERENCE], params)
-            return jax.lax.stop_gradient(shared_logps(weights, tokens)[0])
+            return jax.lax.stop_gradient(shared_logps(reference_weights(params, model_state), tokens)[0])
         reference = model.reference(params, model_state, tokens[:, :-1])
         return token_logps(getattr(reference, "logits", reference), tokens, settings.temperature)[0]
 

@@ -187,7 +187,7 @@ def shared_prefix_forward(
         or pieces.frozen_apply is not None
         or config.mesh.pipeline_stages() > 1
         or config.mesh.context > 1
-        or getattr(model, "remat", "none") != "none"
+        or model.remat != "none"
         or getattr(model, "dropout", 0.0) > 0
     )
     if not section.share_prompt or plain or generations % micro_batches or generations // micro_batches < 2:
