@@ -165,10 +165,18 @@ def attend(
         )
     if softcap is not None or sinks is not None or query_slots is not None:
         slots = jnp.arange(query.shape[1], dtype=jnp.int32) if query_slots is None else query_slots
+        # XLA:CPU takes a product of one query row to another kernel than a whole sequence's rows, which rounds
+        # differently: a decoded token's query gets a second row of zeros (a copy of itself would let LLVM share the
+        # two, and form its multiply-adds unlike a training forward's), so that decoding and training agree bit for
+        # bit under functrain.tasks.sampling.CONSISTENT_OPTIONS (GRPO's rollout/logprob_gap).
+        single = query_slots is not None and query.shape[1] == 1 and target_platform() == "cpu"
+        if single:
+            query, slots = jnp.concatenate([query, jnp.zeros_like(query)], axis=1), jnp.concatenate([slots, slots])
         written = causal_mask(slots, key.shape[1], window)[None, None]
         if segment_ids is not None:
             written = written & segment_mask(segment_ids)
-        return masked_attention(query, key, value, scale=scale, mask=written, softcap=softcap, sinks=sinks)
+        attended = masked_attention(query, key, value, scale=scale, mask=written, softcap=softcap, sinks=sinks)
+        return attended[:, :1] if single else attended
     mask = None if segment_ids is None else segment_mask(segment_ids)
     local = None if window is None else (window - 1, 0)
     return jax.nn.dot_product_attention(

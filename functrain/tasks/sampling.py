@@ -24,9 +24,20 @@ from functrain.models.stacking import unstack_layers
 from functrain.parallel.target import target_platform
 from functrain.text.decode import generate_ragged
 
+# The XLA:CPU options under which the sampler's decoder and the train step compute a token's log-prob bit for bit
+# alike (GRPO's rollout/logprob_gap is 0): YNNPACK runs the products only (its fused element-wise and reduction
+# kernels round unlike XLA's own, and which ones it fuses depends on the program), and in its consistent-arithmetic
+# mode (XLA's platform-independent math), where a product's rounding does not depend on its shape; by default a
+# decoded token's few rows and a training batch's many went to kernels that differed in the last bits (up to 3e-5
+# on the bundled example's log-probs). The rest is the models' (a decoded query runs twice:
+# functrain.models.attention) and the train step's (GRPO's policy forward is rematerialised on CPU).
+CONSISTENT_OPTIONS: dict[str, str | bool] = {
+    "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT",
+    "xla_cpu_enable_platform_dependent_math": False,
+}
 # XLA:CPU splits a decoded token's small kernels over its threads for less than the split costs: on one thread the
-# sampler takes about half the CPU time (bench_grpo: 14 -> 7.5 ms a rollout, with YNNPACK's default fusions).
-DECODER_OPTIONS: dict[str, str | bool] = {"xla_cpu_multi_thread_eigen": False}
+# sampler takes about half the CPU time (bench_grpo: 14 -> 7.5 ms a rollout).
+DECODER_OPTIONS: dict[str, str | bool] = {**CONSISTENT_OPTIONS, "xla_cpu_multi_thread_eigen": False}
 
 
 def on_cpu(options: dict[str, Any]) -> dict[str, Any] | None:

@@ -2,11 +2,12 @@
 
 A GRPO batch repeats each prompt in ``G`` consecutive rows. A plain forward runs every layer over the prompt ``G``
 times, and its backward again; here the prompt's first ``length`` tokens (the file's shortest prompt: every row
-has at least that many prompt tokens) run once per group, through the KV cache of the sampling model
-(:mod:`functrain.models.kv_cache`): the prefix fills each layer's cache, the cache is repeated ``G`` times, and the
-rest of every row (its prompt's remainder, its completion, its padding) attends to it as decoding would, at the
-same positions as in the plain forward. Gradients flow through the cache back into the prefix's keys and values,
-so the gradient is the plain forward's (up to rounding: the prefix's share is summed over the group once). On
+has at least that many prompt tokens) but the last run once per group, through the KV cache of the sampling model
+(:mod:`functrain.models.kv_cache`): they fill each layer's cache, the cache is repeated ``G`` times, and the rest of
+every row (the prefix's last token, its prompt's remainder, its completion, its padding) attends to it as decoding
+would, at the same positions as in the plain forward. Gradients flow through the cache back into the prefix's keys
+and values, so the gradient is the plain forward's (up to rounding: the prefix's share is summed over the group
+once). On
 ``bench_grpo.py``'s shapes (16 prompt + 32 completion tokens, G = 8) a train step's tokens fall from 1,504 to
 1,056 (``bench/README.md``); with long prompts and many generations the saving grows toward ``G`` times the
 prompt's share.
@@ -17,14 +18,12 @@ the prefix; the earlier ones score prompt tokens, which no loss reads).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from functrain.core.unembedding import Unembedding
 from functrain.models import build_model
 from functrain.models.kv_cache import empty_cache, repeated_rows
 from functrain.models.options import for_sampling
@@ -42,8 +41,9 @@ class SharedPrefix:
 class SharedPrefixForward:
     """``forward(params, inputs) -> output`` of a built-in causal LM on ``inputs`` ``[B, T]`` whose rows share
     ``prefix`` (params as the step hands them: cast to the compute dtype, layers scanned or not): the logits
-    ``[B, T - length + 1, V]`` of positions ``length - 1 .. T - 1``, or their :class:`Unembedding` with
-    ``logits_chunk``. The model runs as the sampler builds it (layers unrolled, no remat, the default kernels)."""
+    ``[B, T - length + 1, V]`` of positions ``length - 1 .. T - 1``, or their
+    :class:`~functrain.core.unembedding.Unembedding` with ``logits_chunk`` (``length`` at least 2). The model runs
+    as the sampler builds it (layers unrolled, no remat, the default kernels)."""
 
     def __init__(self, model_config: Any, compute_dtype: Any, prefix: SharedPrefix, logits_chunk: Any = None):
         self.model = build_model(for_sampling(model_config), compute_dtype)
@@ -54,7 +54,6 @@ class SharedPrefixForward:
         rows, length = self.prefix.rows, self.prefix.length
         weights = unstack_layers(params)
         batch, width = inputs.shape
-        groups = batch // rows
 
         def apply(cache: Any, tokens: jax.Array) -> tuple[Any, Any]:
             output, updated = self.model.apply(
@@ -62,20 +61,11 @@ class SharedPrefixForward:
             )
             return output, updated["cache"]
 
-        head, cache = apply(empty_cache(self.model, weights, groups, width), inputs[::rows, :length])
-        tail, _ = apply(repeated_rows(cache, rows), inputs[:, length:])
-        return _joined(head, tail, rows)
-
-
-def _joined(head: Any, tail: Any, rows: int) -> Any:
-    """The prefix's last position (repeated over its rows) before the rest's positions."""
-
-    def join(first: jax.Array, rest: jax.Array) -> jax.Array:
-        return jnp.concatenate([repeated_rows(first[:, -1:], rows), rest], axis=1)
-
-    if isinstance(tail, Unembedding):
-        return dataclasses.replace(tail, hidden=join(head.hidden, tail.hidden))
-    return join(head, tail)
+        # The prefix's last token runs with the rest of each row (once per row, not per group): its output is then
+        # part of the rest's, and the logits come from one product on one array, as the sampler's do (joining the
+        # two outputs first left XLA:CPU to compute the final norm apart from the head's product, in its last bit).
+        _, cache = apply(empty_cache(self.model, weights, batch // rows, width), inputs[::rows, : length - 1])
+        return apply(repeated_rows(cache, rows), inputs[:, length - 1 :])[0]
 
 
 def padded_front(values: jax.Array, length: int) -> jax.Array:

@@ -42,9 +42,9 @@ class GRPO(Task):
     def step_compiler_options(self) -> dict[str, str] | None:
         """On CPU, YNNPACK fuses dots only: its elementwise and reduction fusions make XLA:CPU's backward of a Llama
         about twice as slow (bench/README.md: a GRPO step 118 -> 69 ms)."""
-        from functrain.tasks.sampling import on_cpu
+        from functrain.tasks.sampling import CONSISTENT_OPTIONS, on_cpu
 
-        return on_cpu({"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"})
+        return on_cpu(CONSISTENT_OPTIONS)
 
     def check(self, context: TaskContext) -> None:
         """Backend jax, no user loss, a built-in causal LM (the sampler decodes it with a KV cache) and batches
@@ -191,6 +191,8 @@ def shared_prefix_forward(
         or getattr(model, "dropout", 0.0) > 0
     )
     if not section.share_prompt or plain or generations % micro_batches or generations // micro_batches < 2:
+        return None
+    if prompts.shortest < 2:  # a prompt of one token: nothing before the token each row runs anyway
         return None
     params, model_state = jax.eval_shape(pieces.init, jax.random.PRNGKey(0))
     inputs = np.asarray(example_batch["tokens"])[:, :-1]
