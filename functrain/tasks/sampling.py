@@ -29,8 +29,8 @@ from functrain.text.decode import generate_ragged
 # kernels round unlike XLA's own, and which ones it fuses depends on the program), and in its consistent-arithmetic
 # mode (XLA's platform-independent math), where a product's rounding does not depend on its shape; by default a
 # decoded token's few rows and a training batch's many went to kernels that differed in the last bits (up to 3e-5
-# on the bundled example's log-probs). The rest is the models' (a decoded query runs twice:
-# functrain.models.attention) and the train step's (GRPO's policy forward is rematerialised on CPU).
+# on the bundled example's log-probs). The rest is the models' (a decoded query gets a second row:
+# functrain.models.attention) and the train step's (GRPO's policy forward, rematerialised with a reference).
 CONSISTENT_OPTIONS: dict[str, str | bool] = {
     "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT",
     "xla_cpu_enable_platform_dependent_math": False,

@@ -7,9 +7,8 @@ has at least that many prompt tokens) but the last run once per group, through t
 every row (the prefix's last token, its prompt's remainder, its completion, its padding) attends to it as decoding
 would, at the same positions as in the plain forward. Gradients flow through the cache back into the prefix's keys
 and values, so the gradient is the plain forward's (up to rounding: the prefix's share is summed over the group
-once). On
-``bench_grpo.py``'s shapes (16 prompt + 32 completion tokens, G = 8) a train step's tokens fall from 1,504 to
-1,056 (``bench/README.md``); with long prompts and many generations the saving grows toward ``G`` times the
+once). On ``bench_grpo.py``'s shapes (16 prompt + 32 completion tokens, G = 8) a train step's tokens fall from 1,504
+to 1,084 (``bench/README.md``); with long prompts and many generations the saving grows toward ``G`` times the
 prompt's share.
 
 The output covers positions ``length - 1 ..`` only (the last prefix position scores a row's first token after

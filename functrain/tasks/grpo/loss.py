@@ -42,7 +42,6 @@ import jax
 import jax.numpy as jnp
 
 from functrain.core.program import ModelPieces, Program
-from functrain.parallel.target import target_platform
 from functrain.tasks.reference import reference_weights, with_reference
 from functrain.tasks.sampling import token_logps
 from functrain.tasks.shared_prefix import SharedPrefixForward, padded_front
@@ -186,15 +185,15 @@ def grpo_program(
             output, new_state = apply(params, model_state, tokens[:, :-1], train, rng)
             return token_logps(getattr(output, "logits", output), tokens, settings.temperature), new_state
 
-        # The policy's forward is rematerialised (run again in the backward, nothing kept) with a reference, so that
+        # With a reference, the policy's forward is rematerialised (run again in the backward, nothing kept), so
         # XLA compiles it as it compiles the reference's plain forward: at the start they are bitwise equal and the
         # KL's gradient is exactly 0 (a last-bit difference gives tokens no other term reaches a gradient of 1e-9,
-        # which Adam's first step blows up to a full step), as preference's DPO does. And on CPU, so that XLA
-        # compiles it as the sampler's decoder (values kept for the backward change how XLA:CPU fuses and rounds the
-        # forward): rollout/logprob_gap is then 0 (functrain.tasks.sampling.CONSISTENT_OPTIONS), at the cost of one
-        # more forward without a reference (bench/README.md).
-        rematerialised = model is not None or target_platform() == "cpu"
-        forward = jax.checkpoint(policy_logps) if rematerialised else policy_logps
+        # which Adam's first step blows up to a full step). As preference's DPO does. It is then also compiled as
+        # the sampler's decoder: rollout/logprob_gap is 0 on CPU where the shapes let XLA:CPU round both alike
+        # (functrain.tasks.sampling.CONSISTENT_OPTIONS). Without a reference the forward keeps its activations for
+        # the backward, which changes how XLA:CPU fuses and rounds it (a last bit; docs/grpo.md): rematerialising
+        # it too would cost bench_grpo.py's step 1.6 of 18.7 ms.
+        forward = jax.checkpoint(policy_logps) if model is not None else policy_logps
 
         def loss_fn(params: Any, model_state: Any, batch: dict[str, jax.Array], rng: jax.Array):
             tokens = batch["tokens"]

@@ -40,8 +40,9 @@ class GRPO(Task):
     name = "grpo"
 
     def step_compiler_options(self) -> dict[str, str] | None:
-        """On CPU, YNNPACK fuses dots only: its elementwise and reduction fusions make XLA:CPU's backward of a Llama
-        about twice as slow (bench/README.md: a GRPO step 118 -> 69 ms)."""
+        """On CPU, the sampler's consistent options: YNNPACK fuses dots only (its elementwise and reduction fusions
+        also made XLA:CPU's backward of a Llama about twice as slow, bench/README.md: a GRPO step 118 -> 69 ms), in
+        consistent arithmetic, so that the step's log-probs are the sampler's (docs/grpo.md)."""
         from functrain.tasks.sampling import CONSISTENT_OPTIONS, on_cpu
 
         return on_cpu(CONSISTENT_OPTIONS)
