@@ -166,10 +166,17 @@ def attend(
     if softcap is not None or sinks is not None or query_slots is not None:
         slots = jnp.arange(query.shape[1], dtype=jnp.int32) if query_slots is None else query_slots
         # XLA:CPU takes a product of one query row to another kernel than a whole sequence's rows, which rounds
-        # differently: a decoded token's query gets a second row of zeros (a copy of itself would let LLVM share the
-        # two, and form its multiply-adds unlike a training forward's), so that decoding and training agree bit for
-        # bit under functrain.tasks.sampling.CONSISTENT_OPTIONS (GRPO's rollout/logprob_gap).
-        single = query_slots is not None and query.shape[1] == 1 and target_platform() == "cpu"
+        # differently: a decoded token's query gets a second row of zeros, so that decoding and training agree bit
+        # for bit under functrain.tasks.sampling.CONSISTENT_OPTIONS (GRPO's rollout/logprob_gap; a copy of the query
+        # instead of zeros let LLVM share the two rows' work and round it otherwise). With grouped-query heads a
+        # group's query heads are the rows of its products already (and the second row cost bench_grpo.py's
+        # rollout 1 of 8 ms).
+        single = (
+            query_slots is not None
+            and query.shape[1] == 1
+            and query.shape[2] == key.shape[2]
+            and target_platform() == "cpu"
+        )
         if single:
             query, slots = jnp.concatenate([query, jnp.zeros_like(query)], axis=1), jnp.concatenate([slots, slots])
         written = causal_mask(slots, key.shape[1], window)[None, None]
