@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from functrain.core.model_terms import logits_of
 from functrain.core.precision import COMPUTE_DTYPES, cast_floating
 from functrain.core.program import ModelPieces
 from functrain.core.unembedding import chunk_positions, logits_array, over_chunks
@@ -107,7 +108,7 @@ class Sampler:
             output: Any = pieces.apply(cast_floating(params, dtype), {}, tokens[:, :-1], False, jax.random.PRNGKey(0))[
                 0
             ]
-            return token_logps(getattr(output, "logits", output), tokens, temperature)[0]
+            return token_logps(logits_of(output), tokens, temperature)[0]
 
         options = on_cpu(DECODER_OPTIONS)
         self.sample = jax.jit(sample, static_argnames=("prefill", "repeats"), compiler_options=options)

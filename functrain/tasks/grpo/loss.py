@@ -41,6 +41,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from functrain.core.model_terms import logits_of
 from functrain.core.program import ModelPieces, Program
 from functrain.tasks.reference import reference_weights, with_reference
 from functrain.tasks.sampling import token_logps
@@ -175,7 +176,7 @@ def grpo_program(
         if shared is not None:  # the frozen copy (sharing is off under a transform such as LoRA)
             return jax.lax.stop_gradient(shared_logps(reference_weights(params, model_state), tokens)[0])
         reference = model.reference(params, model_state, tokens[:, :-1])
-        return token_logps(getattr(reference, "logits", reference), tokens, settings.temperature)[0]
+        return token_logps(logits_of(reference), tokens, settings.temperature)[0]
 
     def loss(train: bool) -> Callable:
         def policy_logps(params: Any, model_state: Any, tokens: jax.Array, rng: jax.Array):
@@ -183,7 +184,7 @@ def grpo_program(
                 return shared_logps(params, tokens), model_state
             output: Any
             output, new_state = apply(params, model_state, tokens[:, :-1], train, rng)
-            return token_logps(getattr(output, "logits", output), tokens, settings.temperature), new_state
+            return token_logps(logits_of(output), tokens, settings.temperature), new_state
 
         # With a reference, the policy's forward is rematerialised (run again in the backward, nothing kept), so
         # XLA compiles it as it compiles the reference's plain forward: at the start they are bitwise equal and the

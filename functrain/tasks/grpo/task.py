@@ -191,9 +191,9 @@ def shared_prefix_forward(
         or model.remat != "none"
         or getattr(model, "dropout", 0.0) > 0
     )
-    if not section.share_prompt or plain or generations % micro_batches or generations // micro_batches < 2:
-        return None
-    if prompts.shortest < 2:  # a prompt of one token: nothing before the token each row runs anyway
+    # A shortest prompt of one token leaves nothing to share: every row runs a prefix's last token itself.
+    whole_runs = generations % micro_batches == 0 and generations // micro_batches >= 2
+    if not section.share_prompt or plain or not whole_runs or prompts.shortest < 2:
         return None
     params, model_state = jax.eval_shape(pieces.init, jax.random.PRNGKey(0))
     inputs = np.asarray(example_batch["tokens"])[:, :-1]
