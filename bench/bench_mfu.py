@@ -22,7 +22,8 @@ Measured in the same run, calls interleaved round by round (the ratios are the p
 
 Memory: XLA's compiled memory analysis of each train call (device arguments + temporaries), so one process
 measures every variant. Usage: ``python bench/bench_mfu.py`` (``configs/gpt_350m.yaml`` when a GPU is present,
-else a small CPU GPT), ``--preset cpu|gpu``, ``--config FILE``, ``--only functrain`` (skip the comparisons).
+else a small CPU GPT), ``--preset cpu|gpu``, ``--config FILE``, ``--variants deterministic=false,hand-written``
+(measure only those, the first for the MFU line: each variant compiles once, a minute or two for the GPU preset).
 """
 
 from __future__ import annotations
@@ -142,11 +143,9 @@ class HandWritten:
         return self.steps.lower(self.params, self.opt_state, self.tokens).compile()
 
 
-def variants(config: Config, only_functrain: bool) -> dict[str, tuple[type, Config]]:
-    """The measured variants: name -> (runner, config)."""
+def variants(config: Config) -> dict[str, tuple[type, Config]]:
+    """The variants this device can run: name -> (runner, config); functrain as configured first."""
     chosen = {"functrain": (Functrain, config)}
-    if only_functrain:
-        return chosen
     chosen["hand-written"] = (HandWritten, config)
     for policy in ("full", "dots_saveable"):
         chosen[f"remat={policy}"] = (Functrain, config.model_copy(
@@ -168,10 +167,17 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=None, help="override the per-device dense peak")
     parser.add_argument("--calls", type=int, default=None,
                         help="timed calls per variant after one warm-up call (default: 40 on CPU, 5 elsewhere)")
-    parser.add_argument("--only", choices=["functrain"], default=None, help="measure functrain alone")
+    parser.add_argument("--variants", default=None,
+                        help="comma-separated variants to measure, the first for the MFU line (default: all this "
+                             "device runs, functrain first)")
     args = parser.parse_args()
     device = jax.devices()[0]
     config = preset_config(args.config or PRESETS[args.preset or ("cpu" if device.platform == "cpu" else "gpu")])
+    available = variants(config)
+    names = args.variants.split(",") if args.variants else list(available)
+    unknown = [name for name in names if name not in available]
+    if unknown or not names or names[0] == "hand-written":
+        parser.error(f"--variants {args.variants}: choose from {', '.join(available)}, a functrain variant first")
     calls = args.calls or (40 if device.platform == "cpu" else 5)
     batch, seq, k = config.data.global_batch_size, config.data.seq_len, config.train.steps_per_call
     rng = np.random.default_rng(0)
@@ -179,7 +185,8 @@ def main() -> None:
                     "weight": np.ones((k, batch), np.float32)}
     total_steps = (calls + 1) * k
     runners = {}
-    for name, (runner, variant_config) in variants(config, args.only is not None).items():
+    for name in names:
+        runner, variant_config = available[name]
         start = time.perf_counter()
         runners[name] = runner(variant_config, host_batches, total_steps)
         runners[name].call()
@@ -192,8 +199,9 @@ def main() -> None:
             times[name].append((time.perf_counter() - start) / k)
     step_s = {name: float(np.median(values)) for name, values in times.items()}
     compiled = {name: runner.compiled() for name, runner in runners.items()}
-    state = runners["functrain"].state
-    step_time = step_s["functrain"]
+    headline = names[0]
+    state = runners[headline].state
+    step_time = step_s[headline]
     shape = config.model.decoder_shape()
     tokens = batch * seq
     devices = jax.device_count()
@@ -208,12 +216,12 @@ def main() -> None:
           f"{k} steps per call")
     for name, seconds in step_s.items():
         print(f"{name:>19}: step {seconds * 1e3:8.2f} ms (median of {calls} calls), "
-              f"{batch * seq / seconds:12,.0f} tokens/s, {step_time / seconds:5.2f}x functrain's tokens/s, "
+              f"{batch * seq / seconds:12,.0f} tokens/s, {step_time / seconds:5.2f}x {headline}'s tokens/s, "
               f"device memory {_device_bytes(compiled[name]) / 2**30:.3f} GiB")
     if "hand-written" in step_s:
         # Each round times both calls back to back, so a slow spell of a shared machine hits both alike. On a GPU
         # the hand-written step runs XLA's default (non-deterministic) kernels: compare functrain's alike.
-        same_kernels = "deterministic=false" if "deterministic=false" in times else "functrain"
+        same_kernels = "deterministic=false" if "deterministic=false" in times else headline
         paired = np.array(times["hand-written"]) / np.array(times[same_kernels])
         print(f"{same_kernels} / hand-written Flax + optax tokens/s: {np.median(paired):.3f} (median of {calls} "
               f"interleaved rounds; quartiles {np.quantile(paired, 0.25):.3f}-{np.quantile(paired, 0.75):.3f})")
@@ -221,7 +229,7 @@ def main() -> None:
     achieved = needed / step_time / devices / 1e12
     achieved_full = executed / step_time / devices / 1e12
     if peak:
-        print(f"functrain MFU {achieved / peak:.1%} (causal attention halved; {achieved:.1f} TFLOP/s per device); "
+        print(f"{headline} MFU {achieved / peak:.1%} (causal attention halved; {achieved:.1f} TFLOP/s per device); "
               f"{achieved_full / peak:.1%} counting full attention ({achieved_full:.1f} TFLOP/s)")
     else:
         print(f"achieved {achieved:.3f} TFLOP/s per device (causal halved), {achieved_full:.3f} counting full "
@@ -229,7 +237,7 @@ def main() -> None:
     # XLA's own count of the compiled call, as a cross-check of the formula (not every backend has it). It
     # counts a while loop's body once, so the scan over K steps reports one step.
     try:
-        cost = compiled["functrain"].cost_analysis()
+        cost = compiled[headline].cost_analysis()
         cost = cost[0] if isinstance(cost, (list, tuple)) else cost
         if cost and cost.get("flops"):
             print(f"XLA cost analysis: {_flops(cost['flops'])}/step incl. elementwise and optimizer ops "

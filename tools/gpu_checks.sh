@@ -2,11 +2,19 @@
 # The checks a GPU machine is lent for, in one short run (the device tool of this workplace runs it from the repo
 # root; OUT is a folder whose files come back). That machine has its own python3 with jax[cuda], flax, optax and
 # orbax but no registry: the packages it lacks travel as wheels in .whl/ (downloaded here for CPython 3.12).
-#   1. bench/bench_mfu.py on configs/gpt_350m.yaml (MFU, functrain vs hand-written, remat and offload variants);
-#   2. `functrain train` of the default job, briefly, on the GPU (the whole path: data, step, Orbax, summary);
-#   3. `functrain verify-resume` of it: is a killed and resumed GPU run bitwise the uninterrupted one?
+#   tools/gpu_checks.sh [BUDGET_S] [CHECK...]   checks run in the order given; default: grpo mfu
+#   train   `functrain train` of the default job, briefly (the whole path: data, step, Orbax, summary);
+#   resume  `functrain verify-resume` of it: is a killed and resumed GPU run bitwise the uninterrupted one?
+#   grpo    the GRPO example from that run: rollout/logprob_gap at XLA's default float32 matmul precision and at
+#           `highest`, and verify-resume of a GRPO run;
+#   mfu     bench/bench_mfu.py on configs/gpt_350m.yaml with what is left of BUDGET_S (default 560 s):
+#           deterministic=false (cuDNN attention) against hand-written Flax + optax, each compiled once.
 set -o pipefail
 OUT=${OUT:-/tmp/gpu_checks}
+BUDGET=${1:-560}
+[ $# -gt 0 ] && shift
+CHECKS=("$@")
+[ ${#CHECKS[@]} -eq 0 ] && CHECKS=(grpo mfu)
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || exit 1
@@ -14,11 +22,56 @@ export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
 nvidia-smi -L
 python3 -c "import jax, flax, optax, orbax.checkpoint as ocp; print('jax', jax.__version__, 'flax', flax.__version__, \
 'optax', optax.__version__, 'orbax', ocp.__version__, jax.devices())"
-timeout 330 python3 bench/bench_mfu.py --calls 6 2>&1 | tee "$OUT/bench_mfu.txt"
-echo "== rc $?"
-timeout 90 python3 -m functrain train configs/char_gpt.yaml train.max_steps=300 run.dir=/tmp/runs/char_gpt \
-    2>&1 | tee "$OUT/train.txt" | tail -20
-echo "== rc $?"
-timeout 120 python3 -m functrain verify-resume configs/char_gpt.yaml --steps 60 run.dir=/tmp/runs/verify \
-    2>&1 | tee "$OUT/verify_resume.txt" | tail -12
-echo "== rc $?"
+
+left() { echo $((BUDGET - SECONDS)); }
+
+base_run() {  # make train's job, the GRPO example's starting weights
+    [ -d /tmp/runs/char_gpt/checkpoints ] && return
+    timeout 120 python3 -m functrain train configs/char_gpt.yaml train.max_steps=300 run.dir=/tmp/runs/char_gpt \
+        2>&1 | tee "$OUT/train.txt" | tail -5
+    echo "== train rc $?"
+}
+
+gap_summary() {  # the run's rollout/logprob_gap, reward and step time from its metrics.jsonl
+    python3 - "$1" <<'EOF'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1] + "/metrics.jsonl")]
+rows = [row for row in rows if row.get("split") == "train" and "rollout/logprob_gap" in row]
+gaps = [row["rollout/logprob_gap"] for row in rows]
+print(f"{sys.argv[1]}: {len(rows)} steps, rollout/logprob_gap max {max(gaps):.3g} min {min(gaps):.3g} "
+      f"last {gaps[-1]:.3g}; zero at {sum(g == 0 for g in gaps)} steps; reward {rows[0]['reward']:.3f} -> "
+      f"{rows[-1]['reward']:.3f}")
+EOF
+}
+
+for check in "${CHECKS[@]}"; do
+    case $check in
+    train) base_run ;;
+    resume)
+        timeout 120 python3 -m functrain verify-resume configs/char_gpt.yaml --steps 60 run.dir=/tmp/runs/verify \
+            2>&1 | tee "$OUT/verify_resume.txt" | tail -12
+        echo "== verify-resume rc $?" ;;
+    grpo)
+        base_run
+        timeout 150 python3 -m functrain train configs/grpo_char_gpt.yaml train.init_from=/tmp/runs/char_gpt \
+            run.dir=/tmp/runs/grpo 2>&1 | tee "$OUT/grpo.txt" | tail -4
+        echo "== grpo rc $?"
+        gap_summary /tmp/runs/grpo | tee -a "$OUT/grpo.txt"
+        JAX_DEFAULT_MATMUL_PRECISION=highest timeout 90 python3 -m functrain train configs/grpo_char_gpt.yaml \
+            train.init_from=/tmp/runs/char_gpt train.max_steps=30 run.dir=/tmp/runs/grpo_highest 2>&1 \
+            | tee "$OUT/grpo_highest.txt" | tail -3
+        echo "== grpo highest rc $?"
+        gap_summary /tmp/runs/grpo_highest | tee -a "$OUT/grpo_highest.txt"
+        timeout 150 python3 -m functrain verify-resume configs/grpo_char_gpt.yaml --steps 6 \
+            train.init_from=/tmp/runs/char_gpt run.dir=/tmp/runs/grpo_verify 2>&1 \
+            | tee "$OUT/grpo_verify_resume.txt" | tail -8
+        echo "== grpo verify-resume rc $?" ;;
+    mfu)
+        echo "mfu: $(left) s left"
+        timeout "$(left)" python3 bench/bench_mfu.py --calls 5 --variants deterministic=false,hand-written 2>&1 \
+            | tee "$OUT/bench_mfu.txt"
+        echo "== bench_mfu rc $?" ;;
+    *) echo "unknown check $check (train, resume, grpo, mfu)"; exit 2 ;;
+    esac
+    echo "-- $check done at ${SECONDS} s"
+done
