@@ -38,6 +38,7 @@ class StepSettings:
     micro_batches: int = 1
     clip_norm: float | None = None
     compute_dtype: str = "float32"  # the forward/backward pass
+    matmul_precision: str = "auto"  # its products' (functrain.core.precision.matmul_precision)
     param_dtype: str = "float32"  # the stored (master) weights
     dynamic_loss_scale: bool = False
     offload_optimizer: bool = False  # optimizer state in pinned host memory (GPU/TPU)

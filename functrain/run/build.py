@@ -129,6 +129,7 @@ def step_settings(config: Config) -> StepSettings:
         micro_batches=train.micro_batches,
         clip_norm=train.clip_norm,
         compute_dtype=train.compute_dtype,
+        matmul_precision=train.matmul_precision,
         param_dtype=train.param_dtype,
         dynamic_loss_scale=train.loss_scale == "dynamic",
         offload_optimizer=train.offload_optimizer,

@@ -220,8 +220,9 @@ class OptimizerConfig(Section):
 class TrainConfig(Section):
     """``train.*``: run length (``max_steps`` wins over ``epochs``), the starting weights (``init_from``),
     accumulation, steps per compiled call, clipping, the non-finite policy, the precision (``compute_dtype`` for
-    the forward/backward pass, ``param_dtype`` for the stored parameters), ``offload_optimizer`` (optimizer state
-    in pinned host memory, streamed to the device for each update; GPU/TPU only) and (torch) ``torch.compile``."""
+    the forward/backward pass, ``matmul_precision`` for its products, ``param_dtype`` for the stored parameters),
+    ``offload_optimizer`` (optimizer state in pinned host memory, streamed to the device for each update; GPU/TPU
+    only) and (torch) ``torch.compile``."""
 
     max_steps: int | None = Field(None, ge=1)
     epochs: float | None = Field(None, gt=0)
@@ -234,6 +235,10 @@ class TrainConfig(Section):
     # A finished run that skipped a larger share of its steps as non-finite exits with status 4.
     max_skipped_fraction: float = Field(0.5, ge=0.0, le=1.0)
     compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # The products' precision (jax.default_matmul_precision): auto is highest for float32 compute on a GPU or TPU
+    # (XLA's default rounds float32 operands there: TF32, one bfloat16 pass) and XLA's default elsewhere; default
+    # takes XLA's faster rounding anyway (functrain/core/precision.py).
+    matmul_precision: Literal["auto", "default", "high", "highest"] = "auto"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     loss_scale: Literal["none", "dynamic"] = "none"
     offload_optimizer: bool = False

@@ -15,7 +15,14 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from functrain.core.precision import COMPUTE_DTYPES, LOSS_SCALE_INIT, PARAM_DTYPES, cast_floating
+from functrain.core.precision import (
+    COMPUTE_DTYPES,
+    LOSS_SCALE_INIT,
+    PARAM_DTYPES,
+    at_precision,
+    cast_floating,
+    matmul_precision,
+)
 from functrain.core.program import Program
 from functrain.core.state import TrainState
 from functrain.core.step import StepSettings, make_eval_step, make_train_call, make_train_step, trainable_only
@@ -124,6 +131,8 @@ class JaxBackend:
             end_of_step=program.end_of_step,
         )
         eval_step = make_eval_step(program.eval_loss_fn, compute_dtype=compute_dtype, stateful=True)
+        precision = matmul_precision(step.matmul_precision, step.compute_dtype, self.devices[0].platform)
+        train_step, eval_step = at_precision(train_step, precision), at_precision(eval_step, precision)
 
         def fresh_state(params: Any, model_state: Any, run_key: jax.Array) -> TrainState:
             params = cast_floating(params, param_dtype)  # train.param_dtype: the stored (master) weights

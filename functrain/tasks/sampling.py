@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from functrain.core.model_terms import logits_of
-from functrain.core.precision import COMPUTE_DTYPES, cast_floating
+from functrain.core.precision import COMPUTE_DTYPES, at_precision, cast_floating, matmul_precision
 from functrain.core.program import ModelPieces
 from functrain.core.unembedding import chunk_positions, logits_array, over_chunks
 from functrain.models import build_model
@@ -72,7 +72,7 @@ class Sampler:
     of a prompt share its prefill), drawn at ``temperature`` from the
     ``top_k`` most likely (None: all) within ``top_p`` of the probability (None: all), with their log-probs at
     ``temperature``. ``forward(params, tokens) -> logps`` ``[B, L-1]``: the training forward's log-probs of
-    ``tokens[:, 1:]`` at ``temperature``."""
+    ``tokens[:, 1:]`` at ``temperature``. Both trace their products at ``precision`` (``train.matmul_precision``)."""
 
     def __init__(
         self,
@@ -84,6 +84,7 @@ class Sampler:
         temperature: float,
         top_k: int | None = None,
         top_p: float | None = None,
+        precision: str = "auto",
     ) -> None:
         dtype = COMPUTE_DTYPES[compute_dtype]
         sampling_model = build_model(for_sampling(model_config), dtype)
@@ -111,5 +112,9 @@ class Sampler:
             return token_logps(logits_of(output), tokens, temperature)[0]
 
         options = on_cpu(DECODER_OPTIONS)
-        self.sample = jax.jit(sample, static_argnames=("prefill", "repeats"), compiler_options=options)
-        self.forward = jax.jit(forward, compiler_options=options)
+        # The step's products' precision (train.matmul_precision), so that both round float32 operands alike.
+        products = matmul_precision(precision, compute_dtype, target_platform())
+        self.sample = jax.jit(
+            at_precision(sample, products), static_argnames=("prefill", "repeats"), compiler_options=options
+        )
+        self.forward = jax.jit(at_precision(forward, products), compiler_options=options)

@@ -114,6 +114,7 @@ class Distill(Task):
             config.train.compute_dtype,
             max_new_tokens=section.max_new_tokens,
             temperature=section.temperature,
+            precision=config.train.matmul_precision,
         )
         return OnPolicy(sampler, fields.inputs, section.lmbda, section.max_new_tokens)
 
