@@ -131,8 +131,8 @@ class JaxBackend:
             end_of_step=program.end_of_step,
         )
         eval_step = make_eval_step(program.eval_loss_fn, compute_dtype=compute_dtype, stateful=True)
-        precision = matmul_precision(step.matmul_precision, step.compute_dtype, self.devices[0].platform)
-        train_step, eval_step = at_precision(train_step, precision), at_precision(eval_step, precision)
+        self._precision = matmul_precision(step.matmul_precision, step.compute_dtype, self.devices[0].platform)
+        train_step, eval_step = at_precision(train_step, self._precision), at_precision(eval_step, self._precision)
 
         def fresh_state(params: Any, model_state: Any, run_key: jax.Array) -> TrainState:
             params = cast_floating(params, param_dtype)  # train.param_dtype: the stored (master) weights
@@ -310,15 +310,16 @@ class JaxBackend:
     ) -> Callable[[TrainState, dict[str, np.ndarray]], dict[str, np.ndarray]]:
         """``fn(params, model_state, batch) -> {field: [B]}`` compiled on the mesh: the returned function takes the
         state and a host batch ``[B_local, ...]`` and gives host arrays ``[B]`` of the whole global batch (every
-        process gets all of them). The params are cast as the step's forward sees them (``train.compute_dtype``),
-        so values computed here match the step's (a task's start hook: precomputed reference log-probs)."""
+        process gets all of them). The params are cast as the step's forward sees them (``train.compute_dtype``,
+        products at ``train.matmul_precision``), so values computed here match the step's (a task's start hook:
+        precomputed reference log-probs)."""
         compute_dtype = self._compute_dtype
 
         def on_state(state: TrainState, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
             return fn(cast_floating(state.params, compute_dtype), state.model_state, batch)
 
         compiled = jax.jit(
-            on_state,
+            at_precision(on_state, self._precision),
             in_shardings=(self.state_shardings, self.batch_sharding),
             out_shardings=NamedSharding(self.mesh, PartitionSpec()),
         )
