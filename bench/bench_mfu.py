@@ -18,7 +18,9 @@ Measured in the same run, calls interleaved round by round (the ratios are the p
 - ``remat=full`` / ``remat=dots_saveable``: functrain with ``model.remat`` (tokens/s and memory vs none);
 - ``offload_optimizer``: functrain with the optimizer state in pinned host memory (GPU/TPU only);
 - ``deterministic=false`` (GPU only): functrain without XLA's deterministic GPU ops (``train.deterministic``,
-  on by default for bitwise resume), with cuDNN's flash attention, as the hand-written step runs.
+  on by default for bitwise resume), with cuDNN's flash attention, as the hand-written step runs;
+- ``logits_chunk=off``: functrain with the whole logits (``train.logits_chunk``; ``auto`` chunks large ones and
+  computes the head's product again in the backward), as the hand-written step, and its GPU kernels.
 
 Memory: XLA's compiled memory analysis of each train call (device arguments + temporaries), so one process
 measures every variant. Usage: ``python bench/bench_mfu.py`` (``configs/gpt_350m.yaml`` when a GPU is present,
@@ -150,9 +152,13 @@ def variants(config: Config) -> dict[str, tuple[type, Config]]:
     for policy in ("full", "dots_saveable"):
         chosen[f"remat={policy}"] = (Functrain, config.model_copy(
             update={"model": config.model.model_copy(update={"remat": policy})}))
-    if jax.devices()[0].platform == "gpu":  # XLA's faster non-deterministic GPU kernels and cuDNN's attention
+    fast = {"deterministic": False} if jax.devices()[0].platform == "gpu" else {}
+    if fast:  # XLA's faster non-deterministic GPU kernels and cuDNN's attention
         chosen["deterministic=false"] = (Functrain, config.model_copy(
-            update={"train": config.train.model_copy(update={"deterministic": False})}))
+            update={"train": config.train.model_copy(update=fast)}))
+    # The whole logits, as the hand-written step forms them (and its kernels on a GPU): what chunking them costs.
+    chosen["logits_chunk=off"] = (Functrain, config.model_copy(
+        update={"train": config.train.model_copy(update={**fast, "logits_chunk": "off"})}))
     if host_offload_available():
         chosen["offload_optimizer"] = (Functrain, config.model_copy(
             update={"train": config.train.model_copy(update={"offload_optimizer": True})}))
