@@ -89,7 +89,8 @@ class Functrain:
     def __init__(self, config: Config, host_batches: dict, total_steps: int) -> None:
         model = build_model(config.model, COMPUTE_DTYPES[config.train.compute_dtype])
         example = {name: value[0] for name, value in host_batches.items()}
-        self.backend = jax_backend(config, as_program(model, example, kind="causal_lm"), total_steps)  # as a run builds it
+        program = as_program(model, example, kind="causal_lm", logits_chunk=config.train.logits_chunk)
+        self.backend = jax_backend(config, program, total_steps)  # as a run builds it
         self.state = self.backend.init_state()
         self.batches = self.backend.place(host_batches)
 

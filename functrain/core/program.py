@@ -609,6 +609,7 @@ def as_program(
     kind: str | None = None,
     loss_fn: Callable | None = None,
     fields: Fields | None = None,
+    logits_chunk: LogitsChunk = "off",
 ) -> Program:
     """The :class:`Program` of a linen module, an NNX module, a :class:`FunctionalModel` or a Program, with the
     built-in loss its data calls for or a user loss (research code's entry; runs go through a task).
@@ -619,6 +620,8 @@ def as_program(
       kind: the built-in loss (``classifier`` / ``causal_lm``); None: the one the data's fields call for.
       loss_fn: a user loss, either form of the module docstring; None: the built-in one.
       fields: the batch's roles (:func:`functrain.core.fields.resolve_fields`); None: the conventions.
+      logits_chunk: the built-in causal-LM loss over chunks of positions (``train.logits_chunk``: ``auto``, a
+        number of positions, ``off``); a run passes its config's.
 
     Raises ConfigError / DataError (one line) for a model of no known kind, data without the fields the model
     or loss read, output that does not fit the built-in loss, and a ``loss_fn`` of the wrong structure or
@@ -635,5 +638,5 @@ def as_program(
         model, model_inputs_of(fields, example_batch), example_batch, fields.argument if fields is not None else None
     )
     if loss_fn is None:
-        return builtin_program(pieces, require_builtin(fields, example_batch), example_batch)
+        return builtin_program(pieces, require_builtin(fields, example_batch), example_batch, logits_chunk)
     return user_program(pieces, loss_fn, example_batch)

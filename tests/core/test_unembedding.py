@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from functrain.core.losses import causal_lm_sums
-from functrain.core.program import builtin_loss, model_pieces
+from functrain.core.program import as_program, builtin_loss, model_pieces
 from functrain.core.unembedding import AUTO_WHOLE_BYTES, Unembedding, chunk_loops_traced, chunk_positions
 from functrain.models import build_model
 from functrain.models.gemma2 import soft_cap
@@ -62,6 +62,20 @@ def test_the_chunked_lm_loss_and_its_gradient_equal_the_whole_logits():
     assert 0 < float(weight) < 2 * (LENGTH - 1)  # the weighting held: -100, mask and segment starts left out
     for got, want in zip(jax.tree.leaves(chunked_grads), jax.tree.leaves(grads)):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_as_program_chunks_the_lm_loss_as_a_run_asks():
+    # Research code's entry takes the run's train.logits_chunk (bench_mfu measured whole logits before it did).
+    batch = {"tokens": weighted_batch()["tokens"], "weight": np.ones(3, np.float32)}
+    model = build_model(GPT)
+    counts = []
+    for chunk in ("off", 4):
+        program = as_program(model, batch, kind="causal_lm", logits_chunk=chunk)
+        params, model_state = jax.eval_shape(program.init, jax.random.PRNGKey(0))
+        with chunk_loops_traced() as loops:
+            jax.eval_shape(program.loss_fn, params, model_state, batch, jax.random.PRNGKey(1))
+        counts.append(loops)
+    assert counts == [[], [3]]  # 11 positions in chunks of 4
 
 
 def test_a_tied_head_unapplied_gives_the_logits_of_the_embedding():
