@@ -1,4 +1,4 @@
-"""Turn each process's slice of a batch into one global ``jax.Array`` sharded along the batch axis.
+"""Turn each process's slice of a batch into one global ``jax.Array`` sharded along the batch axis, and back.
 
 Each process holds rows ``[p*B/P, (p+1)*B/P)``; ``jax.make_array_from_process_local_data`` places them on the
 process's devices. That is right only when the mesh gives process ``p`` exactly those rows, which holds for
@@ -80,3 +80,14 @@ def to_global(host_batch: Any, sharding_or_mesh: Sharding | Mesh, batch_axis: in
         return jax.make_array_from_process_local_data(sharding, local, global_shape)
 
     return jax.tree.map(place, host_batch)
+
+
+def to_local(array: jax.Array, batch_axis: int = 0) -> np.ndarray:
+    """This process's rows of a global array split along ``batch_axis`` only (:func:`to_global`'s inverse), as a
+    host array: the whole array with one process."""
+    if jax.process_count() == 1:
+        return np.asarray(array)
+    blocks: dict[int, Any] = {}
+    for shard in array.addressable_shards:  # a block of rows once, whichever local devices hold replicas of it
+        blocks.setdefault(shard.index[batch_axis].start or 0, shard.data)
+    return np.concatenate([np.asarray(blocks[start]) for start in sorted(blocks)], axis=batch_axis)

@@ -92,6 +92,15 @@ def any_process(flags: list[bool]) -> list[bool]:
     return [bool(vote) for vote in np.asarray(votes).reshape(-1, len(flags)).max(axis=0)]  # max of 0/1: OR
 
 
+def all_rows(local: np.ndarray) -> np.ndarray:
+    """Every process's ``local`` rows (each process the same number), in process order: the whole batch's, which
+    each process's data slice is a block of (one all-gather; ``local`` itself with one process)."""
+    if jax.process_count() == 1:
+        return local
+    gathered = np.asarray(multihost_utils.process_allgather(np.asarray(local)))
+    return gathered.reshape(-1, *np.shape(local)[1:])
+
+
 def every_process(flag: bool) -> bool:
     """True when ``flag`` holds on every process."""
     return not any_process([not flag])[0]

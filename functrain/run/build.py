@@ -276,11 +276,6 @@ def backend_of(
         ), None
     program, pieces = task_program(config, parts, example_batch)
     experience = parts.task.experience(parts.context, parts.data, pieces)
-    if experience is not None and jax.process_count() > 1:
-        raise ConfigError(
-            f"task {parts.task.name} makes its batches with an experience stage, which runs on one "
-            f"process for now; run it on one host"
-        )
     return jax_backend(
         config,
         program,

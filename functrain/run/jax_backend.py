@@ -237,9 +237,10 @@ class JaxBackend:
         """Host batches ``[K, B_local, ...]`` -> global arrays sharded over the batch axes.
 
         With one process the numpy arrays are handed to the compiled call as they are: its input shardings
-        place them on the way in (in C++), which costs less than a Python ``device_put`` of each batch.
+        place them on the way in (in C++), which costs less than a Python ``device_put`` of each batch. An
+        experience stage reads this process's rows as they are, and its batch is placed when it is made.
         """
-        if jax.process_count() == 1:
+        if jax.process_count() == 1 or self.experience is not None:
             return host_batches
         return to_global(host_batches, self.stacked_batch_sharding, batch_axis=1)
 
@@ -271,8 +272,11 @@ class JaxBackend:
                 jax.random.fold_in(stream, step + k),
                 step + k,
             )
-            # Host arrays, placed by the call's input shardings (as place() hands the loader's batches over).
-            state, metrics = self._train_call(state, {name: np.asarray(value)[None] for name, value in batch.items()})
+            # This process's rows, a call of one step: placed as place() places the loader's batches.
+            rows = {name: np.asarray(value)[None] for name, value in batch.items()}
+            if jax.process_count() > 1:
+                rows = to_global(rows, self.stacked_batch_sharding, batch_axis=1)
+            state, metrics = self._train_call(state, rows)
             per_step.append(metrics)
         if len(per_step) == 1:  # metrics [1] already: no concatenation to dispatch per metric
             return state, per_step[0]

@@ -13,11 +13,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
 
 from functrain.core.model_terms import logits_of
 from functrain.core.precision import COMPUTE_DTYPES, at_precision, cast_floating, matmul_precision
 from functrain.core.program import ModelPieces
 from functrain.core.unembedding import chunk_positions, logits_array, over_chunks
+from functrain.data.global_array import batch_sharding, to_global, to_local
 from functrain.models import build_model
 from functrain.models.lora import merged_for_inference
 from functrain.models.options import for_sampling
@@ -65,7 +68,8 @@ def token_logps(logits: Any, tokens: jax.Array, temperature: float) -> tuple[jax
 
 
 class Sampler:
-    """A run's compiled sampler (``sample``) and training forward (``forward``).
+    """A run's compiled sampler (``sample``) and training forward (``forward``), on the params' mesh: each process
+    gives its rows and gets its rows back, and the devices split them as the train step splits its batch.
 
     ``sample(params, prompts, lengths, key, prefill=N, repeats=R) -> (tokens, logps)``: ``max_new_tokens`` new tokens
     after each right-padded prompt (see :func:`~functrain.text.decode.generate_ragged`; rows in runs of ``R`` copies
@@ -111,10 +115,49 @@ class Sampler:
             ]
             return token_logps(logits_of(output), tokens, temperature)[0]
 
-        options = on_cpu(DECODER_OPTIONS)
         # The step's products' precision (train.matmul_precision), so that both round float32 operands alike.
         products = matmul_precision(precision, compute_dtype, target_platform())
-        self.sample = jax.jit(
-            at_precision(sample, products), static_argnames=("prefill", "repeats"), compiler_options=options
-        )
-        self.forward = jax.jit(at_precision(forward, products), compiler_options=options)
+        self._functions = (at_precision(sample, products), at_precision(forward, products))
+        self._programs: dict[Mesh | None, tuple[Any, Any]] = {}
+
+    def programs(self, mesh: Mesh | None) -> tuple[Any, Any]:
+        """The compiled sampler and forward on ``mesh`` (the params'): their rows split over its data-parallel devices
+        as the train step's batch (None: laid out as XLA chooses, for params on no mesh)."""
+        if mesh not in self._programs:
+            rows = None if mesh is None else batch_sharding(mesh, batch_axis=0)
+            options = on_cpu(DECODER_OPTIONS)
+            sample, forward = self._functions
+            self._programs[mesh] = (
+                jax.jit(sample, static_argnames=("prefill", "repeats"), out_shardings=rows, compiler_options=options),
+                jax.jit(forward, out_shardings=rows, compiler_options=options),
+            )
+        return self._programs[mesh]
+
+    def sample(
+        self, params: Any, prompts: np.ndarray, lengths: np.ndarray, key: jax.Array, *, prefill: int, repeats: int = 1
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """This process's rows of the batch (``prompts``, ``lengths``) -> their tokens and log-probs, as host arrays;
+        every process of the run calls it with its own rows (the data loader's)."""
+        mesh = _mesh_of(params)
+        prompts, lengths = _global_rows(mesh, prompts, lengths)
+        tokens, logps = self.programs(mesh)[0](params, prompts, lengths, key, prefill=prefill, repeats=repeats)
+        return to_local(tokens), to_local(logps)
+
+    def forward(self, params: Any, tokens: np.ndarray) -> jax.Array:
+        """The training forward's log-probs of this process's rows ``tokens``, dispatched: a global array whose rows
+        :func:`functrain.data.global_array.to_local` gives."""
+        mesh = _mesh_of(params)
+        return self.programs(mesh)[1](params, *_global_rows(mesh, tokens))
+
+
+def _mesh_of(params: Any) -> Mesh | None:
+    """The mesh the params lie on (a run's train state's), or None."""
+    sharding = getattr(jax.tree.leaves(params)[0], "sharding", None)
+    return sharding.mesh if isinstance(sharding, NamedSharding) else None
+
+
+def _global_rows(mesh: Mesh | None, *local: np.ndarray) -> tuple[Any, ...]:
+    """This process's rows as global arrays split over ``mesh``'s data-parallel devices (as they are: no mesh)."""
+    if mesh is None:
+        return local
+    return tuple(to_global(list(local), batch_sharding(mesh, batch_axis=0), batch_axis=0))

@@ -56,7 +56,8 @@ def test_grpos_sampler_traces_its_products_at_the_steps_precision(tmp_path, monk
         run = functrain.build({}, **settings, **{"run.dir": str(tmp_path / precision),
                                                  "train.matmul_precision": precision})
         params = run.backend.init_state().params
-        return run.backend.experience.sampler.forward.lower(params, np.zeros((4, 8), np.int32)).as_text()
+        forward = run.backend.experience.sampler.programs(run.backend.mesh)[1]
+        return forward.lower(params, np.zeros((4, 8), np.int32)).as_text()
 
     assert "precision = [HIGHEST, HIGHEST]" in scoring_text("highest")
     assert "HIGHEST" not in scoring_text("default")

@@ -40,5 +40,5 @@ class OnPolicy:
             )
         prompts = np.ascontiguousarray(windows[:, :keep], np.int32)
         lengths = np.full(len(windows), keep, np.int32)
-        generated, _ = jax.device_get(self.sampler.sample(params, prompts, lengths, sampling, prefill=keep))
+        generated, _ = self.sampler.sample(params, prompts, lengths, sampling, prefill=keep)  # this process's rows
         return {**batch, self.field: np.concatenate([windows[:, :keep], generated.astype(windows.dtype)], 1)}

@@ -29,6 +29,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from functrain.data.global_array import to_local
+from functrain.parallel.distributed import all_rows
 from functrain.tasks.grpo.advantages import group_advantages, reward_metrics
 from functrain.tasks.grpo.config import GRPOConfig
 from functrain.tasks.grpo.prompts import Prompts
@@ -74,7 +76,7 @@ def draw(
     for row, index in enumerate(rows):
         padded[row, : lengths[row]] = prompts.ids[index]
     prefill = prompts.shortest
-    tokens, logps = jax.device_get(sampler.sample(params, padded, lengths, key, prefill=prefill, repeats=generations))
+    tokens, logps = sampler.sample(params, padded, lengths, key, prefill=prefill, repeats=generations)
     drawn_at = (lengths - prefill)[:, None] + np.arange(length)  # each row's drawn tokens, after its own prompt
     drawn, drawn_logps = np.take_along_axis(tokens, drawn_at, 1), np.take_along_axis(logps, drawn_at, 1)
     ends = np.isin(drawn, prompts.eos_ids)
@@ -166,7 +168,9 @@ class Rollouts:
         return self._generation[1]
 
     def generate(self, params: Any, indices: np.ndarray, key: jax.Array, step: int) -> dict[str, np.ndarray]:
-        """The training batch of the prompts ``indices``: sampled, scored and laid out for the loss."""
+        """The training batch of this process's prompts ``indices`` (the loader's slice): sampled (every process
+        its own rows, on the devices that train them), scored on this process, laid out for the loss; advantages,
+        normalisers and metrics from the whole batch's rewards and lengths."""
         section, prompts = self.section, self.prompts
         length = section.max_completion_length
         completions = draw(self.sampler, params, prompts, indices, key, section.num_generations, length)
@@ -182,37 +186,52 @@ class Rollouts:
             prompts.columns(completions.prompt_index),
             step,
         )
-        advantages, is_std_zero = group_advantages(table, self.weights, section.num_generations, section.scale_rewards)
-        if self.samples is not None and (step + 1) % self.samples[1] == 0:
+        if section.mask_truncated_completions:
+            mask = mask * ~completions.truncated[:, None]
+        # The whole batch's (a group's completions are on one process; a batch's std and the metrics are not).
+        lengths = np.array([len(ids) for ids in completions.ids], np.float32)
+        whole = {"table": table, "lengths": lengths, "truncated": completions.truncated, "tokens": mask[:, 1:].sum(1)}
+        whole = {name: all_rows(value) for name, value in whole.items()}
+        advantages, is_std_zero = group_advantages(
+            whole["table"], self.weights, section.num_generations, section.scale_rewards
+        )
+        rows = len(completions.ids)
+        own = slice(jax.process_index() * rows, (jax.process_index() + 1) * rows)
+        if self.samples is not None and (step + 1) % self.samples[1] == 0 and jax.process_index() == 0:
             names = [f.name for f in self.rewards]
             records = sample_records(
-                step + 1, prompts, completions, texts, table, names, self.weights, advantages, section.num_generations
+                step + 1,
+                prompts,
+                completions,
+                texts,
+                table,
+                names,
+                self.weights,
+                advantages[own],
+                section.num_generations,
             )
             with open(self.samples[0], "a") as file:
                 file.writelines(json.dumps(record) + "\n" for record in records)
-        if section.mask_truncated_completions:
-            mask = mask * ~completions.truncated[:, None]
-        lengths = np.array([len(ids) for ids in completions.ids], np.float32)
         metrics = {
-            **reward_metrics(table, self.weights, [f.name for f in self.rewards]),
+            **reward_metrics(whole["table"], self.weights, [f.name for f in self.rewards]),
             "frac_reward_zero_std": float(is_std_zero.mean()),
-            "completions/mean_length": float(lengths.mean()),
-            "completions/min_length": float(lengths.min()),
-            "completions/max_length": float(lengths.max()),
-            "completions/clipped_ratio": float(completions.truncated.mean()),
+            "completions/mean_length": float(whole["lengths"].mean()),
+            "completions/min_length": float(whole["lengths"].min()),
+            "completions/max_length": float(whole["lengths"].max()),
+            "completions/clipped_ratio": float(whole["truncated"].mean()),
         }
-        rows = len(completions.ids)
+        batch_rows = len(whole["lengths"])
         training = {
             "tokens": tokens,
             "completion_mask": mask.astype(np.int32),
-            "advantages": advantages,
+            "advantages": advantages[own],
             "sampler_logps": sampler_logps,
-            "batch_rows": np.full(rows, rows, np.float32),
-            "batch_tokens": np.full(rows, mask[:, 1:].sum(), np.float32),
+            "batch_rows": np.full(rows, batch_rows, np.float32),
+            "batch_tokens": np.full(rows, whole["tokens"].sum(), np.float32),
             "host_metrics": np.tile(np.array([metrics[name] for name in self.metric_names], np.float32), (rows, 1)),
         }
         if old_logps is not None:
-            training["old_logps"] = np.asarray(jax.device_get(old_logps), np.float32)
+            training["old_logps"] = np.asarray(to_local(old_logps), np.float32)
         return training
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import numpy as np
 
 from functrain.core.program import ModelPieces, Program
@@ -63,6 +64,13 @@ class GRPO(Task):
             raise ConfigError(
                 f"data.global_batch_size={batch} counts completions and is not divisible by "
                 f"grpo.num_generations={generations}; set it to a multiple of {generations}"
+            )
+        processes = jax.process_count()
+        if (batch // generations) % processes:
+            raise ConfigError(
+                f"a step's {batch // generations} prompts (data.global_batch_size={batch} / grpo.num_generations="
+                f"{generations}) do not split over the job's {processes} processes, which each sample and score "
+                f"whole groups; set data.global_batch_size to a multiple of {generations * processes}"
             )
         if config.train.steps_per_call % section.num_iterations:
             raise ConfigError(

@@ -75,3 +75,19 @@ def test_on_policy_needs_plain_token_windows(tmp_path):
     with pytest.raises(ConfigError, match="distill.lmbda samples the student's continuations of token windows"):
         fit(str(config), train_data=hf)
     assert not (tmp_path / "run").exists()
+
+
+def test_two_processes_sample_and_train_as_one_process_with_two_devices(tmp_path):
+    # Each process continues its own windows (the loader's slice) on its own device, every step on-policy.
+    from tests.run.test_multiprocess import _cli
+    teacher = tmp_path / "teacher"
+    write_teacher(teacher)
+    config = write_config(tmp_path, teacher, distill={"lmbda": 1.0, "max_new_tokens": 4},
+                          checkpoint={"every_steps": 0}, eval={"every_steps": 0})
+    two, one = tmp_path / "two_processes", tmp_path / "one_process"
+    procs = [_cli(["train", str(config), f"run.dir={two}", "--processes", "2"]),
+             _cli(["train", str(config), f"run.dir={one}"], devices=2)]
+    for proc in procs:
+        output, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, output
+    assert params_digest(load_params(two)) == params_digest(load_params(one))

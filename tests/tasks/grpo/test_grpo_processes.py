@@ -1,0 +1,33 @@
+"""A GRPO job of two processes (``functrain train --processes 2``, gloo collectives) computes what one process with
+two devices computes: each process samples, scores and trains the completions of its own prompts (the loader's
+slice) on its own device, and the batch's advantages, normalisers and metrics come from every process's rewards.
+So the completions, the metrics and the final weights are equal bit for bit, and only process 0 writes."""
+
+import json
+
+from tests.run.test_multiprocess import _cli
+from functrain.checkpoint import load_params, params_digest
+
+# The bundled example from random weights (with its reference), two steps of a prompt per process.
+OVERRIDES = ["train.init_from=null", "train.max_steps=2", "data.global_batch_size=16", "grpo.max_completion_length=8",
+             "checkpoint.every_steps=0", "log.plot=false", "log.tensorboard=false", "log.progress=false"]
+
+
+def _lines(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_two_processes_sample_score_and_train_as_one_process_with_two_devices(tmp_path):
+    two, one = tmp_path / "two_processes", tmp_path / "one_process"
+    procs = [_cli(["train", "configs/grpo_char_gpt.yaml", f"run.dir={two}", *OVERRIDES, "--processes", "2"]),
+             _cli(["train", "configs/grpo_char_gpt.yaml", f"run.dir={one}", *OVERRIDES], devices=2)]
+    for proc in procs:
+        output, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, output
+    assert params_digest(load_params(two)) == params_digest(load_params(one))
+    timings = {"samples_per_sec", "steps_per_sec"}
+    metrics = [[{key: value for key, value in line.items() if key not in timings}
+                for line in _lines(run / "metrics.jsonl") if line["split"] == "train"] for run in (two, one)]
+    assert [line["step"] for line in metrics[0]] == [1, 2]
+    assert metrics[0] == metrics[1]  # rewards, lengths, loss, KL, the logprob gap: every process's rows counted
+    assert _lines(two / "samples.jsonl") == _lines(one / "samples.jsonl")  # process 0's first prompt, once
