@@ -276,6 +276,11 @@ def backend_of(
         ), None
     program, pieces = task_program(config, parts, example_batch)
     experience = parts.task.experience(parts.context, parts.data, pieces)
+    if experience is not None and jax.process_count() > 1 and not getattr(experience, "across_processes", False):
+        raise ConfigError(
+            f"task {parts.task.name} makes its batches with an experience stage that runs on one process (it does "
+            f"not set across_processes: functrain.tasks.base.ExperienceStage); run it on one host"
+        )
     return jax_backend(
         config,
         program,

@@ -109,7 +109,14 @@ class ExperienceStage(Protocol):
     (rollouts: sample completions with the policy, score them on the host): ``stage(params, batch, key, step) ->
     batch``. ``key`` derives from the run's seed and ``step`` (the step the batch trains), so an experience batch
     is a pure function of (weights, data position, step) and a resumed run stays bitwise equal to one that never
-    stopped."""
+    stopped.
+
+    ``batch`` holds this process's rows (the loader's slice) and the stage returns the training batch's rows of this
+    process. A stage that works so on many processes (its device work on the params' mesh, as
+    :class:`functrain.tasks.sampling.Sampler` does, and anything computed over the whole batch gathered from every
+    process) sets ``across_processes = True``; a multi-process run of any other stage is refused in one line."""
+
+    across_processes: bool
 
     def __call__(self, params: Any, batch: dict[str, Any], key: Any, step: int) -> dict[str, Any]: ...
 

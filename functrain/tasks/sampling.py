@@ -153,7 +153,8 @@ class Sampler:
 def _mesh_of(params: Any) -> Mesh | None:
     """The mesh the params lie on (a run's train state's), or None."""
     sharding = getattr(jax.tree.leaves(params)[0], "sharding", None)
-    return sharding.mesh if isinstance(sharding, NamedSharding) else None
+    mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None
+    return mesh if isinstance(mesh, Mesh) else None
 
 
 def _global_rows(mesh: Mesh | None, *local: np.ndarray) -> tuple[Any, ...]:

@@ -166,3 +166,19 @@ def test_an_experience_stage_makes_each_steps_batch_and_resume_stays_bitwise(tmp
         assert task.keys == keys  # the same keys at the same steps
     finally:
         _REGISTERED.pop("pseudo_labels")
+
+
+def test_a_stage_not_made_to_run_across_processes_is_refused_on_many_in_one_line(tmp_path, monkeypatch):
+    # Its batch is this process's rows and its params are global: a plain stage would mix them up (GRPO's and
+    # on-policy distillation's run across processes: tests/tasks/grpo/test_grpo_processes.py).
+    from functrain.run.build import build_run
+    task = PseudoLabels()
+    register_task(task)
+    try:
+        monkeypatch.setattr(jax, "process_count", lambda: 2)
+        with pytest.raises(ConfigError, match="task pseudo_labels makes its batches with an experience stage that "
+                                              "runs on one process") as info:
+            build_run(load_config(_config(tmp_path, task="pseudo_labels")))
+        assert "\n" not in str(info.value) and not (tmp_path / "run").exists()
+    finally:
+        _REGISTERED.pop("pseudo_labels")

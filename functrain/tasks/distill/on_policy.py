@@ -24,6 +24,8 @@ class OnPolicy:
     """The experience stage (:class:`functrain.tasks.base.ExperienceStage`) of a distillation run with ``lmbda``
     above 0: ``field`` holds the token windows ``[B, L+1]``."""
 
+    across_processes = True  # each process continues its own windows; nothing is computed over the whole batch
+
     def __init__(self, sampler: Sampler, field: str, lmbda: float, new_tokens: int) -> None:
         self.sampler, self.field, self.lmbda, self.new_tokens = sampler, field, lmbda, new_tokens
 

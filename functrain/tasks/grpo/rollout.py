@@ -147,6 +147,8 @@ class Rollouts:
     """The experience stage (:class:`functrain.tasks.base.ExperienceStage`) of a GRPO run; ``samples``: the file
     to append samples to and every how many steps (None: none written)."""
 
+    across_processes = True  # each process samples and scores its prompts; the batch's statistics gathered
+
     def __init__(
         self,
         sampler: Sampler,

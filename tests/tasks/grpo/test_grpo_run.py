@@ -210,6 +210,18 @@ def test_bad_input_is_one_line_exit_2_and_nothing_is_written(workspace, tmp_path
     assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.jsonl"]
 
 
+def test_a_steps_prompts_must_split_over_the_processes_in_one_line(workspace, tmp_path, monkeypatch):
+    # Each process samples and scores whole groups: 8 completions of 4 generations are 2 prompts, not 3 processes'.
+    import jax
+    from functrain.errors import ConfigError
+    from functrain.run.fit import build
+    monkeypatch.setattr(jax, "process_count", lambda: 3)
+    with pytest.raises(ConfigError, match=r"a step's 2 prompts \(data.global_batch_size=8 / grpo.num_generations=4\) "
+                                          r"do not split over the job's 3 processes.*multiple of 12") as info:
+        build({}, **config(workspace, tmp_path / "run"))
+    assert "\n" not in str(info.value) and not (tmp_path / "run").exists()
+
+
 def test_the_bundled_example_builds_and_its_rewards_score_lipograms(monkeypatch):
     from functrain.run.config import load_config
     from functrain.run.parts import build_parts
