@@ -26,6 +26,7 @@ from functrain.models.lora import merged_for_inference
 from functrain.models.options import for_sampling
 from functrain.models.stacking import unstack_layers
 from functrain.parallel.target import target_platform
+from functrain.run.determinism import step_compiler_options
 from functrain.text.decode import generate_ragged
 
 # The XLA:CPU options under which the sampler's decoder and the train step compute a token's log-prob bit for bit
@@ -76,7 +77,8 @@ class Sampler:
     of a prompt share its prefill), drawn at ``temperature`` from the
     ``top_k`` most likely (None: all) within ``top_p`` of the probability (None: all), with their log-probs at
     ``temperature``. ``forward(params, tokens) -> logps`` ``[B, L-1]``: the training forward's log-probs of
-    ``tokens[:, 1:]`` at ``temperature``. Both trace their products at ``precision`` (``train.matmul_precision``)."""
+    ``tokens[:, 1:]`` at ``temperature``. Both trace their products at ``precision`` (``train.matmul_precision``) and
+    compile with a GPU's deterministic ops when ``deterministic`` (``train.deterministic``), as the train step."""
 
     def __init__(
         self,
@@ -89,6 +91,7 @@ class Sampler:
         top_k: int | None = None,
         top_p: float | None = None,
         precision: str = "auto",
+        deterministic: bool = True,
     ) -> None:
         dtype = COMPUTE_DTYPES[compute_dtype]
         sampling_model = build_model(for_sampling(model_config), dtype)
@@ -118,6 +121,9 @@ class Sampler:
         # The step's products' precision (train.matmul_precision), so that both round float32 operands alike.
         products = matmul_precision(precision, compute_dtype, target_platform())
         self._functions = (at_precision(sample, products), at_precision(forward, products))
+        # A GPU's deterministic ops too (train.deterministic), as the step's: a resumed run recompiles the sampler, and
+        # its draws must be the uninterrupted run's.
+        self.compiler_options = step_compiler_options(target_platform(), deterministic, on_cpu(DECODER_OPTIONS))
         self._programs: dict[Mesh | None, tuple[Any, Any]] = {}
 
     def programs(self, mesh: Mesh | None) -> tuple[Any, Any]:
@@ -125,8 +131,8 @@ class Sampler:
         as the train step's batch (None: laid out as XLA chooses, for params on no mesh)."""
         if mesh not in self._programs:
             rows = None if mesh is None else batch_sharding(mesh, batch_axis=0)
-            options = on_cpu(DECODER_OPTIONS)
             sample, forward = self._functions
+            options = self.compiler_options
             self._programs[mesh] = (
                 jax.jit(sample, static_argnames=("prefill", "repeats"), out_shardings=rows, compiler_options=options),
                 jax.jit(forward, out_shardings=rows, compiler_options=options),

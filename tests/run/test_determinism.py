@@ -6,6 +6,7 @@ import pytest
 
 from functrain.errors import ConfigError
 from functrain.run.determinism import GPU_DETERMINISTIC_OPTIONS, attention_choice, step_compiler_options
+from functrain.tasks.sampling import DECODER_OPTIONS
 
 
 def test_a_deterministic_gpu_step_adds_the_options_to_the_tasks_and_other_platforms_keep_theirs():
@@ -32,3 +33,21 @@ def test_a_deterministic_gpu_run_attends_with_xla_and_refuses_cudnn_in_one_line(
     with pytest.raises(ConfigError, match=r"train.deterministic=false or model.attention=auto") as caught:
         attention_choice("cudnn", "gpu", True)
     assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("platform, deterministic, expected", [
+    ("gpu", True, GPU_DETERMINISTIC_OPTIONS), ("gpu", False, None), ("cpu", True, DECODER_OPTIONS)])
+def test_the_sampler_compiles_as_the_step_does(platform, deterministic, expected):
+    # A resumed GRPO run recompiles its sampler: on a GPU its draws are the uninterrupted run's only with the same
+    # deterministic kernels as the step's.
+    from types import SimpleNamespace
+
+    from functrain.parallel.target import compiling_for
+    from functrain.run.config import load_config
+    from functrain.tasks.sampling import Sampler
+    model = load_config(None, [], base={"model": {"name": "gpt", "vocab_size": 256, "max_len": 8, "d_model": 8,
+                                                  "n_layers": 1, "n_heads": 2, "d_ff": 16},
+                                         "data": {"seq_len": 8}}).model
+    with compiling_for([SimpleNamespace(platform=platform, device_kind=platform)]):
+        sampler = Sampler(model, None, "float32", max_new_tokens=2, temperature=1.0, deterministic=deterministic)
+    assert sampler.compiler_options == expected

@@ -115,6 +115,7 @@ class Distill(Task):
             max_new_tokens=section.max_new_tokens,
             temperature=section.temperature,
             precision=config.train.matmul_precision,
+            deterministic=config.train.deterministic,
         )
         return OnPolicy(sampler, fields.inputs, section.lmbda, section.max_new_tokens)
 

@@ -172,6 +172,7 @@ class GRPO(Task):
             top_k=section.top_k or None,  # TRL: 0 keeps every token
             top_p=section.top_p if section.top_p < 1.0 else None,
             precision=config.train.matmul_precision,
+            deterministic=config.train.deterministic,
         )
         every = config.log.every_steps
         samples = (context.run_dir / SAMPLES_FILE, every) if every else None
