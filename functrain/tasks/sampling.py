@@ -26,7 +26,7 @@ from functrain.models.lora import merged_for_inference
 from functrain.models.options import for_sampling
 from functrain.models.stacking import unstack_layers
 from functrain.parallel.target import target_platform
-from functrain.run.determinism import step_compiler_options
+from functrain.run.determinism import attention_choice, step_compiler_options
 from functrain.text.decode import generate_ragged
 
 # The XLA:CPU options under which the sampler's decoder and the train step compute a token's log-prob bit for bit
@@ -78,7 +78,8 @@ class Sampler:
     ``top_k`` most likely (None: all) within ``top_p`` of the probability (None: all), with their log-probs at
     ``temperature``. ``forward(params, tokens) -> logps`` ``[B, L-1]``: the training forward's log-probs of
     ``tokens[:, 1:]`` at ``temperature``. Both trace their products at ``precision`` (``train.matmul_precision``) and
-    compile with a GPU's deterministic ops when ``deterministic`` (``train.deterministic``), as the train step."""
+    compile with a GPU's deterministic ops when ``deterministic`` (``train.deterministic``), with XLA's attention
+    then, as the train step."""
 
     def __init__(
         self,
@@ -94,7 +95,9 @@ class Sampler:
         deterministic: bool = True,
     ) -> None:
         dtype = COMPUTE_DTYPES[compute_dtype]
-        sampling_model = build_model(for_sampling(model_config), dtype)
+        # The step's attention on a deterministic GPU run (XLA's: cuDNN's does not compile with deterministic ops).
+        self.attention = attention_choice("auto", target_platform(), deterministic)
+        sampling_model = build_model(for_sampling(model_config).model_copy(update={"attention": self.attention}), dtype)
 
         def sample(params, prompts, lengths, key, prefill, repeats=1):
             weights = unstack_layers(merged_for_inference(cast_floating(params, dtype), model_config))

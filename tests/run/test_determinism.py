@@ -51,3 +51,4 @@ def test_the_sampler_compiles_as_the_step_does(platform, deterministic, expected
     with compiling_for([SimpleNamespace(platform=platform, device_kind=platform)]):
         sampler = Sampler(model, None, "float32", max_new_tokens=2, temperature=1.0, deterministic=deterministic)
     assert sampler.compiler_options == expected
+    assert sampler.attention == ("xla" if platform == "gpu" and deterministic else "auto")
