@@ -8,8 +8,10 @@ import json
 from tests.run.test_multiprocess import _cli
 from functrain.checkpoint import load_params, params_digest
 
-# The bundled example from random weights (with its reference), two steps of a prompt per process.
-OVERRIDES = ["train.init_from=null", "train.max_steps=2", "data.global_batch_size=16", "grpo.max_completion_length=8",
+# The bundled example's prompts and rewards (and its reference) on a smaller GPT from random weights: two steps of
+# one prompt per process.
+OVERRIDES = ["train.init_from=null", "model.n_layers=1", "model.d_model=64", "model.d_ff=128", "train.max_steps=2",
+             "data.global_batch_size=16", "grpo.max_completion_length=8",
              "checkpoint.every_steps=0", "log.plot=false", "log.tensorboard=false", "log.progress=false"]
 
 
