@@ -36,9 +36,9 @@ from functrain.data.kinds import Order
 from functrain.data.loader import batch_split_problem
 from functrain.errors import TORCH_INSTALL, ConfigError
 from functrain.models.scan import fewer_groups_unrolled, scan_groups
+from functrain.parallel import determinism
 from functrain.parallel.capacity import check_state_fits
 from functrain.parallel.target import compiling_for
-from functrain.run import determinism
 from functrain.run.callbacks import Callback, CallbackList, EarlyStopping, EveryNSteps, MetricsWriter, ProgressBar
 from functrain.run.compile_cache import CompileReport, compile_seconds
 from functrain.run.compile_cache import enable as enable_compile_cache

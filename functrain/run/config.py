@@ -248,7 +248,7 @@ class TrainConfig(Section):
     # exist whole: auto (when they would be large), off, or positions per chunk (functrain/core/unembedding.py).
     logits_chunk: LogitsChunk = "auto"
     # GPU: compile the step with XLA's deterministic ops, so that a resumed run is bitwise the uninterrupted one
-    # (slower; XLA's attention instead of cuDNN's): functrain/run/determinism.py. No effect on CPU and TPU.
+    # (slower; XLA's attention instead of cuDNN's): functrain/parallel/determinism.py. No effect on CPU and TPU.
     deterministic: bool = True
     # A run directory (a trained run, or one `functrain convert hf-to-functrain` wrote) whose newest checkpoint's
     # weights start this run (fresh optimizer, step 0) when it has no checkpoint of its own yet; any task.

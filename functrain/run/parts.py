@@ -33,9 +33,9 @@ from functrain.errors import ConfigError, DataError
 from functrain.models import build_model, model_spec
 from functrain.models.lora import lora_transform
 from functrain.models.options import RuntimeOptions
+from functrain.parallel.determinism import attention_choice
 from functrain.parallel.target import target_platform
 from functrain.run.config import PYTHON_OBJECT, PythonModelConfig, TargetModelConfig
-from functrain.run.determinism import attention_choice
 from functrain.tasks import task_for
 from functrain.tasks.base import Task, TaskContext, TaskData
 

@@ -25,8 +25,8 @@ from functrain.models import build_model
 from functrain.models.lora import merged_for_inference
 from functrain.models.options import for_sampling
 from functrain.models.stacking import unstack_layers
+from functrain.parallel.determinism import attention_choice, step_compiler_options
 from functrain.parallel.target import target_platform
-from functrain.run.determinism import attention_choice, step_compiler_options
 from functrain.text.decode import generate_ragged
 
 # The XLA:CPU options under which the sampler's decoder and the train step compute a token's log-prob bit for bit

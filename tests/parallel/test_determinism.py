@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 from functrain.errors import ConfigError
-from functrain.run.determinism import GPU_DETERMINISTIC_OPTIONS, attention_choice, step_compiler_options
+from functrain.parallel.determinism import GPU_DETERMINISTIC_OPTIONS, attention_choice, step_compiler_options
 from functrain.tasks.sampling import DECODER_OPTIONS
 
 
