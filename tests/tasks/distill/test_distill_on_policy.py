@@ -77,7 +77,6 @@ def test_on_policy_needs_plain_token_windows(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-
 def test_on_many_processes_each_continues_its_own_windows():
     # The stage runs across processes: it hands the sampler this process's windows and keeps their continuations,
     # and chooses its steps from the key alone (the same on every process). The sampler's global rows are tested by
