@@ -23,6 +23,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from functrain.checkpoint.local import Index, LocalCheckpoints, LocalStep, normalized
+from functrain.parallel.distributed import all_rows
 
 # Local steps a process reports (checkpoint.local_keep is at most 2).
 _REPORTED = 2
@@ -101,7 +102,7 @@ def restore_local(
     held = sorted(mine, reverse=True)
     report = np.array([-1 if newest_persistent is None else newest_persistent, *held], np.int32)
     report = np.pad(report, (0, 1 + _REPORTED - len(report)), constant_values=-1)
-    table = report[None] if count == 1 else np.asarray(multihost_utils.process_allgather(report)).reshape(count, -1)
+    table = all_rows(report[None])  # [processes, report]
     chosen = _choose(table, needs)
     if chosen is None:
         return None

@@ -86,10 +86,8 @@ def is_primary() -> bool:
 
 def any_process(flags: list[bool]) -> list[bool]:
     """Each flag OR-ed over all processes (one all-gather; no collective with one process)."""
-    if jax.process_count() == 1:
-        return list(flags)
-    votes = multihost_utils.process_allgather(np.asarray(flags, np.int32))
-    return [bool(vote) for vote in np.asarray(votes).reshape(-1, len(flags)).max(axis=0)]  # max of 0/1: OR
+    votes = all_rows(np.asarray(flags, np.int32)[None])  # [processes, flags]
+    return [bool(vote) for vote in votes.max(axis=0)]  # max of 0/1: OR
 
 
 def all_rows(local: np.ndarray) -> np.ndarray:

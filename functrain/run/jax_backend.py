@@ -240,7 +240,11 @@ class JaxBackend:
         place them on the way in (in C++), which costs less than a Python ``device_put`` of each batch. An
         experience stage reads this process's rows as they are, and its batch is placed when it is made.
         """
-        if jax.process_count() == 1 or self.experience is not None:
+        return host_batches if self.experience is not None else self._global_calls(host_batches)
+
+    def _global_calls(self, host_batches: dict[str, np.ndarray]) -> dict[str, Any]:
+        """This process's calls ``[K, B_local, ...]`` as the train call takes them (as they are on one process)."""
+        if jax.process_count() == 1:
             return host_batches
         return to_global(host_batches, self.stacked_batch_sharding, batch_axis=1)
 
@@ -272,10 +276,8 @@ class JaxBackend:
                 jax.random.fold_in(stream, step + k),
                 step + k,
             )
-            # This process's rows, a call of one step: placed as place() places the loader's batches.
-            rows = {name: np.asarray(value)[None] for name, value in batch.items()}
-            if jax.process_count() > 1:
-                rows = to_global(rows, self.stacked_batch_sharding, batch_axis=1)
+            # This process's rows, a call of one step, placed as the loader's batches are.
+            rows = self._global_calls({name: np.asarray(value)[None] for name, value in batch.items()})
             state, metrics = self._train_call(state, rows)
             per_step.append(metrics)
         if len(per_step) == 1:  # metrics [1] already: no concatenation to dispatch per metric

@@ -127,13 +127,13 @@ class Sampler:
         # A GPU's deterministic ops too (train.deterministic), as the step's: a resumed run recompiles the sampler, and
         # its draws must be the uninterrupted run's.
         self.compiler_options = step_compiler_options(target_platform(), deterministic, on_cpu(DECODER_OPTIONS))
-        self._programs: dict[Mesh | None, tuple[Any, Any]] = {}
+        self._programs: dict[Mesh, tuple[Any, Any]] = {}
 
-    def programs(self, mesh: Mesh | None) -> tuple[Any, Any]:
+    def programs(self, mesh: Mesh) -> tuple[Any, Any]:
         """The compiled sampler and forward on ``mesh`` (the params'): their rows split over its data-parallel devices
-        as the train step's batch (None: laid out as XLA chooses, for params on no mesh)."""
+        as the train step's batch."""
         if mesh not in self._programs:
-            rows = None if mesh is None else batch_sharding(mesh, batch_axis=0)
+            rows = batch_sharding(mesh, batch_axis=0)
             sample, forward = self._functions
             options = self.compiler_options
             self._programs[mesh] = (
@@ -159,15 +159,13 @@ class Sampler:
         return self.programs(mesh)[1](params, *_global_rows(mesh, tokens))
 
 
-def _mesh_of(params: Any) -> Mesh | None:
-    """The mesh the params lie on (a run's train state's), or None."""
-    sharding = getattr(jax.tree.leaves(params)[0], "sharding", None)
-    mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None
-    return mesh if isinstance(mesh, Mesh) else None
+def _mesh_of(params: Any) -> Mesh:
+    """The mesh the params lie on (a run's train state's)."""
+    sharding = jax.tree.leaves(params)[0].sharding
+    assert isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh), "a run's params, on its mesh"
+    return sharding.mesh
 
 
-def _global_rows(mesh: Mesh | None, *local: np.ndarray) -> tuple[Any, ...]:
-    """This process's rows as global arrays split over ``mesh``'s data-parallel devices (as they are: no mesh)."""
-    if mesh is None:
-        return local
+def _global_rows(mesh: Mesh, *local: np.ndarray) -> tuple[Any, ...]:
+    """This process's rows as global arrays split over ``mesh``'s data-parallel devices."""
     return tuple(to_global(list(local), batch_sharding(mesh, batch_axis=0), batch_axis=0))
