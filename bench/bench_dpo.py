@@ -34,7 +34,8 @@ from functrain.tasks.preference.loss import (  # noqa: E402
     precomputed_reference_logps,
     preference_program,
 )
-from functrain.core.program import as_program, linen_pieces  # noqa: E402
+from functrain.core.program import as_program  # noqa: E402
+from functrain.core.adapters import model_pieces  # noqa: E402
 from functrain.core.state import TrainState  # noqa: E402
 from functrain.core.step import make_train_step  # noqa: E402
 from functrain.models import llama  # noqa: E402
@@ -73,13 +74,13 @@ def main() -> None:
              "rejected_mask": completion[args.pairs:], "weight": np.ones(args.pairs, np.float32)}
     sft = {"tokens": rows, "weight": np.ones(2 * args.pairs, np.float32)}
     module = llama.build(config)
-    init, apply, specs = linen_pieces(module, rows[:, :-1])
-    dpo_step, dpo_state = build(preference_program(init, apply, specs, PreferenceSettings("sigmoid")), pairs)
+    pieces = model_pieces(module, rows[:, :-1], pairs)
+    dpo_step, dpo_state = build(preference_program(pieces, PreferenceSettings("sigmoid")), pairs)
     sft_step, sft_state = build(as_program(module, sft, kind="causal_lm"), sft)
-    precomputed = preference_program(init, apply, specs, PreferenceSettings("sigmoid"), precompute_reference=True)
+    precomputed = preference_program(pieces, PreferenceSettings("sigmoid"), precompute_reference=True)
     pre_pairs = {**pairs, **{name: np.zeros(args.pairs, np.float32) for name in REFERENCE_LOGPS}}
     pre_step, pre_state = build(precomputed, pre_pairs)
-    pre_pairs.update(jax.jit(precomputed_reference_logps(apply))(pre_state.params, pre_state.model_state, pairs))
+    pre_pairs.update(jax.jit(precomputed_reference_logps(pieces.apply))(pre_state.params, pre_state.model_state, pairs))
 
     params = sum(leaf.size for leaf in jax.tree.leaves(sft_state.params))
     print(f"Llama-shaped: {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, {params:,} params; "

@@ -18,7 +18,8 @@ from pydantic import Field
 from sklearn.datasets import load_diabetes
 
 import functrain
-from functrain.core.program import ModelPieces, Program, program_on
+from functrain.core.adapters import ModelPieces
+from functrain.core.program import LossContext, Program, TaskLoss, task_program
 from functrain.core.section import TaskSection
 from functrain.errors import DataError
 from functrain.tasks import register_task
@@ -50,20 +51,21 @@ class Regression(Task):
                 example_batch: dict[str, np.ndarray]) -> Program:
         section = context.config.section(self.name)
 
-        def loss(train: bool):
-            def loss_fn(params, model_state, batch, rng):
-                predicted, new_state = pieces.apply(params, model_state, batch["x"], train, rng)
-                error = predicted.reshape(batch["y"].shape) - batch["y"]
-                if section.loss == "huber":
-                    per_value = optax.huber_loss(error, delta=section.delta)
-                else:
-                    per_value = error ** 2
-                per_example = per_value.reshape(len(error), -1).sum(-1)
-                weight = batch["weight"]  # 0 for padding: sums only, the step divides once by the total weight
-                absolute = abs(error).reshape(len(error), -1).mean(-1)
-                return (per_example * weight).sum(), weight.sum(), {"abs_error": (absolute * weight).sum()}, new_state
-            return loss_fn
-        return program_on(pieces, loss(True), loss(False))
+        def inputs(batch):  # what the model's forward reads; the framework runs it (and adds any terms it has)
+            return batch["x"], {}
+
+        def sums(predicted, batch, context: LossContext):
+            error = predicted.reshape(batch["y"].shape) - batch["y"]
+            if section.loss == "huber":
+                per_value = optax.huber_loss(error, delta=section.delta)
+            else:
+                per_value = error ** 2
+            per_example = per_value.reshape(len(error), -1).sum(-1)
+            weight = batch["weight"]  # 0 for padding: sums only, the step divides once by the total weight
+            absolute = abs(error).reshape(len(error), -1).mean(-1)
+            return (per_example * weight).sum(), weight.sum(), {"abs_error": (absolute * weight).sum()}
+
+        return task_program(pieces, TaskLoss(inputs, sums))
 
 
 register_task(Regression(), RegressionConfig)

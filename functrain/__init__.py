@@ -22,7 +22,7 @@ _PUBLIC = {
     "make_eval_step": "functrain.core.step",
     "make_train_call": "functrain.core.step",
     "make_train_step": "functrain.core.step",
-    "FunctionalModel": "functrain.core.program",
+    "FunctionalModel": "functrain.core.adapters",
     "Program": "functrain.core.program",
     "Run": "functrain.run.build",
     "build": "functrain.run.fit",

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import optax
 
 from functrain.core.fields import Fields
-from functrain.core.model_terms import add_model_terms, logits_of
+from functrain.core.model_output import add_terms, as_output
 from functrain.core.unembedding import LOGITS_CHUNK, LogitsChunk, chunk_positions, chunked_statistics, logits_array
 from functrain.data.validate import BatchCheck, FieldRule
 
@@ -172,8 +172,9 @@ def _bound_loss(kind: str, model: nn.Module, deterministic: bool) -> Callable:
             rngs={"dropout": rng},
             **keywords,
         )
-        loss_sum, weight, aux = LOSSES[kind](logits_of(output), batch)
-        loss_sum, aux = add_model_terms(output, loss_sum, weight, aux)
+        output = as_output(output, None)
+        loss_sum, weight, aux = LOSSES[kind](output.logits, batch)
+        loss_sum, aux = add_terms(output.terms, loss_sum, weight, aux)
         return loss_sum, weight, aux
 
     return loss_fn

@@ -10,9 +10,10 @@ A model with mutable collections passes ``stateful=True``; its loss function is 
 ``loss_fn(params, model_state, batch, rng) -> (loss_sum, weight_sum, aux, new_model_state)``.
 
 A loss that needs sums over the whole global batch before any gradient (an MoE balanced over the global batch:
-:mod:`functrain.core.model_terms`) comes with ``batch_totals(params, model_state, micro_batch, rng) -> sums``:
-with several micro-batches the step first runs it forward-only over each and passes the total to every
-micro-batch's loss as ``loss_fn(..., totals=total)``; with one, the loss's own forward holds them already.
+:mod:`functrain.core.model_output`) comes with ``batch_totals(params, model_state, micro_batch, rng) -> sums``
+(None: none needed, known from its shapes when the step is traced): with several micro-batches the step first runs
+it forward-only over each and passes the total to every micro-batch's loss as ``loss_fn(..., totals=total)``; with
+one, the loss's own forward holds them already.
 """
 
 from dataclasses import dataclass
@@ -83,6 +84,8 @@ def _global_totals(
 
     first = jax.tree.map(lambda x: x[0], micro)
     shapes = jax.eval_shape(batch_totals, params, model_state, first, rng)
+    if shapes is None:  # the model's terms need no global sums (or it has none): no forward-only pass
+        return None
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     return jax.lax.scan(add, zeros, (jnp.arange(micro_batches), micro))[0]
 

@@ -58,8 +58,8 @@ class Unembedding:
     product: Callable[..., Any] | None = None
 
     def whole_logits(self) -> jax.Array:
-        """The whole float32 logits ``[B, T, V]`` (a method, not ``.logits``: an output's ``.logits`` are what
-        :func:`functrain.core.model_terms.logits_of` hands the loss, and that is this object)."""
+        """The whole float32 logits ``[B, T, V]`` (a method, not ``.logits``: a model's output's ``.logits``
+        (:class:`functrain.core.model_output.ModelOutput`) are what the loss is handed, and that is this object)."""
         return head_logits(self.hidden, self.weight, self.finish, self.product)
 
 

@@ -4,7 +4,7 @@ Each layer is pre-RMSNorm: multi-head latent attention (:mod:`functrain.models.m
 ``intermediate_size`` on the first ``first_k_dense_replace`` layers and, on the others, a mixture of experts
 (:class:`functrain.models.moe.layer.MoeBlock` with DeepSeek's routing, :mod:`functrain.models.deepseek_routing`)
 plus ``n_shared_experts`` experts' worth of always-on MLP (``shared_experts``). The output is a
-:class:`functrain.models.moe.balance.MoeOutput`: the logits and every layer's router statistics.
+a :class:`functrain.core.model_output.ModelOutput`: the logits and every layer's router statistics.
 
 Parameters: the dense layers are ``dense_layers_{i}`` and the MoE layers ``moe_layers_{j}`` (HF's layer
 ``first_k_dense_replace + j``): two runs of identical layers, so ``model.scan_layers`` scans each as one stack
@@ -33,7 +33,7 @@ from functrain.models.configs.moe import MOE_RUNTIME_KEYS
 from functrain.models.deepseek_routing import sigmoid_group_limited, updated_bias
 from functrain.models.hf_common import RMSNorm, embed, hf_config_dict, lm_head
 from functrain.models.mla import LatentAttention
-from functrain.models.moe.balance import MoeOutput
+from functrain.models.moe.balance import moe_output
 from functrain.models.moe.decoder import balancing, gated, moe_context_inputs
 from functrain.models.moe.layer import MoeBlock, RouterStats
 from functrain.models.remat import check_remat, remat_block
@@ -164,7 +164,7 @@ class DeepseekV3Block(nn.Module):
 
 
 class DeepseekV3ForCausalLM(nn.Module):
-    """DeepSeek-V3 language model: ``apply({"params": p}, input_ids[B, T]) -> MoeOutput`` (float32 ``.logits``
+    """DeepSeek-V3 language model: ``apply({"params": p}, input_ids[B, T]) -> ModelOutput`` (float32 ``.logits``
     [B, T, vocab])."""
 
     config: DeepseekV3Config
@@ -212,7 +212,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         x = from_context_order(x, ways)  # the logits in the batch's order, for the loss and every task
         logits = lm_head(self, tokens, x, cfg, std, logits_chunk)
         layers = jax.tree.map(lambda *runs: jnp.concatenate(runs), *stats)  # [L, ...] in layer order
-        return MoeOutput(logits, layers, balancing(cfg))
+        return moe_output(logits, layers, balancing(cfg))
 
     @nn.nowrap
     def trainable_mask(self, params: Any) -> Any:

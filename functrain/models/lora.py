@@ -183,7 +183,7 @@ def lora_transform(pieces: Any, settings: LoraConfig) -> Any:
     reference, with no second copy), only the adapters are trainable, and a restored base-only checkpoint
     (a converted model) gets fresh adapters. A Flax linen model only: the adapters are added by intercepting
     its Dense layers."""
-    from functrain.core.program import ModelPieces
+    from functrain.core.adapters import ModelPieces
 
     if pieces.framework != "linen":
         raise ConfigError("model.lora adapts a Flax linen model; remove model.lora")
@@ -226,8 +226,9 @@ def lora_program(
     """The :class:`functrain.core.program.Program` of a linen ``module`` with adapters on ``settings.targets``
     and the built-in loss of ``kind`` (research code's entry; runs apply :func:`lora_transform` through their
     task). ``fields``: the data's roles when its names are not the loss's own (HF ``input_ids``)."""
+    from functrain.core.adapters import model_inputs_of, model_pieces
     from functrain.core.fields import resolve_fields
-    from functrain.core.program import builtin_program, model_inputs_of, model_pieces
+    from functrain.core.program import builtin_program
 
     fields = fields if fields is not None else resolve_fields(example_batch, kind=kind)
     pieces = model_pieces(module, model_inputs_of(fields, example_batch), example_batch, fields.argument)

@@ -27,9 +27,10 @@ import numpy as np
 
 from functrain.checkpoint import Checkpointer
 from functrain.checkpoint.local import LocalCheckpoints
+from functrain.core.adapters import ModelPieces
 from functrain.core.backend import Backend
 from functrain.core.fields import Fields, require_builtin, resolve_fields
-from functrain.core.program import ModelPieces, Program
+from functrain.core.program import Program
 from functrain.core.step import StepSettings
 from functrain.data import BatchLoader, IndexSampler, loader_for, order_for
 from functrain.data.kinds import Order

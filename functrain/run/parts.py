@@ -20,8 +20,9 @@ from typing import Any, Callable
 import numpy as np
 import optax
 
+from functrain.core.adapters import ModelPieces, model_pieces
 from functrain.core.optim import OptimizerSettings, ScheduleSettings, named_optimizer
-from functrain.core.program import ModelPieces, Program, model_pieces
+from functrain.core.program import Program
 from functrain.core.targets import import_target
 from functrain.data import ConcatSource, Mixture, Source, Stream, as_data, as_source
 from functrain.data.datasets import load_dataset, open_source, token_store
@@ -158,7 +159,7 @@ def resolve_model(config: Any, model: Any) -> tuple[Any, str | None]:
     if isinstance(section, TargetModelConfig):
         built = call_target(section.target, section.factory_kwargs(), "model.target")
         if config.backend == "jax":
-            from functrain.core.program import model_kind_of
+            from functrain.core.adapters import model_kind_of
 
             try:
                 model_kind_of(built)

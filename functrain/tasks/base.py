@@ -25,8 +25,9 @@ from typing import Any, Callable, ClassVar, Protocol
 
 import numpy as np
 
+from functrain.core.adapters import ModelPieces
 from functrain.core.fields import Fields
-from functrain.core.program import ModelPieces, Program
+from functrain.core.program import Program
 from functrain.data import Source, Stream
 from functrain.data.transforms import Transform
 from functrain.data.validate import BatchCheck

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from functrain.core.program import Apply, ModelPieces
+from functrain.core.adapters import Apply, ModelPieces
 from functrain.core.unembedding import LOGITS_CHUNK, LogitsChunk
 
 

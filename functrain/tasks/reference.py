@@ -14,23 +14,21 @@ from typing import Any, Callable
 
 import jax
 
-# apply(params, model_state, inputs, train, rng) -> (output, model_state), the program's form.
-Apply = Callable[[Any, Any, Any, bool, jax.Array], tuple[Any, Any]]
+from functrain.core.adapters import Apply
+from functrain.core.program import TaskState
 
 # The model-state entry holding the frozen reference weights (runs without adapters).
 REFERENCE = "reference"
 
 
 @dataclass(frozen=True)
-class WithReference:
-    """A model's pieces with its reference: ``init`` and ``apply`` of the policy (carrying the reference's entry in
-    the model state through), ``reference(params, model_state, inputs) -> output`` (evaluation mode, no gradient
-    reaches the policy through it) and ``state_for_params`` (None: ``init``'s model state is right)."""
+class Reference:
+    """A policy's frozen reference: ``logits(params, model_state, inputs)`` (evaluation mode, outside the gradient;
+    ``model_state`` the whole state, with the task's entries) and the model-state entry it keeps (None: none, the
+    reference is a transform's base)."""
 
-    init: Callable[[jax.Array], tuple[Any, Any]]
-    apply: Apply
-    reference: Callable[[Any, Any, Any], Any]
-    state_for_params: Callable[[Any, Any], Any] | None
+    logits: Callable[[Any, Any, Any], Any]
+    state: TaskState | None
 
 
 def reference_weights(params: Any, model_state: Any) -> Any:
@@ -39,36 +37,22 @@ def reference_weights(params: Any, model_state: Any) -> Any:
     return jax.tree.map(lambda ref, p: ref.astype(p.dtype), model_state[REFERENCE], params)
 
 
-def _inner(model_state: Any) -> Any:
-    return {name: value for name, value in model_state.items() if name != REFERENCE}
-
-
-def with_reference(init: Callable, apply: Apply, reference_apply: Apply | None = None) -> WithReference:
-    """The policy ``init``/``apply`` and its reference: ``reference_apply`` on the same params when given (LoRA's
+def reference_of(apply: Apply, reference_apply: Apply | None = None) -> Reference:
+    """The reference of a policy computed by ``apply``: ``reference_apply`` on the same params when given (LoRA's
     base), else a frozen copy of the starting weights kept in the model state."""
     if reference_apply is not None:
 
         def base(params, model_state, inputs):
-            output = reference_apply(params, model_state, inputs, False, jax.random.PRNGKey(0))[0]
-            return jax.lax.stop_gradient(output)
+            output = reference_apply(params, model_state, inputs, False, jax.random.PRNGKey(0))
+            return jax.lax.stop_gradient(output.logits)
 
-        return WithReference(init, apply, base, None)
+        return Reference(base, None)
 
-    def init_with_copy(rng):
-        params, model_state = init(rng)
-        return params, {**model_state, REFERENCE: params}
-
-    def apply_policy(params, model_state, inputs, train, rng, **keywords):
-        output, new_state = apply(params, _inner(model_state), inputs, train, rng, **keywords)
-        return output, {**new_state, REFERENCE: model_state[REFERENCE]}
+    state = TaskState((REFERENCE,), lambda params: {REFERENCE: params}, from_params=True)
 
     def frozen(params, model_state, inputs):
-        output = apply(
-            reference_weights(params, model_state), _inner(model_state), inputs, False, jax.random.PRNGKey(0)
-        )[0]
-        return jax.lax.stop_gradient(output)
+        weights = reference_weights(params, model_state)
+        output = apply(weights, state.outside(model_state), inputs, False, jax.random.PRNGKey(0))
+        return jax.lax.stop_gradient(output.logits)
 
-    def state_for_params(params, model_state):
-        return {**_inner(model_state), REFERENCE: params}
-
-    return WithReference(init_with_copy, apply_policy, frozen, state_for_params)
+    return Reference(frozen, state)

@@ -16,9 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from functrain.core.model_terms import logits_of
+from functrain.core.adapters import ModelPieces
 from functrain.core.precision import COMPUTE_DTYPES, at_precision, cast_floating, matmul_precision
-from functrain.core.program import ModelPieces
 from functrain.core.unembedding import chunk_positions, logits_array, over_chunks
 from functrain.data.global_array import batch_sharding, to_global, to_local
 from functrain.models import build_model
@@ -116,10 +115,8 @@ class Sampler:
             )
 
         def forward(params, tokens):
-            output: Any = pieces.apply(cast_floating(params, dtype), {}, tokens[:, :-1], False, jax.random.PRNGKey(0))[
-                0
-            ]
-            return token_logps(logits_of(output), tokens, temperature)[0]
+            output = pieces.apply(cast_floating(params, dtype), {}, tokens[:, :-1], False, jax.random.PRNGKey(0))
+            return token_logps(output.logits, tokens, temperature)[0]
 
         # The step's products' precision (train.matmul_precision), so that both round float32 operands alike.
         products = matmul_precision(precision, compute_dtype, target_platform())

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from functrain.core.program import logits_of
+from functrain.core.model_output import logits_of
 from functrain.errors import ConfigError, DataError
 from functrain.models import build_model, model_config_class, model_spec
 from functrain.models.configs.base import ModelConfig

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from functrain.core.program import logits_of
+from functrain.core.model_output import logits_of
 from functrain.errors import ConfigError, DataError
 
 try:

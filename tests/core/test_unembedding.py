@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from functrain.core.losses import causal_lm_sums
-from functrain.core.program import as_program, builtin_loss, model_pieces
+from functrain.core.program import as_program, builtin_task_loss, task_program
+from functrain.core.adapters import model_pieces
 from functrain.core.unembedding import AUTO_WHOLE_BYTES, Unembedding, chunk_loops_traced, chunk_positions
 from functrain.models import build_model
 from functrain.models.gemma2 import soft_cap
@@ -46,7 +47,7 @@ def test_the_chunked_lm_loss_and_its_gradient_equal_the_whole_logits():
     params, model_state = pieces.init(jax.random.PRNGKey(0))
 
     def loss(params, chunk):
-        loss_sum, weight, aux, _ = builtin_loss(pieces.apply, "causal_lm", False, None, chunk)(
+        loss_sum, weight, aux, _ = task_program(pieces, builtin_task_loss("causal_lm", None, chunk)).eval_loss_fn(
             params, model_state, batch, jax.random.PRNGKey(1))
         return loss_sum, (weight, aux)
 

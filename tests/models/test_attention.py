@@ -15,7 +15,8 @@ from functrain.models.gemma2 import Gemma2Config
 from functrain.models.gpt2 import GPT2Config
 from functrain.models.llama import LlamaConfig
 from functrain.models.mistral import MistralConfig
-from functrain.core.program import FunctionalModel, as_program
+from functrain.core.program import as_program
+from functrain.core.adapters import FunctionalModel
 from functrain.core.losses import causal_lm_sums, model_keywords
 
 

@@ -184,7 +184,7 @@ def test_preference_training_carries_the_bias_update():
 def test_grpo_training_carries_the_bias_update():
     """GRPO on DeepSeek-V3 (beta > 0: a frozen reference copy in the model state): as DPO's above, its Program runs
     the model's end_of_step on the selection counts the policy's loss returns (traced only)."""
-    from functrain.core.program import model_pieces
+    from functrain.core.adapters import model_pieces
     from functrain.tasks.grpo.loss import LossSettings, grpo_program
 
     tokens = np.random.default_rng(5).integers(0, VOCAB, (4, 9)).astype(np.int32)

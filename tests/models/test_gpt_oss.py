@@ -36,7 +36,7 @@ def test_scanned_rematerialised_layers_give_the_unrolled_loss_gradients_and_rout
         def run(model, p):
             def loss(p):
                 out = model.apply({"params": p}, TOKENS)
-                return jnp.mean(out.logits**2), out.router
+                return jnp.mean(out.logits**2), out.terms.router
             return jax.value_and_grad(loss, has_aux=True)(p)
         return run(unrolled, params), run(scanned, stacked)
 

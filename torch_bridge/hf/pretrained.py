@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-from functrain.core.program import logits_of
+from functrain.core.model_output import logits_of
 from functrain.errors import CheckpointError
 from functrain.models.configs.base import ModelConfig
 from functrain.models.stacking import unstack_layers

@@ -7,7 +7,7 @@ families share.
   optional capacity;
 - :mod:`.layer`: :class:`.layer.MoeBlock`, the router and the stacked experts (logical axes ``expert``,
   ``embed``, ``mlp``), returning its output and :class:`.layer.RouterStats` (sums over real tokens);
-- :mod:`.balance`: :class:`.balance.MoeOutput` (logits + every layer's statistics) and the auxiliary and z
+- :mod:`.balance`: :class:`.balance.MoeTerms` (every layer's statistics) and the auxiliary and z
   losses and ``moe/`` metrics every task's loss adds from it (``model.load_balance_scope``);
 - :mod:`.decoder`: the Llama-shaped decoder with a family's feed-forward (Mixtral, Qwen2-MoE, Qwen3-MoE).
 """

@@ -24,6 +24,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from functrain.core.model_output import ModelOutput
 from functrain.models.moe.layer import RouterStats
 
 Array = jax.Array
@@ -52,11 +53,11 @@ def _load_metrics(counts: Array) -> tuple[Array, Array]:
 
 
 @flax.struct.dataclass
-class MoeOutput:
-    """A mixture of experts' output: ``logits`` and its layers' :class:`RouterStats` stacked ``[L, ...]``, with
-    the terms :mod:`functrain.core.model_terms` adds to every task's loss."""
+class MoeTerms:
+    """A mixture of experts' training terms (:class:`functrain.core.model_output.ModelTerms`): its layers'
+    :class:`RouterStats` stacked ``[L, ...]``, the balancing losses and router metrics they give every task's
+    loss."""
 
-    logits: Array
     router: RouterStats
     balancing: Balancing = flax.struct.field(pytree_node=False)
 
@@ -92,3 +93,8 @@ class MoeOutput:
             dropped = jnp.sum(scope["dropped"]) / (rows * settings.top_k)
             metrics["moe/dropped_fraction"] = dropped * weight
         return loss_sum, metrics
+
+
+def moe_output(logits: Array, router: RouterStats, settings: Balancing) -> ModelOutput:
+    """A mixture of experts' forward: its logits with its :class:`MoeTerms`."""
+    return ModelOutput(logits, MoeTerms(router, settings))

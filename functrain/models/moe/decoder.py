@@ -1,5 +1,5 @@
 """A Llama-shaped decoder whose feed-forward a family supplies (a mixture of experts, or a dense MLP on some
-layers), returning :class:`~functrain.models.moe.balance.MoeOutput`: the logits and every layer's router
+layers), returning a :class:`~functrain.core.model_output.ModelOutput`: the logits and every layer's router
 statistics. Mixtral, Qwen2-MoE and Qwen3-MoE are this decoder with their config and feed-forward.
 
 ``MoeForCausalLM(config, feed_forward)(input_ids[B, T], segment_ids=None, positions=None, token_mask=None)``:
@@ -19,11 +19,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from functrain.core.model_output import ModelOutput
 from functrain.models.attention import attention_kernel
 from functrain.models.hf_common import RMSNorm, activation, embed, lm_head
 from functrain.models.kv_cache import decoding
 from functrain.models.llama import LlamaAttention
-from functrain.models.moe.balance import Balancing, MoeOutput
+from functrain.models.moe.balance import Balancing, moe_output
 from functrain.models.moe.dispatch import Glu
 from functrain.models.moe.layer import RouterStats
 from functrain.models.remat import check_remat, remat_block
@@ -92,7 +93,7 @@ class MoeDecoderBlock(nn.Module):
 
 
 class MoeForCausalLM(nn.Module):
-    """``apply({"params": p}, input_ids[B, T]) -> MoeOutput`` (float32 ``.logits`` [B, T, vocab])."""
+    """``apply({"params": p}, input_ids[B, T]) -> ModelOutput`` (float32 ``.logits`` [B, T, vocab])."""
 
     config: Any
     feed_forward: FeedForward
@@ -108,7 +109,7 @@ class MoeForCausalLM(nn.Module):
         positions=None,
         token_mask=None,
         logits_chunk=None,
-    ) -> MoeOutput:
+    ) -> ModelOutput:
         """Logits and router statistics for ``input_ids``; ``deterministic`` is accepted for the task interface
         (no dropout here); the keywords: see the module docstring (``logits_chunk``: the head unapplied,
         :mod:`functrain.models.head`)."""
@@ -138,7 +139,7 @@ class MoeForCausalLM(nn.Module):
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(x)
         x = from_context_order(x, ways)  # the logits in the batch's order, for the loss and every task
         logits = lm_head(self, tokens, x, cfg, cfg.initializer_range, logits_chunk)
-        return MoeOutput(logits, stats, balancing(cfg))
+        return moe_output(logits, stats, balancing(cfg))
 
 
 def build_decoder(config: Any, feed_forward: FeedForward, dtype: Any = jnp.float32) -> MoeForCausalLM:

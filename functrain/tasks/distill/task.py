@@ -24,11 +24,11 @@ import numpy as np
 from flax.traverse_util import flatten_dict
 from jax.sharding import PartitionSpec
 
+from functrain.core.adapters import ModelPieces, model_pieces
 from functrain.core.fields import Fields, canonical, require_builtin
 from functrain.core.losses import JAX_OPS, model_inputs, model_keywords
-from functrain.core.model_terms import add_model_terms
 from functrain.core.precision import COMPUTE_DTYPES
-from functrain.core.program import ModelPieces, Program, check_logits, logits_of, model_pieces, program_on
+from functrain.core.program import LossContext, Program, TaskLoss, TaskState, check_logits, task_program
 from functrain.errors import CheckpointError, ConfigError
 from functrain.tasks.base import ExperienceStage, StartHook, Task, TaskContext, TaskData
 from functrain.tasks.distill.config import DistillConfig
@@ -80,7 +80,7 @@ class Distill(Task):
         params, model_state = jax.eval_shape(pieces.init, jax.random.PRNGKey(0))
         check_logits(pieces.apply, "causal_lm", params, model_state, batch)
         logits = jax.eval_shape(
-            lambda p, s: logits_of(pieces.apply(p, s, inputs, False, jax.random.PRNGKey(0), **keywords)[0]),
+            lambda p, s: pieces.apply(p, s, inputs, False, jax.random.PRNGKey(0), **keywords).logits,
             params,
             model_state,
         )
@@ -127,32 +127,29 @@ def distill_program(student: ModelPieces, teacher: ModelPieces, fields: Fields, 
         distill_sums, loss=section.loss, beta=section.beta, temperature=section.temperature, alpha=section.alpha
     )
 
-    def init(rng: jax.Array) -> tuple[Any, Any]:
-        params, model_state = student.init(rng)
-        shapes = jax.eval_shape(teacher.init, rng)[0]
+    def entries(params: Any) -> dict[str, Any]:
+        shapes = jax.eval_shape(teacher.init, jax.random.PRNGKey(0))[0]
         weights = jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), shapes)
-        return params, {**model_state, TEACHER: {"params": weights, "loaded": jnp.zeros((), jnp.int32)}}
-
-    def loss(train: bool):
-        def loss_fn(params, model_state, batch, rng):
-            batch = canonical(fields, batch)
-            inputs, keywords = model_inputs("causal_lm", batch), model_keywords("causal_lm", batch, JAX_OPS)
-            own = {name: value for name, value in model_state.items() if name != TEACHER}
-            output, new_state = student.apply(params, own, inputs, train, rng, **keywords)
-            frozen = model_state[TEACHER]
-            teacher_output, _ = teacher.apply(frozen["params"], {}, inputs, False, rng, **keywords)
-            loss_sum, count, aux = sums(logits_of(output), jax.lax.stop_gradient(logits_of(teacher_output)), batch)
-            if not train:  # the student's cross-entropy: comparable with a run that has no teacher
-                loss_sum = aux["cross_entropy"]
-            loss_sum, aux = add_model_terms(output, loss_sum, count, aux)  # an MoE student's balancing
-            return loss_sum, count, aux, {**new_state, TEACHER: frozen}
-
-        return loss_fn
+        return {TEACHER: {"params": weights, "loaded": jnp.zeros((), jnp.int32)}}
 
     def state_logical_specs() -> dict[str, Any]:
         return {TEACHER: {"params": teacher.logical_specs(), "loaded": PartitionSpec()}}
 
-    return program_on(student, loss(True), loss(False), init=init, state_logical_specs=state_logical_specs)
+    def inputs(batch: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        batch = canonical(fields, batch)
+        return model_inputs("causal_lm", batch), model_keywords("causal_lm", batch, JAX_OPS)
+
+    def distill_sums_of(logits: Any, batch: dict[str, Any], context: LossContext):
+        teacher_inputs, keywords = inputs(batch)
+        frozen = context.model_state[TEACHER]
+        teacher_output = teacher.apply(frozen["params"], {}, teacher_inputs, False, context.rng, **keywords)
+        loss_sum, count, aux = sums(logits, jax.lax.stop_gradient(teacher_output.logits), canonical(fields, batch))
+        if not context.train:  # the student's cross-entropy: comparable with a run that has no teacher
+            loss_sum = aux["cross_entropy"]
+        return loss_sum, count, aux
+
+    state = TaskState((TEACHER,), entries, logical_specs=state_logical_specs)
+    return task_program(student, TaskLoss(inputs, distill_sums_of, state=state))
 
 
 class LoadTeacher:

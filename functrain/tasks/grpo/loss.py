@@ -36,14 +36,15 @@ drawn tokens; with ``train.micro_batches`` above 1, the sum of the micro-batches
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from functrain.core.model_terms import logits_of
-from functrain.core.program import ModelPieces, Program
-from functrain.tasks.reference import reference_weights, with_reference
+from functrain.core.adapters import ModelPieces
+from functrain.core.model_output import ModelOutput
+from functrain.core.program import LossContext, Program, TaskLoss, task_program
+from functrain.tasks.reference import reference_of, reference_weights
 from functrain.tasks.sampling import token_logps
 from functrain.tasks.shared_prefix import SharedPrefixForward, padded_front
 
@@ -149,75 +150,78 @@ def logprob_gap_sum(batch: dict[str, jax.Array], logps: jax.Array, settings: Los
     return gaps.max() * whole_batch_weight(batch, settings)
 
 
+def grpo_task_loss(
+    pieces: ModelPieces,
+    settings: LossSettings,
+    host_metrics: tuple[str, ...],
+    shared: SharedPrefixForward | None = None,
+) -> TaskLoss:
+    """TRL's GRPO loss on a causal LM's log-probs of the completions; with ``beta`` > 0 the reference is the frozen
+    base when a transform froze one (LoRA), else a frozen copy of the starting weights
+    (:mod:`functrain.tasks.reference`). With ``shared``, the policy's (and the reference's) forward runs each
+    group's shared prompt prefix once (:mod:`functrain.tasks.shared_prefix`)."""
+    reference = reference_of(pieces.apply, pieces.frozen_apply) if settings.beta > 0 else None
+    # Positions before the shared prefix's last score prompt tokens: zeros there (no loss or metric reads them).
+    start = 0 if shared is None else shared.prefix.length - 1
+
+    def inputs(batch: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
+        return batch["tokens"][:, :-1], {}
+
+    def score(logits: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        if shared is None:
+            return token_logps(logits, batch["tokens"], settings.temperature)
+        logps, entropies = token_logps(logits, batch["tokens"][:, start:], settings.temperature)
+        return padded_front(logps, start), padded_front(entropies, start)
+
+    def shared_forward(params: Any, model_state: Any, inputs: jax.Array, train: bool, rng: jax.Array) -> ModelOutput:
+        assert shared is not None  # the sharing forward has no model state, terms nor dropout (shared_prefix_forward)
+        return ModelOutput(shared(params, inputs), None, model_state)
+
+    def reference_logps(context: LossContext, batch: dict[str, jax.Array]) -> jax.Array:
+        assert reference is not None
+        tokens = batch["tokens"]
+        if shared is not None:  # the frozen copy (sharing is off under a transform such as LoRA)
+            weights = reference_weights(context.params, context.model_state)
+            return jax.lax.stop_gradient(score(shared(weights, tokens[:, :-1]), batch)[0])
+        return token_logps(
+            reference.logits(context.params, context.model_state, tokens[:, :-1]), tokens, settings.temperature
+        )[0]
+
+    def sums(scores: tuple[jax.Array, jax.Array], batch: dict[str, jax.Array], context: LossContext):
+        logps, entropies = scores
+        entropies = jax.lax.stop_gradient(entropies)
+        if settings.num_iterations == 1:
+            old_logps = jax.lax.stop_gradient(logps)
+        else:
+            old_logps = batch["old_logps"].astype(jnp.float32)
+        ref_logps = None if reference is None else reference_logps(context, batch)
+        loss_sum, weight, metrics = grpo_sums(settings, logps, entropies, old_logps, ref_logps, batch)
+        metrics["rollout/logprob_gap"] = logprob_gap_sum(batch, old_logps, settings)
+        return loss_sum, weight, {**metrics, **host_metric_sums(batch, host_metrics, settings)}
+
+    # With a reference, the policy's forward is rematerialised (run again in the backward, nothing kept), so XLA
+    # compiles it as it compiles the reference's plain forward: at the start they are bitwise equal and the KL's
+    # gradient is exactly 0 (a last-bit difference gives tokens no other term reaches a gradient of 1e-9, which
+    # Adam's first step blows up to a full step). As preference's DPO does. It is then also compiled as the
+    # sampler's decoder: rollout/logprob_gap is 0 on CPU where the shapes let XLA:CPU round both alike
+    # (functrain.tasks.sampling.CONSISTENT_OPTIONS). Without a reference the forward keeps its activations for the
+    # backward, which changes how XLA:CPU fuses and rounds it (a last bit; docs/grpo.md): rematerialising it too
+    # would cost bench_grpo.py's step 1.6 of 18.7 ms.
+    return TaskLoss(
+        inputs,
+        sums,
+        score=score,
+        remat=reference is not None,
+        forward=None if shared is None else shared_forward,
+        state=None if reference is None else reference.state,
+    )
+
+
 def grpo_program(
     pieces: ModelPieces,
     settings: LossSettings,
     host_metrics: tuple[str, ...],
     shared: SharedPrefixForward | None = None,
 ) -> Program:
-    """The Program of a causal LM's pieces trained on GRPO batches; with ``beta`` > 0 the reference is the frozen
-    base when a transform froze one (LoRA), else a frozen copy of the starting weights
-    (:mod:`functrain.tasks.reference`). The model's ``end_of_step`` (DeepSeek-V3's correction-bias update) runs
-    after every step, as under DPO. With ``shared``, the policy's (and the reference's) forward runs each group's
-    shared prompt prefix once (:mod:`functrain.tasks.shared_prefix`)."""
-    uses_reference = settings.beta > 0
-    model = with_reference(pieces.init, pieces.apply, pieces.frozen_apply) if uses_reference else None
-    apply = model.apply if model is not None else pieces.apply
-
-    def shared_logps(weights: Any, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
-        # Positions before the prefix's last score prompt tokens: zeros there (no loss or metric reads them).
-        assert shared is not None
-        start = shared.prefix.length - 1
-        logps, entropies = token_logps(shared(weights, tokens[:, :-1]), tokens[:, start:], settings.temperature)
-        return padded_front(logps, start), padded_front(entropies, start)
-
-    def reference_logps(params: Any, model_state: Any, tokens: jax.Array) -> jax.Array:
-        assert model is not None
-        if shared is not None:  # the frozen copy (sharing is off under a transform such as LoRA)
-            return jax.lax.stop_gradient(shared_logps(reference_weights(params, model_state), tokens)[0])
-        reference = model.reference(params, model_state, tokens[:, :-1])
-        return token_logps(logits_of(reference), tokens, settings.temperature)[0]
-
-    def loss(train: bool) -> Callable:
-        def policy_logps(params: Any, model_state: Any, tokens: jax.Array, rng: jax.Array):
-            if shared is not None:
-                return shared_logps(params, tokens), model_state
-            output: Any
-            output, new_state = apply(params, model_state, tokens[:, :-1], train, rng)
-            return token_logps(logits_of(output), tokens, settings.temperature), new_state
-
-        # With a reference, the policy's forward is rematerialised (run again in the backward, nothing kept), so
-        # XLA compiles it as it compiles the reference's plain forward: at the start they are bitwise equal and the
-        # KL's gradient is exactly 0 (a last-bit difference gives tokens no other term reaches a gradient of 1e-9,
-        # which Adam's first step blows up to a full step). As preference's DPO does. It is then also compiled as
-        # the sampler's decoder: rollout/logprob_gap is 0 on CPU where the shapes let XLA:CPU round both alike
-        # (functrain.tasks.sampling.CONSISTENT_OPTIONS). Without a reference the forward keeps its activations for
-        # the backward, which changes how XLA:CPU fuses and rounds it (a last bit; docs/grpo.md): rematerialising
-        # it too would cost bench_grpo.py's step 1.6 of 18.7 ms.
-        forward = jax.checkpoint(policy_logps) if model is not None else policy_logps
-
-        def loss_fn(params: Any, model_state: Any, batch: dict[str, jax.Array], rng: jax.Array):
-            tokens = batch["tokens"]
-            (logps, entropies), new_state = forward(params, model_state, tokens, rng)
-            entropies = jax.lax.stop_gradient(entropies)
-            if settings.num_iterations == 1:
-                old_logps = jax.lax.stop_gradient(logps)
-            else:
-                old_logps = batch["old_logps"].astype(jnp.float32)
-            ref_logps = None if model is None else reference_logps(params, model_state, tokens)
-            loss_sum, weight, metrics = grpo_sums(settings, logps, entropies, old_logps, ref_logps, batch)
-            metrics["rollout/logprob_gap"] = logprob_gap_sum(batch, old_logps, settings)
-            return loss_sum, weight, {**metrics, **host_metric_sums(batch, host_metrics, settings)}, new_state
-
-        return loss_fn
-
-    return Program(
-        model.init if model is not None else pieces.init,
-        loss(True),
-        loss(False),
-        pieces.logical_specs,
-        trainable=pieces.trainable,
-        complete_params=pieces.complete_params,
-        state_for_params=model.state_for_params if model is not None else None,
-        end_of_step=pieces.end_of_step,
-    )
+    """The Program of a causal LM's pieces trained on GRPO batches (:func:`grpo_task_loss`)."""
+    return task_program(pieces, grpo_task_loss(pieces, settings, host_metrics, shared))

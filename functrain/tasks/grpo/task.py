@@ -8,7 +8,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from functrain.core.program import ModelPieces, Program
+from functrain.core.adapters import ModelPieces
+from functrain.core.program import Program
 from functrain.errors import ConfigError, DataError
 from functrain.models import is_language_model
 from functrain.tasks.base import ExperienceStage, Task, TaskContext, TaskData
@@ -207,8 +208,8 @@ def shared_prefix_forward(
         return None
     params, model_state = jax.eval_shape(pieces.init, jax.random.PRNGKey(0))
     inputs = np.asarray(example_batch["tokens"])[:, :-1]
-    output = jax.eval_shape(lambda p: pieces.apply(p, model_state, inputs, True, jax.random.PRNGKey(0))[0], params)
-    if jax.tree.leaves(model_state) or hasattr(output, "loss_terms"):
+    output = jax.eval_shape(lambda p: pieces.apply(p, model_state, inputs, True, jax.random.PRNGKey(0)), params)
+    if jax.tree.leaves(model_state) or output.terms is not None:
         return None
     prefix = SharedPrefix(rows=generations // micro_batches, length=prompts.shortest)
     return SharedPrefixForward(model, COMPUTE_DTYPES[config.train.compute_dtype], prefix, config.train.logits_chunk)

@@ -38,11 +38,11 @@ from typing import TYPE_CHECKING, Any, Callable
 import jax
 import jax.numpy as jnp
 
-from functrain.core.model_terms import add_model_terms, logits_of
 from functrain.core.unembedding import chunk_positions, chunked_statistics, logits_array
 
-if TYPE_CHECKING:
-    from functrain.core.program import Apply  # the program's form of a forward; flax is imported on use
+if TYPE_CHECKING:  # flax is imported where a program is built, not where the losses are read
+    from functrain.core.adapters import Apply, ModelPieces
+    from functrain.core.program import LossContext, Program, TaskLoss
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "simpo", "orpo")
 REFERENCE_FREE = ("simpo", "orpo")
@@ -190,8 +190,8 @@ def forward_reference_logps(reference: Reference) -> ReferenceLogps:
 
     def reference_logps(params, model_state, batch):
         tokens, mask = pair_rows(batch)
-        output = jax.lax.stop_gradient(reference(params, model_state, tokens[:, :-1]))
-        return completion_logps(logits_of(output), tokens, mask)[0]
+        logits = jax.lax.stop_gradient(reference(params, model_state, tokens[:, :-1]))
+        return completion_logps(logits, tokens, mask)[0]
 
     return reference_logps
 
@@ -201,96 +201,62 @@ def carried_reference_logps(params, model_state, batch) -> jax.Array:
     return jnp.concatenate([batch[name] for name in REFERENCE_LOGPS]).astype(jnp.float32)
 
 
-def preference_loss(
-    apply: Apply, reference_logps: ReferenceLogps | None, settings: PreferenceSettings, train: bool
-) -> Callable:
-    """The program's stateful ``loss_fn(params, model_state, batch, rng)`` of a preference batch: one forward
-    of the policy over the chosen and rejected rows together, and (losses with a reference) the reference's
-    log-probs: one forward of the reference outside the gradient in the same compiled step, or the ones the
-    batch carries.
+def preference_task_loss(
+    pieces: ModelPieces, settings: PreferenceSettings, *, precompute_reference: bool = False
+) -> TaskLoss:
+    """The preference loss of a batch of pairs on a causal LM's pieces: one forward of the policy over the chosen
+    and rejected rows together, and (losses with a reference) the reference's log-probs: one forward of the
+    reference outside the gradient in the same compiled step, or the ones the batch carries.
 
-    The policy's forward is rematerialised: it keeps nothing for the backward, which runs it again (one
-    forward more per step), so XLA compiles it as it compiles the reference's plain forward. Equal weights
-    then give bitwise equal log-probs, and the first step's rewards are exactly 0 as TRL's are. A forward
-    that keeps its activations for the backward is fused otherwise, and XLA's CPU code contracts multiplies
-    and adds into FMAs as each fusion's code allows: its last bits differed, so first-step ties broke at
-    random."""
+    The reference is ``pieces.frozen_apply`` on the same params when a transform froze one (LoRA: the model with
+    its adapters off, no second copy), else the starting weights. With ``precompute_reference`` its log-probs are
+    computed once from the starting state (the same forward as in the step) and the batches carry them
+    (:data:`REFERENCE_LOGPS`, computed by :func:`precomputed_reference_logps` before the first step): no reference
+    forward in the step and no copy of the weights. They equal the policy's at the first step bitwise with one
+    micro-batch per step; with ``train.micro_batches`` the step's forward runs in its accumulation loop, which XLA
+    compiles otherwise, and a first-step tie may break in the last bit (the in-step references are computed in the
+    same loop, and stay exact). Otherwise, without a frozen base, a frozen copy of the starting weights sits in the
+    model state under ``reference`` (:mod:`functrain.tasks.reference`). Reference-free losses hold none.
 
-    def loss_fn(params, model_state, batch, rng):
-        tokens, mask = pair_rows(batch)
+    The policy's forward is rematerialised: it keeps nothing for the backward, which runs it again (one forward
+    more per step), so XLA compiles it as it compiles the reference's plain forward. Equal weights then give
+    bitwise equal log-probs, and the first step's rewards are exactly 0 as TRL's are. A forward that keeps its
+    activations for the backward is fused otherwise, and XLA's CPU code contracts multiplies and adds into FMAs as
+    each fusion's code allows: its last bits differed, so first-step ties broke at random."""
+    from functrain.core.program import TaskLoss
+    from functrain.tasks.reference import reference_of
 
-        def policy_logps(params, model_state):
-            output: Any  # an array or an object with .logits (typeshed's getattr would add None to a tuple's Any)
-            output, new_state = apply(params, model_state, tokens[:, :-1], train, rng)
-            # The terms the output carries (an MoE policy's balancing), per pair as the step divides.
-            terms = add_model_terms(output, jnp.zeros((), jnp.float32), jnp.sum(batch["weight"]), {})
-            return completion_logps(logits_of(output), tokens, mask), terms, new_state
+    reference_logps: ReferenceLogps | None = None
+    state = None
+    if settings.uses_reference and precompute_reference:
+        reference_logps = carried_reference_logps
+    elif settings.uses_reference:
+        reference = reference_of(pieces.apply, pieces.frozen_apply)
+        reference_logps, state = forward_reference_logps(reference.logits), reference.state
 
-        policy, (terms_sum, terms_aux), new_state = jax.checkpoint(policy_logps)(params, model_state)
+    def inputs(batch: dict[str, Any]) -> tuple[jax.Array, dict]:
+        return pair_rows(batch)[0][:, :-1], {}
+
+    def score(logits: Any, batch: dict[str, Any]) -> tuple[jax.Array, jax.Array]:
+        return completion_logps(logits, *pair_rows(batch))
+
+    def sums(policy: tuple[jax.Array, jax.Array], batch: dict[str, Any], context: LossContext):
         ref_logps = None
-        if settings.uses_reference and reference_logps is not None:
-            ref_logps = reference_logps(params, model_state, batch)
-        loss_sum, weight, aux = preference_sums(settings, policy, ref_logps, batch["weight"])
-        return loss_sum + terms_sum, weight, {**aux, **terms_aux}, new_state
+        if reference_logps is not None:
+            ref_logps = reference_logps(context.params, context.model_state, batch)
+        return preference_sums(settings, policy, ref_logps, batch["weight"])
 
-    return loss_fn
+    return TaskLoss(inputs, sums, score=score, remat=True, state=state)
 
 
 def preference_program(
-    init: Callable,
-    apply: Apply,
-    logical_specs: Callable,
-    settings: PreferenceSettings,
-    *,
-    reference_apply: Apply | None = None,
-    trainable: Callable | None = None,
-    complete_params: Callable | None = None,
-    precompute_reference: bool = False,
-    end_of_step: Callable | None = None,
-) -> Any:
-    """The :class:`~functrain.core.program.Program` of a model's pieces trained on preference pairs.
+    pieces: ModelPieces, settings: PreferenceSettings, *, precompute_reference: bool = False
+) -> Program:
+    """The :class:`~functrain.core.program.Program` of a model's pieces trained on preference pairs
+    (:func:`preference_task_loss`)."""
+    from functrain.core.program import task_program
 
-    The reference is ``reference_apply`` on the same params when given (LoRA: the model with its adapters off,
-    no second copy), else the starting weights. With ``precompute_reference`` its log-probs are computed once
-    from the starting state (the same forward as in the step) and the batches carry them (:data:`REFERENCE_LOGPS`,
-    computed by :func:`precomputed_reference_logps` before the first step): no reference forward in the step and no
-    copy of the weights. They equal the policy's at the first step bitwise with one micro-batch per step; with
-    ``train.micro_batches`` the step's forward runs in its accumulation loop, which XLA compiles otherwise, and a
-    first-step tie may break in the last bit (the in-step references are computed in the same loop, and stay exact).
-    Otherwise, without ``reference_apply``, a frozen copy of the starting weights sits in the model state under
-    ``reference`` (:mod:`functrain.tasks.reference`). Reference-free losses hold none. ``end_of_step`` is the
-    model's (DeepSeek-V3's correction-bias update), run after every step whatever the reference."""
-    from functrain.core.program import Program
-    from functrain.tasks.reference import with_reference
-
-    kept = dict(trainable=trainable, complete_params=complete_params, end_of_step=end_of_step)  # the model's pieces
-
-    if not settings.uses_reference:
-        return Program(
-            init,
-            preference_loss(apply, None, settings, True),
-            preference_loss(apply, None, settings, False),
-            logical_specs,
-            **kept,
-        )
-    if precompute_reference:  # the batches carry them (see precomputed_reference_logps)
-        return Program(
-            init,
-            preference_loss(apply, carried_reference_logps, settings, True),
-            preference_loss(apply, carried_reference_logps, settings, False),
-            logical_specs,
-            **kept,
-        )
-    model = with_reference(init, apply, reference_apply)
-    reference_logps = forward_reference_logps(model.reference)
-    return Program(
-        model.init,
-        preference_loss(model.apply, reference_logps, settings, True),
-        preference_loss(model.apply, reference_logps, settings, False),
-        logical_specs,
-        **kept,
-        state_for_params=model.state_for_params,
-    )
+    return task_program(pieces, preference_task_loss(pieces, settings, precompute_reference=precompute_reference))
 
 
 def precomputed_reference_logps(apply: Apply, reference_apply: Apply | None = None) -> Callable:
@@ -299,7 +265,7 @@ def precomputed_reference_logps(apply: Apply, reference_apply: Apply | None = No
     model under LoRA; else the weights given), computed once before training (``preference.precompute_ref``)."""
 
     def reference(params, model_state, inputs):
-        return (reference_apply or apply)(params, model_state, inputs, False, jax.random.PRNGKey(0))[0]
+        return (reference_apply or apply)(params, model_state, inputs, False, jax.random.PRNGKey(0)).logits
 
     in_step = forward_reference_logps(reference)
 

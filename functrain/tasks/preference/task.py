@@ -7,7 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from functrain.core.program import ModelPieces, Program
+from functrain.core.adapters import ModelPieces
+from functrain.core.program import Program
 from functrain.data import as_source
 from functrain.data.datasets import split_records
 from functrain.data.validate import BatchCheck, FieldRule
@@ -148,22 +149,12 @@ def program_on_pieces(pieces: ModelPieces, settings: PreferenceSettings, *, prec
             "data.name=preference trains a causal LM given as a Flax linen or NNX module; pass one "
             "of those, or a registry model (model.name)"
         )
-    return preference_program(
-        pieces.init,
-        pieces.apply,
-        pieces.logical_specs,
-        settings,
-        reference_apply=pieces.frozen_apply,
-        trainable=pieces.trainable,
-        complete_params=pieces.complete_params,
-        precompute_reference=precompute_ref,
-        end_of_step=pieces.end_of_step,
-    )
+    return preference_program(pieces, settings, precompute_reference=precompute_ref)
 
 
 def preference_pieces(model: Any, example_batch: dict[str, np.ndarray], lora: Any = None) -> ModelPieces:
     """A causal LM's pieces as a preference run builds them (``lora``: a ``model.lora`` section, or None)."""
-    from functrain.core.program import model_pieces
+    from functrain.core.adapters import model_pieces
     from functrain.models.lora import lora_transform
 
     pieces = model_pieces(model, np.asarray(example_batch["chosen"])[:, :-1], example_batch)

@@ -12,9 +12,10 @@ from typing import Any
 
 import numpy as np
 
+from functrain.core.adapters import ModelPieces, model_inputs_of
 from functrain.core.fields import Fields, require_builtin, resolve_fields
 from functrain.core.losses import batch_check
-from functrain.core.program import ModelPieces, Program, builtin_program, model_inputs_of, user_program
+from functrain.core.program import Program, builtin_program, user_program
 from functrain.data.transforms import apply_transform
 from functrain.errors import ConfigError
 from functrain.tasks.base import Task, TaskContext, TaskData

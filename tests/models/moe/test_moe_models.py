@@ -94,7 +94,7 @@ def test_experts_run_on_each_batch_shard_with_the_one_device_result():
         params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), tokens)["params"])
         def loss(p, ids):
             output = model.apply({"params": p}, ids)
-            return jnp.mean(output.logits ** 2) + jnp.mean(output.router.prob_sums), output.logits
+            return jnp.mean(output.logits ** 2) + jnp.mean(output.terms.router.prob_sums), output.logits
         step = jax.jit(jax.value_and_grad(loss, has_aux=True))
         with jax.default_matmul_precision("highest"):
             (_, logits), grads = step(params, tokens)

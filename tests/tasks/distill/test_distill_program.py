@@ -6,7 +6,7 @@ import numpy as np
 import optax
 
 from functrain.core.fields import resolve_fields
-from functrain.core.program import model_pieces
+from functrain.core.adapters import model_pieces
 from functrain.core.state import TrainState
 from functrain.core.step import make_train_step
 from functrain.data.token_store import StoreWriter, TokenStore

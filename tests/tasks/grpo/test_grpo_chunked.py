@@ -5,7 +5,7 @@ whole."""
 import jax
 import numpy as np
 
-from functrain.core.program import model_pieces
+from functrain.core.adapters import model_pieces
 from functrain.core.unembedding import chunk_loops_traced
 from functrain.models import build_model
 from functrain.models.gpt import GPTConfig
