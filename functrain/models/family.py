@@ -128,11 +128,11 @@ def _problem(family: Family) -> str | None:
     if not (isinstance(family.name, str) and family.name.isidentifier()):
         return f"family name {family.name!r} is not an identifier; name it like a Python variable (my_family)"
     if not (isinstance(family.config, type) and issubclass(family.config, FamilyConfig)):
-        return f"{label}'s config {family.config!r} is not a FamilyConfig subclass; derive its config class from it"
+        return f"{label}: config {family.config!r} is not a FamilyConfig subclass; derive the config class from it"
     tag = family.config.model_fields["name"].default
     if tag != family.name:
         return (
-            f"{label}'s config {family.config.__name__} has name {tag!r}; declare "
+            f"{label}: its config {family.config.__name__} has name {tag!r}; declare "
             f"name: Literal[{family.name!r}] = {family.name!r} in it"
         )
     if family.kind not in KINDS:
