@@ -147,6 +147,9 @@ def test_the_lists_of_families_are_read_off_the_declarations():
     assert set(family_names()) - set(family_names("context_parallel")) == {"gemma2", "gemma3_text", "gpt2", "mlp"}
     assert family_names("pipeline") == family_names("scans_layers")
     assert family_names("generation_cache") == family_names("language_model") == sorted(set(family_names()) - {"mlp"})
+    for name in family_names("hf_conversion"):  # the code writes the model_type its family declares first
+        family = family_named(name)
+        assert family.module().to_hf_config(family.config())["model_type"] == family.hf_model_types[0]
     with pytest.raises(ValueError, match="unknown family capability 'flies'; choose one of language_model, "):
         family_names("flies")
     scanning = ", ".join(family_names("scans_layers"))
