@@ -54,8 +54,8 @@ class Family:
     also ``from_hf_config(dict)`` and ``to_hf_config(config)``); ``kind``; and its capabilities: ``scans_layers``
     (``model.scan_layers`` runs its layers as one scan), ``context_parallel`` (its attention splits the sequence
     over ``mesh.context``), ``pipeline`` (``mesh.pipeline`` splits its scanned layers into stages) and
-    ``generation_cache`` (it decodes with :mod:`functrain.models.kv_cache`: ``generate``, ``eval.samples``,
-    sampling tasks).
+    ``generation_cache`` (it decodes with :mod:`functrain.models.kv_cache`: ``generate``, ``eval``,
+    ``eval.samples``).
 
     Optional: ``hf_model_types`` with ``hf_mapping`` (``"package.module:NAME"`` of the
     ``torch_bridge.hf.mappings.TensorMapping`` that converts them; the first type is the one exports write), and
