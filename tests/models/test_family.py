@@ -163,3 +163,32 @@ def test_the_lists_of_families_are_read_off_the_declarations():
         load_config(None, [], base={"model": {"name": "llama"}, "data": data, "mesh": {"expert": 2}})
     moe = ", ".join(family_names("expert_parallel"))
     assert f"mixture-of-experts models ({moe}) and model llama has no experts" in str(info.value)
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    """Swap families in the registry for a test: ``registry(family, ...)`` replaces those of the same names."""
+    import functrain.models
+
+    shipped = functrain.models.declared_families()
+
+    def swap(*changed: Family) -> None:
+        by_name = {family.name: family for family in changed}
+        monkeypatch.setattr(functrain.models, "declared_families",
+                            lambda: [(where, by_name.get(family.name, family)) for where, family in shipped])
+        families.cache_clear()
+
+    yield swap
+    families.cache_clear()
+
+
+def test_a_family_that_scans_but_does_not_pipeline_is_refused_stages(registry):
+    overrides = ["model.n_layers=4", "model.scan_layers=true", "mesh.pipeline=2"]
+    assert load_config("configs/char_gpt.yaml", overrides).mesh.pipeline == 2
+    registry(replace(family_named("gpt"), pipeline=False))
+    with pytest.raises(ConfigError) as info:
+        load_config("configs/char_gpt.yaml", overrides)
+    pipelining = ", ".join(family_names("pipeline"))
+    assert "gpt" not in pipelining.split(", ") and str(info.value) == (
+        "invalid config: mesh.pipeline=2 x mesh.dcn_pipeline=1 (2 stages) splits a model's scanned layers and model "
+        f"gpt does not pipeline them (only {pipelining} do); set mesh.pipeline=1")
