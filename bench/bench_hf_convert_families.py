@@ -21,7 +21,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_hf_convert import CHILD_CONVERT, run_child, write_random_checkpoint  # noqa: E402
-from torch_bridge.hf.mappings import ARCHITECTURES  # noqa: E402
+from torch_bridge.hf.architectures import architectures  # noqa: E402
 from torch_bridge.hf.pretrained import expected_shapes  # noqa: E402
 
 # hidden 768, 12 heads (4 KV heads), MLP 2048, vocab 32000: ~0.4 GB float32 with 8 layers and an untied head.
@@ -55,10 +55,10 @@ def hf_config(family: str, layers: int) -> dict:
 
 def hf_shapes(config_json: dict) -> dict[str, tuple[int, ...]]:
     """HF tensor names and shapes of the family's checkpoint, from its conversion table."""
-    arch = ARCHITECTURES[config_json["model_type"]]
+    arch = architectures()[config_json["model_type"]]
     config = arch.model.from_hf_config(config_json)
     leaves = expected_shapes(arch, config)
-    return {rule.hf_name: rule.hf_shape(tuple(leaves[path] for path in rule.paths)) for rule in arch.rules(config)}
+    return {rule.hf_name: rule.hf_shape(tuple(leaves[path] for path in rule.paths)) for rule in arch.mapping.rules(config)}
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ from functrain.run.config import load_config  # noqa: E402
 from functrain.data import BatchLoader, IndexSampler  # noqa: E402
 from functrain.data.validate import BatchCheck  # noqa: E402
 from functrain.data.datasets import load_dataset  # noqa: E402
-from functrain.models import model_spec  # noqa: E402
+from functrain.models import family_named  # noqa: E402
 from functrain.core.fields import resolve_fields  # noqa: E402
 from functrain.core.losses import batch_check  # noqa: E402
 
@@ -56,7 +56,7 @@ def check_time_per_batch(config_path: str, batches: int = 2000) -> float:
     loader = BatchLoader(train, IndexSampler(len(next(iter(train.values()))), config.data.global_batch_size, 0),
                          prefetch=0)
     batch, _ = loader.host_batch(0)
-    check = batch_check(resolve_fields(batch, kind=model_spec(config.model.name)["kind"]), config.model)
+    check = batch_check(resolve_fields(batch, kind=family_named(config.model.name).kind), config.model)
     start = time.perf_counter()
     for _ in range(batches):
         check(batch, None)

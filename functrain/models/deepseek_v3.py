@@ -247,6 +247,3 @@ def build(config: DeepseekV3Config, dtype: Any = jnp.float32) -> DeepseekV3ForCa
     attention_kernel(config.attention, dtype, max(config.qk_head_dim, config.v_head_dim))
     check_remat(config.remat)
     return DeepseekV3ForCausalLM(config, dtype=dtype)
-
-
-MODEL_SPEC = dict(config_cls=DeepseekV3Config, build=build, kind="causal_lm")

@@ -196,6 +196,3 @@ def build(config: Gemma2Config, dtype: Any = jnp.float32) -> Gemma2ForCausalLM:
     attention_kernel(config.attention, dtype, config.head_dim)
     check_remat(config.remat)
     return Gemma2ForCausalLM(config, dtype=dtype)
-
-
-MODEL_SPEC = dict(config_cls=Gemma2Config, build=build, kind="causal_lm")

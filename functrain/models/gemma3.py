@@ -46,5 +46,3 @@ def to_hf_config(config: Gemma3TextConfig) -> dict[str, Any]:
 
 
 build = gemma2.build  # the Flax module is Gemma 2's; the config switches its variations
-
-MODEL_SPEC = dict(config_cls=Gemma3TextConfig, build=build, kind="causal_lm")

@@ -178,6 +178,3 @@ def build(config: GPTConfig, dtype: Any = jnp.float32) -> GPT:
     attention_kernel(config.attention, dtype, config.d_model // config.n_heads)
     check_remat(config.remat)
     return GPT(config, dtype=dtype)
-
-
-MODEL_SPEC = dict(config_cls=GPTConfig, build=build, kind="causal_lm")

@@ -157,6 +157,3 @@ def build(config: GPT2Config, dtype: Any = jnp.float32) -> GPT2LMHead:
     attention_kernel(config.attention, dtype, config.n_embd // config.n_head)
     check_remat(config.remat)
     return GPT2LMHead(config, dtype=dtype)
-
-
-MODEL_SPEC = dict(config_cls=GPT2Config, build=build, kind="causal_lm")

@@ -101,6 +101,3 @@ def experts(config: GptOssConfig, dtype: Any, layer: int, name: str) -> nn.Modul
 def build(config: GptOssConfig, dtype: Any = jnp.float32) -> MoeForCausalLM:
     """The Flax module for ``config`` computing in ``dtype`` (params stay float32)."""
     return build_decoder(config, experts, dtype)
-
-
-MODEL_SPEC = dict(config_cls=GptOssConfig, build=build, kind="causal_lm")

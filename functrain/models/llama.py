@@ -215,6 +215,3 @@ def build(config: LlamaConfig, dtype: Any = jnp.float32) -> LlamaForCausalLM:
     attention_kernel(config.attention, dtype, config.attn_head_dim)
     check_remat(config.remat)
     return LlamaForCausalLM(config, dtype=dtype)
-
-
-MODEL_SPEC = dict(config_cls=LlamaConfig, build=build, kind="causal_lm")

@@ -51,6 +51,3 @@ def experts(config: MixtralConfig, dtype: Any, layer: int, name: str) -> nn.Modu
 def build(config: MixtralConfig, dtype: Any = jnp.float32) -> MoeForCausalLM:
     """The Flax module for ``config`` computing in ``dtype`` (params stay float32)."""
     return build_decoder(config, experts, dtype)
-
-
-MODEL_SPEC = dict(config_cls=MixtralConfig, build=build, kind="causal_lm")

@@ -50,6 +50,3 @@ class MLP(nn.Module):
 def build(config: MLPConfig, dtype: Any = jnp.float32) -> MLP:
     """The MLP module for ``config``, computing in ``dtype``."""
     return MLP(hidden=tuple(config.hidden), num_classes=config.num_classes, dtype=dtype)
-
-
-MODEL_SPEC = dict(config_cls=MLPConfig, build=build, kind="classifier")

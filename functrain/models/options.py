@@ -9,6 +9,7 @@ from typing import Literal
 
 import pydantic
 
+from functrain.models import family_named, family_names
 from functrain.models.configs.base import FamilyConfig
 
 AttentionChoice = Literal["auto", "xla", "cudnn", "splash"]
@@ -16,16 +17,12 @@ RematPolicy = Literal["none", "full", "dots_saveable", "offload"]
 
 RUNTIME_KEYS = frozenset({"attention", "remat", "scan_layers"})
 
-SCANNING_MODELS = (
-    "gpt, llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3_text, mixtral, qwen2_moe, qwen3_moe, gpt_oss, deepseek_v3"
-)
-
 
 def scan_refusal(model_name: str) -> str:
     """The one-line refusal of ``model.scan_layers`` for a model that does not scan its layers."""
     return (
-        f"model.scan_layers is not supported by model {model_name} (only by {SCANNING_MODELS}); "
-        f"remove model.scan_layers or set it to false"
+        f"model.scan_layers is not supported by model {model_name} (only by "
+        f"{', '.join(family_names('scans_layers'))}); remove model.scan_layers or set it to false"
     )
 
 
@@ -39,7 +36,7 @@ class RuntimeOptions(FamilyConfig):
 
     @pydantic.model_validator(mode="after")
     def _scan_supported(self):
-        if self.scan_layers and not self.scans_layers:
+        if self.scan_layers and not family_named(self.name).scans_layers:
             raise ValueError(scan_refusal(self.name))
         return self
 

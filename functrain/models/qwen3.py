@@ -20,5 +20,3 @@ def to_hf_config(config: Qwen3Config) -> dict[str, Any]:
 
 
 build = llama.build  # the Flax module is Llama's; the config switches its variations
-
-MODEL_SPEC = dict(config_cls=Qwen3Config, build=build, kind="causal_lm")

@@ -1,6 +1,6 @@
 """Context parallelism: a sequence split over the ``context`` mesh axis, in load-balanced order.
 
-Under a mesh whose ``context`` axis has ``C > 1`` devices, a model that supports it (the config's
+Under a mesh whose ``context`` axis has ``C > 1`` devices, a model that supports it (its family declares
 ``context_parallel``) runs its layers on the sequence reordered by :func:`load_balanced_order`: the sequence is
 cut into ``2C`` chunks and device ``d`` holds chunks ``d`` and ``2C - 1 - d``, one from the start and one from
 the end, so that every device has the same share of causal attention work (the first chunk's queries see few

@@ -3,7 +3,7 @@
 ``load_config("configs/char_gpt.yaml", ["train.max_steps=100"])`` returns a validated :class:`Config`.
 Unknown keys and wrong types raise :class:`~functrain.errors.ConfigError` naming the key (and, for a
 misspelt key, the nearest valid one). The ``model`` section is a union discriminated by ``model.name``: the
-registered family's own config class (:data:`functrain.models.MODEL_FAMILIES`), or a factory
+registered family's own config class (:func:`functrain.models.families`), or a factory
 (``model.target``) whose keyword arguments are the section's other keys.
 """
 
@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from functrain.core.section import Section
 from functrain.core.unembedding import LogitsChunk
 from functrain.errors import ConfigError
-from functrain.models import MODEL_FAMILIES, model_config_class
+from functrain.models import families, family_named, family_names, family_of, model_config_class
 from functrain.models.configs.base import FamilyConfig, ModelConfig
 from functrain.models.configs.moe import MOE_RUNTIME_KEYS, MoeOptions
 from functrain.models.options import RuntimeOptions, scan_refusal
@@ -443,7 +443,7 @@ def model_section_tag(value: Any) -> str | None:
 
 # A member per registered family, tagged with its name, beside a factory's section and a Python object's.
 _TAGGED_SECTIONS = (
-    *(Annotated[cls, pydantic.Tag(name)] for name, (cls, _) in MODEL_FAMILIES.items()),
+    *(Annotated[family.config, pydantic.Tag(name)] for name, family in families().items()),
     Annotated[TargetModelConfig, pydantic.Tag(TARGET_TAG)],
     Annotated[PythonModelConfig, pydantic.Tag(PYTHON_OBJECT)],
 )
@@ -452,7 +452,7 @@ if TYPE_CHECKING:  # the union is made from the registry at run time; to mypy it
 else:
     # Members known at run time only: X | Y cannot spell them (hence the noqa).
     ModelSection = Annotated[Union[_TAGGED_SECTIONS], pydantic.Discriminator(model_section_tag)]  # noqa: UP007
-MODEL_TAGS = frozenset({*MODEL_FAMILIES, TARGET_TAG, PYTHON_OBJECT})
+MODEL_TAGS = frozenset({*families(), TARGET_TAG, PYTHON_OBJECT})
 
 
 class ProfileConfig(Section):
@@ -505,7 +505,7 @@ class RunSections(Section):
             isinstance(value, dict)
             and value.get("scan_layers")
             and isinstance(value.get("name"), str)
-            and not model_config_class(value["name"]).scans_layers
+            and not family_named(value["name"]).scans_layers
         ):
             raise ValueError(scan_refusal(value["name"]))
         if isinstance(value, dict) and TARGET_TAG in value and "name" in value:
@@ -578,12 +578,12 @@ class RunSections(Section):
             return self
         if self.backend == "torch":
             raise ValueError(f"mesh.context={ways} splits the sequence in backend: jax only; set mesh.context=1")
-        if not self.model.context_parallel:
+        family = family_of(self.model)
+        if family is None or not family.context_parallel:
             name = self.model.registry_name() or "a user model (model.target or a model given to fit)"
             raise ValueError(
-                f"mesh.context={ways} needs a model whose attention splits the sequence (gpt, llama and its kin: "
-                f"mistral, qwen2, qwen3, phi3, and the mixtures of experts mixtral, qwen2_moe, qwen3_moe, gpt_oss, "
-                f"deepseek_v3) and {name} has none; set mesh.context=1"
+                f"mesh.context={ways} needs a model whose attention splits the sequence "
+                f"({', '.join(family_names('context_parallel'))}) and {name} has none; set mesh.context=1"
             )
         if isinstance(self.model, MoeOptions) and self.model.capacity_factor is not None:
             raise ValueError(
@@ -775,7 +775,7 @@ def _all_keys(schema: type[BaseModel], prefix: str = "") -> list[str]:
 
 def _suggest(key: str, model_name: str | None) -> str:
     valid = _all_keys(config_class())
-    if isinstance(model_name, str) and model_name in MODEL_FAMILIES:
+    if isinstance(model_name, str) and model_name in families():
         valid += _all_keys(model_config_class(model_name), "model.")
     match = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     return f"; did you mean '{match[0]}'?" if match else ""
@@ -783,10 +783,9 @@ def _suggest(key: str, model_name: str | None) -> str:
 
 def _dense_moe_key(key: str, model_name: Any, fix: str | None = None) -> str:
     """The refusal of a mixture-of-experts option on a model without experts (``fix``: default, remove it)."""
-    moe = sorted(name for name, (config_cls, _) in MODEL_FAMILIES.items() if issubclass(config_cls, MoeOptions))
     return (
-        f"{key} applies to mixture-of-experts models ({', '.join(moe)}) and model {model_name} has no experts; "
-        f"{fix or f'remove {key}'}"
+        f"{key} applies to mixture-of-experts models ({', '.join(family_names('expert_parallel'))}) and model "
+        f"{model_name} has no experts; {fix or f'remove {key}'}"
     )
 
 

@@ -31,7 +31,7 @@ from functrain.data.synthetic import synthetic_splits
 from functrain.data.transforms import Transform
 from functrain.data.validate import check_arrays
 from functrain.errors import ConfigError, DataError
-from functrain.models import build_model, model_spec
+from functrain.models import build_model, family_named
 from functrain.models.lora import lora_transform
 from functrain.models.options import RuntimeOptions
 from functrain.parallel.determinism import attention_choice
@@ -171,7 +171,7 @@ def resolve_model(config: Any, model: Any) -> tuple[Any, str | None]:
             f"model.python_object={section.python_object!r} records a model passed to fit; "
             f"pass it again with fit(..., model=) or set model.name or model.target"
         )
-    kind = model_spec(section.name)["kind"]
+    kind = family_named(section.name).kind
     if config.backend == "torch":
         return None, kind  # the bridge builds its own registry models
     from functrain.core.precision import COMPUTE_DTYPES

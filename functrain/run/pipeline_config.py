@@ -10,6 +10,7 @@ from pydantic import Field
 
 from functrain.core.section import Section
 from functrain.errors import ConfigError
+from functrain.models import family_names, family_of
 
 if TYPE_CHECKING:
     from functrain.parallel.pipeline import PipelineSchedule
@@ -43,6 +44,12 @@ def pipeline_problem(config: Any) -> str | None:
     kinds = model.pipelined_layer_kinds()
     if kinds is None:
         return f"{where} splits a model's scanned layers and model {name} does not scan its layers; set mesh.pipeline=1"
+    family = family_of(model)
+    if family is not None and not family.pipeline:
+        return (
+            f"{where} splits a model's scanned layers and model {name} does not pipeline them (only "
+            f"{', '.join(family_names('pipeline'))} do); set mesh.pipeline=1"
+        )
     if not kinds:
         return f"{where} splits the mixture-of-experts layers and model {name} has none; set mesh.pipeline=1"
     if not model.layers_scanned():

@@ -36,15 +36,15 @@ def last_samples(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def check_language_model_run(model_config: ModelConfig, backend: str, key: str, fix: str) -> None:
-    """A one-line ConfigError unless the run trains a built-in causal LM on JAX, which ``key`` (a callback that
-    decodes or scores with the model) needs; ``fix`` says how to turn ``key`` off."""
-    from functrain.models import is_language_model
+    """A one-line ConfigError unless the run trains a built-in causal LM that decodes with a KV cache on JAX,
+    which ``key`` (a callback that decodes or scores with the model) needs; ``fix`` says how to turn ``key`` off."""
+    from functrain.models import family_names, family_of
 
-    name = model_config.registry_name()
-    if name is None or not is_language_model(name):
+    family = family_of(model_config)
+    if family is None or not family.generation_cache:
         raise ConfigError(
-            f"{key} needs a built-in language model (model.name gpt, gpt2, llama, ...), not "
-            f"{name or 'a user model'}; {fix}"
+            f"{key} needs a built-in language model (model.name {', '.join(family_names('generation_cache'))}), "
+            f"not {model_config.registry_name() or 'a user model'}; {fix}"
         )
     if backend != "jax":
         raise ConfigError(f"{key} works with backend: jax; {fix}")

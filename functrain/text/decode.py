@@ -24,7 +24,7 @@ import numpy as np
 
 from functrain.core.model_output import logits_of
 from functrain.errors import ConfigError, DataError
-from functrain.models import build_model, model_config_class, model_spec
+from functrain.models import build_model, family_named, family_names, model_config_class
 from functrain.models.configs.base import ModelConfig
 from functrain.models.kv_cache import empty_cache, repeated_rows
 from functrain.models.options import RuntimeOptions, for_sampling
@@ -369,10 +369,10 @@ def load_language_model(run_dir: str | os.PathLike, step: int | None = None) -> 
             f"{run_dir} was trained with backend {meta['backend']}; generate and eval read JAX runs "
             f"(and converted HF checkpoints)"
         )
-    if model_spec(raw_model["name"])["kind"] != "causal_lm":
+    if not family_named(raw_model["name"]).generation_cache:
         raise ConfigError(
-            f"model {raw_model['name']!r} of {run_dir} is not a language model; generate and eval "
-            f"need a causal LM (gpt, gpt2, llama, ...)"
+            f"model {raw_model['name']!r} of {run_dir} is not a language model that decodes with a KV cache; "
+            f"generate and eval need one ({', '.join(family_names('generation_cache'))})"
         )
     model_config = model_config_class(raw_model["name"]).model_validate(raw_model)
     assert isinstance(model_config, RuntimeOptions), "a causal LM's config has the runtime options"

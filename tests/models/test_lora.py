@@ -224,11 +224,11 @@ def test_finetune_lora_example_matches_the_tiny_model_its_header_builds():
 def test_adapters_on_a_fused_hf_projection_need_merge_lora():
     from functrain.errors import CheckpointError
     from functrain.models import phi3
-    from torch_bridge.hf.mappings import ARCHITECTURES
+    from torch_bridge.hf.architectures import architectures
     from torch_bridge.hf.peft_adapter import hf_modules
     config = phi3.Phi3Config(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
                              num_attention_heads=2)
-    assert hf_modules(ARCHITECTURES["phi3"], config, [("layers_0", "self_attn", "o_proj")]) == {
+    assert hf_modules(architectures()["phi3"], config, [("layers_0", "self_attn", "o_proj")]) == {
         ("layers_0", "self_attn", "o_proj"): "model.layers.0.self_attn.o_proj"}
     with pytest.raises(CheckpointError, match="layers_0/self_attn/q_proj have no PEFT form for phi3.*--merge-lora"):
-        hf_modules(ARCHITECTURES["phi3"], config, [("layers_0", "self_attn", "q_proj")])
+        hf_modules(architectures()["phi3"], config, [("layers_0", "self_attn", "q_proj")])

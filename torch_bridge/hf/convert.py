@@ -14,9 +14,10 @@ import yaml
 
 from functrain.checkpoint import load_params_and_meta
 from functrain.errors import CheckpointError
+from functrain.models import model_config_class
 from functrain.models.lora import adapter_paths, merged_params
 from torch_bridge.hf import run_store
-from torch_bridge.hf.mappings import ARCHITECTURES
+from torch_bridge.hf.architectures import exported_architecture
 from torch_bridge.hf.peft_adapter import write_adapter_dir
 from torch_bridge.hf.pretrained import read_params, save_pretrained
 
@@ -98,13 +99,9 @@ def run_dir_to_hf(run_dir: str, out_dir: str, step: int | None, merge_lora: bool
     """
     params, meta = load_params_and_meta(Path(run_dir).resolve(), step)
     model = dict(meta.get("model") or {})
-    arch = ARCHITECTURES.get(model.get("name", ""))
-    if arch is None:
-        raise CheckpointError(
-            f"{run_dir}: model {model.get('name')!r} cannot be exported to HF; "
-            f"supported: {', '.join(sorted(ARCHITECTURES))}"
-        )
-    config = arch.model.MODEL_SPEC["config_cls"](**model)
+    name = model.get("name")
+    arch = exported_architecture(name, f"{run_dir}: model {name!r} cannot be exported to HF")
+    config: Any = model_config_class(arch.family)(**model)  # a converted family's: it has ``lora``
     has_adapters = bool(adapter_paths(params))
     if merge_lora and not has_adapters:
         raise CheckpointError(f"{run_dir}: --merge-lora given but the checkpoint has no LoRA adapters; drop it")

@@ -1,4 +1,5 @@
-"""Explicit HF ⇄ functrain tensor name tables, one per architecture.
+"""Explicit HF ⇄ functrain tensor name tables, one per architecture, each a :class:`TensorMapping` that the
+families converting it name in their declaration (``hf_mapping``; :mod:`torch_bridge.hf.architectures` joins them).
 
 Each `Rule` ties one HF tensor to one or more functrain parameter leaves and names the reshaping between
 them, so reading and writing are the same table run in two directions:
@@ -20,26 +21,11 @@ expert of every layer has its rule, so a missing or extra expert is named.
 import dataclasses
 import functools
 import re
-from types import ModuleType
 from typing import Any, Callable, Literal
 
 import numpy as np
 
-from functrain.models import (
-    deepseek_v3,
-    gemma2,
-    gemma3,
-    gpt2,
-    gpt_oss,
-    llama,
-    mistral,
-    mixtral,
-    phi3,
-    qwen2,
-    qwen2_moe,
-    qwen3,
-    qwen3_moe,
-)
+from functrain.models import deepseek_v3, gemma2, gpt2, gpt_oss, llama, mixtral, phi3
 from functrain.models.qwen_moe import QwenMoeConfig
 
 Path = tuple[str, ...]
@@ -129,21 +115,28 @@ class Rule:
         return np.ascontiguousarray(leaves[0])
 
 
-@dataclasses.dataclass(frozen=True)
-class Architecture:
-    """Everything needed to convert one HF ``model_type``."""
+def _same_name(name: str) -> str:
+    return name
 
-    model_type: str
-    model: ModuleType  # functrain.models.<name>: from_hf_config, to_hf_config, build
+
+def _nothing_left_out(name: str, config: Any) -> str | None:
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorMapping:
+    """How the tensors of an HF architecture are named and laid out: what a family's ``hf_mapping`` names
+    (:class:`functrain.models.family.Family`), for each of its ``hf_model_types``."""
+
     rules: Callable[[Any], list[Rule]]
-    canonical_name: Callable[[str], str]  # old exports spell some names differently
     ignorable: Callable[[str, Any], bool]  # allow-listed HF tensors with no functrain leaf
+    canonical_name: Callable[[str], str] = _same_name  # old exports spell some names differently
     # A second table read when a file holds its names (transformers' in-memory layout, experts fused into one
     # tensor per projection); writing always uses ``rules`` (what transformers' save_pretrained writes).
     fused_rules: Callable[[Any], list[Rule]] | None = None
     # The part of the model an HF tensor belongs to when conversion knowingly leaves it out (named in one log
     # line: DeepSeek-V3's multi-token-prediction layer), else None.
-    left_out: Callable[[str, Any], str | None] = lambda name, config: None
+    left_out: Callable[[str, Any], str | None] = _nothing_left_out
 
 
 def _linear(hf_prefix: str, path: Path, bias: bool) -> list[Rule]:
@@ -426,38 +419,18 @@ def _deepseek_v3_left_out(name: str, cfg: deepseek_v3.DeepseekV3Config) -> str |
     return f"the multi-token-prediction layer model.layers.{layer.group(1)}"
 
 
-ARCHITECTURES: dict[str, Architecture] = {
-    "gpt2": Architecture("gpt2", gpt2, _gpt2_rules, _gpt2_canonical, _gpt2_ignorable),
-    # model_type == model.name for the families that share Llama's module and tensor names.
-    **{
-        name: Architecture(name, module, _llama_rules, lambda name: name, _llama_ignorable)
-        for name, module in (("llama", llama), ("mistral", mistral), ("qwen2", qwen2), ("qwen3", qwen3))
-    },
-    "phi3": Architecture("phi3", phi3, _phi3_rules, lambda name: name, _llama_ignorable),
-    "gemma2": Architecture("gemma2", gemma2, _gemma2_rules, lambda name: name, _gemma2_ignorable),
-    "gemma3_text": Architecture("gemma3_text", gemma3, _gemma2_rules, lambda name: name, _gemma2_ignorable),
-    "gpt_oss": Architecture("gpt_oss", gpt_oss, _gpt_oss_rules, lambda name: name, _llama_ignorable),
-    "mixtral": Architecture(
-        "mixtral", mixtral, _mixtral_rules, lambda name: name, _llama_ignorable, fused_rules=_mixtral_fused_rules
-    ),
-    **{
-        name: Architecture(
-            name,
-            module,
-            _qwen_moe_rules,
-            lambda name: name,
-            _llama_ignorable,
-            fused_rules=lambda cfg: _qwen_moe_rules(cfg, fused=True),
-        )
-        for name, module in (("qwen2_moe", qwen2_moe), ("qwen3_moe", qwen3_moe))
-    },
-    "deepseek_v3": Architecture(
-        "deepseek_v3",
-        deepseek_v3,
-        _deepseek_v3_rules,
-        lambda name: name,
-        _llama_ignorable,
-        fused_rules=functools.partial(_deepseek_v3_rules, fused=True),
-        left_out=_deepseek_v3_left_out,
-    ),
-}
+# The tables the families' declarations name (``hf_mapping``): Llama's serves the families sharing its module and
+# tensor names (Mistral, Qwen2, Qwen3), Gemma 2's Gemma 3 (text), and the Qwen MoEs share theirs.
+GPT2 = TensorMapping(_gpt2_rules, _gpt2_ignorable, canonical_name=_gpt2_canonical)
+LLAMA = TensorMapping(_llama_rules, _llama_ignorable)
+PHI3 = TensorMapping(_phi3_rules, _llama_ignorable)
+GEMMA2 = TensorMapping(_gemma2_rules, _gemma2_ignorable)
+GPT_OSS = TensorMapping(_gpt_oss_rules, _llama_ignorable)
+MIXTRAL = TensorMapping(_mixtral_rules, _llama_ignorable, fused_rules=_mixtral_fused_rules)
+QWEN_MOE = TensorMapping(_qwen_moe_rules, _llama_ignorable, fused_rules=functools.partial(_qwen_moe_rules, fused=True))
+DEEPSEEK_V3 = TensorMapping(
+    _deepseek_v3_rules,
+    _llama_ignorable,
+    fused_rules=functools.partial(_deepseek_v3_rules, fused=True),
+    left_out=_deepseek_v3_left_out,
+)

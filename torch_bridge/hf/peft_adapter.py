@@ -19,7 +19,8 @@ from safetensors.numpy import save_file
 from functrain.errors import CheckpointError
 from functrain.models.lora import ADAPTER_A, ADAPTER_B, adapter_paths
 from torch_bridge.hf import writer
-from torch_bridge.hf.mappings import Architecture, transpose_copy
+from torch_bridge.hf.architectures import Architecture
+from torch_bridge.hf.mappings import transpose_copy
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 _PREFIX = "base_model.model."
@@ -29,7 +30,7 @@ def hf_modules(arch: Architecture, config: Any, paths: list[tuple[str, ...]]) ->
     """The HF module name of each adapted functrain projection (only plain ``nn.Linear`` ones map to PEFT)."""
     linear = {
         rule.paths[0][:-1]: rule.hf_name.removesuffix(".weight")
-        for rule in arch.rules(config)
+        for rule in arch.mapping.rules(config)
         if rule.kind == "transpose"
     }
     unmapped = ["/".join(path) for path in paths if path not in linear]

@@ -21,24 +21,16 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 
 from functrain.core.model_output import logits_of
 from functrain.errors import CheckpointError
+from functrain.models import build_model
 from functrain.models.configs.base import ModelConfig
 from functrain.models.stacking import unstack_layers
 from torch_bridge.hf import fp8, mxfp4, reader, writer
-from torch_bridge.hf.mappings import ARCHITECTURES, Architecture, Path, Rule
+from torch_bridge.hf.architectures import Architecture, architecture_for, exported_architecture
+from torch_bridge.hf.mappings import Path, Rule
 
 logger = logging.getLogger(__name__)
 Place = Callable[[Path, np.ndarray], Any]
 _SUPPORTED_DTYPES = {"F32", "BF16", "F16", "float32", "bfloat16", "float16", mxfp4.PACKED_DTYPE}
-
-
-def architecture_for(hf_config: dict[str, Any]) -> Architecture:
-    """The conversion table for config.json's ``model_type``."""
-    model_type = hf_config.get("model_type")
-    if model_type not in ARCHITECTURES:
-        raise CheckpointError(
-            f"model_type {model_type!r} is not supported; supported model types: {', '.join(sorted(ARCHITECTURES))}"
-        )
-    return ARCHITECTURES[model_type]
 
 
 def expected_shapes(arch: Architecture, config: Any) -> dict[Path, tuple[int, ...]]:
@@ -62,7 +54,7 @@ def _left_out(arch: Architecture, config: Any, names: list[str], where: str) -> 
     multi-token-prediction layer), naming it and its tensors."""
     parts: dict[str, list[str]] = {}
     for name in names:
-        part = arch.left_out(arch.canonical_name(name), config)
+        part = arch.mapping.left_out(arch.mapping.canonical_name(name), config)
         if part is not None:
             parts.setdefault(part, []).append(name)
     for part, tensors in parts.items():
@@ -80,10 +72,10 @@ def _named(name: str) -> str:
 
 def _rules_for(arch: Architecture, config: Any, canonical_names: Iterable[str]) -> dict[str, Rule]:
     """The architecture's table, or its fused-experts table when the file holds names only that one has."""
-    rules = {rule.hf_name: rule for rule in arch.rules(config)}
-    if arch.fused_rules is None:
+    rules = {rule.hf_name: rule for rule in arch.mapping.rules(config)}
+    if arch.mapping.fused_rules is None:
         return rules
-    fused = {rule.hf_name: rule for rule in arch.fused_rules(config)}
+    fused = {rule.hf_name: rule for rule in arch.mapping.fused_rules(config)}
     return fused if any(name in fused and name not in rules for name in canonical_names) else rules
 
 
@@ -99,12 +91,14 @@ def _match_tensors(
     FP8 weight (``block``: config.json's FP8 block, None when not quantised); CheckpointError on
     missing/unexpected/mis-shaped ones."""
     scales = {name for name in infos if block is not None and name.endswith(fp8.SCALE_SUFFIX)}
-    by_canonical = {arch.canonical_name(name): name for name in infos if name not in scales}
+    by_canonical = {arch.mapping.canonical_name(name): name for name in infos if name not in scales}
     rules = _rules_for(arch, config, by_canonical)
     unexpected = sorted(
         name
         for canonical, name in by_canonical.items()
-        if canonical not in rules and not arch.ignorable(canonical, config) and arch.left_out(canonical, config) is None
+        if canonical not in rules
+        and not arch.mapping.ignorable(canonical, config)
+        and arch.mapping.left_out(canonical, config) is None
     )
     unexpected += sorted(name for name in scales if name.removesuffix(fp8.SCALE_SUFFIX) not in infos)
     missing = sorted(name for name in rules if name not in by_canonical)
@@ -199,7 +193,7 @@ def load_pretrained(
     ``dtype`` is the compute dtype of the returned model; logits are always float32.
     """
     params, config = read_params(path, place)
-    module = ARCHITECTURES[config.name].model.build(config, dtype=dtype)
+    module = build_model(config, dtype=dtype)
 
     @jax.jit
     def apply_fn(params: Any, input_ids: Any) -> jax.Array:
@@ -215,11 +209,7 @@ def save_pretrained(params: Any, config: Any, out_dir: str | os.PathLike, max_sh
     weights exceed ``max_shard_size``. Returns the output directory path.
     """
     name = config.registry_name() if isinstance(config, ModelConfig) else None
-    arch = ARCHITECTURES.get(name) if name is not None else None
-    if arch is None:
-        raise CheckpointError(
-            f"cannot export a {name or type(config).__name__!r} model; supported: {', '.join(sorted(ARCHITECTURES))}"
-        )
+    arch = exported_architecture(name, f"cannot export a {name or type(config).__name__!r} model")
     flat = flatten_dict(unstack_layers(nn.meta.unbox(params)))  # model.scan_layers: one HF tensor per layer
     shapes = expected_shapes(arch, config)
     missing = sorted("/".join(p) for p in shapes if p not in flat)
@@ -236,7 +226,7 @@ def save_pretrained(params: Any, config: Any, out_dir: str | os.PathLike, max_sh
             "pass the params and config of the same model"
         )
     shard_bytes = writer.parse_size(max_shard_size)
-    rules = {rule.hf_name: rule for rule in arch.rules(config)}
+    rules = {rule.hf_name: rule for rule in arch.mapping.rules(config)}
     sizes = {
         name: sum(int(np.prod(_leaf_shape(rule, shapes[p]))) * np.dtype(flat[p].dtype).itemsize for p in rule.paths)
         for name, rule in rules.items()

@@ -2,5 +2,6 @@
 (a union of them, :mod:`functrain.run.config`) validates without importing any model code.
 
 :mod:`functrain.models.configs.base` holds what every model config answers (context, vocabulary, decoder shape,
-scanned layers); each family's module holds its class, registered with its name in :mod:`functrain.models`.
+scanned layers); each family's module holds its class and ends with its declaration, ``FAMILY =
+Family(...)`` (:mod:`functrain.models.family`), which the registry (:mod:`functrain.models`) collects.
 """

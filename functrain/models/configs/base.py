@@ -6,7 +6,7 @@ passed to ``fit``) keep.
 """
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Hashable, Sequence
+from typing import Any, Hashable, Sequence
 
 import pydantic
 
@@ -35,12 +35,6 @@ class DecoderShape:
 class ModelConfig(pydantic.BaseModel):
     """Base of every ``model`` section: a registered family's config, ``model.target`` or a model given to
     ``fit``."""
-
-    # Whether the family's module can run its layers as one scan (``model.scan_layers``).
-    scans_layers: ClassVar[bool] = False
-    # Whether the family's module splits its sequence over a ``context`` mesh axis (``mesh.context``): it reorders
-    # its inputs and attends over all-gathered keys and values (:mod:`functrain.parallel.context`).
-    context_parallel: ClassVar[bool] = False
 
     def registry_name(self) -> str | None:
         """The family's ``model.name`` in the registry; None for a user model."""

@@ -18,6 +18,7 @@ from functrain.models.configs.base import DecoderShape
 from functrain.models.configs.hf import HFModelConfig, check_activation
 from functrain.models.configs.moe import MoeOptions
 from functrain.models.configs.rope import RopeScaling
+from functrain.models.family import Family
 
 
 class DeepseekV3Config(HFModelConfig, MoeOptions):
@@ -56,8 +57,6 @@ class DeepseekV3Config(HFModelConfig, MoeOptions):
     tie_word_embeddings: bool = False
     bias_update_rate: float = pydantic.Field(0.0, ge=0)  # DeepSeek's gamma (0.001 in its report); 0: no update
 
-    scans_layers: ClassVar[bool] = True
-    context_parallel: ClassVar[bool] = True  # MoeOptions' answer (ModelConfig's comes first in the MRO)
     expert_count_key: ClassVar[str] = "n_routed_experts"
 
     @pydantic.model_validator(mode="after")
@@ -171,3 +170,17 @@ class DeepseekV3Config(HFModelConfig, MoeOptions):
         return self.model_copy(
             update={"num_hidden_layers": len(layers), "first_k_dense_replace": dense, "scan_layers": False}
         )
+
+
+FAMILY = Family(
+    name="deepseek_v3",
+    config=DeepseekV3Config,
+    code="functrain.models.deepseek_v3",
+    kind="causal_lm",
+    scans_layers=True,
+    context_parallel=True,
+    pipeline=True,
+    generation_cache=True,
+    hf_model_types=("deepseek_v3",),
+    hf_mapping="torch_bridge.hf.mappings:DEEPSEEK_V3",
+)

@@ -8,6 +8,7 @@ import pydantic
 from functrain.models.configs.base import DecoderShape
 from functrain.models.configs.hf import HFModelConfig, LayerType, check_activation
 from functrain.models.configs.rope import RopeScaling
+from functrain.models.family import Family
 
 
 class Gemma2Config(HFModelConfig):
@@ -34,8 +35,6 @@ class Gemma2Config(HFModelConfig):
     final_logit_softcapping: float | None = pydantic.Field(30.0, gt=0)
     tie_word_embeddings: Literal[True] = True
     initializer_range: float = 0.02
-
-    scans_layers: ClassVar[bool] = True
 
     @pydantic.model_validator(mode="after")
     def _consistent(self):
@@ -113,3 +112,17 @@ class Gemma2Config(HFModelConfig):
         if self.layer_types is not None:
             update["layer_types"] = tuple(self.layer_types[i] for i in layers)
         return self.model_copy(update=update)
+
+
+FAMILY = Family(
+    name="gemma2",
+    config=Gemma2Config,
+    code="functrain.models.gemma2",
+    kind="causal_lm",
+    scans_layers=True,
+    context_parallel=False,
+    pipeline=True,
+    generation_cache=True,
+    hf_model_types=("gemma2",),
+    hf_mapping="torch_bridge.hf.mappings:GEMMA2",
+)

@@ -6,6 +6,7 @@ from typing import Any, ClassVar, Literal
 import pydantic
 
 from functrain.models.configs.gemma2 import Gemma2Config
+from functrain.models.family import Family
 
 
 class Gemma3TextConfig(Gemma2Config):
@@ -31,3 +32,17 @@ class Gemma3TextConfig(Gemma2Config):
         if self.attention_window(layer) is None:
             return self
         return self.model_copy(update={"rope_theta": self.rope_local_base_freq, "rope_scaling": None})
+
+
+FAMILY = Family(
+    name="gemma3_text",
+    config=Gemma3TextConfig,
+    code="functrain.models.gemma3",
+    kind="causal_lm",
+    scans_layers=True,
+    context_parallel=False,
+    pipeline=True,
+    generation_cache=True,
+    hf_model_types=("gemma3_text",),
+    hf_mapping="torch_bridge.hf.mappings:GEMMA2",
+)

@@ -1,10 +1,11 @@
 """``model.name: gpt``: the small GPT (:mod:`functrain.models.gpt`)."""
 
-from typing import ClassVar, Hashable, Literal, Sequence
+from typing import Hashable, Literal, Sequence
 
 from pydantic import ConfigDict, Field, model_validator
 
 from functrain.models.configs.base import DecoderShape
+from functrain.models.family import Family
 from functrain.models.options import RuntimeOptions
 
 
@@ -20,9 +21,6 @@ class GPTConfig(RuntimeOptions):
     n_heads: int = Field(4, ge=1)
     d_ff: int = Field(512, ge=1)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
-
-    scans_layers: ClassVar[bool] = True
-    context_parallel: ClassVar[bool] = True
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> "GPTConfig":
@@ -61,3 +59,16 @@ class GPTConfig(RuntimeOptions):
     def unrolled(self, layers: Sequence[int]) -> "GPTConfig":
         """``len(layers)`` unrolled blocks (all alike)."""
         return self.model_copy(update={"n_layers": len(layers), "scan_layers": False})
+
+
+FAMILY = Family(
+    name="gpt",
+    config=GPTConfig,
+    code="functrain.models.gpt",
+    kind="causal_lm",
+    scans_layers=True,
+    context_parallel=True,
+    pipeline=True,
+    generation_cache=True,
+    torch_twin="torch_bridge.twins:GPT_TWIN",
+)

@@ -6,6 +6,7 @@ import pydantic
 
 from functrain.models.configs.base import DecoderShape
 from functrain.models.configs.hf import HFModelConfig, check_activation
+from functrain.models.family import Family
 
 
 class GPT2Config(HFModelConfig):
@@ -57,3 +58,17 @@ class GPT2Config(HFModelConfig):
             mlp_matrices=2,
             vocab=self.vocab_size,
         )
+
+
+FAMILY = Family(
+    name="gpt2",
+    config=GPT2Config,
+    code="functrain.models.gpt2",
+    kind="causal_lm",
+    scans_layers=False,
+    context_parallel=False,
+    pipeline=False,
+    generation_cache=True,
+    hf_model_types=("gpt2",),
+    hf_mapping="torch_bridge.hf.mappings:GPT2",
+)

@@ -14,6 +14,7 @@ from functrain.models.configs.hf import LayerType
 from functrain.models.configs.llama import LlamaConfig
 from functrain.models.configs.moe import LocalExperts
 from functrain.models.configs.rope import RopeScaling
+from functrain.models.family import Family
 
 # transformers' GptOssConfig default rope_parameters (what the released checkpoints use).
 GPT_OSS_YARN = RopeScaling(
@@ -74,3 +75,17 @@ class GptOssConfig(LocalExperts, LlamaConfig):
         types = self.hf_layer_types()
         update: dict[str, Any] = {"layer_types": tuple(types[i] for i in layers)}
         return super().unrolled(layers).model_copy(update=update)
+
+
+FAMILY = Family(
+    name="gpt_oss",
+    config=GptOssConfig,
+    code="functrain.models.gpt_oss",
+    kind="causal_lm",
+    scans_layers=True,
+    context_parallel=True,
+    pipeline=True,
+    generation_cache=True,
+    hf_model_types=("gpt_oss",),
+    hf_mapping="torch_bridge.hf.mappings:GPT_OSS",
+)

@@ -1,13 +1,14 @@
 """``model.name: llama``: Llama with HF's config.json keys (:mod:`functrain.models.llama`), the base of the
 Llama-shaped families' configs (Mistral, Phi-3, Qwen2, Qwen3)."""
 
-from typing import ClassVar, Hashable, Literal, Sequence, TypeVar
+from typing import Hashable, Literal, Sequence, TypeVar
 
 import pydantic
 
 from functrain.models.configs.base import DecoderShape
 from functrain.models.configs.hf import HFModelConfig, check_activation
 from functrain.models.configs.rope import RopeScaling
+from functrain.models.family import Family
 
 _Self = TypeVar("_Self", bound="LlamaConfig")
 
@@ -32,9 +33,6 @@ class LlamaConfig(HFModelConfig):
     mlp_bias: bool = False
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
-
-    scans_layers: ClassVar[bool] = True
-    context_parallel: ClassVar[bool] = True
 
     @pydantic.model_validator(mode="after")
     def _consistent_heads(self):
@@ -113,3 +111,17 @@ class LlamaConfig(HFModelConfig):
     def unrolled(self: _Self, layers: Sequence[int]) -> _Self:
         """``len(layers)`` unrolled layers, each with the window of the layer it stands for."""
         return self.model_copy(update={"num_hidden_layers": len(layers), "scan_layers": False})
+
+
+FAMILY = Family(
+    name="llama",
+    config=LlamaConfig,
+    code="functrain.models.llama",
+    kind="causal_lm",
+    scans_layers=True,
+    context_parallel=True,
+    pipeline=True,
+    generation_cache=True,
+    hf_model_types=("llama",),
+    hf_mapping="torch_bridge.hf.mappings:LLAMA",
+)

@@ -5,6 +5,7 @@ from typing import Literal
 import pydantic
 
 from functrain.models.configs.llama import LlamaConfig
+from functrain.models.family import Family
 
 
 class MistralConfig(LlamaConfig):
@@ -18,3 +19,17 @@ class MistralConfig(LlamaConfig):
     def attention_window(self, layer: int) -> int | None:
         """``sliding_window`` on every layer (HF's Mistral ignores ``layer_types``)."""
         return self.sliding_window
+
+
+FAMILY = Family(
+    name="mistral",
+    config=MistralConfig,
+    code="functrain.models.mistral",
+    kind="causal_lm",
+    scans_layers=True,
+    context_parallel=True,
+    pipeline=True,
+    generation_cache=True,
+    hf_model_types=("mistral",),
+    hf_mapping="torch_bridge.hf.mappings:LLAMA",
+)

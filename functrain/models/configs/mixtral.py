@@ -7,6 +7,7 @@ import pydantic
 
 from functrain.models.configs.mistral import MistralConfig
 from functrain.models.configs.moe import LocalExperts
+from functrain.models.family import Family
 
 
 class MixtralConfig(LocalExperts, MistralConfig):
@@ -26,3 +27,17 @@ class MixtralConfig(LocalExperts, MistralConfig):
         if value != 0:
             raise ValueError(f"router_jitter_noise {value} is not implemented; set it to 0")
         return value
+
+
+FAMILY = Family(
+    name="mixtral",
+    config=MixtralConfig,
+    code="functrain.models.mixtral",
+    kind="causal_lm",
+    scans_layers=True,
+    context_parallel=True,
+    pipeline=True,
+    generation_cache=True,
+    hf_model_types=("mixtral",),
+    hf_mapping="torch_bridge.hf.mappings:MIXTRAL",
+)

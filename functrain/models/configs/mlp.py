@@ -5,6 +5,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field
 
 from functrain.models.configs.base import FamilyConfig
+from functrain.models.family import Family
 
 
 class MLPConfig(FamilyConfig):
@@ -18,3 +19,16 @@ class MLPConfig(FamilyConfig):
     def class_count(self) -> int:
         """``num_classes``."""
         return self.num_classes
+
+
+FAMILY = Family(
+    name="mlp",
+    config=MLPConfig,
+    code="functrain.models.mlp",
+    kind="classifier",
+    scans_layers=False,
+    context_parallel=False,
+    pipeline=False,
+    generation_cache=False,
+    torch_twin="torch_bridge.twins:MLP_TWIN",
+)

@@ -35,9 +35,6 @@ class MoeOptions(pydantic.BaseModel):
     # The HF keys of the two counts, for messages.
     expert_count_key: ClassVar[str] = "num_experts"
     top_k_key: ClassVar[str] = "num_experts_per_tok"
-    # The MoE decoders split their sequence over ``mesh.context``; each device routes the tokens it holds (a
-    # capacity factor is refused there: which selections drop would depend on the split).
-    context_parallel: ClassVar[bool] = True
 
     def expert_count(self) -> int:
         """The routed experts of each MoE layer."""

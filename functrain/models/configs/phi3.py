@@ -5,6 +5,7 @@ from typing import Literal
 import pydantic
 
 from functrain.models.configs.mistral import MistralConfig
+from functrain.models.family import Family
 
 
 class Phi3Config(MistralConfig):
@@ -24,3 +25,17 @@ class Phi3Config(MistralConfig):
                         f"{self.attn_head_dim} needs {self.attn_head_dim // 2}"
                     )
         return self
+
+
+FAMILY = Family(
+    name="phi3",
+    config=Phi3Config,
+    code="functrain.models.phi3",
+    kind="causal_lm",
+    scans_layers=True,
+    context_parallel=True,
+    pipeline=True,
+    generation_cache=True,
+    hf_model_types=("phi3",),
+    hf_mapping="torch_bridge.hf.mappings:PHI3",
+)

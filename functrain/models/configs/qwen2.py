@@ -7,6 +7,7 @@ import pydantic
 
 from functrain.models.configs.hf import LayerType
 from functrain.models.configs.llama import LlamaConfig
+from functrain.models.family import Family
 
 
 class Qwen2Config(LlamaConfig):
@@ -48,3 +49,17 @@ class Qwen2Config(LlamaConfig):
         if self.layer_types is None:
             return copy
         return copy.model_copy(update={"layer_types": tuple(self.layer_types[i] for i in layers)})
+
+
+FAMILY = Family(
+    name="qwen2",
+    config=Qwen2Config,
+    code="functrain.models.qwen2",
+    kind="causal_lm",
+    scans_layers=True,
+    context_parallel=True,
+    pipeline=True,
+    generation_cache=True,
+    hf_model_types=("qwen2",),
+    hf_mapping="torch_bridge.hf.mappings:LLAMA",
+)

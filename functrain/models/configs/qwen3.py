@@ -6,6 +6,7 @@ from typing import Literal
 import pydantic
 
 from functrain.models.configs.qwen2 import Qwen2Config
+from functrain.models.family import Family
 
 
 class Qwen3Config(Qwen2Config):
@@ -30,3 +31,17 @@ class Qwen3Config(Qwen2Config):
     def qk_norm(self) -> bool:
         """Qwen3 normalises each query and key head."""
         return True
+
+
+FAMILY = Family(
+    name="qwen3",
+    config=Qwen3Config,
+    code="functrain.models.qwen3",
+    kind="causal_lm",
+    scans_layers=True,
+    context_parallel=True,
+    pipeline=True,
+    generation_cache=True,
+    hf_model_types=("qwen3",),
+    hf_mapping="torch_bridge.hf.mappings:LLAMA",
+)

@@ -191,7 +191,7 @@ def test_run_dir_round_trip_loads_in_transformers(tmp_path, highest_precision):
                               num_attention_heads=2, num_key_value_heads=1, attention_bias=True)),
 ])
 def test_params_carry_logical_axis_names(module, cfg):
-    model = module.MODEL_SPEC["build"](cfg)
+    model = module.build(cfg)
     boxed = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), np.zeros((1, 4), np.int32)))["params"]
     specs = jax.tree.leaves(nn.get_partition_spec(boxed), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
     names = {name for spec in specs for name in spec}
@@ -229,9 +229,10 @@ def test_placement_streams_each_tensor_onto_its_sharding(tmp_path, python_runner
         import flax.linen as nn, jax, numpy as np
         from jax.sharding import Mesh
         from torch_bridge.hf import load_pretrained, place_with_shardings
-        from torch_bridge.hf.pretrained import ARCHITECTURES, read_params
+        from torch_bridge.hf.architectures import architectures
+        from torch_bridge.hf.pretrained import read_params
         params_np, config = read_params({str(tmp_path)!r})
-        model = ARCHITECTURES["llama"].model.build(config)
+        model = architectures()["llama"].model.build(config)
         boxed = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), np.zeros((1, 4), np.int32)))["params"]
         mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("fsdp", "tensor"))
         rules = [("embed", "fsdp"), ("mlp", "tensor"), ("heads", "tensor"), ("kv_heads", "tensor"),

@@ -1,0 +1,39 @@
+"""The docs' lists and table of model families agree with the families' declarations (tools/family_docs.py renders
+them; ``python tools/family_docs.py --write`` brings them up to date)."""
+
+from functrain.models import family_names
+from tools import family_docs
+
+# Where the docs list families, and which: a list that left its document would no longer be checked.
+EXPECTED_LISTS = {
+    "README.md": ["all", "hf_conversion"],
+    "docs/config.md": ["all", "hf_conversion !expert_parallel", "expert_parallel", "scans_layers", "!scans_layers"],
+    "docs/hf-conversion.md": ["hf_conversion"],
+    "docs/cli.md": ["generation_cache"],
+    "docs/eval.md": ["generation_cache"],
+    "docs/distill.md": ["language_model"],
+    "docs/moe.md": ["expert_parallel"],
+    "docs/sharding-and-memory.md": ["context_parallel", "expert_parallel", "!context_parallel", "language_model"],
+    "docs/torch-bridge.md": ["torch_twin"],
+}
+
+
+def test_the_docs_lists_and_table_of_families_are_the_registry_s():
+    assert family_docs.stale() == [], "run: python tools/family_docs.py --write"
+    lists = {}
+    for path in family_docs.documents():
+        selectors = [match.group("selector") for match in family_docs.LIST.finditer(path.read_text())]
+        if selectors:
+            lists[str(path.relative_to(family_docs.ROOT))] = selectors
+    assert lists == EXPECTED_LISTS
+    table = family_docs.TABLE.search((family_docs.ROOT / "docs" / "config.md").read_text()).group("body")
+    assert [line.split(" | ")[0].strip("| `") for line in table.splitlines()[2:]] == list(family_docs.shipped())
+    assert list(family_docs.shipped()) == family_names()  # no plugin installed here: the registry is what ships
+
+
+def test_a_list_that_leaves_the_registry_is_found_stale():
+    text = "MoE: <!-- families: expert_parallel -->`mixtral`, `qwen2_moe`, `qwen3_moe`<!-- /families -->."
+    assert family_docs.rendered(text) == (
+        "MoE: <!-- families: expert_parallel -->`deepseek_v3`, `gpt_oss`, `mixtral`, `qwen2_moe`, `qwen3_moe`"
+        "<!-- /families -->.")
+    assert family_docs.family_list("language_model !context_parallel") == "`gemma2`, `gemma3_text`, `gpt2`"
