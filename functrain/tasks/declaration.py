@@ -55,15 +55,15 @@ class TaskDeclaration:
             raise DeclarationError(f"{where} declares no names (names=(...) of identifiers); declare the task's names")
         if not isinstance(self.module, str) or not self.module:
             raise DeclarationError(f"task {self.names[0]} declares no module; declare module='package.module'")
-        if self.section is not None and not (
-            isinstance(self.section, type) and issubclass(self.section, TaskSection)
-        ):
+        if self.section is not None and not (isinstance(self.section, type) and issubclass(self.section, TaskSection)):
             raise DeclarationError(
                 f"task {self.names[0]} declares section={self.section!r}, not a TaskSection subclass; declare its "
                 f"config section class (functrain.core.section.TaskSection) or None"
             )
         if not all(isinstance(panel, Panel) for panel in self.panels):
-            raise DeclarationError(f"task {self.names[0]} declares panels that are not Panel(...); declare Panel objects")
+            raise DeclarationError(
+                f"task {self.names[0]} declares panels that are not Panel(...); declare Panel objects"
+            )
         if not all(len(line) == 2 and line[1] in ("min", "max") for line in self.summary):
             raise DeclarationError(
                 f"task {self.names[0]} declares summary lines other than (metric, 'min' | 'max'); declare those"
