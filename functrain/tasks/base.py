@@ -13,8 +13,10 @@ make their training batches with the current weights (rollouts), an :class:`Expe
     backend = JaxBackend(program, ...)         # or the torch twin, for tasks that run there
     hooks = task.start_hooks(context, data, pieces)   # run by the loop once the start is decided
 
-Writing one: subclass :class:`Task`, register it in :data:`functrain.tasks.TASK_MODULES` (and its section in
-``SECTION_MODULES``); ``docs/tasks.md`` walks through an example.
+Writing one: subclass :class:`Task`, write its loss as a :class:`~functrain.core.program.TaskLoss` and declare it
+(:class:`~functrain.tasks.declaration.TaskDeclaration`: in its folder's ``__init__.py``, through the entry point group
+``functrain.tasks`` from a package of one's own, or at run time with :func:`functrain.tasks.register_task`);
+``docs/tasks.md`` walks through an example.
 """
 
 from __future__ import annotations

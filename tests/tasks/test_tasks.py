@@ -18,12 +18,12 @@ from functrain.errors import ConfigError
 from functrain.run.parts import build_parts
 from functrain.run.config import load_config
 from functrain.run.fit import fit
-from functrain.tasks import _REGISTERED, TASK_MODULES, register_task, task_for
+from functrain.tasks import _REGISTERED, register_task, task_for, task_names
 from functrain.tasks.supervised.task import Supervised
 
 REPO = Path(__file__).resolve().parents[2]
 # Names a builder would branch on if modes were still branches: the tasks' and the built-in losses'.
-MODE_NAMES = {*TASK_MODULES, "supervised", "classifier", "distill"}
+MODE_NAMES = {*task_names(), "supervised", "classifier", "distill"}
 
 
 def _mode_comparisons(path: Path) -> list[str]:

@@ -1,2 +1,2 @@
-"""An example functrain plugin: the ``tiny_mlp`` model family, registered through the ``functrain.families``
-entry point of this package's pyproject.toml."""
+"""An example functrain plugin: the ``tiny_mlp`` model family and the ``smoothed_classify`` task, registered through
+the ``functrain.families`` and ``functrain.tasks`` entry points of this package's pyproject.toml."""

@@ -5,3 +5,8 @@ TRL's generalized JSD, mixed with the hard-label cross-entropy, as sums), ``teac
 directory or an HF directory) and ``task.py`` (the task: causal-LM data, the program with the teacher's frozen
 forward, the start hook that loads the teacher's weights).
 """
+
+from functrain.tasks.declaration import TaskDeclaration
+from functrain.tasks.distill.config import DistillConfig
+
+DECLARATION = TaskDeclaration(names=("distill",), module="functrain.tasks.distill.task", section=DistillConfig)

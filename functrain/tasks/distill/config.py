@@ -29,6 +29,3 @@ class DistillConfig(TaskSection):
     alpha: float = Field(0.5, ge=0.0, le=1.0)
     lmbda: float = Field(0.0, ge=0.0, le=1.0)
     max_new_tokens: int = Field(16, ge=1)
-
-
-SECTION = DistillConfig

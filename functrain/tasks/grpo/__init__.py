@@ -7,3 +7,13 @@ built-ins), ``advantages.py`` (group-normalised advantages and the reward metric
 clipped policy loss, its reductions and metrics, as sums), ``rollout.py`` (the experience stage: completions
 sampled in-process with the current weights) and ``task.py`` (the task).
 """
+
+from functrain.tasks.declaration import Panel, TaskDeclaration
+from functrain.tasks.grpo.config import GRPOConfig
+
+DECLARATION = TaskDeclaration(
+    names=("grpo",),
+    module="functrain.tasks.grpo.task",
+    section=GRPOConfig,
+    panels=(Panel("reward", "mean reward", "reward"), Panel("KL to the reference", "kl", "kl")),
+)

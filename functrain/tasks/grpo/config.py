@@ -71,6 +71,3 @@ class GRPOConfig(TaskSection):
         """``data.name: prompts`` (a JSONL of prompts at ``data.path``) trains with rewards."""
         data = config.data
         return data.name == "prompts" and data.target is None and data.sources is None
-
-
-SECTION = GRPOConfig

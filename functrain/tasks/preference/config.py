@@ -33,6 +33,3 @@ class PreferenceConfig(TaskSection):
 
     def aliases(self) -> dict[str, tuple[str, object]]:
         return {"train.init_from": ("init_from", self.init_from)} if self.init_from else {}
-
-
-SECTION = PreferenceConfig
