@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from functrain.run.config import load_config
+from functrain.config.schema import load_config
 from functrain.run.build import torch_backend as make_backend
 from torch_bridge.models import MLP
 

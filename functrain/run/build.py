@@ -25,8 +25,13 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from functrain.callbacks.base import Callback, CallbackList
+from functrain.callbacks.controls import EarlyStopping, EveryNSteps
 from functrain.checkpoint import Checkpointer
 from functrain.checkpoint.local import LocalCheckpoints
+from functrain.config.checks import likely_mistakes
+from functrain.config.pipeline import pipeline_schedule, stages_as_data
+from functrain.config.schema import Config
 from functrain.core.backend import Backend
 from functrain.core.fields import Fields, require_builtin, resolve_fields
 from functrain.core.program import ModelPieces, Program
@@ -39,14 +44,15 @@ from functrain.models.scan import fewer_groups_unrolled, scan_groups
 from functrain.parallel import determinism
 from functrain.parallel.capacity import check_state_fits
 from functrain.parallel.target import compiling_for
-from functrain.run.callbacks import Callback, CallbackList, EarlyStopping, EveryNSteps, MetricsWriter, ProgressBar
+from functrain.report.events import RunEvents, history_started
+from functrain.report.metrics import MetricsWriter
+from functrain.report.mfu import SpeedReport, speed_report
+from functrain.report.progress import ProgressBar
+from functrain.report.summary import RunSummary
+from functrain.report.trackers import make_trackers
 from functrain.run.compile_cache import CompileReport, compile_seconds
 from functrain.run.compile_cache import enable as enable_compile_cache
-from functrain.run.config import Config
-from functrain.run.config_checks import likely_mistakes
-from functrain.run.events import RunEvents, history_started
 from functrain.run.host_memory import keep_temporaries_in_heap
-from functrain.run.mfu import SpeedReport, speed_report
 from functrain.run.parts import (
     Parts,
     build_parts,
@@ -58,10 +64,7 @@ from functrain.run.parts import (
     schedule_settings,
     task_program,
 )
-from functrain.run.pipeline_config import pipeline_schedule, stages_as_data
 from functrain.run.resume import ResumePolicy
-from functrain.run.summary import RunSummary
-from functrain.run.trackers import make_trackers
 from functrain.tasks.base import ExperienceStage, StartHook
 
 
@@ -349,7 +352,7 @@ def plan_run(config: Config, devices: list | None = None) -> Planned:
         backend, _ = backend_of(config, parts, example_batch, max_steps, devices)
 
     def unrolled_groups_backend(groups: int, split: int = 1) -> Any:
-        # A pipelined run's copies fold its stages into the data axis (functrain.run.plan.pipelined_run_cost).
+        # A pipelined run's copies fold its stages into the data axis (functrain.plan.planner.pipelined_run_cost).
         update = {"model": fewer_groups_unrolled(config.model, groups), "mesh": stages_as_data(config.mesh)}
         return rebuilt_backend(split, config.model_copy(update=update))
 
@@ -420,7 +423,7 @@ def _callbacks(
         *_profile_window(config, max_steps),
     ]
     if config.eval.harness_tasks:
-        from functrain.run.harness_eval import HarnessEvaluation
+        from functrain.report.harness_eval import HarnessEvaluation
 
         evaluation = config.eval
         builtins.append(
@@ -435,7 +438,7 @@ def _callbacks(
             )
         )
     if config.eval.samples.count:
-        from functrain.run.samples import SampleWriter
+        from functrain.report.samples import SampleWriter
 
         builtins.append(SampleWriter(config.eval.samples, config.model, config.backend, tensorboard))
     if config.log.progress:

@@ -24,20 +24,20 @@ import logging
 from collections import deque
 from typing import Any
 
+from functrain.callbacks.base import Control
+from functrain.callbacks.outcome import FitResult, StopKind, skipped_report
+from functrain.callbacks.time_spent import session_time_spent
+from functrain.callbacks.view import RunRecord, RunView
 from functrain.checkpoint.local import LocalCheckpoints
 from functrain.checkpoint.lora_saves import AdapterSaves
+from functrain.config.checks import check_metric_logged
 from functrain.data import BatchLoader
 from functrain.errors import ConfigError
+from functrain.guards.lock import RunLock
+from functrain.guards.signals import StopSignals, check_interrupted
 from functrain.run.build import Run
 from functrain.run.call_metrics import CallMetrics
-from functrain.run.callbacks import Control
-from functrain.run.config_checks import check_metric_logged
-from functrain.run.goodput import session_time_spent
-from functrain.run.lock import RunLock
-from functrain.run.outcome import FitResult, StopKind, skipped_report
 from functrain.run.resume import Start, describe_source, write_run_config
-from functrain.run.signals import StopSignals, check_interrupted
-from functrain.run.view import RunRecord, RunView
 
 log = logging.getLogger("functrain")
 

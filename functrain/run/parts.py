@@ -20,6 +20,7 @@ from typing import Any, Callable
 import numpy as np
 import optax
 
+from functrain.config.schema import PYTHON_OBJECT, PythonModelConfig, TargetModelConfig
 from functrain.core.optim import OptimizerSettings, ScheduleSettings, named_optimizer
 from functrain.core.program import ModelPieces, Program, model_pieces
 from functrain.core.targets import import_target
@@ -35,7 +36,6 @@ from functrain.models.lora import lora_transform
 from functrain.models.options import RuntimeOptions
 from functrain.parallel.determinism import attention_choice
 from functrain.parallel.target import target_platform
-from functrain.run.config import PYTHON_OBJECT, PythonModelConfig, TargetModelConfig
 from functrain.tasks import task_for
 from functrain.tasks.base import Task, TaskContext, TaskData
 

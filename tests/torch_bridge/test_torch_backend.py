@@ -10,7 +10,7 @@ from flax import linen as nn
 
 import functrain
 from functrain.checkpoint import Checkpointer
-from functrain.run.config import load_config
+from functrain.config.schema import load_config
 from functrain.errors import CheckpointError, ConfigError
 from functrain.models.gpt import GPTConfig, build as build_flax_gpt
 from functrain.models.mlp import build as build_flax_mlp
