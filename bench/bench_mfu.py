@@ -44,8 +44,9 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from functrain.core.program import as_program  # noqa: E402
-from functrain.run.build import jax_backend  # noqa: E402
-from functrain.config.schema import Config, load_config  # noqa: E402
+from functrain.run.backends import jax_backend  # noqa: E402
+from functrain.config.schema import Config  # noqa: E402
+from functrain.config.load import load_config  # noqa: E402
 from functrain.report.mfu import peak_tflops, train_flops_per_token  # noqa: E402
 from functrain.models import build_model  # noqa: E402
 from functrain.parallel.memory import host_offload_available  # noqa: E402

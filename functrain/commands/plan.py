@@ -124,7 +124,7 @@ def format_search(tried, chosen) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from functrain.config.schema import load_config
+    from functrain.config.load import load_config
     from functrain.plan.planner import DEFAULT_DCN_GBPS, plan
 
     config = load_config(args.config, args.overrides)

@@ -12,7 +12,8 @@ import math
 from dataclasses import dataclass
 
 from functrain.config.files import apply_overrides
-from functrain.config.schema import Config, validate_config
+from functrain.config.load import validate_config
+from functrain.config.schema import Config
 from functrain.data.global_array import BATCH_AXES
 from functrain.plan.planner import Plan, plan
 

@@ -65,7 +65,7 @@ def set_aside_checkpoints(run_dir: Path, steps: list[int]) -> None:
 def rewind(run_dir: str | os.PathLike, step: int, skip_samples: int, overrides: list[str] | None = None) -> Any:
     """Resume ``run_dir`` from checkpoint ``step`` with the next ``skip_samples`` samples skipped; train on
     as ``RUN_DIR/config.yaml`` (plus dotted ``overrides``) says. Returns the :class:`FitResult`."""
-    from functrain.config.schema import load_config
+    from functrain.config.load import load_config
     from functrain.report.events import append_event
     from functrain.run.fit import fit
 

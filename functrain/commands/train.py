@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     if args.processes > 1:
         return distributed.launch_local(distributed.strip_processes_flag(args.argv), args.processes, args.port)
     distributed.initialize_from_env()
-    from functrain.config.schema import load_config
+    from functrain.config.load import load_config
     from functrain.run.fit import fit
 
     result = fit(load_config(args.config, args.overrides))

@@ -1,5 +1,5 @@
 """Config files and overrides as plain data: reading a YAML mapping and applying dotted ``key=value`` overrides
-(before :func:`functrain.config.schema.validate_config` types them), and the inverse for ``fit(config, **overrides)``.
+(before :func:`functrain.config.load.validate_config` types them), and the inverse for ``fit(config, **overrides)``.
 """
 
 import json

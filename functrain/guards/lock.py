@@ -11,6 +11,7 @@ never take it. In a multi-process job only process 0 takes it, for the whole job
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -19,10 +20,11 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import psutil
 
+from functrain.core.backend import Backend
 from functrain.errors import ConfigError
 from functrain.guards.signals import forget_on_hard_exit, release_on_hard_exit
 
@@ -197,3 +199,24 @@ class RunLock:
 
     def __exit__(self, *exc_info: Any) -> None:
         self.release()
+
+
+@contextlib.contextmanager
+def held_for_the_job(run_dir: Path, backend: Backend) -> Iterator[None]:
+    """Hold the run directory's lock (process 0, for the whole job) inside the block; when process 0 cannot take
+    it, every process of the job raises, so none goes on alone."""
+    lock, failure = RunLock(run_dir) if backend.process_index == 0 else None, None
+    if lock is not None:
+        try:
+            lock.acquire()
+        except ConfigError as exc:
+            failure = exc
+    try:
+        if backend.process_count > 1 and backend.any_process([failure is not None])[0] and failure is None:
+            raise ConfigError(f"process 0 could not take the lock of run directory {run_dir}; see its message")
+        if failure is not None:
+            raise failure
+        yield
+    finally:
+        if lock is not None:
+            lock.release()

@@ -1,7 +1,7 @@
 """Plan a run before renting the hardware: compile its train call ahead of time and read what XLA says.
 
 :func:`plan` builds the run exactly as ``functrain train`` would (the same builder, sharding rules and step; see
-:func:`functrain.run.build.plan_run`) on abstract arrays (``jax.ShapeDtypeStruct`` with shardings: nothing the
+:func:`functrain.plan.planned.plan_run`) on abstract arrays (``jax.ShapeDtypeStruct`` with shardings: nothing the
 size of the model is allocated), compiles the train call for the local devices or for a TPU topology through
 libtpu, and reports per chip: state bytes by part, XLA's temporaries (activations), the total against the chip's
 HBM, FLOPs and HBM bytes of a step (``cost_analysis``), a roofline step time and the MFU it implies.
@@ -57,8 +57,8 @@ from functrain.parallel.pipeline import PIPELINE_AXIS, bubble_fraction, microbat
 from functrain.parallel.platform import describe_host_to_libtpu
 from functrain.parallel.sharding import state_bytes_per_device
 from functrain.plan.dcn import dcn_bytes
+from functrain.plan.planned import Planned, plan_run
 from functrain.report.mfu import train_flops_per_token
-from functrain.run.build import Planned, plan_run
 
 TOPOLOGY_EXAMPLES = ("v4:2x2x2", "v5e:4x4", "v5p:4x4x8", "v6e:16x16")
 # Part of HBM a plan may fill: the runtime, the compiled program and fragmentation take the rest.

@@ -8,7 +8,9 @@ from typing import Any, Callable
 from functrain.callbacks.base import Callback
 from functrain.callbacks.outcome import FitResult
 from functrain.config.files import override_list
-from functrain.config.schema import PYTHON_OBJECT, Config, RunSections, load_config
+from functrain.config.load import load_config
+from functrain.config.schema import Config, RunSections
+from functrain.config.sections import PYTHON_OBJECT
 from functrain.report.console import show_run_lines
 from functrain.run.build import Run, build_run
 from functrain.run.loop import drive

@@ -20,7 +20,8 @@ from typing import Any, Callable
 import numpy as np
 import optax
 
-from functrain.config.schema import PYTHON_OBJECT, PythonModelConfig, TargetModelConfig
+from functrain.config.model_section import PythonModelConfig, TargetModelConfig
+from functrain.config.sections import PYTHON_OBJECT
 from functrain.core.optim import OptimizerSettings, ScheduleSettings, named_optimizer
 from functrain.core.program import ModelPieces, Program, model_pieces
 from functrain.core.targets import import_target

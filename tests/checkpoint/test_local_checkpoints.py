@@ -18,7 +18,7 @@ from functrain.checkpoint import local as local_module
 from functrain.checkpoint.local import LocalCheckpoints
 from functrain.checkpoint.local_restore import _choose, restore_local
 from functrain.commands import cli
-from functrain.config.schema import load_config
+from functrain.config.load import load_config
 from functrain.errors import ConfigError
 
 TINY = {"train.max_steps": 20, "train.epochs": None, "train.steps_per_call": 5, "log.every_steps": 5,

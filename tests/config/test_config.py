@@ -2,7 +2,8 @@
 
 import pytest
 
-from functrain.config.schema import apply_overrides, load_config
+from functrain.config.files import apply_overrides
+from functrain.config.load import load_config
 from functrain.errors import ConfigError
 
 MLP = {"model": {"name": "mlp"}, "data": {"name": "digits"}, "train": {"max_steps": 10}}

@@ -4,8 +4,8 @@ fix; from the command line, exit 2 and nothing written."""
 import pytest
 
 from functrain.commands.cli import main
+from functrain.config.load import load_config
 from functrain.config.pipeline import pipeline_schedule
-from functrain.config.schema import load_config
 from functrain.errors import ConfigError
 
 GPT = ["model.n_layers=4", "model.scan_layers=true"]

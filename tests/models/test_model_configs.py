@@ -13,7 +13,8 @@ import pytest
 import torch
 import transformers
 
-from functrain.config.schema import PythonModelConfig, TargetModelConfig, load_config
+from functrain.config.load import load_config
+from functrain.config.model_section import PythonModelConfig, TargetModelConfig
 from functrain.errors import ConfigError
 from functrain.models import MODEL_FAMILIES, model_config_class, model_spec
 from functrain.models.configs.base import DecoderShape
@@ -215,7 +216,7 @@ def test_every_hf_activation_name_computes_a_function():
 
 
 def test_the_config_validates_without_importing_model_code():
-    script = ("import sys; from functrain.config.schema import load_config; "
+    script = ("import sys; from functrain.config.load import load_config; "
               "config = load_config('configs/char_gpt.yaml', ['model.n_layers=3']); "
               "assert config.model.decoder_shape().layers == 3; "
               "print(sorted(m for m in sys.modules if m in ('flax', 'functrain.models.gpt', 'torch')))")

@@ -42,7 +42,7 @@ def test_the_sampler_compiles_as_the_step_does(platform, deterministic, expected
     # deterministic kernels as the step's.
     from types import SimpleNamespace
 
-    from functrain.config.schema import load_config
+    from functrain.config.load import load_config
     from functrain.parallel.target import compiling_for
     from functrain.tasks.sampling import Sampler
     model = load_config(None, [], base={"model": {"name": "gpt", "vocab_size": 256, "max_len": 8, "d_model": 8,

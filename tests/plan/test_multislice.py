@@ -59,7 +59,7 @@ def test_bad_multislice_requests_are_one_line_exit_2(capsys):
 @needs_libtpu
 def test_two_slices_compile_with_the_dcn_bytes_of_their_transfers(compilation_cache):
     from functrain.commands.plan import format_plan
-    from functrain.config.schema import load_config
+    from functrain.config.load import load_config
     from functrain.plan.planner import plan
 
     config = load_config("configs/char_gpt.yaml", TINY + ["mesh.dcn_data=2", "mesh.data=1", "mesh.fsdp=8",

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from functrain.config.schema import load_config
+from functrain.config.load import load_config
 from functrain.plan.planner import per_chip_bytes, plan
 from functrain.run.build import build_run
 from tests.conftest import REPO_ROOT, cli_env, run_python
@@ -131,7 +131,7 @@ def test_state_bytes_per_chip_are_parameters_times_bytes_over_fsdp_shards():
     # AdamW in float32: 4 bytes of weight and 8 of moments per parameter, split over 4 FSDP shards.
     result = run_python("""
         import json
-        from functrain.config.schema import load_config
+        from functrain.config.load import load_config
         from functrain.plan.planner import plan
         config = load_config("configs/char_gpt.yaml", ["data.name=synthetic", "mesh.fsdp=4", "mesh.data=1",
                                                        "model.d_model=128", "model.n_layers=2", "data.seq_len=32"])
@@ -150,7 +150,7 @@ def test_planned_flops_hold_the_model_flops_and_the_recompute_so_mfu_stays_below
     # small Llama is big enough to be split so. Scanned with splash, and unrolled with XLA's attention.
     result = run_python("""
         import json
-        from functrain.config.schema import load_config
+        from functrain.config.load import load_config
         from functrain.report.mfu import train_flops_per_token
         from functrain.plan.planner import plan
         small = ["model.vocab_size=1024", "model.hidden_size=512", "model.intermediate_size=1024",

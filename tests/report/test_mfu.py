@@ -10,7 +10,7 @@ import optax
 import pytest
 
 from functrain import fit
-from functrain.config.schema import load_config
+from functrain.config.load import load_config
 from functrain.report.mfu import SpeedReport, peak_tflops, speed_report, train_flops_per_token
 from functrain.core.state import TrainState
 from functrain.core.step import make_train_step

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from functrain.config.schema import load_config
+from functrain.config.load import load_config
 from functrain.core.program import model_pieces
 from functrain.core.step import split_micro_batches
 from functrain.models import build_model, model_config_class
