@@ -19,7 +19,7 @@ import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from functrain.run.config import load_config  # noqa: E402
+from functrain.config.load import load_config  # noqa: E402
 from functrain.text.decode import Generator, Sampling  # noqa: E402
 from functrain.models import build_model  # noqa: E402
 

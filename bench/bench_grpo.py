@@ -152,7 +152,7 @@ def trl_step(root: Path, tokenizer, args) -> tuple[float, float, float]:
 
 def functrain_step(root: Path, args) -> tuple[float, float, float]:
     import functrain
-    from functrain.run.callbacks import Callback
+    from functrain.callbacks.base import Callback
     from functrain.tasks.grpo import rollout
 
     clock = StepClock()

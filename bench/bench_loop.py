@@ -27,8 +27,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from functrain import TrainState, fit, make_train_step  # noqa: E402
-from functrain.run.callbacks import Callback  # noqa: E402
-from functrain.run.config import load_config  # noqa: E402
+from functrain.callbacks.base import Callback  # noqa: E402
+from functrain.config.load import load_config  # noqa: E402
 from functrain.data import IndexSampler  # noqa: E402
 from functrain.data.datasets import load_dataset  # noqa: E402
 from functrain.run.parts import make_optimizer  # noqa: E402

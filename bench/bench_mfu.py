@@ -2,7 +2,7 @@
 
 MFU = model FLOPs per step / step time / (devices x dense peak FLOP/s), as MaxText and Levanter report it.
 
-Model FLOPs per step: ``functrain.run.mfu.train_flops_per_token`` (the formula is in that module's docstring; the
+Model FLOPs per step: ``functrain.report.mfu.train_flops_per_token`` (the formula is in that module's docstring; the
 head is counted, embedding lookups are not) times the tokens of a step. The headline MFU counts causal
 attention as half of full attention (only the FLOPs the model needs, MaxText's convention); the full count,
 what a dense masked kernel executes, is printed beside it.
@@ -44,9 +44,10 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from functrain.core.program import as_program  # noqa: E402
-from functrain.run.build import jax_backend  # noqa: E402
-from functrain.run.config import Config, load_config  # noqa: E402
-from functrain.run.mfu import peak_tflops, train_flops_per_token  # noqa: E402
+from functrain.run.backends import jax_backend  # noqa: E402
+from functrain.config.schema import Config  # noqa: E402
+from functrain.config.load import load_config  # noqa: E402
+from functrain.report.mfu import peak_tflops, train_flops_per_token  # noqa: E402
 from functrain.models import build_model  # noqa: E402
 from functrain.parallel.memory import host_offload_available  # noqa: E402
 from functrain.core.optim import decay_mask  # noqa: E402
@@ -232,7 +233,7 @@ def main() -> None:
         paired = np.array(times["hand-written"]) / np.array(times[same_kernels])
         print(f"{same_kernels} / hand-written Flax + optax tokens/s: {np.median(paired):.3f} (median of {calls} "
               f"interleaved rounds; quartiles {np.quantile(paired, 0.25):.3f}-{np.quantile(paired, 0.75):.3f})")
-    print(f"model FLOPs/step (functrain.run.mfu): {_flops(needed)} with causal attention, {_flops(executed)} with full")
+    print(f"model FLOPs/step (functrain.report.mfu): {_flops(needed)} with causal attention, {_flops(executed)} with full")
     achieved = needed / step_time / devices / 1e12
     achieved_full = executed / step_time / devices / 1e12
     if peak:

@@ -3,7 +3,7 @@ path (every expert on every token), at E=8/k=2 and E=64/k=8, and global-batch ba
 
 A Mixtral-shaped model trains through the pieces ``functrain train`` uses (the model's Program, ``make_train_step``
 with AdamW, jitted with the state donated). For each shape it reports XLA's FLOPs per step of both dispatches
-beside the active-parameter arithmetic (:func:`functrain.run.mfu.train_flops_per_token`, which MFU uses), and
+beside the active-parameter arithmetic (:func:`functrain.report.mfu.train_flops_per_token`, which MFU uses), and
 the step-time ratio dense / grouped (interleaved repeats, median of the paired ratios; wall clock and process
 CPU time). Then, with ``--micro-batches`` micro-batches, the step time of ``load_balance_scope: global_batch``
 (a forward-only counting pass over every micro-batch first) against ``micro_batch``.
@@ -34,7 +34,7 @@ from functrain.core.state import TrainState  # noqa: E402
 from functrain.core.step import make_train_step  # noqa: E402
 from functrain.models import build_model  # noqa: E402
 from functrain.models.configs.mixtral import MixtralConfig  # noqa: E402
-from functrain.run.mfu import train_flops_per_token  # noqa: E402
+from functrain.report.mfu import train_flops_per_token  # noqa: E402
 
 
 def build(config: MixtralConfig, batch: dict, micro_batches: int = 1):

@@ -29,7 +29,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from functrain.parallel import sharding  # noqa: E402
-from functrain.run.config import load_config  # noqa: E402
+from functrain.config.load import load_config  # noqa: E402
 from functrain.data import batch_sharding  # noqa: E402
 from functrain.run.parts import make_optimizer  # noqa: E402
 from functrain.core.state import TrainState  # noqa: E402

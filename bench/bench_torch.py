@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from functrain.run.config import load_config
-from functrain.run.build import torch_backend as make_backend
+from functrain.config.load import load_config
+from functrain.run.backends import torch_backend as make_backend
 from torch_bridge.models import MLP
 
 REPO = Path(__file__).resolve().parents[1]

@@ -38,9 +38,9 @@ import numpy as np
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from functrain.run.config import load_config
+from functrain.config.load import load_config
 from functrain.data.datasets import bundled_text, text_windows
-from functrain.run.build import torch_backend as make_backend
+from functrain.run.backends import torch_backend as make_backend
 from torch_bridge.user_model import build_module
 
 REPO = Path(__file__).resolve().parents[1]

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_loop import WARMUP_STEPS, LogClock  # noqa: E402
 
 from functrain import fit  # noqa: E402
-from functrain.run.config import load_config  # noqa: E402
+from functrain.config.load import load_config  # noqa: E402
 from functrain.data.datasets import load_dataset  # noqa: E402
 from functrain.models import build_model  # noqa: E402
 

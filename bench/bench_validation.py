@@ -22,7 +22,7 @@ from bench_loop import LogClock  # noqa: E402
 
 import functrain.tasks.supervised.task  # noqa: E402
 from functrain import fit  # noqa: E402
-from functrain.run.config import load_config  # noqa: E402
+from functrain.config.load import load_config  # noqa: E402
 from functrain.data import BatchLoader, IndexSampler  # noqa: E402
 from functrain.data.validate import BatchCheck  # noqa: E402
 from functrain.data.datasets import load_dataset  # noqa: E402

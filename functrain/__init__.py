@@ -28,8 +28,8 @@ _PUBLIC = {
     "build": "functrain.run.fit",
     "fit": "functrain.run.fit",
     "drive": "functrain.run.loop",
-    "FitResult": "functrain.run.outcome",
-    "StopKind": "functrain.run.outcome",
+    "FitResult": "functrain.callbacks.outcome",
+    "StopKind": "functrain.callbacks.outcome",
 }
 
 __all__ = sorted(_PUBLIC)  # noqa: PLE0605 -- the names __getattr__ imports on first use

@@ -1,7 +1,7 @@
 """Errors for bad input: each carries one line that names the problem and the fix.
 
 The CLI prints that line and exits with status 2 (no traceback unless ``--debug``).
-The exit statuses of ``functrain train`` live here too (see :mod:`functrain.run.outcome` for what each means):
+The exit statuses of ``functrain train`` live here too (see :mod:`functrain.callbacks.outcome` for what each means):
 the launcher of a multi-process job needs them, below everything that runs a job.
 """
 

@@ -61,7 +61,7 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir())
 # of few tests last), so a long module started late would leave one worker running alone at the end. Started first,
 # the short ones fill the gaps.
 LONGEST_MODULES = (
-    "run/test_plan.py",
+    "plan/test_plan.py",
     "parallel/test_pipeline.py",
     "run/test_multiprocess.py",
     "parallel/test_context_parallel.py",
@@ -87,7 +87,7 @@ LONGEST_MODULES = (
     "tasks/grpo/test_grpo_run.py",
     "models/moe/test_expert_parallel.py",
     "run/test_backend_parity.py",
-    "run/test_mfu.py",
+    "report/test_mfu.py",
     "tasks/preference/test_preference_trl.py",
     "text/test_generate.py",
 )

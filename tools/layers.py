@@ -11,8 +11,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # Highest first: a room imports only rooms on its own floor or below.
-FLOORS = [("commands",), ("run",), ("tasks",), ("text", "torch_bridge"), ("checkpoint",), ("models",), ("parallel",),
-          ("core",), ("data",), ("errors",)]
+FLOORS = [("commands",), ("plan",), ("run",), ("report",), ("callbacks",), ("config", "guards"), ("tasks",),
+          ("text", "torch_bridge"), ("checkpoint",), ("models",), ("parallel",), ("core",), ("data",), ("errors",)]
 LEVEL = {room: len(FLOORS) - index for index, rooms in enumerate(FLOORS) for room in rooms}
 
 

@@ -81,7 +81,7 @@ PROBE_ROWS = 2  # rows of the example batch the loss is tried on before training
 class TorchBackend:
     """Model, optimizer and pure steps of one torch run: the :class:`~functrain.core.backend.Backend` of torch.
 
-    Built from pieces the builder resolved (:func:`functrain.run.build.torch_backend`): the module (the config's
+    Built from pieces the builder resolved (:func:`functrain.run.backends.torch_backend`): the module (the config's
     twin or the user's, see :func:`torch_bridge.user_model.trainable_module`), the step's loss
     (:func:`torch_bridge.user_model.step_loss`), the twin optimizer (:func:`torch_bridge.optim.from_settings`),
     the step settings and the seed. ``probe_batch``: user code is tried on its first rows here, so it fails in

@@ -326,7 +326,7 @@ TORCH_OPTIONS = {
     "lion": ("b1", "b2", "mu_dtype"),
 }
 DTYPE_OPTIONS = ("mu_dtype", "accumulator_dtype")
-# The config key an optax argument comes from, where the names differ (functrain.run.config.OPTIMIZER_KEYS).
+# The config key an optax argument comes from, where the names differ (functrain.config.sections.OPTIMIZER_KEYS).
 CONFIG_KEYS = {"accumulator_dtype": "mu_dtype"}
 FACTORIES: dict[str, Callable[..., Optimizer]] = {"adamw": adamw, "sgd": sgd, "lion": lion}
 

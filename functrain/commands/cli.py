@@ -2,7 +2,7 @@
 
 Bad input (configs, data, checkpoints, HF directories) prints one line naming the problem and the fix and
 exits with status 2; ``--debug`` shows the traceback instead. ``train`` exits 0 when the run finished, and
-with the statuses listed in :mod:`functrain.run.outcome` when it stopped early or barely trained.
+with the statuses listed in :mod:`functrain.callbacks.outcome` when it stopped early or barely trained.
 """
 
 import argparse
@@ -13,14 +13,14 @@ import sys
 from typing import Any
 
 from functrain.errors import EXIT_BAD_INPUT, EXIT_SIGNAL, FunctrainError
-from functrain.run.console import RUN_LOGGER, add_stderr_handler
-from functrain.run.signals import (
+from functrain.guards.signals import (
     CommandSignals,
     Interrupted,
     announce_interrupted,
     check_interrupted,
     interrupted_by,
 )
+from functrain.report.console import RUN_LOGGER, add_stderr_handler
 
 # The verbs, in the order `functrain --help` lists them; each module has HELP, add_arguments() and run().
 VERBS = {

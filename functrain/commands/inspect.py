@@ -126,7 +126,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.goodput:
-        from functrain.run.goodput import goodput_report
+        from functrain.report.goodput import goodput_report
 
         if not Path(args.run_dir).is_dir():
             raise CheckpointError(f"{args.run_dir} is not a directory; give the run directory of a run")

@@ -1,6 +1,6 @@
 """``functrain plan CONFIG [--topology NAME] [key=value ...] [--json]``: compile the run's train call ahead of
 time (for the local devices, or a TPU topology through libtpu) and print per-chip memory, FLOPs, a roofline step
-time, the MFU it implies and whether it fits (see :mod:`functrain.run.plan`)."""
+time, the MFU it implies and whether it fits (see :mod:`functrain.plan.planner`)."""
 
 import argparse
 import json
@@ -86,7 +86,7 @@ def format_plan(plan) -> str:
     elif plan.fits:
         lines.append("fits: yes")
     else:
-        from functrain.run.plan import HBM_USABLE
+        from functrain.plan.planner import HBM_USABLE
 
         over = sizes["total"] - HBM_USABLE * plan.hbm_bytes
         lines.append(
@@ -124,8 +124,8 @@ def format_search(tried, chosen) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from functrain.run.config import load_config
-    from functrain.run.plan import DEFAULT_DCN_GBPS, plan
+    from functrain.config.load import load_config
+    from functrain.plan.planner import DEFAULT_DCN_GBPS, plan
 
     config = load_config(args.config, args.overrides)
     if args.search:

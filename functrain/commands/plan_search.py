@@ -1,5 +1,5 @@
 """``functrain plan --search``: the cheapest remat policy that fits, then the largest per-chip batch that fits with
-it; each candidate is one ahead-of-time compile (:func:`functrain.run.plan.plan`), and every one is reported.
+it; each candidate is one ahead-of-time compile (:func:`functrain.plan.planner.plan`), and every one is reported.
 
 Remat policies are tried cheapest first (``none`` recomputes nothing, ``dots_saveable`` the element-wise work,
 ``full`` whole blocks); the batch then doubles ``data.global_batch_size`` (the micro-batch size with it, so
@@ -11,10 +11,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from functrain.config.files import apply_overrides
+from functrain.config.load import validate_config
+from functrain.config.schema import Config
 from functrain.data.global_array import BATCH_AXES
-from functrain.run.config import Config, validate_config
-from functrain.run.config_files import apply_overrides
-from functrain.run.plan import Plan, plan
+from functrain.plan.planner import Plan, plan
 
 REMAT_COST_ORDER = ("none", "dots_saveable", "full")
 MAX_DOUBLINGS = 8

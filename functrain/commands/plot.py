@@ -16,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from functrain.run.plots import default_output, plot_runs
+    from functrain.report.plots import default_output, plot_runs
 
     print(f"functrain: wrote {plot_runs(args.run_dirs, args.output or default_output(args.run_dirs))}")
     return 0

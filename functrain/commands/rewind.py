@@ -18,7 +18,7 @@ from typing import Any
 
 from functrain.checkpoint import layout, list_checkpoints
 from functrain.errors import CheckpointError, ConfigError
-from functrain.run.lock import RunLock
+from functrain.guards.lock import RunLock
 
 ABANDONED_CHECKPOINTS = "checkpoints.abandoned"
 
@@ -65,8 +65,8 @@ def set_aside_checkpoints(run_dir: Path, steps: list[int]) -> None:
 def rewind(run_dir: str | os.PathLike, step: int, skip_samples: int, overrides: list[str] | None = None) -> Any:
     """Resume ``run_dir`` from checkpoint ``step`` with the next ``skip_samples`` samples skipped; train on
     as ``RUN_DIR/config.yaml`` (plus dotted ``overrides``) says. Returns the :class:`FitResult`."""
-    from functrain.run.config import load_config
-    from functrain.run.events import append_event
+    from functrain.config.load import load_config
+    from functrain.report.events import append_event
     from functrain.run.fit import fit
 
     run_dir = Path(run_dir)

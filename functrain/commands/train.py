@@ -32,8 +32,8 @@ def run(args: argparse.Namespace) -> int:
     if args.restart_delay < 0:
         raise FunctrainError(f"--restart-delay {args.restart_delay:g} must be 0 or more seconds")
     if args.restarts:
+        from functrain.guards.restarts import run_with_restarts
         from functrain.parallel.launch_flags import without_flags
-        from functrain.run.restarts import run_with_restarts
 
         argv = without_flags(args.argv, ("--restarts", "--restart-delay"))
         return run_with_restarts(argv + ["--debug"] * args.debug, args.restarts, args.restart_delay)
@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     if args.processes > 1:
         return distributed.launch_local(distributed.strip_processes_flag(args.argv), args.processes, args.port)
     distributed.initialize_from_env()
-    from functrain.run.config import load_config
+    from functrain.config.load import load_config
     from functrain.run.fit import fit
 
     result = fit(load_config(args.config, args.overrides))

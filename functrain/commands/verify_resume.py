@@ -23,8 +23,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from functrain.callbacks.base import Callback
+from functrain.callbacks.view import RunView
 from functrain.errors import EXIT_BAD_INPUT, FunctrainError
-from functrain.run.callbacks import Callback, RunView
 
 # Metrics that are functions of the computation; throughput and positions are left out.
 COMPARED = (
@@ -101,7 +102,7 @@ class KillAt(Callback):
 
 def train_worker(config: str, overrides: list[str], kill_step: int | None) -> None:
     """One training process of the check (``kill_step``: die there); bad input exits 2 with one line."""
-    from functrain.run.config import load_config
+    from functrain.config.load import load_config
     from functrain.run.fit import fit
 
     try:
@@ -176,7 +177,7 @@ def verify_resume(
 ) -> Verdict:
     """Train ``config`` for ``steps`` steps uninterrupted and killed-then-resumed; compare them."""
     from functrain.checkpoint import load_params, params_digest
-    from functrain.run.config import load_config
+    from functrain.config.load import load_config
 
     overrides, imports = list(overrides or []), list(imports or [])
     per_call = load_config(config, overrides).train.steps_per_call

@@ -1,2 +1,2 @@
-"""A run: the typed config, the builder that turns it into a Run, the loop that drives it, and what the loop
-calls around the step (callbacks, resume policy, checkpoints, trackers, the run lock, the summary)."""
+"""A run: the builder that turns a config and the caller's objects into a Run (its parts, its backend), and the
+loop that drives it (reading finished calls, evaluating, saving, resuming)."""

@@ -11,8 +11,8 @@ A fixed sequence that never asks which task it builds (:func:`build_run`):
 
 Every name -> object lookup happens here, in :mod:`functrain.run.parts` or in a task: the loop
 (:func:`functrain.run.loop.drive`) takes the built Run and reads no config, and each backend receives built
-pieces (a program or module, a loss, optimizer settings, step settings), never the config. What a backend or a
-task cannot honour is refused here, in one line, before anything is written.
+pieces (a program or module, a loss, optimizer settings, step settings; :mod:`functrain.run.backends`), never the
+config. What a backend or a task cannot honour is refused here, in one line, before anything is written.
 """
 
 from __future__ import annotations
@@ -25,45 +25,36 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from functrain.callbacks.base import Callback, CallbackList
+from functrain.callbacks.controls import EarlyStopping, EveryNSteps
 from functrain.checkpoint import Checkpointer
 from functrain.checkpoint.local import LocalCheckpoints
-from functrain.core.adapters import ModelPieces
+from functrain.config.checks import likely_mistakes
+from functrain.config.schema import Config
 from functrain.core.backend import Backend
-from functrain.core.fields import Fields, require_builtin, resolve_fields
-from functrain.core.program import Program
-from functrain.core.step import StepSettings
 from functrain.data import BatchLoader, IndexSampler, loader_for, order_for
 from functrain.data.kinds import Order
-from functrain.data.loader import batch_split_problem
-from functrain.errors import TORCH_INSTALL, ConfigError
-from functrain.models.scan import fewer_groups_unrolled, scan_groups
-from functrain.parallel import determinism
+from functrain.errors import ConfigError
 from functrain.parallel.capacity import check_state_fits
-from functrain.parallel.target import compiling_for
-from functrain.run.callbacks import Callback, CallbackList, EarlyStopping, EveryNSteps, MetricsWriter, ProgressBar
+from functrain.report.events import RunEvents, history_started
+from functrain.report.metrics import MetricsWriter
+from functrain.report.mfu import SpeedReport, speed_report
+from functrain.report.progress import ProgressBar
+from functrain.report.summary import RunSummary
+from functrain.report.trackers import make_trackers
+from functrain.run.backends import backend_of
 from functrain.run.compile_cache import CompileReport, compile_seconds
 from functrain.run.compile_cache import enable as enable_compile_cache
-from functrain.run.config import Config
-from functrain.run.config_checks import likely_mistakes
-from functrain.run.events import RunEvents, history_started
 from functrain.run.host_memory import keep_temporaries_in_heap
-from functrain.run.mfu import SpeedReport, speed_report
 from functrain.run.parts import (
     Parts,
     build_parts,
     check_data,
     data_seed,
-    make_optimizer,
     optimizer_settings,
-    resolve_model,
-    schedule_settings,
-    task_program,
 )
-from functrain.run.pipeline_config import pipeline_schedule, stages_as_data
 from functrain.run.resume import ResumePolicy
-from functrain.run.summary import RunSummary
-from functrain.run.trackers import make_trackers
-from functrain.tasks.base import ExperienceStage, StartHook
+from functrain.tasks.base import StartHook
 
 
 @dataclass(frozen=True)
@@ -123,20 +114,6 @@ def total_steps(config: Config, sampler: Order) -> int:
     return max(1, int(np.ceil(config.train.epochs * sampler.steps_per_epoch)))
 
 
-def step_settings(config: Config) -> StepSettings:
-    """The ``train`` keys the step itself reads."""
-    train = config.train
-    return StepSettings(
-        micro_batches=train.micro_batches,
-        clip_norm=train.clip_norm,
-        compute_dtype=train.compute_dtype,
-        matmul_precision=train.matmul_precision,
-        param_dtype=train.param_dtype,
-        dynamic_loss_scale=train.loss_scale == "dynamic",
-        offload_optimizer=train.offload_optimizer,
-    )
-
-
 def loop_settings(config: Config, max_steps: int) -> Settings:
     best_metric = config.checkpoint.best_metric if config.checkpoint.keep_best else None
     watched = tuple(
@@ -161,142 +138,7 @@ def loop_settings(config: Config, max_steps: int) -> Settings:
     )
 
 
-# ---------------------------------------------------------------------------------------------- backends
-
-
-def check_batch_split(config: Config, ways: int, what: str) -> None:
-    """The global batch must split into micro-batches over the ``ways`` the backend splits it."""
-    problem = batch_split_problem(config.data.global_batch_size, config.train.micro_batches, ways, what)
-    if problem:
-        raise ConfigError(problem)
-
-
-def jax_backend(
-    config: Config,
-    program: Program,
-    max_steps: int,
-    *,
-    optimizer: tuple[Any, str] | None = None,
-    devices: list | None = None,
-    experience: ExperienceStage | None = None,
-    compiler_options: dict[str, str] | None = None,
-) -> Backend:
-    """The JAX backend: the ``program`` (a task's, or :func:`functrain.core.program.as_program`'s), the optax
-    transformation (``optimizer``: a user's, with its name for errors; None: the config's), the mesh over
-    ``devices`` (None: all; a TPU topology's when planning), the task's experience stage (or None) and the XLA
-    options of its train step (None: XLA's). Building it allocates nothing on the devices."""
-    from functrain.core.optim import as_transformation
-    from functrain.parallel import sharding
-    from functrain.run.jax_backend import JaxBackend
-
-    if optimizer is None:
-        tx, reported = make_optimizer(config.optimizer, max_steps)
-    else:
-        schedule = schedule_settings(config.optimizer, max_steps).optax()
-        tx, reported = as_transformation(optimizer[0], schedule, optimizer[1])
-    mesh = sharding.make_mesh(config.mesh, devices)
-    check_batch_split(config, sharding.batch_devices(mesh), "data-parallel devices")
-    platform = next(iter(mesh.devices.flat)).platform
-    pipeline = pipeline_schedule(config, sharding.batch_devices(mesh))
-    return JaxBackend(
-        program,
-        tx,
-        reported,
-        mesh=mesh,
-        rules=sharding.logical_rules(config.mesh),
-        param_rules=config.mesh.param_rules,
-        allow_replicated_fallback=config.mesh.allow_replicated_fallback,
-        step=step_settings(config),
-        seed=config.seed,
-        experience=experience,
-        compiler_options=determinism.step_compiler_options(platform, config.train.deterministic, compiler_options),
-        pipeline=pipeline,
-    )
-
-
-def torch_backend(
-    config: Config,
-    example_batch: dict[str, np.ndarray],
-    max_steps: int,
-    *,
-    model: Any = None,
-    fields: Fields | None = None,
-    loss_fn: Callable | None = None,
-    optimizer: tuple[Any, str] | None = None,
-) -> Backend:
-    """The torch backend: the module (``model``, or the config's twin), its loss (``loss_fn``, or the built-in
-    one for the data's ``fields``) and the optimizer's twin, or a one-line refusal of what the torch step does
-    not implement."""
-    try:
-        from torch_bridge import backend as torch_backend_module
-        from torch_bridge import distributed, optim, user_model
-        from torch_bridge.twins import twin_model
-    except ImportError as exc:
-        raise ConfigError(f"backend: torch needs PyTorch ({exc.__cause__ or exc}); {TORCH_INSTALL}") from None
-    if config.model.lora_settings() is not None:
-        raise ConfigError("model.lora needs backend: jax; remove model.lora or set backend: jax")
-    if optimizer is not None:
-        raise ConfigError(
-            f"{optimizer[1]} is an optax optimizer, which backend: torch does not run; use optimizer.name"
-        )
-    if config.mesh.fsdp != 1 or config.mesh.expert != 1 or config.mesh.tensor != 1:
-        raise ConfigError("backend: torch shards only over data; set mesh.fsdp=1, mesh.expert=1 and mesh.tensor=1")
-    distributed.init_from_env()
-    check_batch_split(config, distributed.world_size(), "processes")
-    builtin = model is None
-    if fields is None and loss_fn is None and not builtin:
-        fields = require_builtin(resolve_fields(example_batch), example_batch)
-    module = twin_model(config.model, example_batch, config.seed) if builtin else user_model.trainable_module(model)
-    loss = user_model.step_loss(
-        module, builtin=builtin, loss_fn=loss_fn, fields=fields, torch_compile=config.train.torch_compile
-    )
-    return torch_backend_module.TorchBackend(
-        module,
-        loss,
-        optim.from_settings(optimizer_settings(config.optimizer, max_steps)),
-        step=step_settings(config),
-        seed=config.seed,
-        probe_batch=None if builtin and loss_fn is None else example_batch,
-    )  # user code: tried before step 1
-
-
-def backend_of(
-    config: Config, parts: Parts, example_batch: dict[str, np.ndarray], max_steps: int, devices: list | None = None
-) -> tuple[Backend, ModelPieces | None]:
-    """The backend the config names, built from the parts, and the model's pieces its program runs (None: the
-    torch twin, which runs modules)."""
-    if config.backend == "torch":
-        return torch_backend(
-            config,
-            example_batch,
-            max_steps,
-            model=parts.model,
-            fields=parts.data.fields,
-            loss_fn=parts.context.loss_fn,
-            optimizer=parts.optimizer,
-        ), None
-    program, pieces = task_program(config, parts, example_batch)
-    experience = parts.task.experience(parts.context, parts.data, pieces)
-    if experience is not None and jax.process_count() > 1 and not getattr(experience, "across_processes", False):
-        raise ConfigError(
-            f"task {parts.task.name} makes its batches with an experience stage that runs on one process (it does "
-            f"not set across_processes: functrain.tasks.base.ExperienceStage); run it on one host"
-        )
-    return jax_backend(
-        config,
-        program,
-        max_steps,
-        optimizer=parts.optimizer,
-        devices=devices,
-        experience=experience,
-        compiler_options=parts.task.step_compiler_options(),
-    ), pieces
-
-
-# ------------------------------------------------------------------------------------------------- build
-
-
-def _order(config: Config, parts: Parts) -> tuple[Order, int, dict[str, np.ndarray]]:
+def training_order(config: Config, parts: Parts) -> tuple[Order, int, dict[str, np.ndarray]]:
     """The training data's order, the run's length and its first batch (whose shapes the step is built for)."""
     data, task_data = config.data, parts.data
     records = task_data.records_per_step or data.global_batch_size
@@ -305,83 +147,6 @@ def _order(config: Config, parts: Parts) -> tuple[Order, int, dict[str, np.ndarr
     if task_data.example_fields is not None:
         example_batch = task_data.example_fields(example_batch)
     return sampler, total_steps(config, sampler), example_batch
-
-
-@dataclass(frozen=True)
-class Planned:
-    """A run's JAX backend and the shapes of its train call, built as :func:`build_run` builds them, with the
-    settings a plan reports against (read from the config here, so the planner reads none)."""
-
-    parts: Parts
-    backend: Any  # JaxBackend
-    example_batch: dict[str, np.ndarray]  # one global batch (host arrays: tokens, not weights)
-    max_steps: int
-    step: StepSettings
-    steps_per_call: int
-    global_batch_size: int
-    seq_len: int
-    model_config: Any  # the model section (its decoder shape, its remat policy)
-    scan_groups: int = 0  # model.scan_layers: the whole groups of layers scanned; else 0
-    # The backend of the same run (mesh, shardings, batch, step) with the model cut to ``k`` groups of layers
-    # and its remainder, unrolled, each micro-batch split ``s`` ways (more micro-batches): XLA counts a loop body
-    # once, so a plan measures the layers' cost from these (on a split micro-batch where a whole one is refused).
-    unrolled_groups_backend: Callable[[int, int], Any] | None = None
-    # The same run's backend built again (a new trace), each micro-batch split ``s`` ways: for a compile traced
-    # under another context (a plan counts the cross-entropy's chunk loops unrolled, unembedding.counted_whole).
-    rebuilt_backend: Callable[[int], Any] | None = None
-
-    @property
-    def tokens_per_step(self) -> int | None:
-        """Tokens one step trains on (None: the task's samples are not token windows)."""
-        tokens = self.parts.data.tokens_per_sample
-        return None if tokens is None else tokens * self.global_batch_size
-
-
-def plan_run(config: Config, devices: list | None = None) -> Planned:
-    """The backend a ``train`` of ``config`` would build, over ``devices`` (None: the local ones; a TPU
-    topology's for a pod that is not here), with no state initialised and nothing written or allocated."""
-    if config.backend != "jax":
-        raise ConfigError("functrain plan compiles the JAX step; set backend=jax")
-    # Choices that depend on the hardware (model.attention=auto) are made for the devices planned for.
-    with compiling_for(devices):
-        parts = build_parts(config)
-        check_data(parts.data)
-        _, max_steps, example_batch = _order(config, parts)
-        backend, _ = backend_of(config, parts, example_batch, max_steps, devices)
-
-    def unrolled_groups_backend(groups: int, split: int = 1) -> Any:
-        # A pipelined run's copies fold its stages into the data axis (functrain.run.plan.pipelined_run_cost).
-        update = {"model": fewer_groups_unrolled(config.model, groups), "mesh": stages_as_data(config.mesh)}
-        return rebuilt_backend(split, config.model_copy(update=update))
-
-    def rebuilt_backend(split: int = 1, variant: Config = config) -> Any:
-        train = variant.train.model_copy(update={"micro_batches": variant.train.micro_batches * split})
-        return variant_backend(variant.model_copy(update={"train": train}))
-
-    def variant_backend(variant: Config) -> Any:
-        with compiling_for(devices):
-            model, _ = resolve_model(variant, None)
-            program, _ = task_program(variant, parts, example_batch, model)
-            options = parts.task.step_compiler_options()
-            return jax_backend(
-                variant, program, max_steps, optimizer=parts.optimizer, devices=devices, compiler_options=options
-            )
-
-    groups = scan_groups(config.model)
-    return Planned(
-        parts=parts,
-        backend=backend,
-        example_batch=example_batch,
-        max_steps=max_steps,
-        step=step_settings(config),
-        steps_per_call=config.train.steps_per_call,
-        global_batch_size=config.data.global_batch_size,
-        seq_len=config.data.seq_len,
-        model_config=config.model,
-        scan_groups=groups,
-        unrolled_groups_backend=unrolled_groups_backend if groups else None,
-        rebuilt_backend=rebuilt_backend,
-    )
 
 
 def _profile_window(config: Config, max_steps: int) -> list[Callback]:
@@ -421,7 +186,7 @@ def _callbacks(
         *_profile_window(config, max_steps),
     ]
     if config.eval.harness_tasks:
-        from functrain.run.harness_eval import HarnessEvaluation
+        from functrain.report.harness_eval import HarnessEvaluation
 
         evaluation = config.eval
         builtins.append(
@@ -436,7 +201,7 @@ def _callbacks(
             )
         )
     if config.eval.samples.count:
-        from functrain.run.samples import SampleWriter
+        from functrain.report.samples import SampleWriter
 
         builtins.append(SampleWriter(config.eval.samples, config.model, config.backend, tensorboard))
     if config.log.progress:
@@ -521,7 +286,7 @@ def build_run(
     run_dir = parts.context.run_dir  # absolute: Orbax needs absolute paths
     check_data(parts.data)  # what the task's loss reads, before the first step (and again on every batch)
     data, task_data = config.data, parts.data
-    sampler, max_steps, example_batch = _order(config, parts)
+    sampler, max_steps, example_batch = training_order(config, parts)
     backend, pieces = backend_of(config, parts, example_batch, max_steps)
     from functrain.run.jax_backend import JaxBackend
 

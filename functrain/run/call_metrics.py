@@ -8,15 +8,16 @@ multiples of ``steps_per_call``, so log steps are call ends, where the data posi
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from functrain.run.callbacks import Control, Throughput
-from functrain.run.config_checks import check_metric_logged
-from functrain.run.outcome import StopKind
-from functrain.run.view import RunRecord, RunView
+from functrain.callbacks.base import Control
+from functrain.callbacks.outcome import StopKind
+from functrain.callbacks.view import RunRecord, RunView
+from functrain.config.checks import check_metric_logged
 
 if TYPE_CHECKING:
     from functrain.run.build import Run
@@ -125,3 +126,33 @@ class CallMetrics:
             )
         self.nonfinite_seen, self.nonfinite_checked_at = nonfinite_steps, call_end_step
         return control
+
+
+class Throughput:
+    """Steps per second between log steps, from the time each call was known to be finished.
+
+    That is when its metrics were read for an asynchronous backend (JAX), and when ``train_call`` returned
+    for a synchronous one (torch on CPU), whose metrics are read one call after it finished.
+    """
+
+    def __init__(self) -> None:
+        self.returned_at: dict[int, float] = {}
+        self.last_logged = 0
+
+    def mark(self, step: int) -> None:
+        """The call ending at ``step`` is finished now (or the run starts at ``step``)."""
+        self.returned_at[step] = time.perf_counter()
+
+    def start(self, step: int) -> None:
+        """Measure from ``step``, now."""
+        self.returned_at = {}
+        self.mark(step)
+        self.last_logged = step
+
+    def rate(self, step: int) -> float:
+        """Steps per second from the previous log step to ``step``."""
+        elapsed = self.returned_at[step] - self.returned_at[self.last_logged]
+        rate = (step - self.last_logged) / max(elapsed, 1e-9)
+        self.returned_at = {s: t for s, t in self.returned_at.items() if s >= step}
+        self.last_logged = step
+        return rate

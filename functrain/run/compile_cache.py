@@ -20,7 +20,8 @@ import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from functrain.run.callbacks import Callback, RunView
+from functrain.callbacks.base import Callback
+from functrain.callbacks.view import RunView
 
 log = logging.getLogger("functrain")
 

@@ -5,13 +5,15 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
+from functrain.callbacks.base import Callback
+from functrain.callbacks.outcome import FitResult
+from functrain.config.files import override_list
+from functrain.config.load import load_config
+from functrain.config.schema import Config, RunSections
+from functrain.config.sections import PYTHON_OBJECT
+from functrain.report.console import show_run_lines
 from functrain.run.build import Run, build_run
-from functrain.run.callbacks import Callback
-from functrain.run.config import PYTHON_OBJECT, Config, RunSections, load_config
-from functrain.run.config_files import override_list
-from functrain.run.console import show_run_lines
 from functrain.run.loop import drive
-from functrain.run.outcome import FitResult
 from functrain.run.parts import describe_object
 
 
@@ -83,7 +85,7 @@ def fit(
     """Train as ``config`` says, with any objects given in place of the config's, resuming from the run
     directory when a checkpoint is there: ``drive(build(...))``.
 
-    ``config`` is a :class:`~functrain.run.config.Config`, a dict or a YAML path; ``overrides`` are dotted keys
+    ``config`` is a :class:`~functrain.config.schema.Config`, a dict or a YAML path; ``overrides`` are dotted keys
     (``fit("configs/mlp_digits.yaml", **{"train.max_steps": 100})`` or ``train__max_steps=100``).
 
     Args:
@@ -97,7 +99,7 @@ def fit(
       optimizer: an ``optax.GradientTransformation``, or a function of the config's schedule returning one.
       train_data, eval_data: a dict of arrays or memmaps, an HF ``datasets.Dataset``, a torch ``Dataset``,
         a Grain data source or ``MapDataset``, or a :class:`~functrain.data.Source`.
-      callbacks: extra :class:`~functrain.run.callbacks.Callback` objects.
+      callbacks: extra :class:`~functrain.callbacks.base.Callback` objects.
       inputs, labels: the field the model is called on (``{"pixel_values": "image"}``: by keyword) and the
         one the built-in loss reads as labels, for data outside the conventions of :mod:`functrain.core.fields`
         (``data.fields`` in the config; these win).
@@ -105,7 +107,7 @@ def fit(
         is read (map-style data; ``data.transform`` in the config), to reshape records without a data source.
 
     It prints what ``functrain train`` prints (the run directory at the start, warnings, the summary at the end)
-    on stderr, unless the program configured logging itself (:mod:`functrain.run.console`); ``print(fit(...))``
+    on stderr, unless the program configured logging itself (:mod:`functrain.report.console`); ``print(fit(...))``
     is one line.
     """
     show_run_lines()

@@ -24,20 +24,19 @@ import logging
 from collections import deque
 from typing import Any
 
+from functrain.callbacks.base import Control
+from functrain.callbacks.outcome import FitResult, StopKind, skipped_report
+from functrain.callbacks.time_spent import session_time_spent
+from functrain.callbacks.view import RunRecord, RunView
 from functrain.checkpoint.local import LocalCheckpoints
 from functrain.checkpoint.lora_saves import AdapterSaves
-from functrain.data import BatchLoader
-from functrain.errors import ConfigError
+from functrain.guards.lock import held_for_the_job
+from functrain.guards.signals import StopSignals, check_interrupted
+from functrain.run.announce import announce_start
 from functrain.run.build import Run
 from functrain.run.call_metrics import CallMetrics
-from functrain.run.callbacks import Control
-from functrain.run.config_checks import check_metric_logged
-from functrain.run.goodput import session_time_spent
-from functrain.run.lock import RunLock
-from functrain.run.outcome import FitResult, StopKind, skipped_report
-from functrain.run.resume import Start, describe_source, write_run_config
-from functrain.run.signals import StopSignals, check_interrupted
-from functrain.run.view import RunRecord, RunView
+from functrain.run.evaluation import Evaluation
+from functrain.run.resume import Start, describe_source
 
 log = logging.getLogger("functrain")
 
@@ -62,116 +61,44 @@ class _Driver:
         )
         self.view = RunView(self.record)
         self.metrics = CallMetrics(run, self.record, self.view)
+        self.evaluation = Evaluation(run, self.record, self.view, self.metrics)
         self.signals = StopSignals()
         self.checkpointer: Any = None
         self.local: LocalCheckpoints | None = None  # checkpoint.local_dir
         self.adapter_saves: AdapterSaves | None = None
         self.start: Start | None = None
         self.last_meta: dict[str, Any] | None = None
-        self.last_saved_step = self.last_eval_step = -1
+        self.last_saved_step = -1
 
     @contextlib.contextmanager
     def owning_run_dir(self) -> Any:
         """Hold the run directory's lock (process 0, for the whole job) while the run uses it; open the
         checkpointer only then, since opening one tidies the directory another job may be writing."""
-        lock, failure = RunLock(self.run.run_dir) if self.is_primary else None, None
-        if lock is not None:
+        with held_for_the_job(self.run.run_dir, self.backend):
             try:
-                lock.acquire()
-            except ConfigError as exc:
-                failure = exc
-        try:
-            if (
-                self.backend.process_count > 1
-                and self.backend.any_process([failure is not None])[0]
-                and failure is None
-            ):
-                raise ConfigError(
-                    f"process 0 could not take the lock of run directory {self.run.run_dir}; see its message"
-                )
-            if failure is not None:
-                raise failure
-            self.checkpointer = self.run.open_checkpointer()
-            self.local = self.run.open_local_checkpoints()
-            if self.run.adapter_checkpoints:
-                self.adapter_saves = AdapterSaves(self.checkpointer)
-            yield
-        finally:
-            if self.local is not None:
-                self.local.wait()
-            if self.checkpointer is not None:
-                # Finish (or clean up) a save in flight before the directory is let go, without letting that
-                # hide an error being raised.
-                with contextlib.suppress(Exception):
-                    self.checkpointer.close()
-            if lock is not None:
-                lock.release()
+                self.checkpointer = self.run.open_checkpointer()
+                self.local = self.run.open_local_checkpoints()
+                if self.run.adapter_checkpoints:
+                    self.adapter_saves = AdapterSaves(self.checkpointer)
+                yield
+            finally:
+                if self.local is not None:
+                    self.local.wait()
+                if self.checkpointer is not None:
+                    # Finish (or clean up) a save in flight before the directory is let go, without letting that
+                    # hide an error being raised.
+                    with contextlib.suppress(Exception):
+                        self.checkpointer.close()
 
-    # -- positions, evaluation, saving ------------------------------------------------------------------------
+    # -- positions, saving ------------------------------------------------------------------------------------
     def update_record(self, step: int, position: int) -> None:
         self.record.step, self.record.samples_consumed = step, position
         self.record.epoch = self.run.sampler.epoch_of(position)
 
-    def check_eval_metric_names(self, state: Any) -> None:
-        """Metrics that early stopping or keep-best read from evaluations must be ones the evaluation gives:
-        found from one evaluation batch before the first step, so a typo costs no training and writes nothing."""
-        wanted = [(key, metric) for key, metric in self.settings.watched_metrics if metric.startswith("eval/")]
-        if not wanted or self.run.eval_loader is None:
-            return
-        host_batch, _ = self.run.eval_loader().host_batch(0)
-        names = dict.fromkeys(self.backend.to_host(self.backend.eval_batch(state, host_batch)), 0.0)
-        for key, metric in wanted:
-            check_metric_logged(key, metric, "eval", names)
-
-    def evaluate(self, state: Any) -> Control:
-        """Evaluate the state: the eval metrics (when the run has eval data), then the callbacks' own
-        (``on_evaluate``), each logged under its split."""
-        if self.run.eval_loader is None and not self.settings.evaluate_without_data:
-            return Control()
-        with self.record.time_spent.measure("eval"):
-            return self._evaluate(state)
-
-    def _evaluate(self, state: Any) -> Control:
-        metrics = self.eval_metrics(state, self.run.eval_loader()) if self.run.eval_loader is not None else {}
-        record, callbacks = self.record, self.run.callbacks
-        self.last_eval_step = record.step
-        record.state = state
-        try:
-            control = callbacks.fire("on_evaluate", self.view, metrics)
-        finally:
-            record.state = None  # donated by the next call
-        reported, control = control.metrics or {}, dataclasses.replace(control, metrics=None)
-        if self.run.eval_loader is not None:
-            logged = {**metrics, **self.metrics.position_fields(record.samples_consumed)}
-            control = control.merge(callbacks.fire("on_log", self.view, "eval", record.step, logged))
-        for split, split_metrics in reported.items():
-            record.last_metrics[split] = split_metrics
-            control = control.merge(callbacks.fire("on_log", self.view, split, record.step, split_metrics))
-        return control
-
-    def eval_metrics(self, state: Any, loader: BatchLoader) -> dict[str, float]:
-        """Sum the eval metrics over the evaluation set (every record counted once), divide once."""
-        batches = loader.sampler.steps_per_epoch
-        if self.settings.eval_max_batches:
-            batches = min(batches, self.settings.eval_max_batches)
-        totals, position = None, 0
-        for _ in range(batches):
-            host_batch, position = loader.host_batch(position)
-            sums = self.backend.eval_batch(state, host_batch)
-            totals = sums if totals is None else self.backend.add(totals, sums)
-        totals = self.backend.to_host(totals)
-        weight = max(float(totals["weight"]), 1e-12)
-        metrics = {name: float(value) / weight for name, value in totals.items() if name != "weight"}
-        metrics["weight"] = float(totals["weight"])
-        if self.settings.best_metric:
-            check_metric_logged("checkpoint.best_metric", self.settings.best_metric, "eval", metrics)
-        self.record.last_metrics["eval"] = metrics
-        return metrics
-
     def checkpoint_meta(self, step: int, position: int) -> dict[str, Any]:
         """The meta of a checkpoint of ``step``: its data position, this run's record, the metrics it reached."""
         metrics = dict(self.record.last_metrics)
-        if self.last_eval_step != step:
+        if self.evaluation.last_step != step:
             # Stale eval metrics would let a never-evaluated step outrank the evaluated one (keep-best).
             metrics = {"train": metrics["train"]} if "train" in metrics else {}
         return self.run.resume.meta(
@@ -249,38 +176,8 @@ class _Driver:
     def announce(self, step: int, position: int) -> None:
         """The start's log lines and the run's config on disk (process 0)."""
         check_interrupted()  # a stop signal before the loop: leave the run directory as it was
-        if not self.is_primary:
-            return
-        if self.started.restored_step is not None:
-            source = self.started.source or "persistent"
-            log.info(
-                "resumed from %scheckpoint %d (epoch %d, samples consumed %d%s)",
-                "" if source == "persistent" else "local ",
-                step,
-                self.run.sampler.epoch_of(position),
-                position,
-                f"; {source}" if source.startswith("peer") else "",
-            )
-        elif self.record.started_from is not None:
-            log.info(
-                "started from the weights of %s (train.init_from); fresh optimizer state", self.record.started_from
-            )
-        write_run_config(self.run.run_dir, self.run.config_record)
-        for warning in self.run.warnings:
-            log.warning("functrain: warning: %s", warning)
-        records = self.run.sampler.num_records
-        log.info(
-            "run %s: steps %d -> %d, epoch %d, samples consumed %d, %s\n%s",
-            self.run.run_dir,
-            step,
-            self.settings.max_steps,
-            self.record.epoch,
-            position,
-            "streamed training data" if records is None else f"{records} training records",
-            self.backend.describe(),
-        )
-        if self.run.speed.flops_per_token:
-            log.info("model FLOPs per token (training, causal attention): %.4g", self.run.speed.flops_per_token)
+        if self.is_primary:
+            announce_start(self.run, self.record, self.started, step, position)
 
     def boundary(self, in_flight: deque, state: Any, step: int, position: int, new_epoch: bool) -> Control:
         """Everything that happens between two calls: older calls read, callbacks, signals, agreement across
@@ -317,7 +214,7 @@ class _Driver:
         if control.should_evaluate or control.should_save or control.should_stop or local_due:
             control = control.merge(self.metrics.finish_all(in_flight))
         if control.should_evaluate:
-            control = control.merge(self.evaluate(state))
+            control = control.merge(self.evaluation.evaluate(state))
         if control.should_save:
             self.save(state, step, position)
         elif local_due:
@@ -335,7 +232,7 @@ class _Driver:
             return self.result(state, step, position, 0)
         for hook in self.run.start_hooks:  # the task's: data or state parts computed from the start
             state = hook(self.backend, state, self.started.restored_step)
-        self.check_eval_metric_names(state)
+        self.evaluation.check_metric_names(state)
         self.update_record(step, position)
         self.announce(step, position)
         nonfinite_at_start = self.backend.nonfinite_steps_of(state)
@@ -368,8 +265,8 @@ class _Driver:
             # The last calls are read here: a non-finite step among them stops the run as one read earlier does.
             ending = ending.merge(self.metrics.finish_all(in_flight))
         finished = not ending.should_stop
-        if finished and self.last_eval_step != step:
-            self.evaluate(state)
+        if finished and self.evaluation.last_step != step:
+            self.evaluation.evaluate(state)
         self.save(state, step, position)
         with self.record.time_spent.measure("save"):
             self.checkpointer.close()  # waits for the last save and surfaces its failure

@@ -20,6 +20,8 @@ from typing import Any, Callable
 import numpy as np
 import optax
 
+from functrain.config.model_section import PythonModelConfig, TargetModelConfig
+from functrain.config.sections import PYTHON_OBJECT
 from functrain.core.adapters import ModelPieces, model_pieces
 from functrain.core.optim import OptimizerSettings, ScheduleSettings, named_optimizer
 from functrain.core.program import Program
@@ -36,7 +38,6 @@ from functrain.models.lora import lora_transform
 from functrain.models.options import RuntimeOptions
 from functrain.parallel.determinism import attention_choice
 from functrain.parallel.target import target_platform
-from functrain.run.config import PYTHON_OBJECT, PythonModelConfig, TargetModelConfig
 from functrain.tasks import task_for
 from functrain.tasks.base import Task, TaskContext, TaskData
 

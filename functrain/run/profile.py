@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import jax
 
-from functrain.run.callbacks import Callback, RunView
+from functrain.callbacks.base import Callback
+from functrain.callbacks.view import RunView
 
 
 class ProfileWindow(Callback):

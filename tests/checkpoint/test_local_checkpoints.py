@@ -18,8 +18,8 @@ from functrain.checkpoint import local as local_module
 from functrain.checkpoint.local import LocalCheckpoints
 from functrain.checkpoint.local_restore import _choose, restore_local
 from functrain.commands import cli
+from functrain.config.load import load_config
 from functrain.errors import ConfigError
-from functrain.run.config import load_config
 
 TINY = {"train.max_steps": 20, "train.epochs": None, "train.steps_per_call": 5, "log.every_steps": 5,
         "eval.every_steps": 0, "log.progress": False, "log.tensorboard": False, "checkpoint.every_steps": 0}

@@ -8,8 +8,8 @@ import matplotlib.image
 import numpy as np
 
 from functrain.commands.cli import main
-from functrain.run.events import append_event
-from functrain.run.plots import read_run, smooth
+from functrain.report.events import append_event
+from functrain.report.plots import read_run, smooth
 
 
 def write_metrics(run_dir: Path, losses: list[float | None], nonfinite_at: int | None = None) -> Path:

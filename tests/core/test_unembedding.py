@@ -150,7 +150,7 @@ def test_a_bad_chunk_setting_is_one_line_exit_2(value, tmp_path, capsys):
 
 
 def test_off_auto_and_a_number_are_read_from_yaml():
-    from functrain.run.config import load_config
+    from functrain.config.load import load_config
 
     base = {"model": {"name": "gpt"}, "data": {"name": "char_text"}}
     chunks = [load_config(base=base, overrides=[f"train.logits_chunk={value}"]).train.logits_chunk

@@ -147,7 +147,7 @@ def test_yaml_targets_give_the_digest_of_the_python_call(tmp_path):
 def test_named_optimizers_follow_the_schedule(name):
     import jax
     import optax
-    from functrain.run.config import load_config
+    from functrain.config.load import load_config
     from functrain.run.parts import make_optimizer
     config = load_config(base={"model": {"name": "mlp"}, "optimizer": {"name": name, "learning_rate": 0.1}})
     tx, schedule = make_optimizer(config.optimizer, total_steps=10)

@@ -202,7 +202,7 @@ def test_a_source_added_at_resume_starts_fresh_and_the_others_continue():
 
 
 def test_a_source_weight_is_overridden_by_its_index(tmp_path):
-    from functrain.run.config import load_config
+    from functrain.config.load import load_config
     from functrain.errors import ConfigError
     config = _config(tmp_path, [{"path": "a.npz", "weight": 1.0}, {"path": "b.npz", "weight": 2.0}])
     assert load_config(config, ["data.sources.1.weight=4"]).data.sources[1].weight == 4.0

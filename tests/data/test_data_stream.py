@@ -15,7 +15,7 @@ from functrain.checkpoint import list_checkpoints
 from functrain.data import Stream, StreamLoader, StreamOrder
 from functrain.errors import DataError
 from functrain.commands.inspect import inspect_report
-from functrain.run.outcome import StopKind
+from functrain.callbacks.outcome import StopKind
 from tests.data.test_data_mixture import RUN
 from tests.run.test_resume_bitwise import DRIVER
 

@@ -224,7 +224,7 @@ def test_packing_needs_a_token_store(tmp_path, capsys):
 
 
 def test_a_token_store_is_a_data_sources_entry(byte_store):
-    from functrain.run.config import load_config
+    from functrain.config.load import load_config
     from functrain.data.datasets import open_source
     config = load_config(REPO_ROOT / "configs/gpt_tokens.yaml", ["data.eval_fraction=0.2"])
     train, evaluation = open_source(str(byte_store), None, config.data, 256)

@@ -26,7 +26,7 @@ from functrain.models import configs as config_modules
 from functrain.models.configs.base import FamilyConfig
 from functrain.models.family import CAPABILITIES, Family
 from functrain.models.options import scan_refusal
-from functrain.run.config import load_config
+from functrain.config.load import load_config
 
 
 class TinyConfig(FamilyConfig):

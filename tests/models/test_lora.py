@@ -211,7 +211,7 @@ def test_lora_settings_are_checked():
 
 
 def test_finetune_lora_example_matches_the_tiny_model_its_header_builds():
-    from functrain.run.config import load_config
+    from functrain.config.load import load_config
     from functrain.models import qwen2
     config = load_config("configs/finetune_lora.yaml")
     hf = transformers.Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

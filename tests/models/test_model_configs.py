@@ -14,14 +14,15 @@ import pytest
 import torch
 import transformers
 
+from functrain.config.load import load_config
+from functrain.config.model_section import PythonModelConfig, TargetModelConfig
 from functrain.errors import ConfigError
 from functrain.models import build_model, family_names, model_config_class
 from functrain.models.configs.base import DecoderShape
 from functrain.models.configs.hf import ACTIVATIONS
 from functrain.models.hf_common import FUNCTIONS
 from functrain.models.scan import fewer_groups_unrolled, scan_groups
-from functrain.run.config import PythonModelConfig, TargetModelConfig, load_config
-from functrain.run.plan import advice
+from functrain.plan.planner import advice
 from torch_bridge.user_model import decoder_shape as module_shape
 
 # Small configs away from the defaults where the shape has choices: grouped-query heads, an explicit head
@@ -216,7 +217,7 @@ def test_every_hf_activation_name_computes_a_function():
 
 
 def test_the_config_validates_without_importing_model_code():
-    script = ("import sys; from functrain.run.config import load_config; "
+    script = ("import sys; from functrain.config.load import load_config; "
               "config = load_config('configs/char_gpt.yaml', ['model.n_layers=3']); "
               "assert config.model.decoder_shape().layers == 3; "
               "print(sorted(m for m in sys.modules if m in ('flax', 'functrain.models.gpt', 'torch')))")
@@ -235,7 +236,7 @@ def test_deepseek_v3_shape_counts_the_models_own_parameters():
 
     from functrain.models import build_model
     from functrain.models.configs.deepseek_v3 import DeepseekV3Config
-    from functrain.run.mfu import train_flops_per_token
+    from functrain.report.mfu import train_flops_per_token
 
     config = family("deepseek_v3", q_lora_rank=12, first_k_dense_replace=1, n_shared_experts=1, num_hidden_layers=3)
     params = nn.meta.unbox(jax.eval_shape(build_model(config).init, jax.random.PRNGKey(0),

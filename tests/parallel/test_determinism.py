@@ -42,8 +42,8 @@ def test_the_sampler_compiles_as_the_step_does(platform, deterministic, expected
     # deterministic kernels as the step's.
     from types import SimpleNamespace
 
+    from functrain.config.load import load_config
     from functrain.parallel.target import compiling_for
-    from functrain.run.config import load_config
     from functrain.tasks.sampling import Sampler
     model = load_config(None, [], base={"model": {"name": "gpt", "vocab_size": 256, "max_len": 8, "d_model": 8,
                                                   "n_layers": 1, "n_heads": 2, "d_ff": 16},

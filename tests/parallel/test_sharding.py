@@ -116,7 +116,7 @@ import json, logging
 import jax, numpy as np, optax
 from functrain.parallel import sharding as S
 from functrain.data import batch_sharding
-from functrain.run.config import load_config
+from functrain.config.load import load_config
 from functrain.errors import ConfigError
 from functrain.core.state import TrainState
 from functrain.models import build_model

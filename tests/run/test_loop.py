@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from functrain import fit
-from functrain.run.callbacks import Callback, CallbackList, Control
-from functrain.run.outcome import StopKind
-from functrain.run.view import RunRecord, RunView
+from functrain.callbacks.base import Callback, CallbackList, Control
+from functrain.callbacks.outcome import StopKind
+from functrain.callbacks.view import RunRecord, RunView
 from functrain.checkpoint import load_params
 from functrain.errors import ConfigError
 from tests.conftest import run_python
@@ -301,7 +301,7 @@ def test_fit_says_what_the_command_line_says_and_its_result_prints_as_one_line(t
 
 
 def test_fit_leaves_logging_a_program_configured_to_it(monkeypatch):
-    from functrain.run import console
+    from functrain.report import console
 
     run_log = logging.getLogger(console.RUN_LOGGER)
     monkeypatch.setattr(run_log, "handlers", [])

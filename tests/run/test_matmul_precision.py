@@ -8,7 +8,7 @@ import pytest
 
 import functrain
 from functrain.core.precision import matmul_precision
-from tests.run.test_config import error_of
+from tests.config.test_config import error_of
 
 MLP = {"model": {"name": "mlp", "hidden": [16]}, "data": {"name": "digits", "global_batch_size": 16, "prefetch": 0},
        "train": {"max_steps": 2}, "log": {"progress": False}}

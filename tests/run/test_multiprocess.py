@@ -121,7 +121,7 @@ def test_a_killed_job_restarts_from_local_copies_and_a_peer_bitwise(runs, tmp_pa
     shards from process 0 (a data-parallel replica), the train step is a compilation cache hit, and the run ends
     bitwise equal to the uninterrupted ones."""
     from functrain.checkpoint.local import run_key
-    from functrain.run.goodput import goodput_report
+    from functrain.report.goodput import goodput_report
 
     hook, run_dir, local_dir = tmp_path / "hook", tmp_path / "run", tmp_path / "local"
     hook.mkdir()

@@ -18,7 +18,7 @@ import pytest
 from tests.conftest import REPO_ROOT, cli_env
 from functrain.commands.cli import main
 from functrain.errors import ConfigError, DataError
-from functrain.run.lock import LOCK_NAME, RunLock
+from functrain.guards.lock import LOCK_NAME, RunLock
 from tests.commands.test_cli import TINY, functrain, snapshot
 
 

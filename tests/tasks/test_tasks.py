@@ -16,7 +16,7 @@ from functrain.checkpoint.digest import params_digest
 from functrain.commands.cli import main
 from functrain.errors import ConfigError
 from functrain.run.parts import build_parts
-from functrain.run.config import load_config
+from functrain.config.load import load_config
 from functrain.run.fit import fit
 from functrain.tasks import _REGISTERED, register_task, task_for, task_names
 from functrain.tasks.supervised.task import Supervised

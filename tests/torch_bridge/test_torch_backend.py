@@ -10,11 +10,11 @@ from flax import linen as nn
 
 import functrain
 from functrain.checkpoint import Checkpointer
-from functrain.run.config import load_config
+from functrain.config.load import load_config
 from functrain.errors import CheckpointError, ConfigError
 from functrain.models.gpt import GPTConfig, build as build_flax_gpt
 from functrain.models.mlp import build as build_flax_mlp
-from functrain.run.build import torch_backend as make_backend
+from functrain.run.backends import torch_backend as make_backend
 from torch_bridge.backend import flatten, nest
 from torch_bridge.models import params_from_flax
 from torch_bridge.twins import twin_model

@@ -9,8 +9,8 @@ import numpy as np
 import torch
 
 from tests.conftest import free_port
-from functrain.run.config import load_config
-from functrain.run.build import torch_backend as make_backend
+from functrain.config.load import load_config
+from functrain.run.backends import torch_backend as make_backend
 
 REPO = Path(__file__).resolve().parents[2]
 OVERRIDES = ["data.global_batch_size=32", "train.micro_batches=2", "train.clip_norm=0.5", "train.epochs=null",
@@ -19,8 +19,8 @@ OVERRIDES = ["data.global_batch_size=32", "train.micro_batches=2", "train.clip_n
 WORKER = """
 import sys
 import numpy as np
-from functrain.run.config import load_config
-from functrain.run.build import torch_backend as make_backend
+from functrain.config.load import load_config
+from functrain.run.backends import torch_backend as make_backend
 from tests.torch_bridge.test_torch_distributed import OVERRIDES, global_batches
 config = load_config("configs/mlp_digits_torch.yaml", OVERRIDES)
 batches = global_batches()

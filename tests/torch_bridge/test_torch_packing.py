@@ -15,9 +15,9 @@ from torch import nn as tnn
 from functrain.core import losses as jax_losses
 from functrain.errors import ConfigError
 from functrain.models.gpt import GPTConfig, build as build_flax_gpt
-from functrain.run.config import load_config
+from functrain.config.load import load_config
 from torch_bridge import models
-from functrain.run.build import torch_backend as make_backend
+from functrain.run.backends import torch_backend as make_backend
 from torch_bridge.user_model import build_module, default_causal_lm_loss, packing_keywords
 from torch_bridge.twins import twin_model
 

@@ -76,7 +76,7 @@ class HideTorch:
         if name == "torch" or name.startswith("torch."):
             raise ModuleNotFoundError(f"No module named {name!r} (hidden by the test)")
 sys.meta_path.insert(0, HideTorch())
-import functrain, functrain.run.build, functrain.run.config
+import functrain, functrain.run.build, functrain.run.backends, functrain.config.load
 assert "torch" not in sys.modules
 try:
     import torch_bridge
@@ -84,9 +84,9 @@ except ImportError as error:
     assert "tools/install_torch.sh" in str(error) and "functrain[torch]" in str(error), error
 else:
     raise AssertionError("torch_bridge imported without torch")
-config = functrain.run.config.load_config("configs/mlp_digits_torch.yaml")
+config = functrain.config.load.load_config("configs/mlp_digits_torch.yaml")
 try:
-    functrain.run.build.torch_backend(config, {}, 1)
+    functrain.run.backends.torch_backend(config, {}, 1)
 except functrain.errors.ConfigError as error:
     assert "tools/install_torch.sh" in str(error) and "functrain[torch]" in str(error), error
 else:

@@ -10,7 +10,7 @@ from flax import linen as nn
 
 from functrain.run.parts import make_optimizer as jax_make_optimizer
 from functrain.core import step as jax_step
-from functrain.run.config import OptimizerConfig
+from functrain.config.sections import OptimizerConfig
 from functrain.errors import ConfigError
 from functrain.models.mlp import MLPConfig, build as build_flax_mlp
 from functrain.core.state import TrainState

@@ -10,12 +10,12 @@ from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import functrain
-from functrain.run.callbacks import Callback, Control
+from functrain.callbacks.base import Callback, Control
 from functrain.checkpoint import Checkpointer
 from functrain.checkpoint.layout import checkpoints_dir, committed_steps
-from functrain.run.config import load_config
+from functrain.config.load import load_config
 from functrain.errors import CheckpointError, ConfigError
-from functrain.run.build import torch_backend as make_backend
+from functrain.run.backends import torch_backend as make_backend
 from torch_bridge.models import stateless
 from torch_bridge.user_model import build_module
 

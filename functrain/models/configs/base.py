@@ -15,7 +15,7 @@ from functrain.models.configs.lora import LoraConfig
 
 @dataclass(frozen=True)
 class DecoderShape:
-    """The sizes of a decoder-only transformer the FLOPs formula needs (:mod:`functrain.run.mfu`)."""
+    """The sizes of a decoder-only transformer the FLOPs formula needs (:mod:`functrain.report.mfu`)."""
 
     layers: int
     width: int

@@ -108,7 +108,7 @@ def training_rows(prompts: Prompts, completions: Completions, length: int) -> tu
     return tokens, mask, sampler_logps
 
 
-SAMPLES_FILE = "samples.jsonl"  # functrain.run.samples.SAMPLES_FILE: the run's summary prints its newest
+SAMPLES_FILE = "samples.jsonl"  # functrain.report.samples.SAMPLES_FILE: the run's summary prints its newest
 
 
 def sample_records(

@@ -16,7 +16,7 @@ from functrain.models.configs.mixtral import MixtralConfig
 from functrain.models.configs.qwen_moe import Qwen2MoeConfig
 from functrain.models.lora import lora_program
 from functrain.models.stacking import relayout_like
-from functrain.run.mfu import train_flops_per_token
+from functrain.report.mfu import train_flops_per_token
 from functrain.text.decode import Generator, Sampling
 from tests.conftest import run_python
 

@@ -15,7 +15,7 @@ from functrain.commands.cli import main
 from functrain.models import build_model
 from functrain.models.gpt import GPTConfig
 from functrain.run.build import build_run
-from functrain.run.config import load_config
+from functrain.config.load import load_config
 from functrain.tasks.distill.task import TEACHER
 
 TEACHER_MODEL = {"name": "gpt", "vocab_size": 256, "max_len": 16, "d_model": 32, "n_layers": 2, "n_heads": 2,
@@ -162,7 +162,7 @@ def test_the_teacher_is_sharded_by_its_logical_axes(tmp_path, teacher):
         import json
         from functrain.commands.cli import main
         from functrain.run.build import build_run
-        from functrain.run.config import load_config
+        from functrain.config.load import load_config
         mesh = ["mesh.fsdp=2", "mesh.tensor=2", "run.dir={tmp_path / 'sharded'}"]
         teacher = build_run(load_config({str(config)!r}, mesh)).backend.state_shardings.model_state["teacher"]
         print(json.dumps([list(teacher["params"]["token_embed"]["embedding"].spec),

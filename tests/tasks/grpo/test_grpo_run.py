@@ -223,7 +223,7 @@ def test_a_steps_prompts_must_split_over_the_processes_in_one_line(workspace, tm
 
 
 def test_the_bundled_example_builds_and_its_rewards_score_lipograms(monkeypatch):
-    from functrain.run.config import load_config
+    from functrain.config.load import load_config
     from functrain.run.parts import build_parts
     monkeypatch.chdir(REPO)
     parts = build_parts(load_config("configs/grpo_char_gpt.yaml"))

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from functrain.core.adapters import model_pieces
+from functrain.config.load import load_config
 from functrain.core.step import split_micro_batches
 from functrain.models import build_model, model_config_class
-from functrain.run.config import load_config
 from functrain.tasks.grpo.loss import LossSettings, grpo_program
 from functrain.tasks.grpo.task import shared_prefix_forward
 from functrain.tasks.shared_prefix import SharedPrefix, SharedPrefixForward

@@ -21,7 +21,8 @@ from functrain.models import build_model, gpt, llama
 from functrain.models.lora import LoraConfig
 from functrain.parallel import sharding
 from functrain.run.build import build_run
-from functrain.run.config import MeshConfig, load_config
+from functrain.config.sections import MeshConfig
+from functrain.config.load import load_config
 from functrain.run.jax_backend import JaxBackend
 from functrain.run.parts import build_parts
 from functrain.tasks.preference.task import preference_pieces, preference_program_of

@@ -170,7 +170,7 @@ def test_run_dir_round_trip_loads_in_transformers(tmp_path, highest_precision):
     assert hf_to_run_dir(str(tmp_path / "hf"), str(tmp_path / "run")) == 0
     assert (tmp_path / "run" / "checkpoints" / "0").is_dir()
 
-    from functrain.run.config import load_config
+    from functrain.config.load import load_config
     config = load_config(tmp_path / "run" / "config.yaml")
     assert config.model.name == "llama" and config.model.num_key_value_heads == 2
 

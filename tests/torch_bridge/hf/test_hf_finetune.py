@@ -8,7 +8,7 @@ import transformers
 
 import functrain
 from functrain.commands.cli import main
-from functrain.run.config import load_config
+from functrain.config.load import load_config
 from functrain.models import gpt2
 
 REPO = Path(__file__).resolve().parents[3]
