@@ -1,9 +1,9 @@
 """``functrain plot RUN_DIR [RUN_DIR ...] [-o FILE.png]``: the curves of one or several runs in one PNG.
 
 Panels against step: train and eval loss (log scale when it spans more than a decade), learning rate,
-gradient norm, throughput (tokens/s, else samples/s, else steps/s), and MFU, accuracy, a preference run's
-reward margin and accuracy (TRL's ``rewards/margins``, ``rewards/accuracies``), a GRPO run's mean reward and KL
-(``reward``, ``kl``) and a mixture of experts' router losses and dropped fraction (``moe/aux_loss``, ``moe/z_loss``,
+gradient norm, throughput (tokens/s, else samples/s, else steps/s), and MFU, accuracy, the panels the tasks declare
+(:class:`functrain.tasks.declaration.Panel`: a preference run's reward margin and accuracy, a GRPO run's mean reward
+and KL) and a mixture of experts' router losses and dropped fraction (``moe/aux_loss``, ``moe/z_loss``,
 ``moe/dropped_fraction``) when a run logs them, and one
 panel per lm-eval score (``harness/<task>/<metric>``, see ``eval.harness_tasks``). Each run has one colour; a
 smoothed line (TensorBoard's debiased moving average) is drawn over the faint raw values. Steps whose update
@@ -28,24 +28,33 @@ from functrain.report.events import read_events
 SMOOTHING = 0.6  # weight of the past in the moving average (TensorBoard's default)
 # (panel title, y label, train metric, whether eval values are drawn too, whether it is noisy: smoothed);
 # throughput is the first of tokens/s, samples/s, steps/s that a run logs.
-PANELS = [
+CORE_PANELS = [
     ("loss", "mean loss", "loss", True, True),
     ("learning rate", "learning rate", "learning_rate", False, False),
     ("gradient norm", "global grad norm", "grad_norm", False, True),
     ("throughput", None, ("tokens_per_sec", "samples_per_sec", "steps_per_sec"), False, True),
     ("MFU", "model FLOPs utilisation", "mfu", False, True),
     ("accuracy", "accuracy", "accuracy", True, True),
-    ("reward margin", "rewards/margins", "rewards/margins", True, True),
-    ("reward accuracy", "rewards/accuracies", "rewards/accuracies", True, True),
-    ("reward", "mean reward", "reward", False, True),
-    ("KL to the reference", "kl", "kl", False, True),
+]
+# A mixture of experts' router terms (every task adds them: functrain.core.program.task_program).
+MOE_PANELS = [
     ("router balancing loss", "moe/aux_loss", "moe/aux_loss", True, True),
     ("router z-loss", "moe/z_loss", "moe/z_loss", True, True),
     ("dropped selections", "moe/dropped_fraction", "moe/dropped_fraction", True, True),
 ]
-# The first four panels; MFU, accuracy, the rewards and a mixture of experts' router losses only when some run logs
-# them.
+# The first four panels; MFU, accuracy, the tasks' panels and a mixture of experts' router losses only when some run
+# logs them.
 ALWAYS_SHOWN = 4
+
+
+def panels() -> list[tuple]:
+    """Every panel: the core ones, those the tasks declare (:func:`functrain.tasks.task_panels`), the router's."""
+    from functrain.tasks import task_panels
+
+    declared = [(p.title, p.label, p.metric, p.with_eval, p.smoothed) for p in task_panels()]
+    return [*CORE_PANELS, *declared, *MOE_PANELS]
+
+
 HARNESS = "harness"  # the split of lm-eval scores: a panel each
 
 
@@ -198,25 +207,25 @@ def plot_runs(run_dirs: list[str | os.PathLike], out: str | os.PathLike) -> Path
     if len(set(names)) < len(names):  # same leaf name: tell them apart by their full paths
         names = [str(d) for d in run_dirs]
     runs = [read_run(d, n) for d, n in zip(run_dirs, names)]
-    panels = [_resolve(panel, runs) for panel in PANELS]
-    panels = panels[:ALWAYS_SHOWN] + [
-        p for p in panels[ALWAYS_SHOWN:] if any(run.series("train", p[2]) is not None for run in runs)
+    resolved = [_resolve(panel, runs) for panel in panels()]
+    shown = resolved[:ALWAYS_SHOWN] + [
+        p for p in resolved[ALWAYS_SHOWN:] if any(run.series("train", p[2]) is not None for run in runs)
     ]
     scores = sorted({name for run in runs for name in run.curves.get(HARNESS, {})})
-    panels = [(*panel, "train") for panel in panels] + [
+    drawn = [(*panel, "train") for panel in shown] + [
         (f"lm-eval {name}", name.rpartition("/")[2], name, False, False, HARNESS) for name in scores
     ]
     columns = 3
-    rows = -(-len(panels) // columns)
+    rows = -(-len(drawn) // columns)
     colours = [plt.get_cmap("tab10")(i % 10) for i in range(len(runs))]
     fig, axes = plt.subplots(rows, columns, figsize=(5.2 * columns, 3.6 * rows), squeeze=False)
-    for ax, (title, ylabel, metric, with_eval, noisy, split) in zip(axes.flat, panels):
+    for ax, (title, ylabel, metric, with_eval, noisy, split) in zip(axes.flat, drawn):
         _draw_panel(ax, runs, colours, metric, with_eval, noisy, split)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
-    for ax in list(axes.flat)[len(panels) :]:
+    for ax in list(axes.flat)[len(drawn) :]:
         ax.axis("off")
     handles, labels = axes.flat[0].get_legend_handles_labels()
     if any(run.resume_steps for run in runs):

@@ -26,28 +26,31 @@ def _duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m{seconds:02d}s" if hours else f"{minutes}m{seconds:02d}s"
 
 
-# Eval metrics the summary reports when a run logs them, and which way is better.
-SUMMARY_METRICS = (("loss", min), ("accuracy", max), ("rewards/margins", max), ("rewards/accuracies", max))
+# Eval metrics the summary reports when a run logs them, and which way is better; the tasks declare more
+# (functrain.tasks.task_summary_metrics).
+CORE_SUMMARY_METRICS = (("loss", "min"), ("accuracy", "max"))
+BEST = {"min": min, "max": max}
 
 
 def eval_lines(run_dir: Path) -> list[str]:
-    """``eval <metric>: last .. at step .., best .. at step ..`` for the :data:`SUMMARY_METRICS` a run logs
-    (a preference run's reward margin and accuracy too), from metrics.jsonl."""
+    """``eval <metric>: last .. at step .., best .. at step ..`` for the :data:`CORE_SUMMARY_METRICS` and the
+    tasks' declared ones (a preference run's reward margin and accuracy) a run logs, from metrics.jsonl."""
     from functrain.report.plots import read_run
+    from functrain.tasks import task_summary_metrics
 
     try:
         run = read_run(run_dir)
     except FunctrainError:
         return []
     lines = []
-    for metric, best_of in SUMMARY_METRICS:
+    for metric, better in dict.fromkeys([*CORE_SUMMARY_METRICS, *task_summary_metrics()]):
         series = run.series("eval", metric)
         if series is None:
             continue
         points = [(float(v), int(s)) for s, v in zip(*series) if math.isfinite(v)]
         if not points:
             continue
-        best_value, best_step = best_of(points, key=lambda p: p[0])
+        best_value, best_step = BEST[better](points, key=lambda p: p[0])
         lines.append(
             f"eval {metric}: last {points[-1][0]:.4g} at step {points[-1][1]}, "
             f"best {best_value:.4g} at step {best_step}"
