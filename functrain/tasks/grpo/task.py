@@ -11,7 +11,7 @@ import numpy as np
 from functrain.core.adapters import ModelPieces
 from functrain.core.program import Program
 from functrain.errors import ConfigError, DataError
-from functrain.models import is_language_model
+from functrain.models import family_names, family_of
 from functrain.tasks.base import ExperienceStage, Task, TaskContext, TaskData
 from functrain.tasks.chunked_logits import chunked_pieces
 from functrain.tasks.grpo.config import GRPOConfig
@@ -54,11 +54,12 @@ class GRPO(Task):
         that split into whole groups of completions."""
         super().check(context)
         config, section = context.config, context.config.section(self.name)
-        name = config.model.registry_name()
-        if name is None or not is_language_model(name):
+        family = family_of(config.model)
+        if family is None or not family.generation_cache:
+            given = config.model.registry_name() or "a user model"
             raise ConfigError(
-                f"task grpo samples completions from a built-in causal LM (model.name gpt, llama, ...), not "
-                f"{name or 'a user model'}; set model.name"
+                f"task grpo samples completions from a built-in causal LM with a generation cache (model.name "
+                f"{', '.join(family_names('generation_cache'))}), not {given}; set model.name"
             )
         generations, batch = section.num_generations, config.data.global_batch_size
         if batch % generations:
