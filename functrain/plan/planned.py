@@ -10,6 +10,7 @@ import numpy as np
 
 from functrain.config.pipeline import stages_as_data
 from functrain.config.schema import Config
+from functrain.core.capabilities import backends_with, capabilities_of
 from functrain.core.step import StepSettings
 from functrain.errors import ConfigError
 from functrain.models.scan import fewer_groups_unrolled, scan_groups
@@ -52,8 +53,8 @@ class Planned:
 def plan_run(config: Config, devices: list | None = None) -> Planned:
     """The backend a ``train`` of ``config`` would build, over ``devices`` (None: the local ones; a TPU
     topology's for a pod that is not here), with no state initialised and nothing written or allocated."""
-    if config.backend != "jax":
-        raise ConfigError("functrain plan compiles the JAX step; set backend=jax")
+    if not capabilities_of(config.backend).compiles_with_xla:
+        raise ConfigError(f"functrain plan compiles the JAX step; set backend={backends_with('compiles_with_xla')[0]}")
     # Choices that depend on the hardware (model.attention=auto) are made for the devices planned for.
     with compiling_for(devices):
         parts = build_parts(config)

@@ -11,6 +11,7 @@ import numpy as np
 from functrain.config.pipeline import pipeline_schedule
 from functrain.config.schema import Config
 from functrain.core.backend import Backend
+from functrain.core.capabilities import capabilities_of
 from functrain.core.fields import Fields, require_builtin, resolve_fields
 from functrain.core.program import ModelPieces, Program
 from functrain.core.step import StepSettings
@@ -136,7 +137,7 @@ def backend_of(
 ) -> tuple[Backend, ModelPieces | None]:
     """The backend the config names, built from the parts, and the model's pieces its program runs (None: the
     torch twin, which runs modules)."""
-    if config.backend == "torch":
+    if not capabilities_of(config.backend).runs_programs:  # the torch twin: modules and a loss, no program
         return torch_backend(
             config,
             example_batch,

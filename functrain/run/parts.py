@@ -22,6 +22,7 @@ import optax
 
 from functrain.config.model_section import PythonModelConfig, TargetModelConfig
 from functrain.config.sections import PYTHON_OBJECT
+from functrain.core.capabilities import capabilities_of
 from functrain.core.optim import OptimizerSettings, ScheduleSettings, named_optimizer
 from functrain.core.program import ModelPieces, Program, model_pieces
 from functrain.core.targets import import_target
@@ -158,7 +159,7 @@ def resolve_model(config: Any, model: Any) -> tuple[Any, str | None]:
     section = config.model
     if isinstance(section, TargetModelConfig):
         built = call_target(section.target, section.factory_kwargs(), "model.target")
-        if config.backend == "jax":
+        if capabilities_of(config.backend).runs_programs:  # the factory's model must become a program's pieces
             from functrain.core.program import model_kind_of
 
             try:
@@ -172,7 +173,7 @@ def resolve_model(config: Any, model: Any) -> tuple[Any, str | None]:
             f"pass it again with fit(..., model=) or set model.name or model.target"
         )
     kind = model_spec(section.name)["kind"]
-    if config.backend == "torch":
+    if not capabilities_of(config.backend).runs_programs:
         return None, kind  # the bridge builds its own registry models
     from functrain.core.precision import COMPUTE_DTYPES
 
