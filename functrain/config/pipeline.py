@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
+from functrain.core.capabilities import backends_with, capabilities_of
 from functrain.core.section import Section
 from functrain.errors import ConfigError
 from functrain.models import family_names, family_of
@@ -35,8 +36,9 @@ def pipeline_problem(config: Any) -> str | None:
     if stages == 1:
         return None
     where = f"mesh.pipeline={config.mesh.pipeline} x mesh.dcn_pipeline={config.mesh.dcn_pipeline} ({stages} stages)"
-    if config.backend != "jax":
-        return f"{where} pipelines the JAX backend's scanned layers; set backend=jax or mesh.pipeline=1"
+    if not capabilities_of(config.backend).pipeline:
+        pipelining = backends_with("pipeline")
+        return f"{where} pipelines the JAX backend's scanned layers; set backend={pipelining[0]} or mesh.pipeline=1"
     from functrain.models.scan import layer_period  # flax: a config without a pipeline validates without it
 
     model = config.model

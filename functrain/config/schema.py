@@ -27,6 +27,7 @@ from functrain.config.sections import (
     RunConfig,
     TrainConfig,
 )
+from functrain.core.capabilities import backends_with, capabilities_of
 from functrain.core.section import Section
 from functrain.models import family_named, family_names, family_of, model_config_class
 from functrain.models.configs.base import ModelConfig
@@ -147,8 +148,11 @@ class RunSections(Section):
         ways = self.mesh.context
         if ways == 1 or self.model is None:
             return self
-        if self.backend == "torch":
-            raise ValueError(f"mesh.context={ways} splits the sequence in backend: jax only; set mesh.context=1")
+        if not capabilities_of(self.backend).context_parallel:
+            splitting = " or ".join(backends_with("context_parallel"))
+            raise ValueError(
+                f"mesh.context={ways} splits the sequence in backend: {splitting} only; set mesh.context=1"
+            )
         family = family_of(self.model)
         if family is None or not family.context_parallel:
             name = self.model.registry_name() or "a user model (model.target or a model given to fit)"
@@ -238,17 +242,17 @@ class RunSections(Section):
             raise ValueError(problem)
         if self.train.loss_scale == "dynamic" and self.train.compute_dtype != "float16":
             raise ValueError("train.loss_scale=dynamic is for train.compute_dtype=float16; set one or the other")
-        if self.backend == "torch":
-            for key, value in (
-                ("param_dtype", self.train.param_dtype != "float32"),
-                ("offload_optimizer", self.train.offload_optimizer),
-            ):
-                if value:
-                    raise ValueError(f"train.{key} is for backend: jax; remove it or set backend=jax")
-        if self.train.torch_compile and self.backend != "torch":
+        for key, asked in (
+            ("param_dtype", self.train.param_dtype != "float32"),
+            ("offload_optimizer", self.train.offload_optimizer),
+        ):
+            if asked and self.backend not in (able := backends_with(key)):
+                raise ValueError(f"train.{key} is for backend: {' or '.join(able)}; remove it or set backend={able[0]}")
+        if self.train.torch_compile and not capabilities_of(self.backend).torch_compile:
+            compiling = backends_with("torch_compile")
             raise ValueError(
-                f"train.torch_compile=true is for backend: torch (backend is {self.backend}; the jax "
-                f"step is always compiled); remove it or set backend=torch"
+                f"train.torch_compile=true is for backend: {' or '.join(compiling)} (backend is {self.backend}; the "
+                f"jax step is always compiled); remove it or set backend={compiling[0]}"
             )
         return self
 
@@ -273,8 +277,9 @@ class RunSections(Section):
                 f"checkpoints belong on each machine's own fast storage (a local disk or /dev/shm), apart from "
                 f"the persistent run directory; choose a directory outside it"
             )
-        if self.backend != "jax":
-            raise ValueError("checkpoint.local_dir saves the JAX state's shards; set backend=jax or remove it")
+        if not capabilities_of(self.backend).local_checkpoints:
+            saving = backends_with("local_checkpoints")
+            raise ValueError(f"checkpoint.local_dir saves the JAX state's shards; set backend={saving[0]} or remove it")
 
     def section(self, task: str) -> Any:
         """The config section of task ``task``."""

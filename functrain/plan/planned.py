@@ -10,13 +10,14 @@ import numpy as np
 
 from functrain.config.pipeline import stages_as_data
 from functrain.config.schema import Config
+from functrain.core.capabilities import backends_with, capabilities_of
 from functrain.core.step import StepSettings
 from functrain.errors import ConfigError
 from functrain.models.scan import fewer_groups_unrolled, scan_groups
 from functrain.parallel.target import compiling_for
 from functrain.run.backends import backend_of, jax_backend, step_settings
 from functrain.run.build import training_order
-from functrain.run.parts import Parts, build_parts, check_data, resolve_model, task_program
+from functrain.run.parts import Parts, build_parts, check_data, program_and_pieces, resolve_model
 
 
 @dataclass(frozen=True)
@@ -52,8 +53,8 @@ class Planned:
 def plan_run(config: Config, devices: list | None = None) -> Planned:
     """The backend a ``train`` of ``config`` would build, over ``devices`` (None: the local ones; a TPU
     topology's for a pod that is not here), with no state initialised and nothing written or allocated."""
-    if config.backend != "jax":
-        raise ConfigError("functrain plan compiles the JAX step; set backend=jax")
+    if not capabilities_of(config.backend).compiles_with_xla:
+        raise ConfigError(f"functrain plan compiles the JAX step; set backend={backends_with('compiles_with_xla')[0]}")
     # Choices that depend on the hardware (model.attention=auto) are made for the devices planned for.
     with compiling_for(devices):
         parts = build_parts(config)
@@ -73,7 +74,7 @@ def plan_run(config: Config, devices: list | None = None) -> Planned:
     def variant_backend(variant: Config) -> Any:
         with compiling_for(devices):
             model, _ = resolve_model(variant, None)
-            program, _ = task_program(variant, parts, example_batch, model)
+            program, _ = program_and_pieces(variant, parts, example_batch, model)
             options = parts.task.step_compiler_options()
             return jax_backend(
                 variant, program, max_steps, optimizer=parts.optimizer, devices=devices, compiler_options=options

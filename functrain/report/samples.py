@@ -14,6 +14,7 @@ from typing import Any
 
 from functrain.callbacks.base import Callback
 from functrain.callbacks.view import RunView
+from functrain.core.capabilities import backends_with, capabilities_of
 from functrain.errors import ConfigError
 from functrain.models.configs.base import ModelConfig
 from functrain.report.tensorboard import summary_writer
@@ -47,8 +48,8 @@ def check_language_model_run(model_config: ModelConfig, backend: str, key: str, 
             f"{key} needs a built-in language model (model.name {', '.join(family_names('generation_cache'))}), "
             f"not {model_config.registry_name() or 'a user model'}; {fix}"
         )
-    if backend != "jax":
-        raise ConfigError(f"{key} works with backend: jax; {fix}")
+    if not capabilities_of(backend).decodes_in_loop:
+        raise ConfigError(f"{key} works with backend: {' or '.join(backends_with('decodes_in_loop'))}; {fix}")
 
 
 class SampleWriter(Callback):

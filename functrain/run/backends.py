@@ -10,14 +10,16 @@ import numpy as np
 
 from functrain.config.pipeline import pipeline_schedule
 from functrain.config.schema import Config
+from functrain.core.adapters import ModelPieces
 from functrain.core.backend import Backend
+from functrain.core.capabilities import capabilities_of
 from functrain.core.fields import Fields, require_builtin, resolve_fields
-from functrain.core.program import ModelPieces, Program
+from functrain.core.program import Program
 from functrain.core.step import StepSettings
 from functrain.data.loader import batch_split_problem
 from functrain.errors import TORCH_INSTALL, ConfigError
 from functrain.parallel import determinism
-from functrain.run.parts import Parts, make_optimizer, optimizer_settings, schedule_settings, task_program
+from functrain.run.parts import Parts, make_optimizer, optimizer_settings, program_and_pieces, schedule_settings
 from functrain.tasks.base import ExperienceStage
 
 
@@ -136,7 +138,7 @@ def backend_of(
 ) -> tuple[Backend, ModelPieces | None]:
     """The backend the config names, built from the parts, and the model's pieces its program runs (None: the
     torch twin, which runs modules)."""
-    if config.backend == "torch":
+    if not capabilities_of(config.backend).runs_programs:  # the torch twin: modules and a loss, no program
         return torch_backend(
             config,
             example_batch,
@@ -146,7 +148,7 @@ def backend_of(
             loss_fn=parts.context.loss_fn,
             optimizer=parts.optimizer,
         ), None
-    program, pieces = task_program(config, parts, example_batch)
+    program, pieces = program_and_pieces(config, parts, example_batch)
     experience = parts.task.experience(parts.context, parts.data, pieces)
     if experience is not None and jax.process_count() > 1 and not getattr(experience, "across_processes", False):
         raise ConfigError(

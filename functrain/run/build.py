@@ -32,6 +32,7 @@ from functrain.checkpoint.local import LocalCheckpoints
 from functrain.config.checks import likely_mistakes
 from functrain.config.schema import Config
 from functrain.core.backend import Backend
+from functrain.core.capabilities import backends_with, capabilities_of
 from functrain.data import BatchLoader, IndexSampler, loader_for, order_for
 from functrain.data.kinds import Order
 from functrain.errors import ConfigError
@@ -154,8 +155,11 @@ def _profile_window(config: Config, max_steps: int) -> list[Callback]:
     profile = config.profile
     if not profile.steps:
         return []
-    if config.backend != "jax":
-        raise ConfigError("profile.steps traces the JAX backend with jax.profiler; set backend=jax or profile.steps=0")
+    if not capabilities_of(config.backend).compiles_with_xla:
+        tracing = backends_with("compiles_with_xla")
+        raise ConfigError(
+            f"profile.steps traces the JAX backend with jax.profiler; set backend={tracing[0]} or profile.steps=0"
+        )
     if profile.start_step >= max_steps:
         raise ConfigError(
             f"profile.start_step={profile.start_step} is past the end of the run ({max_steps} steps); "
@@ -181,7 +185,7 @@ def _callbacks(
         EveryNSteps(config.eval.every_steps, config.checkpoint.every_steps),
         MetricsWriter(tensorboard=tensorboard),
         RunEvents(),
-        *([CompileReport(compile_cache)] if config.backend == "jax" else []),
+        *([CompileReport(compile_cache)] if capabilities_of(config.backend).compiles_with_xla else []),
         *trackers,
         *_profile_window(config, max_steps),
     ]
@@ -230,8 +234,9 @@ def _initial_state(config: Config) -> Callable[[Backend], Any] | None:
             f"train that run first (configs/dpo_char_gpt.yaml starts from `make train`'s runs/char_gpt) "
             f"or fix the path"
         )
-    if config.backend != "jax":
-        raise ConfigError("train.init_from starts a JAX run from another run's weights; set backend=jax")
+    if not capabilities_of(config.backend).starts_from_weights:
+        starting = backends_with("starts_from_weights")
+        raise ConfigError(f"train.init_from starts a JAX run from another run's weights; set backend={starting[0]}")
     from functrain.run.init_from import initial_state_from
 
     return functools.partial(initial_state_from, path)
@@ -270,8 +275,9 @@ def build_run(
 ) -> Run:
     """The Run of a resolved config, with any objects given in place of the config's (see
     :func:`functrain.fit` for what each may be)."""
-    compile_cache = enable_compile_cache(config.run.compile_cache) if config.backend == "jax" else None
-    if config.backend == "jax" and jax.default_backend() == "cpu":
+    capabilities = capabilities_of(config.backend)
+    compile_cache = enable_compile_cache(config.run.compile_cache) if capabilities.compiles_with_xla else None
+    if capabilities.compiles_with_xla and jax.default_backend() == "cpu":
         keep_temporaries_in_heap()
     parts = build_parts(
         config,
@@ -345,7 +351,7 @@ def build_run(
         {"config_digest": config.digest(), "model": config.model.model_dump(mode="json")},
         initial_state=_initial_state(config),
     )
-    if config.backend == "torch" and parts.model is not None:  # a torch user model's shape is its own
+    if parts.model is not None and capabilities.reads_user_model_shape:  # a torch user model's shape is its own
         from torch_bridge.user_model import decoder_shape as module_shape
 
         shape = module_shape(parts.model)
@@ -373,5 +379,5 @@ def build_run(
         warnings=(*likely_mistakes(config, max_steps, has_eval_data=task_data.eval is not None), *task_data.notes),
         start_hooks=hooks,
         open_local_checkpoints=open_local_checkpoints,
-        compile_seconds=compile_seconds if config.backend == "jax" else (lambda: 0.0),
+        compile_seconds=compile_seconds if capabilities.compiles_with_xla else (lambda: 0.0),
     )

@@ -23,6 +23,7 @@ import optax
 from functrain.config.model_section import PythonModelConfig, TargetModelConfig
 from functrain.config.sections import PYTHON_OBJECT
 from functrain.core.adapters import ModelPieces, model_pieces
+from functrain.core.capabilities import capabilities_of
 from functrain.core.optim import OptimizerSettings, ScheduleSettings, named_optimizer
 from functrain.core.program import Program
 from functrain.core.targets import import_target
@@ -109,7 +110,7 @@ def transformed(pieces: ModelPieces, config: Any, loss_fn: Callable | None) -> M
     return lora_transform(pieces, lora)
 
 
-def task_program(
+def program_and_pieces(
     config: Any, parts: Parts, example_batch: dict[str, np.ndarray], model: Any = None
 ) -> tuple[Program, ModelPieces]:
     """The task's program on the model's pieces (``model``: another build of the model than the parts', for
@@ -159,7 +160,7 @@ def resolve_model(config: Any, model: Any) -> tuple[Any, str | None]:
     section = config.model
     if isinstance(section, TargetModelConfig):
         built = call_target(section.target, section.factory_kwargs(), "model.target")
-        if config.backend == "jax":
+        if capabilities_of(config.backend).runs_programs:  # the factory's model must become a program's pieces
             from functrain.core.adapters import model_kind_of
 
             try:
@@ -173,7 +174,7 @@ def resolve_model(config: Any, model: Any) -> tuple[Any, str | None]:
             f"pass it again with fit(..., model=) or set model.name or model.target"
         )
     kind = family_named(section.name).kind
-    if config.backend == "torch":
+    if not capabilities_of(config.backend).runs_programs:
         return None, kind  # the bridge builds its own registry models
     from functrain.core.precision import COMPUTE_DTYPES
 

@@ -28,6 +28,7 @@ from typing import Any, Callable, ClassVar, Protocol
 import numpy as np
 
 from functrain.core.adapters import ModelPieces
+from functrain.core.capabilities import backends_with
 from functrain.core.fields import Fields
 from functrain.core.program import Program
 from functrain.data import Source, Stream
@@ -128,8 +129,9 @@ class Task:
     """One training mode (see the module docstring). Subclasses set :attr:`name` and override what differs."""
 
     name: ClassVar[str]
-    # The backends whose step the task's program runs on; the builder refuses the others in one line.
-    backends: ClassVar[tuple[str, ...]] = ("jax",)
+    # The backends the task trains on, the others refused in one line (check): by default those that run a task's
+    # Program; a task whose loss both twins build sets every backend.
+    backends: ClassVar[tuple[str, ...]] = backends_with("runs_programs")
     # Whether a user ``loss_fn`` may replace the task's loss.
     takes_loss_fn: ClassVar[bool] = False
 

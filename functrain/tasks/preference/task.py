@@ -41,8 +41,11 @@ class Preference(Task):
     name = "preference"
 
     def check(self, context: TaskContext) -> None:
-        if context.config.backend != "jax":
-            raise ConfigError("data.name=preference (DPO and its variants) needs backend: jax; set backend=jax")
+        if context.config.backend not in self.backends:
+            raise ConfigError(
+                f"data.name=preference (DPO and its variants) needs backend: {' or '.join(self.backends)}; "
+                f"set backend={self.backends[0]}"
+            )
         if context.loss_fn is not None:
             raise ConfigError(
                 "data.name=preference trains with the preference loss (preference.loss_type); remove "

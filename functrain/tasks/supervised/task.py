@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from functrain.core.adapters import ModelPieces, model_inputs_of
+from functrain.core.capabilities import BACKENDS
 from functrain.core.fields import Fields, require_builtin, resolve_fields
 from functrain.core.losses import batch_check
 from functrain.core.program import Program, builtin_program, user_program
@@ -33,7 +34,7 @@ def first_record(train: Any, transform: Any, seed: int) -> dict[str, np.ndarray]
 class Supervised(Task):
     """A classifier or a causal LM on the data's fields, with the built-in loss or the user's."""
 
-    backends = ("jax", "torch")
+    backends = tuple(BACKENDS)  # every backend runs the built-in losses and user losses
     takes_loss_fn = True
 
     def __init__(self, name: str) -> None:
