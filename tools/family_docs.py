@@ -12,11 +12,11 @@ import re
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # run as a script from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
 from functrain.models import collect_families, declared_families  # noqa: E402
 from functrain.models.family import Family  # noqa: E402
+from tools import doc_markers  # noqa: E402
 
 LIST = re.compile(r"(<!-- families: (?P<selector>[a-z_! ]+) -->)(?P<body>.*?)(<!-- /families -->)", re.S)
 TABLE = re.compile(r"(<!-- family-table -->\n)(?P<body>.*?)(<!-- /family-table -->)", re.S)
@@ -65,22 +65,10 @@ def rendered(text: str) -> str:
     return TABLE.sub(lambda m: m.group(1) + family_table() + m.group(3), text)
 
 
-def documents() -> list[Path]:
-    """The files that may hold marked lists: the README and docs/."""
-    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-
-
 def stale() -> list[Path]:
     """The documents whose marked lists or tables differ from the registry's."""
-    return [path for path in documents() if rendered(path.read_text()) != path.read_text()]
+    return doc_markers.stale(rendered)
 
 
 if __name__ == "__main__":
-    if "--write" in sys.argv[1:]:
-        for path in stale():
-            path.write_text(rendered(path.read_text()))
-            print(f"rewrote {path.relative_to(ROOT)}")
-        sys.exit(0)
-    out_of_date = stale()
-    print("\n".join(f"stale: {path.relative_to(ROOT)}" for path in out_of_date) or "the docs' families are current")
-    sys.exit(1 if out_of_date else 0)
+    sys.exit(doc_markers.main(rendered, "families"))

@@ -2,7 +2,7 @@
 them; ``python tools/family_docs.py --write`` brings them up to date)."""
 
 from functrain.models import family_names
-from tools import family_docs
+from tools import doc_markers, family_docs
 
 # Where the docs list families, and which: a list that left its document would no longer be checked.
 EXPECTED_LISTS = {
@@ -21,12 +21,12 @@ EXPECTED_LISTS = {
 def test_the_docs_lists_and_table_of_families_are_the_registry_s():
     assert family_docs.stale() == [], "run: python tools/family_docs.py --write"
     lists = {}
-    for path in family_docs.documents():
+    for path in doc_markers.documents():
         selectors = [match.group("selector") for match in family_docs.LIST.finditer(path.read_text())]
         if selectors:
-            lists[str(path.relative_to(family_docs.ROOT))] = selectors
+            lists[str(path.relative_to(doc_markers.ROOT))] = selectors
     assert lists == EXPECTED_LISTS
-    table = family_docs.TABLE.search((family_docs.ROOT / "docs" / "config.md").read_text()).group("body")
+    table = family_docs.TABLE.search((doc_markers.ROOT / "docs" / "config.md").read_text()).group("body")
     assert [line.split(" | ")[0].strip("| `") for line in table.splitlines()[2:]] == list(family_docs.shipped())
     assert list(family_docs.shipped()) == family_names()  # no plugin installed here: the registry is what ships
 
