@@ -1,8 +1,8 @@
 """A training mode of your own: a regression task (mean squared or Huber error) in one file, registered by name.
 
-functrain's tasks (``classify``, ``causal_lm``, ``preference``, ``distill``) are plugins of the same shape as this
-one (see docs/tasks.md): a typed config section named after the task, how the data becomes batches, and the loss
-on the model's pieces. Registered, the task is trained by ``fit`` or a YAML config (``task: regression``), with
+functrain's own tasks (a folder each under functrain/tasks/, listed in docs/tasks.md) are plugins of the same shape
+as this one: a typed config section named after the task, how the data becomes batches, and the loss on the model's
+forward (a TaskLoss). Registered, the task is trained by ``fit`` or a YAML config (``task: regression``), with
 everything else of a run: accumulation, sharding, checkpoints, bitwise resume, LoRA on a linen model.
 
     python examples/regression_task.py [RUN_DIR] [MAX_STEPS]

@@ -1,0 +1,276 @@
+"""Every command the README shows is checked here, cheaply, and its ``fit()`` example runs.
+
+A command is a line of a fenced block without a language, or inline code that starts with a program
+(:data:`PROGRAMS`). A ``functrain`` line parses with the CLI's own parser; the repository paths it names exist, the
+configs it names load (validated, nothing run) and the run directories it reads are ones a README command trains. A
+``make`` line names a Makefile target, and the ``functrain`` line its recipe runs (with the line's variables) passes
+the same checks. An install line installs extras pyproject.toml declares (``pip``) or a script the repository holds
+(``sh``). Inline code naming a verb or a flag (`functrain eval`, `--search`) names one the CLI has. The Python
+example runs for real: 5 steps into a temporary run directory. A command none of this applies to is listed in
+:data:`NOT_CHECKED` with the reason; a fenced block that is no command in :data:`NOT_COMMANDS`.
+"""
+
+import argparse
+import functools
+import logging
+import re
+import shlex
+from importlib.metadata import metadata
+from logging.handlers import BufferingHandler
+from pathlib import Path
+
+import pytest
+
+from functrain.callbacks.outcome import StopKind
+from functrain.commands import cli
+from functrain.config.load import load_config
+from functrain.report.console import RUN_LOGGER
+
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text()
+MAKEFILE = (ROOT / "Makefile").read_text()
+FENCE = re.compile(r"^```(?P<lang>\w*)\n(?P<body>.*?)^```\n", re.S | re.M)
+INLINE = re.compile(r"`([^`]+)`")
+PROGRAMS = ("functrain", "make", "sh", "pip", ".venv/bin/pip", ".")
+# Fenced blocks without a language that hold no command, by the start of their first line: what they show.
+NOT_COMMANDS = {
+    "summary of runs/char_gpt:": "what `make train` prints at its end",
+    "config + objects --functrain.build()-->": "the architecture, drawn",
+}
+# Commands no check applies to, and why.
+NOT_CHECKED = {
+    ". .venv/bin/activate": "puts the .venv/ `make` creates on the shell's PATH: the shell's state, nothing to check",
+}
+# Folders of the repository a command's path may name (anything else, such as runs/, is made by the commands).
+REPO_FOLDERS = ("configs", "examples", "tools", "docs", "bench")
+
+
+def fenced_blocks() -> list[tuple[str, str]]:
+    """``(language, body)`` of each fenced block."""
+    return [(match.group("lang"), match.group("body")) for match in FENCE.finditer(README)]
+
+
+def _split(line: str) -> list[list[str]]:
+    """A shell line as the words of its commands: comments dropped, split at ``&&``."""
+    commands: list[list[str]] = [[]]
+    for word in shlex.split(line, comments=True):
+        if word == "&&":
+            commands.append([])
+        else:
+            commands[-1].append(word)
+    return [words for words in commands if words]
+
+
+def block_commands() -> list[list[str]]:
+    """The commands of the fenced shell blocks (continued lines joined)."""
+    commands = []
+    for language, body in fenced_blocks():
+        if language or any(body.startswith(start) for start in NOT_COMMANDS):
+            continue
+        for line in body.replace("\\\n", " ").splitlines():
+            commands += _split(line)
+    return commands
+
+
+def inline_spans() -> list[str]:
+    """Inline code of the prose (a span broken over lines joined), fenced blocks left out."""
+    return [span.replace("\n", " ") for span in INLINE.findall(FENCE.sub("", README))]
+
+
+def inline_commands() -> list[list[str]]:
+    """Inline code that is a command: a program and at least one word."""
+    return [shlex.split(span) for span in inline_spans() if span.split()[0] in PROGRAMS and len(span.split()) > 1]
+
+
+def readme_commands() -> list[list[str]]:
+    """Every command of the README, once each, in the README's order (fenced blocks first)."""
+    unique = dict.fromkeys(tuple(words) for words in [*block_commands(), *inline_commands()])
+    return [list(words) for words in unique]
+
+
+# ------------------------------------------------------------------------------------------------ make
+
+
+def make_variables() -> dict[str, str]:
+    """The Makefile's variables and their defaults (``CONFIG ?= ...``, ``VENV := ...``)."""
+    return dict(re.findall(r"^(\w+) *[?:]?= *(.*?) *$", MAKEFILE, re.M))
+
+
+def make_targets() -> set[str]:
+    """The Makefile's targets."""
+    return {target for line in re.findall(r"^([^\s#=]+):", MAKEFILE, re.M) for target in line.split()}
+
+
+def make_recipe_functrain(words: list[str]) -> list[list[str]]:
+    """The ``functrain`` lines the recipe of ``make TARGET VAR=value...`` runs, its variables substituted."""
+    target, variables = words[1], {**make_variables(), **dict(word.split("=", 1) for word in words[2:])}
+    recipe = re.search(rf"^{re.escape(target)}:.*\n((?:\t.*\n)*)", MAKEFILE, re.M)  # None: no target (its test says)
+    lines = []
+    for line in recipe.group(1).splitlines() if recipe else []:
+        if line.strip().startswith("$(VENV)/bin/functrain "):
+            line = re.sub(r"\$\((\w+)\)", lambda match: variables[match.group(1)], line.strip())
+            lines.append(["functrain", *shlex.split(line)[1:]])
+    return lines
+
+
+# ------------------------------------------------------------------------------------------------ functrain
+
+
+@functools.cache
+def verb_parsers() -> dict[str, argparse.ArgumentParser]:
+    """Each verb's parser, as ``functrain`` builds them."""
+    parser = cli._parser()
+    return next(action.choices for action in parser._actions if isinstance(action, argparse._SubParsersAction))
+
+
+def parsed(words: list[str]) -> argparse.Namespace:
+    """``functrain ...`` parsed as the CLI parses it (trailing ``key=value`` words of some verbs: overrides)."""
+    try:
+        args, extra = cli._parser().parse_known_args(words[1:])
+    except SystemExit:
+        pytest.fail(f"the README's `{shlex.join(words)}` does not parse (argparse's message above)")
+    if args.command in cli.TAKES_OVERRIDES and all("=" in word and not word.startswith("-") for word in extra):
+        args.overrides += extra
+    else:
+        assert not extra, f"the README's `{shlex.join(words)}`: unrecognized arguments {extra}"
+    return args
+
+
+def functrain_lines() -> list[list[str]]:
+    """Every ``functrain`` line the README runs, its own and those of the ``make`` targets it runs."""
+    lines = []
+    for words in readme_commands():
+        if words[0] == "functrain":
+            lines.append(words)
+        elif words[0] == "make":
+            lines += make_recipe_functrain(words)
+    return lines
+
+
+@functools.cache
+def trained_runs() -> dict[str, str]:
+    """``run.dir`` -> the config of each run a README command trains (a config that is not there: none; the
+    command's own test says so)."""
+    runs = {}
+    for words in functrain_lines():
+        args = parsed(words) if words[1] == "train" else None
+        if args is not None and (ROOT / args.config).is_file():
+            runs[load_config(ROOT / args.config, args.overrides).run.dir] = args.config
+    return runs
+
+
+def _strings(tree: object) -> list[str]:
+    if isinstance(tree, dict):
+        return [text for value in tree.values() for text in _strings(value)]
+    if isinstance(tree, (list, tuple)):
+        return [text for value in tree for text in _strings(value)]
+    return [tree] if isinstance(tree, str) else []
+
+
+def check_paths(words: list[str], args: argparse.Namespace, runs: dict[str, str]) -> None:
+    """The repository paths a parsed ``functrain`` line names exist, its configs load, its runs are trained."""
+    for value in _strings(vars(args)):
+        if value.split("/")[0] in REPO_FOLDERS:
+            assert (ROOT / value).exists(), f"the README's `{shlex.join(words)}` names {value}, which is not there"
+        if value.startswith("configs/") and value.endswith(".yaml"):
+            load_config(ROOT / value, getattr(args, "overrides", []))
+        if value.startswith("runs/"):
+            run = "/".join(value.split("/")[:2])
+            assert run in runs, f"the README's `{shlex.join(words)}` reads {run}, which no README command trains"
+    if args.command == "eval" and args.include_path:  # the tasks it names are defined in the folder it adds
+        yamls = "".join(path.read_text() for path in (ROOT / args.include_path).rglob("*.yaml"))
+        undefined = set(args.tasks.split(",")) - set(re.findall(r"^task: *(\S+)", yamls, re.M))
+        assert not undefined, f"the README's `{shlex.join(words)}`: {args.include_path} defines no {sorted(undefined)}"
+
+
+# ------------------------------------------------------------------------------------------------ the tests
+
+
+@pytest.mark.parametrize("words", readme_commands(), ids=shlex.join)
+def test_a_readme_command_is_well_formed(words):
+    program, line = words[0], shlex.join(words)
+    if line in NOT_CHECKED:
+        return
+    if program == "functrain":
+        if words[1] in cli.VERBS and all(word.startswith("--") for word in words[2:]):  # a verb (and flags) named
+            options = verb_parsers()[words[1]]._option_string_actions
+            assert all(word in options for word in words[2:]), f"`{line}`: functrain {words[1]} has no such flag"
+            return
+        check_paths(words, parsed(words), trained_runs())
+    elif program == "make":
+        assert words[1] in make_targets(), f"`{line}`: the Makefile has no target {words[1]!r}"
+        unread = {word.split("=")[0] for word in words[2:]} - set(make_variables())
+        assert not unread, f"`{line}` sets {sorted(unread)}, which the Makefile does not read"
+        runs = trained_runs()
+        for recipe_line in make_recipe_functrain(words):
+            check_paths(recipe_line, parsed(recipe_line), runs)
+    elif program in ("pip", ".venv/bin/pip"):
+        wanted = [re.fullmatch(r"(?:functrain|\.)\[(.+)\]", word) for word in words[2:]]
+        extras = {extra for match in wanted if match for extra in match.group(1).split(",")}
+        assert words[1] == "install" and extras, f"`{line}`: not a pip install of functrain's extras"
+        assert extras <= set(metadata("functrain").get_all("Provides-Extra")), f"`{line}`: extras pyproject lacks"
+    elif program == "sh":
+        assert (ROOT / words[1]).is_file(), f"`{line}`: no script {words[1]} in the repository"
+    else:
+        pytest.fail(f"`{line}`: no check for {program!r} here; add one, or list it in NOT_CHECKED with the reason")
+
+
+def test_the_runs_the_readme_trains_start_from_runs_it_trains():
+    runs = trained_runs()
+    assert {"runs/char_gpt", "runs/dpo_char_gpt", "runs/grpo_char_gpt", "runs/distill_char_gpt"} <= set(runs)
+    for run_dir, config in runs.items():
+        read = [value for value in _strings(load_config(ROOT / config).to_dict()) if value.startswith("runs/")]
+        for value in read:
+            assert value == run_dir or value in runs or value in make_targets(), (
+                f"{config} (trained by the README) reads {value}, which no README command or make target makes"
+            )
+
+
+def test_flags_the_readme_names_are_the_cli_s():
+    flags = [span.split()[0] for span in inline_spans() if span.startswith("--")]
+    options = {option for parser in verb_parsers().values() for option in parser._option_string_actions}
+    unknown = sorted(set(flags) - options)
+    assert flags and not unknown, f"the README names flags no functrain verb has: {unknown}"
+
+
+def test_every_block_is_commands_or_named_and_the_lists_here_are_the_readme_s():
+    languages = [language for language, _ in fenced_blocks()]
+    assert sorted(set(languages)) == ["", "python"] and languages.count("python") == 1
+    for start in NOT_COMMANDS:
+        assert any(body.startswith(start) for _, body in fenced_blocks()), f"no README block starts {start!r}"
+    commands = [shlex.join(words) for words in readme_commands()]
+    assert set(NOT_CHECKED) <= set(commands)
+    assert sum(words[0] == "functrain" for words in readme_commands()) >= 8
+
+
+def _kinds(lines: list[str]) -> list[str]:
+    """What each line of a run summary reports: its leading words, paths left out (``summary of``, ``eval loss``,
+    ``goodput``, ``lost``); the samples' text (``| ...``) is no kind of line."""
+    unpathed = [re.sub(r"\S*/\S*", "", line).strip() for line in lines if not line.strip().startswith("|")]
+    return [re.match(r"[a-z ]*", line).group().strip() for line in unpathed]
+
+
+def test_the_readme_fit_example_runs_and_prints_the_summary_lines_the_readme_shows(tmp_path):
+    (code,) = [body for language, body in fenced_blocks() if language == "python"]
+    run_dir = tmp_path / "mlp_demo"
+    for old, new in {'"runs/mlp_demo"': repr(str(run_dir)), '"max_steps": 300': '"max_steps": 5'}.items():
+        assert code.count(old) == 1, f"the README's fit example no longer holds {old}: update this test's edit"
+        code = code.replace(old, new)
+    run_log, lines = logging.getLogger(RUN_LOGGER), BufferingHandler(capacity=10**6)
+    level = run_log.level
+    run_log.addHandler(lines)
+    run_log.setLevel(logging.INFO)
+    try:
+        namespace: dict = {"__name__": "readme_fit_example"}
+        exec(compile(code, "README.md's fit example", "exec"), namespace)
+    finally:
+        run_log.removeHandler(lines)
+        run_log.setLevel(level)
+    result = namespace["result"]
+    assert (result.step, result.stop_kind, result.steps_run) == (5, StopKind.FINISHED, 5)
+    assert Path(result.run_dir) == run_dir and (run_dir / "metrics.jsonl").exists()
+    # Every kind of line this run's summary printed is in the README's sample of one (a goodput line added to the
+    # summary and not to the sample fails here).
+    summary = next(record.getMessage() for record in lines.buffer if record.getMessage().startswith("summary of"))
+    (sample,) = [body for language, body in fenced_blocks() if body.startswith("summary of")]
+    assert set(_kinds(summary.splitlines())) <= set(_kinds(sample.splitlines())), summary
