@@ -5,8 +5,9 @@ A command is a line of a fenced block without a language, or inline code that st
 configs it names load (validated, nothing run) and the run directories it reads are ones a README command trains. A
 ``make`` line names a Makefile target, and the ``functrain`` line its recipe runs (with the line's variables) passes
 the same checks. An install line installs extras pyproject.toml declares (``pip``) or a script the repository holds
-(``sh``). Inline code naming a verb or a flag (`functrain eval`, `--search`) names one the CLI has. The Python
-example runs for real: 5 steps into a temporary run directory. A command none of this applies to is listed in
+(``sh``). Inline code naming a verb or a flag (`functrain eval`, `--search`) names one the CLI has, and the modules
+the layout table names are there. The Python example runs for real: 5 steps into a temporary run directory, its
+summary's lines of the kinds the README's sample shows. A command none of this applies to is listed in
 :data:`NOT_CHECKED` with the reason; a fenced block that is no command in :data:`NOT_COMMANDS`.
 """
 
@@ -241,6 +242,17 @@ def test_every_block_is_commands_or_named_and_the_lists_here_are_the_readme_s():
     commands = [shlex.join(words) for words in readme_commands()]
     assert set(NOT_CHECKED) <= set(commands)
     assert sum(words[0] == "functrain" for words in readme_commands()) >= 8
+
+
+def test_the_modules_the_readme_layout_names_are_there():
+    rows = re.findall(r"^\| `((?:functrain|torch_bridge)/[\w/]*)` \| (.*) \|$", README, re.M)
+    assert len(rows) >= 10
+    for folder, text in rows:
+        while re.search(r"\([^()]*\)", text):  # what a parenthesis says of a module names no module
+            text = re.sub(r"\([^()]*\)", "", text)
+        for name in re.findall(r"`([\w/]+)`", text):
+            path = ROOT / folder / name
+            assert path.with_suffix(".py").is_file() or path.is_dir(), f"the README's layout names {folder}{name}"
 
 
 def _kinds(lines: list[str]) -> list[str]:
