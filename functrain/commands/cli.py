@@ -12,7 +12,7 @@ import logging
 import sys
 from typing import Any
 
-from functrain.errors import EXIT_BAD_INPUT, EXIT_SIGNAL, FunctrainError
+from functrain.errors import EXIT_BAD_INPUT, EXIT_SIGNAL, FunctrainError, user_code_failure
 from functrain.guards.signals import (
     CommandSignals,
     Interrupted,
@@ -117,6 +117,12 @@ def _run(argv: list[str]) -> int:
         if args.debug:
             raise
         print(f"functrain: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except Exception as exc:  # user code that failed during a run: its one line (functrain.run.failure)
+        line = user_code_failure(exc)
+        if line is None or args.debug:
+            raise
+        print(f"functrain: error: {line}", file=sys.stderr)
         return EXIT_BAD_INPUT
 
 
