@@ -7,8 +7,9 @@ if "$py" -c "import torch" 2>/dev/null; then exit 0; fi
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
     exec "$py" -m pip install --quiet --no-compile "torch>=2.11,<2.14"
 fi
-# A local CPU wheel (pip's find-links) is taken as is; otherwise ask PyTorch's CPU index.
-if "$py" -m pip download --quiet --no-deps --no-index --dest /tmp/functrain-torch-probe "torch==2.13.0" >/dev/null 2>&1; then
+# A local CPU wheel (pip's find-links) is taken as is; otherwise ask PyTorch's CPU index. The probe resolves without
+# installing or copying anything (a download probe left a 183 MB wheel in the temp folder).
+if "$py" -m pip install --dry-run --quiet --no-deps --no-index "torch==2.13.0" >/dev/null 2>&1; then
     exec "$py" -m pip install --quiet --no-compile "torch==2.13.0"
 fi
 exec "$py" -m pip install --quiet --no-compile "torch>=2.11,<2.14" --index-url https://download.pytorch.org/whl/cpu \

@@ -5,9 +5,12 @@ and saving, early stopping) and :mod:`functrain.report` (metrics.jsonl, the prog
 Every event gets a read-only :class:`~functrain.callbacks.view.RunView` (where the run stands) and may return a
 :class:`Control` asking the loop to stop (with its reason), save or evaluate at the current call boundary, or,
 from ``on_evaluate``, to log metrics the callback measured. Events fire at call boundaries: with
-``train.steps_per_call = K``, ``on_step_end`` fires once per K steps with ``view.step`` the step reached.
+``train.steps_per_call = K``, ``on_step_end`` fires once per K steps with ``view.step`` the step reached. When
+the run fails once training began, ``on_exception`` fires before the error is raised (the progress bar ends its
+line there).
 """
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +76,8 @@ class Callback:
     def on_log(self, view: RunView, split: str, step: int, metrics: dict[str, float]) -> Control | None: ...
     def on_evaluate(self, view: RunView, metrics: dict[str, float]) -> Control | None: ...
     def on_save(self, view: RunView, step: int) -> Control | None: ...
+    def on_exception(self, view: RunView, error: Exception) -> None:
+        """The run is failing with ``error`` (raised once this returns): close what the callback keeps open."""
 
 
 class CallbackList:
@@ -92,3 +97,10 @@ class CallbackList:
                 )
             control = control.merge(request)
         return control
+
+    def fire_exception(self, view: RunView, error: Exception) -> None:
+        """``on_exception`` of every callback that has one; a callback that fails there is passed over, so that
+        ``error``, the run's failure, is what the user sees."""
+        for callback in self.callbacks:
+            with contextlib.suppress(Exception):
+                callback.on_exception(view, error)

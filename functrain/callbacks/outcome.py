@@ -4,7 +4,8 @@ Exit statuses of ``functrain train`` (also ``FitResult.exit_code``):
 
 ====  =========================================================================================
 0     finished: the planned steps ran (or early stopping or a callback ended the run)
-2     bad input: a config, data, checkpoint or run-directory problem (one line on stderr)
+2     bad input: a config, data, checkpoint or run-directory problem (one line on stderr), or user code that failed
+      during the run (:mod:`functrain.run.failure`)
 3     stopped because a step was non-finite (``train.nonfinite: stop``); params are intact
 4     finished, but more than ``train.max_skipped_fraction`` of its steps were skipped as non-finite:
       the model barely trained

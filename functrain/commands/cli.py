@@ -10,9 +10,9 @@ import contextlib
 import importlib
 import logging
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
-from functrain.errors import EXIT_BAD_INPUT, EXIT_SIGNAL, FunctrainError
+from functrain.errors import EXIT_BAD_INPUT, EXIT_SIGNAL, FunctrainError, user_code_failure
 from functrain.guards.signals import (
     CommandSignals,
     Interrupted,
@@ -45,8 +45,16 @@ def _verb(name: str) -> Any:
     return importlib.import_module(f"functrain.commands.{VERBS[name]}")
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with its errors in one line naming the argument, as every other bad input is (argparse prints its
+    usage block first); ``--help`` still shows the usage. The verbs' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="functrain", description="functrain: train, inspect, convert, plot, generate, tokenize, plan, eval."
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
@@ -117,6 +125,12 @@ def _run(argv: list[str]) -> int:
         if args.debug:
             raise
         print(f"functrain: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except Exception as exc:  # user code that failed during a run: its one line (functrain.run.failure)
+        line = user_code_failure(exc)
+        if line is None or args.debug:
+            raise
+        print(f"functrain: error: {line}", file=sys.stderr)
         return EXIT_BAD_INPUT
 
 

@@ -22,8 +22,20 @@ TPU_DEVICE_NODES = ("/dev/accel*", "/dev/vfio/[0-9]*")
 OTHER_ACCELERATOR_NODES = ("/dev/kfd",)  # ROCm: JAX's own choice finds it
 NVIDIA_DEVICE_NODES = ("/dev/nvidia[0-9]*",)
 CUDA_PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin")
-# A topology's generation -> libtpu's accelerator-type prefix and TensorCores per chip (the type counts cores).
-ACCELERATOR_TYPES = {"v4": ("v4", 2), "v5p": ("v5p", 2), "v5e": ("v5litepod", 1), "v6e": ("v6e", 1)}
+# A topology's generation -> libtpu's accelerator-type prefix and TensorCores per chip (the type counts cores): the
+# generations libtpu's topology names take (``v5`` is v5p's other name).
+ACCELERATOR_TYPES = {
+    "v2": ("v2", 2),
+    "v3": ("v3", 2),
+    "v4": ("v4", 2),
+    "v5": ("v5p", 2),
+    "v5p": ("v5p", 2),
+    "v5e": ("v5litepod", 1),
+    "v6e": ("v6e", 1),
+}
+# Said to libtpu for a name that is not a topology of these generations: libtpu refuses the name itself (the plan's
+# one-line error quotes it), and with an accelerator type it knows it prints no warning of its own before ours.
+NOT_A_TOPOLOGY_TYPE = "v4-8"
 
 
 def _present(patterns: tuple[str, ...]) -> bool:
@@ -70,3 +82,5 @@ def describe_host_to_libtpu(topology: str) -> None:
     if generation in ACCELERATOR_TYPES and all(dim.isdigit() for dim in dims):
         prefix, cores_per_chip = ACCELERATOR_TYPES[generation]
         os.environ.setdefault("TPU_ACCELERATOR_TYPE", f"{prefix}-{math.prod(map(int, dims)) * cores_per_chip}")
+    else:
+        os.environ.setdefault("TPU_ACCELERATOR_TYPE", NOT_A_TOPOLOGY_TYPE)

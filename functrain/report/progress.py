@@ -43,3 +43,6 @@ class ProgressBar(Callback):
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+    def on_exception(self, view: RunView, error: Exception) -> None:
+        self.on_train_end(view)  # the bar's line ends: the error is printed on a line of its own

@@ -36,6 +36,7 @@ from functrain.run.announce import announce_start
 from functrain.run.build import Run
 from functrain.run.call_metrics import CallMetrics
 from functrain.run.evaluation import Evaluation
+from functrain.run.failure import reported
 from functrain.run.resume import Start, describe_source
 
 log = logging.getLogger("functrain")
@@ -69,6 +70,7 @@ class _Driver:
         self.start: Start | None = None
         self.last_meta: dict[str, Any] | None = None
         self.last_saved_step = -1
+        self.at_step: int | None = None  # the step (1-based) a failure is reported at, once training began
 
     @contextlib.contextmanager
     def owning_run_dir(self) -> Any:
@@ -238,6 +240,7 @@ class _Driver:
         nonfinite_at_start = self.backend.nonfinite_steps_of(state)
         self.metrics.start(step, nonfinite_at_start)
         callbacks = self.run.callbacks
+        self.at_step = step + 1
         callbacks.fire("on_train_begin", self.view)
         callbacks.fire("on_epoch_begin", self.view)
         in_flight: deque[tuple[int, Any, int]] = deque()  # (end step, device metrics, end position), unread
@@ -256,12 +259,14 @@ class _Driver:
                 with self.backend.hot_path():
                     state, metrics = self.backend.train_call(state, batches)
                 step += self.metrics.dispatched(step, metrics)
+                self.at_step = step  # the callbacks at the boundary run after this step
                 epoch_before = self.record.epoch
                 self.update_record(step, position)
                 in_flight.append((step, metrics, position))
                 ending = self.boundary(in_flight, state, step, position, self.record.epoch != epoch_before)
                 if ending.should_stop:
                     break
+                self.at_step = step + 1  # the next call's batches are read and its steps dispatched
             # The last calls are read here: a non-finite step among them stops the run as one read earlier does.
             ending = ending.merge(self.metrics.finish_all(in_flight))
         finished = not ending.should_stop
@@ -292,7 +297,17 @@ class _Driver:
 
 
 def drive(run: Run) -> FitResult:
-    """Train ``run`` from where its run directory stands to its end (or a stop request)."""
+    """Train ``run`` from where its run directory stands to its end (or a stop request). User code that fails once
+    training began is reported in one line (:mod:`functrain.run.failure`)."""
     driver = _Driver(run)
-    with driver.owning_run_dir():
-        return driver.train()
+    try:
+        with driver.owning_run_dir():
+            return driver.train()
+    except Exception as error:  # once training began: the progress bar closed, user code's failure in one line
+        if driver.at_step is None:
+            raise
+        run.callbacks.fire_exception(driver.view, error)
+        failure = reported(error, driver.at_step, driver.checkpointer.steps())
+        if failure is error:
+            raise
+        raise failure from error

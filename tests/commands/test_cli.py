@@ -130,3 +130,16 @@ def test_logging_is_configured_once_and_writes_to_the_current_stderr(tmp_path, m
     monkeypatch.setattr(sys, "stderr", now)
     logging.getLogger("functrain.checkpoint").info("a line after the close")
     assert now.getvalue() == "a line after the close\n"  # no "--- Logging error ---" either
+
+
+@pytest.mark.parametrize("words, line", [
+    (["train", "configs/mlp_digits.yaml", "--restarts", "abc"],
+     "functrain train: error: argument --restarts: invalid int value: 'abc'; see functrain train --help"),
+    (["plan", "configs/mlp_digits.yaml", "--slices"],
+     "functrain plan: error: argument --slices: expected one argument; see functrain plan --help"),
+])
+def test_a_bad_flag_is_one_line_naming_it_exit_2(words, line, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(words)
+    assert info.value.code == 2
+    assert capsys.readouterr().err == line + "\n"  # no usage block before it

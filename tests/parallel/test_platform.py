@@ -70,3 +70,19 @@ def test_functrain_train_prints_no_libtpu_lines(tmp_path):
     assert proc.returncode == 0, proc.stderr
     noisy = [line for line in proc.stderr.splitlines() if any(marker in line for marker in LIBTPU_MARKERS)]
     assert noisy == []
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="the tpu extra is not installed")
+@pytest.mark.skipif(bool(platform.platforms_without_tpu() is None), reason="a TPU is attached")
+@pytest.mark.parametrize("topology, libtpus_reason", [
+    ("v9x:2x2", "Invalid TPU external name: TPU v9x"),
+    ("v5p:abc", "Your TPU topology name v5p:abc is invalid"),
+])
+def test_a_bad_topology_is_our_one_line_with_no_libtpu_line_before_it(topology, libtpus_reason):
+    env = {key: value for key, value in os.environ.items() if key not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    proc = subprocess.run([sys.executable, "-m", "functrain", "plan", "configs/mlp_digits.yaml", "--topology",
+                           topology], capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=300)
+    assert proc.returncode == 2
+    [line] = proc.stderr.splitlines()
+    assert line.startswith(f"functrain: error: unknown TPU topology {topology!r} (INVALID_ARGUMENT: {libtpus_reason}")

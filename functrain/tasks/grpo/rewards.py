@@ -13,7 +13,8 @@ its last number, compared as numbers when both are numbers, else as stripped tex
 completion matches ``grpo.format_pattern``, a regex matched with ``re.DOTALL``).
 
 A function that raises, returns the wrong number of rewards, or a NaN or a value that is not a number stops the
-run with one line naming it (the run's last checkpoint is whole; fix the function and run the same command again).
+run with one line naming it with its file and line (a :class:`~functrain.errors.UserCodeError`: the loop adds the
+checkpoint the run resumes from once the function is fixed).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any, Callable
 import numpy as np
 
 from functrain.core.targets import import_target
-from functrain.errors import ConfigError, DataError
+from functrain.errors import ConfigError, UserCodeError, definition_site, one_line, user_code_site
 from functrain.tasks.grpo.config import BUILTIN_REWARDS
 
 ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -161,28 +162,33 @@ def scores(
     columns: dict[str, list[Any]],
     step: int,
 ) -> np.ndarray:
-    """Each function's rewards ``[B, F]`` float32 (NaN where it returned None); a function that raises or returns
-    something else than one number or None per completion is a one-line DataError naming it."""
+    """Each function's rewards ``[B, F]`` float32 (NaN where it returned None) for the step of index ``step`` (step
+    ``step + 1`` of metrics.jsonl); a function that raises or returns something else than one number or None per
+    completion is a one-line :class:`~functrain.errors.UserCodeError` naming it, its file and line."""
     count = len(completions)
     table = np.full((count, len(functions)), np.nan, np.float32)
     for column, reward in enumerate(functions):
-        where = f"the reward function {reward.name} at step {step}"
-        fix = "fix it and run the same command again (the run's last checkpoint is whole)"
         try:
             values = reward.function(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
-        except Exception as exc:  # noqa: BLE001 (user code: any failure stops the run in one line)
-            detail = " ".join(f"{type(exc).__name__}: {exc}".split())
-            raise DataError(f"{where} raised {detail}; {fix}") from None
+        except Exception as exc:  # user code: any failure stops the run in one line
+            raised_at = user_code_site(exc)
+            site = raised_at[1] if raised_at else definition_site(reward.function)
+            where = f" ({site})" if site else ""
+            raise UserCodeError(f"the reward function {reward.name}{where} raised {one_line(exc)}", step + 1) from exc
+        site = definition_site(reward.function)
+        who = f"the reward function {reward.name}" + (f" ({site})" if site else "")
         try:
             values = list(values)
         except TypeError:
-            raise DataError(f"{where} returned a {type(values).__name__}, not a list of rewards; {fix}") from None
+            raise UserCodeError(f"{who} returned a {type(values).__name__}, not a list of rewards", step + 1) from None
         if len(values) != count:
-            raise DataError(f"{where} returned {len(values)} rewards for {count} completions; {fix}")
+            raise UserCodeError(f"{who} returned {len(values)} rewards for {count} completions", step + 1)
         for row, value in enumerate(values):
             if value is None:
                 continue
             if not isinstance(value, (int, float, np.integer, np.floating)) or not math.isfinite(value):
-                raise DataError(f"{where} returned {value!r} for completion {row}: not a finite number or None; {fix}")
+                raise UserCodeError(
+                    f"{who} returned {value!r} for completion {row}: not a finite number or None", step + 1
+                )
             table[row, column] = value
     return table

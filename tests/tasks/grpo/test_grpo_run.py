@@ -12,7 +12,7 @@ from functrain.checkpoint import load_params
 from functrain.checkpoint.digest import params_digest
 from functrain.checkpoint.layout import CHECKPOINTS_SUBDIR, committed_steps
 from functrain.commands.cli import main
-from functrain.errors import DataError
+from functrain.errors import UserCodeError
 from functrain.run.fit import fit
 from functrain.tasks.grpo.rewards import RewardFunction, scores
 
@@ -36,6 +36,12 @@ def nan(completions, **columns):
 
 def two_arguments(a, b):
     return []
+
+def strings(completions, **columns):
+    return ["good"] * len(completions)
+
+def no_list(completions, **columns):
+    return None
 '''
 LLAMA = {"name": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 16, "lora": {"rank": 4}}
@@ -157,20 +163,42 @@ def test_a_failing_reward_function_stops_the_run_in_one_line_and_the_checkpoint_
     monkeypatch.setattr(rewards, "no_e", rewards.raises)
     assert main(["train", str(path), *overrides]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == ("functrain: error: the reward function raises at step 2 raised ValueError: the grader is "
-                       "down; fix it and run the same command again (the run's last checkpoint is whole)")
+    assert err[-1] == (f"functrain: error: at step 3, the reward function raises ({workspace / 'grpo_test_rewards.py'}"
+                       f":9) raised ValueError: the grader is down; the last checkpoint, step 2, is whole: fix it and "
+                       f"run the same command again to resume from there")
     assert committed_steps(run_dir / CHECKPOINTS_SUBDIR) == [2]
     assert params_digest(load_params(run_dir, 2))
 
 
-@pytest.mark.parametrize("function, expected", [
-    ("short", "the reward function short at step 7 returned 1 rewards for 2 completions"),
-    ("nan", "the reward function nan at step 7 returned nan for completion 0: not a finite number or None"),
+@pytest.mark.parametrize("function, line, expected", [
+    ("raises", 9, "raised ValueError: the grader is down"),
+    ("short", 11, "returned 1 rewards for 2 completions"),
+    ("nan", 14, "returned nan for completion 0: not a finite number or None"),
+    ("strings", 20, "returned 'good' for completion 0: not a finite number or None"),
+    ("no_list", 23, "returned a NoneType, not a list of rewards"),
 ])
-def test_a_reward_of_the_wrong_length_or_nan_is_one_line(workspace, function, expected):
+def test_a_reward_function_that_fails_is_one_line_naming_its_file_line_and_step(workspace, function, line, expected):
     rewards = __import__("grpo_test_rewards")
-    with pytest.raises(DataError, match=expected):
+    with pytest.raises(UserCodeError) as info:  # the step of index 7: step 8 of metrics.jsonl
         scores([RewardFunction(function, getattr(rewards, function))], ["a", "b"], ["x", "y"], [[1], [2]], {}, 7)
+    assert info.value.what == f"the reward function {function} ({workspace / 'grpo_test_rewards.py'}:{line}) {expected}"
+    assert info.value.step == 8
+
+
+def test_a_reward_function_failing_at_the_first_step_ends_the_progress_bar_and_says_no_checkpoint(
+        workspace, tmp_path, capsys):
+    path = tmp_path / "config.yaml"
+    path.write_text("{}")
+    settings = config(workspace, tmp_path / "run", **{"grpo.reward_funcs": ["grpo_test_rewards:length",
+                                                                           "grpo_test_rewards:strings"],
+                                                      "log.progress": True})
+    assert main(["train", str(path), *[f"{key}={json.dumps(value)}" for key, value in settings.items()]]) == 2
+    err = capsys.readouterr().err
+    assert "0/4" in err  # the bar was drawn; its line ended before the error's
+    assert f"\nfunctrain: error: at step 1, the reward function strings ({workspace / 'grpo_test_rewards.py'}:20) " \
+           f"returned 'good' for completion 0: not a finite number or None; no checkpoint yet: fix it and run the " \
+           f"same command again (the run starts over)\n" in err
+    assert not (tmp_path / "run" / "checkpoints").exists() or not committed_steps(tmp_path / "run" / CHECKPOINTS_SUBDIR)
 
 
 ONE_WEIGHT = {"grpo.reward_weights": None}  # one function: the weights of two do not apply
