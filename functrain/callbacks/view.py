@@ -13,7 +13,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping, NoReturn
 
-from functrain.callbacks.outcome import StopKind
+from functrain.callbacks.outcome import FitResult, StopKind
 from functrain.callbacks.time_spent import TimeSpent
 
 
@@ -36,6 +36,24 @@ class RunRecord:
     state: Any = None  # the train state during on_evaluate, else None (the next call donates it)
     time_spent: TimeSpent = field(default_factory=lambda: TimeSpent(lambda: 0.0))  # restore, eval, save, compile
     restore_source: str | None = None  # where the start came from: local, peer or persistent (None: fresh)
+
+    def result(
+        self, state: Any, step: int, position: int, skipped_steps: int, max_skipped_fraction: float
+    ) -> FitResult:
+        """What ``fit`` returns once the run stopped (:attr:`stop_kind` and :attr:`stop_reason` set) at ``step``."""
+        assert self.stop_kind is not None and self.stop_reason is not None, "the run stopped first"
+        return FitResult(
+            state=state,
+            step=step,
+            samples_consumed=position,
+            stop_reason=self.stop_reason,
+            metrics=dict(self.last_metrics),
+            run_dir=self.run_dir,
+            stop_kind=self.stop_kind,
+            steps_run=step - self.start_step,
+            skipped_steps=skipped_steps,
+            max_skipped_fraction=max_skipped_fraction,
+        )
 
 
 class RunView:

@@ -134,23 +134,6 @@ class _Driver:
         """How the run ended: on the record (so ``on_train_end`` sees it), then in the result."""
         self.record.stop_kind, self.record.stop_reason = kind, reason
 
-    def result(self, state: Any, step: int, position: int, skipped_steps: int) -> FitResult:
-        record = self.record
-        kind, reason = record.stop_kind, record.stop_reason
-        assert kind is not None and reason is not None, "stopped() runs first"
-        return FitResult(
-            state=state,
-            step=step,
-            samples_consumed=position,
-            stop_reason=reason,
-            metrics=dict(record.last_metrics),
-            run_dir=self.run.run_dir,
-            stop_kind=kind,
-            steps_run=step - record.start_step,
-            skipped_steps=skipped_steps,
-            max_skipped_fraction=self.settings.max_skipped_fraction,
-        )
-
     @property
     def started(self) -> Start:
         """The start :meth:`begin` decided (restored or fresh)."""
@@ -231,7 +214,7 @@ class _Driver:
             self.stopped(
                 StopKind.ALREADY_FINISHED, f"already finished (train.max_steps={max_steps}: raise it to train further)"
             )
-            return self.result(state, step, position, 0)
+            return self.record.result(state, step, position, 0, self.settings.max_skipped_fraction)
         for hook in self.run.start_hooks:  # the task's: data or state parts computed from the start
             state = hook(self.backend, state, self.started.restored_step)
         self.evaluation.check_metric_names(state)
@@ -287,7 +270,8 @@ class _Driver:
         else:
             self.stopped(StopKind.FINISHED, "finished")
         callbacks.fire("on_train_end", self.view)
-        result = self.result(state, step, position, self.backend.nonfinite_steps_of(state) - nonfinite_at_start)
+        skipped = self.backend.nonfinite_steps_of(state) - nonfinite_at_start
+        result = self.record.result(state, step, position, skipped, self.settings.max_skipped_fraction)
         if self.is_primary:
             log.info("stopped at step %d (%s)", step, result.stop_reason)
             report = skipped_report(result)
@@ -307,7 +291,4 @@ def drive(run: Run) -> FitResult:
         if driver.at_step is None:
             raise
         run.callbacks.fire_exception(driver.view, error)
-        failure = reported(error, driver.at_step, driver.checkpointer.steps())
-        if failure is error:
-            raise
-        raise failure from error
+        raise reported(error, driver.at_step, driver.checkpointer.steps()) from error
