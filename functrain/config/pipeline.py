@@ -68,17 +68,6 @@ def pipeline_problem(config: Any) -> str | None:
     return None
 
 
-def stages_as_data(mesh: Any) -> Any:
-    """``mesh`` (a ``mesh`` section) with its pipeline stages folded into the data axis, in each slice and across
-    slices (unchanged without stages)."""
-    if mesh.pipeline_stages() == 1:
-        return mesh
-    data = -1 if mesh.data == -1 else mesh.data * mesh.pipeline
-    return mesh.model_copy(
-        update={"pipeline": 1, "data": data, "dcn_pipeline": 1, "dcn_data": mesh.dcn_data * mesh.dcn_pipeline}
-    )
-
-
 def pipeline_schedule(config: Any, batch_ways: int) -> PipelineSchedule:
     """The schedule the backend traces under; a ConfigError when ``train.pipeline_microbatches`` (default: the
     stage count) does not divide the batch each of the ``batch_ways`` data-parallel replicas computes."""

@@ -130,7 +130,7 @@ def over_chunks(
     traced = _traced.get()
     if traced is not None:
         traced.append(count)
-    _, stats = jax.lax.scan(lambda _, xs: (None, one_chunk(*xs)), None, (hidden, targets), unroll=_unroll.get())
+    _, stats = jax.lax.scan(lambda _, xs: (None, one_chunk(*xs)), None, (hidden, targets))
     return tuple(value.transpose(1, 2, 0).reshape(batch, count * chunk)[:, :length] for value in stats)
 
 
@@ -139,31 +139,17 @@ def logits_array(logits: Any) -> Any:
     return logits.whole_logits() if isinstance(logits, Unembedding) else logits
 
 
-# Whether the chunk loops traced now are unrolled: XLA's cost analysis counts a loop body once, so a plan counts
-# FLOPs on a program traced with them unrolled (:func:`counted_whole`).
-_unroll: contextvars.ContextVar[bool] = contextvars.ContextVar("unroll_logits_chunks", default=False)
 # The chunk counts of the loops traced now (:func:`chunk_loops_traced`), or None: not recorded.
 _traced: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("traced_logits_chunks", default=None)
 
 
 @contextlib.contextmanager
 def chunk_loops_traced() -> Iterator[list[int]]:
-    """A list that gathers the chunk count of every chunk loop traced inside (a plan asks whether its program's
-    cost needs counting whole)."""
+    """A list that gathers the chunk count of every chunk loop traced inside (how a traced program chunks its
+    cross-entropy, which nothing in the traced program itself says)."""
     traced: list[int] = []
     token = _traced.set(traced)
     try:
         yield traced
     finally:
         _traced.reset(token)
-
-
-@contextlib.contextmanager
-def counted_whole() -> Iterator[None]:
-    """Chunk loops traced inside are unrolled (the same arithmetic, no loop): for a program whose cost is
-    counted, never for one that runs."""
-    token = _unroll.set(True)
-    try:
-        yield
-    finally:
-        _unroll.reset(token)
