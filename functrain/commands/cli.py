@@ -54,9 +54,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(
-        prog="functrain", description="functrain: train, inspect, convert, plot, generate, tokenize, plan, eval."
-    )
+    parser = OneLineParser(prog="functrain", description=f"functrain: {', '.join(VERBS)}.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     commands = parser.add_subparsers(dest="command", required=True)
     for name in VERBS:

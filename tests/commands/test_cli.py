@@ -143,3 +143,15 @@ def test_a_bad_flag_is_one_line_naming_it_exit_2(words, line, capsys):
         main(words)
     assert info.value.code == 2
     assert capsys.readouterr().err == line + "\n"  # no usage block before it
+
+
+def test_the_help_summary_names_every_command(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    summary = " ".join(next(par for par in out.split("\n\n") if par.startswith("functrain: ")).split())  # wrapped
+    named = summary.removeprefix("functrain: ").rstrip(".").split(", ")
+    listed = out.split("{", 1)[1].split("}", 1)[0].split(",")  # argparse's "{train,inspect,...}"
+    assert "rewind" in listed and "verify-resume" in listed
+    assert named == listed

@@ -27,7 +27,9 @@ log-probs are the current ones outside the gradient, so the ratio is exactly 1 (
 - ``dr_grpo``: the sum over tokens divided by ``B * max_completion_length`` (the weight: sequences).
 
 Metrics, TRL's names: ``kl`` (beta > 0) and ``entropy`` as means over completion tokens; ``clip_ratio/low_mean``,
-``clip_ratio/high_mean``, ``clip_ratio/region_mean`` as means over tokens (per sequence with GSPO's ratio).
+``clip_ratio/high_mean``, ``clip_ratio/region_mean`` as means over tokens (per sequence with GSPO's ratio);
+``clip_ratio/low_min`` and ``clip_ratio/high_max`` as the smallest and largest of the sequences' own means (with
+``train.micro_batches`` above 1, the micro-batches' mean of them, as TRL logs them under gradient accumulation).
 ``rollout/logprob_gap``: the largest absolute difference between the sampler's log-probs and the training
 forward's (this step's own at ``num_iterations: 1``, else the old policy's), so that no second forward scores the
 drawn tokens; with ``train.micro_batches`` above 1, the sum of the micro-batches' largest (a bound on the largest).
@@ -115,12 +117,25 @@ def grpo_sums(
             return values.sum() * per_row_scale
         return (values * mask).sum() * per_token_scale
 
+    def sequence_extreme(values: jax.Array, smallest: bool) -> jax.Array:
+        # TRL's nanmin / nanmax over the sequences' means (a sequence without completion tokens is NaN there, left
+        # out here; 0 when none has any), scaled so that the micro-batches' values average after the division.
+        if values.shape[1] == 1:
+            per_row, counted = values[:, 0], jnp.ones(values.shape[0], bool)
+        else:
+            per_row, counted = (values * mask).sum(-1) / jnp.maximum(tokens_per_row, 1.0), tokens_per_row > 0
+        picked = jnp.where(counted, per_row, jnp.inf if smallest else -jnp.inf)
+        extreme = jnp.where(counted.any(), picked.min() if smallest else picked.max(), 0.0)
+        return extreme * per_row_scale * rows
+
     low = ((ratio < 1 - settings.epsilon) & (advantages < 0)).astype(jnp.float32)
     high = ((ratio > 1 + settings.epsilon_high) & (advantages > 0)).astype(jnp.float32)
     metrics = {
         "entropy": token_mean(entropies),
         "clip_ratio/low_mean": token_mean(low),
+        "clip_ratio/low_min": sequence_extreme(low, smallest=True),
         "clip_ratio/high_mean": token_mean(high),
+        "clip_ratio/high_max": sequence_extreme(high, smallest=False),
         "clip_ratio/region_mean": token_mean(jnp.maximum(low, high)),
     }
     if ref_logps is not None:

@@ -50,6 +50,9 @@ def host_metric_names(functions: list[RewardFunction]) -> tuple[str, ...]:
         "completions/min_length",
         "completions/max_length",
         "completions/clipped_ratio",
+        "completions/mean_terminated_length",
+        "completions/min_terminated_length",
+        "completions/max_terminated_length",
     )
 
 
@@ -222,10 +225,7 @@ class Rollouts:
         metrics = {
             **reward_metrics(whole_table, self.weights, [f.name for f in self.rewards]),
             "frac_reward_zero_std": float(is_std_zero.mean()),
-            "completions/mean_length": float(whole_lengths.mean()),
-            "completions/min_length": float(whole_lengths.min()),
-            "completions/max_length": float(whole_lengths.max()),
-            "completions/clipped_ratio": float(whole_truncated.mean()),
+            **length_metrics(whole_lengths, whole_truncated),
         }
         training = {
             "tokens": tokens,
@@ -239,6 +239,23 @@ class Rollouts:
         if old_logps is not None:
             training["old_logps"] = np.asarray(to_local(old_logps), np.float32)
         return training
+
+
+def length_metrics(lengths: np.ndarray, truncated: np.ndarray) -> dict[str, float]:
+    """TRL's metrics of the batch's completion lengths: of all, the share that ended without an EOS, and of those
+    that ended with one (0 when none did)."""
+    terminated = lengths[truncated == 0]
+    if len(terminated) == 0:  # TRL's rule: no terminated completion reads as one of length 0
+        terminated = np.zeros(1, lengths.dtype)
+    return {
+        "completions/mean_length": float(lengths.mean()),
+        "completions/min_length": float(lengths.min()),
+        "completions/max_length": float(lengths.max()),
+        "completions/clipped_ratio": float(truncated.mean()),
+        "completions/mean_terminated_length": float(terminated.mean()),
+        "completions/min_terminated_length": float(terminated.min()),
+        "completions/max_terminated_length": float(terminated.max()),
+    }
 
 
 def example_batch(prompts: Prompts, section: GRPOConfig, rows: int, metrics: int) -> dict[str, np.ndarray]:

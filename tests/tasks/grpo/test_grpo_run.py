@@ -47,8 +47,10 @@ LLAMA = {"name": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_si
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 16, "lora": {"rank": 4}}
 TRL_METRICS = ("loss", "reward", "reward_std", "rewards/no_e/mean", "rewards/no_e/std", "rewards/length/mean",
                "rewards/length/std", "frac_reward_zero_std", "completions/mean_length", "completions/min_length",
-               "completions/max_length", "completions/clipped_ratio", "entropy", "clip_ratio/low_mean",
-               "clip_ratio/high_mean", "clip_ratio/region_mean", "rollout/logprob_gap")
+               "completions/max_length", "completions/clipped_ratio", "completions/mean_terminated_length",
+               "completions/min_terminated_length", "completions/max_terminated_length", "entropy",
+               "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min",
+               "clip_ratio/high_max", "rollout/logprob_gap")
 
 
 @pytest.fixture(scope="module")

@@ -50,9 +50,12 @@ def long(completions, completion_ids, **kwargs):
 '''
 METRICS = ("loss", "reward", "reward_std", "rewards/vowels/mean", "rewards/vowels/std", "rewards/long/mean",
            "rewards/long/std", "frac_reward_zero_std", "completions/mean_length", "completions/min_length",
-           "completions/max_length", "completions/clipped_ratio", "kl", "entropy", "clip_ratio/low_mean",
-           "clip_ratio/high_mean", "clip_ratio/region_mean")
-LOSS_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+           "completions/max_length", "completions/clipped_ratio", "completions/mean_terminated_length",
+           "completions/min_terminated_length", "completions/max_terminated_length", "kl", "entropy",
+           "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min",
+           "clip_ratio/high_max")
+LOSS_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+                "clip_ratio/low_min", "clip_ratio/high_max")
 
 
 def write_tokenizer(directory):
@@ -184,6 +187,8 @@ def test_whole_steps_match_trl(setup, tmp_path, monkeypatch, loss_type, level, b
         assert set(differences) >= set(METRICS) - ({"kl"} if beta == 0 else set())
         assert max(differences.values()) < 1e-5, (step, {k: v for k, v in differences.items() if v >= 1e-5})
     assert theirs[0]["frac_reward_zero_std"] == 0.5 and theirs[0]["completions/clipped_ratio"] == 0.125
+    # the truncated completion is the longest: the terminated lengths leave it out
+    assert theirs[0]["completions/max_terminated_length"] < theirs[0]["completions/max_length"]
     if iterations == 2:  # the second update's ratios moved: clipping is compared where it happens
         assert theirs[1]["clip_ratio/region_mean"] > 0
     table = np.array([[float(sum(c in "aeiou" for c in t.removesuffix(EOS))),
@@ -283,3 +288,4 @@ def test_the_loss_and_its_metrics_match_trl(setup, forward, loss_type, level, be
     assert max(differences.values()) < 1e-5, {k: v for k, v in differences.items() if v >= 1e-5}
     if iterations == 2:
         assert logged["clip_ratio/region_mean"] > 0  # the ratios reach the clip range: clipping is compared
+        assert logged["clip_ratio/high_max"] > logged["clip_ratio/high_mean"]  # a sequence's share, not the mean
