@@ -14,6 +14,12 @@ import tempfile
 import textwrap
 from pathlib import Path
 
+# Torch's OpenMP threads (and numpy's OpenBLAS ones) one per process: the two xdist workers already fill the two cores,
+# and a worker's idle threads spin waiting for a peer the other worker holds off its core (the torch-heavy modules
+# took 40-61 s of CPU with the default threads, 30 s with one). Set before torch or numpy is imported; every process
+# the tests start inherits it (the runs they compare bitwise were on one thread already). A value the caller set wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 from functrain.parallel.platform import choose_platforms
 
 choose_platforms()  # before jax: the suite starts no libtpu where no TPU is attached (the tpu extra installs it)
@@ -37,9 +43,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # One persistent XLA compilation cache for the whole test session: every xdist worker and every subprocess (they
 # inherit the environment) reads and writes it, so the many runs of the same small programs, in-process or in a
 # fresh interpreter, compile once. A cache hit is the executable the compiler would produce, so results stay
-# bitwise the same. Removed when the session ends.
-_SESSION = os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid()  # the controller's pid
-SESSION_XLA_CACHE = Path(tempfile.gettempdir()) / f"functrain-tests-xla-cache-{_SESSION}"
+# bitwise the same. Removed when the session ends. The first process to import this file (the controller) names the
+# directory; the workers and every subprocess inherit the name, also a subprocess that imports this file (a test's
+# helper module imports it: its own pid, or its parent's, named a cache of its own that compiled everything again).
+SESSION_XLA_CACHE = Path(os.environ.setdefault(
+    "FUNCTRAIN_TESTS_XLA_CACHE", str(Path(tempfile.gettempdir()) / f"functrain-tests-xla-cache-{os.getpid()}")))
 SESSION_CACHE_ENV = {"JAX_COMPILATION_CACHE_DIR": str(SESSION_XLA_CACHE),
                      "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
                      "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
