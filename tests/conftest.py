@@ -64,40 +64,46 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir())
 
 
 # The longest modules, longest first (by each module's CPU time, its subprocesses' included, profiled over the whole
-# suite; together about 65% of it). xdist hands whole modules to its two workers (--dist loadfile) in collection
-# order (--no-loadscope-reorder: by default it orders them by their number of tests, which put several long modules
-# of few tests last), so a long module started late would leave one worker running alone at the end. Started first,
-# the short ones fill the gaps.
+# suite; together about 70% of it; test_torch_user_model.py by its time on a fresh machine, where torch.compile's
+# kernel cache is cold). xdist hands whole modules to its two workers (--dist loadfile) in collection order
+# (--no-loadscope-reorder: by default it orders them by their number of tests, which put several long modules of few
+# tests last), so a long module started late would leave one worker running alone at the end. Started first, the
+# short ones fill the gaps.
 LONGEST_MODULES = (
     "run/test_plan.py",
     "parallel/test_pipeline.py",
-    "run/test_multiprocess.py",
-    "parallel/test_context_parallel.py",
     "models/test_deepseek_v3.py",
-    "core/test_user_models.py",
+    "parallel/test_context_parallel.py",
+    "run/test_multiprocess.py",
+    "tasks/grpo/test_grpo_run.py",
     "tasks/distill/test_distill_run.py",
     "models/moe/test_moe_models.py",
-    "torch_bridge/test_torch_resume.py",
-    "tasks/preference/test_preference.py",
-    "run/test_token_training.py",
     "commands/test_moe_commands.py",
-    "run/test_run_outcome.py",
-    "run/test_resume_bitwise.py",
-    "checkpoint/test_checkpoint_integrity.py",
-    "commands/test_cli.py",
-    "torch_bridge/test_torch_transformers.py",
-    "models/test_lora.py",
-    "text/test_harness.py",
-    "models/test_scan_layers.py",
-    "run/test_loop.py",
-    "commands/test_verify_resume.py",
+    "tasks/grpo/test_grpo_processes.py",
+    "tasks/preference/test_preference.py",
+    "core/test_user_models.py",
+    "torch_bridge/test_torch_user_model.py",
+    "tasks/grpo/test_grpo_shared_prefix.py",
+    "run/test_token_training.py",
     "core/test_data_fields.py",
-    "tasks/grpo/test_grpo_run.py",
-    "models/moe/test_expert_parallel.py",
-    "run/test_backend_parity.py",
-    "run/test_mfu.py",
-    "tasks/preference/test_preference_trl.py",
+    "torch_bridge/test_torch_resume.py",
+    "run/test_resume_bitwise.py",
+    "models/test_scan_layers.py",
+    "models/test_lora.py",
+    "run/test_run_outcome.py",
+    "run/test_loop.py",
+    "text/test_harness.py",
+    "checkpoint/test_checkpoint_integrity.py",
     "text/test_generate.py",
+    "torch_bridge/test_torch_transformers.py",
+    "run/test_multislice.py",
+    "models/moe/test_expert_parallel.py",
+    "run/test_mfu.py",
+    "run/test_backend_parity.py",
+    "models/test_splash_attention.py",
+    "commands/test_verify_resume.py",
+    "tasks/preference/test_preference_trl.py",
+    "tasks/distill/test_distill_program.py",
 )
 
 
