@@ -14,6 +14,12 @@ import tempfile
 import textwrap
 from pathlib import Path
 
+# Torch's OpenMP threads (and numpy's OpenBLAS ones) one per process: the two xdist workers already fill the two cores,
+# and a worker's idle threads spin waiting for a peer the other worker holds off its core (the torch-heavy modules
+# took 40-61 s of CPU with the default threads, 30 s with one). Set before torch or numpy is imported; every process
+# the tests start inherits it (the runs they compare bitwise were on one thread already). A value the caller set wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 from functrain.parallel.platform import choose_platforms
 
 choose_platforms()  # before jax: the suite starts no libtpu where no TPU is attached (the tpu extra installs it)
@@ -37,9 +43,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # One persistent XLA compilation cache for the whole test session: every xdist worker and every subprocess (they
 # inherit the environment) reads and writes it, so the many runs of the same small programs, in-process or in a
 # fresh interpreter, compile once. A cache hit is the executable the compiler would produce, so results stay
-# bitwise the same. Removed when the session ends.
-_SESSION = os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid()  # the controller's pid
-SESSION_XLA_CACHE = Path(tempfile.gettempdir()) / f"functrain-tests-xla-cache-{_SESSION}"
+# bitwise the same. Removed when the session ends. The first process to import this file (the controller) names the
+# directory; the workers and every subprocess inherit the name, also a subprocess that imports this file (a test's
+# helper module imports it: its own pid, or its parent's, named a cache of its own that compiled everything again).
+SESSION_XLA_CACHE = Path(os.environ.setdefault(
+    "FUNCTRAIN_TESTS_XLA_CACHE", str(Path(tempfile.gettempdir()) / f"functrain-tests-xla-cache-{os.getpid()}")))
 SESSION_CACHE_ENV = {"JAX_COMPILATION_CACHE_DIR": str(SESSION_XLA_CACHE),
                      "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
                      "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
@@ -56,40 +64,47 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir())
 
 
 # The longest modules, longest first (by each module's CPU time, its subprocesses' included, profiled over the whole
-# suite; together about 65% of it). xdist hands whole modules to its two workers (--dist loadfile) in collection
-# order (--no-loadscope-reorder: by default it orders them by their number of tests, which put several long modules
-# of few tests last), so a long module started late would leave one worker running alone at the end. Started first,
-# the short ones fill the gaps.
+# suite; together about 70% of it; test_torch_user_model.py by its time on a fresh machine, where torch.compile's
+# kernel cache is cold). xdist hands whole modules to its two workers (--dist loadfile) in collection order
+# (--no-loadscope-reorder: by default it orders them by their number of tests, which put several long modules of few
+# tests last), so a long module started late would leave one worker running alone at the end. Started first, the
+# short ones fill the gaps.
 LONGEST_MODULES = (
     "plan/test_plan.py",
     "parallel/test_pipeline.py",
-    "run/test_multiprocess.py",
-    "parallel/test_context_parallel.py",
     "models/test_deepseek_v3.py",
-    "core/test_user_models.py",
-    "tasks/distill/test_distill_run.py",
-    "models/moe/test_moe_models.py",
-    "torch_bridge/test_torch_resume.py",
-    "tasks/preference/test_preference.py",
-    "run/test_token_training.py",
-    "commands/test_moe_commands.py",
-    "run/test_run_outcome.py",
-    "run/test_resume_bitwise.py",
-    "checkpoint/test_checkpoint_integrity.py",
-    "commands/test_cli.py",
-    "torch_bridge/test_torch_transformers.py",
-    "models/test_lora.py",
-    "text/test_harness.py",
-    "models/test_scan_layers.py",
-    "run/test_loop.py",
-    "commands/test_verify_resume.py",
-    "core/test_data_fields.py",
+    "parallel/test_context_parallel.py",
+    "run/test_multiprocess.py",
     "tasks/grpo/test_grpo_run.py",
-    "models/moe/test_expert_parallel.py",
-    "run/test_backend_parity.py",
-    "report/test_mfu.py",
-    "tasks/preference/test_preference_trl.py",
+    "tasks/distill/test_distill_run.py",
+    "tasks/test_model_terms_every_task.py",
+    "models/moe/test_moe_models.py",
+    "commands/test_moe_commands.py",
+    "tasks/grpo/test_grpo_processes.py",
+    "tasks/preference/test_preference.py",
+    "core/test_user_models.py",
+    "torch_bridge/test_torch_user_model.py",
+    "tasks/grpo/test_grpo_shared_prefix.py",
+    "run/test_token_training.py",
+    "core/test_data_fields.py",
+    "torch_bridge/test_torch_resume.py",
+    "run/test_resume_bitwise.py",
+    "models/test_scan_layers.py",
+    "models/test_lora.py",
+    "run/test_run_outcome.py",
+    "run/test_loop.py",
+    "text/test_harness.py",
+    "checkpoint/test_checkpoint_integrity.py",
     "text/test_generate.py",
+    "torch_bridge/test_torch_transformers.py",
+    "plan/test_multislice.py",
+    "models/moe/test_expert_parallel.py",
+    "report/test_mfu.py",
+    "run/test_backend_parity.py",
+    "models/test_splash_attention.py",
+    "commands/test_verify_resume.py",
+    "tasks/preference/test_preference_trl.py",
+    "tasks/distill/test_distill_program.py",
 )
 
 

@@ -141,9 +141,11 @@ def test_bias_update_moves_the_bias_alike_for_any_micro_batching():
 
 def test_killed_run_resumes_bitwise_with_the_bias_update(tmp_path, capsys):
     model = {**BALANCED, "vocab_size": 256, "max_position_embeddings": 64}
+    # The final evaluation reads 2 batches, not the text's 729 (verify-resume compares the training metrics).
     config = {"seed": 0, "run": {"dir": str(tmp_path / "run")}, "model": model,
               "data": {"name": "char_text", "seq_len": 16, "global_batch_size": 4},
-              "optimizer": {"name": "adamw", "learning_rate": 0.01}, "train": {"steps_per_call": 1}}  # fmt: skip
+              "optimizer": {"name": "adamw", "learning_rate": 0.01}, "train": {"steps_per_call": 1},
+              "eval": {"max_batches": 2}}  # fmt: skip
     path = tmp_path / "deepseek.yaml"
     path.write_text(yaml.safe_dump(config))
     assert main(["verify-resume", str(path), "--steps", "4", "eval.every_steps=0"]) == 0
