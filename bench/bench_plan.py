@@ -5,8 +5,9 @@ Before, a plan compiled the run's train call for memory and then copies of the r
 (unrolled with one and two groups of layers and the cross-entropy's chunks, with libtpu's collective matmuls off,
 again on split micro-batches where libtpu refused a copy for HBM). Now the one compiled program is counted with its
 loops unrolled in its HLO (``functrain/plan/counting.py``). Each case runs ``functrain plan --json`` in a fresh
-process on the code of ``--before`` (a git worktree of that commit, made and removed here), then on this checkout,
-back to back, so that both see the same load; the ratios are new / old. Results are kept in ``--out`` as each case
+process on the code of ``--before`` (a git worktree of that commit, made and removed here), then on this checkout's
+(or ``--after``'s, a worktree too: edits made while a long run goes on stay out of it), back to back, so that both
+see the same load; the ratios are new / old. Results are kept in ``--out`` as each case
 finishes (a case already there is not run again).
 
 Usage: python bench/bench_plan.py                       # the issue's three targets
@@ -64,6 +65,13 @@ def plan(tree: Path, case: str) -> dict:
     return {"report": report, "wall_s": wall, "cpu_s": used.ru_utime + used.ru_stime - cpu.ru_utime - cpu.ru_stime}
 
 
+def worktree(commit: str) -> Path:
+    """A git worktree of ``commit`` in a new temporary directory."""
+    tree = Path(tempfile.mkdtemp(prefix="bench-plan-")) / "tree"
+    subprocess.run(["git", "worktree", "add", "--detach", str(tree), commit], cwd=REPO, check=True, capture_output=True)
+    return tree
+
+
 def ratio(new: float | None, old: float | None) -> str:
     return "-" if not new or not old else f"{new / old:.4f}"
 
@@ -84,6 +92,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default=",".join(TARGETS), help=f"comma-separated, or all: {', '.join(CASES)}")
     parser.add_argument("--before", default=BEFORE, help="the git commit whose plan is the baseline")
+    parser.add_argument("--after", default=None, help="the git commit planned as new (default: this checkout)")
     parser.add_argument("--out", default=None, help="JSON file the results are kept in (and read from)")
     args = parser.parse_args()
     cases = list(CASES) if args.cases == "all" else args.cases.split(",")
@@ -92,20 +101,20 @@ def main() -> None:
         raise SystemExit(f"unknown case(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
     out = Path(args.out) if args.out else None
     results = json.loads(out.read_text()) if out and out.exists() else {}
-    before = Path(tempfile.mkdtemp(prefix="bench-plan-before-")) / "tree"
-    subprocess.run(["git", "worktree", "add", "--detach", str(before), args.before], cwd=REPO, check=True,
-                   capture_output=True)
+    trees = {"before": worktree(args.before), "after": worktree(args.after) if args.after else REPO}
     print("| case | before: wall / CPU | after: wall / CPU | faster | FLOPs new/old | bytes new/old | DCN new/old |"
           " memory same | MFU before -> after |\n|---|---|---|---|---|---|---|---|---|", flush=True)
     try:
         for case in cases:
             if case not in results:
-                results[case] = {"old": plan(before, case), "new": plan(REPO, case)}
+                results[case] = {"old": plan(trees["before"], case), "new": plan(trees["after"], case)}
                 if out:
                     out.write_text(json.dumps(results, indent=1))
             print(row(case, results[case]["old"], results[case]["new"]), flush=True)
     finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(before)], cwd=REPO, check=False)
+        for tree in trees.values():
+            if tree != REPO:
+                subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, check=False)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """``functrain plan CONFIG [--topology NAME] [key=value ...] [--json]``: compile the run's train call ahead of
 time (for the local devices, or a TPU topology through libtpu) and print per-chip memory, FLOPs, a roofline step
-time, the MFU it implies and whether it fits (see :mod:`functrain.plan.planner`)."""
+time, the MFU it implies and whether it fits (see :mod:`functrain.plan.planner`): one compile a plan."""
 
 import argparse
 import json
@@ -59,9 +59,7 @@ def format_plan(plan) -> str:
     hbm = f" of {plan.hbm_bytes / GIB:.2f} GiB HBM" if plan.hbm_bytes else " (HBM of this device kind unknown)"
     lines.append(f"  {'total':<12}{human_bytes(sizes['total']):>12}{hbm}")
     if plan.compiled:
-        scanned = (
-            " (scanned layers: one group's cost measured unrolled, times the groups)" if plan.layers_scanned else ""
-        )
+        scanned = " (scanned layers: every iteration of the loop counted)" if plan.layers_scanned else ""
         lines.append(
             f"FLOPs per step per chip {plan.flops_per_step:.3e}; HBM bytes accessed {plan.bytes_per_step:.3e}{scanned}"
         )

@@ -155,15 +155,3 @@ def scan_groups(model_config: ModelConfig) -> int:
     """The whole groups of layers the scan of ``model_config`` runs (0: its layers are not scanned)."""
     kinds = model_config.layer_kinds() if model_config.layers_scanned() else None
     return 0 if kinds is None else len(kinds) // layer_period(kinds)
-
-
-def fewer_groups_unrolled(model_config: ModelConfig, groups: int) -> ModelConfig:
-    """A copy of a scanning model's config with ``groups`` of its groups of layers, then its remainder layers,
-    all unrolled: every other setting (width, attention, remat) kept, and each layer of the same kind as the
-    layer it stands for, so the copy computes what those layers do scanned."""
-    kinds = model_config.layer_kinds()
-    if kinds is None:
-        raise TypeError(f"{type(model_config).__name__} does not scan its layers")
-    period = layer_period(kinds)
-    count = groups * period + len(kinds) % period
-    return model_config.unrolled([i % period for i in range(count)])

@@ -21,7 +21,7 @@ from functrain.models import build_model, family_names, model_config_class
 from functrain.models.configs.base import DecoderShape
 from functrain.models.configs.hf import ACTIVATIONS
 from functrain.models.hf_common import FUNCTIONS
-from functrain.models.scan import fewer_groups_unrolled, scan_groups
+from functrain.models.scan import scan_groups
 from functrain.plan.planner import advice
 from torch_bridge.user_model import decoder_shape as module_shape
 
@@ -155,16 +155,11 @@ def test_a_transformers_models_shape_is_read_by_the_torch_adapter():
     assert module_shape(Holder(family("gpt"))) is None  # a config of another kind is the user's own business
 
 
-def test_scanned_layers_are_grouped_and_unrolled_by_the_configs_methods():
+def test_scanned_layers_are_grouped_by_the_configs_methods():
     qwen2 = family("qwen2", scan_layers=True)  # (full, sliding) x 2, then full: 2 groups of 2 and 1 unrolled
     assert qwen2.layer_kinds() == [None, 8, None, 8, None] and scan_groups(qwen2) == 2
-    one = fewer_groups_unrolled(qwen2, 1)
-    assert one.num_hidden_layers == 3 and not one.scan_layers
-    assert one.layer_types == ("full_attention", "sliding_attention", "full_attention")
     gemma3 = family("gemma3_text", scan_layers=True)  # 5 local : 1 global, then one local layer
     assert scan_groups(gemma3) == 1 and gemma3.layer_kinds() == [8] * 5 + [None] + [8]
-    assert fewer_groups_unrolled(gemma3, 1).layer_kinds() == gemma3.layer_kinds()
-    assert fewer_groups_unrolled(family("gpt", scan_layers=True), 2).n_layers == 2
     assert scan_groups(family("gpt")) == 0 and scan_groups(family("gpt2")) == 0
     assert family("gpt2").layer_kinds() is None
 

@@ -6,7 +6,7 @@ passed to ``fit``) keep.
 """
 
 from dataclasses import dataclass
-from typing import Any, Hashable, Sequence
+from typing import Hashable
 
 import pydantic
 
@@ -77,11 +77,6 @@ class ModelConfig(pydantic.BaseModel):
         """The kinds of the layers pipeline stages split (``mesh.pipeline``): every layer, unless the family runs
         some outside the pipeline; None for models whose layers do not scan."""
         return self.layer_kinds()
-
-    def unrolled(self, layers: Sequence[int]) -> Any:
-        """A copy of a scanning model's config whose ``i``-th layer is this config's layer ``layers[i]``, not
-        scanned, every other setting kept (:func:`functrain.models.scan.fewer_groups_unrolled`)."""
-        raise TypeError(f"{type(self).__name__} does not scan its layers (layer_kinds() is None)")
 
 
 class FamilyConfig(ModelConfig):

@@ -10,7 +10,7 @@ training step each expert's ``e_score_correction_bias`` moves by that rate towar
 (:mod:`functrain.models.deepseek_routing`).
 """
 
-from typing import ClassVar, Hashable, Literal, Sequence
+from typing import ClassVar, Hashable, Literal
 
 import pydantic
 
@@ -163,13 +163,6 @@ class DeepseekV3Config(HFModelConfig, MoeOptions):
     def pipelined_layer_kinds(self) -> list[Hashable]:
         """The MoE layers: every pipeline stage runs the dense first layers whole."""
         return [kind for kind in self.layer_kinds() if kind == "moe"]
-
-    def unrolled(self, layers: Sequence[int]) -> "DeepseekV3Config":
-        """``len(layers)`` unrolled layers, the dense ones first (as the layers they stand for)."""
-        dense = sum(not self.moe_layer(i) for i in layers)
-        return self.model_copy(
-            update={"num_hidden_layers": len(layers), "first_k_dense_replace": dense, "scan_layers": False}
-        )
 
 
 FAMILY = Family(

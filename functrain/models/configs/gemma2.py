@@ -1,7 +1,7 @@
 """``model.name: gemma2``: Gemma 2 with HF's config.json keys (:mod:`functrain.models.gemma2`), the base of
 Gemma 3's config."""
 
-from typing import Any, ClassVar, Hashable, Literal, Sequence
+from typing import Any, ClassVar, Hashable, Literal
 
 import pydantic
 
@@ -105,13 +105,6 @@ class Gemma2Config(HFModelConfig):
     def layer_kinds(self) -> list[Hashable]:
         """Each layer's attention window (which decides its RoPE too, on Gemma 3)."""
         return [self.attention_window(i) for i in range(self.num_hidden_layers)]
-
-    def unrolled(self, layers: Sequence[int]) -> "Gemma2Config":
-        """``len(layers)`` unrolled layers with the ``layer_types`` of the layers they stand for."""
-        update: dict[str, Any] = {"num_hidden_layers": len(layers), "scan_layers": False}
-        if self.layer_types is not None:
-            update["layer_types"] = tuple(self.layer_types[i] for i in layers)
-        return self.model_copy(update=update)
 
 
 FAMILY = Family(

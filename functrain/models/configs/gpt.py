@@ -1,6 +1,6 @@
 """``model.name: gpt``: the small GPT (:mod:`functrain.models.gpt`)."""
 
-from typing import Hashable, Literal, Sequence
+from typing import Hashable, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
@@ -55,10 +55,6 @@ class GPTConfig(RuntimeOptions):
     def layer_kinds(self) -> list[Hashable]:
         """Every block is alike."""
         return [None] * self.n_layers
-
-    def unrolled(self, layers: Sequence[int]) -> "GPTConfig":
-        """``len(layers)`` unrolled blocks (all alike)."""
-        return self.model_copy(update={"n_layers": len(layers), "scan_layers": False})
 
 
 FAMILY = Family(

@@ -6,7 +6,7 @@ router whose top ``num_experts_per_tok`` logits are softmaxed, experts with bias
 (``swiglu_alpha``, ``swiglu_limit``).
 """
 
-from typing import Any, Literal, Sequence
+from typing import Literal
 
 import pydantic
 
@@ -69,12 +69,6 @@ class GptOssConfig(LocalExperts, LlamaConfig):
     def attention_window(self, layer: int) -> int | None:
         """``sliding_window`` on the layers marked ``sliding_attention``, None (full) on the others."""
         return self.sliding_window if self.hf_layer_types()[layer] == "sliding_attention" else None
-
-    def unrolled(self, layers: Sequence[int]) -> "GptOssConfig":
-        """Llama's copy, with the ``layer_types`` of the layers it keeps."""
-        types = self.hf_layer_types()
-        update: dict[str, Any] = {"layer_types": tuple(types[i] for i in layers)}
-        return super().unrolled(layers).model_copy(update=update)
 
 
 FAMILY = Family(

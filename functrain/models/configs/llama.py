@@ -1,7 +1,7 @@
 """``model.name: llama``: Llama with HF's config.json keys (:mod:`functrain.models.llama`), the base of the
 Llama-shaped families' configs (Mistral, Phi-3, Qwen2, Qwen3)."""
 
-from typing import Hashable, Literal, Sequence, TypeVar
+from typing import Hashable, Literal
 
 import pydantic
 
@@ -9,8 +9,6 @@ from functrain.models.configs.base import DecoderShape
 from functrain.models.configs.hf import HFModelConfig, check_activation
 from functrain.models.configs.rope import RopeScaling
 from functrain.models.family import Family
-
-_Self = TypeVar("_Self", bound="LlamaConfig")
 
 
 class LlamaConfig(HFModelConfig):
@@ -107,10 +105,6 @@ class LlamaConfig(HFModelConfig):
     def layer_kinds(self) -> list[Hashable]:
         """Each layer's attention window."""
         return [self.attention_window(i) for i in range(self.num_hidden_layers)]
-
-    def unrolled(self: _Self, layers: Sequence[int]) -> _Self:
-        """``len(layers)`` unrolled layers, each with the window of the layer it stands for."""
-        return self.model_copy(update={"num_hidden_layers": len(layers), "scan_layers": False})
 
 
 FAMILY = Family(

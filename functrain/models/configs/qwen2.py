@@ -1,7 +1,7 @@
 """``model.name: qwen2``: Llama with q/k/v biases and sliding windows on the layers ``layer_types`` marks
 (:mod:`functrain.models.qwen2`)."""
 
-from typing import Literal, Sequence
+from typing import Literal
 
 import pydantic
 
@@ -42,13 +42,6 @@ class Qwen2Config(LlamaConfig):
         if self.layer_types is None or self.layer_types[layer] != "sliding_attention":
             return None
         return self.sliding_window
-
-    def unrolled(self, layers: Sequence[int]) -> "Qwen2Config":
-        """Llama's copy, with the ``layer_types`` of the layers it keeps."""
-        copy = super().unrolled(layers)
-        if self.layer_types is None:
-            return copy
-        return copy.model_copy(update={"layer_types": tuple(self.layer_types[i] for i in layers)})
 
 
 FAMILY = Family(

@@ -2,7 +2,6 @@
 layers ``decoder_sparse_step`` and ``mlp_only_layers`` leave sparse (:mod:`functrain.models.qwen_moe`)."""
 
 import dataclasses
-import typing
 from typing import Any, Hashable, Literal, Sequence
 
 import pydantic
@@ -48,11 +47,6 @@ class QwenMoeOptions(MoeOptions):
     def moe_layer_kinds(self, windows: Sequence[Any]) -> list[Hashable]:
         """Each layer's (attention window, whether it has experts): what a scan groups layers by."""
         return [(window, self.moe_layer(i)) for i, window in enumerate(windows)]
-
-    def sparse_update(self, layers: Sequence[int]) -> dict[str, Any]:
-        """The fields that keep the sparse layers sparse in a copy made of ``layers``."""
-        dense = tuple(i for i, layer in enumerate(layers) if not self.moe_layer(layer))
-        return {"mlp_only_layers": dense, "decoder_sparse_step": 1}
 
     def active_shape(self, shape: DecoderShape, layers: int) -> DecoderShape:
         """``shape`` with the MLP width a token uses, averaged over the layers (k experts plus the shared
@@ -100,11 +94,6 @@ class Qwen2MoeConfig(Qwen2Config, QwenMoeOptions):
         """Each layer's window and whether it has experts."""
         return self.moe_layer_kinds(super().layer_kinds())
 
-    def unrolled(self, layers: Sequence[int]) -> "Qwen2MoeConfig":
-        """Qwen2's copy, its sparse layers kept sparse."""
-        copy = typing.cast(Qwen2MoeConfig, super().unrolled(layers))  # Qwen2's model_copy keeps the class
-        return copy.model_copy(update=self.sparse_update(layers))
-
 
 class Qwen3MoeConfig(Qwen3Config, QwenMoeOptions):
     """Qwen3-MoE hyper-parameters, named as in HF's config.json (no shared expert)."""
@@ -127,8 +116,3 @@ class Qwen3MoeConfig(Qwen3Config, QwenMoeOptions):
     def layer_kinds(self) -> list[Hashable]:
         """Each layer's window and whether it has experts."""
         return self.moe_layer_kinds(super().layer_kinds())
-
-    def unrolled(self, layers: Sequence[int]) -> "Qwen3MoeConfig":
-        """Qwen3's copy, its sparse layers kept sparse."""
-        copy = typing.cast(Qwen3MoeConfig, super().unrolled(layers))  # Qwen2's model_copy keeps the class
-        return copy.model_copy(update=self.sparse_update(layers))
