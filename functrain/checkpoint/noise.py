@@ -2,9 +2,10 @@
 
 A failed save or read is reported once, as a ``CheckpointError`` line (or a warning with
 ``checkpoint.on_error=warn``). Meanwhile Orbax's background threads log the same failure with full
-tracebacks through absl, asyncio reports the tasks it abandoned, and tensorstore's callbacks into closed
-event loops end in "unraisable" exceptions: hundreds of lines burying the one that matters. This drops
-those error records and exceptions; warnings and exceptions raised elsewhere still show, and ``--debug``
+tracebacks through absl, asyncio reports the tasks it abandoned, tensorstore's callbacks into closed
+event loops end in "unraisable" exceptions, and the coroutines a failed save left behind warn, as they are
+collected at exit, that they were never awaited: hundreds of lines burying the one that matters. This
+drops those error records, exceptions and warnings; exceptions raised elsewhere still show, and ``--debug``
 keeps everything.
 """
 
@@ -14,6 +15,7 @@ import logging
 import os
 import sys
 import threading
+import warnings
 from traceback import walk_tb
 from types import TracebackType
 from typing import Any, Callable
@@ -59,3 +61,5 @@ def silence_background_tracebacks() -> None:
         sys.unraisablehook = _silencing(sys.unraisablehook)
     if not getattr(threading.excepthook, "silences_checkpoint_io", False):
         threading.excepthook = _silencing(threading.excepthook)
+    # The warning names the coroutine only (no module to filter on); the CLI runs no coroutines of its own.
+    warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited", category=RuntimeWarning)

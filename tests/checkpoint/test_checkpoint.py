@@ -358,6 +358,22 @@ def test_real_write_failure_in_background_keeps_previous(tmp_path, python_runner
     np.testing.assert_array_equal(load_params(tmp_path)["w"], np.ones((8,)))
 
 
+def test_the_cli_silences_the_coroutines_a_failed_save_abandons_and_nothing_before(python_runner):
+    # Collected at exit, they warn "coroutine ... was never awaited" after the error's one line.
+    proc = python_runner("""
+        import gc, sys
+        from functrain.checkpoint.noise import silence_background_tracebacks
+        async def abandoned():
+            pass
+        abandoned(); gc.collect()
+        print("@@", file=sys.stderr, flush=True)
+        silence_background_tracebacks()
+        abandoned(); gc.collect()
+    """)
+    before, after = proc.stderr.split("@@\n")
+    assert "coroutine 'abandoned' was never awaited" in before and after == ""
+
+
 # ------------------------------------------------------------------------------------ reading
 def test_params_digest_is_order_independent_and_value_sensitive():
     params = make_state(3).params
