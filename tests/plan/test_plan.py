@@ -70,6 +70,7 @@ def test_a_scanned_run_plans_the_flops_and_bytes_of_the_same_run_unrolled(monkey
 
 
 LOOPED = THREE_LAYERS + ["model.scan_layers=true", "train.logits_chunk=4", "train.micro_batches=2"]
+HOST_HELPERS = {"jit(_threefry_seed)", "jit(stage)"}
 
 
 def test_a_plan_compiles_the_train_call_once_and_counts_every_loop_of_it(compilation_cache):
@@ -91,7 +92,9 @@ def test_a_plan_compiles_the_train_call_once_and_counts_every_loop_of_it(compila
         planned = plan(load_config("configs/char_gpt.yaml", LOOPED))
     finally:
         jax.monitoring.unregister_event_duration_listener(compiled)
-    assert compiles == ["jit(train_call)"] and planned.flops_per_step > 0
+    # Besides it, only the host's eager helpers of the program's assembly (a PRNG key made for its eval_shape).
+    assert [name for name in compiles if name not in HOST_HELPERS] == ["jit(train_call)"]
+    assert planned.flops_per_step > 0
     program = parse_program(_compile(plan_run(load_config("configs/char_gpt.yaml", LOOPED))).as_text())
     loops = program.loops()
     annotated = [program.trip_count(parent, loop) for parent, loop in loops]
