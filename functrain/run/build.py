@@ -183,8 +183,8 @@ def _callbacks(
     tensorboard = config.log.tensorboard and "tensorboard" in config.log.trackers
     builtins: list[Callback] = [
         EveryNSteps(config.eval.every_steps, config.checkpoint.every_steps),
+        RunEvents(),  # before the metrics writer: a resume records how far metrics.jsonl got (the goodput's)
         MetricsWriter(tensorboard=tensorboard),
-        RunEvents(),
         *([CompileReport(compile_cache)] if capabilities_of(config.backend).compiles_with_xla else []),
         *trackers,
         *_profile_window(config, max_steps),
