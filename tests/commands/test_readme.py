@@ -28,6 +28,7 @@ import pytest
 from functrain.callbacks.outcome import StopKind
 from functrain.commands import cli
 from functrain.config.load import load_config
+from functrain.config.schema import RunSections
 from functrain.report.console import RUN_LOGGER
 from tools import doc_markers
 
@@ -323,6 +324,40 @@ def test_the_modules_the_readme_layout_names_are_there():
         for name in re.findall(r"`([\w/]+)`", text):
             path = ROOT / folder / name
             assert path.with_suffix(".py").is_file() or path.is_dir(), f"the README's layout names {folder}{name}"
+
+
+def test_the_readme_links_every_page_of_the_docs_and_names_every_config_section():
+    documentation = README.split("\n## Documentation\n", 1)[1].split("\n## ", 1)[0]
+    linked = re.findall(r"^- \[docs/([\w-]+\.md)\]\(docs/\1\)", documentation, re.M)
+    assert sorted(linked) == sorted(path.name for path in (ROOT / "docs").glob("*.md")) and len(set(linked)) == len(linked)
+    row = next(line for line in README.splitlines() if line.startswith("| `functrain/config/` |"))
+    named = re.search(r"`sections` \(([^)]*)\)", row).group(1).split(", ")
+    in_sections = [name for name, field in RunSections.model_fields.items()
+                   if getattr(field.annotation, "__module__", None) == "functrain.config.sections"]
+    assert named == in_sections, "the README's layout: the sections functrain/config/sections.py defines"
+
+
+def _anchor(heading: str) -> str:
+    """A heading's anchor as GitHub makes it: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_between_the_docs_reach_their_pages_and_headings():
+    """One page per topic: a page that states another's rule links to it, so its links must hold."""
+    broken = []
+    for path in doc_markers.documents():
+        for target in re.findall(r"\]\(([^)\s]+)\)", doc_markers.FENCE.sub("", path.read_text())):
+            if re.match(r"\w+://", target):
+                continue  # a web page
+            page, _, anchor = target.partition("#")
+            destination = path.parent / page if page else path
+            if not destination.exists():
+                broken.append(f"{path.name}: {target}")
+            elif anchor and destination.suffix == ".md":
+                headings = re.findall(r"^#+ (.*)$", doc_markers.FENCE.sub("", destination.read_text()), re.M)
+                if anchor not in {_anchor(heading) for heading in headings}:
+                    broken.append(f"{path.name}: {target}")
+    assert broken == []
 
 
 def _kinds(lines: list[str]) -> list[str]:
