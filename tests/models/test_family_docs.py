@@ -12,6 +12,7 @@ EXPECTED_LISTS = {
     "docs/config.md": ["all", "hf_conversion !expert_parallel", "expert_parallel", "scans_layers", "!scans_layers"],
     "docs/hf-conversion.md": ["hf_conversion"],
     "docs/cli.md": ["generation_cache"],
+    "docs/data.md": ["language_model"],
     "docs/eval.md": ["generation_cache"],
     "docs/distill.md": ["language_model", "hf_conversion"],
     "docs/moe.md": ["expert_parallel"],
