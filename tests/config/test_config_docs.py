@@ -1,12 +1,14 @@
 """The docs' lists of shipped configs, mesh axes and config keys name every one the repository has, and no other."""
 
 import re
+import typing
 
 import pydantic
 
 from functrain.config.schema import Config
 from functrain.config.sections import MeshConfig
 from tests.conftest import REPO_ROOT
+from tools import doc_markers
 
 CONFIG_MD = (REPO_ROOT / "docs" / "config.md").read_text()
 
@@ -57,3 +59,23 @@ def test_the_config_reference_names_every_key_and_no_other():
         assert _documented(f"## `{section}.*`") == wanted, f"docs/config.md's {section}.* table"
     top = {name for name in Config.model_fields if name not in sections and name != "model"}
     assert _documented("## Top level") == top | {f"run.{key}" for key in _keys(Config.model_fields["run"].annotation)}
+
+
+def test_every_config_key_the_docs_name_exists():
+    """`train.max_steps`, `data.sources.0.weight=2`, `eval.samples`: a key (or section) of the schema, list
+    indices left out; model.* keys are each family's own (config.md lists them per family)."""
+    sections = [name for name, field in Config.model_fields.items()
+                if isinstance(field.annotation, type) and issubclass(field.annotation, pydantic.BaseModel)]
+    known = {name for section in sections for name in _keys(Config.model_fields[section].annotation, f"{section}.")}
+    known |= {".".join(key.split(".")[:depth]) for key in known for depth in (1, 2)}  # sections, sub-sections
+    containers = {f"{section}.{name}" for section in sections  # a list's items, a mapping's keys: any below them
+                  for name, field in Config.model_fields[section].annotation.model_fields.items()
+                  if typing.get_origin(field.annotation) in (list, dict)
+                  or any(typing.get_origin(arm) in (list, dict) for arm in typing.get_args(field.annotation))}
+    named = {(path.name, re.sub(r"\.\d+(?=\.|$)", "", match.group(1)))
+             for path in doc_markers.documents()
+             for match in re.finditer(rf"`((?:{'|'.join(sections)})\.[a-z_.0-9]*[a-z_0-9])(?:[=: ][^`]*)?`",
+                                      path.read_text())}
+    unknown = sorted((page, key) for page, key in named
+                     if key not in known and ".".join(key.split(".")[:2]) not in containers and not key.endswith(".py"))
+    assert len(named) > 150 and unknown == []
