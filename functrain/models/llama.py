@@ -94,15 +94,18 @@ class LlamaAttention(nn.Module):
             q = RMSNorm(cfg.rms_norm_eps, self.dtype, name="q_norm")(q)
             k = RMSNorm(cfg.rms_norm_eps, self.dtype, name="k_norm")(k)
         slots = next_positions(self, length)
-        rope_positions = token_positions(slots, positions, batch)
-        inv_freq, rope_scale = frequencies(cfg, slots)
-        k, v = extend_cache(self, apply_rope(k, inv_freq, rope_positions, rope_scale), v, slots)
+        rope = cfg.rope_for(self.layer)
+        if rope is not None:
+            rope_positions = token_positions(slots, positions, batch)
+            inv_freq, rope_scale = frequencies(rope, slots)
+            q, k = (apply_rope(t, inv_freq, rope_positions, rope_scale) for t in (q, k))
+        k, v = extend_cache(self, k, v, slots)
         sinks = None
         if cfg.attention_sinks:
             init = nn.with_logical_partitioning(nn.initializers.normal(std), ("heads",))
             sinks = nn.meta.unbox(self.param("sinks", init, (heads,), jnp.float32))
         out = attend(
-            apply_rope(q, inv_freq, rope_positions, rope_scale),
+            q,
             k,
             v,
             scale=head_dim**-0.5,

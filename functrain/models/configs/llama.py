@@ -81,6 +81,11 @@ class LlamaConfig(HFModelConfig):
         """Sliding-window size of ``layer``'s attention (keys within the last ``window`` positions); None: full."""
         return None
 
+    def rope_for(self, layer: int) -> "LlamaConfig | None":
+        """The rotary embedding of ``layer`` (what :func:`functrain.models.rope.frequencies` reads): the config's
+        own on every layer; None where a layer has none (SmolLM3's NoPE layers)."""
+        return self
+
     def max_positions(self) -> int:
         """``max_position_embeddings``."""
         return self.max_position_embeddings

@@ -39,6 +39,7 @@ FAMILIES = {
        in test_hf_moe.FAMILIES.items()},
     "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM, DEEPSEEK),
     "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM, test_hf_gpt_oss.CONFIG),
+    "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM, LLAMA_CONFIG),
 }
 # case -> (model_type, what it changes in the family's tiny config); a model type's first case is its round trip's.
 CASES = {
@@ -69,6 +70,16 @@ CASES = {
     # Latent attention with and without q_lora_rank, YaRN's mscale, group-limited routing, the dense first layer.
     **{f"deepseek_v3_{case}": ("deepseek_v3", extra) for case, extra in DEEPSEEK_CASES.items()},
     "gpt_oss": ("gpt_oss", {}),  # sinks, windows, YaRN, biased router and experts, the clamped SwiGLU
+    # NoPE layers (a longer list than the layers, as HF allows), windows on two of them, biases, YaRN.
+    "smollm3_nope_windows_biases_yarn": ("smollm3", dict(
+        num_hidden_layers=4, head_dim=12, attention_bias=True, mlp_bias=True, no_rope_layers=[1, 0, 1, 0, 1],
+        use_sliding_window=True, sliding_window=4, tie_word_embeddings=False,
+        layer_types=["full_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=8))),
+    # transformers' derived pattern: every second layer NoPE and sliding; tied, linear rope.
+    "smollm3_derived_pattern_tied": ("smollm3", dict(
+        num_hidden_layers=4, no_rope_layer_interval=2, use_sliding_window=True, sliding_window=5,
+        tie_word_embeddings=True, rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=2.0))),
 }
 # The case each model type's round trip (and its first layout) uses.
 ROUND_TRIP = {model_type: next(case for case, (of, _) in CASES.items() if of == model_type) for model_type in FAMILIES}
@@ -181,6 +192,10 @@ def test_bf16_sharded_round_trip_is_bit_exact_and_transformers_reads_the_config(
      "sliding layers support only the default rope"),
     ("phi3", dict(rope_parameters=dict(rope_type="longrope", rope_theta=1e4, short_factor=[1.0], long_factor=[1.0],
                                        original_max_position_embeddings=8)), "short_factor has 1 entries"),
+    ("smollm3", dict(attention_dropout=0.1), r"attention_dropout 0.1 is not supported for smollm3 \(functrain's "
+                                             r"model has no attention dropout\); set attention_dropout to 0.0"),
+    ("smollm3", dict(layer_types=["sliding_attention", "full_attention"], sliding_window=4),
+     "layer_types has sliding_attention layers but use_sliding_window is false or sliding_window unset"),
 ])
 def test_unimplemented_config_features_are_named(tmp_path, family, change, named):
     config_cls, model_cls, base = FAMILIES[family]
