@@ -48,6 +48,7 @@ SECTIONS: dict[str, dict[str, Any]] = {
     "deepseek_v3": dict(LLAMA, num_key_value_heads=None, moe_intermediate_size=16, n_routed_experts=8, n_group=4,
                         topk_group=2, num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=None),
     "smollm3": dict(LLAMA, no_rope_layers=[1, 1, 0, 1, 0], use_sliding_window=True, sliding_window=8),
+    "olmo3": dict(LLAMA, sliding_window=8),
 }
 # A mixture of experts' MLP width and router outputs per token (every layer sparse in these configs).
 ACTIVE = {

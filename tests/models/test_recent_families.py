@@ -1,10 +1,9 @@
-"""SmolLM3 in functrain's own paths: a bf16 sharded HF directory converted, fine-tuned with LoRA through ``fit`` and
-exported (merged, and as a PEFT adapter) gives transformers the trained model's logits; cached greedy generation
-continues a prompt as transformers' ``generate`` does (past the sliding windows); scanned, rematerialised layers
-train as the unrolled ones (the repeating group scanned, the rest unrolled); and the layers transformers derives
-(SmolLM3's NoPE and sliding ones) are derived alike. Logits and round trips against transformers:
-tests/torch_bridge/hf/test_hf_families.py."""
-
+"""SmolLM3 and OLMo 3 in functrain's own paths: a bf16 sharded HF directory converted, fine-tuned with LoRA through
+``fit`` and exported (merged, and as a PEFT adapter) gives transformers the trained model's logits; cached greedy
+generation continues a prompt as transformers' ``generate`` does (past the sliding windows); scanned,
+rematerialised layers train as the unrolled ones (the repeating group scanned, the rest unrolled); and the configs
+transformers derives (SmolLM3's NoPE layers, OLMo 3's old rope layout) read as transformers reads them. Logits and
+round trips against transformers: tests/torch_bridge/hf/test_hf_families.py."""
 
 import flax.linen as nn
 import jax
@@ -19,6 +18,7 @@ import functrain
 from functrain.commands.cli import main
 from functrain.core.model_output import logits_of
 from functrain.models import build_model, model_config_class
+from functrain.models.olmo3 import from_hf_config as olmo3_config
 from functrain.models.smollm3 import from_hf_config as smollm3_config
 from functrain.models.stacking import relayout_like, unstack_layers
 from functrain.text.decode import Generator, Sampling, load_language_model
@@ -29,7 +29,7 @@ from tests.torch_bridge.hf.test_hf_finetune import QUIET
 from torch_bridge.hf import load_pretrained
 
 # Each family's case with every feature on (test_hf_families.CASES).
-CASES = {"smollm3": "smollm3_nope_windows_biases_yarn"}
+CASES = {"smollm3": "smollm3_nope_windows_biases_yarn", "olmo3": "olmo3_rope_by_layer_type_biases"}
 PROMPT = np.array([[5, 17, 42, 8, 3], [60, 2, 9, 33, 11]])
 
 
@@ -96,9 +96,11 @@ def test_cached_greedy_generation_continues_as_transformers_does(converted, high
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, max_position_embeddings=64)
 # Layer patterns a scan groups: SmolLM3's NoPE every second layer, windowed (period 2: two groups and one layer
-# unrolled).
+# unrolled), OLMo 3's sliding/full alternation (likewise).
 SCANNED = {
     "smollm3": dict(TINY, num_hidden_layers=5, no_rope_layer_interval=2, use_sliding_window=True, sliding_window=3),
+    "olmo3": dict(TINY, num_hidden_layers=5, sliding_window=3, sliding_rope_theta=100.0,
+                  layer_types=["sliding_attention", "full_attention"] * 2 + ["sliding_attention"]),
 }
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 10)), jnp.int32)
 
@@ -140,3 +142,16 @@ def test_smollm3_derives_its_nope_and_sliding_layers_as_transformers_does():
     assert list(ours.resolved_layer_types()) == theirs.layer_types
     assert [ours.attention_window(i) for i in range(6)] == [None, None, 16, None, None, 16]
     assert [ours.rope_for(i) is None for i in range(6)] == [False, False, True, False, False, True]
+
+
+def test_olmo3_reads_the_old_rope_layout_as_transformers_does():
+    """transformers applies the old ``rope_theta``/``rope_scaling`` to the full-attention layers alone; the sliding
+    ones keep its default theta (OLMo 3's released configs use this layout)."""
+    scaling = dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=8192, attention_factor=1.2)
+    hf = dict(model_type="olmo3", num_hidden_layers=4, rope_theta=1e6, rope_scaling=scaling, sliding_window=8)
+    theirs = transformers.Olmo3Config(**hf).rope_parameters
+    ours = olmo3_config(hf)
+    assert theirs["sliding_attention"] == {"rope_type": "default", "rope_theta": 500000.0}
+    assert (ours.sliding_rope_theta, ours.sliding_rope_scaling) == (500000.0, None)
+    assert {"rope_theta": ours.rope_theta, **ours.rope_scaling.model_dump(exclude_none=True)} == theirs["full_attention"]
+    assert ours.rope_for(3) is ours and ours.rope_for(0).rope_theta == 500000.0  # layer 3 is the full one

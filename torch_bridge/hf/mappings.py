@@ -200,9 +200,12 @@ def _dense_mlp(hf_prefix: str, path: Path, bias: bool) -> list[Rule]:
 
 
 def _decoder_rules(cfg: llama.LlamaConfig, mlp: MlpRules) -> list[Rule]:
-    """The Llama-shaped decoders' table (Llama, Qwen2/3, Mistral and their MoE kin): biases and q/k norms as the
-    config says, each layer's MLP from ``mlp``."""
+    """The Llama-shaped decoders' table (Llama, Qwen2/3, Mistral, SmolLM3, OLMo 3 and the MoE kin): biases, q/k
+    norms and the norms' placement as the config says, each layer's MLP from ``mlp``."""
     rules = [Rule("model.embed_tokens.weight", (("embed_tokens", "embedding"),))]
+    # OLMo normalises each sublayer's output, the others its input (functrain.models.llama.LlamaBlock).
+    pre_norms = ("input_layernorm", "post_attention_layernorm")
+    norms = ("post_attention_layernorm", "post_feedforward_layernorm") if cfg.post_norms else pre_norms
     for i in range(cfg.num_hidden_layers):
         hf, layer = f"model.layers.{i}", f"layers_{i}"
         for proj in ("q_proj", "k_proj", "v_proj"):
@@ -214,7 +217,7 @@ def _decoder_rules(cfg: llama.LlamaConfig, mlp: MlpRules) -> list[Rule]:
                 for norm in ("q_norm", "k_norm")
             ]
         rules += mlp(i, hf, layer)
-        for norm in ("input_layernorm", "post_attention_layernorm"):
+        for norm in norms:
             rules.append(Rule(f"{hf}.{norm}.weight", ((layer, norm, "scale"),)))
     rules.append(Rule("model.norm.weight", (("norm", "scale"),)))
     if not cfg.tie_word_embeddings:

@@ -56,6 +56,7 @@ def test_missing_config(tmp_path):
 @pytest.mark.parametrize("model_type, nearest", [
     ("bert", ""), ("llava", " (nearest supported: 'llama')"), ("gemma3", " (nearest supported: 'gemma3_text')"),
     ("lama", " (nearest supported: 'llama')"), ("deepseek_v2", " (nearest supported: 'deepseek_v3')"),
+    ("olmo2", " (nearest supported: 'olmo3')"),
 ])
 def test_unsupported_model_type_names_the_nearest_and_the_supported_ones(tmp_path, llama_dir, model_type, nearest):
     hf = broken_copy(llama_dir, tmp_path / "hf")

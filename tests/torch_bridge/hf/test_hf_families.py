@@ -40,6 +40,7 @@ FAMILIES = {
     "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM, DEEPSEEK),
     "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM, test_hf_gpt_oss.CONFIG),
     "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM, LLAMA_CONFIG),
+    "olmo3": (transformers.Olmo3Config, transformers.Olmo3ForCausalLM, LLAMA_CONFIG),
 }
 # case -> (model_type, what it changes in the family's tiny config); a model type's first case is its round trip's.
 CASES = {
@@ -80,6 +81,14 @@ CASES = {
     "smollm3_derived_pattern_tied": ("smollm3", dict(
         num_hidden_layers=4, no_rope_layer_interval=2, use_sliding_window=True, sliding_window=5,
         tie_word_embeddings=True, rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=2.0))),
+    # Norms after the sublayers, q/k norms over all heads, a rope per layer type (YaRN full, linear sliding).
+    "olmo3_rope_by_layer_type_biases": ("olmo3", dict(
+        num_hidden_layers=4, head_dim=12, attention_bias=True, sliding_window=4,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": dict(rope_type="yarn", rope_theta=1e4, factor=4.0,
+                                                original_max_position_embeddings=8),
+                         "sliding_attention": dict(rope_type="linear", rope_theta=100.0, factor=2.0)})),
+    "olmo3_default_layer_types_tied": ("olmo3", dict(num_hidden_layers=4, sliding_window=3, tie_word_embeddings=True)),
 }
 # The case each model type's round trip (and its first layout) uses.
 ROUND_TRIP = {model_type: next(case for case, (of, _) in CASES.items() if of == model_type) for model_type in FAMILIES}
@@ -196,6 +205,10 @@ def test_bf16_sharded_round_trip_is_bit_exact_and_transformers_reads_the_config(
                                              r"model has no attention dropout\); set attention_dropout to 0.0"),
     ("smollm3", dict(layer_types=["sliding_attention", "full_attention"], sliding_window=4),
      "layer_types has sliding_attention layers but use_sliding_window is false or sliding_window unset"),
+    ("olmo3", dict(rope_parameters=dict(rope_type="default", rope_theta=1e4)), "olmo3's rope_parameters are nested "
+                                                                               "by layer type"),
+    ("olmo3", dict(rope_parameters={"full_attention": dict(rope_type="default", rope_theta=1e4,
+                                                           partial_rotary_factor=0.5)}), "partial_rotary_factor"),
 ])
 def test_unimplemented_config_features_are_named(tmp_path, family, change, named):
     config_cls, model_cls, base = FAMILIES[family]
