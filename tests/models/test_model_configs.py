@@ -49,13 +49,20 @@ SECTIONS: dict[str, dict[str, Any]] = {
                         topk_group=2, num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=None),
     "smollm3": dict(LLAMA, no_rope_layers=[1, 1, 0, 1, 0], use_sliding_window=True, sliding_window=8),
     "olmo3": dict(LLAMA, sliding_window=8),
+    "glm4_moe": dict(LLAMA, head_dim=24, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2,
+                     first_k_dense_replace=2),
 }
-# A mixture of experts' MLP width and router outputs per token (every layer sparse in these configs).
+# A mixture of experts' MLP width and router outputs per token (every layer sparse in these configs but GLM's).
 ACTIVE = {
     "mixtral": lambda c: (c.num_experts_per_tok * c.intermediate_size, c.num_local_experts),
     "qwen2_moe": lambda c: (c.num_experts_per_tok * c.moe_intermediate_size + c.shared_expert_intermediate_size,
                             c.num_experts + 1),
     "qwen3_moe": lambda c: (c.num_experts_per_tok * c.moe_intermediate_size, c.num_experts),
+    # Dense first layers: the width and router outputs averaged over the layers.
+    "glm4_moe": lambda c: (
+        round(((c.num_hidden_layers - c.first_k_dense_replace) * (c.num_experts_per_tok + c.n_shared_experts)
+               * c.moe_intermediate_size + c.first_k_dense_replace * c.intermediate_size) / c.num_hidden_layers),
+        round((c.num_hidden_layers - c.first_k_dense_replace) * c.n_routed_experts / c.num_hidden_layers)),
 }
 
 

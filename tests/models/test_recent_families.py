@@ -1,9 +1,12 @@
-"""SmolLM3 and OLMo 3 in functrain's own paths: a bf16 sharded HF directory converted, fine-tuned with LoRA through
-``fit`` and exported (merged, and as a PEFT adapter) gives transformers the trained model's logits; cached greedy
-generation continues a prompt as transformers' ``generate`` does (past the sliding windows); scanned,
-rematerialised layers train as the unrolled ones (the repeating group scanned, the rest unrolled); and the configs
-transformers derives (SmolLM3's NoPE layers, OLMo 3's old rope layout) read as transformers reads them. Logits and
-round trips against transformers: tests/torch_bridge/hf/test_hf_families.py."""
+"""SmolLM3, OLMo 3 and GLM-4.5 in functrain's own paths: a bf16 sharded HF directory converted, fine-tuned with LoRA
+through ``fit`` and exported (merged, and as a PEFT adapter) gives transformers the trained model's logits; cached
+greedy generation continues a prompt as transformers' ``generate`` does (past the sliding windows); scanned,
+rematerialised layers train as the unrolled ones (the repeating group scanned, the rest unrolled); and the
+configs transformers derives (SmolLM3's NoPE layers, OLMo 3's old rope layout, GLM-4.5's released keys) read as
+transformers reads them. Logits and round trips against transformers: tests/torch_bridge/hf/test_hf_families.py."""
+
+import json
+import logging
 
 import flax.linen as nn
 import jax
@@ -13,11 +16,13 @@ import peft
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 
 import functrain
 from functrain.commands.cli import main
 from functrain.core.model_output import logits_of
 from functrain.models import build_model, model_config_class
+from functrain.models.glm4_moe import from_hf_config as glm4_moe_config
 from functrain.models.olmo3 import from_hf_config as olmo3_config
 from functrain.models.smollm3 import from_hf_config as smollm3_config
 from functrain.models.stacking import relayout_like, unstack_layers
@@ -26,10 +31,11 @@ from tests.models.test_attention import random_params
 from tests.torch_bridge.hf.test_hf_convert import hf_logits
 from tests.torch_bridge.hf.test_hf_families import build_family_model
 from tests.torch_bridge.hf.test_hf_finetune import QUIET
-from torch_bridge.hf import load_pretrained
+from torch_bridge.hf import load_pretrained, read_params
 
 # Each family's case with every feature on (test_hf_families.CASES).
-CASES = {"smollm3": "smollm3_nope_windows_biases_yarn", "olmo3": "olmo3_rope_by_layer_type_biases"}
+CASES = {"smollm3": "smollm3_nope_windows_biases_yarn", "olmo3": "olmo3_rope_by_layer_type_biases",
+         "glm4_moe": "glm4_moe_groups_qk_norm_partial_yarn"}
 PROMPT = np.array([[5, 17, 42, 8, 3], [60, 2, 9, 33, 11]])
 
 
@@ -96,11 +102,13 @@ def test_cached_greedy_generation_continues_as_transformers_does(converted, high
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, max_position_embeddings=64)
 # Layer patterns a scan groups: SmolLM3's NoPE every second layer, windowed (period 2: two groups and one layer
-# unrolled), OLMo 3's sliding/full alternation (likewise).
+# unrolled), OLMo 3's sliding/full alternation (likewise), GLM-4.5's dense first layer then its MoE stack.
 SCANNED = {
     "smollm3": dict(TINY, num_hidden_layers=5, no_rope_layer_interval=2, use_sliding_window=True, sliding_window=3),
     "olmo3": dict(TINY, num_hidden_layers=5, sliding_window=3, sliding_rope_theta=100.0,
                   layer_types=["sliding_attention", "full_attention"] * 2 + ["sliding_attention"]),
+    "glm4_moe": dict(TINY, num_hidden_layers=4, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+                     use_qk_norm=True, moe_dispatch="dense"),
 }
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 10)), jnp.int32)
 
@@ -114,7 +122,7 @@ def test_scanned_rematerialised_layers_train_as_the_unrolled_ones(family):
     boxed = nn.meta.unbox(jax.eval_shape(scanned.init, jax.random.PRNGKey(0), TOKENS)["params"])
     stacked = relayout_like(params, boxed)
     stacks = {name for name in boxed if name.endswith("_stack")}
-    assert stacks == {"layers_stack"}
+    assert stacks == ({"dense_layers_stack", "moe_layers_stack"} if family == "glm4_moe" else {"layers_stack"})
 
     @jax.jit  # one compile for both layouts
     def loss_and_grads(params, stacked):
@@ -155,3 +163,41 @@ def test_olmo3_reads_the_old_rope_layout_as_transformers_does():
     assert (ours.sliding_rope_theta, ours.sliding_rope_scaling) == (500000.0, None)
     assert {"rope_theta": ours.rope_theta, **ours.rope_scaling.model_dump(exclude_none=True)} == theirs["full_attention"]
     assert ours.rope_for(3) is ours and ours.rope_for(0).rope_theta == 500000.0  # layer 3 is the full one
+
+
+def test_glm4_moe_reads_the_released_config_layout_as_transformers_does():
+    # GLM-4.5-Air's config.json keys: top-level rope_theta and partial_rotary_factor, an MTP layer.
+    hf = dict(model_type="glm4_moe", hidden_size=4096, num_attention_heads=96, head_dim=128, rope_theta=1e6,
+              partial_rotary_factor=0.5, num_nextn_predict_layers=1, use_qk_norm=False, attention_bias=True,
+              num_hidden_layers=46, first_k_dense_replace=1, n_routed_experts=128, moe_intermediate_size=1408)
+    theirs = transformers.Glm4MoeConfig(**hf)
+    ours = glm4_moe_config(hf)
+    assert (ours.rope_theta, ours.rotary_dim, ours.attn_head_dim) == (theirs.rope_parameters["rope_theta"], 64, 128)
+    assert ours.decoder_shape().mlp_width == round((45 * 9 * 1408 + 10944) / 46)
+    without = {**{k: v for k, v in hf.items() if k != "head_dim"}, "num_attention_heads": 64}
+    assert glm4_moe_config(without).attn_head_dim == 4096 // 64  # transformers' head_dim then
+
+
+def test_glm4_moe_leaves_out_the_multi_token_prediction_layer_in_one_log_line(tmp_path, caplog):
+    model = build_family_model(CASES["glm4_moe"])
+    model.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    mtp = {f"model.layers.3.{name}": torch.ones(32) for name in ("enorm.weight", "hnorm.weight")}
+    mtp["model.layers.3.eh_proj.weight"] = torch.ones(32, 64)
+    save_file({**tensors, **mtp}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1
+    with caplog.at_level(logging.WARNING):
+        read_params(tmp_path)
+    left_out = [record.getMessage() for record in caplog.records if "left out" in record.getMessage()]
+    assert len(left_out) == 1 and "the multi-token-prediction layer model.layers.3 (3 tensors" in left_out[0]
+
+
+def test_glm4_moe_correction_biases_stay_out_of_the_optimizer():
+    config = model_config_class("glm4_moe").model_validate({"name": "glm4_moe", **SCANNED["glm4_moe"]})
+    model = build_model(config)
+    params = random_params(model, TOKENS)
+    frozen = [path for path, trainable in jax.tree_util.tree_flatten_with_path(model.trainable_mask(params))[0]
+              if not trainable]
+    assert [jax.tree_util.keystr(path) for path in frozen] == [
+        f"['moe_layers_{j}']['e_score_correction_bias']" for j in range(3)]

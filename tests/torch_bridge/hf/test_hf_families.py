@@ -41,6 +41,9 @@ FAMILIES = {
     "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM, test_hf_gpt_oss.CONFIG),
     "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM, LLAMA_CONFIG),
     "olmo3": (transformers.Olmo3Config, transformers.Olmo3ForCausalLM, LLAMA_CONFIG),
+    "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM, dict(
+        LLAMA_CONFIG, num_hidden_layers=3, head_dim=12, moe_intermediate_size=16, n_routed_experts=8,
+        num_experts_per_tok=2)),
 }
 # case -> (model_type, what it changes in the family's tiny config); a model type's first case is its round trip's.
 CASES = {
@@ -89,6 +92,16 @@ CASES = {
                                                 original_max_position_embeddings=8),
                          "sliding_attention": dict(rope_type="linear", rope_theta=100.0, factor=2.0)})),
     "olmo3_default_layer_types_tied": ("olmo3", dict(num_hidden_layers=4, sliding_window=3, tie_word_embeddings=True)),
+    # A dense first layer, groups, q/k norms, half of each head rotated by YaRN, q/k/v biases, scaled weights.
+    "glm4_moe_groups_qk_norm_partial_yarn": ("glm4_moe", dict(
+        attention_bias=True, use_qk_norm=True, n_group=2, topk_group=1, routed_scaling_factor=1.5,
+        rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=8,
+                             partial_rotary_factor=0.5))),
+    # Every layer sparse, two shared experts, a quarter of each head rotated, weights not renormalised, tied.
+    "glm4_moe_all_sparse_tied": ("glm4_moe", dict(
+        head_dim=16, first_k_dense_replace=0, n_shared_experts=2, norm_topk_prob=False,
+        tie_word_embeddings=True, rope_parameters=dict(rope_type="default", rope_theta=1e4,
+                                                       partial_rotary_factor=0.25))),
 }
 # The case each model type's round trip (and its first layout) uses.
 ROUND_TRIP = {model_type: next(case for case, (of, _) in CASES.items() if of == model_type) for model_type in FAMILIES}
@@ -209,6 +222,9 @@ def test_bf16_sharded_round_trip_is_bit_exact_and_transformers_reads_the_config(
                                                                                "by layer type"),
     ("olmo3", dict(rope_parameters={"full_attention": dict(rope_type="default", rope_theta=1e4,
                                                            partial_rotary_factor=0.5)}), "partial_rotary_factor"),
+    ("glm4_moe", dict(rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.25)),
+     r"head_dim 12 x partial_rotary_factor 0.25 gives 3 rotated features"),
+    ("glm4_moe", dict(attention_dropout=0.5), "attention_dropout 0.5 is not supported for glm4_moe"),
 ])
 def test_unimplemented_config_features_are_named(tmp_path, family, change, named):
     config_cls, model_cls, base = FAMILIES[family]
