@@ -13,7 +13,7 @@ Parameters (transformers' names)::
     in_proj_qkv, in_proj_z, in_proj_b, in_proj_a  Dense kernels (Qwen3.5), or
     in_proj_qkvz, in_proj_ba                      Qwen3-Next's fused ones (grouped by key head, as transformers
                                                   lays them out)
-    conv1d/kernel [K, q+k+v channels]             transformers' conv1d.weight [C, 1, K], transposed
+    conv1d/kernel [C, 1, K]                       transformers' conv1d.weight (C: the q, k and v channels)
     A_log, dt_bias [Hv]; norm/scale [Dv]; out_proj
 
 Packed sequences: with ``segment_ids`` [B, T] the convolution and the state both start afresh at each document.
@@ -87,7 +87,8 @@ class GatedRMSNorm(nn.Module):
 
 
 class _ConvKernel(nn.Module):
-    """The depthwise convolution's taps ``kernel`` [K, C] (a module of its own: transformers' ``conv1d``)."""
+    """The depthwise convolution's taps (transformers' ``conv1d``): ``kernel`` [C, 1, K] as stored, returned as
+    [K, C]."""
 
     taps: int
     channels: int
@@ -95,8 +96,8 @@ class _ConvKernel(nn.Module):
 
     @nn.compact
     def __call__(self) -> Array:
-        init = nn.with_logical_partitioning(nn.initializers.normal(self.init_std), (None, "heads"))
-        return nn.meta.unbox(self.param("kernel", init, (self.taps, self.channels), jnp.float32))
+        init = nn.with_logical_partitioning(nn.initializers.normal(self.init_std), ("heads", None, None))
+        return nn.meta.unbox(self.param("kernel", init, (self.channels, 1, self.taps), jnp.float32))[:, 0].T
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,6 +34,7 @@ def test_the_docs_lists_and_table_of_families_are_the_registry_s():
 def test_a_list_that_leaves_the_registry_is_found_stale():
     text = "MoE: <!-- families: expert_parallel -->`mixtral`, `qwen2_moe`, `qwen3_moe`<!-- /families -->."
     assert family_docs.rendered(text) == (
-        "MoE: <!-- families: expert_parallel -->`deepseek_v3`, `gpt_oss`, `mixtral`, `qwen2_moe`, `qwen3_moe`"
-        "<!-- /families -->.")
-    assert family_docs.family_list("language_model !context_parallel") == "`gemma2`, `gemma3_text`, `gpt2`"
+        "MoE: <!-- families: expert_parallel -->`deepseek_v3`, `gpt_oss`, `mixtral`, `qwen2_moe`, `qwen3_5_moe_text`, "
+        "`qwen3_moe`, `qwen3_next`<!-- /families -->.")
+    assert family_docs.family_list("language_model !context_parallel") == (
+        "`gemma2`, `gemma3_text`, `gpt2`, `qwen3_5_moe_text`, `qwen3_5_text`, `qwen3_next`")

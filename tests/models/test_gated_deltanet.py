@@ -13,6 +13,7 @@ import torch
 import transformers
 from transformers.models.qwen3_next import modeling_qwen3_next as reference
 
+from functrain.models.configs.qwen3_next import delta_rule_flops
 from functrain.models.delta_rule import (
     causal_conv,
     chunked_delta_rule,
@@ -165,7 +166,7 @@ def layer_pair(fused: bool, chunk: int = 4) -> tuple[torch.nn.Module, GatedDelta
         for param in torch_layer.parameters():
             param.add_(0.2 * torch.randn_like(param))
     weights = {name: param.detach().numpy() for name, param in torch_layer.named_parameters()}
-    params = {"conv1d": {"kernel": weights.pop("conv1d.weight")[:, 0].T}, "norm": {"scale": weights.pop("norm.weight")}}
+    params = {"conv1d": {"kernel": weights.pop("conv1d.weight")}, "norm": {"scale": weights.pop("norm.weight")}}
     for name, weight in weights.items():
         module, _, leaf = name.partition(".")
         params[module] = {"kernel": weight.T} if leaf == "weight" else weight
@@ -207,22 +208,11 @@ def test_decoding_with_the_cache_continues_the_full_forward(highest_precision):
     np.testing.assert_allclose(np.concatenate(pieces, axis=1), full, atol=ATOL, rtol=0)
 
 
-def chunked_matmul_flops(length: int, chunk: int, heads: int, key_dim: int, value_dim: int) -> float:
-    """The multiply-adds (x 2) of the chunked form's matmuls, per row of the batch: per chunk and head, the two
-    [C, C] score products, the block inverse, its product with values and keys, and the four products with the
-    state (read by keys and queries, scores times corrected values, written)."""
-    padded = 1 << (chunk - 1).bit_length()
-    inverse = 2 * padded * (padded**2 - 1) / 3
-    per_chunk = 2 * (2 * chunk * chunk * key_dim + chunk * chunk * (key_dim + value_dim))
-    per_chunk += inverse + 2 * (3 * chunk * key_dim * value_dim + chunk * chunk * value_dim)
-    return per_chunk * heads * -(-length // chunk)
-
-
 def test_the_flops_a_plan_counts_hold_every_chunk_s_matmuls():
     inputs = rule_inputs(256, key_heads=1, value_heads=2, widths=(32, 24), batch=1)
     compiled = jax.jit(lambda arrays: chunked_delta_rule(**arrays, chunk_size=32)).lower(inputs).compile()
     counted = step_cost(compiled, steps_per_call=1)["flops"]
-    matmuls = chunked_matmul_flops(256, 32, heads=2, key_dim=32, value_dim=24)
+    matmuls = 256 * 2 * delta_rule_flops(32, key_dim=32, value_dim=24)  # tokens x value heads x per token and head
     assert matmuls <= counted < 1.3 * matmuls, (counted, matmuls)
     once = compiled.cost_analysis()
     assert (once[0] if isinstance(once, list) else once)["flops"] < 0.7 * counted  # XLA counts the scan's body once

@@ -55,7 +55,7 @@ def test_unsupported_model_type_names_supported_ones(tmp_path, llama_dir):
     hf = broken_copy(llama_dir, tmp_path / "hf")
     config = json.loads((hf / "config.json").read_text())
     (hf / "config.json").write_text(json.dumps({**config, "model_type": "bert"}))
-    assert_one_line_error(tmp_path, hf, r"model_type 'bert' is not supported; supported model types: deepseek_v3, gemma2, gemma3_text, gpt2, gpt_oss, llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe")
+    assert_one_line_error(tmp_path, hf, r"model_type 'bert' is not supported; supported model types: deepseek_v3, gemma2, gemma3_text, gpt2, gpt_oss, llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3, qwen3_5_moe_text, qwen3_5_text, qwen3_moe, qwen3_next")
 
 
 def test_truncated_safetensors_header(tmp_path, llama_dir):
