@@ -27,6 +27,7 @@ import numpy as np
 
 from functrain.models import deepseek_v3, gemma2, gpt2, gpt_oss, llama, mixtral, phi3
 from functrain.models.configs.glm4_moe import Glm4MoeConfig
+from functrain.models.configs.qwen_moe import QwenMoeOptions
 from functrain.models.qwen_moe import QwenMoeConfig
 
 Path = tuple[str, ...]
@@ -294,10 +295,10 @@ def _gpt_oss_rules(cfg: gpt_oss.GptOssConfig) -> list[Rule]:
     return _decoder_rules(cfg, moe)
 
 
-def _qwen_moe_rules(cfg: QwenMoeConfig, fused: bool = False) -> list[Rule]:
-    """Qwen2/3's attention; sparse layers ``mlp.gate`` and ``mlp.experts.<e>.{gate,up,down}_proj`` (or the fused
-    ``mlp.experts.gate_up_proj`` / ``down_proj``), Qwen2-MoE's ``mlp.shared_expert`` and ``shared_expert_gate``;
-    dense layers Llama's MLP."""
+def qwen_moe_mlp(cfg: QwenMoeOptions, fused: bool = False) -> MlpRules:
+    """The MLP rules of the Qwen MoEs (Qwen3-Next's and Qwen3.5's too): sparse layers ``mlp.gate`` and
+    ``mlp.experts.<e>.{gate,up,down}_proj`` (or the fused ``mlp.experts.gate_up_proj`` / ``down_proj``), with a shared
+    expert ``mlp.shared_expert`` and its ``shared_expert_gate``; dense layers Llama's MLP."""
 
     def mlp(i: int, hf: str, layer: str) -> list[Rule]:
         path = (layer, "mlp")
@@ -314,7 +315,12 @@ def _qwen_moe_rules(cfg: QwenMoeConfig, fused: bool = False) -> list[Rule]:
             rules += _linear(f"{hf}.mlp.shared_expert_gate", path + ("shared_expert_gate",), bias=False)
         return rules
 
-    return _decoder_rules(cfg, mlp)
+    return mlp
+
+
+def _qwen_moe_rules(cfg: QwenMoeConfig, fused: bool = False) -> list[Rule]:
+    """Qwen2/3's attention and :func:`qwen_moe_mlp`."""
+    return _decoder_rules(cfg, qwen_moe_mlp(cfg, fused))
 
 
 def _phi3_rules(cfg: phi3.Phi3Config) -> list[Rule]:
