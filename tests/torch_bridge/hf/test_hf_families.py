@@ -92,14 +92,16 @@ CASES = {
                                                 original_max_position_embeddings=8),
                          "sliding_attention": dict(rope_type="linear", rope_theta=100.0, factor=2.0)})),
     "olmo3_default_layer_types_tied": ("olmo3", dict(num_hidden_layers=4, sliding_window=3, tie_word_embeddings=True)),
-    # A dense first layer, groups, q/k norms, half of each head rotated by YaRN, q/k/v biases, scaled weights.
+    # A dense first layer, groups, q/k norms, half of each head rotated by YaRN, q/k/v biases, scaled weights, two
+    # shared experts' width.
     "glm4_moe_groups_qk_norm_partial_yarn": ("glm4_moe", dict(
-        attention_bias=True, use_qk_norm=True, n_group=2, topk_group=1, routed_scaling_factor=1.5,
+        attention_bias=True, use_qk_norm=True, n_group=2, topk_group=1, routed_scaling_factor=1.5, n_shared_experts=2,
         rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=8,
                              partial_rotary_factor=0.5))),
-    # Every layer sparse, two shared experts, a quarter of each head rotated, weights not renormalised, tied.
+    # Every layer sparse, no shared expert (transformers saves its MLP 0 wide), a quarter of each head rotated,
+    # weights not renormalised, tied.
     "glm4_moe_all_sparse_tied": ("glm4_moe", dict(
-        head_dim=16, first_k_dense_replace=0, n_shared_experts=2, norm_topk_prob=False,
+        head_dim=16, first_k_dense_replace=0, n_shared_experts=0, norm_topk_prob=False,
         tie_word_embeddings=True, rope_parameters=dict(rope_type="default", rope_theta=1e4,
                                                        partial_rotary_factor=0.25))),
 }
