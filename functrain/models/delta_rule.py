@@ -16,7 +16,8 @@ queries and keys L2-normalised, queries scaled by ``Dk ** -0.5``. Grouped heads:
 - :func:`recurrent_delta_rule`, for decoding: one token at a time (a ``lax.scan`` over tokens).
 
 Both take ``runs`` [B, T] (nondecreasing ids of the packed documents, :func:`document_runs`): the state starts
-from zero where a run starts, so packed documents never see each other. Everything is computed in float32.
+from zero where a run starts, so packed documents never see each other. Everything is computed in float32. The
+FLOPs formula counts the chunked form's matmuls with :func:`functrain.models.configs.qwen3_next.delta_rule_flops`.
 """
 
 import jax

@@ -30,9 +30,8 @@ from torch_bridge.user_model import decoder_shape as module_shape
 LLAMA = dict(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=5, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=48)
 # The Gated DeltaNet hybrids' own keys (linear attention) on Llama's sizes.
-HYBRID_MOE = dict({key: value for key, value in LLAMA.items() if key != "intermediate_size"}, head_dim=16,
-                  linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
-                  num_hidden_layers=4)  # fmt: skip
+HYBRID = dict(LLAMA, head_dim=16, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+              linear_num_value_heads=4, num_hidden_layers=4)
 SECTIONS: dict[str, dict[str, Any]] = {
     "mlp": dict(hidden=[8], num_classes=3),
     "gpt": dict(vocab_size=300, max_len=40, d_model=32, n_layers=3, n_heads=4, d_ff=48),
@@ -55,11 +54,11 @@ SECTIONS: dict[str, dict[str, Any]] = {
     "olmo3": dict(LLAMA, sliding_window=8),
     "glm4_moe": dict(LLAMA, head_dim=24, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2,
                      first_k_dense_replace=2),
-    "qwen3_5_text": dict(LLAMA, head_dim=16, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
-                         linear_num_value_heads=4, num_hidden_layers=4),
-    "qwen3_5_moe_text": dict(HYBRID_MOE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
-    "qwen3_next": dict(HYBRID_MOE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                       mlp_only_layers=[1], layer_types=["linear_attention", "full_attention"] * 2),
+    "qwen3_5_text": HYBRID,
+    "qwen3_5_moe_text": dict({key: value for key, value in HYBRID.items() if key != "intermediate_size"},
+                             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),  # experts on every layer
+    "qwen3_next": dict(HYBRID, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=[1],
+                       layer_types=["linear_attention", "full_attention"] * 2),
 }
 # A mixture of experts' MLP width and router outputs per token (every layer sparse in these configs but GLM's).
 ACTIVE = {
