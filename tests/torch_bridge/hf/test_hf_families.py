@@ -19,7 +19,7 @@ import torch
 import transformers
 
 from functrain.errors import ConfigError
-from tests.torch_bridge.hf import test_hf_gpt_oss, test_hf_moe
+from tests.torch_bridge.hf import test_hf_gpt_oss, test_hf_moe, test_hf_qwen3_next
 from tests.torch_bridge.hf.test_hf_convert import GPT2_CONFIG, IDS, LLAMA_CONFIG, hf_logits, hf_tensors, write_layout
 from tests.torch_bridge.hf.test_hf_deepseek_v3 import CASES as DEEPSEEK_CASES, TINY as DEEPSEEK
 from torch_bridge.hf import hf_to_run_dir, load_pretrained, read_params, save_pretrained
@@ -44,6 +44,9 @@ FAMILIES = {
     "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM, dict(
         LLAMA_CONFIG, num_hidden_layers=3, head_dim=12, moe_intermediate_size=16, n_routed_experts=8,
         num_experts_per_tok=2)),
+    # The Gated DeltaNet hybrids: their own module's tiny configs (every feature on; more cases there).
+    **{family: (config, model, {**test_hf_qwen3_next.HYBRID, **test_hf_qwen3_next.CASES[family]})
+       for family, (config, model) in test_hf_qwen3_next.FAMILIES.items()},
 }
 # case -> (model_type, what it changes in the family's tiny config); a model type's first case is its round trip's.
 CASES = {
@@ -104,9 +107,15 @@ CASES = {
         head_dim=16, first_k_dense_replace=0, n_shared_experts=0, norm_topk_prob=False,
         tie_word_embeddings=True, rope_parameters=dict(rope_type="default", rope_theta=1e4,
                                                        partial_rotary_factor=0.25))),
+    **{family: (family, {}) for family in test_hf_qwen3_next.FAMILIES},
 }
 # The case each model type's round trip (and its first layout) uses.
 ROUND_TRIP = {model_type: next(case for case, (of, _) in CASES.items() if of == model_type) for model_type in FAMILIES}
+
+
+# The hybrids' weights perturbed by less: at 0.1 transformers' own float32 logits stray 1e-5 from its float64 ones
+# (test_hf_qwen3_next.build_hybrid).
+PERTURBATION = {family: 0.05 for family in test_hf_qwen3_next.FAMILIES}
 
 
 def build_family_model(case: str, dtype=torch.float32, **change) -> transformers.PreTrainedModel:
@@ -118,7 +127,7 @@ def build_family_model(case: str, dtype=torch.float32, **change) -> transformers
     model = model_cls(config_cls(**{**base, **extra, **change}))
     with torch.no_grad():
         for param in model.parameters():
-            param.add_(0.1 * torch.randn_like(param))
+            param.add_(PERTURBATION.get(family, 0.1) * torch.randn_like(param))
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.add_(0.3 * torch.randn_like(buffer))
