@@ -94,6 +94,7 @@ LONGEST_MODULES = (
     "tasks/grpo/test_grpo_run.py",
     "tasks/distill/test_distill_run.py",
     "tasks/test_model_terms_every_task.py",
+    "models/test_recent_families.py",
     "models/moe/test_moe_models.py",
     "commands/test_moe_commands.py",
     "tasks/grpo/test_grpo_processes.py",
