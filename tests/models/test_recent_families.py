@@ -2,7 +2,7 @@
 with LoRA through ``fit`` and exported (merged, and as a PEFT adapter) gives transformers the trained model's logits;
 cached greedy generation continues a prompt as transformers' ``generate`` does (past the sliding windows and
 attention chunks); scanned, rematerialised layers train as the unrolled ones (the repeating group scanned, the rest
-unrolled); Llama 4's packed documents are chunked from their own starts and a killed run resumes bitwise; and the
+unrolled); Llama 4's packed documents are chunked from their own starts and a cut run resumes bitwise; and the
 configs transformers derives (SmolLM3's NoPE layers, OLMo 3's old rope layout, GLM-4.5's released keys, Llama 4's
 layer lists) read as transformers reads them. Logits and round trips against transformers:
 tests/torch_bridge/hf/test_hf_families.py."""
@@ -18,10 +18,11 @@ import peft
 import pytest
 import torch
 import transformers
-import yaml
 from safetensors.torch import load_file, save_file
 
 import functrain
+from functrain.checkpoint import load_params
+from functrain.checkpoint.digest import params_digest
 from functrain.commands.cli import main
 from functrain.core.model_output import logits_of
 from functrain.models import build_model, model_config_class
@@ -32,6 +33,7 @@ from functrain.models.smollm3 import from_hf_config as smollm3_config
 from functrain.models.stacking import relayout_like, unstack_layers
 from functrain.text.decode import Generator, Sampling, load_language_model
 from tests.models.test_attention import random_params
+from tests.models.test_scan_layers import RUN, _halfway, _losses
 from tests.torch_bridge.hf.test_hf_convert import hf_logits
 from tests.torch_bridge.hf.test_hf_families import build_family_model
 from tests.torch_bridge.hf.test_hf_finetune import QUIET
@@ -112,14 +114,14 @@ TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_attention_h
             head_dim=8, max_position_embeddings=64)
 # Layer patterns a scan groups: SmolLM3's NoPE every second layer, windowed (period 2: two groups and one layer
 # unrolled), OLMo 3's sliding/full alternation (likewise), GLM-4.5's dense first layer then its MoE stack, Llama 4's
-# chunked dense RoPE layer and global NoPE layer with experts (likewise).
+# chunked dense RoPE layer and global NoPE layer with experts (two groups).
 SCANNED = {
     "smollm3": dict(TINY, num_hidden_layers=5, no_rope_layer_interval=2, use_sliding_window=True, sliding_window=3),
     "olmo3": dict(TINY, num_hidden_layers=5, sliding_window=3, sliding_rope_theta=100.0,
                   layer_types=["sliding_attention", "full_attention"] * 2 + ["sliding_attention"]),
     "glm4_moe": dict(TINY, num_hidden_layers=4, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
                      use_qk_norm=True, moe_dispatch="dense"),
-    "llama4": dict(TINY, num_hidden_layers=5, intermediate_size=16, intermediate_size_mlp=40, num_local_experts=4,
+    "llama4": dict(TINY, num_hidden_layers=4, intermediate_size=16, intermediate_size_mlp=40, num_local_experts=4,
                    no_rope_layer_interval=2, interleave_moe_layer_step=2, attention_chunk_size=3, floor_scale=2),
 }
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 10)), jnp.int32)
@@ -242,15 +244,15 @@ def test_llama4_packed_documents_are_chunked_from_their_own_starts(highest_preci
     np.testing.assert_allclose(packed[0, 5:], alone[1], atol=1e-5, rtol=0)
 
 
-def test_llama4_chunked_attention_run_killed_resumes_bitwise(tmp_path, capsys):
-    # A chunked RoPE layer with experts and a global NoPE layer; 16 tokens in chunks of 6.
+def test_llama4_chunked_attention_run_cut_resumes_bitwise(tmp_path, compilation_cache):
+    """A scanned run of a chunked RoPE layer and a global NoPE layer, both with experts (16 tokens in chunks of 6),
+    cut at its step-2 checkpoint and resumed, ends bit-identical (the compilation cache compiles its call once)."""
     model = {"name": "llama4", **SCANNED["llama4"], "vocab_size": 256, "num_hidden_layers": 2,
-             "attention_chunk_size": 6, "interleave_moe_layer_step": 1}  # fmt: skip
-    config = {"seed": 0, "run": {"dir": str(tmp_path / "run")}, "model": model,
-              "data": {"name": "char_text", "seq_len": 16, "global_batch_size": 4},
-              "optimizer": {"name": "adamw", "learning_rate": 0.01}, "train": {"steps_per_call": 1},
-              "eval": {"max_batches": 2}}  # fmt: skip
-    path = tmp_path / "llama4.yaml"
-    path.write_text(yaml.safe_dump(config))
-    assert main(["verify-resume", str(path), "--steps", "4", "eval.every_steps=0"]) == 0
-    assert capsys.readouterr().out.startswith("PASS")
+             "attention_chunk_size": 6, "interleave_moe_layer_step": 1, "scan_layers": True, "remat": "full"}
+    run = {**RUN, "model": model}
+    whole = tmp_path / "whole"
+    functrain.fit(run, **{"run.dir": str(whole)})
+    resumed = _halfway(whole, tmp_path / "resumed")
+    functrain.fit(run, **{"run.dir": str(resumed)})
+    assert params_digest(load_params(resumed, 4)) == params_digest(load_params(whole, 4))
+    assert _losses(resumed) == _losses(whole)
