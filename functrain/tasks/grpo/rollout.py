@@ -190,7 +190,7 @@ class Rollouts:
             self._generation = (generation, self.generate(params, np.asarray(batch["prompt_index"]), key, step))
         return self._generation[1]
 
-    def completions(
+    def completions_of(
         self, params: Any, indices: np.ndarray, key: jax.Array, step: int
     ) -> tuple[Completions, dict[str, list[Any]], np.ndarray | None]:
         """``(completions, reward keywords, the episodes' [rewards, turns] or None)`` of this process's prompts
@@ -219,7 +219,7 @@ class Rollouts:
         normalisers and metrics from the whole batch's rewards and lengths."""
         section, prompts = self.section, self.prompts
         length = section.max_completion_length
-        completions, keywords, episodes = self.completions(params, indices, key, step)
+        completions, keywords, episodes = self.completions_of(params, indices, key, step)
         tokens, mask, sampler_logps = training_rows(prompts, completions, length)
         # The old policy's log-probs, dispatched: the forward runs while the host decodes and scores.
         old_logps = self.sampler.forward(params, tokens) if section.num_iterations > 1 else None
