@@ -17,6 +17,11 @@ the tokens at ``num_iterations: 1``. With ``num_iterations`` above 1 a training 
 generation: the old policy's log-probs; the batch generated at a step whose index is a multiple of
 ``num_iterations`` is trained on for that many steps (the loader's prompts of the steps in between are not used),
 and a run that resumes inside a generation samples anew.
+
+``num_tokens`` (TRL's): the prompt and completion tokens of every generation since the run began, the whole batch's
+(each row's prompt counted, as TRL counts them), a Python int on the host, logged as it is (:meth:`Rollouts.logged`).
+It is history, not a function of the step: a checkpoint's meta records it with the step's train metrics and a
+resumed run continues from there (:meth:`Rollouts.resume`), so the resumed run logs what an uninterrupted one does.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from functrain.checkpoint.meta import metric_value
 from functrain.data.global_array import to_local
 from functrain.parallel.distributed import all_rows
 from functrain.tasks.grpo.advantages import group_advantages, reward_metrics
@@ -183,12 +189,22 @@ class Rollouts:
         self.metric_names = host_metric_names(self.reward_names, environment is not None)
         self._generation: tuple[int, dict[str, np.ndarray]] | None = None  # (generation index, its batch)
         self._environments: list[Any] | None = None  # one per row of this process, made at the first generation
+        self.num_tokens = 0  # prompt and completion tokens of the generations so far (TRL's num_tokens)
 
     def __call__(self, params: Any, batch: dict[str, Any], key: jax.Array, step: int) -> dict[str, np.ndarray]:
         generation = step // self.section.num_iterations
         if self._generation is None or self._generation[0] != generation:
             self._generation = (generation, self.generate(params, np.asarray(batch["prompt_index"]), key, step))
         return self._generation[1]
+
+    def logged(self, step: int) -> dict[str, float]:
+        """Logged as it is beside step ``step``'s metrics: the running token count through its generation."""
+        return {"num_tokens": float(self.num_tokens)}
+
+    def resume(self, meta: dict[str, Any]) -> None:
+        """Continue the token count from the restored checkpoint's (0 when it recorded none: written before
+        functrain logged it, or by a save before any step ran)."""
+        self.num_tokens = int(metric_value(meta, "train/num_tokens") or 0)
 
     def completions_of(
         self, params: Any, indices: np.ndarray, key: jax.Array, step: int
@@ -216,7 +232,7 @@ class Rollouts:
     def generate(self, params: Any, indices: np.ndarray, key: jax.Array, step: int) -> dict[str, np.ndarray]:
         """The training batch of this process's prompts ``indices`` (the loader's slice): sampled (every process
         its own rows, on the devices that train them), scored on this process, laid out for the loss; advantages,
-        normalisers and metrics from the whole batch's rewards and lengths."""
+        normalisers and metrics from the whole batch's rewards and lengths; its tokens added to ``num_tokens``."""
         section, prompts = self.section, self.prompts
         length = section.max_completion_length
         completions, keywords, episodes = self.completions_of(params, indices, key, step)
@@ -236,16 +252,18 @@ class Rollouts:
             table = np.column_stack([episodes[:, 0], table]).astype(np.float32)
         if section.mask_truncated_completions:
             mask = mask * ~completions.truncated[:, None]
-        # The whole batch's rewards, lengths, truncations and completion tokens (and episodes' turns), in one
-        # all-gather of float32 columns (exact: the rewards are float32, the counts small): a group's completions are
-        # on one process, a batch's std and the metrics are not.
+        # The whole batch's rewards, lengths, truncations, completion tokens, prompt lengths (and episodes' turns),
+        # in one all-gather of float32 columns (exact: the rewards are float32, the counts small): a group's
+        # completions are on one process, a batch's std and the metrics are not.
         lengths = [len(ids) for ids in completions.ids]
+        prompt_lengths = [len(prompts.ids[index]) for index in completions.prompt_index]
         turns = [] if episodes is None else [episodes[:, 1]]
-        columns = [table, lengths, completions.truncated, mask[:, 1:].sum(1), *turns]
+        columns = [table, lengths, completions.truncated, mask[:, 1:].sum(1), prompt_lengths, *turns]
         whole = all_rows(np.column_stack(columns).astype(np.float32))
         functions = table.shape[1]
         whole_table, whole_lengths = whole[:, :functions], whole[:, functions]
         whole_truncated, whole_tokens = whole[:, functions + 1], whole[:, functions + 2]
+        self.num_tokens += int(whole[:, functions + 3].astype(np.int64).sum() + whole_lengths.astype(np.int64).sum())
         advantages, is_std_zero = group_advantages(
             whole_table, self.weights, section.num_generations, section.scale_rewards
         )
@@ -257,7 +275,7 @@ class Rollouts:
             **reward_metrics(whole_table, self.weights, self.reward_names),
             "frac_reward_zero_std": float(is_std_zero.mean()),
             **length_metrics(whole_lengths, whole_truncated),
-            **(turn_metrics(whole[:, functions + 3]) if episodes is not None else {}),
+            **(turn_metrics(whole[:, functions + 4]) if episodes is not None else {}),
         }
         training = {
             "tokens": tokens,
