@@ -42,22 +42,29 @@ def test_the_gradient_arriving_at_a_product_is_rounded_to_e5m2_and_the_forward_v
 
 
 def test_a_zero_tensor_stays_zero_and_a_non_finite_one_makes_the_product_non_finite():
-    assert np.array_equal(to_fp8(jnp.zeros((4, 4))), np.zeros((4, 4)))
-    poisoned = jnp.ones((4, 4)).at[1, 2].set(jnp.inf)
-    with fp8_products():
-        product = dense_dot_general(poisoned, jnp.ones((4, 3)), DENSE)
+    @jax.jit
+    def products(zeros, poisoned, rhs):
+        with fp8_products():
+            return to_fp8(zeros), dense_dot_general(poisoned, rhs, DENSE)
+
+    zero, product = products(jnp.zeros((4, 4)), jnp.ones((4, 4)).at[1, 2].set(jnp.inf), jnp.ones((4, 3)))
+    assert np.array_equal(zero, np.zeros((4, 4)))
     assert not np.all(np.isfinite(product))  # the step's non-finite policy sees it (tests/run/test_fp8_training.py)
 
 
 def test_only_projections_traced_with_fp8_products_are_fp8_and_the_head_never_is():
+    @jax.jit
+    def products(lhs, rhs):
+        plain = dense_dot_general(lhs, rhs, DENSE), unquantized_dot_general(lhs, rhs, DENSE)
+        with fp8_products():
+            traced = dense_dot_general(lhs, rhs, DENSE), unquantized_dot_general(lhs, rhs, DENSE)
+        return plain, traced, to_fp8(lhs) @ to_fp8(rhs)
+
     lhs = jax.random.normal(jax.random.PRNGKey(3), (8, 32))
     rhs = jax.random.normal(jax.random.PRNGKey(4), (32, 16))
-    exact = unquantized_dot_general(lhs, rhs, DENSE)
-    assert np.array_equal(dense_dot_general(lhs, rhs, DENSE), exact)  # not asked for: unchanged
-    with fp8_products():
-        fp8 = dense_dot_general(lhs, rhs, DENSE)
-        head = unquantized_dot_general(lhs, rhs, DENSE)
-    assert np.allclose(fp8, to_fp8(lhs) @ to_fp8(rhs), rtol=1e-6, atol=1e-6)
+    (not_asked, exact), (fp8, head), rounded_product = jax.tree.map(np.asarray, products(lhs, rhs))
+    assert np.array_equal(not_asked, exact)  # not asked for: unchanged
+    assert np.allclose(fp8, rounded_product, rtol=1e-6, atol=1e-6)
     assert 1e-3 < np.max(np.abs(fp8 - exact)) / np.max(np.abs(exact)) < 0.1
     assert np.array_equal(head, exact)
 
