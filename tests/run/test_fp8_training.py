@@ -9,14 +9,15 @@ import pytest
 
 import functrain
 
-STEPS = 100  # the eval loss falls from 5.5 (ln 256) to 2.9 by then: a model that has learned (at 150 steps, 2.6)
+BATCH = 12
+STEPS = 100  # the eval loss falls from 5.5 (ln 256) to 2.98 by then: a model that has learned
 CHAR_GPT = {
     "model.d_model": 32,
     "model.d_ff": 128,
     "model.max_len": 32,
     "model.scan_layers": False,
     "data.seq_len": 32,
-    "data.global_batch_size": 16,
+    "data.global_batch_size": BATCH,
     "data.prefetch": 0,
     "train.compute_dtype": "bfloat16",
     "train.max_steps": STEPS,
@@ -29,7 +30,7 @@ CHAR_GPT = {
     "eval.samples.count": 0,
     "checkpoint.every_steps": 0,
 }
-EVAL_BATCHES = 4
+EVAL_BATCHES = 16
 
 
 def _train(tmp_path, fp8: bool) -> dict:
@@ -39,7 +40,7 @@ def _train(tmp_path, fp8: bool) -> dict:
     )
     backend = run.backend
     state = backend.init_state()
-    host = [run.loader.host_batch(step * 16)[0] for step in range(STEPS)]
+    host = [run.loader.host_batch(step * BATCH)[0] for step in range(STEPS)]
     batches = {name: np.stack([batch[name] for batch in host]) for name in host[0]}
     structure = jax.tree.structure(state)
     state, metrics = backend.train_call(state, backend.place(batches))
@@ -65,7 +66,7 @@ def runs(tmp_path_factory):
 
 def test_fp8_training_ends_within_two_percent_of_bfloat16(runs):
     bf16, fp8 = runs["bf16"]["eval_loss"], runs["fp8"]["eval_loss"]
-    assert bf16 < 3.0  # trained: the claim below is about a model that learned
+    assert bf16 < 0.6 * np.log(256)  # trained: the claim below is about a model that learned
     assert runs["fp8"]["first_loss"] != runs["bf16"]["first_loss"]  # FP8 really is on
     assert abs(fp8 / bf16 - 1) < 0.02, (fp8, bf16)
     assert runs["fp8"]["skipped"] == runs["bf16"]["skipped"] == 0
