@@ -19,6 +19,8 @@ Measured in the same run, calls interleaved round by round (the ratios are the p
 - ``offload_optimizer``: functrain with the optimizer state in pinned host memory (GPU/TPU only);
 - ``deterministic=false`` (GPU only): functrain without XLA's deterministic GPU ops (``train.deterministic``,
   on by default for bitwise resume), with cuDNN's flash attention, as the hand-written step runs;
+- ``fp8``: functrain with ``train.fp8`` (the projections as FP8 products; with ``deterministic=false``'s kernels
+  on a GPU, to be compared with that variant): its MFU is counted against the bf16 peak, as torchtitan reports it;
 - ``logits_chunk=off``: functrain with the whole logits (``train.logits_chunk``; ``auto`` chunks large ones and
   computes the head's product again in the backward), as the hand-written step, and its GPU kernels.
 
@@ -158,6 +160,7 @@ def variants(config: Config) -> dict[str, tuple[type, Config]]:
     if fast:  # XLA's faster non-deterministic GPU kernels and cuDNN's attention
         chosen["deterministic=false"] = (Functrain, config.model_copy(
             update={"train": config.train.model_copy(update=fast)}))
+    chosen["fp8"] = (Functrain, config.model_copy(update={"train": config.train.model_copy(update={**fast, "fp8": True})}))
     # The whole logits, as the hand-written step forms them (and its kernels on a GPU): what chunking them costs.
     chosen["logits_chunk=off"] = (Functrain, config.model_copy(
         update={"train": config.train.model_copy(update={**fast, "logits_chunk": "off"})}))
@@ -219,13 +222,14 @@ def main() -> None:
     peak = args.peak_tflops or peak_tflops(device.device_kind)
     print(f"device: {device.device_kind} x{devices} ({device.platform}); dense peak "
           f"{f'{peak:.0f} TFLOP/s' if peak else 'unknown'}")
-    print(f"GPT d_model {config.model.d_model} x {config.model.n_layers} layers, {n_params / 1e6:.1f}M params, "
+    print(f"{config.model.name} width {shape.width} x {shape.layers} layers, {n_params / 1e6:.1f}M params, "
           f"batch {batch}x{seq} = {batch * seq} tokens/step, {config.train.compute_dtype} compute, "
           f"{k} steps per call")
     for name, seconds in step_s.items():
+        mfu = f", MFU {needed / seconds / devices / 1e12 / peak:.1%} of the bf16 peak" if peak else ""
         print(f"{name:>19}: step {seconds * 1e3:8.2f} ms (median of {calls} calls), "
               f"{batch * seq / seconds:12,.0f} tokens/s, {step_time / seconds:5.2f}x {headline}'s tokens/s, "
-              f"device memory {_device_bytes(compiled[name]) / 2**30:.3f} GiB")
+              f"device memory {_device_bytes(compiled[name]) / 2**30:.3f} GiB{mfu}")
     if "hand-written" in step_s:
         # Each round times both calls back to back, so a slow spell of a shared machine hits both alike. On a GPU
         # the hand-written step runs XLA's default (non-deterministic) kernels: compare functrain's alike.

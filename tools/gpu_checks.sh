@@ -10,6 +10,10 @@
 #   mfu     bench/bench_mfu.py on configs/gpt_350m.yaml with what is left of BUDGET_S (default 560 s):
 #           deterministic=false (cuDNN attention, chunked logits as a run's auto) against hand-written Flax + optax
 #           and against the whole logits, each compiled once (about 100 s each).
+#   fp8     bench/bench_mfu.py on bench/llama3_1b.yaml (a Llama 3-style 1B, 16k tokens a step): bfloat16 against
+#           train.fp8, both with deterministic=false's kernels, tokens/s and MFU against the bf16 peak (target: FP8
+#           >= 1.2x bf16); two compiles of a minute or two, 5 timed calls each. FP8_BENCH_ARGS replaces the
+#           config (e.g. "--preset cpu --calls 1" with FP8_BENCH_VARIANTS=functrain,fp8: the toy run on a CPU).
 set -o pipefail
 OUT=${OUT:-/tmp/gpu_checks}
 BUDGET=${1:-560}
@@ -73,7 +77,13 @@ for check in "${CHECKS[@]}"; do
             --variants deterministic=false,hand-written,logits_chunk=off 2>&1 \
             | tee "$OUT/bench_mfu.txt"
         echo "== bench_mfu rc $?" ;;
-    *) echo "unknown check $check (train, resume, grpo, mfu)"; exit 2 ;;
+    fp8)
+        echo "fp8: $(left) s left"
+        # shellcheck disable=SC2086  # FP8_BENCH_ARGS is a list of arguments
+        timeout "$(left)" python3 bench/bench_mfu.py ${FP8_BENCH_ARGS:---config bench/llama3_1b.yaml --calls 5} \
+            --variants "${FP8_BENCH_VARIANTS:-deterministic=false,fp8}" 2>&1 | tee "$OUT/bench_fp8.txt"
+        echo "== bench_fp8 rc $?" ;;
+    *) echo "unknown check $check (train, resume, grpo, mfu, fp8)"; exit 2 ;;
     esac
     echo "-- $check done at ${SECONDS} s"
 done

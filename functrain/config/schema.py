@@ -245,6 +245,7 @@ class RunSections(Section):
         for key, asked in (
             ("param_dtype", self.train.param_dtype != "float32"),
             ("offload_optimizer", self.train.offload_optimizer),
+            ("fp8", self.train.fp8),
         ):
             if asked and self.backend not in (able := backends_with(key)):
                 raise ValueError(f"train.{key} is for backend: {' or '.join(able)}; remove it or set backend={able[0]}")

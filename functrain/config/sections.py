@@ -201,7 +201,8 @@ class OptimizerConfig(Section):
 class TrainConfig(Section):
     """``train.*``: run length (``max_steps`` wins over ``epochs``), the starting weights (``init_from``),
     accumulation, steps per compiled call, clipping, the non-finite policy, the precision (``compute_dtype`` for
-    the forward/backward pass, ``matmul_precision`` for its products, ``param_dtype`` for the stored parameters),
+    the forward/backward pass, ``matmul_precision`` for its products, ``param_dtype`` for the stored parameters,
+    ``fp8`` for FP8 projections),
     ``offload_optimizer`` (optimizer state in pinned host memory, streamed to the device for each update; GPU/TPU
     only) and (torch) ``torch.compile``."""
 
@@ -221,6 +222,9 @@ class TrainConfig(Section):
     # takes XLA's faster rounding anyway (functrain/core/precision.py).
     matmul_precision: Literal["auto", "default", "high", "highest"] = "auto"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
+    # The built-in models' attention and MLP projections as FP8 products (E4M3 operands, E5M2 gradients, current
+    # per-tensor scaling); the LM head, the MoE router and experts stay in compute_dtype (functrain/core/fp8.py).
+    fp8: bool = False
     loss_scale: Literal["none", "dynamic"] = "none"
     offload_optimizer: bool = False
     # backend: torch only: the module's training forward through torch.compile (minutes to compile on CPU).

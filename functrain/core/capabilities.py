@@ -29,6 +29,7 @@ class BackendCapabilities:
     pipeline: bool  # mesh.pipeline > 1: the scanned layers split into stages
     param_dtype: bool  # train.param_dtype other than float32: the parameters stored in lower precision
     offload_optimizer: bool  # train.offload_optimizer: the optimizer state in pinned host memory
+    fp8: bool  # train.fp8: the models' projections as FP8 products
     local_checkpoints: bool  # checkpoint.local_dir: each process's shards on its own fast storage
     starts_from_weights: bool  # train.init_from: another run's weights, a fresh optimizer
     decodes_in_loop: bool  # eval.samples, eval.harness_tasks: the current weights decode and score text
@@ -46,6 +47,7 @@ BACKENDS: dict[str, BackendCapabilities] = {
         pipeline=True,
         param_dtype=True,
         offload_optimizer=True,
+        fp8=True,
         local_checkpoints=True,
         starts_from_weights=True,
         decodes_in_loop=True,
@@ -60,6 +62,7 @@ BACKENDS: dict[str, BackendCapabilities] = {
         pipeline=False,
         param_dtype=False,
         offload_optimizer=False,
+        fp8=False,
         local_checkpoints=False,
         starts_from_weights=False,
         decodes_in_loop=False,

@@ -41,6 +41,7 @@ class StepSettings:
     compute_dtype: str = "float32"  # the forward/backward pass
     matmul_precision: str = "auto"  # its products' (functrain.core.precision.matmul_precision)
     param_dtype: str = "float32"  # the stored (master) weights
+    fp8: bool = False  # the projections as FP8 products (functrain.core.fp8)
     dynamic_loss_scale: bool = False
     offload_optimizer: bool = False  # optimizer state in pinned host memory (GPU/TPU)
 

@@ -18,7 +18,7 @@ from functrain.models.attention import attend, attention_kernel
 from functrain.models.configs.gpt import GPTConfig
 from functrain.models.head import untied_head
 from functrain.models.kv_cache import decoding, extend_cache, next_positions
-from functrain.models.matmul import dense_dot_general
+from functrain.models.matmul import dense_dot_general, unquantized_dot_general
 from functrain.models.remat import check_remat, remat_block
 from functrain.models.scan import apply_layers
 from functrain.parallel.context import context_inputs, from_context_order
@@ -164,7 +164,7 @@ class GPT(nn.Module):
         head = nn.Dense(
             cfg.vocab_size,
             dtype=self.dtype,
-            dot_general=dense_dot_general,
+            dot_general=unquantized_dot_general,  # never FP8 (functrain.models.matmul)
             name="head",
             kernel_init=_param(init, ("embed", "vocab")),
             use_bias=False,

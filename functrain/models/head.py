@@ -2,7 +2,8 @@
 unapplied, for a loss that forms the logits chunk by chunk (:mod:`functrain.core.unembedding`).
 
 The untied head stays an ``nn.Dense`` (LoRA adapts Dense layers by intercepting their calls): unapplied, its
-kernel is read from the params it created at init, under the same name.
+kernel is read from the params it created at init, under the same name. The head's product is never FP8
+(:mod:`functrain.models.matmul`).
 """
 
 from typing import Any, Callable
@@ -11,7 +12,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from functrain.core.unembedding import LogitsChunk, Unembedding, head_logits
-from functrain.models.matmul import dense_dot_general
+from functrain.models.matmul import unquantized_dot_general
 
 # Names of the untied head modules of functrain's LMs: LoRA on one of them runs the head whole.
 HEAD_MODULES = ("head", "lm_head")
@@ -31,7 +32,8 @@ def untied_head(
         return logits if finish is None else finish(logits)
     assert dense.name is not None, "the head is named (its params are read by name)"
     kernel = parent.variables["params"][dense.name]["kernel"]
-    return Unembedding(jnp.asarray(x, dense.dtype or kernel.dtype), kernel, logits_chunk, finish, dense_dot_general)
+    hidden = jnp.asarray(x, dense.dtype or kernel.dtype)
+    return Unembedding(hidden, kernel, logits_chunk, finish, unquantized_dot_general)
 
 
 def tied_head(
@@ -42,5 +44,5 @@ def tied_head(
     weight = embedding.embedding.T
     hidden = jnp.asarray(x, embedding.dtype or weight.dtype)
     if logits_chunk is None:
-        return head_logits(hidden, weight, finish, dense_dot_general)
-    return Unembedding(hidden, weight, logits_chunk, finish, dense_dot_general)
+        return head_logits(hidden, weight, finish, unquantized_dot_general)
+    return Unembedding(hidden, weight, logits_chunk, finish, unquantized_dot_general)

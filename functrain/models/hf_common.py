@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from functrain.models.configs.hf import ACTIVATIONS, HFModelConfig, check_activation
 from functrain.models.head import tied_head, untied_head
-from functrain.models.matmul import dense_dot_general
+from functrain.models.matmul import dense_dot_general, unquantized_dot_general
 from functrain.models.options import RUNTIME_KEYS
 
 Array = jax.Array
@@ -35,15 +35,22 @@ def activation(name: str) -> Callable[[Array], Array]:
 
 
 def dense(
-    features: int, axes: tuple[str | None, str | None], *, use_bias: bool, dtype: Any, init_std: float, name: str
+    features: int,
+    axes: tuple[str | None, str | None],
+    *,
+    use_bias: bool,
+    dtype: Any,
+    init_std: float,
+    name: str,
+    fp8: bool = True,
 ) -> nn.Dense:
     """A float32 Dense layer whose kernel (and bias) carry logical axis names for sharding (its product:
-    :mod:`functrain.models.matmul`)."""
+    :mod:`functrain.models.matmul`; ``fp8=False``: never an FP8 product, for the LM head and the MoE router)."""
     return nn.Dense(
         features,
         use_bias=use_bias,
         dtype=dtype,
-        dot_general=dense_dot_general,
+        dot_general=dense_dot_general if fp8 else unquantized_dot_general,
         param_dtype=jnp.float32,
         kernel_init=nn.with_logical_partitioning(nn.initializers.normal(init_std), axes),
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (axes[1],)),
@@ -58,7 +65,7 @@ def lm_head(parent: nn.Module, embedding: nn.Embed, x: Any, cfg: Any, init_std: 
     if cfg.tie_word_embeddings:
         return tied_head(embedding, x, logits_chunk)
     head = dense(cfg.vocab_size, ("embed", "vocab"), use_bias=False, dtype=parent.dtype, init_std=init_std,
-                 name="lm_head")  # fmt: skip
+                 name="lm_head", fp8=False)  # fmt: skip
     return untied_head(parent, x, head, logits_chunk)
 
 

@@ -7,6 +7,11 @@ XLA's own kernel at about a third of the speed (bench_grpo's Llama: ``[992, 256]
 with that gradient computed on a transposed copy of ``x``, kept from being folded back by an optimisation barrier.
 The forward pass and the input's gradient are the plain products. On other platforms (whose compilers read
 transposed operands as they are) and over several devices it is ``lax.dot_general``.
+
+Under ``train.fp8`` (:mod:`functrain.core.fp8`) :func:`dense_dot_general` is an FP8 product: the attention and MLP
+projections of every built-in model. The LM head and the MoE router take :func:`unquantized_dot_general` (their
+outputs feed a softmax over the vocabulary or the experts, where FP8's three mantissa bits cost quality, as
+torchtitan also leaves its output layer in bfloat16); the MoE experts' grouped products do not pass here at all.
 """
 
 from __future__ import annotations
@@ -18,12 +23,24 @@ from typing import Any
 import jax
 from jax import lax
 
+from functrain.core.fp8 import fp8_enabled, gradient_to_fp8, to_fp8
 from functrain.parallel.target import target_platform
 
 Array = jax.Array
 
 
 def dense_dot_general(
+    lhs: Array, rhs: Array, dimension_numbers: Any, precision: Any = None, preferred_element_type: Any = None
+) -> Array:
+    """A projection's product: :func:`unquantized_dot_general`, with both operands rounded to E4M3 and the
+    gradient arriving at its output to E5M2 when the program is traced with FP8 projections (``train.fp8``)."""
+    if not fp8_enabled():
+        return unquantized_dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
+    product = unquantized_dot_general(to_fp8(lhs), to_fp8(rhs), dimension_numbers, precision, preferred_element_type)
+    return gradient_to_fp8(product)
+
+
+def unquantized_dot_general(
     lhs: Array, rhs: Array, dimension_numbers: Any, precision: Any = None, preferred_element_type: Any = None
 ) -> Array:
     """``lax.dot_general`` for a dense layer's product (the inputs' trailing axes against the kernel's leading

@@ -32,6 +32,7 @@ def step_settings(config: Config) -> StepSettings:
         compute_dtype=train.compute_dtype,
         matmul_precision=train.matmul_precision,
         param_dtype=train.param_dtype,
+        fp8=train.fp8,
         dynamic_loss_scale=train.loss_scale == "dynamic",
         offload_optimizer=train.offload_optimizer,
     )

@@ -7,6 +7,7 @@ a mesh and its rules, :class:`~functrain.core.step.StepSettings`); the builder m
 import contextlib
 import hashlib
 import json
+import logging
 from typing import Any, Callable
 
 import jax
@@ -15,6 +16,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from functrain.core.fp8 import hardware_note, with_fp8
 from functrain.core.precision import (
     COMPUTE_DTYPES,
     LOSS_SCALE_INIT,
@@ -30,6 +32,8 @@ from functrain.data import batch_sharding, to_global
 from functrain.parallel import distributed, sharding
 from functrain.parallel.offload import check_offload, offload_opt_state, streaming_optimizer
 from functrain.parallel.pipeline import PipelineSchedule, scheduled
+
+log = logging.getLogger("functrain")
 
 # Folded into the seed's key for the experience stage's keys (then the step): a stream of its own.
 EXPERIENCE_STREAM = 0xE4E7
@@ -133,6 +137,9 @@ class JaxBackend:
         eval_step = make_eval_step(program.eval_loss_fn, compute_dtype=compute_dtype, stateful=True)
         self._precision = matmul_precision(step.matmul_precision, step.compute_dtype, self.devices[0].platform)
         train_step, eval_step = at_precision(train_step, self._precision), at_precision(eval_step, self._precision)
+        train_step, eval_step = with_fp8(train_step, step.fp8), with_fp8(eval_step, step.fp8)
+        if step.fp8 and (note := hardware_note(self.devices[0])):
+            log.warning("functrain: warning: %s", note)
 
         def fresh_state(params: Any, model_state: Any, run_key: jax.Array) -> TrainState:
             params = cast_floating(params, param_dtype)  # train.param_dtype: the stored (master) weights

@@ -22,6 +22,7 @@ VALIDATED = {
     "pipeline": ["mesh.pipeline=2", "model.scan_layers=true"],
     "param_dtype": ["train.param_dtype=bfloat16"],
     "offload_optimizer": ["train.offload_optimizer=true"],
+    "fp8": ["train.fp8=true"],
     "torch_compile": ["train.torch_compile=true"],
     "local_checkpoints": ["checkpoint.local_dir=/dev/shm/functrain-local", "checkpoint.local_every_steps=10"],
 }

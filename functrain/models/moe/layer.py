@@ -130,6 +130,7 @@ class MoeBlock(nn.Module):
             dtype=self.dtype,
             init_std=self.init_std,
             name="gate",
+            fp8=False,  # routing decisions in train.compute_dtype (functrain.models.matmul)
         )(x).astype(jnp.float32)
         logits = logits.reshape(batch * length, self.num_experts)
         routing = self.router(logits)
