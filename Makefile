@@ -13,6 +13,12 @@ INSTALL := $(PIP) install --quiet --no-compile
 # made every process of the suite compile jax, flax and transformers again (a fresh `make test`: its subprocess
 # tests 35% slower, 10.2 minutes in all on the 2-core machine). The venv and the checkout ignore their __pycache__.
 unexport PYTHONDONTWRITEBYTECODE
+# The setup writes nothing outside .venv/ (and pip's cache) but Python's own __pycache__: the editable install
+# builds without isolation, with the setuptools the venv gets first (an isolated build runs setuptools' egg_info in
+# the checkout, which left a functrain.egg-info there; tests/commands/test_setup.py); ruff's, mypy's and pytest's
+# caches are in .venv/ (pyproject.toml); the tests keep their files in a folder of the session, removed at its end
+# (tests/conftest.py).
+EDITABLE := --no-build-isolation --editable
 CONFIG ?= configs/char_gpt.yaml
 ARGS ?=
 
@@ -20,18 +26,18 @@ ARGS ?=
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
-	$(INSTALL) --upgrade pip
+	$(INSTALL) --upgrade pip "setuptools>=77"  # pyproject.toml's build backend, for the editable install
 
 # Core install: everything `make train` needs (no torch).
 $(VENV)/.core: pyproject.toml | $(VENV)/bin/python
-	$(INSTALL) -e .
+	$(INSTALL) $(EDITABLE) .
 	touch $@
 
 # Test install: the torch bridge, HF conversion, libtpu (plan --topology tests), qwix (QLoRA) and test tools. Torch comes first so that the CPU
 # build is chosen where no GPU is present (an unpinned torch would pull several GB of CUDA packages).
 $(VENV)/.dev: $(VENV)/.core tools/install_torch.sh
 	sh tools/install_torch.sh $(PY)
-	$(INSTALL) -e ".[torch,hf,dev,tpu,eval,quant]"
+	$(INSTALL) $(EDITABLE) ".[torch,hf,dev,tpu,eval,quant]"
 	touch $@
 
 train: $(VENV)/.core
@@ -44,7 +50,8 @@ runs/stdlib_tokens: | $(VENV)/.core
 train-tokens: runs/stdlib_tokens
 	$(VENV)/bin/functrain train configs/gpt_tokens.yaml $(ARGS)
 
-# Static checks (pyproject.toml configures them): lint, formatting, types. Seconds once mypy's .mypy_cache is warm.
+# Static checks (pyproject.toml configures them): lint, formatting, types. Seconds once mypy's cache (in .venv/) is
+# warm.
 LINTED := functrain torch_bridge
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check $(LINTED)

@@ -40,14 +40,26 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# Everything the session writes outside the tests' own directories goes under one directory of the session, so that
+# `make test` leaves nothing behind (outside .venv/): its temporary files (TMPDIR, pytest's tmp_path among them), the
+# caches and settings libraries keep under XDG_CACHE_HOME / XDG_CONFIG_HOME / XDG_DATA_HOME (matplotlib's font list,
+# HF datasets' cache, wandb's logs, mlflow's telemetry) and the XLA cache below. Removed when the session ends; its
+# temporary files are kept when a test failed (pytest keeps a failed test's tmp_path). The first process to import
+# this file (the controller) names the directory; the workers and every subprocess inherit the name, also a
+# subprocess that imports this file (a test's helper module imports it: its own pid, or its parent's, named a cache
+# of its own that compiled everything again).
+SESSION_DIR = Path(os.environ.setdefault(
+    "FUNCTRAIN_TESTS_DIR", str(Path(tempfile.gettempdir()) / f"functrain-tests-{os.getpid()}")))
+(SESSION_DIR / "tmp").mkdir(parents=True, exist_ok=True)
+SESSION_OWN = {"TMPDIR": "tmp", "XDG_CACHE_HOME": "cache", "XDG_CONFIG_HOME": "config", "XDG_DATA_HOME": "data",
+               "WANDB_CACHE_DIR": "cache/wandb", "WANDB_CONFIG_DIR": "config/wandb", "WANDB_DATA_DIR": "data/wandb"}
+os.environ.update({name: str(SESSION_DIR / folder) for name, folder in SESSION_OWN.items()})
+tempfile.tempdir = None  # tempfile reads TMPDIR again
 # One persistent XLA compilation cache for the whole test session: every xdist worker and every subprocess (they
 # inherit the environment) reads and writes it, so the many runs of the same small programs, in-process or in a
 # fresh interpreter, compile once. A cache hit is the executable the compiler would produce, so results stay
-# bitwise the same. Removed when the session ends. The first process to import this file (the controller) names the
-# directory; the workers and every subprocess inherit the name, also a subprocess that imports this file (a test's
-# helper module imports it: its own pid, or its parent's, named a cache of its own that compiled everything again).
-SESSION_XLA_CACHE = Path(os.environ.setdefault(
-    "FUNCTRAIN_TESTS_XLA_CACHE", str(Path(tempfile.gettempdir()) / f"functrain-tests-xla-cache-{os.getpid()}")))
+# bitwise the same.
+SESSION_XLA_CACHE = SESSION_DIR / "xla"
 SESSION_CACHE_ENV = {"JAX_COMPILATION_CACHE_DIR": str(SESSION_XLA_CACHE),
                      "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
                      "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
@@ -59,8 +71,11 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 # torch.compile's kernel cache, one per CPU capability: inductor's cache key leaves ATEN_CPU_CAPABILITY out, so a
 # run emulating an older CPU (ATEN_CPU_CAPABILITY=avx2) would load kernels compiled for this one's AVX-512 and fail.
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / (
-    f"functrain-tests-inductor-{os.environ.get('ATEN_CPU_CAPABILITY', 'native')}")))
+# Kept between sessions in the virtual environment the tests run in (`make clean-venv` removes it): compiled cold,
+# test_torch_user_model.py's torch.compile test takes 14 s more CPU. Outside a virtual environment, the session's.
+_KEPT = Path(sys.prefix) / "cache" if sys.prefix != sys.base_prefix else SESSION_DIR
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(
+    _KEPT / f"functrain-tests-inductor-{os.environ.get('ATEN_CPU_CAPABILITY', 'native')}"))
 
 
 # The longest modules, longest first (by each module's CPU time, its subprocesses' included, profiled over the whole
@@ -73,11 +88,13 @@ LONGEST_MODULES = (
     "plan/test_plan.py",
     "parallel/test_pipeline.py",
     "models/test_deepseek_v3.py",
+    "models/test_qwen3_next.py",
     "parallel/test_context_parallel.py",
     "run/test_multiprocess.py",
     "tasks/grpo/test_grpo_run.py",
     "tasks/distill/test_distill_run.py",
     "tasks/test_model_terms_every_task.py",
+    "models/test_recent_families.py",
     "models/moe/test_moe_models.py",
     "commands/test_moe_commands.py",
     "tasks/grpo/test_grpo_processes.py",
@@ -113,9 +130,14 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order
 
 
-def pytest_sessionfinish(session):
+def pytest_sessionfinish(session, exitstatus):
     if not hasattr(session.config, "workerinput"):  # the controller (or a run without xdist)
-        shutil.rmtree(SESSION_XLA_CACHE, ignore_errors=True)
+        kept = [SESSION_DIR / "tmp"] if exitstatus != 0 else []  # a failed test's tmp_path, to look at
+        for path in SESSION_DIR.iterdir():
+            if path not in kept:
+                shutil.rmtree(path, ignore_errors=True)
+        if not kept:
+            shutil.rmtree(SESSION_DIR, ignore_errors=True)
 
 
 def xla_flags(devices: int | None = None) -> str:

@@ -41,6 +41,7 @@ COMPARED = (
     "reward",
     "kl",
     "completions/mean_length",
+    "num_tokens",
 )
 
 

@@ -4,7 +4,7 @@ Each layer is pre-RMSNorm: multi-head latent attention (:mod:`functrain.models.m
 ``intermediate_size`` on the first ``first_k_dense_replace`` layers and, on the others, a mixture of experts
 (:class:`functrain.models.moe.layer.MoeBlock` with DeepSeek's routing, :mod:`functrain.models.deepseek_routing`)
 plus ``n_shared_experts`` experts' worth of always-on MLP (``shared_experts``). The output is a
-a :class:`functrain.core.model_output.ModelOutput`: the logits and every layer's router statistics.
+:class:`functrain.core.model_output.ModelOutput`: the logits and every layer's router statistics.
 
 Parameters: the dense layers are ``dense_layers_{i}`` and the MoE layers ``moe_layers_{j}`` (HF's layer
 ``first_k_dense_replace + j``): two runs of identical layers, so ``model.scan_layers`` scans each as one stack
@@ -14,11 +14,14 @@ leaf of the params (so conversion, sampling and export carry it) that no gradien
 module marks it frozen (:meth:`DeepseekV3ForCausalLM.trainable_mask`) and, with ``bias_update_rate``, counts each
 expert's selections over a training step in the ``router_counts`` model state, from which the step's end
 (:meth:`DeepseekV3ForCausalLM.end_of_step`) moves the bias.
+
+GLM-4.5 (:mod:`functrain.models.glm4_moe`) is this decoder with Llama's grouped-query attention in place of the
+latent attention (the module's ``attention``), as transformers derives ``Glm4MoeForCausalLM`` from DeepSeek-V3's.
 """
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
@@ -29,6 +32,7 @@ from functrain.errors import ConfigError
 from functrain.models import llama
 from functrain.models.attention import attention_kernel
 from functrain.models.configs.deepseek_v3 import DeepseekV3Config
+from functrain.models.configs.glm4_moe import Glm4MoeConfig
 from functrain.models.configs.moe import MOE_RUNTIME_KEYS
 from functrain.models.deepseek_routing import sigmoid_group_limited, updated_bias
 from functrain.models.hf_common import RMSNorm, embed, hf_config_dict, lm_head
@@ -46,6 +50,8 @@ DENSE_PREFIX, MOE_PREFIX = "dense_layers_", "moe_layers_"
 CORRECTION_BIAS = "e_score_correction_bias"
 # The model state of the bias update: each MoE layer's selections of each expert so far in the training step.
 COUNTS_COLLECTION, COUNTS = "router_counts", "selection_counts"
+# The configs of the families whose decoder this is: DeepSeek-V3's (latent attention) and GLM-4.5's (Llama's).
+DeepseekMoeConfig = DeepseekV3Config | Glm4MoeConfig
 # Keys of the original DeepSeek config.json (trust_remote_code) naming what V3 is; anything else is another model.
 _DEEPSEEK_V3_ROUTING = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1}
 
@@ -94,30 +100,31 @@ class MLPShape:
     mlp_bias: bool = False
 
 
-def dense_mlp_shape(config: DeepseekV3Config) -> MLPShape:
+def dense_mlp_shape(config: DeepseekMoeConfig) -> MLPShape:
     """The dense layers' MLP (``intermediate_size`` wide)."""
     return MLPShape(config.hidden_size, config.intermediate_size, config.hidden_act, config.initializer_range)
 
 
-def shared_mlp_shape(config: DeepseekV3Config) -> MLPShape:
+def shared_mlp_shape(config: DeepseekMoeConfig) -> MLPShape:
     """The shared experts as one MLP ``n_shared_experts * moe_intermediate_size`` wide (as HF builds them)."""
     width = config.n_shared_experts * config.moe_intermediate_size
     return MLPShape(config.hidden_size, width, config.hidden_act, config.initializer_range)
 
 
 class DeepseekV3Block(nn.Module):
-    """One pre-RMSNorm decoder layer: latent attention, then the dense MLP or the mixture of experts; returns
-    ``(x, RouterStats)`` (zeros on a dense layer)."""
+    """One pre-RMSNorm decoder layer: the attention (latent attention, or ``attention``), then the dense MLP or the
+    mixture of experts; returns ``(x, RouterStats)`` (zeros on a dense layer)."""
 
-    config: DeepseekV3Config
+    config: DeepseekMoeConfig
     dtype: Any
     moe: bool = False
+    attention: Callable[..., nn.Module] = LatentAttention  # (config, dtype, name=...) -> the attention module
 
     @nn.compact
     def __call__(self, x, segment_ids=None, positions=None, token_mask=None):
         cfg = self.config
         eps = cfg.rms_norm_eps
-        x = x + LatentAttention(cfg, self.dtype, name="self_attn")(
+        x = x + self.attention(cfg, self.dtype, name="self_attn")(
             RMSNorm(eps, self.dtype, name="input_layernorm")(x), segment_ids, positions
         )
         hidden = RMSNorm(eps, self.dtype, name="post_attention_layernorm")(x)
@@ -165,10 +172,11 @@ class DeepseekV3Block(nn.Module):
 
 class DeepseekV3ForCausalLM(nn.Module):
     """DeepSeek-V3 language model: ``apply({"params": p}, input_ids[B, T]) -> ModelOutput`` (float32 ``.logits``
-    [B, T, vocab])."""
+    [B, T, vocab]); with another ``attention``, GLM-4.5's."""
 
-    config: DeepseekV3Config
+    config: DeepseekMoeConfig
     dtype: Any = jnp.float32
+    attention: Callable[..., nn.Module] = LatentAttention
 
     @nn.compact
     def __call__(
@@ -200,7 +208,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         for moe, count, prefix in (run for run in runs if run[1]):
 
             def make_block(i: int, name: str, moe: bool = moe) -> nn.Module:
-                return block(cfg, self.dtype, moe, name=name)
+                return block(cfg, self.dtype, moe, self.attention, name=name)
 
             # Only the MoE layers split over pipeline stages: every stage runs the few dense ones whole.
             x, run_stats = apply_layers(
@@ -234,7 +242,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         return unflatten_dict(flat), {**model_state, COUNTS_COLLECTION: zeroed}
 
 
-def hf_layer_path(config: DeepseekV3Config, layer: int) -> str:
+def hf_layer_path(config: DeepseekMoeConfig, layer: int) -> str:
     """The functrain module of HF's ``model.layers.{layer}`` (unrolled)."""
     if config.moe_layer(layer):
         return f"{MOE_PREFIX}{layer - config.dense_layers}"

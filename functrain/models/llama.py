@@ -14,6 +14,7 @@ from collections.abc import Collection
 from typing import Any, Protocol, TypeVar
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from functrain.errors import ConfigError
@@ -81,28 +82,33 @@ class LlamaAttention(nn.Module):
         heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.kv_heads, cfg.attn_head_dim
         batch, length, _ = x.shape
         std, bias = cfg.initializer_range, cfg.qkv_bias
-        q = dense(heads * head_dim, ("embed", "heads"), use_bias=bias, dtype=self.dtype, init_std=std, name="q_proj")(
-            x
-        ).reshape(batch, length, heads, head_dim)
-        k = dense(
-            kv_heads * head_dim, ("embed", "kv_heads"), use_bias=bias, dtype=self.dtype, init_std=std, name="k_proj"
-        )(x).reshape(batch, length, kv_heads, head_dim)
-        v = dense(
-            kv_heads * head_dim, ("embed", "kv_heads"), use_bias=bias, dtype=self.dtype, init_std=std, name="v_proj"
-        )(x).reshape(batch, length, kv_heads, head_dim)
-        if cfg.qk_norm:
+
+        def project(count: int, axes: tuple[str, str], name: str) -> jax.Array:
+            return dense(count * head_dim, axes, use_bias=bias, dtype=self.dtype, init_std=std, name=name)(x)
+
+        q = project(heads, ("embed", "heads"), "q_proj")
+        k = project(kv_heads, ("embed", "kv_heads"), "k_proj")
+        v = project(kv_heads, ("embed", "kv_heads"), "v_proj").reshape(batch, length, kv_heads, head_dim)
+        if cfg.qk_norm and cfg.qk_norm_across_heads:
+            q = RMSNorm(cfg.rms_norm_eps, self.dtype, name="q_norm")(q)
+            k = RMSNorm(cfg.rms_norm_eps, self.dtype, name="k_norm")(k)
+        q, k = q.reshape(batch, length, heads, head_dim), k.reshape(batch, length, kv_heads, head_dim)
+        if cfg.qk_norm and not cfg.qk_norm_across_heads:
             q = RMSNorm(cfg.rms_norm_eps, self.dtype, name="q_norm")(q)
             k = RMSNorm(cfg.rms_norm_eps, self.dtype, name="k_norm")(k)
         slots = next_positions(self, length)
-        rope_positions = token_positions(slots, positions, batch)
-        inv_freq, rope_scale = frequencies(cfg, slots)
-        k, v = extend_cache(self, apply_rope(k, inv_freq, rope_positions, rope_scale), v, slots)
+        rope = cfg.rope_for(self.layer)
+        if rope is not None:
+            rope_positions = token_positions(slots, positions, batch)
+            inv_freq, rope_scale = frequencies(rope, slots)
+            q, k = (apply_rope(t, inv_freq, rope_positions, rope_scale) for t in (q, k))
+        k, v = extend_cache(self, k, v, slots)
         sinks = None
         if cfg.attention_sinks:
             init = nn.with_logical_partitioning(nn.initializers.normal(std), ("heads",))
             sinks = nn.meta.unbox(self.param("sinks", init, (heads,), jnp.float32))
         out = attend(
-            apply_rope(q, inv_freq, rope_positions, rope_scale),
+            q,
             k,
             v,
             scale=head_dim**-0.5,
@@ -154,7 +160,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaBlock(nn.Module):
-    """One pre-RMSNorm decoder layer."""
+    """One decoder layer: RMSNorm before the attention and the MLP (after them with ``post_norms``)."""
 
     config: LlamaConfig
     dtype: Any
@@ -163,12 +169,13 @@ class LlamaBlock(nn.Module):
     @nn.compact
     def __call__(self, x, segment_ids=None, positions=None):
         eps = self.config.rms_norm_eps
-        x = x + LlamaAttention(self.config, self.dtype, self.layer, name="self_attn")(
-            RMSNorm(eps, self.dtype, name="input_layernorm")(x), segment_ids, positions
-        )
-        return x + LlamaMLP(self.config, self.dtype, name="mlp")(
-            RMSNorm(eps, self.dtype, name="post_attention_layernorm")(x)
-        )
+        attention = LlamaAttention(self.config, self.dtype, self.layer, name="self_attn")
+        mlp = LlamaMLP(self.config, self.dtype, name="mlp")
+        if self.config.post_norms:  # OLMo 3: each sublayer's output normalised before the residual add
+            x = x + RMSNorm(eps, self.dtype, name="post_attention_layernorm")(attention(x, segment_ids, positions))
+            return x + RMSNorm(eps, self.dtype, name="post_feedforward_layernorm")(mlp(x))
+        x = x + attention(RMSNorm(eps, self.dtype, name="input_layernorm")(x), segment_ids, positions)
+        return x + mlp(RMSNorm(eps, self.dtype, name="post_attention_layernorm")(x))
 
 
 class LlamaForCausalLM(nn.Module):

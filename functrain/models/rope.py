@@ -111,7 +111,12 @@ def frequencies(config: Any, positions: jax.Array) -> tuple[Any, float]:
 
 def apply_rope(x: jax.Array, inv_freq: Any, positions: jax.Array | None = None, scale: float = 1.0) -> jax.Array:
     """Rotate x [B, T, H, D] by position (``[T]`` or ``[B, T]``, default ``0..T-1``) using HF's rotate-half
-    layout (first half pairs with second); ``scale`` multiplies cos and sin (yarn's attention factor)."""
+    layout (first half pairs with second); ``scale`` multiplies cos and sin (yarn's attention factor). With
+    fewer than ``D / 2`` frequencies only the leading ``2 * len(inv_freq)`` features rotate and the others pass
+    through (HF's ``partial_rotary_factor``, GLM)."""
+    rotary = 2 * jnp.shape(inv_freq)[-1]
+    if rotary < x.shape[-1]:
+        return jnp.concatenate([apply_rope(x[..., :rotary], inv_freq, positions, scale), x[..., rotary:]], axis=-1)
     positions = jnp.arange(x.shape[1]) if positions is None else positions
     positions = jnp.broadcast_to(positions, x.shape[:2])
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)

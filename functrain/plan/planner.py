@@ -207,14 +207,21 @@ def check_slices(topology: str | None, slices: int | None, dcn_gbps: float) -> N
 
 
 def plan(
-    config: Config, topology: str | None = None, slices: int | None = None, dcn_gbps: float = DEFAULT_DCN_GBPS
+    config: Config,
+    topology: str | None = None,
+    slices: int | None = None,
+    dcn_gbps: float = DEFAULT_DCN_GBPS,
+    devices: list | None = None,
 ) -> Plan:
     """Compile ``config``'s train call for the local devices or TPU ``topology`` (``slices`` of it joined over DCN,
-    spanned by ``mesh.dcn_data`` x ``mesh.dcn_fsdp``) and report (see the module); ``dcn_gbps``: the DCN bandwidth
-    per chip the DCN time is computed at."""
+    spanned by ``mesh.dcn_data`` x ``mesh.dcn_fsdp`` x ``mesh.dcn_pipeline``) and report (see the module);
+    ``dcn_gbps``: the DCN bandwidth per chip the DCN time is computed at; ``devices``: the topology's devices when
+    the caller has them already (:func:`topology_devices`: plans of several candidates describe it once)."""
     check_slices(topology, slices, dcn_gbps)
     slices = slices or 1
-    planned = plan_run(config, topology_devices(topology, slices) if topology else None)
+    if topology and devices is None:
+        devices = topology_devices(topology, slices)
+    planned = plan_run(config, devices if topology else None)
     device_kind = chip_name(topology) if topology else None
     try:
         compiled = _compile(planned)

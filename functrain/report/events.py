@@ -5,7 +5,9 @@ between its lines live here: ``{"event": "start" | "resume" | "rewind" | "progre
 "time": ..}`` plus details. ``functrain plot`` marks resumes from it; the goodput report
 (:mod:`functrain.report.goodput`) reads the seconds each session spent where: ``start``/``resume`` carry when the
 session started (its process's start, for the first ``fit`` of a process), where the start came from
-(``source``: local, peer or persistent) and, for a supervisor's restart, how the previous attempt ended;
+(``source``: local, peer or persistent), the last step ``metrics.jsonl`` held then (``reached_before``: how far
+the previous session got, its log lines after its own last event included) and, for a supervisor's restart, how
+the previous attempt ended;
 ``progress`` (each save, and train log steps at most every :data:`PROGRESS_EVERY_S`) and ``end`` carry the
 session's running totals.
 """
@@ -21,6 +23,7 @@ from typing import Any
 from functrain.callbacks.base import Callback
 from functrain.callbacks.view import RunView
 from functrain.guards.restarts import ENV_PREVIOUS_EXIT
+from functrain.report.metrics import METRICS_FILE, last_logged_step
 
 EVENTS_FILE = "events.jsonl"
 PROGRESS_EVERY_S = 30.0  # the most often a train log step writes a progress line
@@ -62,7 +65,9 @@ def _rounded(seconds: dict[str, float]) -> dict[str, float]:
 
 class RunEvents(Callback):
     """Records each start of training (``start`` at step 0, ``resume`` from a checkpoint), its progress at train
-    log steps and saves, and its end (primary only)."""
+    log steps and saves, and its end (primary only). It comes before :class:`~functrain.report.metrics.MetricsWriter`
+    in a run's callbacks: a start reads how far ``metrics.jsonl`` got before the writer sets aside the lines past
+    the resumed step."""
 
     def __init__(self) -> None:
         self._startup = 0.0
@@ -84,6 +89,7 @@ class RunEvents(Callback):
             samples_consumed=view.samples_consumed,
             session_started=started,
             source=view.restore_source,
+            reached_before=last_logged_step(view.run_dir / METRICS_FILE),
             seconds=_rounded(seconds),
             **({"restart_after": restart} if restart else {}),
         )

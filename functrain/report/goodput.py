@@ -9,9 +9,11 @@ time from the first process start to the last event into productive step time an
 
 * start-up: process start to the first step but for restoring and compiling (imports, data, building);
 * compile, restore, eval, save: as measured;
-* retrained: steps a session computed past the step the next session resumed from, at that session's pace;
-* down: from a session's last event to the next one's process start (the time a crash lost unrecorded, the
-  restart's pause, the queue).
+* retrained: steps a session computed past the step the next session resumed from, at that session's pace; how
+  far it got is the furthest of its last event and the last step ``metrics.jsonl`` held when the next session
+  started (its ``reached_before``: the log lines a killed session wrote after its last event);
+* down: from a session's last event to the next one's process start, less the steps it ran in that time (the time
+  a crash lost unrecorded, the restart's pause, the queue).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class Session:
     last_step: int
     last_time: float
     seconds: dict[str, float]  # startup, compile, restore, eval, save
+    reached: int = 0  # the furthest step it computed: its last event's, or a later step it logged after it
     source: str | None = None  # where its start came from: local, peer, persistent (None: fresh)
     restart: str | None = None  # how the previous attempt ended, when a supervisor restarted it
     ended: str | None = None  # the stop kind, when it ended on its own
@@ -67,6 +70,8 @@ def sessions_of(events: Sequence[Mapping[str, Any]]) -> list[Session]:
     for event in events:
         kind, step, when = event["event"], int(event["step"]), float(event.get("time", 0.0))
         if kind in ("start", "resume"):
+            if sessions:  # the lines a session killed after its last event logged tell how far it got
+                sessions[-1].reached = max(sessions[-1].reached, int(event.get("reached_before") or 0))
             sessions.append(
                 Session(
                     started=float(event.get("session_started", when)),
@@ -76,11 +81,13 @@ def sessions_of(events: Sequence[Mapping[str, Any]]) -> list[Session]:
                     seconds=dict(event.get("seconds") or {}),
                     source=event.get("source"),
                     restart=event.get("restart_after"),
+                    reached=step,
                 )
             )
         elif kind in ("progress", "end") and sessions:
             session = sessions[-1]
             session.last_step, session.last_time = max(session.last_step, step), max(session.last_time, when)
+            session.reached = max(session.reached, session.last_step)
             session.seconds.update({name: value for name, value in (event.get("seconds") or {}).items()})
             if kind == "end":
                 session.ended = event.get("stop_kind")
@@ -98,14 +105,35 @@ def goodput_of(events: Sequence[Mapping[str, Any]]) -> Goodput:
         for name in MEASURED:
             result.lost[name] += float(session.seconds.get(name, 0.0))
         if index:
-            previous = sessions[index - 1]
-            result.lost["down"] += max(session.started - previous.last_time, 0.0)
-            redone = max(previous.last_step - session.first_step, 0)
-            if redone:
-                result.retrained_steps += redone
-                result.lost["retrained"] += redone * _seconds_per_step(previous)
+            redone = _redone(sessions[index - 1], session)
+            result.retrained_steps += redone.steps
+            result.lost["retrained"] += redone.seconds
+            result.lost["down"] += redone.down
     result.productive = max(result.wall - sum(result.lost.values()), 0.0)
     return result
+
+
+@dataclass
+class _Redone:
+    steps: int  # steps the previous session computed past the step this one resumed from
+    seconds: float  # their time, at the previous session's pace
+    down: float  # the time between the two sessions that ran no step
+
+
+def _redone(previous: Session, session: Session) -> _Redone:
+    """What ``previous`` computed that ``session`` computes again, and the time between them that ran nothing.
+
+    A session killed between two events logged steps after its last one: they ran in what looks like the gap
+    between the sessions (the part of it they took is work, not down time), and those past the resumed step are
+    computed again."""
+    pace = _seconds_per_step(previous)
+    gap = max(session.started - previous.last_time, 0.0)
+    reached = previous.reached
+    in_gap = min((reached - previous.last_step) * pace, gap)  # the steps run after the last event
+    recorded = max(previous.last_step - session.first_step, 0)  # recomputed steps before the last event
+    unrecorded = max(reached - max(previous.last_step, session.first_step), 0)  # ... and after it
+    unrecorded_seconds = in_gap * unrecorded / (reached - previous.last_step) if unrecorded else 0.0
+    return _Redone(recorded + unrecorded, recorded * pace + unrecorded_seconds, gap - in_gap)
 
 
 def _seconds_per_step(session: Session) -> float:
@@ -119,24 +147,26 @@ def _duration(seconds: float) -> str:
 
 
 def goodput_lines(result: Goodput) -> list[str]:
-    """The report: productive share, what was lost by cause, and each later session (a restart or a rerun) with
-    the step it resumed from and where that step came from."""
+    """The report: productive share, what was lost by cause, the steps computed again after restarts, and each
+    later session (a restart or a rerun) with the step it resumed from and where that step came from."""
     if not result.sessions:
         return ["goodput: no events recorded (events.jsonl is missing or empty)"]
     sessions = len(result.sessions)
     lines = [f"goodput {result.fraction:.0%}: {_duration(result.productive)} of steps in {_duration(result.wall)}"]
     lines[0] += f" over {sessions} session(s)"
     lost = [
-        f"{name} {_duration(seconds)}" + (f" ({result.retrained_steps} steps)" if name == "retrained" else "")
+        f"{name} {_duration(seconds)}"
         for name, seconds in result.lost.items()
-        if seconds >= 0.05 or (name == "retrained" and result.retrained_steps)
+        if seconds >= 0.05 and name != "retrained"
     ]
     lines.append(f"lost: {', '.join(lost) if lost else 'nothing measurable'}")
+    if result.retrained_steps:
+        lines.append(f"retrained {result.retrained_steps} steps, {_duration(result.lost['retrained'])}")
     for number, session in enumerate(result.sessions[1:], start=2):
         restarted = f", restarted after {session.restart}" if session.restart else ""
         lines.append(
             f"session {number}{restarted}: resumed from step {session.first_step} "
-            f"({session.source or 'fresh start'}), reached step {session.last_step}"
+            f"({session.source or 'fresh start'}), reached step {session.reached}"
         )
     return lines
 

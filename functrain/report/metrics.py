@@ -9,10 +9,32 @@ from functrain.callbacks.base import Callback
 from functrain.callbacks.view import RunView
 from functrain.report.tensorboard import summary_writer
 
+METRICS_FILE = "metrics.jsonl"
+TAIL_BYTES = 1 << 16  # what last_logged_step reads: many lines of the longest metric records
+
 
 def _json_safe(value: float) -> float | None:
     """JSON has no NaN/inf: write them as null so every line stays valid JSON."""
     return value if math.isfinite(value) else None
+
+
+def last_logged_step(path: Path) -> int:
+    """The step of the last whole line of a metrics file (0 when it has none): how far its history got. Only the
+    file's tail is read; a line cut short by a kill is skipped."""
+    if not path.is_file():
+        return 0
+    with open(path, "rb") as f:
+        size = f.seek(0, 2)
+        f.seek(max(size - TAIL_BYTES, 0))
+        tail = f.read().decode(errors="replace").splitlines()
+    if size > TAIL_BYTES:
+        tail = tail[1:]  # the first line read may be the end of a longer one
+    for line in reversed(tail):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return 0
 
 
 def set_aside_lines_after(path: Path, step: int) -> None:
@@ -46,7 +68,7 @@ class MetricsWriter(Callback):
     def on_train_begin(self, view: RunView) -> None:
         if not view.is_primary:
             return
-        path = view.run_dir / "metrics.jsonl"
+        path = view.run_dir / METRICS_FILE
         if path.exists():
             set_aside_lines_after(path, view.start_step)
         self.jsonl = open(path, "a", buffering=1)  # noqa: SIM115 -- held for the run; on_train_end closes it

@@ -11,6 +11,10 @@ Latent attention (DeepSeek-V3) replaces ``d*H*h + 2*d*K*h + H*h*d`` by its proje
 (``DecoderShape.attention_params``: the low-rank query and key-value projections and the output) and ``H*h`` in
 the attention term by ``H*(h + h_v)/2`` (queries and keys of width ``h``, values of ``h_v``).
 
+A hybrid stack (Qwen3-Next, Qwen3.5) attends on ``DecoderShape.attention_layers`` of its layers (the attention term
+counts those) and adds ``3 * DecoderShape.mixer_flops``, the forward FLOPs per token of its other layers' token
+mixing (Gated DeltaNet: the chunked delta rule and the convolution), trained at 3 x their forward.
+
 A mixture of experts counts its active parameters: f is the width of the k experts a token takes (plus its
 shared experts'), r the router's outputs (0 for a dense model).
 
@@ -50,9 +54,10 @@ def train_flops_per_token(shape: DecoderShape, context: int, attention: str = "c
         else s.attention_params
     )
     per_layer = projections + s.mlp_matrices * s.width * s.mlp_width + s.width * s.router_width
-    matmuls = 6.0 * (s.layers * per_layer + s.width * s.vocab)
+    matmuls = 6.0 * (s.layers * per_layer + s.width * s.vocab) + 3.0 * s.mixer_flops
     value_width = s.heads * (s.head_dim if s.value_head_dim is None else s.value_head_dim)
-    full_attention = 6.0 * s.layers * context * (attention_width + value_width)
+    attending = s.layers if s.attention_layers is None else s.attention_layers
+    full_attention = 6.0 * attending * context * (attention_width + value_width)
     return matmuls + (full_attention / 2 if attention == "causal" else full_attention)
 
 

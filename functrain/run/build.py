@@ -100,6 +100,8 @@ class Run:
     warnings: tuple[str, ...]
     # The task's hooks, run in order once the start is known and before any batch is read (see StartHook).
     start_hooks: tuple[StartHook, ...] = ()
+    # The task's experience stage's ``resume`` (ExperienceStage: optional), handed the restored checkpoint's meta.
+    resume_experience: Callable[[dict[str, Any]], None] | None = None
     # This process's local checkpoints (checkpoint.local_dir), opened with the checkpointer; None: none.
     open_local_checkpoints: Callable[[], LocalCheckpoints | None] = lambda: None
     # Seconds this process has compiled so far (the goodput report keeps compiling apart from what it interrupts).
@@ -183,8 +185,8 @@ def _callbacks(
     tensorboard = config.log.tensorboard and "tensorboard" in config.log.trackers
     builtins: list[Callback] = [
         EveryNSteps(config.eval.every_steps, config.checkpoint.every_steps),
+        RunEvents(),  # before the metrics writer: a resume records how far metrics.jsonl got (the goodput's)
         MetricsWriter(tensorboard=tensorboard),
-        RunEvents(),
         *([CompileReport(compile_cache)] if capabilities_of(config.backend).compiles_with_xla else []),
         *trackers,
         *_profile_window(config, max_steps),
@@ -378,6 +380,7 @@ def build_run(
         speed=speed,
         warnings=(*likely_mistakes(config, max_steps, has_eval_data=task_data.eval is not None), *task_data.notes),
         start_hooks=hooks,
+        resume_experience=getattr(backend.experience, "resume", None) if isinstance(backend, JaxBackend) else None,
         open_local_checkpoints=open_local_checkpoints,
         compile_seconds=compile_seconds if capabilities.compiles_with_xla else (lambda: 0.0),
     )

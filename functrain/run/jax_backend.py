@@ -268,7 +268,8 @@ class JaxBackend:
         step = int(jax.device_get(state.step))
         stream = self.experience_stream
         assert stream is not None, "made with the experience stage"
-        per_step = []
+        logged = getattr(experience, "logged", None)  # optional: values logged as they are (a running total)
+        per_step, host_values = [], []
         for k in range(len(next(iter(batches.values())))):
             batch = experience(
                 state.params,
@@ -276,13 +277,20 @@ class JaxBackend:
                 jax.random.fold_in(stream, step + k),
                 step + k,
             )
+            if logged is not None:
+                host_values.append(logged(step + k))
             # This process's rows, a call of one step, placed as the loader's batches are.
             rows = self._global_calls({name: np.asarray(value)[None] for name, value in batch.items()})
             state, metrics = self._train_call(state, rows)
             per_step.append(metrics)
-        if len(per_step) == 1:  # metrics [1] already: no concatenation to dispatch per metric
-            return state, per_step[0]
-        return state, jax.tree.map(lambda *values: jnp.concatenate(values), *per_step)
+        # One step's metrics are [1] already: no concatenation to dispatch per metric.
+        metrics = per_step[0] if len(per_step) == 1 else jax.tree.map(lambda *v: jnp.concatenate(v), *per_step)
+        if host_values:  # float64 on the host, beside the device's metrics
+            metrics = {
+                **metrics,
+                **{name: np.array([v[name] for v in host_values], np.float64) for name in host_values[0]},
+            }
+        return state, metrics
 
     def compile_train_call(
         self, state: TrainState, batches: dict[str, jax.Array], compiler_options: dict[str, Any] | None = None
@@ -361,8 +369,8 @@ class JaxBackend:
     @staticmethod
     def wait(tree: Any) -> None:
         """Block until the computation that produced ``tree`` is done, without copying anything to the host
-        (its outputs are ready together, so one leaf is enough)."""
-        jax.tree.leaves(tree)[0].block_until_ready()
+        (its outputs are ready together, so one leaf is enough; an experience stage's host values are not its)."""
+        next(leaf for leaf in jax.tree.leaves(tree) if isinstance(leaf, jax.Array)).block_until_ready()
 
     @staticmethod
     def to_host(tree: Any) -> Any:

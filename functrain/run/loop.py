@@ -143,9 +143,10 @@ class _Driver:
     # -- the loop ----------------------------------------------------------------------------------------------
     def begin(self) -> tuple[Any, int, int]:
         """Restore or initialise; write the run's config once the start is known to be good."""
+        run = self.run
         with self.record.time_spent.measure("restore"):  # or initialise
-            self.start = self.run.resume.start(
-                self.checkpointer, self.backend, self.run.sampler, self.adapter_saves, self.local
+            self.start = run.resume.start(
+                self.checkpointer, self.backend, run.sampler, self.adapter_saves, self.local, run.resume_experience
             )
         self.record.restore_source = self.start.source
         self.last_meta = self.start.meta

@@ -111,9 +111,12 @@ class ResumePolicy:
         sampler: Order,
         adapter_saves: Any = None,
         local: LocalCheckpoints | None = None,
+        resume_experience: Callable[[dict[str, Any]], None] | None = None,
     ) -> Start:
         """The starting state and data position: from the checkpoint the request names (with ``auto``, a step
-        of the local checkpoints when one is at least as new as the newest persistent step), or fresh."""
+        of the local checkpoints when one is at least as new as the newest persistent step), or fresh. A task's
+        experience stage that keeps running totals continues them from the restored checkpoint's meta
+        (``resume_experience``, its ``resume``)."""
         request = self.effective_request()
         self.check_saved_run_fits(request)
         restored: tuple[dict, dict, int] | None = None
@@ -143,6 +146,8 @@ class ResumePolicy:
         position = resume_position(meta, ignore_skip, skip_samples)
         # A mixture continues its data schedule, a stream its saved state (no-ops for plain data).
         sampler.restore(None if ignore_skip else meta, position)
+        if resume_experience is not None:
+            resume_experience(meta)
         saved_position = int(meta.get("samples_consumed", 0))
         jump = {"step": step, "from": saved_position, "to": position} if position != saved_position else None
         return Start(state, position, meta, step, jump, meta.get("started_from"), source)

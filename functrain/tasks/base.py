@@ -118,7 +118,12 @@ class ExperienceStage(Protocol):
     ``batch`` holds this process's rows (the loader's slice) and the stage returns the training batch's rows of this
     process. A stage that works so on many processes (its device work on the params' mesh, as
     :class:`functrain.tasks.sampling.Sampler` does, and anything computed over the whole batch gathered from every
-    process) sets ``across_processes = True``; a multi-process run of any other stage is refused in one line."""
+    process) sets ``across_processes = True``; a multi-process run of any other stage is refused in one line.
+
+    A stage that keeps a running total (GRPO's ``num_tokens``) may also have ``logged(step) -> {name: value}``, the
+    values of the step just made that are logged as they are, beside the step's metrics (exact: they never pass
+    through the device, whose float32 rounds a count above 2**24), and ``resume(meta)``, called when a run resumes
+    with the meta of the restored checkpoint (whose train metrics hold those values at its step)."""
 
     across_processes: bool
 

@@ -185,8 +185,7 @@ def test_planned_flops_hold_the_model_flops_and_the_recompute_so_mfu_stays_below
                  "model.num_attention_heads=4", "model.num_key_value_heads=4",
                  "data.seq_len=1024", "data.global_batch_size=8", "train.micro_batches=1", "model.remat=full"]
         plans = []
-        # One layer each: two compiles a plan (the program, and the program counted whole). Extrapolating a scan of
-        # several groups from the unrolled one and two is checked on CPU (test above).
+        # One layer each (one compile a plan); counting a scan's groups and the other loops is checked on CPU (above).
         for scan, attention, layers in (("true", "auto", 1), ("false", "xla", 1)):
             config = load_config("configs/llama3_8b.yaml", small + [f"model.scan_layers={scan}",
                                  f"model.attention={attention}", f"model.num_hidden_layers={layers}"])
@@ -244,20 +243,41 @@ def test_bad_plans_are_one_line_exit_2(args, words):
         assert word in errors[0]
 
 
-def test_search_takes_the_cheapest_remat_that_fits_then_doubles_the_batch(monkeypatch):
+def _fake_plans(monkeypatch, reported_per_sample):
+    """``plan`` as a search sees it: a chip that holds 64 samples with remat=dots_saveable (8 units of state, one a
+    sample; none takes 8 a sample, full half of one), whose reported memory grows by ``reported_per_sample`` a
+    sample (the search predicts from it)."""
     from functrain.commands import plan_search
+    from functrain.plan.planner import HBM_USABLE
 
-    def fake_plan(config, topology, slices=None):
-        # Memory grows with the batch and shrinks with remat; 64 samples fit with remat=dots_saveable.
-        need = config.data.global_batch_size * {"none": 8, "dots_saveable": 1, "full": 0.5}[config.model.remat]
-        return SimpleNamespace(fits=need <= 64, mesh={"data": 2, "fsdp": 2, "tensor": 1})
+    def fake_plan(config, topology, slices=None, devices=None):
+        batch, remat = config.data.global_batch_size, config.model.remat
+        need = 8 + batch * {"none": 8, "dots_saveable": 1, "full": 0.5}[remat]
+        reported = 8 + batch * (reported_per_sample if remat == "dots_saveable" else 8)
+        sizes = {"params": 4, "optimizer": 4, "model_state": 0, "total": reported}
+        return SimpleNamespace(fits=need <= 72, mesh={"data": 2, "fsdp": 2, "tensor": 1}, per_chip_bytes=sizes,
+                               hbm_bytes=72 / HBM_USABLE)
 
     monkeypatch.setattr(plan_search, "plan", fake_plan)
     config = load_config("configs/gpt_350m.yaml", ["data.name=synthetic", "data.global_batch_size=16"])
-    tried, chosen = plan_search.search(config)
+    return plan_search.search(config)
+
+
+def test_search_takes_the_cheapest_remat_that_fits_then_the_largest_batch_the_memory_predicts(monkeypatch):
+    tried, chosen = _fake_plans(monkeypatch, reported_per_sample=1)
+    # 16 samples fill 24 of 72 units, 16 of them growing with the batch: 64 fits (predicted), 128 does not (checked).
     assert [(c.remat, c.global_batch_size) for c in tried] == [
-        ("none", 16), ("dots_saveable", 16), ("dots_saveable", 32), ("dots_saveable", 64), ("dots_saveable", 128)]
+        ("none", 16), ("dots_saveable", 16), ("dots_saveable", 64), ("dots_saveable", 128)]
     assert (chosen.remat, chosen.global_batch_size, chosen.per_chip_batch) == ("dots_saveable", 64, 16)
+
+
+@pytest.mark.parametrize("reported_per_sample", [0.5, 2])
+def test_a_search_whose_prediction_is_off_steps_to_the_largest_batch_that_fits(monkeypatch, reported_per_sample):
+    tried, chosen = _fake_plans(monkeypatch, reported_per_sample)
+    # Memory reported at half its growth predicts 128 (it does not fit: one doubling down); at twice, 32 (up).
+    expected = [128, 64] if reported_per_sample < 1 else [32, 64, 128]
+    assert [c.global_batch_size for c in tried[2:]] == expected
+    assert (chosen.remat, chosen.global_batch_size) == ("dots_saveable", 64)
 
 
 def test_a_program_the_tpu_compiler_refuses_is_reported_as_not_fitting():

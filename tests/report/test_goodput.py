@@ -5,6 +5,7 @@ import json
 from functrain.commands import cli
 from functrain.callbacks.time_spent import TimeSpent
 from functrain.report.goodput import goodput_of, goodput_lines
+from functrain.report.metrics import TAIL_BYTES, last_logged_step
 
 
 def _events() -> list[dict]:
@@ -33,7 +34,30 @@ def test_wall_time_splits_into_steps_and_what_was_lost():
     assert abs(result.productive - (75 - 9 - 5 - 1 - 3 - 4 - 10 - 8)) < 1e-9
     text = "\n".join(goodput_lines(result))
     assert "session 2, restarted after SIGKILL: resumed from step 20 (local), reached step 40" in text
-    assert "retrained 8.0s (10 steps)" in text and "down 10.0s" in text
+    assert "retrained 10 steps, 8.0s" in text and "down 10.0s" in text and "retrained 8.0s" not in text
+
+
+def test_steps_logged_after_a_sessions_last_event_are_retrained_not_down():
+    """Killed after logging step 34 (its last event: step 30 at t=40): metrics.jsonl held step 34 when session 2
+    started (reached_before). Those 4 steps ran in the 10 s gap at session 1's pace (0.8 s a step) and are
+    computed again with the other 10."""
+    events = _events()
+    events[3]["reached_before"] = 34
+    result = goodput_of(events)
+    assert result.retrained_steps == 14 and abs(result.lost["retrained"] - 11.2) < 1e-9
+    assert abs(result.lost["down"] - 6.8) < 1e-9
+    text = "\n".join(goodput_lines(result))
+    assert "retrained 14 steps, 11.2s" in text and "down 6.8s" in text
+    assert "session 2, restarted after SIGKILL: resumed from step 20 (local), reached step 40" in text
+
+
+def test_how_far_metrics_got_is_the_last_whole_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    assert last_logged_step(path) == 0  # no file yet
+    lines = [json.dumps({"step": step, "split": "train", "loss": 1.0, "pad": "x" * 200}) for step in range(1, 400)]
+    assert len("\n".join(lines)) > TAIL_BYTES  # only the tail is read
+    path.write_text("\n".join(lines) + "\n" + '{"step": 400, "split": "tr')  # a line cut short by a kill
+    assert last_logged_step(path) == 399
 
 
 def test_time_spent_keeps_compiling_apart_from_the_activity_it_interrupts():

@@ -19,6 +19,8 @@ import pytest
 
 from tests.conftest import REPO_ROOT, cli_env
 from functrain.commands.inspect import inspect_report
+from functrain.report.events import read_events
+from functrain.report.goodput import goodput_of
 
 OVERRIDES = ["train.max_steps=60", "train.steps_per_call=5", "checkpoint.every_steps=10", "checkpoint.keep=2",
              "log.every_steps=5", "eval.every_steps=20", "log.progress=false"]
@@ -135,6 +137,13 @@ def test_sigkill_during_async_save_inside_a_call_and_from_outside(tmp_path, refe
     proc = _train(tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     _assert_matches(tmp_path, reference)
+    # Goodput: the steps an attempt logged past the checkpoint the next one resumed from (the lines each resume set
+    # aside, one per 5 steps) are computed again, those after the attempt's last event too (attempt 1's steps 11-20).
+    aside = [json.loads(line) for line in (tmp_path / "metrics.abandoned.jsonl").read_text().splitlines()]
+    redone = 5 * sum(row["split"] == "train" for row in aside)
+    goodput = goodput_of(read_events(tmp_path))
+    assert len(goodput.sessions) == 4 and redone > 0 and goodput.retrained_steps == redone
+    assert f"retrained {redone} steps, " in proc.stderr  # the run's summary
 
 
 def test_sigterm_mid_epoch_saves_and_resumes(tmp_path, reference):

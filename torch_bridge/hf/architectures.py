@@ -2,6 +2,7 @@
 ``hf_model_types`` with the :class:`~torch_bridge.hf.mappings.TensorMapping` its ``hf_mapping`` names and the
 module of its code (``from_hf_config``, ``to_hf_config``, ``build``)."""
 
+import difflib
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -47,13 +48,31 @@ def architectures() -> Mapping[str, Architecture]:
     return dict(sorted(table.items()))
 
 
+def _nearest_name(name: str, names: list[str]) -> str | None:
+    """The name of ``names`` nearest ``name``: the longest shared prefix of three characters or more (a family's
+    other versions: ``olmo2`` -> ``olmo3``, ``llama4_text`` -> ``llama``), then the closest spelling; None when
+    none is near (``bert``)."""
+
+    def prefix(other: str) -> int:
+        return next((i for i, (a, b) in enumerate(zip(name, other)) if a != b), min(len(name), len(other)))
+
+    def spelling(other: str) -> float:
+        return difflib.SequenceMatcher(None, name, other).ratio()
+
+    near = [other for other in names if prefix(other) >= 3 or spelling(other) >= 0.75]
+    return max(near, key=lambda other: (prefix(other), spelling(other)), default=None)
+
+
 def architecture_for(hf_config: dict[str, Any]) -> Architecture:
-    """The architecture of an HF config.json; an unsupported ``model_type`` is a CheckpointError listing them."""
+    """The architecture of an HF config.json; an unsupported ``model_type`` is a CheckpointError naming the nearest
+    supported one (when one is near) and listing them all."""
     model_type = hf_config.get("model_type")
     arch = architectures().get(model_type) if isinstance(model_type, str) else None
     if arch is None:
+        near = _nearest_name(str(model_type), list(architectures()))
+        nearest = f" (nearest supported: {near!r})" if near else ""
         raise CheckpointError(
-            f"model_type {model_type!r} is not supported; supported model types: {', '.join(architectures())}"
+            f"model_type {model_type!r} is not supported{nearest}; supported model types: {', '.join(architectures())}"
         )
     return arch
 

@@ -26,6 +26,8 @@ from typing import Any, Callable, Literal
 import numpy as np
 
 from functrain.models import deepseek_v3, gemma2, gpt2, gpt_oss, llama, mixtral, phi3
+from functrain.models.configs.glm4_moe import Glm4MoeConfig
+from functrain.models.configs.qwen_moe import QwenMoeOptions
 from functrain.models.qwen_moe import QwenMoeConfig
 
 Path = tuple[str, ...]
@@ -200,9 +202,12 @@ def _dense_mlp(hf_prefix: str, path: Path, bias: bool) -> list[Rule]:
 
 
 def _decoder_rules(cfg: llama.LlamaConfig, mlp: MlpRules) -> list[Rule]:
-    """The Llama-shaped decoders' table (Llama, Qwen2/3, Mistral and their MoE kin): biases and q/k norms as the
-    config says, each layer's MLP from ``mlp``."""
+    """The Llama-shaped decoders' table (Llama, Qwen2/3, Mistral, SmolLM3, OLMo 3 and the MoE kin): biases, q/k
+    norms and the norms' placement as the config says, each layer's MLP from ``mlp``."""
     rules = [Rule("model.embed_tokens.weight", (("embed_tokens", "embedding"),))]
+    # OLMo normalises each sublayer's output, the others its input (functrain.models.llama.LlamaBlock).
+    pre_norms = ("input_layernorm", "post_attention_layernorm")
+    norms = ("post_attention_layernorm", "post_feedforward_layernorm") if cfg.post_norms else pre_norms
     for i in range(cfg.num_hidden_layers):
         hf, layer = f"model.layers.{i}", f"layers_{i}"
         for proj in ("q_proj", "k_proj", "v_proj"):
@@ -214,7 +219,7 @@ def _decoder_rules(cfg: llama.LlamaConfig, mlp: MlpRules) -> list[Rule]:
                 for norm in ("q_norm", "k_norm")
             ]
         rules += mlp(i, hf, layer)
-        for norm in ("input_layernorm", "post_attention_layernorm"):
+        for norm in norms:
             rules.append(Rule(f"{hf}.{norm}.weight", ((layer, norm, "scale"),)))
     rules.append(Rule("model.norm.weight", (("norm", "scale"),)))
     if not cfg.tie_word_embeddings:
@@ -290,10 +295,10 @@ def _gpt_oss_rules(cfg: gpt_oss.GptOssConfig) -> list[Rule]:
     return _decoder_rules(cfg, moe)
 
 
-def _qwen_moe_rules(cfg: QwenMoeConfig, fused: bool = False) -> list[Rule]:
-    """Qwen2/3's attention; sparse layers ``mlp.gate`` and ``mlp.experts.<e>.{gate,up,down}_proj`` (or the fused
-    ``mlp.experts.gate_up_proj`` / ``down_proj``), Qwen2-MoE's ``mlp.shared_expert`` and ``shared_expert_gate``;
-    dense layers Llama's MLP."""
+def qwen_moe_mlp(cfg: QwenMoeOptions, fused: bool = False) -> MlpRules:
+    """The MLP rules of the Qwen MoEs (Qwen3-Next's and Qwen3.5's too): sparse layers ``mlp.gate`` and
+    ``mlp.experts.<e>.{gate,up,down}_proj`` (or the fused ``mlp.experts.gate_up_proj`` / ``down_proj``), with a shared
+    expert ``mlp.shared_expert`` and its ``shared_expert_gate``; dense layers Llama's MLP."""
 
     def mlp(i: int, hf: str, layer: str) -> list[Rule]:
         path = (layer, "mlp")
@@ -310,7 +315,12 @@ def _qwen_moe_rules(cfg: QwenMoeConfig, fused: bool = False) -> list[Rule]:
             rules += _linear(f"{hf}.mlp.shared_expert_gate", path + ("shared_expert_gate",), bias=False)
         return rules
 
-    return _decoder_rules(cfg, mlp)
+    return mlp
+
+
+def _qwen_moe_rules(cfg: QwenMoeConfig, fused: bool = False) -> list[Rule]:
+    """Qwen2/3's attention and :func:`qwen_moe_mlp`."""
+    return _decoder_rules(cfg, qwen_moe_mlp(cfg, fused))
 
 
 def _phi3_rules(cfg: phi3.Phi3Config) -> list[Rule]:
@@ -366,21 +376,48 @@ def _gemma2_ignorable(name: str, cfg: gemma2.Gemma2Config) -> bool:
     return name == "lm_head.weight" or name == "model.embed_tokens.embed_scale"  # tied head; a buffer
 
 
-def _deepseek_v3_rules(cfg: deepseek_v3.DeepseekV3Config, fused: bool = False) -> list[Rule]:
-    """DeepSeek-V3: latent attention; HF's layer ``i`` is ``dense_layers_{i}`` or ``moe_layers_{i - k}``, whose
-    router is ``mlp.gate`` (with the correction bias), experts ``mlp.experts.<e>.*`` (``fused``: transformers'
-    in-memory ``gate_up_proj`` / ``down_proj``) and always-on ``mlp.shared_experts``."""
+# (config, HF prefix "model.layers.<i>", functrain layer path) -> the rules of the layer's attention.
+AttentionRules = Callable[[Any, str, str], list[Rule]]
+
+
+def _latent_attention(cfg: deepseek_v3.DeepseekV3Config, hf: str, layer: str) -> list[Rule]:
+    """DeepSeek-V3's latent attention: its projections (queries through ``q_a_proj``/``q_b_proj`` with a
+    ``q_lora_rank``) and the latents' norms."""
+    attention = {"kv_a_proj_with_mqa": cfg.attention_bias, "kv_b_proj": False, "o_proj": cfg.attention_bias}
+    attention.update(
+        {"q_proj": False} if cfg.q_lora_rank is None else {"q_a_proj": cfg.attention_bias, "q_b_proj": False}
+    )
+    rules = []
+    for proj, bias in attention.items():
+        rules += _linear(f"{hf}.self_attn.{proj}", (layer, "self_attn", proj), bias)
+    for norm in ("kv_a_layernorm",) + (() if cfg.q_lora_rank is None else ("q_a_layernorm",)):
+        rules.append(Rule(f"{hf}.self_attn.{norm}.weight", ((layer, "self_attn", norm, "scale"),)))
+    return rules
+
+
+def _grouped_query_attention(cfg: Glm4MoeConfig, hf: str, layer: str) -> list[Rule]:
+    """GLM-4.5's attention: Llama's projections (q/k/v biases with ``attention_bias``, none on ``o_proj``) and the
+    per-head q/k norms with ``use_qk_norm``."""
+    biases = {"q_proj": cfg.qkv_bias, "k_proj": cfg.qkv_bias, "v_proj": cfg.qkv_bias, "o_proj": cfg.o_bias}
+    rules = []
+    for proj, bias in biases.items():
+        rules += _linear(f"{hf}.self_attn.{proj}", (layer, "self_attn", proj), bias)
+    if cfg.qk_norm:
+        rules += [Rule(f"{hf}.self_attn.{n}.weight", ((layer, "self_attn", n, "scale"),)) for n in ("q_norm", "k_norm")]
+    return rules
+
+
+def _deepseek_moe_rules(
+    cfg: deepseek_v3.DeepseekMoeConfig, attention: AttentionRules, fused: bool = False
+) -> list[Rule]:
+    """DeepSeek-V3's decoder (and GLM-4.5's) with each layer's ``attention``: HF's layer ``i`` is
+    ``dense_layers_{i}`` or ``moe_layers_{i - k}``, whose router is ``mlp.gate`` (with the correction bias),
+    experts ``mlp.experts.<e>.*`` (``fused``: transformers' in-memory ``gate_up_proj`` / ``down_proj``) and
+    always-on ``mlp.shared_experts``."""
     rules = [Rule("model.embed_tokens.weight", (("embed_tokens", "embedding"),))]
     for i in range(cfg.num_hidden_layers):
         hf, layer = f"model.layers.{i}", deepseek_v3.hf_layer_path(cfg, i)
-        attention = {"kv_a_proj_with_mqa": cfg.attention_bias, "kv_b_proj": False, "o_proj": cfg.attention_bias}
-        attention.update(
-            {"q_proj": False} if cfg.q_lora_rank is None else {"q_a_proj": cfg.attention_bias, "q_b_proj": False}
-        )
-        for proj, bias in attention.items():
-            rules += _linear(f"{hf}.self_attn.{proj}", (layer, "self_attn", proj), bias)
-        for norm in ("kv_a_layernorm",) + (() if cfg.q_lora_rank is None else ("q_a_layernorm",)):
-            rules.append(Rule(f"{hf}.self_attn.{norm}.weight", ((layer, "self_attn", norm, "scale"),)))
+        rules += attention(cfg, hf, layer)
         if not cfg.moe_layer(i):
             rules += _dense_mlp(f"{hf}.mlp", (layer, "mlp"), False)
         else:
@@ -411,7 +448,7 @@ def _llama_ignorable(name: str, cfg: llama.LlamaConfig) -> bool:
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
-def _deepseek_v3_left_out(name: str, cfg: deepseek_v3.DeepseekV3Config) -> str | None:
+def _multi_token_prediction(name: str, cfg: deepseek_v3.DeepseekMoeConfig) -> str | None:
     # Released checkpoints carry the multi-token-prediction module as the layers past num_hidden_layers.
     layer = _HF_LAYER.match(name)
     if layer is None or int(layer.group(1)) < cfg.num_hidden_layers:
@@ -429,8 +466,14 @@ GPT_OSS = TensorMapping(_gpt_oss_rules, _llama_ignorable)
 MIXTRAL = TensorMapping(_mixtral_rules, _llama_ignorable, fused_rules=_mixtral_fused_rules)
 QWEN_MOE = TensorMapping(_qwen_moe_rules, _llama_ignorable, fused_rules=functools.partial(_qwen_moe_rules, fused=True))
 DEEPSEEK_V3 = TensorMapping(
-    _deepseek_v3_rules,
+    functools.partial(_deepseek_moe_rules, attention=_latent_attention),
     _llama_ignorable,
-    fused_rules=functools.partial(_deepseek_v3_rules, fused=True),
-    left_out=_deepseek_v3_left_out,
+    fused_rules=functools.partial(_deepseek_moe_rules, attention=_latent_attention, fused=True),
+    left_out=_multi_token_prediction,
+)
+GLM4_MOE = TensorMapping(
+    functools.partial(_deepseek_moe_rules, attention=_grouped_query_attention),
+    _llama_ignorable,
+    fused_rules=functools.partial(_deepseek_moe_rules, attention=_grouped_query_attention, fused=True),
+    left_out=_multi_token_prediction,
 )

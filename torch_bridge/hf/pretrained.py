@@ -9,6 +9,7 @@ are read: MXFP4 (config.json's ``quantization_config.quant_method: mxfp4``, the 
 """
 
 import logging
+import math
 import os
 import re
 from typing import Any, Callable, Iterable
@@ -116,6 +117,7 @@ def _match_tensors(
         if canonical not in rules
         and not arch.mapping.ignorable(canonical, config)
         and arch.mapping.left_out(canonical, config) is None
+        and math.prod(infos[name].shape) > 0  # empty: nothing to convert (n_shared_experts 0 builds 0-wide MLPs)
     )
     unexpected += sorted(name for name in scales if name.removesuffix(fp8.SCALE_SUFFIX) not in infos)
     missing = sorted(name for name in rules if name not in by_canonical)

@@ -30,6 +30,11 @@ class DecoderShape:
     # the values' head width where it is not the queries' and keys' (None: head_dim).
     attention_params: int | None = None
     value_head_dim: int | None = None
+    # Hybrid stacks (Qwen3-Next, Qwen3.5): the layers of softmax attention over the context (None: every layer), and
+    # the forward FLOPs per token the other layers' token mixing adds beyond their projections (Gated DeltaNet's
+    # delta rule and convolution), summed over those layers.
+    attention_layers: int | None = None
+    mixer_flops: float = 0.0
 
 
 class ModelConfig(pydantic.BaseModel):

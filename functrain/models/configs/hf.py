@@ -31,6 +31,22 @@ def check_activation(name: str) -> str:
     return name
 
 
+# config.json settings transformers reads that functrain's models do not implement: the one value they compute as
+# transformers does, and why (checked by the families that list them in their from_hf_config).
+NO_DROPOUT = {"attention_dropout": (0.0, "functrain's model has no attention dropout")}
+
+
+def refuse_unimplemented(hf: dict[str, Any], family: str, settings: dict[str, tuple[Any, str]]) -> None:
+    """A one-line ConfigError naming the first key of ``settings`` whose value in the config.json dict ``hf`` asks
+    for something ``family``'s model does not compute (``settings``: key -> (the value it computes, why))."""
+    for key, (computed, why) in settings.items():
+        if hf.get(key, computed) not in (computed, None):
+            raise ConfigError(
+                f"config.json: {key} {hf[key]!r} is not supported for {family} ({why}); set {key} to {computed!r} in "
+                f"config.json"
+            )
+
+
 class HFModelConfig(RuntimeOptions):
     """Base for model configs whose fields are named like the keys of an HF ``config.json`` (plus the
     runtime options ``attention``, ``remat`` and ``scan_layers``, which an HF config never sets)."""

@@ -7,7 +7,7 @@ import pydantic
 
 from functrain.models.configs.base import DecoderShape
 from functrain.models.configs.hf import HFModelConfig, check_activation
-from functrain.models.configs.rope import RopeScaling
+from functrain.models.configs.rope import RopeScaling, RopeSettings
 from functrain.models.family import Family
 
 
@@ -77,9 +77,26 @@ class LlamaConfig(HFModelConfig):
         """Whether each query head has a learned sink logit in its softmax (``self_attn.sinks``, GPT-OSS)."""
         return False
 
+    @property
+    def qk_norm_across_heads(self) -> bool:
+        """Whether ``q_norm``/``k_norm`` normalise all heads' features together (OLMo 3) rather than each head's."""
+        return False
+
+    @property
+    def post_norms(self) -> bool:
+        """Whether each layer normalises its attention's and MLP's outputs (``post_attention_layernorm``,
+        ``post_feedforward_layernorm``: OLMo 3) rather than their inputs (``input_layernorm``,
+        ``post_attention_layernorm``)."""
+        return False
+
     def attention_window(self, layer: int) -> int | None:
         """Sliding-window size of ``layer``'s attention (keys within the last ``window`` positions); None: full."""
         return None
+
+    def rope_for(self, layer: int) -> "LlamaConfig | RopeSettings | None":
+        """The rotary embedding of ``layer`` (what :func:`functrain.models.rope.frequencies` reads): the config's
+        own on every layer; None where a layer has none (SmolLM3's NoPE layers)."""
+        return self
 
     def max_positions(self) -> int:
         """``max_position_embeddings``."""

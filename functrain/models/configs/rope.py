@@ -1,5 +1,6 @@
 """``model.rope_scaling``: HF's rotary-embedding scaling settings (computed in :mod:`functrain.models.rope`)."""
 
+import dataclasses
 from typing import Literal
 
 import pydantic
@@ -48,3 +49,14 @@ class RopeScaling(pydantic.BaseModel):
                 f"rope type {self.rope_type!r} does not implement {', '.join(sorted(given - required - optional))}"
             )
         return self
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeSettings:
+    """One layer's rotary embedding where it is not the config's own (``rope_theta``, ``rope_scaling``,
+    ``attn_head_dim``, ``max_position_embeddings``): what :func:`functrain.models.rope.frequencies` reads."""
+
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    attn_head_dim: int  # the features that rotate: a head's, or its leading part (a partial rotary factor)
+    max_position_embeddings: int

@@ -17,6 +17,11 @@ the tokens at ``num_iterations: 1``. With ``num_iterations`` above 1 a training 
 generation: the old policy's log-probs; the batch generated at a step whose index is a multiple of
 ``num_iterations`` is trained on for that many steps (the loader's prompts of the steps in between are not used),
 and a run that resumes inside a generation samples anew.
+
+``num_tokens`` (TRL's): the prompt and completion tokens of every generation since the run began, the whole batch's
+(each row's prompt counted, as TRL counts them), a Python int on the host, logged as it is (:meth:`Rollouts.logged`).
+It is history, not a function of the step: a checkpoint's meta records it with the step's train metrics and a
+resumed run continues from there (:meth:`Rollouts.resume`), so the resumed run logs what an uninterrupted one does.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from functrain.checkpoint.meta import metric_value
 from functrain.data.global_array import to_local
 from functrain.parallel.distributed import all_rows
 from functrain.tasks.grpo.advantages import group_advantages, reward_metrics
@@ -165,6 +171,7 @@ class Rollouts:
         self.weights = np.asarray(section.reward_weights or [1.0] * len(rewards), np.float32)
         self.metric_names = host_metric_names(rewards)
         self._generation: tuple[int, dict[str, np.ndarray]] | None = None  # (generation index, its batch)
+        self.num_tokens = 0  # prompt and completion tokens of the generations so far (TRL's num_tokens)
 
     def __call__(self, params: Any, batch: dict[str, Any], key: jax.Array, step: int) -> dict[str, np.ndarray]:
         generation = step // self.section.num_iterations
@@ -172,10 +179,19 @@ class Rollouts:
             self._generation = (generation, self.generate(params, np.asarray(batch["prompt_index"]), key, step))
         return self._generation[1]
 
+    def logged(self, step: int) -> dict[str, float]:
+        """Logged as it is beside step ``step``'s metrics: the running token count through its generation."""
+        return {"num_tokens": float(self.num_tokens)}
+
+    def resume(self, meta: dict[str, Any]) -> None:
+        """Continue the token count from the restored checkpoint's (0 when it recorded none: written before
+        functrain logged it, or by a save before any step ran)."""
+        self.num_tokens = int(metric_value(meta, "train/num_tokens") or 0)
+
     def generate(self, params: Any, indices: np.ndarray, key: jax.Array, step: int) -> dict[str, np.ndarray]:
         """The training batch of this process's prompts ``indices`` (the loader's slice): sampled (every process
         its own rows, on the devices that train them), scored on this process, laid out for the loss; advantages,
-        normalisers and metrics from the whole batch's rewards and lengths."""
+        normalisers and metrics from the whole batch's rewards and lengths; its tokens added to ``num_tokens``."""
         section, prompts = self.section, self.prompts
         length = section.max_completion_length
         completions = draw(self.sampler, params, prompts, indices, key, section.num_generations, length)
@@ -197,11 +213,15 @@ class Rollouts:
         # (exact: the rewards are float32, the counts small): a group's completions are on one process, a batch's
         # std and the metrics are not.
         lengths = [len(ids) for ids in completions.ids]
-        local = np.column_stack([table, lengths, completions.truncated, mask[:, 1:].sum(1)]).astype(np.float32)
+        prompt_lengths = [len(prompts.ids[index]) for index in completions.prompt_index]
+        local = np.column_stack([table, lengths, completions.truncated, mask[:, 1:].sum(1), prompt_lengths]).astype(
+            np.float32
+        )
         whole = all_rows(local)
         functions = table.shape[1]
         whole_table, whole_lengths = whole[:, :functions], whole[:, functions]
         whole_truncated, whole_tokens = whole[:, functions + 1], whole[:, functions + 2]
+        self.num_tokens += int(whole[:, functions + 3].astype(np.int64).sum() + whole_lengths.astype(np.int64).sum())
         advantages, is_std_zero = group_advantages(
             whole_table, self.weights, section.num_generations, section.scale_rewards
         )

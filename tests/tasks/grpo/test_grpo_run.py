@@ -50,7 +50,7 @@ TRL_METRICS = ("loss", "reward", "reward_std", "rewards/no_e/mean", "rewards/no_
                "completions/max_length", "completions/clipped_ratio", "completions/mean_terminated_length",
                "completions/min_terminated_length", "completions/max_terminated_length", "entropy",
                "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min",
-               "clip_ratio/high_max", "rollout/logprob_gap")
+               "clip_ratio/high_max", "rollout/logprob_gap", "num_tokens")
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +98,9 @@ def test_a_run_logs_trls_metrics_and_its_sampler_agrees_with_the_training_forwar
         assert line["clip_ratio/region_mean"] == 0.0  # num_iterations 1: the ratio is exactly 1
         assert 1 <= line["completions/min_length"] <= line["completions/mean_length"] <= 6
         assert 0.0 <= line["rewards/no_e/mean"] <= 1.0
+    # num_tokens: prompts and completions of every generation so far (4 steps of 8 rows, prompts of 1-7 bytes)
+    counts = [line["num_tokens"] for line in lines]
+    assert 2 * 8 * 2 <= counts[0] < counts[1] <= 4 * 8 * (8 + 6) and counts[1] == int(counts[1])
     samples = [json.loads(line) for line in (whole_run / "samples.jsonl").read_text().splitlines()]
     assert [(s["step"], s["index"]) for s in samples] == [(step, i) for step in (2, 4) for i in range(4)]
     first = samples[0]

@@ -53,7 +53,7 @@ METRICS = ("loss", "reward", "reward_std", "rewards/vowels/mean", "rewards/vowel
            "completions/max_length", "completions/clipped_ratio", "completions/mean_terminated_length",
            "completions/min_terminated_length", "completions/max_terminated_length", "kl", "entropy",
            "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min",
-           "clip_ratio/high_max")
+           "clip_ratio/high_max", "num_tokens")
 LOSS_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
                 "clip_ratio/low_min", "clip_ratio/high_max")
 

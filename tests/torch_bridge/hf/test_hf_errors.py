@@ -1,6 +1,7 @@
 """Bad HF directories and exports: one clear CheckpointError line each, nothing written to the destination."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import transformers
 
 from functrain.errors import CheckpointError, ConfigError
 from torch_bridge.hf import hf_to_run_dir, read_params, save_pretrained
+from torch_bridge.hf.architectures import architectures
 
 
 @pytest.fixture(scope="module")
@@ -51,11 +53,19 @@ def test_missing_config(tmp_path):
     assert_one_line_error(tmp_path, tmp_path / "hf", r"config\.json not found")
 
 
-def test_unsupported_model_type_names_supported_ones(tmp_path, llama_dir):
+@pytest.mark.parametrize("model_type, nearest", [
+    ("bert", ""), ("llava", " (nearest supported: 'llama')"), ("gemma3", " (nearest supported: 'gemma3_text')"),
+    ("lama", " (nearest supported: 'llama')"), ("deepseek_v2", " (nearest supported: 'deepseek_v3')"),
+    ("olmo2", " (nearest supported: 'olmo3')"),
+])
+def test_unsupported_model_type_names_the_nearest_and_the_supported_ones(tmp_path, llama_dir, model_type, nearest):
     hf = broken_copy(llama_dir, tmp_path / "hf")
     config = json.loads((hf / "config.json").read_text())
-    (hf / "config.json").write_text(json.dumps({**config, "model_type": "bert"}))
-    assert_one_line_error(tmp_path, hf, r"model_type 'bert' is not supported; supported model types: deepseek_v3, gemma2, gemma3_text, gpt2, gpt_oss, llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe")
+    (hf / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
+    supported = ", ".join(architectures())
+    assert {"gpt2", "llama", "deepseek_v3"} <= set(supported.split(", "))
+    assert_one_line_error(tmp_path, hf, re.escape(f"model_type {model_type!r} is not supported{nearest}; "
+                                                  f"supported model types: {supported}"))
 
 
 def test_truncated_safetensors_header(tmp_path, llama_dir):

@@ -1,0 +1,47 @@
+"""The setup (`make train`, `make test` from a fresh clone) writes nothing outside .venv/ but pip's cache.
+
+The editable install is what wrote into the checkout (setuptools' egg_info, run by an isolated build, left a
+functrain.egg-info there): the Makefile's own options install a copy of the package here, dry, and the copy must stay
+as it was. The test session's files (temporary files, the caches and settings of the libraries the tests use) are
+under the session's folder, which tests/conftest.py removes at the end.
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from tests.conftest import REPO_ROOT, SESSION_DIR
+
+MAKEFILE = (REPO_ROOT / "Makefile").read_text()
+
+
+def _variable(name: str) -> str:
+    return re.search(rf"^{name} := (.*)$", MAKEFILE, re.M).group(1)
+
+
+def test_the_makefile_s_editable_install_writes_nothing_into_the_source_tree(tmp_path):
+    editable = _variable("EDITABLE").split()
+    for target in (r"\$\(VENV\)/\.core", r"\$\(VENV\)/\.dev"):  # both installs of the package use those options
+        recipe = re.search(rf"^{target}:.*\n((?:\t.*\n)*)", MAKEFILE, re.M).group(1)
+        assert re.search(r"\$\(INSTALL\) \$\(EDITABLE\) ", recipe), recipe
+    assert re.search(r'^\t\$\(INSTALL\) --upgrade pip "setuptools>=77"', MAKEFILE, re.M)  # the backend, first
+    source = tmp_path / "functrain-copy"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO_ROOT / name, source)
+    for package in ("functrain", "torch_bridge"):
+        shutil.copytree(REPO_ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
+    before = sorted(path.relative_to(source) for path in source.rglob("*"))
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--dry-run", "--no-deps", "--no-index",
+                    *editable, str(source)], check=True, capture_output=True, timeout=300)
+    assert sorted(path.relative_to(source) for path in source.rglob("*")) == before
+
+
+def test_the_session_keeps_its_files_in_its_own_folder():
+    for name in ("TMPDIR", "XDG_CACHE_HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME", "WANDB_CACHE_DIR"):
+        assert Path(os.environ[name]).is_relative_to(SESSION_DIR), name
+    assert Path(tempfile.gettempdir()).is_relative_to(SESSION_DIR)
