@@ -89,6 +89,7 @@ LONGEST_MODULES = (
     "parallel/test_pipeline.py",
     "models/test_deepseek_v3.py",
     "models/test_qwen3_next.py",
+    "torch_bridge/hf/test_hf_qwen3_next.py",
     "parallel/test_context_parallel.py",
     "run/test_multiprocess.py",
     "tasks/grpo/test_grpo_run.py",

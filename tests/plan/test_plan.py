@@ -175,13 +175,14 @@ def test_state_bytes_per_chip_are_parameters_times_bytes_over_fsdp_shards():
 def test_planned_flops_hold_the_model_flops_and_the_recompute_so_mfu_stays_below_one():
     # libtpu splits a matmul fed by an FSDP all-gather into a loop over the shards (a windowed einsum) whose body
     # cost_analysis counted once: Llama 3 8B on v5p:2x2x2 was planned at half its FLOPs and an MFU of 113%. This
-    # small Llama is big enough to be split so. Scanned with splash, and unrolled with XLA's attention.
+    # small Llama's 8 x 1024 tokens are enough for libtpu to split its matmuls so (into 16 loops of 2; at 8 x 512
+    # tokens it splits none, whatever the width). Scanned with splash, and unrolled with XLA's attention.
     result = run_python("""
         import json
         from functrain.config.load import load_config
         from functrain.report.mfu import train_flops_per_token
         from functrain.plan.planner import plan
-        small = ["model.vocab_size=1024", "model.hidden_size=512", "model.intermediate_size=1024",
+        small = ["model.vocab_size=1024", "model.hidden_size=256", "model.intermediate_size=512",
                  "model.num_attention_heads=4", "model.num_key_value_heads=4",
                  "data.seq_len=1024", "data.global_batch_size=8", "train.micro_batches=1", "model.remat=full"]
         plans = []

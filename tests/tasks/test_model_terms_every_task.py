@@ -52,7 +52,9 @@ def workspace(tmp_path_factory):
 
 def task_config(task, root):
     """The task's section and data for a tiny run (the model comes from the test)."""
-    text = {"data": {"name": "char_text", "seq_len": 12, "global_batch_size": 8}}
+    # No evaluation split: these runs check the train step's loss, metrics and state (an end-of-run evaluation of the
+    # bundled text at this sequence length is 486 batches).
+    text = {"data": {"name": "char_text", "seq_len": 12, "global_batch_size": 8, "eval_fraction": 0}}
     return {
         "causal_lm": {"task": "causal_lm", **text},
         "distill": {"task": "distill", **text, "distill": {"teacher": str(root / "teacher"), "alpha": 0.5}},
