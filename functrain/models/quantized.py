@@ -13,7 +13,7 @@ block is ``block_size`` consecutive input features of one output:
 Against bitsandbytes 0.50 (its CPU path; ``tests/models/test_quantized.py``): the NF4 codes and the absmax equal
 its ``quantize_4bit`` bit for bit, and so does the dequantized weight without double quantization. With it, the
 absmax codes differ in two ways, both bounded: bitsandbytes' CPU kernel finds a code with a table search that
-returns the lower of two neighbours for some values nearer the upper (7 of 8192 codes in the test; its CUDA kernel
+returns the lower of two neighbours for some values nearer the upper (a few per thousand codes; its CUDA kernel
 and its own reference kernel take the nearest, as we do), so a code is at most one step of the dynamic map off;
 and its offset is torch's float32 mean, ours XLA's (which multiplies by 1/n and may fuse the subtraction after
 it), so the offset and the blocks' scales may differ in their last bits.
