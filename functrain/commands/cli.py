@@ -75,7 +75,7 @@ def _configure_logging(debug: bool) -> None:
     except ImportError:
         pass
     if not debug:  # one line per error: no tracebacks from Orbax's background threads
-        from functrain.checkpoint.noise import silence_background_tracebacks
+        from functrain.report.noise import silence_background_tracebacks
 
         silence_background_tracebacks()
 

@@ -10,13 +10,12 @@ import argparse
 import datetime
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
-from functrain.checkpoint import layout
-from functrain.checkpoint.digest import params_digest
-from functrain.checkpoint.listing import CheckpointInfo, list_checkpoints, load_params
 from functrain.errors import CheckpointError
-from functrain.parallel.sharding import human_bytes
+
+if TYPE_CHECKING:
+    from functrain.checkpoint.listing import CheckpointInfo
 
 _TAIL_LINES = 5
 
@@ -36,6 +35,8 @@ def _metrics_text(metrics: Mapping[str, Any], prefix: str = "") -> str:
 
 
 def _row(info: CheckpointInfo) -> str:
+    from functrain.parallel.sharding import human_bytes
+
     when = (
         datetime.datetime.fromtimestamp(info.time, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
         if info.time
@@ -71,6 +72,12 @@ def inspect_report(
     ``step`` limits the table to that step and picks it for the digest (default: newest whole).
     Raises ``CheckpointError`` if ``run_dir`` holds no checkpoints, or ``step`` is not there / damaged.
     """
+    # Imported here, not with the module: the CLI's parser imports every command's module, and these bring JAX (a
+    # second of every command's start, the `--processes` launcher's among them).
+    from functrain.checkpoint import layout
+    from functrain.checkpoint.digest import params_digest
+    from functrain.checkpoint.listing import list_checkpoints, load_params
+
     ckpt_dir, _ = layout.locate(run_dir)
     infos = list_checkpoints(ckpt_dir, verify=verify)
     if step is not None:

@@ -16,7 +16,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from functrain.checkpoint import layout, list_checkpoints
 from functrain.errors import CheckpointError, ConfigError
 from functrain.guards.lock import RunLock
 
@@ -25,6 +24,8 @@ ABANDONED_CHECKPOINTS = "checkpoints.abandoned"
 
 def plan_rewind(run_dir: Path, step: int, skip_samples: int) -> tuple[int, list[int]]:
     """``(position to resume at, later checkpoint steps to set aside)``; raises before anything changes."""
+    from functrain.checkpoint import layout, list_checkpoints  # with JAX: not at the CLI's start (commands.inspect)
+
     if skip_samples < 0:
         raise ConfigError(f"--skip-samples {skip_samples} is negative; pass 0 or more samples to skip")
     ckpt_dir, _ = layout.locate(run_dir)
@@ -52,6 +53,8 @@ def plan_rewind(run_dir: Path, step: int, skip_samples: int) -> tuple[int, list[
 
 def set_aside_checkpoints(run_dir: Path, steps: list[int]) -> None:
     """Move the checkpoints of ``steps`` to ``RUN_DIR/checkpoints.abandoned/`` (a name taken gets a suffix)."""
+    from functrain.checkpoint import layout
+
     ckpt_dir, _ = layout.locate(run_dir)
     aside = run_dir / ABANDONED_CHECKPOINTS
     aside.mkdir(exist_ok=True)

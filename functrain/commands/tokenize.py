@@ -21,7 +21,6 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from functrain.data.token_store import DEFAULT_SHARD_TOKENS, StoreWriter
 from functrain.errors import DataError, FunctrainError
 from functrain.text.inputs import Batch, check_inputs, document_batches, texts_of
 from functrain.text.tokenizer import TextTokenizer, TokenizerSpec, tokenizer_spec
@@ -53,7 +52,7 @@ def tokenize_files(
     tokenizer: str | None = None,
     workers: int | None = None,
     field: str = "text",
-    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    shard_tokens: int | None = None,
     progress: bool | None = None,
 ) -> dict[str, Any]:
     """Tokenize ``inputs`` into a new store at ``out`` and return its manifest.
@@ -64,7 +63,7 @@ def tokenize_files(
       tokenizer: a ``tokenizer.json`` or transformers tokenizer directory; None: UTF-8 bytes.
       workers: encoding processes (None: the available cores; 1: encode in this process).
       field: the JSON field / column holding the text.
-      shard_tokens: tokens per shard file.
+      shard_tokens: tokens per shard file (None: the store's default, 2^30).
       progress: show a progress bar (None: when stderr is a terminal).
 
     Workers are forked: call it with ``workers > 1`` from a process that has not run JAX computations yet (as
@@ -76,6 +75,11 @@ def tokenize_files(
             f"the inputs ({', '.join(map(str, inputs))}) are empty: there is no text to tokenize and "
             f"nothing was written; give files that hold text"
         )
+    # Here, not with the module: functrain.data brings JAX, a second of every CLI command's start (the parser imports
+    # each command's module), and tokenizing needs none of it.
+    from functrain.data.token_store import DEFAULT_SHARD_TOKENS, StoreWriter
+
+    shard_tokens = shard_tokens or DEFAULT_SHARD_TOKENS
     spec = tokenizer_spec(tokenizer)
     text_tokenizer = TextTokenizer(spec)  # loads it here first: a bad file fails before anything is written
     workers = workers or available_cores()
@@ -122,9 +126,7 @@ def run(args: argparse.Namespace) -> int:
     for flag, value in (("--workers", args.workers), ("--shard-tokens", args.shard_tokens)):
         if value is not None and value < 1:
             raise FunctrainError(f"{flag} {value} must be at least 1")
-    manifest = tokenize_files(
-        args.inputs, args.out, args.tokenizer, args.workers, args.field, args.shard_tokens or DEFAULT_SHARD_TOKENS
-    )
+    manifest = tokenize_files(args.inputs, args.out, args.tokenizer, args.workers, args.field, args.shard_tokens)
     print(
         f"functrain: wrote {args.out}: {manifest['num_docs']} documents, {manifest['num_tokens']} tokens "
         f"({manifest['dtype']}, vocab {manifest['vocab_size']}, tokenizer {manifest['tokenizer']['name']})"

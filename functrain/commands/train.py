@@ -37,10 +37,12 @@ def run(args: argparse.Namespace) -> int:
 
         argv = without_flags(args.argv, ("--restarts", "--restart-delay"))
         return run_with_restarts(argv + ["--debug"] * args.debug, args.restarts, args.restart_delay)
+    if args.processes > 1:
+        from functrain.parallel import launcher
+
+        return launcher.launch_local(launcher.strip_processes_flag(args.argv), args.processes, args.port)
     from functrain.parallel import distributed
 
-    if args.processes > 1:
-        return distributed.launch_local(distributed.strip_processes_flag(args.argv), args.processes, args.port)
     distributed.initialize_from_env()
     from functrain.config.load import load_config
     from functrain.run.fit import fit

@@ -18,10 +18,11 @@ CPU process. :func:`pallas_interpreted` makes ``splash`` available anywhere, run
 
 Masks: always causal; with ``segment_ids`` [B, T] (packed sequences) a token also attends only to tokens of
 its own segment; with ``window`` only to the keys of its last ``window`` positions (sliding-window attention,
-Mistral, Qwen2, Phi-3, Gemma). Soft-capped scores (Gemma 2) and attention sinks (GPT-OSS: one learned logit per
-query head that joins every softmax and takes its share of the probability, attending to nothing) run in
-``splash``, which caps and sinks inside the kernel; the other kernels have no fused form and run the same maths
-written out (scores and softmax in float32).
+Mistral, Qwen2, Phi-3, Gemma); with ``chunk`` only to the keys of its own chunk of positions (Llama 4: a whole
+sequence's chunks become segments, which every kernel masks). Soft-capped scores (Gemma 2) and attention sinks
+(GPT-OSS: one learned logit per query head that joins every softmax and takes its share of the probability,
+attending to nothing) run in ``splash``, which caps and sinks inside the kernel; the other kernels have no fused
+form and run the same maths written out (scores and softmax in float32).
 Grouped-query heads (fewer key/value heads than query heads) are grouped under their shared key/value head by
 every kernel; keys and values are never repeated in memory. When decoding with a KV cache
 (:mod:`functrain.models.kv_cache`) the queries sit at given slots of a longer cache, so the mask is written
@@ -38,7 +39,7 @@ import jax.numpy as jnp
 from functrain.errors import ConfigError
 from functrain.models.context_attention import context_attention
 from functrain.models.kv_cache import causal_mask
-from functrain.models.masked_attention import masked_attention, segment_mask
+from functrain.models.masked_attention import chunk_segments, masked_attention, segment_mask
 from functrain.models.options import AttentionChoice
 from functrain.models.splash import interpreted as pallas_interpreted
 from functrain.models.splash import is_interpreted, splash_attention, splash_problem
@@ -128,6 +129,7 @@ def attend(
     window: int | None = None,
     softcap: float | None = None,
     sinks: Array | None = None,
+    chunk: int | None = None,
 ) -> Array:
     """Causal softmax attention.
 
@@ -142,11 +144,18 @@ def attend(
       softcap: scores become ``softcap * tanh(scores / softcap)`` before masking (Gemma 2).
       sinks: optional ``[H]`` logits, one per query head, each an extra column of that head's softmax whose
         probability is dropped (GPT-OSS's attention sinks): the weights of the real keys sum to less than one.
+      chunk: attend only to the keys of the query's own chunk of ``chunk`` positions (Llama 4's chunked attention:
+        a whole sequence's chunks counted from each segment's start, a cache's from its first slot).
 
     Returns ``[B, T, H, D]`` in the query's dtype.
     """
     if query_slots is not None and segment_ids is not None:
         raise ValueError("segment_ids are for whole sequences, not for decoding with a KV cache")
+    if chunk is not None and query_slots is None:
+        if context_ways() > 1:  # the families with chunks declare no context parallelism: this is not reached
+            raise ValueError("chunked attention does not split the sequence over mesh.context")
+        # A whole sequence's chunks are segments of their own: every kernel masks them.
+        segment_ids = chunk_segments(segment_ids, query.shape[0], query.shape[1], chunk)
     if query_slots is None and context_ways() > 1:
         return context_attention(
             query,
@@ -179,7 +188,8 @@ def attend(
         )
         if single:
             query, slots = jnp.concatenate([query, jnp.zeros_like(query)], axis=1), jnp.concatenate([slots, slots])
-        written = causal_mask(slots, key.shape[1], window)[None, None]
+        decoded_chunk = None if query_slots is None else chunk  # a whole sequence's chunks are its segments now
+        written = causal_mask(slots, key.shape[1], window, decoded_chunk)[None, None]
         if segment_ids is not None:
             written = written & segment_mask(segment_ids)
         attended = masked_attention(query, key, value, scale=scale, mask=written, softcap=softcap, sinks=sinks)

@@ -65,13 +65,16 @@ def cached(module: nn.Module, name: str, new: Array, positions: Array, axis: int
     return variable.value
 
 
-def causal_mask(positions: Array, kv_length: int, window: int | None = None) -> Array:
+def causal_mask(positions: Array, kv_length: int, window: int | None = None, chunk: int | None = None) -> Array:
     """``[T, S]``: query at ``positions[t]`` sees keys at positions ``<= positions[t]`` (a lower triangle when
-    the queries are the whole sequence; later cache slots, still empty, are masked when decoding), and with a
-    ``window`` only those ``> positions[t] - window`` (HF's sliding-window overlay)."""
+    the queries are the whole sequence; later cache slots, still empty, are masked when decoding), with a
+    ``window`` only those ``> positions[t] - window`` (HF's sliding-window overlay), and with a ``chunk`` only
+    those of its own chunk of ``chunk`` positions (HF's chunked overlay, Llama 4)."""
     keys = jnp.arange(kv_length, dtype=jnp.int32)[None, :]
     mask = positions[:, None] >= keys
-    return mask if window is None else mask & (keys > positions[:, None] - window)
+    if window is not None:
+        mask = mask & (keys > positions[:, None] - window)
+    return mask if chunk is None else mask & (keys // chunk == positions[:, None] // chunk)
 
 
 def zeros_like_shapes(shapes: Any) -> Any:

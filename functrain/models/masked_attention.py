@@ -15,6 +15,20 @@ def segment_mask(query_segments: Array, key_segments: Array | None = None) -> Ar
     return (query_segments[:, :, None] == keys[:, None, :])[:, None]
 
 
+def chunk_segments(segment_ids: Array | None, batch: int, length: int, chunk: int) -> Array:
+    """``[B, T]`` ids that split each segment (the whole row without ``segment_ids``) into chunks of ``chunk``
+    tokens counted from the segment's start, where packed documents restart their positions: attending within
+    these ids is chunked attention (Llama 4's ``attention_chunk_size``)."""
+    index = jnp.arange(length, dtype=jnp.int32)
+    if segment_ids is None:
+        return jnp.broadcast_to(index // chunk, (batch, length))
+    starts = jnp.concatenate(
+        [jnp.ones((batch, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1
+    )  # a segment's first token
+    segment_start = jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
+    return jnp.cumsum(starts | ((index - segment_start) % chunk == 0), axis=1, dtype=jnp.int32)
+
+
 def masked_attention(
     query: Array,
     key: Array,

@@ -362,7 +362,7 @@ def test_the_cli_silences_the_coroutines_a_failed_save_abandons_and_nothing_befo
     # Collected at exit, they warn "coroutine ... was never awaited" after the error's one line.
     proc = python_runner("""
         import gc, sys
-        from functrain.checkpoint.noise import silence_background_tracebacks
+        from functrain.report.noise import silence_background_tracebacks
         async def abandoned():
             pass
         abandoned(); gc.collect()

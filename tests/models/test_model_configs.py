@@ -54,13 +54,16 @@ SECTIONS: dict[str, dict[str, Any]] = {
     "olmo3": dict(LLAMA, sliding_window=8),
     "glm4_moe": dict(LLAMA, head_dim=24, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2,
                      first_k_dense_replace=2),
+    "llama4": dict(LLAMA, head_dim=16, intermediate_size=16, intermediate_size_mlp=40, num_local_experts=4,
+                   interleave_moe_layer_step=2, attention_chunk_size=8),
     "qwen3_5_text": HYBRID,
     "qwen3_5_moe_text": dict({key: value for key, value in HYBRID.items() if key != "intermediate_size"},
                              num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),  # experts on every layer
     "qwen3_next": dict(HYBRID, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=[1],
                        layer_types=["linear_attention", "full_attention"] * 2),
 }
-# A mixture of experts' MLP width and router outputs per token (every layer sparse in these configs but GLM's).
+# A mixture of experts' MLP width and router outputs per token (every layer sparse in these configs but GLM's and
+# Llama 4's).
 ACTIVE = {
     "mixtral": lambda c: (c.num_experts_per_tok * c.intermediate_size, c.num_local_experts),
     "qwen2_moe": lambda c: (c.num_experts_per_tok * c.moe_intermediate_size + c.shared_expert_intermediate_size,
@@ -71,6 +74,12 @@ ACTIVE = {
         round(((c.num_hidden_layers - c.first_k_dense_replace) * (c.num_experts_per_tok + c.n_shared_experts)
                * c.moe_intermediate_size + c.first_k_dense_replace * c.intermediate_size) / c.num_hidden_layers),
         round((c.num_hidden_layers - c.first_k_dense_replace) * c.n_routed_experts / c.num_hidden_layers)),
+    # Experts on every interleave_moe_layer_step-th layer (k routed and the shared one), the dense layers' own width.
+    "llama4": lambda c: (
+        round(((c.num_hidden_layers // c.interleave_moe_layer_step) * (c.num_experts_per_tok + 1) * c.intermediate_size
+               + (c.num_hidden_layers - c.num_hidden_layers // c.interleave_moe_layer_step) * c.intermediate_size_mlp)
+              / c.num_hidden_layers),
+        round((c.num_hidden_layers // c.interleave_moe_layer_step) * c.num_local_experts / c.num_hidden_layers)),
 }
 
 

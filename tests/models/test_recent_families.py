@@ -1,9 +1,11 @@
-"""SmolLM3, OLMo 3 and GLM-4.5 in functrain's own paths: a bf16 sharded HF directory converted, fine-tuned with LoRA
-through ``fit`` and exported (merged, and as a PEFT adapter) gives transformers the trained model's logits; cached
-greedy generation continues a prompt as transformers' ``generate`` does (past the sliding windows); scanned,
-rematerialised layers train as the unrolled ones (the repeating group scanned, the rest unrolled); and the
-configs transformers derives (SmolLM3's NoPE layers, OLMo 3's old rope layout, GLM-4.5's released keys) read as
-transformers reads them. Logits and round trips against transformers: tests/torch_bridge/hf/test_hf_families.py."""
+"""SmolLM3, OLMo 3, GLM-4.5 and Llama 4 in functrain's own paths: a bf16 sharded HF directory converted, fine-tuned
+with LoRA through ``fit`` and exported (merged, and as a PEFT adapter) gives transformers the trained model's logits;
+cached greedy generation continues a prompt as transformers' ``generate`` does (past the sliding windows and
+attention chunks); scanned, rematerialised layers train as the unrolled ones (the repeating group scanned, the rest
+unrolled); Llama 4's packed documents are chunked from their own starts and a cut run resumes bitwise; and the
+configs transformers derives (SmolLM3's NoPE layers, OLMo 3's old rope layout, GLM-4.5's released keys, Llama 4's
+layer lists) read as transformers reads them. Logits and round trips against transformers:
+tests/torch_bridge/hf/test_hf_families.py."""
 
 import json
 import logging
@@ -19,15 +21,19 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 import functrain
+from functrain.checkpoint import load_params
+from functrain.checkpoint.digest import params_digest
 from functrain.commands.cli import main
 from functrain.core.model_output import logits_of
 from functrain.models import build_model, model_config_class
 from functrain.models.glm4_moe import from_hf_config as glm4_moe_config
+from functrain.models.llama4 import from_hf_config as llama4_config
 from functrain.models.olmo3 import from_hf_config as olmo3_config
 from functrain.models.smollm3 import from_hf_config as smollm3_config
 from functrain.models.stacking import relayout_like, unstack_layers
 from functrain.text.decode import Generator, Sampling, load_language_model
 from tests.models.test_attention import random_params
+from tests.models.test_scan_layers import RUN, _halfway, _losses
 from tests.torch_bridge.hf.test_hf_convert import hf_logits
 from tests.torch_bridge.hf.test_hf_families import build_family_model
 from tests.torch_bridge.hf.test_hf_finetune import QUIET
@@ -35,7 +41,7 @@ from torch_bridge.hf import load_pretrained, read_params
 
 # Each family's case with every feature on (test_hf_families.CASES).
 CASES = {"smollm3": "smollm3_nope_windows_biases_yarn", "olmo3": "olmo3_rope_by_layer_type_biases",
-         "glm4_moe": "glm4_moe_groups_qk_norm_partial_yarn"}
+         "glm4_moe": "glm4_moe_groups_qk_norm_partial_yarn", "llama4": "llama4_chunks_nope_temperature_experts"}
 PROMPT = np.array([[5, 17, 42, 8, 3], [60, 2, 9, 33, 11]])
 
 
@@ -45,7 +51,12 @@ def highest_precision():
         yield
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
+# Fine-tuned with LoRA through fit: Llama 4's projections are the same Dense layers (its fit would cost the suite
+# most of its tests' time).
+FINETUNED = sorted(set(CASES) - {"llama4"})
+
+
+@pytest.fixture(scope="module", params=FINETUNED)
 def finetuned(request, tmp_path_factory):
     """(family, directory): a byte-vocabulary model saved by transformers in bf16 shards (``hf``), converted
     (``run``) and fine-tuned 2 steps with LoRA on q_proj and v_proj through ``fit``."""
@@ -93,7 +104,7 @@ def test_cached_greedy_generation_continues_as_transformers_does(converted, high
     hf_model, params, config = converted
     hf_model.generation_config.eos_token_id = None  # the full length, as functrain generates
     hf_model.generation_config.pad_token_id = 0
-    with torch.no_grad():  # 12 new tokens after 5: past every window of 4
+    with torch.no_grad():  # 12 new tokens after 5: past every window of 4 and chunk of 3
         expected = hf_model.generate(torch.tensor(PROMPT), max_new_tokens=12, do_sample=False)
     got = Generator(build_model(config))(params, PROMPT, Sampling(12))
     np.testing.assert_array_equal(got, expected.numpy()[:, PROMPT.shape[1] :])
@@ -102,13 +113,16 @@ def test_cached_greedy_generation_continues_as_transformers_does(converted, high
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, max_position_embeddings=64)
 # Layer patterns a scan groups: SmolLM3's NoPE every second layer, windowed (period 2: two groups and one layer
-# unrolled), OLMo 3's sliding/full alternation (likewise), GLM-4.5's dense first layer then its MoE stack.
+# unrolled), OLMo 3's sliding/full alternation (likewise), GLM-4.5's dense first layer then its MoE stack, Llama 4's
+# chunked dense RoPE layer and global NoPE layer with experts (two groups).
 SCANNED = {
     "smollm3": dict(TINY, num_hidden_layers=5, no_rope_layer_interval=2, use_sliding_window=True, sliding_window=3),
     "olmo3": dict(TINY, num_hidden_layers=5, sliding_window=3, sliding_rope_theta=100.0,
                   layer_types=["sliding_attention", "full_attention"] * 2 + ["sliding_attention"]),
     "glm4_moe": dict(TINY, num_hidden_layers=4, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
                      use_qk_norm=True, moe_dispatch="dense"),
+    "llama4": dict(TINY, num_hidden_layers=4, intermediate_size=16, intermediate_size_mlp=40, num_local_experts=4,
+                   no_rope_layer_interval=2, interleave_moe_layer_step=2, attention_chunk_size=3, floor_scale=2),
 }
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 10)), jnp.int32)
 
@@ -201,3 +215,44 @@ def test_glm4_moe_correction_biases_stay_out_of_the_optimizer():
               if not trainable]
     assert [jax.tree_util.keystr(path) for path in frozen] == [
         f"['moe_layers_{j}']['e_score_correction_bias']" for j in range(3)]
+
+
+def test_llama4_reads_its_layer_lists_as_transformers_does():
+    hf = dict(model_type="llama4_text", num_hidden_layers=6, no_rope_layers=[], interleave_moe_layer_step=3,
+              attention_chunk_size=16)
+    theirs = transformers.Llama4TextConfig(**hf)
+    ours = llama4_config(hf)
+    assert [int(ours.uses_rope(i)) for i in range(6)] == theirs.no_rope_layers == [1, 1, 1, 0, 1, 1]
+    assert [i for i in range(6) if ours.moe_layer(i)] == theirs.moe_layers == [2, 5]
+    assert list(ours.resolved_layer_types()) == theirs.layer_types
+    assert [ours.attention_chunk(i) for i in range(6)] == [16, 16, 16, None, 16, 16]
+    unchunked = llama4_config({**hf, "attention_chunk_size": None})
+    assert set(unchunked.resolved_layer_types()) == {"full_attention"}
+
+
+def test_llama4_packed_documents_are_chunked_from_their_own_starts(highest_precision):
+    config = model_config_class("llama4").model_validate({"name": "llama4", **SCANNED["llama4"]})
+    model = build_model(config)
+    rng = np.random.default_rng(3)
+    first, second = rng.integers(0, 64, (1, 5)), rng.integers(0, 64, (1, 7))  # the second starts inside a chunk
+    params = random_params(model, jnp.asarray(first))
+    apply = jax.jit(lambda tokens, **keywords: logits_of(model.apply({"params": params}, tokens, **keywords)))
+    packed = apply(jnp.asarray(np.concatenate([first, second], axis=1)), segment_ids=jnp.asarray([[1] * 5 + [2] * 7]),
+                   positions=jnp.asarray([list(range(5)) + list(range(7))]))  # fmt: skip
+    alone = apply(jnp.asarray(np.concatenate([np.pad(first, ((0, 0), (0, 2))), second])))  # causal: padding after
+    np.testing.assert_allclose(packed[0, :5], alone[0, :5], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(packed[0, 5:], alone[1], atol=1e-5, rtol=0)
+
+
+def test_llama4_chunked_attention_run_cut_resumes_bitwise(tmp_path, compilation_cache):
+    """A scanned run of a chunked RoPE layer and a global NoPE layer, both with experts (16 tokens in chunks of 6),
+    cut at its step-2 checkpoint and resumed, ends bit-identical (the compilation cache compiles its call once)."""
+    model = {"name": "llama4", **SCANNED["llama4"], "vocab_size": 256, "num_hidden_layers": 2,
+             "attention_chunk_size": 6, "interleave_moe_layer_step": 1, "scan_layers": True, "remat": "full"}
+    run = {**RUN, "model": model}
+    whole = tmp_path / "whole"
+    functrain.fit(run, **{"run.dir": str(whole)})
+    resumed = _halfway(whole, tmp_path / "resumed")
+    functrain.fit(run, **{"run.dir": str(resumed)})
+    assert params_digest(load_params(resumed, 4)) == params_digest(load_params(whole, 4))
+    assert _losses(resumed) == _losses(whole)

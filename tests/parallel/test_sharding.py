@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import run_python
-from functrain.parallel import distributed, sharding
+from functrain.parallel import distributed, launcher, sharding
 from functrain.errors import ConfigError
 
 
@@ -58,7 +58,7 @@ def test_rules_override_defaults_and_reject_unknown_mesh_axes():
 
 def test_launcher_flags_are_stripped():
     argv = ["train", "c.yaml", "--processes", "2", "x=1", "--port=1234", "--processes=3"]
-    assert distributed.strip_processes_flag(argv) == ["train", "c.yaml", "x=1"]
+    assert launcher.strip_processes_flag(argv) == ["train", "c.yaml", "x=1"]
 
 
 def test_launch_local_rejects_a_port_in_use():
@@ -67,7 +67,7 @@ def test_launch_local_rejects_a_port_in_use():
         busy.listen()
         port = busy.getsockname()[1]
         with pytest.raises(ConfigError) as err:
-            distributed.launch_local(["train", "c.yaml"], 2, port)
+            launcher.launch_local(["train", "c.yaml"], 2, port)
     assert f"port {port}" in str(err.value) and "\n" not in str(err.value)
 
 
@@ -77,20 +77,20 @@ def test_supervise_stops_the_others_when_one_fails(tmp_path):
     with open(log, "wb") as out:
         failing = subprocess.Popen([sys.executable, "-c", "print('boom'); raise SystemExit(1)"], stdout=out)
     start = time.monotonic()
-    assert distributed.supervise([sleeper, failing], [None, log]) == 1
+    assert launcher.supervise([sleeper, failing], [None, log]) == 1
     assert time.monotonic() - start < 30 and sleeper.poll() is not None
 
 
 def test_initialize_from_env_is_a_no_op_for_a_single_process(monkeypatch):
-    for name in (distributed.ENV_COORDINATOR, "SLURM_NTASKS", "TPU_WORKER_HOSTNAMES"):
+    for name in (launcher.ENV_COORDINATOR, "SLURM_NTASKS", "TPU_WORKER_HOSTNAMES"):
         monkeypatch.delenv(name, raising=False)
     assert distributed.initialize_from_env() is False
     assert distributed.is_primary()
 
 
 @pytest.mark.parametrize("env, expected", [
-    ({distributed.ENV_COORDINATOR: "10.0.0.1:1234", distributed.ENV_NUM_PROCESSES: "4",
-      distributed.ENV_PROCESS_ID: "3"}, ("10.0.0.1:1234", 4, 3)),
+    ({launcher.ENV_COORDINATOR: "10.0.0.1:1234", launcher.ENV_NUM_PROCESSES: "4",
+      launcher.ENV_PROCESS_ID: "3"}, ("10.0.0.1:1234", 4, 3)),
     ({"SLURM_NTASKS": "2"}, ()),
     ({"TPU_WORKER_HOSTNAMES": "host-0,host-1"}, ()),
 ])
@@ -99,7 +99,7 @@ def test_initialize_from_env_joins_the_job_it_finds(monkeypatch, env, expected):
     monkeypatch.setattr(distributed.jax.distributed, "initialize", lambda *args: calls.append(args))
     monkeypatch.setattr(distributed.jax.config, "update", lambda *args: calls.append(("config",) + args))
     monkeypatch.setattr(distributed, "_initialized", False)
-    for name in (distributed.ENV_COORDINATOR, "SLURM_NTASKS", "TPU_WORKER_HOSTNAMES"):
+    for name in (launcher.ENV_COORDINATOR, "SLURM_NTASKS", "TPU_WORKER_HOSTNAMES"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)

@@ -12,6 +12,8 @@ them, so reading and writing are the same table run in two directions:
   ``sizes``, each the transpose of one Flax kernel; a stack of them (E, rows, in) likewise per expert.
 - ``interleave``: the last axis alternates two leaves, the first at even indices (GPT-OSS's stacked
   ``experts.gate_up_proj`` [E, in, 2·out] and its bias: gate, up, gate, up, ...).
+- ``halves``: the last axis is two leaves one after the other (Llama 4's stacked ``experts.gate_up_proj``
+  [E, in, 2·out]: gate, then up).
 
 A rule with an ``index`` maps its HF tensor to entry ``index`` of the leading (expert) axis of its leaf: a
 mixture of experts' per-expert tensors (``experts.<e>.w1.weight``) fill one stacked leaf together, and every
@@ -25,13 +27,13 @@ from typing import Any, Callable, Literal
 
 import numpy as np
 
-from functrain.models import deepseek_v3, gemma2, gpt2, gpt_oss, llama, mixtral, phi3
+from functrain.models import deepseek_v3, gemma2, gpt2, gpt_oss, llama, llama4, mixtral, phi3
 from functrain.models.configs.glm4_moe import Glm4MoeConfig
 from functrain.models.configs.qwen_moe import QwenMoeOptions
 from functrain.models.qwen_moe import QwenMoeConfig
 
 Path = tuple[str, ...]
-Kind = Literal["copy", "transpose", "split3", "split_rows", "interleave"]
+Kind = Literal["copy", "transpose", "split3", "split_rows", "interleave", "halves"]
 
 
 def transpose_copy(array: np.ndarray) -> np.ndarray:
@@ -73,7 +75,7 @@ class Rule:
             if len(hf_shape) not in (2, 3) or hf_shape[-2] != sum(self.sizes):
                 return None
             return tuple(hf_shape[:-2] + (hf_shape[-1], rows) for rows in self.sizes)
-        if self.kind == "interleave":
+        if self.kind in ("interleave", "halves"):
             if not hf_shape or hf_shape[-1] % 2:
                 return None
             return (hf_shape[:-1] + (hf_shape[-1] // 2,),) * 2
@@ -87,7 +89,7 @@ class Rule:
             return shapes[0][:-1] + (3 * shapes[0][-1],)
         if self.kind == "split_rows":
             return shapes[0][:-2] + (sum(shape[-1] for shape in shapes), shapes[0][-2])
-        if self.kind == "interleave":
+        if self.kind in ("interleave", "halves"):
             return shapes[0][:-1] + (2 * shapes[0][-1],)
         return shapes[0]
 
@@ -101,6 +103,8 @@ class Rule:
             return tuple(transpose_copy(part) for part in np.split(array, np.cumsum(self.sizes)[:-1], axis=-2))
         if self.kind == "interleave":
             return np.ascontiguousarray(array[..., 0::2]), np.ascontiguousarray(array[..., 1::2])
+        if self.kind == "halves":
+            return tuple(np.ascontiguousarray(half) for half in np.split(array, 2, axis=-1))
         return (array,)
 
     def to_hf(self, leaves: tuple[np.ndarray, ...]) -> np.ndarray:
@@ -114,6 +118,8 @@ class Rule:
         if self.kind == "interleave":
             first, second = (np.asarray(leaf) for leaf in leaves)
             return np.stack([first, second], axis=-1).reshape(first.shape[:-1] + (2 * first.shape[-1],))
+        if self.kind == "halves":
+            return np.concatenate(leaves, axis=-1)
         return np.ascontiguousarray(leaves[0])
 
 
@@ -295,6 +301,26 @@ def _gpt_oss_rules(cfg: gpt_oss.GptOssConfig) -> list[Rule]:
     return _decoder_rules(cfg, moe)
 
 
+def _llama4_rules(cfg: llama4.Llama4TextConfig) -> list[Rule]:
+    """Llama's table with each layer's ``feed_forward``: on a layer with experts its ``router``, the stacked
+    ``experts.gate_up_proj`` [E, hidden, 2 x inter] (gate, then up) and ``experts.down_proj`` [E, inter, hidden] as
+    transformers stores them, and the ``shared_expert``; on the others Llama's MLP."""
+
+    def feed_forward(i: int, hf: str, layer: str) -> list[Rule]:
+        path = (layer, "mlp")
+        if not cfg.moe_layer(i):
+            return _dense_mlp(f"{hf}.feed_forward", path, bias=False)
+        experts, hf_experts = path + ("experts",), f"{hf}.feed_forward.experts"
+        return [
+            *_linear(f"{hf}.feed_forward.router", path + ("gate",), bias=False),
+            Rule(f"{hf_experts}.gate_up_proj", (experts + ("gate_proj",), experts + ("up_proj",)), "halves"),
+            Rule(f"{hf_experts}.down_proj", (experts + ("down_proj",),)),
+            *_dense_mlp(f"{hf}.feed_forward.shared_expert", path + ("shared_expert",), bias=False),
+        ]
+
+    return _decoder_rules(cfg, feed_forward)
+
+
 def qwen_moe_mlp(cfg: QwenMoeOptions, fused: bool = False) -> MlpRules:
     """The MLP rules of the Qwen MoEs (Qwen3-Next's and Qwen3.5's too): sparse layers ``mlp.gate`` and
     ``mlp.experts.<e>.{gate,up,down}_proj`` (or the fused ``mlp.experts.gate_up_proj`` / ``down_proj``), with a shared
@@ -463,6 +489,7 @@ LLAMA = TensorMapping(_llama_rules, _llama_ignorable)
 PHI3 = TensorMapping(_phi3_rules, _llama_ignorable)
 GEMMA2 = TensorMapping(_gemma2_rules, _gemma2_ignorable)
 GPT_OSS = TensorMapping(_gpt_oss_rules, _llama_ignorable)
+LLAMA4 = TensorMapping(_llama4_rules, _llama_ignorable)
 MIXTRAL = TensorMapping(_mixtral_rules, _llama_ignorable, fused_rules=_mixtral_fused_rules)
 QWEN_MOE = TensorMapping(_qwen_moe_rules, _llama_ignorable, fused_rules=functools.partial(_qwen_moe_rules, fused=True))
 DEEPSEEK_V3 = TensorMapping(

@@ -5,7 +5,8 @@ statistics. Mixtral, Qwen2-MoE and Qwen3-MoE are this decoder with their config 
 ``MoeForCausalLM(config, feed_forward)(input_ids[B, T], segment_ids=None, positions=None, token_mask=None)``:
 ``segment_ids`` / ``positions`` as in :mod:`functrain.models.llama`; ``token_mask`` [B, T] marks the real
 tokens whose routing the statistics count (the built-in losses pass it; None: every token). Attention is
-Llama's (:class:`functrain.models.llama.LlamaAttention`: the config switches biases, windows and QK-norm).
+Llama's (:class:`functrain.models.llama.LlamaAttention`: the config switches biases, windows and QK-norm) unless
+the family passes its own (Llama 4's).
 
 Under a ``context`` mesh axis the layers run on the sequence in load-balanced order
 (:mod:`functrain.parallel.context`), the token mask reordered with it: each device routes the tokens it holds, and
@@ -70,17 +71,19 @@ def moe_context_inputs(
 
 
 class MoeDecoderBlock(nn.Module):
-    """One pre-RMSNorm decoder layer: Llama's attention, then the family's feed-forward (``mlp``)."""
+    """One pre-RMSNorm decoder layer: the family's attention (Llama's by default), then its feed-forward
+    (``mlp``)."""
 
     config: Any
     dtype: Any
     layer: int
     feed_forward: FeedForward
+    attention: type[nn.Module] = LlamaAttention  # built as attention(config, dtype, layer)
 
     @nn.compact
     def __call__(self, x, segment_ids=None, positions=None, token_mask=None):
         eps = self.config.rms_norm_eps
-        x = x + LlamaAttention(self.config, self.dtype, self.layer, name="self_attn")(
+        x = x + self.attention(self.config, self.dtype, self.layer, name="self_attn")(
             RMSNorm(eps, self.dtype, name="input_layernorm")(x), segment_ids, positions
         )
         normed = RMSNorm(eps, self.dtype, name="post_attention_layernorm")(x)
@@ -98,6 +101,7 @@ class MoeForCausalLM(nn.Module):
     config: Any
     feed_forward: FeedForward
     dtype: Any = jnp.float32
+    attention: type[nn.Module] = LlamaAttention
 
     @nn.compact
     def __call__(
@@ -130,7 +134,7 @@ class MoeForCausalLM(nn.Module):
         x, stats = apply_layers(
             x,
             kinds=cfg.layer_kinds(),
-            make_block=lambda i, name: block(cfg, self.dtype, i, self.feed_forward, name=name),
+            make_block=lambda i, name: block(cfg, self.dtype, i, self.feed_forward, self.attention, name=name),
             prefix="layers_",
             scan=cfg.scan_layers,
             args=(segment_ids, positions, token_mask),
@@ -142,9 +146,11 @@ class MoeForCausalLM(nn.Module):
         return moe_output(logits, stats, balancing(cfg))
 
 
-def build_decoder(config: Any, feed_forward: FeedForward, dtype: Any = jnp.float32) -> MoeForCausalLM:
-    """The decoder for ``config`` computing in ``dtype``; a ConfigError if its attention kernel or remat policy
-    cannot run here."""
+def build_decoder(
+    config: Any, feed_forward: FeedForward, dtype: Any = jnp.float32, attention: type[nn.Module] = LlamaAttention
+) -> MoeForCausalLM:
+    """The decoder for ``config`` computing in ``dtype`` with the layers' ``attention`` (Llama's by default); a
+    ConfigError if its attention kernel or remat policy cannot run here."""
     attention_kernel(config.attention, dtype, config.attn_head_dim)
     check_remat(config.remat)
-    return MoeForCausalLM(config, feed_forward, dtype=dtype)
+    return MoeForCausalLM(config, feed_forward, dtype=dtype, attention=attention)

@@ -114,6 +114,7 @@ class MoeBlock(nn.Module):
     router_bias: bool = False
     shared_size: int | None = None  # the width of an always-on shared expert (None: none)
     shared_gate: bool = False  # the shared expert's output scaled by sigmoid(x @ shared_expert_gate)
+    scale_inputs: bool = False  # each chosen expert takes its token times its weight, its output unweighted (Llama 4)
     init_std: float = 0.02
     dtype: Any = jnp.float32
 
@@ -136,17 +137,25 @@ class MoeBlock(nn.Module):
             self.num_experts, self.hidden_size, self.intermediate_size, self.expert_bias, self.init_std, name="experts"
         )()
         real = jnp.ones((batch, length), jnp.float32) if token_mask is None else token_mask.astype(jnp.float32)
-        per_token = functools.partial(jnp.reshape, shape=(batch, length, -1))
-        out, dropped = run_experts(
-            x,
-            per_token(routing.weights),
-            per_token(routing.experts),
-            real,
-            experts,
-            self.glu,
-            self.dispatch,
-            self.capacity_factor,
+        run = functools.partial(
+            run_experts, w=experts, glu=self.glu, dispatch=self.dispatch, capacity_factor=self.capacity_factor
         )
+        weights, chosen = routing.weights, routing.experts
+        top_k = chosen.shape[1]
+        if self.scale_inputs:
+            # One row per (token, choice): the token scaled by the choice's weight, through that expert alone.
+            rows = x[:, :, None, :] * weights.reshape(batch, length, top_k, 1).astype(x.dtype)
+            per_row = functools.partial(jnp.reshape, shape=(batch, length * top_k, 1))
+            out, dropped = run(
+                rows.reshape(batch, length * top_k, hidden),
+                per_row(jnp.ones_like(weights)),
+                per_row(chosen),
+                jnp.repeat(real, top_k, axis=1),
+            )
+            out = jnp.sum(out.reshape(batch, length, top_k, -1), axis=2)
+        else:
+            per_token = functools.partial(jnp.reshape, shape=(batch, length, -1))
+            out, dropped = run(x, per_token(weights), per_token(chosen), real)
         if self.shared_size is not None:
             shared = SharedExpert(hidden, self.shared_size, self.glu, self.init_std, self.dtype, name="shared_expert")
             always = shared(x)
@@ -162,7 +171,6 @@ class MoeBlock(nn.Module):
                 always = jax.nn.sigmoid(gate(x)) * always
             out = out + always.astype(out.dtype)
         real = real.reshape(-1)
-        top_k = routing.experts.shape[1]
         stats = RouterStats(
             counts=jnp.bincount(
                 routing.experts.reshape(-1), weights=jnp.repeat(real, top_k), length=self.num_experts

@@ -33,3 +33,11 @@ def softmax_topk(logits: Array, top_k: int, normalize: bool) -> Routing:
     if normalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return Routing(weights, experts.astype(jnp.int32), probs)
+
+
+def sigmoid_topk(logits: Array, top_k: int) -> Routing:
+    """The ``top_k`` largest logits, each expert's weight the sigmoid of its logit (Llama 4's router); the balancing
+    loss's probabilities are the softmax of all the logits (transformers' ``load_balancing_loss_func``)."""
+    logits = logits.astype(jnp.float32)
+    top, experts = jax.lax.top_k(logits, top_k)
+    return Routing(jax.nn.sigmoid(top), experts.astype(jnp.int32), jax.nn.softmax(logits, axis=-1))

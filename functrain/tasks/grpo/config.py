@@ -25,7 +25,12 @@ class GRPOConfig(TaskSection):
     ``sequence``), plus ``beta`` times the k3 KL to the reference (0: no reference kept; multiplied by the ratio with
     ``use_bias_correction_kl``, TRL 1.16's default: the unbiased reverse-KL gradient), reduced as
     ``loss_type`` says (``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``); ``num_iterations`` updates per generation;
-    ``mask_truncated_completions`` drops completions that reached ``max_completion_length`` without an EOS."""
+    ``mask_truncated_completions`` drops completions that reached ``max_completion_length`` without an EOS.
+    Episodes (functrain's): ``environment_factory`` (``module:Class`` or ``file.py:Class``, TRL's name) makes one
+    environment per completion, whose ``reset`` and ``step`` answer the model's turns
+    (:mod:`functrain.tasks.grpo.episodes`) for at most ``max_turns`` turns of at most ``max_turn_length`` tokens
+    each (None: ``max_completion_length``), within ``max_completion_length`` tokens of model and environment
+    together (both keys are read only with an environment)."""
 
     num_generations: int = Field(8, ge=2)
     max_completion_length: int = Field(512, ge=1)
@@ -45,6 +50,9 @@ class GRPOConfig(TaskSection):
     reward_weights: list[float] | None = None
     format_pattern: str = r"^<think>.*?</think>\s*<answer>.*?</answer>$"
     share_prompt: bool = True  # functrain's: a group's prompt prefix runs once in the step (tasks/shared_prefix.py)
+    environment_factory: str | None = None
+    max_turns: int = Field(8, ge=1)
+    max_turn_length: int | None = Field(None, ge=1)
 
     @pydantic.field_validator("scale_rewards", mode="before")
     @classmethod
@@ -60,6 +68,20 @@ class GRPOConfig(TaskSection):
                 f"functions; give one weight per entry of grpo.reward_funcs"
             )
         return self
+
+    @pydantic.model_validator(mode="after")
+    def _turns_fit_an_episode(self) -> "GRPOConfig":
+        if (self.max_turn_length or 0) > self.max_completion_length:
+            raise ValueError(
+                f"grpo.max_turn_length={self.max_turn_length} exceeds grpo.max_completion_length="
+                f"{self.max_completion_length}, the tokens of a whole episode; lower it"
+            )
+        return self
+
+    @property
+    def turn_length(self) -> int:
+        """The most tokens of one turn of the model: ``max_turn_length``, or ``max_completion_length``."""
+        return self.max_turn_length or self.max_completion_length
 
     @property
     def upper_epsilon(self) -> float:

@@ -67,16 +67,26 @@ class Prompts:
         ids = self.ids[index]
         return decode_tokens(ids) if self.tokenizer is None else self.tokenizer.decode(ids.tolist())
 
+    def texts(self, completion_ids: list[np.ndarray]) -> list[str]:
+        """The text of each token sequence, without special tokens (EOS)."""
+        if self.tokenizer is None:
+            return [decode_tokens(ids[~np.isin(ids, self.eos_ids)]) for ids in completion_ids]
+        return list(self.tokenizer.batch_decode([ids.tolist() for ids in completion_ids], skip_special_tokens=True))
+
     def decode(self, completion_ids: list[np.ndarray]) -> list[Any]:
         """The completions as TRL hands them to a reward function: text without special tokens, or for
         conversational prompts ``[{"role": "assistant", "content": text}]``."""
-        if self.tokenizer is None:
-            texts = [decode_tokens(ids[~np.isin(ids, self.eos_ids)]) for ids in completion_ids]
-        else:
-            texts = self.tokenizer.batch_decode([ids.tolist() for ids in completion_ids], skip_special_tokens=True)
+        texts = self.texts(completion_ids)
         if self.conversational:
             return [[{"role": "assistant", "content": text}] for text in texts]
-        return list(texts)
+        return texts
+
+    def encode(self, text: str) -> np.ndarray:
+        """The token ids of ``text`` as it follows other tokens (an environment's): UTF-8 bytes, or the tokenizer's
+        ids without the special tokens it adds to a whole input."""
+        if self.tokenizer is None:
+            return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
+        return np.asarray(self.tokenizer(text=text, add_special_tokens=False)["input_ids"], np.int32)
 
 
 @dataclass(frozen=True)

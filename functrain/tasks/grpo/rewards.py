@@ -3,8 +3,9 @@
 A reward function is ``f(prompts, completions, completion_ids, **columns) -> list[float | None]``: ``prompts`` and
 ``completions`` as TRL passes them (strings, or message lists for conversational prompts), ``completion_ids`` the
 completions' token ids (lists of ints, EOS included), and every other column of the prompts file by name, one
-value per completion. ``None`` marks a completion the function does not score (it is left out of that function's
-mean; a completion no function scores gets advantage 0, as in TRL).
+value per completion (with an environment, also ``environments``: the completions' environments, TRL's keyword,
+and a completion is the whole episode's text). ``None`` marks a completion the function does not score (it is left
+out of that function's mean; a completion no function scores gets advantage 0, as in TRL).
 
 ``grpo.reward_funcs`` entries are ``module:function`` import paths, ``path/to/file.py:function`` (a file, relative to
 the working directory, loaded as a module), or the built-ins: ``accuracy`` (1 when the
@@ -33,6 +34,8 @@ from functrain.core.targets import import_target
 from functrain.errors import ConfigError, UserCodeError, definition_site, one_line, user_code_site
 from functrain.tasks.grpo.config import BUILTIN_REWARDS
 
+# The keyword that hands a reward function the episodes' environments (TRL's name), one per completion.
+ENVIRONMENTS = "environments"
 ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
@@ -87,14 +90,19 @@ def format_reward(pattern: str) -> Callable[..., list[float]]:
     return format
 
 
-def reward_functions(names: list[str], format_pattern: str, columns: set[str]) -> list[RewardFunction]:
+def reward_functions(
+    names: list[str], format_pattern: str, columns: set[str], environment: bool = False
+) -> list[RewardFunction]:
     """The functions ``grpo.reward_funcs`` names, each checked against the keywords it will be called with
-    (``prompts``, ``completions``, ``completion_ids`` and the prompts file's ``columns``)."""
-    if not names:
+    (``prompts``, ``completions``, ``completion_ids``, the prompts file's ``columns``, and ``environments`` with an
+    ``environment``, which then scores the episodes too: no function is needed)."""
+    if not names and not environment:
         raise ConfigError(
             f"task grpo needs at least one reward function; set grpo.reward_funcs to module:function names or "
-            f"the built-ins {', '.join(BUILTIN_REWARDS)}"
+            f"the built-ins {', '.join(BUILTIN_REWARDS)}, or grpo.environment_factory to an environment"
         )
+    if environment:
+        columns = columns | {ENVIRONMENTS}
     functions = []
     for name in names:
         if name == "accuracy":
@@ -106,10 +114,8 @@ def reward_functions(names: list[str], format_pattern: str, columns: set[str]) -
             function = accuracy
         elif name == "format":
             function = format_reward(format_pattern)
-        elif ".py:" in name:
-            function = _from_file(name)
         elif ":" in name:
-            function = import_target(name, "grpo.reward_funcs entry")
+            function = user_object(name, "grpo.reward_funcs entry")
         else:
             raise ConfigError(
                 f"grpo.reward_funcs entry {name!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}) nor a "
@@ -120,12 +126,18 @@ def reward_functions(names: list[str], format_pattern: str, columns: set[str]) -
     return functions
 
 
-def _from_file(name: str) -> Any:
-    """The function of a ``path/to/file.py:function`` entry (the file run as a module of its own name)."""
+def user_object(entry: str, setting: str) -> Any:
+    """The object a ``module:attribute`` or ``path/to/file.py:attribute`` entry of ``setting`` names; one that does
+    not import is a one-line ConfigError naming the entry."""
+    return _from_file(entry, setting) if ".py:" in entry else import_target(entry, setting)
+
+
+def _from_file(name: str, setting: str) -> Any:
+    """The object of a ``path/to/file.py:attribute`` entry (the file run as a module of its own name)."""
     path, _, attribute = name.rpartition(":")
     file = Path(path)
     if not file.is_file():
-        raise ConfigError(f"grpo.reward_funcs entry {name!r}: {path} is not a file; fix the path")
+        raise ConfigError(f"{setting} {name!r}: {path} is not a file; fix the path")
     spec = importlib.util.spec_from_file_location(file.stem, file)
     assert spec is not None and spec.loader is not None, "a .py file has a source loader"
     module = importlib.util.module_from_spec(spec)
@@ -133,9 +145,9 @@ def _from_file(name: str) -> Any:
         spec.loader.exec_module(module)
     except Exception as exc:  # noqa: BLE001 (user code: any failure is one line)
         detail = " ".join(f"{type(exc).__name__}: {exc}".split())
-        raise ConfigError(f"grpo.reward_funcs entry {name!r}: {path} does not run ({detail}); fix it") from None
+        raise ConfigError(f"{setting} {name!r}: {path} does not run ({detail}); fix it") from None
     if not hasattr(module, attribute):
-        raise ConfigError(f"grpo.reward_funcs entry {name!r}: {path} has no {attribute!r}; fix the name")
+        raise ConfigError(f"{setting} {name!r}: {path} has no {attribute!r}; fix the name")
     return getattr(module, attribute)
 
 

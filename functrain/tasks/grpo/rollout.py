@@ -39,14 +39,23 @@ from functrain.data.global_array import to_local
 from functrain.parallel.distributed import all_rows
 from functrain.tasks.grpo.advantages import group_advantages, reward_metrics
 from functrain.tasks.grpo.config import GRPOConfig
+from functrain.tasks.grpo.environment import EnvironmentFactory, make_environments
+from functrain.tasks.grpo.episodes import play
 from functrain.tasks.grpo.prompts import Prompts
-from functrain.tasks.grpo.rewards import RewardFunction, scores
+from functrain.tasks.grpo.rewards import ENVIRONMENTS, RewardFunction, scores
 from functrain.tasks.sampling import Sampler
 
 
-def host_metric_names(functions: list[RewardFunction]) -> tuple[str, ...]:
-    """The metrics the stage computes on the host, in the order of the batch's ``host_metrics`` columns."""
-    per_function = [f"rewards/{f.name}/{stat}" for f in functions for stat in ("mean", "std")]
+def reward_names(functions: list[RewardFunction], environment: EnvironmentFactory | None) -> list[str]:
+    """The names of the rewards' columns: the environment's first (its factory's name, TRL's), then the
+    functions'."""
+    return ([environment.name] if environment else []) + [f.name for f in functions]
+
+
+def host_metric_names(rewards: list[str], episodes: bool = False) -> tuple[str, ...]:
+    """The metrics the stage computes on the host, in the order of the batch's ``host_metrics`` columns: of the
+    ``rewards`` (:func:`reward_names`), the completions, and with an environment the ``episodes``' turns."""
+    per_function = [f"rewards/{name}/{stat}" for name in rewards for stat in ("mean", "std")]
     return (
         "reward",
         "reward_std",
@@ -59,19 +68,22 @@ def host_metric_names(functions: list[RewardFunction]) -> tuple[str, ...]:
         "completions/mean_terminated_length",
         "completions/min_terminated_length",
         "completions/max_terminated_length",
+        *(("turns/mean", "turns/min", "turns/max") if episodes else ()),
     )
 
 
 @dataclass(frozen=True)
 class Completions:
     """What a generation drew for ``R`` rows (each prompt ``num_generations`` times, consecutively): the rows'
-    prompt indices, the completions' token ids (EOS included, nothing after it), which ended without an EOS, and
-    the sampler's log-prob of each completion token."""
+    prompt indices, the completions' token ids (EOS included, nothing after it), which ended without an EOS (an
+    episode: that its environment did not end), the sampler's log-prob of each completion token (NaN on an
+    environment's), and an episode's 1 where the model drew the token (None: everywhere)."""
 
     prompt_index: np.ndarray
     ids: list[np.ndarray]
     truncated: np.ndarray
     sampler_logps: list[np.ndarray]
+    from_model: list[np.ndarray] | None = None
 
 
 def draw(
@@ -99,9 +111,9 @@ def draw(
 
 def training_rows(prompts: Prompts, completions: Completions, length: int) -> tuple[np.ndarray, ...]:
     """``(tokens, completion_mask, sampler_logps)``: ``[R, longest prompt + length]`` each row its prompt, its
-    completion and padding, 1 on its completion; ``[R, longest prompt + length - 1]`` the sampler's log-prob of
-    each drawn token where the position before it is (a training forward's layout: position ``t`` scores token
-    ``t + 1``), NaN elsewhere."""
+    completion and padding, 1 on the completion's tokens the model drew; ``[R, longest prompt + length - 1]`` the
+    sampler's log-prob of each drawn token where the position before it is (a training forward's layout: position
+    ``t`` scores token ``t + 1``), NaN elsewhere."""
     width = prompts.longest + length
     tokens = np.full((len(completions.ids), width), prompts.pad_id, np.int32)
     mask = np.zeros((len(completions.ids), width), np.int32)
@@ -112,7 +124,8 @@ def training_rows(prompts: Prompts, completions: Completions, length: int) -> tu
         prompt = prompts.ids[index]
         tokens[row, : len(prompt)] = prompt
         tokens[row, len(prompt) : len(prompt) + len(ids)] = ids
-        mask[row, len(prompt) : len(prompt) + len(ids)] = 1
+        drawn = 1 if completions.from_model is None else completions.from_model[row]
+        mask[row, len(prompt) : len(prompt) + len(ids)] = drawn
         sampler_logps[row, len(prompt) - 1 : len(prompt) - 1 + len(ids)] = logps
     return tokens, mask, sampler_logps
 
@@ -154,7 +167,8 @@ def sample_records(
 
 class Rollouts:
     """The experience stage (:class:`functrain.tasks.base.ExperienceStage`) of a GRPO run; ``samples``: the file
-    to append samples to and every how many steps (None: none written)."""
+    to append samples to and every how many steps (None: none written); ``environment``: the factory of the
+    environments that multi-turn episodes talk to (None: one completion per row)."""
 
     across_processes = True  # each process samples and scores its prompts; the batch's statistics gathered
 
@@ -165,12 +179,16 @@ class Rollouts:
         rewards: list[RewardFunction],
         section: GRPOConfig,
         samples: tuple[Path, int] | None = None,
+        environment: EnvironmentFactory | None = None,
     ) -> None:
         self.sampler, self.prompts, self.rewards, self.section = sampler, prompts, rewards, section
-        self.samples = samples
-        self.weights = np.asarray(section.reward_weights or [1.0] * len(rewards), np.float32)
-        self.metric_names = host_metric_names(rewards)
+        self.samples, self.environment = samples, environment
+        weights = [1.0] * bool(environment) + list(section.reward_weights or [1.0] * len(rewards))
+        self.weights = np.asarray(weights, np.float32)  # the environment's reward weighs 1 (TRL's)
+        self.reward_names = reward_names(rewards, environment)
+        self.metric_names = host_metric_names(self.reward_names, environment is not None)
         self._generation: tuple[int, dict[str, np.ndarray]] | None = None  # (generation index, its batch)
+        self._environments: list[Any] | None = None  # one per row of this process, made at the first generation
         self.num_tokens = 0  # prompt and completion tokens of the generations so far (TRL's num_tokens)
 
     def __call__(self, params: Any, batch: dict[str, Any], key: jax.Array, step: int) -> dict[str, np.ndarray]:
@@ -188,13 +206,36 @@ class Rollouts:
         functrain logged it, or by a save before any step ran)."""
         self.num_tokens = int(metric_value(meta, "train/num_tokens") or 0)
 
+    def completions_of(
+        self, params: Any, indices: np.ndarray, key: jax.Array, step: int
+    ) -> tuple[Completions, dict[str, list[Any]], np.ndarray | None]:
+        """``(completions, reward keywords, the episodes' [rewards, turns] or None)`` of this process's prompts
+        ``indices``: one completion each (:func:`draw`), or with an environment an episode each
+        (:func:`functrain.tasks.grpo.episodes.play`); the reward functions' keywords are the rows' columns, and
+        with an environment ``environments``."""
+        section, prompts = self.section, self.prompts
+        if self.environment is None:
+            completions = draw(
+                self.sampler, params, prompts, indices, key, section.num_generations, section.max_completion_length
+            )
+            return completions, prompts.columns(completions.prompt_index), None
+        if self._environments is None:
+            self._environments = make_environments(self.environment, len(indices) * section.num_generations, step)
+        environments = self._environments
+        episodes = play(self.sampler, params, prompts, indices, key, section, self.environment, environments, step)
+        completions = Completions(
+            episodes.prompt_index, episodes.ids, ~episodes.ended, episodes.sampler_logps, episodes.from_model
+        )
+        keywords = {**prompts.columns(completions.prompt_index), ENVIRONMENTS: environments}
+        return completions, keywords, np.column_stack([episodes.rewards, episodes.turns]).astype(np.float32)
+
     def generate(self, params: Any, indices: np.ndarray, key: jax.Array, step: int) -> dict[str, np.ndarray]:
         """The training batch of this process's prompts ``indices`` (the loader's slice): sampled (every process
         its own rows, on the devices that train them), scored on this process, laid out for the loss; advantages,
         normalisers and metrics from the whole batch's rewards and lengths; its tokens added to ``num_tokens``."""
         section, prompts = self.section, self.prompts
         length = section.max_completion_length
-        completions = draw(self.sampler, params, prompts, indices, key, section.num_generations, length)
+        completions, keywords, episodes = self.completions_of(params, indices, key, step)
         tokens, mask, sampler_logps = training_rows(prompts, completions, length)
         # The old policy's log-probs, dispatched: the forward runs while the host decodes and scores.
         old_logps = self.sampler.forward(params, tokens) if section.num_iterations > 1 else None
@@ -204,20 +245,21 @@ class Rollouts:
             [prompts.rows[index]["prompt"] for index in completions.prompt_index],
             texts,
             [ids.tolist() for ids in completions.ids],
-            prompts.columns(completions.prompt_index),
+            keywords,
             step,
         )
+        if episodes is not None:  # the environment's reward comes first
+            table = np.column_stack([episodes[:, 0], table]).astype(np.float32)
         if section.mask_truncated_completions:
             mask = mask * ~completions.truncated[:, None]
-        # The whole batch's rewards, lengths, truncations and completion tokens, in one all-gather of float32 columns
-        # (exact: the rewards are float32, the counts small): a group's completions are on one process, a batch's
-        # std and the metrics are not.
+        # The whole batch's rewards, lengths, truncations, completion tokens, prompt lengths (and episodes' turns),
+        # in one all-gather of float32 columns (exact: the rewards are float32, the counts small): a group's
+        # completions are on one process, a batch's std and the metrics are not.
         lengths = [len(ids) for ids in completions.ids]
         prompt_lengths = [len(prompts.ids[index]) for index in completions.prompt_index]
-        local = np.column_stack([table, lengths, completions.truncated, mask[:, 1:].sum(1), prompt_lengths]).astype(
-            np.float32
-        )
-        whole = all_rows(local)
+        turns = [] if episodes is None else [episodes[:, 1]]
+        columns = [table, lengths, completions.truncated, mask[:, 1:].sum(1), prompt_lengths, *turns]
+        whole = all_rows(np.column_stack(columns).astype(np.float32))
         functions = table.shape[1]
         whole_table, whole_lengths = whole[:, :functions], whole[:, functions]
         whole_truncated, whole_tokens = whole[:, functions + 1], whole[:, functions + 2]
@@ -228,24 +270,12 @@ class Rollouts:
         rows = len(completions.ids)
         own = slice(jax.process_index() * rows, (jax.process_index() + 1) * rows)
         if self.samples is not None and (step + 1) % self.samples[1] == 0 and jax.process_index() == 0:
-            names = [f.name for f in self.rewards]
-            records = sample_records(
-                step + 1,
-                prompts,
-                completions,
-                texts,
-                table,
-                names,
-                self.weights,
-                advantages[own],
-                section.num_generations,
-            )
-            with open(self.samples[0], "a") as file:
-                file.writelines(json.dumps(record) + "\n" for record in records)
+            self.write_samples(step, completions, texts, table, advantages[own])
         metrics = {
-            **reward_metrics(whole_table, self.weights, [f.name for f in self.rewards]),
+            **reward_metrics(whole_table, self.weights, self.reward_names),
             "frac_reward_zero_std": float(is_std_zero.mean()),
             **length_metrics(whole_lengths, whole_truncated),
+            **(turn_metrics(whole[:, functions + 4]) if episodes is not None else {}),
         }
         training = {
             "tokens": tokens,
@@ -259,6 +289,25 @@ class Rollouts:
         if old_logps is not None:
             training["old_logps"] = np.asarray(to_local(old_logps), np.float32)
         return training
+
+    def write_samples(
+        self, step: int, completions: Completions, texts: list[Any], table: np.ndarray, advantages: np.ndarray
+    ) -> None:
+        """Append the first prompt's completions of the step of index ``step`` to the samples file."""
+        assert self.samples is not None
+        records = sample_records(
+            step + 1,
+            self.prompts,
+            completions,
+            texts,
+            table,
+            self.reward_names,
+            self.weights,
+            advantages,
+            self.section.num_generations,
+        )
+        with open(self.samples[0], "a") as file:
+            file.writelines(json.dumps(record) + "\n" for record in records)
 
 
 def length_metrics(lengths: np.ndarray, truncated: np.ndarray) -> dict[str, float]:
@@ -276,6 +325,11 @@ def length_metrics(lengths: np.ndarray, truncated: np.ndarray) -> dict[str, floa
         "completions/min_terminated_length": float(terminated.min()),
         "completions/max_terminated_length": float(terminated.max()),
     }
+
+
+def turn_metrics(turns: np.ndarray) -> dict[str, float]:
+    """The model's turns per episode: their mean, least and most."""
+    return {"turns/mean": float(turns.mean()), "turns/min": float(turns.min()), "turns/max": float(turns.max())}
 
 
 def example_batch(prompts: Prompts, section: GRPOConfig, rows: int, metrics: int) -> dict[str, np.ndarray]:

@@ -15,6 +15,7 @@ from functrain.models import family_names, family_of
 from functrain.tasks.base import ExperienceStage, Task, TaskContext, TaskData
 from functrain.tasks.chunked_logits import chunked_pieces
 from functrain.tasks.grpo.config import GRPOConfig
+from functrain.tasks.grpo.environment import EnvironmentFactory, environment_factory
 from functrain.tasks.grpo.loss import LossSettings, grpo_program
 from functrain.tasks.grpo.prompts import PROMPT, Prompts, PromptSource, read_prompts
 from functrain.tasks.grpo.rewards import RewardFunction, reward_functions
@@ -99,19 +100,33 @@ class GRPO(Task):
         return read_prompts(data.path, tokenizer)
 
     def rewards(self, context: TaskContext, prompts: Prompts) -> list[RewardFunction]:
-        """The reward functions of ``grpo.reward_funcs``, checked against the prompts' columns."""
+        """The reward functions of ``grpo.reward_funcs``, checked against the prompts' columns (and the
+        ``environments`` keyword with an environment)."""
         section = context.config.section(self.name)
         columns = {name for row in prompts.rows for name in row if name != PROMPT}
-        return reward_functions(section.reward_funcs, section.format_pattern, columns)
+        environment = section.environment_factory is not None
+        return reward_functions(section.reward_funcs, section.format_pattern, columns, environment)
+
+    def environment(self, context: TaskContext) -> EnvironmentFactory | None:
+        """The factory of ``grpo.environment_factory`` (None: single-turn completions), checked."""
+        entry = context.config.section(self.name).environment_factory
+        return None if entry is None else environment_factory(entry)
+
+    def host_metric_names(self, context: TaskContext, prompts: Prompts) -> tuple[str, ...]:
+        """The metrics the experience stage computes on the host (:func:`.rollout.host_metric_names`)."""
+        from functrain.tasks.grpo.rollout import host_metric_names, reward_names
+
+        environment = self.environment(context)
+        return host_metric_names(reward_names(self.rewards(context, prompts), environment), environment is not None)
 
     def data(self, context: TaskContext) -> TaskData:
         """The prompts' indices as the loader's records (a step reads ``global_batch_size / num_generations``);
         the step is built for the training batch the experience stage makes of them."""
-        from functrain.tasks.grpo.rollout import example_batch, host_metric_names
+        from functrain.tasks.grpo.rollout import example_batch
 
         config, section = context.config, context.config.section(self.name)
         prompts = self.prompts(context)
-        rewards = self.rewards(context, prompts)
+        metrics = len(self.host_metric_names(context, prompts))  # checks the reward functions and the environment
         self.check_positions(config, section, prompts)
         per_step = config.data.global_batch_size // section.num_generations
         if len(prompts.rows) < per_step:
@@ -119,7 +134,6 @@ class GRPO(Task):
                 f"{prompts.path} holds {len(prompts.rows)} prompts and a step reads {per_step} "
                 f"(data.global_batch_size / grpo.num_generations); add prompts or lower data.global_batch_size"
             )
-        metrics = len(host_metric_names(rewards))
         return TaskData(
             train=PromptSource(prompts),
             eval=None,
@@ -130,7 +144,8 @@ class GRPO(Task):
     @staticmethod
     def check_positions(config: Any, section: GRPOConfig, prompts: Prompts) -> None:
         """The longest prompt and its completion, but the last token (never fed back), must fit in the model's
-        positions."""
+        positions; with an environment, a whole turn after the longest context a turn starts from (the longest
+        prompt and ``max_completion_length - 1`` tokens: the sampler runs every turn at that shape)."""
         limit = config.model.max_positions()
         needed = prompts.longest + section.max_completion_length - 1
         if limit is not None and needed > limit:
@@ -139,6 +154,14 @@ class GRPO(Task):
                 f"grpo.max_completion_length={section.max_completion_length} tokens need {needed} positions (the "
                 f"last token is never fed back) and the model has {limit}; lower grpo.max_completion_length, "
                 f"shorten the prompts or use a longer context"
+            )
+        needed += section.turn_length - 1
+        if section.environment_factory is not None and limit is not None and needed > limit:
+            raise ConfigError(
+                f"a turn of grpo.max_turn_length={section.turn_length} tokens after the longest prompt of "
+                f"{prompts.path} ({prompts.longest} tokens) and grpo.max_completion_length="
+                f"{section.max_completion_length} - 1 tokens of its episode needs {needed} positions and the model "
+                f"has {limit}; lower grpo.max_turn_length or grpo.max_completion_length, or use a longer context"
             )
 
     def model_inputs(self, context: TaskContext, data: TaskData, example_batch: dict[str, np.ndarray]) -> Any:
@@ -150,13 +173,11 @@ class GRPO(Task):
     ) -> Program:
         """TRL's GRPO loss on the model's pieces (its log-probs over chunks of positions where the logits would be
         large, ``train.logits_chunk``), with the host metrics the stage computes."""
-        from functrain.tasks.grpo.rollout import host_metric_names
-
         section = context.config.section(self.name)
-        rewards = self.rewards(context, prompts_of(data))
+        metrics = self.host_metric_names(context, prompts_of(data))
         chunked = chunked_pieces(pieces, context.config.train.logits_chunk)
         shared = shared_prefix_forward(context.config, section, pieces, prompts_of(data), example_batch)
-        return grpo_program(chunked, loss_settings(section), host_metric_names(rewards), shared)
+        return grpo_program(chunked, loss_settings(section), metrics, shared)
 
     def experience(self, context: TaskContext, data: TaskData, pieces: ModelPieces) -> ExperienceStage:
         """The rollouts: G completions per prompt with the current weights, scored on the host."""
@@ -165,11 +186,12 @@ class GRPO(Task):
 
         config, section = context.config, context.config.section(self.name)
         prompts = prompts_of(data)
+        environment = self.environment(context)
         sampler = Sampler(
             config.model,
             chunked_pieces(pieces, config.train.logits_chunk),  # its forward scores as the step's
             config.train.compute_dtype,
-            max_new_tokens=section.max_completion_length,
+            max_new_tokens=section.max_completion_length if environment is None else section.turn_length,
             temperature=section.temperature,
             top_k=section.top_k or None,  # TRL: 0 keeps every token
             top_p=section.top_p if section.top_p < 1.0 else None,
@@ -178,7 +200,7 @@ class GRPO(Task):
         )
         every = config.log.every_steps
         samples = (context.run_dir / SAMPLES_FILE, every) if every else None
-        return Rollouts(sampler, prompts, self.rewards(context, prompts), section, samples)
+        return Rollouts(sampler, prompts, self.rewards(context, prompts), section, samples, environment)
 
 
 def shared_prefix_forward(

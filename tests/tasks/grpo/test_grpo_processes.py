@@ -1,28 +1,38 @@
 """A GRPO job of two processes (``functrain train --processes 2``, gloo collectives) computes what one process with
 two devices computes: each process samples, scores and trains the completions of its own prompts (the loader's
 slice) on its own device, and the batch's advantages, normalisers and metrics come from every process's rewards.
-So the completions, the metrics and the final weights are equal bit for bit, and only process 0 writes."""
+So the completions, the metrics and the final weights are equal bit for bit, and only process 0 writes. Also with
+multi-turn episodes, where every process samples a turn while any process has an episode open."""
 
 import json
+
+import pytest
 
 from tests.run.test_multiprocess import _cli
 from functrain.checkpoint import load_params, params_digest
 
-# The bundled example's prompts and rewards (and its reference) on a smaller GPT from random weights: two steps of
-# one prompt per process.
-OVERRIDES = ["train.init_from=null", "model.n_layers=1", "model.d_model=64", "model.d_ff=128", "train.max_steps=2",
-             "data.global_batch_size=16", "grpo.max_completion_length=8",
-             "checkpoint.every_steps=0", "log.plot=false", "log.tensorboard=false", "log.progress=false"]
+COMMON = ["train.max_steps=2", "log.every_steps=1", "checkpoint.every_steps=0", "log.plot=false", "log.tensorboard=false",
+          "log.progress=false"]
+RUNS = {
+    # The bundled example's prompts and rewards (and its reference) on a smaller GPT from random weights: two steps of
+    # one prompt per process.
+    "single_turn": ["configs/grpo_char_gpt.yaml", "train.init_from=null", "model.n_layers=1", "model.d_model=64",
+                    "model.d_ff=128", "data.global_batch_size=16", "grpo.max_completion_length=8"],
+    # The guessing game's episodes (examples/guess_digit_env.py): one game per process, up to four turns.
+    "episodes": ["configs/grpo_guess_digit.yaml", "model.n_layers=1", "data.global_batch_size=16"],
+}
 
 
 def _lines(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_two_processes_sample_score_and_train_as_one_process_with_two_devices(tmp_path):
+@pytest.mark.parametrize("run", list(RUNS))
+def test_two_processes_sample_score_and_train_as_one_process_with_two_devices(tmp_path, run):
+    config, *overrides = RUNS[run]
     two, one = tmp_path / "two_processes", tmp_path / "one_process"
-    procs = [_cli(["train", "configs/grpo_char_gpt.yaml", f"run.dir={two}", *OVERRIDES, "--processes", "2"]),
-             _cli(["train", "configs/grpo_char_gpt.yaml", f"run.dir={one}", *OVERRIDES], devices=2)]
+    procs = [_cli(["train", config, f"run.dir={two}", *overrides, *COMMON, "--processes", "2"]),
+             _cli(["train", config, f"run.dir={one}", *overrides, *COMMON], devices=2)]
     for proc in procs:
         output, _ = proc.communicate(timeout=300)
         assert proc.returncode == 0, output

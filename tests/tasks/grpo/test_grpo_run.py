@@ -5,6 +5,7 @@ import json
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -42,6 +43,27 @@ def strings(completions, **columns):
 
 def no_list(completions, **columns):
     return None
+
+class Tally:
+    """Opens with ":", answers a turn with ","; pays 1 for a turn without an e, ends after a turn with an x."""
+    def reset(self, prompt, answer, **columns):
+        self.turns = 0
+        return ":"
+
+    def step(self, completion):
+        self.turns += 1
+        return ",", float("e" not in completion), "x" in completion
+
+def turns(completions, environments, **columns):
+    return [environment.turns / 3 for environment in environments]
+
+class Broken(Tally):
+    def step(self, completion):
+        raise RuntimeError("the tool is down")
+
+class NoStep:
+    def reset(self, prompt, **columns):
+        return None
 '''
 LLAMA = {"name": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 16, "lora": {"rank": 4}}
@@ -156,6 +178,63 @@ def test_a_cut_run_resumes_bitwise_with_two_updates_per_generation_and_lora_as_t
     assert 0.0 <= last["rollout/logprob_gap"] <= 1e-6  # the old policy's forward against the sampler (LoRA merged)
 
 
+EPISODES = {"grpo.environment_factory": "grpo_test_rewards:Tally", "grpo.max_turns": 3, "grpo.max_turn_length": 2,
+            "grpo.max_completion_length": 8, "grpo.reward_funcs": ["grpo_test_rewards:no_e", "grpo_test_rewards:turns"]}
+
+
+@pytest.fixture(scope="module")
+def episodes_run(workspace):
+    """Four steps of episodes with an environment (turns of 2 tokens, answers of 1), uninterrupted; and the training
+    batches the stage made."""
+    from functrain.tasks.grpo.rollout import Rollouts
+    batches = []
+    generate = Rollouts.generate
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Rollouts, "generate", lambda self, *args: batches.append(generate(self, *args)) or batches[-1])
+        fit({}, **config(workspace, workspace / "episodes", **EPISODES))
+    return workspace / "episodes", batches
+
+
+def test_episodes_train_on_the_models_turns_only_and_log_their_rewards_and_turns(episodes_run):
+    run_dir, batches = episodes_run
+    lines = train_lines(run_dir)
+    for line in lines:
+        assert {"rewards/Tally/mean", "rewards/no_e/mean", "rewards/turns/mean", "turns/mean", "turns/max"} <= set(line)
+        assert 1 <= line["turns/min"] <= line["turns/mean"] <= line["turns/max"] <= 3
+        assert 0.0 <= line["rollout/logprob_gap"] <= 1e-6  # the model's tokens: the sampler's are the step's
+    # Each row: its prompt, the environment's opening ":", then turns of the model (1 or 2 tokens, trained on), each
+    # but the last followed by the environment's "," (masked out); a sampler log-prob on the model's tokens only.
+    for batch in batches:
+        for tokens, mask, drawn in zip(batch["tokens"], batch["completion_mask"], batch["sampler_logps"]):
+            opened = int(np.flatnonzero(tokens == ord(":"))[0])  # no prompt holds a ":"
+            last = int(np.flatnonzero(mask)[-1])
+            answers = [position for position in range(opened + 1, last) if mask[position] == 0]
+            assert mask[opened] == 0 and all(tokens[position] == ord(",") for position in answers)
+            assert max(np.diff([opened, *answers, last + 1])) <= 3 and len(answers) <= 2  # turns of 2, at most 3
+            assert (np.isnan(drawn) == (mask[1:] == 0)).all()
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert all(sample["text"].startswith(":") and "Tally" in sample["rewards"] for sample in samples)
+
+
+def test_a_cut_run_of_episodes_resumes_bitwise(workspace, episodes_run, tmp_path):
+    fit({}, **config(workspace, tmp_path / "cut", **EPISODES, **{"train.max_steps": 2}))
+    fit({}, **config(workspace, tmp_path / "cut", **EPISODES))
+    _same_training(tmp_path / "cut", episodes_run[0])
+
+
+def test_an_environment_that_raises_stops_the_run_in_one_line(workspace, episodes_run, tmp_path, capsys):
+    path = tmp_path / "config.yaml"
+    path.write_text("{}")
+    settings = config(workspace, tmp_path / "run", **{**EPISODES, "grpo.environment_factory": "grpo_test_rewards:Broken"})
+    assert main(["train", str(path), *[f"{key}={json.dumps(value)}" for key, value in settings.items()]]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"functrain: error: at step 1, the environment Broken ({workspace / 'grpo_test_rewards.py'}"
+                              f":41) raised RuntimeError: the tool is down in step at turn 1 of prompt ")
+    assert err[-1].endswith("of prompts.jsonl (counted from 0); no checkpoint yet: fix it and run the same command "
+                            "again (the run starts over)")
+    assert not committed_steps(tmp_path / "run" / CHECKPOINTS_SUBDIR)
+
+
 def test_a_failing_reward_function_stops_the_run_in_one_line_and_the_checkpoint_stays_whole(
         workspace, tmp_path, capsys, monkeypatch):
     run_dir = tmp_path / "run"
@@ -229,6 +308,16 @@ ONE_WEIGHT = {"grpo.reward_weights": None}  # one function: the weights of two d
      "task grpo samples completions from a built-in causal LM"),
     ({"train.steps_per_call": 2, "grpo.num_iterations": 4, "log.every_steps": 4, "checkpoint.every_steps": 4},
      "train.steps_per_call=2 is not a multiple of grpo.num_iterations=4"),
+    ({"grpo.environment_factory": "grpo_test_rewards:Missing"},
+     "grpo.environment_factory='grpo_test_rewards:Missing' does not resolve"),
+    ({"grpo.environment_factory": "no_envs.py:Game"},
+     "grpo.environment_factory 'no_envs.py:Game': no_envs.py is not a file; fix the path"),
+    ({"grpo.environment_factory": "grpo_test_rewards:NoStep"}, "the class NoStep has no step method"),
+    ({"grpo.environment_factory": "grpo_test_rewards:Tally", "grpo.max_turn_length": 7},
+     "grpo.max_turn_length=7 exceeds grpo.max_completion_length=6"),
+    ({"grpo.environment_factory": "grpo_test_rewards:Tally", "grpo.max_turn_length": 6},
+     "a turn of grpo.max_turn_length=6 tokens after the longest prompt of prompts.jsonl (7 tokens) and "
+     "grpo.max_completion_length=6 - 1 tokens of its episode needs 17 positions and the model has 16"),
 ])
 def test_bad_input_is_one_line_exit_2_and_nothing_is_written(workspace, tmp_path, capsys, overrides, expected):
     run_dir = tmp_path / "run"

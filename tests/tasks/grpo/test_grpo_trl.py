@@ -3,7 +3,8 @@ functions and weights, the same advantages, loss and metrics within 1e-5.
 
 Two levels: every combination of loss_type x importance_sampling_level x beta 0 / > 0 x num_iterations 1 / 2
 through the loss alone (TRL's ``_compute_loss`` and ours on the same tokens, old and reference log-probs), and whole
-two-step runs (prompts, rewards, advantages, the forward, the optimizer's first update) for a few of them."""
+two-step runs (prompts, rewards, advantages, the forward, the optimizer's first update) for a few of them. And the
+same converted HF model trained with LoRA adapters, sampling its own completions, resumes bitwise."""
 
 import json
 import shutil
@@ -289,3 +290,39 @@ def test_the_loss_and_its_metrics_match_trl(setup, forward, loss_type, level, be
     if iterations == 2:
         assert logged["clip_ratio/region_mean"] > 0  # the ratios reach the clip range: clipping is compared
         assert logged["clip_ratio/high_max"] > logged["clip_ratio/high_mean"]  # a sequence's share, not the mean
+
+
+def test_lora_grpo_on_the_converted_hf_model_samples_with_merged_adapters_and_resumes_bitwise(setup, tmp_path,
+                                                                                               monkeypatch):
+    # The same converted HF Llama with LoRA adapters on every projection, sampling its own completions: its step-0
+    # checkpoint holds the base alone (fresh adapters are added), later checkpoints the adapters alone; the sampler
+    # runs the merged weights, the reference is the base (the adapters off). A run cut at step 2 resumes bitwise.
+    from functrain.checkpoint.digest import params_digest
+    monkeypatch.syspath_prepend(str(setup.root))
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+    def run(name, steps):
+        run_dir = tmp_path / name
+        if not run_dir.exists():
+            shutil.copytree(setup.root / "converted", run_dir)
+        functrain.fit(str(run_dir / "config.yaml"), **{
+            "run.dir": str(run_dir), "model.lora": {"rank": 4, "alpha": 8, "targets": targets},
+            "data.name": "prompts", "data.path": str(setup.root / "prompts.jsonl"),
+            "data.tokenizer": str(setup.root / "tok"), "data.seq_len": 16, "data.global_batch_size": 8,
+            "train.max_steps": steps, "train.steps_per_call": 1, "log.every_steps": 1, "checkpoint.every_steps": 2,
+            "checkpoint.async_save": False, "optimizer.learning_rate": 0.05, "grpo.num_generations": GENERATIONS,
+            "grpo.max_completion_length": LENGTH, "grpo.beta": BETA,
+            "grpo.reward_funcs": ["grpo_parity_rewards:vowels", "grpo_parity_rewards:long"],
+            "log.progress": False, "log.tensorboard": False, "log.plot": False})
+        lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in line.items() if not k.endswith("_per_sec")} for line in lines if
+                line["split"] == "train"]
+
+    whole = run("whole", 4)
+    run("cut", 2)
+    assert run("cut", 4) == whole
+    params = load_params(tmp_path / "whole")
+    assert params_digest(params) == params_digest(load_params(tmp_path / "cut"))
+    assert "lora_a" in params["layers_0"]["self_attn"]["q_proj"]  # the adapters, checkpointed
+    assert whole[-1]["kl"] > 0  # the adapters moved the policy off its base
+    assert all(0.0 <= line["rollout/logprob_gap"] <= 1e-6 for line in whole)  # merged vs adapted: a last bit

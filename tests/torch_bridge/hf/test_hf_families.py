@@ -44,6 +44,9 @@ FAMILIES = {
     "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM, dict(
         LLAMA_CONFIG, num_hidden_layers=3, head_dim=12, moe_intermediate_size=16, n_routed_experts=8,
         num_experts_per_tok=2)),
+    "llama4_text": (transformers.Llama4TextConfig, transformers.Llama4ForCausalLM, dict(
+        LLAMA_CONFIG, num_hidden_layers=4, head_dim=12, intermediate_size=16, intermediate_size_mlp=40,
+        num_local_experts=4)),
     # The Gated DeltaNet hybrids: their own module's tiny configs (every feature on; more cases there).
     **{family: (config, model, {**test_hf_qwen3_next.HYBRID, **test_hf_qwen3_next.CASES[family]})
        for family, (config, model) in test_hf_qwen3_next.FAMILIES.items()},
@@ -108,6 +111,17 @@ CASES = {
         tie_word_embeddings=True, rope_parameters=dict(rope_type="default", rope_theta=1e4,
                                                        partial_rotary_factor=0.25))),
     **{family: (family, {}) for family in test_hf_qwen3_next.FAMILIES},
+    # Chunks of 3 on the RoPE layers (Meta's adjacent pairs, llama3-scaled, QK norms), NoPE layers between them whose
+    # queries warm up every 4 positions, experts on every second layer (top 1 with the shared expert), biases.
+    "llama4_chunks_nope_temperature_experts": ("llama4_text", dict(
+        no_rope_layer_interval=2, attention_chunk_size=3, floor_scale=4, attn_scale=0.5, interleave_moe_layer_step=2,
+        attention_bias=True, rope_parameters=dict(rope_type="llama3", rope_theta=1e4, factor=8.0, low_freq_factor=1.0,
+                                                  high_freq_factor=4.0, original_max_position_embeddings=8))),
+    # Two experts a token on the layers moe_layers names, a NoPE layer chunked as layer_types says, no QK norm, tied.
+    "llama4_top2_listed_layers_tied": ("llama4_text", dict(
+        num_experts_per_tok=2, moe_layers=[0, 3], no_rope_layers=[1, 1, 0, 1], attention_chunk_size=5,
+        layer_types=["chunked_attention", "full_attention", "chunked_attention", "full_attention"], use_qk_norm=False,
+        floor_scale=2, tie_word_embeddings=True)),
 }
 # The case each model type's round trip (and its first layout) uses.
 ROUND_TRIP = {model_type: next(case for case, (of, _) in CASES.items() if of == model_type) for model_type in FAMILIES}
@@ -236,6 +250,8 @@ def test_bf16_sharded_round_trip_is_bit_exact_and_transformers_reads_the_config(
     ("glm4_moe", dict(rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.25)),
      r"head_dim 12 x partial_rotary_factor 0.25 gives 3 rotated features"),
     ("glm4_moe", dict(attention_dropout=0.5), "attention_dropout 0.5 is not supported for glm4_moe"),
+    ("llama4_text", dict(attention_dropout=0.1), "attention_dropout 0.1 is not supported for llama4_text"),
+    ("llama4_text", dict(attention_chunk_size=None), "chunked_attention layers but attention_chunk_size is unset"),
 ])
 def test_unimplemented_config_features_are_named(tmp_path, family, change, named):
     config_cls, model_cls, base = FAMILIES[family]
