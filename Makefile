@@ -33,11 +33,11 @@ $(VENV)/.core: pyproject.toml | $(VENV)/bin/python
 	$(INSTALL) $(EDITABLE) .
 	touch $@
 
-# Test install: the torch bridge, HF conversion, libtpu (plan --topology tests) and test tools. Torch comes first so that the CPU
+# Test install: the torch bridge, HF conversion, libtpu (plan --topology tests), qwix (QLoRA) and test tools. Torch comes first so that the CPU
 # build is chosen where no GPU is present (an unpinned torch would pull several GB of CUDA packages).
 $(VENV)/.dev: $(VENV)/.core tools/install_torch.sh
 	sh tools/install_torch.sh $(PY)
-	$(INSTALL) $(EDITABLE) ".[torch,hf,dev,tpu,eval]"
+	$(INSTALL) $(EDITABLE) ".[torch,hf,dev,tpu,eval,quant]"
 	touch $@
 
 train: $(VENV)/.core

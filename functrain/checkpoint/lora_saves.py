@@ -6,6 +6,10 @@ step a run resumed from when it held full params, or a fresh run's first save. E
 adapter leaves only and names its base step (``meta["lora_base_step"]`` and the base's fingerprint); reading
 it back adds the base weights (``checkpoint.reader``), so every step still restores on its own. The base step
 is protected from rotation for the whole run.
+
+A QLoRA run (``model.lora.base_dtype``) saves its base quantized, once, in the same way. One that starts from a base
+saved in another form (a float converted model, quantized as it is restored) saves its first step whole: that step,
+holding the quantized base it trains on, becomes the base step of the later ones.
 """
 
 from __future__ import annotations
@@ -19,6 +23,18 @@ from functrain.checkpoint.meta import LORA_BASE_FINGERPRINT, LORA_BASE_STEP
 from functrain.checkpoint.reader import base_fingerprint
 from functrain.models.lora import is_adapter
 
+# The model.lora keys that fix the form a base is saved in.
+_BASE_FORM = ("base_dtype", "block_size", "double_quant")
+
+
+def base_form(meta: Mapping[str, Any]) -> dict[str, Any] | None:
+    """How the run that saved ``meta`` stores its frozen base: its quantization (``model.lora`` keys), or None for
+    the params' own float dtype."""
+    lora = (meta.get("model") or {}).get("lora") or {}
+    if lora.get("base_dtype") is None:
+        return None
+    return {key: lora.get(key) for key in _BASE_FORM}
+
 
 def adapters_only(params: Any) -> Any:
     """The adapter leaves of ``params`` (same nesting, base weights left out)."""
@@ -31,21 +47,23 @@ class AdapterSaves:
     def __init__(self, checkpointer: Checkpointer) -> None:
         self._checkpointer = checkpointer
         self.base_step: int | None = None
+        self._base_form: dict[str, Any] | None = None
         self._fingerprint: str | None = None
 
     def restored(self, meta: Mapping[str, Any], step: int) -> None:
         """The run resumed from ``step``: its base step is the one it names, or itself when it holds full params."""
         self.base_step = int(meta.get(LORA_BASE_STEP, step))
+        self._base_form = base_form(meta)
         self._fingerprint = None
         self._checkpointer.protect(self.base_step)
 
     def save(self, step: int, items: Mapping[str, Any], meta: Mapping[str, Any]) -> None:
-        """Save ``items`` as ``step``: adapters only when the base step is on disk, else full params (the step
-        then becomes the base)."""
-        fingerprint = self._base_fingerprint()
+        """Save ``items`` as ``step``: adapters only when the base step is on disk in the form this run keeps its
+        base in, else full params (the step then becomes the base)."""
+        fingerprint = self._base_fingerprint() if base_form(meta) == self._base_form else None
         if fingerprint is None:
             if self._checkpointer.save(step, items, meta):
-                self.base_step, self._fingerprint = step, None
+                self.base_step, self._base_form, self._fingerprint = step, base_form(meta), None
                 self._checkpointer.protect(step)
             return
         meta = {**meta, LORA_BASE_STEP: self.base_step, LORA_BASE_FINGERPRINT: fingerprint}

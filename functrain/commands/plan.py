@@ -44,6 +44,7 @@ def format_plan(plan) -> str:
     from functrain.parallel.sharding import human_bytes
 
     sizes = plan.per_chip_bytes
+    quantized = plan.quantized_base_bytes is not None
     mesh = " ".join(f"{axis}={size}" for axis, size in plan.mesh.items())
     lines = [
         f"{plan.chips} x {plan.device_kind} (mesh {mesh}); {plan.parameters:,} parameters; batch "
@@ -54,6 +55,7 @@ def format_plan(plan) -> str:
     ]
     lines += [
         f"  {name:<12}{human_bytes(sizes[name]):>12}"
+        + (f"  (quantized base {human_bytes(plan.quantized_base_bytes)})" if name == "params" and quantized else "")
         for name in ("params", "optimizer", "model_state", "batch", "activations")
     ]
     hbm = f" of {plan.hbm_bytes / GIB:.2f} GiB HBM" if plan.hbm_bytes else " (HBM of this device kind unknown)"

@@ -3,7 +3,7 @@ forward/backward pass in ``train.compute_dtype``, its products at ``train.matmul
 for float16."""
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -46,11 +46,27 @@ def at_precision(fn: Callable, precision: str | None) -> Callable:
     return traced
 
 
+# A weight stored quantized (a QLoRA base, :mod:`functrain.models.quantized`) is a dict holding its codes under one
+# of these keys beside its scales. The scales are part of the number it stores, not weights of their own: casts
+# leave the whole dict as it is (bitsandbytes keeps them in float32 whatever the compute dtype, as do we).
+QUANTIZED_CODES = ("nf4", "int8")
+
+
+def is_quantized(node: Any) -> bool:
+    """Whether ``node`` of a params tree is a quantized weight (the dict of its codes and scales)."""
+    return isinstance(node, Mapping) and any(key in node for key in QUANTIZED_CODES)
+
+
 def cast_floating(tree: Any, dtype: Any) -> Any:
-    """Cast the floating-point leaves of ``tree`` to ``dtype``; integer leaves are left alone."""
+    """Cast the floating-point leaves of ``tree`` to ``dtype``; integer leaves and quantized weights are left
+    alone."""
     if dtype is None:
         return tree
-    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+    def cast(x: Any) -> Any:
+        return x if is_quantized(x) or not jnp.issubdtype(x.dtype, jnp.floating) else x.astype(dtype)
+
+    return jax.tree.map(cast, tree, is_leaf=is_quantized)
 
 
 def cast_like(tree: Any, reference: Any) -> Any:

@@ -7,6 +7,9 @@ PEFT's ``LoraLayer`` does. ``lora_b`` starts at zero, so training starts from th
 
 Only the adapters are trainable: the step differentiates and updates them alone (``trainable_mask``), so the
 optimizer holds no state for the base weights and XLA never computes their gradients.
+
+QLoRA: ``model.lora.base_dtype: nf4 | int8`` stores every Dense layer's kernel but the LM head's quantized
+(:mod:`functrain.models.quantized`), dequantized where the layer multiplies by it.
 """
 
 import fnmatch
@@ -19,11 +22,21 @@ import jax.numpy as jnp
 from flax.traverse_util import flatten_dict, unflatten_dict
 from jax.sharding import PartitionSpec
 
+from functrain.core.precision import is_quantized
 from functrain.core.unembedding import LOGITS_CHUNK
 from functrain.errors import ConfigError
 from functrain.models.configs.base import ModelConfig
 from functrain.models.configs.lora import LoraConfig
 from functrain.models.head import HEAD_MODULES
+from functrain.models.quantized import (
+    dense_layers,
+    dequantized_params,
+    frozen_kernel_paths,
+    kernel_shape,
+    quantize_params,
+    quantized_dense,
+    quantized_specs,
+)
 
 ADAPTER_A, ADAPTER_B = "lora_a", "lora_b"
 Path = tuple[str, ...]
@@ -69,9 +82,9 @@ def target_paths(params: Any, targets: tuple[str, ...]) -> list[Path]:
 def add_adapters(params: Any, paths: list[Path], rank: int, rng: jax.Array) -> Any:
     """``params`` with fresh adapters at ``paths``: ``lora_a`` uniform in ±1/sqrt(in) (PEFT's Kaiming init),
     ``lora_b`` zero."""
-    flat = dict(flatten_dict(params))
+    flat = dict(flatten_dict(params, is_leaf=lambda _, node: is_quantized(node)))
     for index, path in enumerate(paths):
-        fan_in, fan_out = flat[path + ("kernel",)].shape
+        fan_in, fan_out = kernel_shape(flat[path + ("kernel",)])
         bound = fan_in**-0.5
         flat[path + (ADAPTER_A,)] = jax.random.uniform(
             jax.random.fold_in(rng, index), (fan_in, rank), jnp.float32, -bound, bound
@@ -109,24 +122,27 @@ def merged_params(params: Any, scale: float) -> Any:
 
 
 def merged_for_inference(params: Any, model_config: ModelConfig) -> Any:
-    """``params`` ready for the plain model: adapters merged when the run trained some (as they are otherwise)."""
+    """``params`` ready for the plain model: a quantized base dequantized (float32), adapters merged when the run
+    trained some (as they are otherwise)."""
     settings = model_config.lora_settings()
-    if settings is None or not adapter_paths(params):
+    if settings is None:
         return params
-    return merged_params(params, settings.scale)
+    if settings.base_dtype is not None:
+        params = dequantized_params(params)
+    return merged_params(params, settings.scale) if adapter_paths(params) else params
 
 
 def adapter_interceptor(settings: LoraConfig, train: bool, rng: jax.Array) -> Callable:
-    """A ``nn.intercept_methods`` interceptor adding the adapter path to every Dense that carries adapters."""
+    """A ``nn.intercept_methods`` interceptor adding the adapter path to every Dense that carries adapters (and
+    computing a Dense whose kernel is quantized from its quantized form)."""
 
     def intercept(next_fun, args, kwargs, context):
         module = context.module
-        output = next_fun(*args, **kwargs)
-        if (
-            context.method_name != "__call__"
-            or not isinstance(module, nn.Dense)
-            or not module.has_variable("params", ADAPTER_A)
-        ):
+        if context.method_name != "__call__" or not isinstance(module, nn.Dense):
+            return next_fun(*args, **kwargs)
+        quantized = module.has_variable("params", "kernel") and is_quantized(module.get_variable("params", "kernel"))
+        output = quantized_dense(module, args[0]) if quantized else next_fun(*args, **kwargs)
+        if not module.has_variable("params", ADAPTER_A):
             return output
         x = args[0]
         if train and settings.dropout > 0:
@@ -181,21 +197,27 @@ def lora_transform(pieces: Any, settings: LoraConfig) -> Any:
     """The model's :class:`~functrain.core.program.ModelPieces` with adapters on ``settings.targets``: ``apply``
     runs them, ``frozen_apply`` is the same model with them off (the base weights alone: a preference run's
     reference, with no second copy), only the adapters are trainable, and a restored base-only checkpoint
-    (a converted model) gets fresh adapters. A Flax linen model only: the adapters are added by intercepting
-    its Dense layers."""
+    (a converted model) gets fresh adapters. With ``settings.base_dtype`` the base's Dense kernels (the LM head's
+    aside) are stored quantized, and a restored checkpoint's float kernels are quantized on the way in. A Flax
+    linen model only: the adapters are added by intercepting its Dense layers."""
     from functrain.core.adapters import ModelPieces
 
     if pieces.framework != "linen":
         raise ConfigError("model.lora adapts a Flax linen model; remove model.lora")
     base_init, base_apply, base_specs = pieces.init, pieces.apply, pieces.logical_specs
-    paths = target_paths(jax.eval_shape(base_init, jax.random.PRNGKey(0))[0], settings.targets)
+    abstract, dense = dense_layers(base_init, jax.random.PRNGKey(0))
+    paths = target_paths(abstract, settings.targets)
+    frozen = [] if settings.base_dtype is None else frozen_kernel_paths(abstract, dense, HEAD_MODULES, settings)
 
     def init(rng: jax.Array) -> tuple[Any, Any]:
         params, model_state = base_init(rng)
-        return add_adapters(params, paths, settings.rank, jax.random.fold_in(rng, _ADAPTER_KEY)), model_state
+        params = add_adapters(params, paths, settings.rank, jax.random.fold_in(rng, _ADAPTER_KEY))
+        return quantize_params(params, frozen, settings), model_state
 
     def complete_params(params: Any, rng: jax.Array) -> Any:
-        # A converted (base-only) checkpoint gets fresh adapters; a LoRA checkpoint has its own.
+        # A converted (base-only) checkpoint gets fresh adapters; a LoRA checkpoint has its own. A float base is
+        # quantized as it comes in (a converted QLoRA base already is).
+        params = quantize_params(params, frozen, settings)
         if adapter_paths(params):
             return params
         return add_adapters(params, paths, settings.rank, jax.random.fold_in(rng, _ADAPTER_KEY))
@@ -210,7 +232,7 @@ def lora_transform(pieces: Any, settings: LoraConfig) -> Any:
     return ModelPieces(
         init,
         adapted,
-        lambda: adapter_specs(base_specs(), paths),
+        lambda: quantized_specs(adapter_specs(base_specs(), paths), frozen, settings),
         framework=pieces.framework,
         frozen_apply=adapters_off,
         trainable=trainable_mask,

@@ -21,6 +21,7 @@ from the program's transfers (:mod:`functrain.plan.dcn`), with their time at a D
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import re
 from dataclasses import asdict, dataclass, field
@@ -30,8 +31,10 @@ import jax
 import numpy as np
 
 from functrain.config.schema import Config
+from functrain.core.precision import is_quantized
 from functrain.errors import ConfigError
 from functrain.models.configs.moe import MoeOptions
+from functrain.models.quantized import weight_count
 from functrain.parallel.chips import chip_of
 from functrain.parallel.pipeline import PIPELINE_AXIS, bubble_fraction, microbatch_count
 from functrain.parallel.platform import describe_host_to_libtpu
@@ -60,12 +63,25 @@ def topology_devices(name: str, slices: int = 1) -> list:
     from jax.experimental import topologies
 
     try:
-        return list(topologies.get_topology_desc(platform="tpu", topology_name=name, num_slices=slices).devices)
+        return list(
+            topologies.get_topology_desc(
+                platform="tpu", topology_name=name, num_slices=slices, **_small_host_bounds(name)
+            ).devices
+        )
     except Exception as exc:  # noqa: BLE001 -- libtpu: XlaRuntimeError/JaxRuntimeError/ValueError
         raise ConfigError(
             f"unknown TPU topology {name!r} ({str(exc).splitlines()[0][:120]}); give GENERATION:SHAPE, "
             f"one of the generations v4, v5e, v5p, v6e, e.g. {', '.join(TOPOLOGY_EXAMPLES)}"
         ) from None
+
+
+def _small_host_bounds(name: str) -> dict[str, Any]:
+    """libtpu's keyword for a topology of fewer chips than its default host (2x2x1: ``v5e:1x1``, one v5e chip,
+    which it otherwise refuses as not divisible by that host): a host of the topology's own shape."""
+    dims = [int(dim) for dim in name.partition(":")[2].split("x") if dim.isdigit()]
+    if not dims or math.prod(dims) >= 4:
+        return {}
+    return {"chips_per_host_bounds": tuple((dims + [1, 1])[:3])}
 
 
 @dataclass(frozen=True)
@@ -75,7 +91,7 @@ class Plan:
     device_kind: str
     chips: int
     mesh: dict[str, int]
-    parameters: int
+    parameters: int  # weights, a quantized one counted as one (not by its bytes)
     seq_len: int
     global_batch_size: int
     micro_batches: int
@@ -102,6 +118,7 @@ class Plan:
     pipeline_repeats: int = 1  # pipeline.repeats: the chunks of layers each stage holds
     pipeline_microbatches: int | None = None  # the pipeline's micro-batches per batch (None: no pipeline)
     pipeline_bubble: float | None = None  # the share of each stage's iterations spent idle (None: no pipeline)
+    quantized_base_bytes: int | None = None  # per chip, within params: a QLoRA base's codes and scales (None: none)
 
     def to_json(self) -> dict[str, Any]:
         """The plan as one JSON-able object (``functrain plan --json``)."""
@@ -141,6 +158,17 @@ def per_chip_bytes(backend: Any, memory: Any) -> dict[str, int]:
         "activations": int(memory.temp_size_in_bytes),
         "total": total,
     }
+
+
+def quantized_base_bytes(backend: Any) -> int | None:
+    """Per chip, the bytes of the params' quantized weights (a QLoRA base: codes and scales, from their shardings);
+    None when the params hold none."""
+    params = jax.tree.leaves(backend.abstract_state.params, is_leaf=is_quantized)
+    shardings = jax.tree.leaves(backend.state_shardings.params, is_leaf=is_quantized)
+    quantized = [(node, sharding) for node, sharding in zip(params, shardings) if is_quantized(node)]
+    if not quantized:
+        return None
+    return sum(state_bytes_per_device(node, sharding)[0] for node, sharding in quantized)
 
 
 def advice(planned: Planned, sizes: dict[str, int], chips: int, mesh: dict[str, int]) -> list[str]:
@@ -303,7 +331,7 @@ def report(
     if schedule is not None:
         pipeline = dict(pipeline_repeats=schedule[1], pipeline_microbatches=schedule[2])
         pipeline["pipeline_bubble"] = bubble_fraction(*schedule)
-    parameters = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(backend.abstract_state.params))
+    parameters = weight_count(backend.abstract_state.params)
     return Plan(
         device_kind=device_kind,
         chips=chips,
@@ -330,6 +358,7 @@ def report(
         slices=slices,
         **dcn,
         **pipeline,
+        quantized_base_bytes=quantized_base_bytes(backend),
     )
 
 

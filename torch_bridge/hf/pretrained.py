@@ -32,6 +32,23 @@ from torch_bridge.hf.mappings import Path, Rule
 logger = logging.getLogger(__name__)
 Place = Callable[[Path, np.ndarray], Any]
 _SUPPORTED_DTYPES = {"F32", "BF16", "F16", "float32", "bfloat16", "float16", mxfp4.PACKED_DTYPE}
+# The pre-quantized checkpoints read (dequantized as they stream in); GPTQ, AWQ, bitsandbytes and the rest are not.
+READ_QUANTIZATIONS = ("fp8", "mxfp4")
+
+
+def model_config_of(hf_dir: str | os.PathLike) -> tuple[dict[str, Any], Architecture, Any]:
+    """The HF config.json of ``hf_dir``, its architecture and functrain's model config; a quantization_config of a
+    method not read here (a pre-quantized GPTQ, AWQ or bitsandbytes checkpoint) is a CheckpointError."""
+    hf_config = reader.read_config(hf_dir)
+    method = (hf_config.get("quantization_config") or {}).get("quant_method")
+    if method is not None and method not in READ_QUANTIZATIONS:
+        raise CheckpointError(
+            f"{hf_dir}: config.json's quantization_config is {method!r}, a pre-quantized checkpoint functrain does "
+            f"not read (it reads {' and '.join(READ_QUANTIZATIONS)}); convert the original unquantized weights "
+            "(with --base-dtype nf4 to quantize them for QLoRA)"
+        )
+    arch = architecture_for(hf_config)
+    return hf_config, arch, arch.model.from_hf_config(hf_config)
 
 
 def expected_shapes(arch: Architecture, config: Any) -> dict[Path, tuple[int, ...]]:
@@ -144,9 +161,7 @@ def read_params(hf_dir: str | os.PathLike, place: Place | None = None) -> tuple[
     returns what to store, e.g. a ``jax.Array`` on its target sharding; by default leaves stay numpy.
     Dtypes are kept (bf16 stays bf16); block-quantised FP8 weights become float32 (:mod:`torch_bridge.hf.fp8`).
     """
-    hf_config = reader.read_config(hf_dir)
-    arch = architecture_for(hf_config)
-    config = arch.model.from_hf_config(hf_config)
+    hf_config, arch, config = model_config_of(hf_dir)
     weights = reader.find_weights(hf_dir)
     block = fp8.block_shape(hf_config)
     infos = reader.catalog(weights)
