@@ -103,6 +103,8 @@ LONGEST_MODULES = (
     "core/test_user_models.py",
     "torch_bridge/test_torch_user_model.py",
     "tasks/grpo/test_grpo_shared_prefix.py",
+    "run/test_fp8_training.py",
+    "models/test_qlora.py",
     "run/test_token_training.py",
     "core/test_data_fields.py",
     "torch_bridge/test_torch_resume.py",
