@@ -152,10 +152,7 @@ def attend(
     if query_slots is not None and segment_ids is not None:
         raise ValueError("segment_ids are for whole sequences, not for decoding with a KV cache")
     if chunk is not None and query_slots is None:
-        if context_ways() > 1:  # the families with chunks declare no context parallelism: this is not reached
-            raise ValueError("chunked attention does not split the sequence over mesh.context")
-        # A whole sequence's chunks are segments of their own: every kernel masks them.
-        segment_ids = chunk_segments(segment_ids, query.shape[0], query.shape[1], chunk)
+        segment_ids = _chunks_as_segments(segment_ids, query, chunk)
     if query_slots is None and context_ways() > 1:
         return context_attention(
             query,
@@ -173,27 +170,9 @@ def attend(
             query, key, value, scale=scale, segment_ids=segment_ids, window=window, softcap=softcap, sinks=sinks
         )
     if softcap is not None or sinks is not None or query_slots is not None:
-        slots = jnp.arange(query.shape[1], dtype=jnp.int32) if query_slots is None else query_slots
-        # XLA:CPU takes a product of one query row to another kernel than a whole sequence's rows, which rounds
-        # differently: a decoded token's query gets a second row of zeros, so that decoding and training agree bit
-        # for bit under functrain.tasks.sampling.CONSISTENT_OPTIONS (GRPO's rollout/logprob_gap; a copy of the query
-        # instead of zeros let LLVM share the two rows' work and round it otherwise). With grouped-query heads a
-        # group's query heads are the rows of its products already (and the second row cost bench_grpo.py's
-        # rollout 1 of 8 ms).
-        single = (
-            query_slots is not None
-            and query.shape[1] == 1
-            and query.shape[2] == key.shape[2]
-            and target_platform() == "cpu"
+        return _attend_with_written_mask(
+            query, key, value, scale, segment_ids, query_slots, window, softcap, sinks, chunk
         )
-        if single:
-            query, slots = jnp.concatenate([query, jnp.zeros_like(query)], axis=1), jnp.concatenate([slots, slots])
-        decoded_chunk = None if query_slots is None else chunk  # a whole sequence's chunks are its segments now
-        written = causal_mask(slots, key.shape[1], window, decoded_chunk)[None, None]
-        if segment_ids is not None:
-            written = written & segment_mask(segment_ids)
-        attended = masked_attention(query, key, value, scale=scale, mask=written, softcap=softcap, sinks=sinks)
-        return attended[:, :1] if single else attended
     mask = None if segment_ids is None else segment_mask(segment_ids)
     local = None if window is None else (window - 1, 0)
     return jax.nn.dot_product_attention(
@@ -206,3 +185,47 @@ def attend(
         local_window_size=local,
         implementation="cudnn" if kernel == "cudnn" else "xla",
     )
+
+
+def _chunks_as_segments(segment_ids: Array | None, query: Array, chunk: int) -> Array:
+    """A whole sequence's ``segment_ids`` with each segment cut into chunks of ``chunk`` positions, counted from the
+    segment's start: segments of their own, which every kernel masks (Llama 4's chunked attention)."""
+    if context_ways() > 1:  # the families with chunks declare no context parallelism: this is not reached
+        raise ValueError("chunked attention does not split the sequence over mesh.context")
+    return chunk_segments(segment_ids, query.shape[0], query.shape[1], chunk)
+
+
+def _attend_with_written_mask(
+    query: Array,
+    key: Array,
+    value: Array,
+    scale: float,
+    segment_ids: Array | None,
+    query_slots: Array | None,
+    window: int | None,
+    softcap: float | None,
+    sinks: Array | None,
+    chunk: int | None,
+) -> Array:
+    """:func:`attend` with its mask written out (soft caps, sinks, or decoding against a cache)."""
+    slots = jnp.arange(query.shape[1], dtype=jnp.int32) if query_slots is None else query_slots
+    # XLA:CPU takes a product of one query row to another kernel than a whole sequence's rows, which rounds
+    # differently: a decoded token's query gets a second row of zeros, so that decoding and training agree bit
+    # for bit under functrain.tasks.sampling.CONSISTENT_OPTIONS (GRPO's rollout/logprob_gap; a copy of the query
+    # instead of zeros let LLVM share the two rows' work and round it otherwise). With grouped-query heads a
+    # group's query heads are the rows of its products already (and the second row cost bench_grpo.py's
+    # rollout 1 of 8 ms).
+    single = (
+        query_slots is not None
+        and query.shape[1] == 1
+        and query.shape[2] == key.shape[2]
+        and target_platform() == "cpu"
+    )
+    if single:
+        query, slots = jnp.concatenate([query, jnp.zeros_like(query)], axis=1), jnp.concatenate([slots, slots])
+    decoded_chunk = None if query_slots is None else chunk  # a whole sequence's chunks are its segments already
+    written = causal_mask(slots, key.shape[1], window, decoded_chunk)[None, None]
+    if segment_ids is not None:
+        written = written & segment_mask(segment_ids)
+    attended = masked_attention(query, key, value, scale=scale, mask=written, softcap=softcap, sinks=sinks)
+    return attended[:, :1] if single else attended
