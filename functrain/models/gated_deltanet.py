@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from functrain.models.delta_rule import causal_conv, chunked_delta_rule, document_runs, recurrent_delta_rule
-from functrain.models.hf_common import activation, dense
+from functrain.models.hf_common import activation, dense, rms_normalized
 from functrain.models.kv_cache import decoding
 
 Array = jax.Array
@@ -80,8 +80,7 @@ class GatedRMSNorm(nn.Module):
         scale = self.param(
             "scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)), (x.shape[-1],), jnp.float32
         )
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.epsilon)
+        x32 = rms_normalized(x, self.epsilon)
         normed = jnp.asarray(scale, self.dtype) * x32.astype(self.dtype)
         return (normed.astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))).astype(self.dtype)
 

@@ -19,7 +19,7 @@ from functrain.errors import ConfigError
 from functrain.models.attention import attend, attention_kernel
 from functrain.models.configs.gemma2 import Gemma2Config
 from functrain.models.head import tied_head
-from functrain.models.hf_common import dense, embed, hf_config_dict, token_positions
+from functrain.models.hf_common import dense, embed, hf_config_dict, rms_normalized, token_positions
 from functrain.models.kv_cache import decoding, extend_cache, next_positions
 from functrain.models.llama import LlamaMLP
 from functrain.models.remat import check_remat, remat_block
@@ -79,8 +79,7 @@ class GemmaRMSNorm(nn.Module):
         scale = self.param(
             "scale", nn.with_logical_partitioning(nn.initializers.zeros, ("norm",)), (x.shape[-1],), jnp.float32
         )
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.epsilon)
+        x32 = rms_normalized(x, self.epsilon)
         return (x32 * (1.0 + jnp.asarray(scale, jnp.float32))).astype(self.dtype)
 
 

@@ -81,6 +81,13 @@ def embed(num: int, features: int, axes: tuple[str | None, str], *, dtype: Any, 
     )
 
 
+def rms_normalized(x: Array, epsilon: float) -> Array:
+    """``x`` in float32 over the root mean square of its last axis: what HF's RMS norms compute before their weight
+    (Llama 4's QK norm has none)."""
+    x32 = x.astype(jnp.float32)
+    return x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + epsilon)
+
+
 class RMSNorm(nn.Module):
     """HF's LlamaRMSNorm: normalise in float32, cast back, then multiply by the weight."""
 
@@ -92,8 +99,7 @@ class RMSNorm(nn.Module):
         scale = self.param(
             "scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)), (x.shape[-1],), jnp.float32
         )
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.epsilon)
+        x32 = rms_normalized(x, self.epsilon)
         return jnp.asarray(scale, self.dtype) * x32.astype(self.dtype)
 
 

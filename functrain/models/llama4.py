@@ -27,7 +27,7 @@ from functrain.models.attention import attend, attention_kernel
 from functrain.models.configs.hf import NO_DROPOUT, refuse_unimplemented
 from functrain.models.configs.llama4 import Llama4TextConfig
 from functrain.models.configs.moe import MOE_RUNTIME_KEYS
-from functrain.models.hf_common import dense, token_positions
+from functrain.models.hf_common import dense, rms_normalized, token_positions
 from functrain.models.kv_cache import decoding, extend_cache, next_positions
 from functrain.models.mla import rotate
 from functrain.models.moe.decoder import MoeForCausalLM, build_decoder, gated
@@ -69,12 +69,6 @@ def to_hf_config(config: Llama4TextConfig) -> dict[str, Any]:
     )
 
 
-def rms_normalized(x: Array, eps: float) -> Array:
-    """``x`` over the RMS of its last axis, in float32 (transformers' ``Llama4TextL2Norm``: no weight)."""
-    x32 = x.astype(jnp.float32)
-    return (x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)).astype(x.dtype)
-
-
 def temperature(config: Llama4TextConfig, positions: Array) -> Array:
     """``[B, T]`` scales of the NoPE layers' queries: ``1 + attn_scale * log(1 + floor((p + 1) / floor_scale))``."""
     steps = jnp.floor((positions.astype(jnp.float32) + 1.0) / config.floor_scale)
@@ -109,7 +103,8 @@ class Llama4Attention(nn.Module):
             # Queries and keys come out de-interleaved alike: their dot products are Meta's.
             q, k = (rotate(t, inv_freq, token_slots, rope_scale, interleaved=True) for t in (q, k))
             if cfg.use_qk_norm:
-                q, k = rms_normalized(q, cfg.rms_norm_eps), rms_normalized(k, cfg.rms_norm_eps)
+                # transformers' Llama4TextL2Norm: the RMS norm without a weight.
+                q, k = (rms_normalized(t, cfg.rms_norm_eps).astype(t.dtype) for t in (q, k))
         elif cfg.attn_temperature_tuning:
             q = (q * temperature(cfg, token_slots)[:, :, None, None]).astype(q.dtype)
         k, v = extend_cache(self, k, v, slots)

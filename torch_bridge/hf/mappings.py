@@ -27,8 +27,7 @@ from typing import Any, Callable, Literal
 
 import numpy as np
 
-from functrain.models import deepseek_v3, gemma2, gpt2, gpt_oss, llama, llama4, mixtral, phi3
-from functrain.models.configs.glm4_moe import Glm4MoeConfig
+from functrain.models import gemma2, gpt2, gpt_oss, llama, llama4, mixtral, phi3
 from functrain.models.configs.qwen_moe import QwenMoeOptions
 from functrain.models.qwen_moe import QwenMoeConfig
 
@@ -402,68 +401,6 @@ def _gemma2_ignorable(name: str, cfg: gemma2.Gemma2Config) -> bool:
     return name == "lm_head.weight" or name == "model.embed_tokens.embed_scale"  # tied head; a buffer
 
 
-# (config, HF prefix "model.layers.<i>", functrain layer path) -> the rules of the layer's attention.
-AttentionRules = Callable[[Any, str, str], list[Rule]]
-
-
-def _latent_attention(cfg: deepseek_v3.DeepseekV3Config, hf: str, layer: str) -> list[Rule]:
-    """DeepSeek-V3's latent attention: its projections (queries through ``q_a_proj``/``q_b_proj`` with a
-    ``q_lora_rank``) and the latents' norms."""
-    attention = {"kv_a_proj_with_mqa": cfg.attention_bias, "kv_b_proj": False, "o_proj": cfg.attention_bias}
-    attention.update(
-        {"q_proj": False} if cfg.q_lora_rank is None else {"q_a_proj": cfg.attention_bias, "q_b_proj": False}
-    )
-    rules = []
-    for proj, bias in attention.items():
-        rules += _linear(f"{hf}.self_attn.{proj}", (layer, "self_attn", proj), bias)
-    for norm in ("kv_a_layernorm",) + (() if cfg.q_lora_rank is None else ("q_a_layernorm",)):
-        rules.append(Rule(f"{hf}.self_attn.{norm}.weight", ((layer, "self_attn", norm, "scale"),)))
-    return rules
-
-
-def _grouped_query_attention(cfg: Glm4MoeConfig, hf: str, layer: str) -> list[Rule]:
-    """GLM-4.5's attention: Llama's projections (q/k/v biases with ``attention_bias``, none on ``o_proj``) and the
-    per-head q/k norms with ``use_qk_norm``."""
-    biases = {"q_proj": cfg.qkv_bias, "k_proj": cfg.qkv_bias, "v_proj": cfg.qkv_bias, "o_proj": cfg.o_bias}
-    rules = []
-    for proj, bias in biases.items():
-        rules += _linear(f"{hf}.self_attn.{proj}", (layer, "self_attn", proj), bias)
-    if cfg.qk_norm:
-        rules += [Rule(f"{hf}.self_attn.{n}.weight", ((layer, "self_attn", n, "scale"),)) for n in ("q_norm", "k_norm")]
-    return rules
-
-
-def _deepseek_moe_rules(
-    cfg: deepseek_v3.DeepseekMoeConfig, attention: AttentionRules, fused: bool = False
-) -> list[Rule]:
-    """DeepSeek-V3's decoder (and GLM-4.5's) with each layer's ``attention``: HF's layer ``i`` is
-    ``dense_layers_{i}`` or ``moe_layers_{i - k}``, whose router is ``mlp.gate`` (with the correction bias),
-    experts ``mlp.experts.<e>.*`` (``fused``: transformers' in-memory ``gate_up_proj`` / ``down_proj``) and
-    always-on ``mlp.shared_experts``."""
-    rules = [Rule("model.embed_tokens.weight", (("embed_tokens", "embedding"),))]
-    for i in range(cfg.num_hidden_layers):
-        hf, layer = f"model.layers.{i}", deepseek_v3.hf_layer_path(cfg, i)
-        rules += attention(cfg, hf, layer)
-        if not cfg.moe_layer(i):
-            rules += _dense_mlp(f"{hf}.mlp", (layer, "mlp"), False)
-        else:
-            rules += _linear(f"{hf}.mlp.gate", (layer, "mlp", "gate"), bias=False)
-            rules.append(Rule(f"{hf}.mlp.gate.{deepseek_v3.CORRECTION_BIAS}", ((layer, deepseek_v3.CORRECTION_BIAS),)))
-            experts, path = f"{hf}.mlp.experts", (layer, "mlp", "experts")
-            if fused:
-                rules += _fused_experts(experts, path, cfg.moe_intermediate_size)
-            else:
-                rules += _experts(experts, path, cfg.n_routed_experts, ("gate_proj", "up_proj", "down_proj"))
-            if cfg.n_shared_experts:
-                rules += _dense_mlp(f"{hf}.mlp.shared_experts", (layer, "shared_experts"), False)
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            rules.append(Rule(f"{hf}.{norm}.weight", ((layer, norm, "scale"),)))
-    rules.append(Rule("model.norm.weight", (("norm", "scale"),)))
-    if not cfg.tie_word_embeddings:
-        rules += _linear("lm_head", ("lm_head",), bias=False)
-    return rules
-
-
 _LLAMA_BUFFERS = re.compile(r"model\.(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
 
 
@@ -471,19 +408,9 @@ def _llama_ignorable(name: str, cfg: llama.LlamaConfig) -> bool:
     return bool(_LLAMA_BUFFERS.fullmatch(name)) or (cfg.tie_word_embeddings and name == "lm_head.weight")
 
 
-_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.")
-
-
-def _multi_token_prediction(name: str, cfg: deepseek_v3.DeepseekMoeConfig) -> str | None:
-    # Released checkpoints carry the multi-token-prediction module as the layers past num_hidden_layers.
-    layer = _HF_LAYER.match(name)
-    if layer is None or int(layer.group(1)) < cfg.num_hidden_layers:
-        return None
-    return f"the multi-token-prediction layer model.layers.{layer.group(1)}"
-
-
 # The tables the families' declarations name (``hf_mapping``): Llama's serves the families sharing its module and
 # tensor names (Mistral, Qwen2, Qwen3), Gemma 2's Gemma 3 (text), and the Qwen MoEs share theirs.
+# DeepSeek-V3's and GLM-4.5's are in torch_bridge.hf.deepseek_mappings, the hybrids' in torch_bridge.hf.hybrid_mappings.
 GPT2 = TensorMapping(_gpt2_rules, _gpt2_ignorable, canonical_name=_gpt2_canonical)
 LLAMA = TensorMapping(_llama_rules, _llama_ignorable)
 PHI3 = TensorMapping(_phi3_rules, _llama_ignorable)
@@ -492,15 +419,3 @@ GPT_OSS = TensorMapping(_gpt_oss_rules, _llama_ignorable)
 LLAMA4 = TensorMapping(_llama4_rules, _llama_ignorable)
 MIXTRAL = TensorMapping(_mixtral_rules, _llama_ignorable, fused_rules=_mixtral_fused_rules)
 QWEN_MOE = TensorMapping(_qwen_moe_rules, _llama_ignorable, fused_rules=functools.partial(_qwen_moe_rules, fused=True))
-DEEPSEEK_V3 = TensorMapping(
-    functools.partial(_deepseek_moe_rules, attention=_latent_attention),
-    _llama_ignorable,
-    fused_rules=functools.partial(_deepseek_moe_rules, attention=_latent_attention, fused=True),
-    left_out=_multi_token_prediction,
-)
-GLM4_MOE = TensorMapping(
-    functools.partial(_deepseek_moe_rules, attention=_grouped_query_attention),
-    _llama_ignorable,
-    fused_rules=functools.partial(_deepseek_moe_rules, attention=_grouped_query_attention, fused=True),
-    left_out=_multi_token_prediction,
-)

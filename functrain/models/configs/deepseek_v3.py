@@ -110,5 +110,5 @@ FAMILY = Family(
     pipeline=True,
     generation_cache=True,
     hf_model_types=("deepseek_v3",),
-    hf_mapping="torch_bridge.hf.mappings:DEEPSEEK_V3",
+    hf_mapping="torch_bridge.hf.deepseek_mappings:DEEPSEEK_V3",
 )

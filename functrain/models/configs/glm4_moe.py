@@ -88,5 +88,5 @@ FAMILY = Family(
     pipeline=True,
     generation_cache=True,
     hf_model_types=("glm4_moe",),
-    hf_mapping="torch_bridge.hf.mappings:GLM4_MOE",
+    hf_mapping="torch_bridge.hf.deepseek_mappings:GLM4_MOE",
 )
