@@ -44,26 +44,38 @@ def _logits(output):
     return getattr(output, "logits", output)
 
 
+def cache_shapes(model, params, tokens):
+    """The shapes of ``model``'s generation cache for ``tokens``' batch and length."""
+    return jax.eval_shape(
+        lambda: model.apply({"params": params}, jnp.zeros(tokens.shape, jnp.int32), mutable=["cache"])[1]["cache"]
+    )
+
+
+def decoded_and_full_logits(model, params, tokens, spans):
+    """``model``'s logits of ``tokens`` fed to its cache span by span (``(start, stop)`` pairs), and of the whole
+    sequence at once."""
+    full = _logits(jax.jit(model.apply)({"params": params}, tokens))
+    feed = jax.jit(lambda cache, new: model.apply({"params": params, "cache": cache}, new, mutable=["cache"]))
+    cache, pieces = zeros_like_shapes(cache_shapes(model, params, tokens)), []
+    for start, stop in spans:
+        output, updated = feed(cache, tokens[:, start:stop])
+        cache = updated["cache"]
+        pieces.append(_logits(output))
+    return np.concatenate(pieces, axis=1), full
+
+
 def test_decoding_with_the_latent_cache_computes_the_full_forward(converted, highest_precision):
     _, params, config = converted
     model = build_model(config)
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, VOCAB, (2, 10)))
-    full = _logits(jax.jit(model.apply)({"params": params}, tokens))
-    shapes = jax.eval_shape(
-        lambda: model.apply({"params": params}, jnp.zeros((2, 10), jnp.int32), mutable=["cache"])[1]["cache"]
-    )
-    attention = shapes["dense_layers_0"]["self_attn"]
+    attention = cache_shapes(model, params, tokens)["dense_layers_0"]["self_attn"]
     assert {name: leaf.shape for name, leaf in attention.items()} == {
         "cache_index": (), "cached_latent": (2, 10, config.kv_lora_rank),
         "cached_rotary_key": (2, 10, config.qk_rope_head_dim),
     }  # fmt: skip
-    feed = jax.jit(lambda cache, new: model.apply({"params": params, "cache": cache}, new, mutable=["cache"]))
-    cache, pieces = zeros_like_shapes(shapes), []
-    for start, stop in ((0, 6), (6, 7), (7, 8), (8, 9), (9, 10)):  # a prompt, then one token at a time
-        output, updated = feed(cache, tokens[:, start:stop])
-        cache = updated["cache"]
-        pieces.append(_logits(output))
-    np.testing.assert_allclose(np.concatenate(pieces, axis=1), full, atol=1e-5, rtol=0)
+    spans = ((0, 6), (6, 7), (7, 8), (8, 9), (9, 10))  # a prompt, then one token at a time
+    decoded, full = decoded_and_full_logits(model, params, tokens, spans)
+    np.testing.assert_allclose(decoded, full, atol=1e-5, rtol=0)
 
 
 def test_greedy_generation_continues_as_transformers_does(converted, highest_precision):

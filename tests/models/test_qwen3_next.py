@@ -18,10 +18,10 @@ from functrain.core.model_output import logits_of
 from functrain.errors import ConfigError
 from functrain.models import build_model, model_config_class
 from functrain.models.configs.qwen3_next import delta_rule_flops
-from functrain.models.kv_cache import zeros_like_shapes
 from functrain.models.stacking import relayout_like
 from functrain.plan.planner import plan
 from functrain.text.decode import Generator, Sampling
+from tests.models.test_deepseek_v3 import cache_shapes, decoded_and_full_logits
 from tests.torch_bridge.hf.test_hf_convert import highest_precision  # noqa: F401 (a fixture)
 from tests.torch_bridge.hf.test_hf_qwen3_next import VOCAB, build_hybrid
 from torch_bridge.hf import load_pretrained
@@ -44,19 +44,12 @@ def test_decoding_with_the_cache_computes_the_full_forward(converted, highest_pr
     _, params, config = converted
     model = build_model(config)
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, VOCAB, (2, 10)))
-    full = logits_of(jax.jit(model.apply)({"params": params}, tokens))
-    shapes = jax.eval_shape(
-        lambda: model.apply({"params": params}, jnp.zeros((2, 10), jnp.int32), mutable=["cache"])[1]["cache"]
-    )
+    shapes = cache_shapes(model, params, tokens)
     assert set(shapes["layers_0"]["linear_attn"]) == {"conv_state", "recurrent_state"}
     assert set(shapes["layers_1"]["self_attn"]) == {"cache_index", "cached_key", "cached_value"}
-    feed = jax.jit(lambda cache, new: model.apply({"params": params, "cache": cache}, new, mutable=["cache"]))
-    cache, pieces = zeros_like_shapes(shapes), []
-    for start, stop in ((0, 6), (6, 7), (7, 8), (8, 10)):  # a prompt, one token at a time, then two at once
-        output, updated = feed(cache, tokens[:, start:stop])
-        cache = updated["cache"]
-        pieces.append(logits_of(output))
-    np.testing.assert_allclose(np.concatenate(pieces, axis=1), full, atol=1e-5, rtol=0)
+    spans = ((0, 6), (6, 7), (7, 8), (8, 10))  # a prompt, one token at a time, then two at once
+    decoded, full = decoded_and_full_logits(model, params, tokens, spans)
+    np.testing.assert_allclose(decoded, full, atol=1e-5, rtol=0)
 
 
 def test_greedy_generation_continues_as_transformers_does(converted, highest_precision):
