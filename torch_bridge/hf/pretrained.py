@@ -51,12 +51,24 @@ def model_config_of(hf_dir: str | os.PathLike) -> tuple[dict[str, Any], Architec
     return hf_config, arch, arch.model.from_hf_config(hf_config)
 
 
+# The shapes of the last few configs: a round trip (read, train, write) asks again for the same model, and tracing
+# its init unrolled takes seconds for a large one.
+_SHAPES: dict[tuple[str, str], dict[Path, tuple[int, ...]]] = {}
+_SHAPES_KEPT = 8
+
+
 def expected_shapes(arch: Architecture, config: Any) -> dict[Path, tuple[int, ...]]:
     """Shape of every functrain parameter leaf for ``config`` with its layers unrolled (HF's tensors are per
     layer; scanned params convert with ``stacking``), computed abstractly (no memory used)."""
-    module = arch.model.build(config.model_copy(update={"scan_layers": False}))
-    abstract = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32)))
-    return {path: leaf.shape for path, leaf in flatten_dict(nn.meta.unbox(abstract["params"])).items()}
+    key = (arch.model_type, config.model_dump_json())
+    if key not in _SHAPES:
+        module = arch.model.build(config.model_copy(update={"scan_layers": False}))
+        abstract = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32)))
+        flat = flatten_dict(nn.meta.unbox(abstract["params"]))
+        if len(_SHAPES) >= _SHAPES_KEPT:
+            del _SHAPES[next(iter(_SHAPES))]  # the oldest
+        _SHAPES[key] = {path: leaf.shape for path, leaf in flat.items()}
+    return dict(_SHAPES[key])
 
 
 _EXPERT = re.compile(r"layers\.(\d+)\..*experts\.(\d+)\.")
