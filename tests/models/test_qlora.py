@@ -315,8 +315,8 @@ def test_an_int8_run_that_fails_after_a_save_resumes_bitwise(int8_run, monkeypat
     fail_then_resume(monkeypatch, 4, lambda: fit(tmp, tmp / "int8_resumed", steps=INT8_STEPS, save_every=2,
                                                  lora=INT8, converted="int8"))
     assert _digest(tmp / "int8_resumed") == _digest(tmp / "int8")
-    straight = dict(_train_losses(tmp / "int8"))
-    assert len(straight) == INT8_STEPS and all(loss == straight[step] for step, loss in _train_losses(tmp / "int8_resumed"))
+    straight, resumed = dict(_train_losses(tmp / "int8")), _train_losses(tmp / "int8_resumed")
+    assert len(straight) == INT8_STEPS and all(loss == straight[step] for step, loss in resumed)
 
 
 def test_an_int8_run_exports_a_peft_directory_and_a_merged_model(int8_run):
