@@ -15,8 +15,8 @@ import transformers
 from flax.traverse_util import flatten_dict
 from safetensors.torch import load_file, save_file
 
-from functrain.core.program import as_program
 from functrain.core.model_output import CombinedTerms
+from functrain.core.program import as_program
 from functrain.core.state import TrainState
 from functrain.core.step import make_train_step
 from functrain.errors import CheckpointError
@@ -35,38 +35,45 @@ def _mtp_tensors(tensors: dict, layer: int) -> dict:
     """The released layout's own tensors of the multi-token-prediction layer ``layer``, and its copies of the
     embedding and head."""
     generator = torch.Generator().manual_seed(layer)
-    hidden = TINY["hidden_size"]
+    hidden = tensors["model.embed_tokens.weight"].shape[1]
     own = {f"model.layers.{layer}.{norm}.weight": 1 + 0.1 * torch.randn(hidden, generator=generator)
            for norm in ("enorm", "hnorm", "shared_head.norm")}  # fmt: skip
     own[f"model.layers.{layer}.eh_proj.weight"] = 0.2 * torch.randn(hidden, 2 * hidden, generator=generator)
     own[f"model.layers.{layer}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
-    own[f"model.layers.{layer}.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])  # a tied model saves no lm_head
+    own[f"model.layers.{layer}.shared_head.head.weight"] = head.clone()
     return own
+
+
+def with_mtp_layers(full: transformers.PreTrainedModel, directory, main: int) -> tuple:
+    """``full`` (``main`` layers and the multi-token-prediction layers' decoder layers after them) saved in
+    ``directory`` as a checkpoint of ``main`` layers with those modules, as released; returns ``full`` in float64
+    (the reference, free of torch's own float32 kernel choices) and the saved tensors in float64."""
+    full.save_pretrained(directory)
+    tensors = load_file(directory / "model.safetensors")
+    for layer in range(main, full.config.num_hidden_layers):
+        tensors.update(_mtp_tensors(tensors, layer))
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config.update(num_hidden_layers=main, num_nextn_predict_layers=full.config.num_hidden_layers - main)
+    (directory / "config.json").write_text(json.dumps(config))
+    full = full.double()
+    full.set_experts_implementation("eager")
+    return full, {name: tensor.double() for name, tensor in tensors.items()}
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """A tiny DeepSeek-V3 with ``DEPTH`` multi-token-prediction layers as released (each a decoder layer of the
-    model's kind, here transformers' layers ``MAIN..``, plus its own tensors), and the transformers model whose layers
-    they are (for the reference)."""
-    full = build_deepseek("q_lora_yarn", num_hidden_layers=MAIN + DEPTH)
+    """A tiny DeepSeek-V3 with ``DEPTH`` multi-token-prediction layers as released, the transformers model whose
+    layers ``MAIN..`` are their decoder layers, and the tensors."""
     directory = tmp_path_factory.mktemp("mtp")
-    full.save_pretrained(directory)
-    tensors = load_file(directory / "model.safetensors")
-    for layer in range(MAIN, MAIN + DEPTH):
-        tensors.update(_mtp_tensors(tensors, layer))
-    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((directory / "config.json").read_text())
-    config.update(num_hidden_layers=MAIN, num_nextn_predict_layers=DEPTH)
-    (directory / "config.json").write_text(json.dumps(config))
-    full = full.double()  # the reference in float64, free of torch's own float32 kernel choices
-    full.set_experts_implementation("eager")
-    return directory, full, {name: tensor.double() for name, tensor in tensors.items()}
+    return directory, *with_mtp_layers(build_deepseek("q_lora_yarn", num_hidden_layers=MAIN + DEPTH), directory, MAIN)
 
 
-def reference_mtp_logits(full: transformers.DeepseekV3ForCausalLM, tensors: dict, ids: np.ndarray) -> list:
+def reference_mtp_logits(full: transformers.PreTrainedModel, tensors: dict, ids: np.ndarray, main: int) -> list:
     """Each depth's logits by the report's equations (section 2.2), in torch: h^0 the main model's normed output,
-    h^k = Block_k(eh_proj([enorm(Emb(t_{i+k})); hnorm(h^{k-1}_i)])), logits^k = Head(shared_head_norm(h^k))."""
+    h^k = Block_k(eh_proj([enorm(Emb(t_{i+k})); hnorm(h^{k-1}_i)])), logits^k = Head(shared_head_norm(h^k)), with
+    ``full``'s layers from ``main`` on as the blocks."""
     tokens = torch.tensor(ids)
     length = tokens.shape[1]
     positions = torch.arange(length)[None]
@@ -79,51 +86,68 @@ def reference_mtp_logits(full: transformers.DeepseekV3ForCausalLM, tensors: dict
         model = full.model
         hidden = model.embed_tokens(tokens)
         rotary = model.rotary_emb(hidden, positions)
-        for layer in model.layers[:MAIN]:
+        for layer in model.layers[:main]:
             hidden = layer(hidden, attention_mask=causal, position_ids=positions, position_embeddings=rotary)
         hidden = model.norm(hidden)
         logits = []
-        for k in range(1, DEPTH + 1):
-            name = f"model.layers.{MAIN + k - 1}"
+        for k in range(1, full.config.num_hidden_layers - main + 1):
+            name = f"model.layers.{main + k - 1}"
             ahead = torch.cat([tokens[:, k:], torch.zeros_like(tokens[:, :k])], dim=1)  # t_{i+k}
             joined = torch.cat([rms(model.embed_tokens(ahead), tensors[f"{name}.enorm.weight"]),
                                 rms(hidden, tensors[f"{name}.hnorm.weight"])], dim=-1)  # fmt: skip
             projected = joined @ tensors[f"{name}.eh_proj.weight"].T
-            block = model.layers[MAIN + k - 1]
+            block = model.layers[main + k - 1]
             hidden = block(projected, attention_mask=causal, position_ids=positions, position_embeddings=rotary)
             logits.append(full.lm_head(rms(hidden, tensors[f"{name}.shared_head.norm.weight"])).numpy())
     return logits
 
 
 def _mtp_logits(params, config, ids):
-    """functrain's per-depth logits, captured from the shared head's calls (main first)."""
+    """functrain's per-depth logits: each module's normed output (captured) through the shared head."""
     model = build_model(config)
     forward = jax.jit(lambda p, x: model.apply({"params": p}, x, capture_intermediates=True, mutable=["intermediates"]))
-    _, captured = forward(params, jnp.asarray(ids))
-    return [np.asarray(call) for call in captured["intermediates"]["lm_head"]["__call__"][1:]]
+    captured = forward(params, jnp.asarray(ids))[1]["intermediates"]
+    head = params["embed_tokens"]["embedding"].T if config.tie_word_embeddings else params["lm_head"]["kernel"]
+    return [np.asarray(captured[f"mtp_layers_{depth}"]["shared_head_norm"]["__call__"][0] @ head)
+            for depth in range(config.num_nextn_predict_layers)]  # fmt: skip
+
+
+def check_against_the_reference(directory, full, tensors, main: int) -> tuple:
+    """functrain's per-depth logits of the converted ``directory`` equal :func:`reference_mtp_logits`; returns the
+    params and config."""
+    params, config = read_params(directory)
+    got = _mtp_logits(params, config, IDS)
+    want = reference_mtp_logits(full, tensors, IDS, main)
+    assert len(got) == len(want) == config.num_nextn_predict_layers
+    for depth, (ours, theirs) in enumerate(zip(got, want), start=1):
+        np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=0, err_msg=f"depth {depth}")
+    return params, config
 
 
 def test_the_forward_follows_the_report_as_a_torch_implementation_does(checkpoint, highest_precision):
     directory, full, tensors = checkpoint
-    params, config = read_params(directory)
+    _, config = check_against_the_reference(directory, full, tensors, MAIN)
     assert config.num_nextn_predict_layers == DEPTH
-    got = _mtp_logits(params, config, IDS)
-    want = reference_mtp_logits(full, tensors, IDS)
-    assert len(got) == DEPTH
-    for depth, (ours, theirs) in enumerate(zip(got, want), start=1):
-        np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=0, err_msg=f"depth {depth}")
+
+
+def assert_round_trip(params, config, directory, out) -> None:
+    """``params`` exported to ``out``: the same tensors as ``directory``'s, bit for bit, and the same depth."""
+    exported = save_pretrained(params, config, out)
+    depth = json.loads((directory / "config.json").read_text())["num_nextn_predict_layers"]
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == depth
+    # transformers saves the MLP of no shared experts 0 wide: nothing to convert, nothing exported.
+    original = {name: tensor for name, tensor in load_file(directory / "model.safetensors").items() if tensor.numel()}
+    again = dict(stream(find_weights(exported)))
+    assert set(again) == set(original)
+    for name, tensor in original.items():
+        np.testing.assert_array_equal(again[name], tensor.numpy(), err_msg=name)
 
 
 def test_conversion_keeps_the_layers_both_ways(checkpoint, tmp_path):
     directory, _, _ = checkpoint
     params, config = read_params(directory)
     assert {"mtp_layers_0", "mtp_layers_1"} <= set(params)
-    exported = save_pretrained(params, config, tmp_path / "out")
-    assert json.loads((tmp_path / "out" / "config.json").read_text())["num_nextn_predict_layers"] == DEPTH
-    original, again = dict(stream(find_weights(directory))), dict(stream(find_weights(exported)))
-    assert set(again) == set(original)
-    for name, tensor in original.items():
-        np.testing.assert_array_equal(again[name], tensor, err_msg=name)
+    assert_round_trip(params, config, directory, tmp_path / "out")
 
 
 def test_copies_of_the_shared_embedding_that_differ_are_refused(checkpoint, tmp_path):
