@@ -15,6 +15,10 @@ module marks it frozen (:meth:`DeepseekV3ForCausalLM.trainable_mask`) and, with 
 expert's selections over a training step in the ``router_counts`` model state, from which the step's end
 (:meth:`DeepseekV3ForCausalLM.end_of_step`) moves the bias.
 
+With ``num_nextn_predict_layers`` the model ends in DeepSeek's multi-token-prediction modules
+(:mod:`functrain.models.mtp`, ``mtp_layers_{d}``: one decoder layer each, sharing the embedding and head), whose
+terms (``model.mtp_loss_weight``) join the MoE's; decoding never runs them.
+
 GLM-4.5 (:mod:`functrain.models.glm4_moe`) is this decoder with Llama's grouped-query attention in place of the
 latent attention (the module's ``attention``), as transformers derives ``Glm4MoeForCausalLM`` from DeepSeek-V3's.
 """
@@ -240,10 +244,10 @@ class DeepseekV3ForCausalLM(nn.Module):
     def _multi_token_prediction(self, x, tokens, head, batch_inputs, ways):
         """The multi-token-prediction modules on the final hidden states ``x`` (in the layers' order)."""
         cfg = self.config
-        if stage_count() > 1:
+        if stage_count() > 1 or ways > 1:  # not tested on those meshes yet
             raise ConfigError(
-                "model.num_nextn_predict_layers (multi-token prediction) does not run under mesh.pipeline > 1; set "
-                "model.mtp_loss_weight=0 to train without it, or mesh.pipeline=1"
+                "model.num_nextn_predict_layers (multi-token prediction) does not run under mesh.pipeline > 1 or "
+                "mesh.context > 1; set model.mtp_loss_weight=0 to train without it, or those axes to 1"
             )
         block = remat_block(DeepseekV3Block, cfg.remat, prevent_cse=True)
 

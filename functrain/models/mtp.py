@@ -37,7 +37,7 @@ MakeBlock = Callable[[int, str], nn.Module]
 
 def shifted(values: Array, shift: int, fill: Any = 0) -> Array:
     """``values[:, i + shift]`` at position ``i`` of ``[B, T, ...]``, ``fill`` past the end."""
-    shift = min(shift, values.shape[1])
+    values, shift = jnp.asarray(values), min(shift, values.shape[1])
     tail = jnp.full((values.shape[0], shift, *values.shape[2:]), fill, values.dtype)
     return jnp.concatenate([values[:, shift:], tail], axis=1)
 
