@@ -1,5 +1,5 @@
-"""``model.batch_invariant``: decoding with a KV cache (a prompt, then one token at a time, in a cache longer than the
-text) gives the log-probs of the whole-sequence forward bit for bit, at every batch size, for GPT and for a Qwen3 with
+"""``model.batch_invariant``: decoding with a KV cache (one token at a time, in a cache longer than the text; GRPO's
+tests hold a prompt fed at once, tests/tasks/grpo/test_grpo_run.py) gives the log-probs of the whole-sequence forward bit for bit, at every batch size, for GPT and for a Qwen3 with
 grouped-query heads, in float32 and bfloat16 compute; the option's config rules."""
 
 import jax
@@ -14,7 +14,7 @@ from functrain.models import build_model, model_config_class
 from functrain.models.kv_cache import empty_cache
 from functrain.tasks.sampling import INVARIANT_OPTIONS, ONE_THREAD
 
-LENGTH, PROMPT, CACHE = 13, 4, 19  # the cache runs 6 positions past the text
+LENGTH, CACHE = 13, 19  # the cache runs 6 positions past the text
 MODELS = {
     "gpt": dict(name="gpt", vocab_size=61, max_len=32, d_model=32, n_layers=1, n_heads=2, d_ff=64, dropout=0.0),
     "qwen3": dict(name="qwen3", vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -27,20 +27,14 @@ def _log_probs(output):
 
 
 def decoded_log_probs(model, params, tokens):
-    """The log-probs of ``tokens`` fed to a cache of CACHE positions: the first PROMPT at once, then one by one."""
-
-    def feed(cache, new):
-        output, updated = model.apply({"params": params, "cache": cache}, new, mutable=["cache"])
-        return _log_probs(output), updated["cache"]
-
-    first, cache = feed(empty_cache(model, params, tokens.shape[0], CACHE), tokens[:, :PROMPT])
+    """The log-probs of ``tokens`` fed one by one to a cache of CACHE positions (one compiled model in a scan)."""
 
     def one(cache, token):
-        log_probs, cache = feed(cache, token[:, None])
-        return cache, log_probs[:, 0]
+        output, updated = model.apply({"params": params, "cache": cache}, token[:, None], mutable=["cache"])
+        return updated["cache"], _log_probs(output)[:, 0]
 
-    _, rest = jax.lax.scan(one, cache, tokens[:, PROMPT:].T)
-    return jnp.concatenate([first, rest.transpose(1, 0, 2)], axis=1)
+    _, log_probs = jax.lax.scan(one, empty_cache(model, params, tokens.shape[0], CACHE), tokens.T)
+    return log_probs.transpose(1, 0, 2)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
