@@ -10,24 +10,25 @@ disagreed, by a little, on the log-probs RL divides by each other.
 How: every product a row's result goes through is computed in tiles of one fixed shape, whatever the number of rows
 (what torchtitan's and Thinking Machines' batch-invariant kernels do with fixed tiles, without split reductions):
 
-- a dense layer's ``[M, K] @ [K, N]`` runs as ``ceil(M / DENSE_ROWS)`` products ``[DENSE_ROWS, K] @ [K, N]`` (the
-  rows padded with zeros), one batched product whose batch is the tiles: each tile takes the same kernel, and a
-  row's sums do not depend on the other rows of its tile;
-- attention runs over the keys in blocks of ``KEY_BLOCK`` positions, in order (an online softmax: running maximum,
-  running sum, running weighted values), each block's scores ``[ATTENTION_ROWS, D] @ [D, KEY_BLOCK]`` and weighted
-  values ``[ATTENTION_ROWS, KEY_BLOCK] @ [KEY_BLOCK, D + 1]`` (a column of ones gives the softmax's sum in the same
-  product) tiles of one shape. Blocks are aligned on key positions, so a decoded token, whose cache runs further
-  than the sequence, sees the same blocks; a wholly masked block changes nothing (its weights are exact zeros, the
-  running maximum stays).
+- a dense layer's ``[M, K] @ [K, N]`` runs as a loop over ``ceil(M / DENSE_ROWS)`` products ``[DENSE_ROWS, K] @
+  [K, N]`` (the rows padded with zeros): each takes the same kernel, and a row's sums do not depend on the other rows
+  of its tile. A loop, not one batched product: XLA merges a batched product with broadcast weights back into one
+  product of all the rows, and fuses the rows' producers into it differently by size;
+- attention runs as a loop over tiles of ``ATTENTION_ROWS`` query rows (positions x grouped heads), each over the
+  keys in blocks of ``KEY_BLOCK`` positions, in order (an online softmax: running maximum, running weighted values),
+  with scores ``[ATTENTION_ROWS, D] @ [D, KEY_BLOCK]`` and weighted values ``[ATTENTION_ROWS, KEY_BLOCK] @
+  [KEY_BLOCK, D + 1]`` (a column of ones gives the softmax's sum in the same product). Blocks are aligned on key
+  positions, so a decoded token, whose cache runs further than the sequence, sees the same blocks; a wholly masked
+  block changes nothing (its weights are exact zeros, the running maximum stays).
 
 Norms and the logits' log-softmax reduce each row over its own features with nothing of other rows; XLA:CPU's
-reductions keep one order per row length (the tests check them with the rest). Only the forward is batch-invariant:
-the backward of a product is the plain one (gradients need no bitwise twin).
+reductions keep one order per row length (the tests check them with the rest). On CPU the programs are compiled with
+YNNPACK on each product alone (:data:`functrain.tasks.sampling.INVARIANT_OPTIONS`). Only the forward is
+batch-invariant: the backward of a product is the plain one (gradients need no bitwise twin).
 
-On a GPU or TPU the tiles' products are one batched product too; whether XLA's kernel for it keeps each tile's sums
-in one order whatever the batch count is for a device to confirm (on a GPU with ``train.deterministic``, which
-fixes the autotuner's choices); there, the broadcast weights are written out per tile, which a fixed-tile Pallas
-kernel would avoid.
+On a GPU or TPU every product has one shape too, and XLA's kernel for one shape sums in one order in two programs
+where its choice is deterministic (a GPU's ``train.deterministic``); that, and the loops' cost there, are for a device
+to confirm: a fixed-tile Pallas kernel would run a product's tiles in one launch.
 """
 
 from __future__ import annotations
