@@ -216,16 +216,6 @@ class RunSections(Section):
             self._given_as[dotted] = old_name
         return self
 
-    @pydantic.model_validator(mode="after")
-    def _resolve_batch_invariance(self) -> "RunSections":
-        """``model.batch_invariant`` unset: the task's default where the family supports it, else off."""
-        model = self.model
-        if isinstance(model, RuntimeOptions) and model.batch_invariant is None:
-            section = getattr(self, self.task, None) if self.task else None
-            wanted = section is not None and section.batch_invariant_model
-            model.__dict__["batch_invariant"] = wanted and family_named(model.name).batch_invariant
-        return self
-
     def given_as(self, dotted: str) -> str:
         """The name the config gave ``dotted`` under (an old alias), for messages about its value."""
         return self._given_as.get(dotted, dotted)

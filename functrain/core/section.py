@@ -1,7 +1,5 @@
 """The base of every typed config section (the run's, a task's, a model family's)."""
 
-from typing import ClassVar
-
 from pydantic import BaseModel, ConfigDict
 
 
@@ -13,11 +11,7 @@ class Section(BaseModel):
 
 
 class TaskSection(Section):
-    """The config section of a task (:mod:`functrain.tasks`), named after it. ``batch_invariant_model``: whether
-    the task's model is batch-invariant unless ``model.batch_invariant`` says otherwise (a task that compares what
-    its sampler computed with what its train step does, :mod:`functrain.models.batch_invariant`)."""
-
-    batch_invariant_model: ClassVar[bool] = False
+    """The config section of a task (:mod:`functrain.tasks`), named after it."""
 
     @classmethod
     def implied_by(cls, config: object) -> bool:

@@ -74,7 +74,7 @@ def traced_as_configured(call: Callable) -> Callable:
 
     @functools.wraps(call)
     def traced(module: Any, *args: Any, **kwargs: Any) -> Any:
-        with batch_invariance(bool(module.config.batch_invariant)):
+        with batch_invariance(module.config.batch_invariant):
             return call(module, *args, **kwargs)
 
     return traced

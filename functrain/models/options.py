@@ -2,7 +2,7 @@
 kernel, :mod:`functrain.models.attention`), ``model.remat`` (:mod:`functrain.models.remat`),
 ``model.scan_layers`` (:mod:`functrain.models.scan`: the layers as one scan over stacked parameters) and
 ``model.batch_invariant`` (:mod:`functrain.models.batch_invariant`: each row's result independent of the batch and
-of decoding with a cache; None: on for the tasks that sample from the model they train, GRPO, off elsewhere).
+of decoding with a cache, so that GRPO's sampler and train step compute the same log-probs; off by default).
 
 They are config keys of every built-in model but no part of an HF config.json (see ``RUNTIME_KEYS``).
 """
@@ -30,12 +30,12 @@ def scan_refusal(model_name: str) -> str:
 
 class RuntimeOptions(FamilyConfig):
     """``model.attention: auto|xla|cudnn|splash``, ``model.remat: none|full|dots_saveable|offload``,
-    ``model.scan_layers: bool`` and ``model.batch_invariant: bool`` (None: the task's default)."""
+    ``model.scan_layers: bool`` and ``model.batch_invariant: bool``."""
 
     attention: AttentionChoice = "auto"
     remat: RematPolicy = "none"
     scan_layers: bool = False
-    batch_invariant: bool | None = None
+    batch_invariant: bool = False
 
     @pydantic.model_validator(mode="after")
     def _batch_invariance_supported(self):

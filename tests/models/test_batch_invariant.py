@@ -50,11 +50,9 @@ def test_decoding_gives_the_whole_forward_s_log_probs_bit_for_bit_at_every_batch
         np.testing.assert_array_equal(np.asarray(decode(params, tokens[:rows])), expected[:rows])
 
 
-def test_the_option_is_on_for_grpo_off_elsewhere_and_refused_where_unsupported():
-    grpo = load_config("configs/grpo_char_gpt.yaml")
-    assert grpo.model.batch_invariant is True
-    assert load_config("configs/grpo_char_gpt.yaml", ["model.batch_invariant=false"]).model.batch_invariant is False
-    assert load_config("configs/char_gpt.yaml").model.batch_invariant is False
+def test_the_option_is_off_by_default_and_refused_where_unsupported():
+    assert load_config("configs/grpo_char_gpt.yaml").model.batch_invariant is False
+    assert load_config("configs/grpo_char_gpt.yaml", ["model.batch_invariant=true"]).model.batch_invariant is True
     assert load_config("configs/char_gpt.yaml", ["model.batch_invariant=true"]).model.batch_invariant is True
     with pytest.raises(ConfigError, match=r"model.batch_invariant is not supported by model gpt2 \(only by gpt, "):
         load_config("configs/finetune_gpt2.yaml", ["model.batch_invariant=true"])

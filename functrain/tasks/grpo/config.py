@@ -1,7 +1,7 @@
 """``grpo.*``: the section of a ``task: grpo`` run, named as TRL 1.16's ``GRPOConfig`` names things (pydantic only,
 so reading a config stays cheap)."""
 
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import pydantic
 from pydantic import Field
@@ -31,9 +31,6 @@ class GRPOConfig(TaskSection):
     (:mod:`functrain.tasks.grpo.episodes`) for at most ``max_turns`` turns of at most ``max_turn_length`` tokens
     each (None: ``max_completion_length``), within ``max_completion_length`` tokens of model and environment
     together (both keys are read only with an environment)."""
-
-    # The sampler's log-probs are the train step's bit for bit (rollout/logprob_gap 0) where the model supports it.
-    batch_invariant_model: ClassVar[bool] = True
 
     num_generations: int = Field(8, ge=2)
     max_completion_length: int = Field(512, ge=1)
