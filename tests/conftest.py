@@ -4,6 +4,7 @@ Multi-device and multi-process tests run in a subprocess so XLA_FLAGS (which mus
 imported) never leak into the rest of the suite.
 """
 
+import gc
 import json
 import os
 import shutil
@@ -38,6 +39,12 @@ for _flag, _value in _TEST_COMPILE_FLAGS.items():
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+# Python's cyclic garbage collector, run less often in the test workers: a worker holds every module's traced and
+# compiled programs, so each full collection walks a large heap, and tracing allocates fast (collections were 9% of
+# the tracing-heavy modules' CPU; 7-9% less CPU in all with these thresholds). Only when cycles are freed changes:
+# a worker's peak memory is the same (test_grpo_run.py: 734 MB before, 733 after).
+gc.set_threshold(50_000, 20, 100)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Everything the session writes outside the tests' own directories goes under one directory of the session, so that

@@ -30,8 +30,10 @@ A packed LM batch's ``segment_ids`` / ``positions`` reach the model as keyword a
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
@@ -51,6 +53,25 @@ if TYPE_CHECKING:
 Batch = dict[str, Any]
 # apply(params, model_state, inputs, train, rng, **keywords) -> ModelOutput(logits, terms, state)
 Apply = Callable[..., ModelOutput]
+Init = Callable[[jax.Array], tuple[Any, Any]]
+
+# What each init function's output looks like, traced once: a build asks several times (the task's checks, LoRA's
+# trainable mask, the train state and its shardings), and tracing a large model's init takes seconds. Keyed by the
+# function, so a new build (new functions) traces again. A value is the shapes, or a function that derives them from
+# a trace made anyway (a linen module's boxed variables, traced for its logical axes).
+_INIT_SHAPES: weakref.WeakKeyDictionary[Init, Any] = weakref.WeakKeyDictionary()
+
+
+def init_shapes(init: Init) -> tuple[Any, Any]:
+    """``jax.eval_shape(init, key)``: the ``jax.ShapeDtypeStruct`` trees of ``init``'s params and model state (they
+    do not depend on the key), traced once per init function."""
+    shapes = _INIT_SHAPES.get(init)
+    if shapes is None:
+        shapes = jax.eval_shape(init, jax.random.PRNGKey(0))
+    elif callable(shapes):
+        shapes = shapes()
+    _INIT_SHAPES[init] = shapes
+    return shapes
 
 
 @dataclass(frozen=True)
@@ -133,10 +154,19 @@ def linen_pieces(
         args, named = _call_inputs(example_inputs, argument)
         return module.init({"params": rng, "dropout": rng}, *args, **named, **_mode_kwargs(module, False))
 
-    def init(rng: jax.Array) -> tuple[Any, Any]:
-        variables = nn.meta.unbox(dict(init_variables(rng)))
+    def split(variables: Any) -> tuple[Any, Any]:
+        variables = nn.meta.unbox(dict(variables))
         params = variables.pop("params", {})
         return params, variables
+
+    def init(rng: jax.Array) -> tuple[Any, Any]:
+        return split(init_variables(rng))
+
+    @functools.cache
+    def boxed_shapes() -> Any:  # one trace gives the logical axes and init's shapes
+        return jax.eval_shape(init_variables, jax.random.PRNGKey(0))
+
+    _INIT_SHAPES[init] = lambda: jax.eval_shape(split, boxed_shapes())  # unboxing, traced: no model in it
 
     keyword_names = _keyword_names(type(module).__call__)
 
@@ -158,7 +188,7 @@ def linen_pieces(
         return as_output(output, model_state)
 
     def logical_specs() -> Any:
-        return nn.get_partition_spec(jax.eval_shape(init_variables, jax.random.PRNGKey(0)).get("params", {}))
+        return nn.get_partition_spec(boxed_shapes().get("params", {}))
 
     return init, apply, logical_specs
 
@@ -232,7 +262,7 @@ def functional_pieces(model: FunctionalModel, example_batch: Batch) -> tuple[Cal
         return as_output(apply_fn(params, inputs, **_supported(keywords, keyword_names)), model_state)
 
     def logical_specs() -> Any:
-        return jax.tree.map(lambda _: PartitionSpec(), jax.eval_shape(init, jax.random.PRNGKey(0))[0])
+        return jax.tree.map(lambda _: PartitionSpec(), init_shapes(init)[0])
 
     return init, apply, logical_specs
 

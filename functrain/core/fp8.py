@@ -96,7 +96,13 @@ def gradient_to_fp8(y: jax.Array) -> jax.Array:
     return y
 
 
-gradient_to_fp8.defvjp(lambda y: (y, None), lambda _, grad: (_round(grad, GRADIENT_DTYPE),))
+gradient_to_fp8.defvjp(lambda y: (y, None), lambda _, grad: (gradient_rounded(grad),))
+
+
+def gradient_rounded(grad: jax.Array) -> jax.Array:
+    """``grad`` rounded to E5M2 at its current scale: the gradient a product's backward pass multiplies by (for a
+    hand-written backward pass, as a frozen quantized weight's, :mod:`functrain.models.quantized`)."""
+    return _round(grad, GRADIENT_DTYPE)
 
 
 def hardware_note(device: Any) -> str | None:

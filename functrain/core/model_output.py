@@ -14,7 +14,9 @@ state. Terms follow the :class:`ModelTerms` protocol:
 - ``terms.wants_batch_totals``: whether the step should run that pass when there are several micro-batches (an MoE
   balanced over the global batch); with one micro-batch a forward's own sums are the global batch's.
 
-The framework adds them to every task's loss (:func:`functrain.core.program.task_program`): a task never sees them.
+A model with several kinds of terms (an MoE with multi-token prediction) returns them together as
+:class:`CombinedTerms`. The framework adds them to every task's loss (:func:`functrain.core.program.task_program`):
+a task never sees them.
 """
 
 from __future__ import annotations
@@ -50,6 +52,33 @@ class ModelOutput:
     logits: Any
     terms: Any = None
     state: Any = None
+
+
+@flax.struct.dataclass
+class CombinedTerms:
+    """Several :class:`ModelTerms` as one: their losses and metrics added, each part given the global totals only
+    when it asks for them (a micro-batch-scoped part keeps its own forward's sums)."""
+
+    parts: tuple
+
+    @property
+    def wants_batch_totals(self) -> bool:
+        """Whether any part wants the global batch's totals."""
+        return any(part.wants_batch_totals for part in self.parts)
+
+    def batch_totals(self, weight: Any) -> tuple:
+        """Each wanting part's totals (None for the others)."""
+        return tuple(part.batch_totals(weight) if part.wants_batch_totals else None for part in self.parts)
+
+    def loss_terms(self, weight: Any, totals: Any) -> tuple[Any, dict[str, Any]]:
+        """The parts' loss additions summed and their metrics merged."""
+        loss_sum: Any = 0.0
+        metrics: dict[str, Any] = {}
+        for index, part in enumerate(self.parts):
+            part_totals = None if totals is None or not part.wants_batch_totals else totals[index]
+            extra_sum, extra = part.loss_terms(weight, part_totals)
+            loss_sum, metrics = loss_sum + extra_sum, {**metrics, **extra}
+        return loss_sum, metrics
 
 
 def as_output(raw: Any, state: Any) -> ModelOutput:

@@ -34,7 +34,15 @@ from typing import Any, Callable, NamedTuple
 import jax
 import numpy as np
 
-from functrain.core.adapters import Apply, Batch, ModelPieces, model_inputs_of, model_kind_of, model_pieces
+from functrain.core.adapters import (
+    Apply,
+    Batch,
+    ModelPieces,
+    init_shapes,
+    model_inputs_of,
+    model_kind_of,
+    model_pieces,
+)
 from functrain.core.fields import Fields, canonical, require_builtin, resolve_fields
 from functrain.core.losses import JAX_OPS, LOSSES, model_inputs, model_keywords
 from functrain.core.model_output import ModelOutput, add_terms
@@ -203,7 +211,7 @@ def task_program(pieces: ModelPieces, task: TaskLoss) -> Program:
         pieces,
         loss(True),
         loss(False),
-        init=init,
+        init=pieces.init if state is None else init,  # the model's own: its shapes are known once traced
         state_for_params=state_for_params if state is not None and state.from_params else None,
         state_logical_specs=None if state is None else state.logical_specs,
         batch_totals=batch_totals,
@@ -270,7 +278,7 @@ def builtin_program(
     loss_kind = fields.kind
     if loss_kind is None:
         raise ValueError("builtin_program needs fields of a built-in loss (require_builtin gives them)")
-    params, model_state = jax.eval_shape(pieces.init, jax.random.PRNGKey(0))
+    params, model_state = init_shapes(pieces.init)
     check_logits(pieces.apply, loss_kind, params, model_state, canonical(fields, example_batch))
     return task_program(pieces, builtin_task_loss(loss_kind, fields, logits_chunk))
 
@@ -283,7 +291,7 @@ def user_program(pieces: ModelPieces, loss_fn: Callable, example_batch: Batch) -
             f"loss_fn is a {type(loss_fn).__name__}, not a function; pass "
             f"loss_fn(params, batch, rng) -> (loss_sum, weight, aux_sums)"
         )
-    params, model_state = jax.eval_shape(pieces.init, jax.random.PRNGKey(0))
+    params, model_state = init_shapes(pieces.init)
     check_user_loss(loss_fn, params, example_batch, model_state)
     check_weight_is_a_count(user_loss(loss_fn), *pieces.init(jax.random.PRNGKey(0)), example_batch)
     return _on_pieces(pieces, user_loss(loss_fn), user_loss(loss_fn, train=False))

@@ -15,10 +15,15 @@ module marks it frozen (:meth:`DeepseekV3ForCausalLM.trainable_mask`) and, with 
 expert's selections over a training step in the ``router_counts`` model state, from which the step's end
 (:meth:`DeepseekV3ForCausalLM.end_of_step`) moves the bias.
 
+With ``num_nextn_predict_layers`` the model ends in DeepSeek's multi-token-prediction modules
+(:mod:`functrain.models.mtp`, ``mtp_layers_{d}``: one decoder layer each, sharing the embedding and head), whose
+terms (``model.mtp_loss_weight``) join the MoE's; decoding never runs them.
+
 GLM-4.5 (:mod:`functrain.models.glm4_moe`) is this decoder with Llama's grouped-query attention in place of the
 latent attention (the module's ``attention``), as transformers derives ``Glm4MoeForCausalLM`` from DeepSeek-V3's.
 """
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -28,22 +33,27 @@ import jax
 import jax.numpy as jnp
 from flax.traverse_util import flatten_dict, unflatten_dict
 
+from functrain.core.model_output import CombinedTerms, ModelOutput
 from functrain.errors import ConfigError
 from functrain.models import llama
 from functrain.models.attention import attention_kernel
+from functrain.models.configs.deepseek_moe import DEEPSEEK_RUNTIME_KEYS
 from functrain.models.configs.deepseek_v3 import DeepseekV3Config
 from functrain.models.configs.glm4_moe import Glm4MoeConfig
 from functrain.models.configs.moe import MOE_RUNTIME_KEYS
 from functrain.models.deepseek_routing import sigmoid_group_limited, updated_bias
-from functrain.models.hf_common import RMSNorm, embed, hf_config_dict, lm_head
+from functrain.models.hf_common import RMSNorm, embed, hf_config_dict, lm_head_of
+from functrain.models.kv_cache import decoding
 from functrain.models.mla import LatentAttention
 from functrain.models.moe.balance import moe_output
 from functrain.models.moe.decoder import balancing, gated, moe_context_inputs
 from functrain.models.moe.layer import MoeBlock, RouterStats
+from functrain.models.mtp import MTP_PREFIX, multi_token_prediction
 from functrain.models.remat import check_remat, remat_block
 from functrain.models.rope import hf_rope_parameters, parse_hf_rope
 from functrain.models.scan import apply_layers
-from functrain.parallel.context import from_context_order
+from functrain.parallel.context import from_context_order, to_context_order
+from functrain.parallel.pipeline import stage_count
 from functrain.parallel.sharding import constrain_batch
 
 DENSE_PREFIX, MOE_PREFIX = "dense_layers_", "moe_layers_"
@@ -76,13 +86,12 @@ def from_hf_config(hf: dict[str, Any]) -> DeepseekV3Config:
 
 def to_hf_config(config: DeepseekV3Config) -> dict[str, Any]:
     """An HF config.json dict (transformers 5 layout) that loads as DeepseekV3ForCausalLM."""
-    hf = hf_config_dict(config, exclude={"rope_theta", "rope_scaling", "bias_update_rate", *MOE_RUNTIME_KEYS})
+    hf = hf_config_dict(config, exclude={"rope_theta", "rope_scaling", *DEEPSEEK_RUNTIME_KEYS, *MOE_RUNTIME_KEYS})
     hf.update(
         model_type="deepseek_v3",
         architectures=["DeepseekV3ForCausalLM"],
         num_key_value_heads=config.num_attention_heads,
         rope_parameters=hf_rope_parameters(config),
-        num_nextn_predict_layers=0,  # functrain has no multi-token-prediction layer to export
         attention_dropout=0.0,
         pretraining_tp=1,
     )
@@ -195,6 +204,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         ``logits_chunk``: the head unapplied (:mod:`functrain.models.head`)."""
         cfg = self.config
         std = cfg.initializer_range
+        batch_inputs = (input_ids, segment_ids, positions, token_mask)  # in the batch's order, for the MTP's shifts
         # Under a context mesh axis the layers run on the sequence in load-balanced order (parallel/context.py).
         input_ids, segment_ids, positions, token_mask, ways = moe_context_inputs(
             self, input_ids, segment_ids, positions, token_mask
@@ -217,15 +227,50 @@ class DeepseekV3ForCausalLM(nn.Module):
             )  # fmt: skip
             stats.append(run_stats)
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(x)
-        x = from_context_order(x, ways)  # the logits in the batch's order, for the loss and every task
-        logits = lm_head(self, tokens, x, cfg, std, logits_chunk)
-        layers = jax.tree.map(lambda *runs: jnp.concatenate(runs), *stats)  # [L, ...] in layer order
-        return moe_output(logits, layers, balancing(cfg))
+        head = lm_head_of(self, tokens, cfg, std)
+        # The logits in the batch's order, for the loss and every task.
+        logits = head(from_context_order(x, ways), logits_chunk)
+        settings = balancing(cfg)
+        mtp_terms = None
+        if cfg.num_nextn_predict_layers and (self.is_initializing() or (cfg.mtp_trained and not decoding(self))):
+            mtp_terms, mtp_stats = self._multi_token_prediction(x, tokens, head, batch_inputs, ways)
+            stats += [jax.tree.map(lambda *depths: jnp.stack(depths), *mtp_stats)]
+            mtp_moe = tuple(layer for layer in cfg.mtp_layers() if cfg.moe_layer(layer))
+            settings = dataclasses.replace(settings, moe_layers=settings.moe_layers + mtp_moe)
+        layers = jax.tree.map(lambda *runs: jnp.concatenate(runs), *stats)  # [L (+ D), ...] in layer order
+        output = moe_output(logits, layers, settings)
+        return output if mtp_terms is None else ModelOutput(logits, CombinedTerms((output.terms, mtp_terms)))
+
+    def _multi_token_prediction(self, x, tokens, head, batch_inputs, ways):
+        """The multi-token-prediction modules on the final hidden states ``x`` (in the layers' order)."""
+        cfg = self.config
+        if stage_count() > 1 or ways > 1:  # not tested on those meshes yet
+            raise ConfigError(
+                "model.num_nextn_predict_layers (multi-token prediction) does not run under mesh.pipeline > 1 or "
+                "mesh.context > 1; set model.mtp_loss_weight=0 to train without it, or those axes to 1"
+            )
+        block = remat_block(DeepseekV3Block, cfg.remat, prevent_cse=True)
+
+        def make_block(depth: int, name: str) -> nn.Module:
+            return block(cfg, self.dtype, cfg.moe_layer(cfg.mtp_layers()[depth]), self.attention, name=name)
+
+        return multi_token_prediction(
+            x, embed=tokens, head=head, make_block=make_block, inputs=batch_inputs,
+            reorder=functools.partial(to_context_order, ways=ways), config=cfg, dtype=self.dtype,
+        )  # fmt: skip
 
     @nn.nowrap
     def trainable_mask(self, params: Any) -> Any:
-        """False at the correction biases (moved by :meth:`end_of_step`, never by the optimizer), True elsewhere."""
-        return unflatten_dict({path: path[-1] != CORRECTION_BIAS for path in flatten_dict(params)})
+        """False at the correction biases (moved by :meth:`end_of_step`, never by the optimizer) and, when
+        ``mtp_loss_weight`` is 0, at the multi-token-prediction layers (kept as converted: no loss reaches them, and
+        weight decay must not shrink them); True elsewhere."""
+        frozen_mtp = not self.config.mtp_trained
+        return unflatten_dict(
+            {
+                path: path[-1] != CORRECTION_BIAS and not (frozen_mtp and path[0].startswith(MTP_PREFIX))
+                for path in flatten_dict(params)
+            }
+        )
 
     @nn.nowrap
     def end_of_step(self, params: Any, model_state: Any) -> tuple[Any, Any]:
@@ -242,11 +287,14 @@ class DeepseekV3ForCausalLM(nn.Module):
         return unflatten_dict(flat), {**model_state, COUNTS_COLLECTION: zeroed}
 
 
-def hf_layer_path(config: DeepseekMoeConfig, layer: int) -> str:
-    """The functrain module of HF's ``model.layers.{layer}`` (unrolled)."""
+def hf_layer_path(config: DeepseekMoeConfig, layer: int) -> tuple[str, ...]:
+    """The functrain module of HF's ``model.layers.{layer}`` (unrolled), past ``num_hidden_layers`` the decoder layer
+    of a multi-token-prediction module."""
+    if layer >= config.num_hidden_layers:
+        return f"{MTP_PREFIX}{layer - config.num_hidden_layers}", "block"
     if config.moe_layer(layer):
-        return f"{MOE_PREFIX}{layer - config.dense_layers}"
-    return f"{DENSE_PREFIX}{layer}"
+        return (f"{MOE_PREFIX}{layer - config.dense_layers}",)
+    return (f"{DENSE_PREFIX}{layer}",)
 
 
 def build(config: DeepseekV3Config, dtype: Any = jnp.float32) -> DeepseekV3ForCausalLM:

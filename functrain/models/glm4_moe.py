@@ -5,8 +5,8 @@ the latent attention: biases on q, k and v with ``attention_bias`` (never on ``o
 each query and key head (``use_qk_norm``), and a rotary embedding over the leading ``partial_rotary_factor`` of
 each head's features.
 
-Checkpoints carry ``num_nextn_predict_layers`` multi-token-prediction layers past ``num_hidden_layers``; the
-conversion leaves them out and names them in one log line, as DeepSeek-V3's does.
+Checkpoints carry ``num_nextn_predict_layers`` multi-token-prediction layers past ``num_hidden_layers``: the model
+trains them and conversion keeps them, as DeepSeek-V3's does (:mod:`functrain.models.mtp`).
 """
 
 from typing import Any
@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from functrain.models import llama
 from functrain.models.attention import attention_kernel
+from functrain.models.configs.deepseek_moe import DEEPSEEK_RUNTIME_KEYS
 from functrain.models.configs.glm4_moe import Glm4MoeConfig
 from functrain.models.configs.hf import NO_DROPOUT, refuse_unimplemented
 from functrain.models.configs.moe import MOE_RUNTIME_KEYS
@@ -46,8 +47,7 @@ def to_hf_config(config: Glm4MoeConfig) -> dict[str, Any]:
         config,
         "glm4_moe",
         "Glm4MoeForCausalLM",
-        exclude={"mlp_bias", "partial_rotary_factor", "bias_update_rate", *MOE_RUNTIME_KEYS},
-        num_nextn_predict_layers=0,  # functrain has no multi-token-prediction layer to export
+        exclude={"mlp_bias", "partial_rotary_factor", *DEEPSEEK_RUNTIME_KEYS, *MOE_RUNTIME_KEYS},
     )
     hf["rope_parameters"]["partial_rotary_factor"] = config.partial_rotary_factor
     return hf

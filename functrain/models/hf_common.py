@@ -62,11 +62,17 @@ def lm_head(parent: nn.Module, embedding: nn.Embed, x: Any, cfg: Any, init_std: 
     """An HF-style causal LM's head on its final hidden states ``x``, declared in the compact module ``parent``: the
     input ``embedding`` transposed when ``cfg.tie_word_embeddings``, else a Dense named ``lm_head`` (the logits, or
     an :class:`~functrain.core.unembedding.Unembedding` with ``logits_chunk``; see :mod:`functrain.models.head`)."""
+    return lm_head_of(parent, embedding, cfg, init_std)(x, logits_chunk)
+
+
+def lm_head_of(parent: nn.Module, embedding: nn.Embed, cfg: Any, init_std: float) -> Callable[..., Any]:
+    """:func:`lm_head` declared once, as a function ``head(x, logits_chunk=None)`` that may be called on several
+    hidden states with the same weights (multi-token prediction's shared head)."""
     if cfg.tie_word_embeddings:
-        return tied_head(embedding, x, logits_chunk)
+        return lambda x, logits_chunk=None: tied_head(embedding, x, logits_chunk)
     head = dense(cfg.vocab_size, ("embed", "vocab"), use_bias=False, dtype=parent.dtype, init_std=init_std,
                  name="lm_head", fp8=False)  # fmt: skip
-    return untied_head(parent, x, head, logits_chunk)
+    return lambda x, logits_chunk=None: untied_head(parent, x, head, logits_chunk)
 
 
 def embed(num: int, features: int, axes: tuple[str | None, str], *, dtype: Any, init_std: float, name: str) -> nn.Embed:

@@ -42,6 +42,7 @@ import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 from jax.sharding import PartitionSpec
 
+from functrain.core.fp8 import fp8_enabled, gradient_rounded, to_fp8
 from functrain.core.precision import is_quantized
 from functrain.errors import ConfigError
 
@@ -214,6 +215,8 @@ def _product(inputs: Array, state: dict[str, Array]) -> Array:
     # every layer's weight up front (they depend on nothing the step computes).
     inputs, state = jax.lax.optimization_barrier((inputs, state))
     weight = dequantize(state).astype(inputs.dtype)
+    if fp8_enabled():  # train.fp8: as a float base's projection (functrain.models.matmul.dense_dot_general)
+        inputs, weight = to_fp8(inputs), to_fp8(weight)
     return jax.lax.dot_general(inputs, weight, (((inputs.ndim - 1,), (1,)), ((), ())))
 
 
@@ -221,7 +224,9 @@ def _product(inputs: Array, state: dict[str, Array]) -> Array:
 def frozen_product(inputs: Array, state: dict[str, Array]) -> Array:
     """``inputs [..., in] @ W.T`` for the quantized weight ``state`` (W [out, in]), in ``inputs``' dtype: the
     product of a frozen Dense layer. Its backward pass gives the inputs' gradient only, from the weight dequantized
-    again once the gradient is there: nothing of the size of the weight is kept between the passes."""
+    again once the gradient is there: nothing of the size of the weight is kept between the passes. Traced with
+    FP8 projections (``train.fp8``), it is the FP8 product a float base's layer computes: both operands rounded to
+    E4M3, the gradient arriving at its output to E5M2."""
     return _product(inputs, state)
 
 
@@ -235,6 +240,8 @@ def _backward(state: dict[str, Array], grad: Array) -> tuple[Array, Any]:
     # (a plan of Llama 3 8B under QLoRA: 58 GiB of temporaries for 16 GiB of bf16 weights).
     grad, state = jax.lax.optimization_barrier((grad, state))
     weight = dequantize(state).astype(grad.dtype)
+    if fp8_enabled():  # the gradient in E5M2, the weight in E4M3, as gradient_to_fp8 and to_fp8 give a float base
+        grad, weight = gradient_rounded(grad), to_fp8(weight)
     inputs_grad = jax.lax.dot_general(grad, weight, (((grad.ndim - 1,), (0,)), ((), ())))
     return inputs_grad, jax.tree.map(_zero_cotangent, state)
 

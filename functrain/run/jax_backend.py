@@ -16,6 +16,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from functrain.core.adapters import init_shapes
 from functrain.core.fp8 import hardware_note, with_fp8
 from functrain.core.precision import (
     COMPUTE_DTYPES,
@@ -118,7 +119,7 @@ class JaxBackend:
         dynamic_scale = step.dynamic_loss_scale
         trainable = None
         if program.trainable is not None:  # frozen leaves (LoRA's base weights): no gradient, no optimizer state
-            trainable = program.trainable(jax.eval_shape(program.init, jax.random.PRNGKey(0))[0])
+            trainable = program.trainable(init_shapes(program.init)[0])
             tx = trainable_only(tx, trainable)
         self.tx, self.schedule = tx, schedule
         train_step = make_train_step(
@@ -158,7 +159,11 @@ class JaxBackend:
             init_key, run_key = jax.random.split(jax.random.PRNGKey(seed))
             return fresh_state(*program.init(init_key), run_key)
 
-        self.abstract_state = jax.eval_shape(create_state, 0)
+        # From init's shapes (traced once for the build), not by tracing the model's init again.
+        self.abstract_state = jax.eval_shape(
+            lambda params, model_state: fresh_state(params, model_state, jax.random.PRNGKey(0)),
+            *init_shapes(program.init),
+        )
         self.param_shardings = sharding.param_shardings(
             program.logical_specs(),
             self.abstract_state.params,

@@ -2,7 +2,7 @@
 prompt as transformers' greedy ``generate`` does; the cache holds the latent, not per-head keys and values;
 ``scan_layers`` with ``remat`` trains as the unrolled model does; the auxiliary-loss-free bias update moves the
 correction biases by the step's total counts alike for any number of micro-batches, outside the optimizer, and a
-killed run with it resumes bitwise."""
+killed run with it (and multi-token prediction, functrain.models.mtp) resumes bitwise."""
 
 import flax.linen as nn
 import jax
@@ -151,8 +151,9 @@ def test_bias_update_moves_the_bias_alike_for_any_micro_batching():
     assert not any("e_score_correction_bias" in str(path) for path, _ in tree_flatten_with_path(whole.opt_state)[0])
 
 
-def test_killed_run_resumes_bitwise_with_the_bias_update(tmp_path, capsys):
-    model = {**BALANCED, "vocab_size": 256, "max_position_embeddings": 64}
+def test_killed_run_resumes_bitwise_with_the_bias_update_and_multi_token_prediction(tmp_path, capsys):
+    # A multi-token-prediction module (an MoE layer with its own correction bias) trained beside the model.
+    model = {**BALANCED, "vocab_size": 256, "max_position_embeddings": 64, "num_nextn_predict_layers": 1}
     # The final evaluation reads 2 batches, not the text's 729 (verify-resume compares the training metrics).
     config = {"seed": 0, "run": {"dir": str(tmp_path / "run")}, "model": model,
               "data": {"name": "char_text", "seq_len": 16, "global_batch_size": 4},

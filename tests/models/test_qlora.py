@@ -24,10 +24,15 @@ import functrain
 from functrain.checkpoint import load_params_and_meta
 from functrain.checkpoint.reader import saved_tree_metadata
 from functrain.commands.cli import main
+from functrain.commands.plan import format_plan
 from functrain.core.precision import is_quantized
 from functrain.models import llama
 from functrain.models.lora import adapter_interceptor
+from functrain.models.quantized import quantize_int8
+from functrain.parallel.sharding import human_bytes
+from functrain.plan.planner import plan
 from functrain.run import jax_backend
+from functrain.run.fit import resolve_config
 from tests.run.test_resume_bitwise import _digest, _train_losses
 from tests.torch_bridge.hf.test_hf_finetune import IDS, tiny_llama_dir
 from torch_bridge.hf import run_store
@@ -39,6 +44,9 @@ LORA = {"rank": 8, "alpha": 16.0, "targets": TARGETS, "base_dtype": "nf4"}
 # in float32; what separates them is the order of float32 sums (torch's kernels, XLA's) and the few absmax codes of
 # the double quantization that bitsandbytes' CPU search rounds to the lower neighbour (functrain/models/quantized.py).
 TOLERANCE = 2e-4
+# The NF4 base's bytes: 4 bits a weight, an 8-bit absmax code per 64, a float32 scale and offset per projection.
+WEIGHTS = 64 * 64 * 2 + 64 * 32 * 2 + 64 * 128 * 3
+QUANTIZED_BASE_BYTES = WEIGHTS // 2 + WEIGHTS // 64 + 7 * (4 + 4)
 NF4 = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                       bnb_4bit_compute_dtype=torch.float32)
 
@@ -97,14 +105,38 @@ def start_from(converted, run, initial):
     run_store.save(run, 0, unflatten_dict(flat), saved)
 
 
-def fit(tmp, run, steps=STEPS, save_every=SAVE_EVERY):
-    """Train ``run`` (from its step 0) to ``steps`` on the module's batches, saving every ``save_every`` steps."""
-    return functrain.fit(str(tmp / "converted" / "config.yaml"), **{
+def run_overrides(tmp, run, steps=STEPS, save_every=SAVE_EVERY, lora=LORA):
+    """The module's run at ``run``: ``steps`` on the module's batches with adapters ``lora``, saving every
+    ``save_every`` steps."""
+    return {
         "run.dir": str(run), "train.max_steps": steps, "data.name": "array_file",
         "data.path": str(tmp / "tokens.npz"), "data.shuffle": False, "data.seq_len": LENGTH,
         "data.global_batch_size": BATCH, "data.eval_fraction": 0.0, "optimizer.learning_rate": LEARNING_RATE,
-        "model.lora": LORA, "train.matmul_precision": "highest", "log.every_steps": 1, "log.progress": False,
-        "log.tensorboard": False, "checkpoint.every_steps": save_every, "checkpoint.async_save": False})
+        "model.lora": lora, "train.matmul_precision": "highest", "log.every_steps": 1, "log.progress": False,
+        "log.tensorboard": False, "checkpoint.every_steps": save_every, "checkpoint.async_save": False}
+
+
+def fit(tmp, run, steps=STEPS, save_every=SAVE_EVERY, lora=LORA, converted="converted"):
+    """Train ``run`` (from its step 0) as :func:`run_overrides` says, with the config of the conversion in
+    ``tmp / converted``."""
+    return functrain.fit(str(tmp / converted / "config.yaml"), **run_overrides(tmp, run, steps, save_every, lora))
+
+
+def fail_then_resume(monkeypatch, failing_call, fit_run):
+    """``fit_run()`` with its ``failing_call``-th train call raising (the machine going away), then again."""
+    real_call, calls = jax_backend.JaxBackend.train_call, []
+
+    def failing(self, state, batches):
+        calls.append(1)
+        if len(calls) == failing_call:
+            raise RuntimeError("the machine went away")
+        return real_call(self, state, batches)
+
+    monkeypatch.setattr(jax_backend.JaxBackend, "train_call", failing)
+    with pytest.raises(RuntimeError, match="went away"):
+        fit_run()
+    monkeypatch.undo()
+    fit_run()
 
 
 @pytest.fixture(scope="module")
@@ -159,8 +191,7 @@ def test_the_converted_base_is_bitsandbytes_nf4_and_a_quarter_of_float32(qlora):
     quantized = {path for path in flat if "kernel" in path[:-1]}
     assert {path[1:-2] for path in quantized} == {("self_attn", name) for name in ("q_proj", "k_proj", "v_proj", "o_proj")} | {
         ("mlp", name) for name in ("gate_proj", "up_proj", "down_proj")}
-    weights = 64 * 64 * 2 + 64 * 32 * 2 + 64 * 128 * 3
-    assert sum(flat[path].nbytes for path in quantized) == weights // 2 + weights // 64 + 7 * (4 + 4)
+    assert sum(flat[path].nbytes for path in quantized) == QUANTIZED_BASE_BYTES
     assert flat[("lm_head", "kernel")].dtype == np.float32  # the head stays in float, as bitsandbytes leaves it
 
 
@@ -197,19 +228,7 @@ def test_a_run_that_fails_after_a_save_resumes_bitwise(qlora, monkeypatch):
     the same final params as the uninterrupted run, the same losses."""
     tmp, _ = qlora
     shutil.copytree(tmp / "start", tmp / "resumed")
-    real_call, calls = jax_backend.JaxBackend.train_call, []
-
-    def failing_call(self, state, batches):
-        calls.append(1)
-        if len(calls) == 27:
-            raise RuntimeError("the machine went away")
-        return real_call(self, state, batches)
-
-    monkeypatch.setattr(jax_backend.JaxBackend, "train_call", failing_call)
-    with pytest.raises(RuntimeError, match="went away"):
-        fit(tmp, tmp / "resumed")
-    monkeypatch.undo()
-    fit(tmp, tmp / "resumed")
+    fail_then_resume(monkeypatch, 27, lambda: fit(tmp, tmp / "resumed"))
     assert _digest(tmp / "resumed") == _digest(tmp / "run")
     straight = dict(_train_losses(tmp / "run"))
     assert all(loss == straight[step] for step, loss in _train_losses(tmp / "resumed"))
@@ -234,6 +253,84 @@ def test_peft_loads_the_adapters_on_the_hf_base_and_the_merged_export_is_the_mod
 
     assert main(["convert", "functrain-to-hf", str(run), str(tmp / "merged"), "--merge-lora"]) == 0
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp / "merged")
+    np.testing.assert_allclose(hf_logits(merged), ours, atol=1e-5, rtol=0)
+
+
+def test_plan_reports_the_quantized_base_and_the_state_the_run_holds(qlora):
+    """``functrain plan`` of the module's run: its params are the bytes the trained run holds, the quantized base's
+    share of them named (in the printed lines too); AdamW's moments are the adapters' alone; a quantized weight
+    counts as its in x out weights (the HF model's count, plus the adapters)."""
+    tmp, _ = qlora
+    planned = plan(resolve_config(str(tmp / "converted" / "config.yaml"), run_overrides(tmp, tmp / "planned")))
+    flat = flatten_dict(load_params_and_meta(tmp / "run", STEPS)[0])
+    base = sum(leaf.nbytes for path, leaf in flat.items() if "kernel" in path[:-1])
+    adapters = sum(leaf.nbytes for path, leaf in flat.items() if path[-1] in ("lora_a", "lora_b"))
+    assert planned.quantized_base_bytes == base == QUANTIZED_BASE_BYTES
+    assert planned.per_chip_bytes["params"] == sum(leaf.nbytes for leaf in flat.values())
+    assert 2 * adapters <= planned.per_chip_bytes["optimizer"] <= 2 * adapters + 64  # and AdamW's step count
+    hf_weights = transformers.AutoModelForCausalLM.from_pretrained(tmp / "hf").num_parameters()
+    assert planned.parameters == hf_weights + adapters // 4
+    line = f"{'params':<12}{human_bytes(planned.per_chip_bytes['params']):>12}  (quantized base {human_bytes(base)})"
+    assert line in format_plan(planned)
+
+
+INT8 = dict(LORA, base_dtype="int8")
+INT8_STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def int8_run(qlora):
+    """The module's HF model converted into an int8 base (``int8``, a clean copy in ``int8_start``) and trained
+    ``INT8_STEPS`` steps there, saving every 2."""
+    tmp, _ = qlora
+    assert main(["convert", "hf-to-functrain", str(tmp / "hf"), str(tmp / "int8"), "--base-dtype", "int8"]) == 0
+    shutil.copytree(tmp / "int8", tmp / "int8_start")
+    fit(tmp, tmp / "int8", steps=INT8_STEPS, save_every=2, lora=INT8, converted="int8")
+    return tmp
+
+
+def test_an_int8_base_is_qwix_s_saved_once_and_trains_its_adapters(int8_run):
+    tmp = int8_run
+    base, meta = load_params_and_meta(tmp / "int8", 0)
+    assert meta["model"]["lora"]["base_dtype"] == "int8"
+    weight = transformers.AutoModelForCausalLM.from_pretrained(tmp / "hf").model.layers[0].mlp.down_proj.weight
+    expected = quantize_int8(weight.detach().numpy())
+    down_proj = base["layers_0"]["mlp"]["down_proj"]["kernel"]
+    assert {key: (value.shape, str(value.dtype)) for key, value in down_proj.items()} == {
+        "int8": ((64, 128), "int8"), "scale": ((64, 1), "float32")}
+    np.testing.assert_array_equal(down_proj["int8"], expected["int8"])
+    np.testing.assert_array_equal(down_proj["scale"], expected["scale"])
+    trained, meta = load_params_and_meta(tmp / "int8", INT8_STEPS)
+    assert meta["lora_base_step"] == 0
+    saved = flatten_dict(saved_tree_metadata(tmp / "int8" / "checkpoints" / str(INT8_STEPS), "params"))
+    assert saved and all(path[-1] in ("lora_a", "lora_b") for path in saved)
+    base, trained = flatten_dict(base), flatten_dict(trained)
+    assert all(np.array_equal(trained[path], leaf) for path, leaf in base.items())
+    assert all(np.any(leaf != 0) for path, leaf in trained.items() if path[-1] == "lora_b")
+
+
+def test_an_int8_run_that_fails_after_a_save_resumes_bitwise(int8_run, monkeypatch):
+    tmp = int8_run
+    shutil.copytree(tmp / "int8_start", tmp / "int8_resumed")
+    fail_then_resume(monkeypatch, 4, lambda: fit(tmp, tmp / "int8_resumed", steps=INT8_STEPS, save_every=2,
+                                                 lora=INT8, converted="int8"))
+    assert _digest(tmp / "int8_resumed") == _digest(tmp / "int8")
+    straight, resumed = dict(_train_losses(tmp / "int8")), _train_losses(tmp / "int8_resumed")
+    assert len(straight) == INT8_STEPS and all(loss == straight[step] for step, loss in resumed)
+
+
+def test_an_int8_run_exports_a_peft_directory_and_a_merged_model(int8_run):
+    """peft loads the adapters on the dequantized int8 base (``--step 0`` of the run: its base alone) and gives our
+    logits; so does the merged export."""
+    tmp = int8_run
+    ours = our_logits(tmp / "int8", INT8_STEPS)
+    assert main(["convert", "functrain-to-hf", str(tmp / "int8"), str(tmp / "int8_adapter")]) == 0
+    assert main(["convert", "functrain-to-hf", str(tmp / "int8"), str(tmp / "int8_base"), "--step", "0"]) == 0
+    dequantized = transformers.AutoModelForCausalLM.from_pretrained(tmp / "int8_base")
+    np.testing.assert_allclose(hf_logits(peft.PeftModel.from_pretrained(dequantized, tmp / "int8_adapter")), ours,
+                               atol=1e-5, rtol=0)
+    assert main(["convert", "functrain-to-hf", str(tmp / "int8"), str(tmp / "int8_merged"), "--merge-lora"]) == 0
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp / "int8_merged")
     np.testing.assert_allclose(hf_logits(merged), ours, atol=1e-5, rtol=0)
 
 

@@ -11,7 +11,9 @@ import pytest
 import qwix
 import torch
 
+from functrain.core.fp8 import fp8_products
 from functrain.models.configs.lora import LoraConfig
+from functrain.models.matmul import dense_dot_general
 from functrain.models.quantized import (
     dequantize,
     dynamic_values,
@@ -86,7 +88,7 @@ def test_int8_is_qwix_s_and_dequantizes_within_half_a_step():
     assert np.all(np.abs(dequantize(ours) - weight) <= ours["scale"] / 2 * (1 + 1e-4))  # the extreme at 127.5 steps
 
 
-def test_the_frozen_product_gives_the_dequantized_weight_s_input_gradient():
+def test_the_frozen_product_gives_the_dequantized_weight_s_input_gradient_in_fp8_too():
     weight = jnp.asarray(bf16_weight((32, 64)).float().numpy())
     state = quantize(weight, 32, True)
     inputs = jax.random.normal(jax.random.PRNGKey(0), (3, 5, 64))
@@ -100,6 +102,13 @@ def test_the_frozen_product_gives_the_dequantized_weight_s_input_gradient():
         expected_value, expected = value_and_grad(lambda x: x @ dense.T)
     np.testing.assert_allclose(value, expected_value, rtol=0, atol=1e-5)  # a sum of 480 products within 1e-6 each
     np.testing.assert_allclose(grad, expected, rtol=0, atol=1e-6)
+    # Under train.fp8: the FP8 product of the dequantized weight, as a float base's projection computes it.
+    with jax.default_matmul_precision("highest"), fp8_products():
+        fp8_value, fp8_grad = value_and_grad(lambda x: frozen_product(x, state))
+        expected_value, expected = value_and_grad(lambda x: dense_dot_general(x, dense.T, (((2,), (0,)), ((), ()))))
+    assert abs(fp8_value - value) > 1e-3  # FP8 is on
+    np.testing.assert_allclose(fp8_value, expected_value, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(fp8_grad, expected, rtol=0, atol=1e-6)
 
 
 def test_the_section_checks_its_quantization_options():

@@ -7,9 +7,6 @@ configs transformers derives (SmolLM3's NoPE layers, OLMo 3's old rope layout, G
 layer lists) read as transformers reads them. Logits and round trips against transformers:
 tests/torch_bridge/hf/test_hf_families.py."""
 
-import json
-import logging
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -18,7 +15,6 @@ import peft
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
 
 import functrain
 from functrain.checkpoint import load_params
@@ -33,11 +29,12 @@ from functrain.models.smollm3 import from_hf_config as smollm3_config
 from functrain.models.stacking import relayout_like, unstack_layers
 from functrain.text.decode import Generator, Sampling, load_language_model
 from tests.models.test_attention import random_params
+from tests.models.test_mtp import assert_round_trip, check_against_the_reference, with_mtp_layers
 from tests.models.test_scan_layers import RUN, _halfway, _losses
 from tests.torch_bridge.hf.test_hf_convert import hf_logits
 from tests.torch_bridge.hf.test_hf_families import build_family_model
 from tests.torch_bridge.hf.test_hf_finetune import QUIET
-from torch_bridge.hf import load_pretrained, read_params
+from torch_bridge.hf import load_pretrained
 
 # Each family's case with every feature on (test_hf_families.CASES).
 CASES = {"smollm3": "smollm3_nope_windows_biases_yarn", "olmo3": "olmo3_rope_by_layer_type_biases",
@@ -192,19 +189,13 @@ def test_glm4_moe_reads_the_released_config_layout_as_transformers_does():
     assert glm4_moe_config(without).attn_head_dim == 4096 // 64  # transformers' head_dim then
 
 
-def test_glm4_moe_leaves_out_the_multi_token_prediction_layer_in_one_log_line(tmp_path, caplog):
-    model = build_family_model(CASES["glm4_moe"])
-    model.save_pretrained(tmp_path)
-    tensors = load_file(tmp_path / "model.safetensors")
-    mtp = {f"model.layers.3.{name}": torch.ones(32) for name in ("enorm.weight", "hnorm.weight")}
-    mtp["model.layers.3.eh_proj.weight"] = torch.ones(32, 64)
-    save_file({**tensors, **mtp}, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((tmp_path / "config.json").read_text())
-    assert config["num_nextn_predict_layers"] == 1
-    with caplog.at_level(logging.WARNING):
-        read_params(tmp_path)
-    left_out = [record.getMessage() for record in caplog.records if "left out" in record.getMessage()]
-    assert len(left_out) == 1 and "the multi-token-prediction layer model.layers.3 (3 tensors" in left_out[0]
+def test_glm4_moe_keeps_its_multi_token_prediction_layer(tmp_path, highest_precision):
+    """GLM-4.5's multi-token-prediction layer (its decoder layer GLM's, the head tied here) computes the report's
+    equations as DeepSeek-V3's does and converts both ways."""
+    full = build_family_model("glm4_moe_all_sparse_tied", num_hidden_layers=4)
+    params, config = check_against_the_reference(tmp_path / "hf", *with_mtp_layers(full, tmp_path / "hf", 3), 3)
+    assert config.num_nextn_predict_layers == 1 and config.tie_word_embeddings
+    assert_round_trip(params, config, tmp_path / "hf", tmp_path / "out")
 
 
 def test_glm4_moe_correction_biases_stay_out_of_the_optimizer():

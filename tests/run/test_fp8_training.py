@@ -118,3 +118,30 @@ def test_scanned_rematerialised_layers_run_fp8_products_forward_and_backward():
     # traces the forward again).
     fp8 = casts(True)
     assert fp8["float8_e4m3fn"] >= 12 and fp8["float8_e5m2"] >= 6, fp8
+
+
+def test_lora_s_base_products_are_fp8_float_or_quantized_and_its_adapters_are_not():
+    """LoRA under train.fp8: each base projection is an FP8 product, its kernel float or quantized (an NF4 base
+    rounds its weight to E4M3 again in the backward pass, where it dequantizes it again); the adapters' products
+    stay in compute_dtype (they add no FP8 rounding)."""
+    from functrain.core.fp8 import with_fp8
+    from functrain.models import llama
+    from functrain.models.lora import LoraConfig, lora_program
+
+    config = llama.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                               num_attention_heads=2, num_key_value_heads=1)
+    batch = {"tokens": np.zeros((2, 9), np.int32), "weight": np.ones(2, np.float32)}
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+    def casts(lora: LoraConfig) -> dict[str, int]:
+        program = lora_program(llama.build(config), batch, "causal_lm", lora)
+        params = jax.eval_shape(program.init, jax.random.PRNGKey(0))[0]
+        loss = lambda p: program.loss_fn(p, {}, batch, jax.random.PRNGKey(0))[0]  # noqa: E731
+        text = str(jax.make_jaxpr(with_fp8(jax.grad(loss, allow_int=True), True))(params))
+        return {dtype: text.count(f"new_dtype={dtype}") for dtype in ("float8_e4m3fn", "float8_e5m2")}
+
+    # Each projection: its two operands in E4M3 forward, the gradient at its output in E5M2 (as without LoRA).
+    float_base = casts(LoraConfig(rank=4, targets=targets))
+    assert float_base == {"float8_e4m3fn": 2 * len(targets), "float8_e5m2": len(targets)}, float_base
+    nf4 = casts(LoraConfig(rank=4, targets=targets, base_dtype="nf4", block_size=32))
+    assert nf4 == {"float8_e4m3fn": 3 * len(targets), "float8_e5m2": len(targets)}, nf4

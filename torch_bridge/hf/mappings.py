@@ -18,6 +18,9 @@ them, so reading and writing are the same table run in two directions:
 A rule with an ``index`` maps its HF tensor to entry ``index`` of the leading (expert) axis of its leaf: a
 mixture of experts' per-expert tensors (``experts.<e>.w1.weight``) fill one stacked leaf together, and every
 expert of every layer has its rule, so a missing or extra expert is named.
+
+Several rules may fill the same leaf (a multi-token-prediction layer's copy of the shared embedding): reading checks
+the copies are equal, writing writes each.
 """
 
 import dataclasses
@@ -130,6 +133,10 @@ def _nothing_left_out(name: str, config: Any) -> str | None:
     return None
 
 
+def _config_as_is(config: Any, names: set[str]) -> Any:
+    return config
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorMapping:
     """How the tensors of an HF architecture are named and laid out: what a family's ``hf_mapping`` names
@@ -144,6 +151,9 @@ class TensorMapping:
     # The part of the model an HF tensor belongs to when conversion knowingly leaves it out (named in one log
     # line: DeepSeek-V3's multi-token-prediction layer), else None.
     left_out: Callable[[str, Any], str | None] = _nothing_left_out
+    # The config as the file's (canonical) tensor names complete it: config.json may announce a part that HF's own
+    # save leaves out (DeepSeek-V3's multi-token-prediction layers), which is then converted without it.
+    fit_config: Callable[[Any, set[str]], Any] = _config_as_is
 
 
 def _linear(hf_prefix: str, path: Path, bias: bool) -> list[Rule]:

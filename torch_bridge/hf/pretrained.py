@@ -51,12 +51,24 @@ def model_config_of(hf_dir: str | os.PathLike) -> tuple[dict[str, Any], Architec
     return hf_config, arch, arch.model.from_hf_config(hf_config)
 
 
+# The shapes of the last few configs: a round trip (read, train, write) asks again for the same model, and tracing
+# its init unrolled takes seconds for a large one.
+_SHAPES: dict[tuple[str, str], dict[Path, tuple[int, ...]]] = {}
+_SHAPES_KEPT = 8
+
+
 def expected_shapes(arch: Architecture, config: Any) -> dict[Path, tuple[int, ...]]:
     """Shape of every functrain parameter leaf for ``config`` with its layers unrolled (HF's tensors are per
     layer; scanned params convert with ``stacking``), computed abstractly (no memory used)."""
-    module = arch.model.build(config.model_copy(update={"scan_layers": False}))
-    abstract = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32)))
-    return {path: leaf.shape for path, leaf in flatten_dict(nn.meta.unbox(abstract["params"])).items()}
+    key = (arch.model_type, config.model_dump_json())
+    if key not in _SHAPES:
+        module = arch.model.build(config.model_copy(update={"scan_layers": False}))
+        abstract = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32)))
+        flat = flatten_dict(nn.meta.unbox(abstract["params"]))
+        if len(_SHAPES) >= _SHAPES_KEPT:
+            del _SHAPES[next(iter(_SHAPES))]  # the oldest
+        _SHAPES[key] = {path: leaf.shape for path, leaf in flat.items()}
+    return dict(_SHAPES[key])
 
 
 _EXPERT = re.compile(r"layers\.(\d+)\..*experts\.(\d+)\.")
@@ -154,6 +166,36 @@ def _match_tensors(
     return needed, shapes, scale_of
 
 
+class _Copies:
+    """The leaves several HF tensors fill (a multi-token-prediction layer's copy of the shared embedding): the first
+    read is kept until the others are checked equal to it (a CheckpointError naming both when not)."""
+
+    def __init__(self, needed: dict[str, Rule], where: str):
+        targets: dict[Path, int] = {}
+        for rule in needed.values():
+            for path in rule.paths if rule.index is None else ():  # indexed rules fill one entry each
+                targets[path] = targets.get(path, 0) + 1
+        self.pending = {path: count for path, count in targets.items() if count > 1}
+        self.first: dict[Path, tuple[str, np.ndarray]] = {}
+        self.where = where
+
+    def seen(self, path: Path, name: str, leaf: np.ndarray) -> bool:
+        """Whether ``path`` was filled already (then ``leaf``, from tensor ``name``, is checked against it)."""
+        if path not in self.pending:
+            return False
+        self.pending[path] -= 1
+        if path not in self.first:
+            self.first[path] = (name, leaf)
+            return False
+        first, kept = self.first[path] if self.pending[path] else self.first.pop(path)
+        if kept.shape != leaf.shape or not np.array_equal(kept, leaf):
+            raise CheckpointError(
+                f"{self.where}: {name} differs from {first}, but functrain's model holds them as one weight "
+                f"({'/'.join(path)}); use a checkpoint whose copies are equal"
+            )
+        return True
+
+
 def read_params(hf_dir: str | os.PathLike, place: Place | None = None) -> tuple[dict[str, Any], Any]:
     """Read an HF directory into (functrain params, model config), streaming one tensor at a time.
 
@@ -167,6 +209,7 @@ def read_params(hf_dir: str | os.PathLike, place: Place | None = None) -> tuple[
     infos = reader.catalog(weights)
     if (hf_config.get("quantization_config") or {}).get("quant_method") == "mxfp4":
         infos = mxfp4.unpacked_catalog(infos)
+    config = arch.mapping.fit_config(config, {arch.mapping.canonical_name(name) for name in infos})
     needed, shapes, scale_of = _match_tensors(arch, config, infos, str(hf_dir), block)
     packed = {name: info for name, info in infos.items() if isinstance(info, mxfp4.PackedInfo) and name in needed}
     file_names = {part.name for info in packed.values() for part in (info.blocks, info.scales)} | set(needed)
@@ -178,9 +221,12 @@ def read_params(hf_dir: str | os.PathLike, place: Place | None = None) -> tuple[
         tensors = fp8.dequantized(tensors, by_weight, block)
     flat: dict[Path, Any] = {}
     stacking: dict[Path, tuple[np.ndarray, set[int]]] = {}  # stacked leaves being filled, expert by expert
+    copies = _Copies(needed, str(hf_dir))
     for name, array in tensors:
         rule = needed[name]
         for path, leaf in zip(rule.paths, rule.to_functrain(array)):
+            if copies.seen(path, name, leaf):
+                continue
             if rule.index is not None:
                 stacked, filled = stacking.setdefault(path, (np.empty(shapes[path], leaf.dtype), set()))
                 stacked[rule.index] = leaf

@@ -7,6 +7,9 @@ experts of ``moe_intermediate_size`` (sigmoid scores plus a per-expert correctio
 
 ``model.bias_update_rate`` (not an HF key; 0: off) turns on DeepSeek's auxiliary-loss-free balancing: after every
 training step each expert's ``e_score_correction_bias`` moves by that rate towards its layer's mean load.
+
+``num_nextn_predict_layers`` (HF's key; 0: off) adds DeepSeek's multi-token prediction of that depth
+(:mod:`functrain.models.mtp`), trained with the weight ``model.mtp_loss_weight`` (not an HF key).
 """
 
 from typing import ClassVar, Hashable
@@ -14,6 +17,9 @@ from typing import ClassVar, Hashable
 import pydantic
 
 from functrain.models.configs.moe import MoeOptions
+
+# The keys these families add that no HF config.json has (left out of exported configs).
+DEEPSEEK_RUNTIME_KEYS = frozenset({"bias_update_rate", "mtp_loss_weight"})
 
 
 class DeepseekMoeOptions(MoeOptions):
@@ -30,6 +36,10 @@ class DeepseekMoeOptions(MoeOptions):
     first_k_dense_replace: int = pydantic.Field(3, ge=0)
     norm_topk_prob: bool = True
     bias_update_rate: float = pydantic.Field(0.0, ge=0)  # DeepSeek's gamma (0.001 in its report); 0: no update
+    num_nextn_predict_layers: int = pydantic.Field(0, ge=0)  # multi-token prediction's depth D; 0: none
+    # Its loss's weight (DeepSeek's lambda: 0.3, then 0.1 for the last third of the tokens); 0: the MTP layers kept
+    # (converted, exported) but not run.
+    mtp_loss_weight: float = pydantic.Field(0.1, ge=0)
 
     expert_count_key: ClassVar[str] = "n_routed_experts"
     num_hidden_layers: int  # the family's
@@ -68,6 +78,15 @@ class DeepseekMoeOptions(MoeOptions):
         """0: these models balance by their correction bias (``bias_update_rate``), transformers adds no
         auxiliary loss (``model.router_z_loss_coef`` still applies when set)."""
         return 0.0
+
+    def mtp_layers(self) -> list[int]:
+        """The HF layer indices of the multi-token-prediction modules (those past ``num_hidden_layers``)."""
+        return list(range(self.num_hidden_layers, self.num_hidden_layers + self.num_nextn_predict_layers))
+
+    @property
+    def mtp_trained(self) -> bool:
+        """Whether the forward runs the multi-token-prediction layers and adds their loss."""
+        return bool(self.num_nextn_predict_layers) and self.mtp_loss_weight > 0
 
     @property
     def dense_layers(self) -> int:

@@ -68,8 +68,8 @@ class DeepseekV3Config(DeepseekMoeOptions, HFModelConfig):
     def decoder_shape(self) -> DecoderShape:
         """Latent attention's projections (queries through ``q_lora_rank`` when set, keys and values through
         ``kv_lora_rank`` plus the shared rotary key, the output), and the MLP width a token uses averaged over the
-        layers (:meth:`DeepseekMoeOptions.active_mlp`). The multi-token-prediction layer is left out, as the model
-        leaves it out."""
+        layers (:meth:`DeepseekMoeOptions.active_mlp`). The multi-token-prediction layers
+        (``num_nextn_predict_layers``) are left out: not counted in the plan's parameters or FLOPs."""
         d, heads = self.hidden_size, self.num_attention_heads
         queries = heads * self.qk_head_dim
         query_params = d * queries if self.q_lora_rank is None else self.q_lora_rank * (d + queries)

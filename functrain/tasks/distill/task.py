@@ -24,7 +24,7 @@ import numpy as np
 from flax.traverse_util import flatten_dict
 from jax.sharding import PartitionSpec
 
-from functrain.core.adapters import ModelPieces, model_pieces
+from functrain.core.adapters import ModelPieces, init_shapes, model_pieces
 from functrain.core.fields import Fields, canonical, require_builtin
 from functrain.core.losses import JAX_OPS, model_inputs, model_keywords
 from functrain.core.precision import COMPUTE_DTYPES
@@ -77,7 +77,7 @@ class Distill(Task):
         fields = require_builtin(data.fields, example_batch)
         batch = canonical(fields, example_batch)
         inputs, keywords = model_inputs("causal_lm", batch), model_keywords("causal_lm", batch)
-        params, model_state = jax.eval_shape(pieces.init, jax.random.PRNGKey(0))
+        params, model_state = init_shapes(pieces.init)
         check_logits(pieces.apply, "causal_lm", params, model_state, batch)
         logits = jax.eval_shape(
             lambda p, s: pieces.apply(p, s, inputs, False, jax.random.PRNGKey(0), **keywords).logits,
@@ -128,7 +128,7 @@ def distill_program(student: ModelPieces, teacher: ModelPieces, fields: Fields, 
     )
 
     def entries(params: Any) -> dict[str, Any]:
-        shapes = jax.eval_shape(teacher.init, jax.random.PRNGKey(0))[0]
+        shapes = init_shapes(teacher.init)[0]
         weights = jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), shapes)
         return {TEACHER: {"params": weights, "loaded": jnp.zeros((), jnp.int32)}}
 

@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from functrain.core.adapters import ModelPieces
+from functrain.core.adapters import ModelPieces, init_shapes
 from functrain.core.program import Program
 from functrain.errors import ConfigError, DataError
 from functrain.models import family_names, family_of
@@ -230,7 +230,7 @@ def shared_prefix_forward(
     whole_runs = generations % micro_batches == 0 and generations // micro_batches >= 2
     if not section.share_prompt or plain or not whole_runs or prompts.shortest < 2:
         return None
-    params, model_state = jax.eval_shape(pieces.init, jax.random.PRNGKey(0))
+    params, model_state = init_shapes(pieces.init)
     inputs = np.asarray(example_batch["tokens"])[:, :-1]
     output = jax.eval_shape(lambda p: pieces.apply(p, model_state, inputs, True, jax.random.PRNGKey(0)), params)
     if jax.tree.leaves(model_state) or output.terms is not None:

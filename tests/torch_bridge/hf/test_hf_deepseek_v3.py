@@ -1,8 +1,8 @@
 """DeepSeek-V3 checkpoints: released-style FP8 block-quantised weights dequantised on load exactly as transformers
-dequantises them, and the multi-token-prediction layer named in one line when it is left out. The tiny random
-configs of ``CASES`` (latent attention with and without ``q_lora_rank``, YaRN's mscale, group-limited routing,
-shared experts and ``first_k_dense_replace``) are checked against transformers both ways by the registry's
-conversion module, test_hf_families.py."""
+dequantises them, and a multi-token-prediction layer config.json does not describe named in one line when it is left
+out. The tiny random configs of ``CASES`` (latent attention with and without ``q_lora_rank``, YaRN's mscale,
+group-limited routing, shared experts and ``first_k_dense_replace``) are checked against transformers both ways by
+the registry's conversion module, test_hf_families.py."""
 
 import json
 import logging
@@ -78,7 +78,8 @@ def _is_quantized(name: str, tensor: torch.Tensor) -> bool:
 @pytest.fixture(scope="module")
 def fp8_release(tmp_path_factory):
     """A DeepSeek-V3 directory as released: FP8 projections with their scales, and a multi-token-prediction
-    layer (``model.layers.3``) past ``num_hidden_layers``."""
+    layer (``model.layers.3``) past ``num_hidden_layers`` that config.json does not describe
+    (``num_nextn_predict_layers`` 0: converting it is test_mtp.py's)."""
     model = build_deepseek("q_lora_yarn")
     directory = tmp_path_factory.mktemp("fp8")
     model.save_pretrained(directory)
@@ -101,6 +102,7 @@ def fp8_release(tmp_path_factory):
     config = json.loads((directory / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                      "weight_block_size": BLOCK}
+    config["num_nextn_predict_layers"] = 0
     (directory / "config.json").write_text(json.dumps(config))
     return directory, reference, hf_logits(dequantized_model, IDS)
 
