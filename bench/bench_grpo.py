@@ -14,7 +14,7 @@ whose threads spin while they wait, as torch's OpenMP threads do, is counted for
 
     python bench/bench_grpo.py [--layers 2] [--hidden 64] [--prompts 4] [--generations 8] [--prompt-len 16]
                                [--completion-len 32] [--warmup 2] [--steps 6] [--repeats 3] [--trl-threads 0]
-                               [--no-share-prompt]
+                               [--no-share-prompt] [--batch-invariant]
 """
 
 import argparse
@@ -189,6 +189,7 @@ def functrain_step(root: Path, args) -> tuple[float, float, float]:
         "checkpoint.every_steps": 0,
         "checkpoint.async_save": False,
         "grpo.share_prompt": not args.no_share_prompt,
+        "model.batch_invariant": args.batch_invariant,
     }
     clock.start()
     functrain.fit(str(run / "config.yaml"), callbacks=[Clock()], **overrides)
@@ -263,6 +264,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--trl-threads", type=int, default=0, help="torch threads of TRL's process (0: torch's)")
     parser.add_argument("--no-share-prompt", action="store_true", help="functrain: grpo.share_prompt=false")
+    parser.add_argument("--batch-invariant", action="store_true", help="functrain: model.batch_invariant=true")
     parser.add_argument("--worker", choices=("functrain", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--root", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from functrain.errors import ConfigError
+from functrain.models.batch_invariant import batch_invariant, invariant_attention
 from functrain.models.context_attention import context_attention
 from functrain.models.kv_cache import causal_mask
 from functrain.models.masked_attention import chunk_segments, masked_attention, segment_mask
@@ -153,6 +154,10 @@ def attend(
         raise ValueError("segment_ids are for whole sequences, not for decoding with a KV cache")
     if chunk is not None and query_slots is None:
         segment_ids = _chunks_as_segments(segment_ids, query, chunk)
+    if batch_invariant():  # one kernel for whole sequences and decoding, whatever the batch
+        return _attend_with_written_mask(
+            query, key, value, scale, segment_ids, query_slots, window, softcap, sinks, chunk, invariant=True
+        )
     if query_slots is None and context_ways() > 1:
         return context_attention(
             query,
@@ -206,8 +211,10 @@ def _attend_with_written_mask(
     softcap: float | None,
     sinks: Array | None,
     chunk: int | None,
+    invariant: bool = False,
 ) -> Array:
-    """:func:`attend` with its mask written out (soft caps, sinks, or decoding against a cache)."""
+    """:func:`attend` with its mask written out (soft caps, sinks, decoding against a cache, or ``invariant``:
+    :func:`~functrain.models.batch_invariant.invariant_attention`)."""
     slots = jnp.arange(query.shape[1], dtype=jnp.int32) if query_slots is None else query_slots
     # XLA:CPU takes a product of one query row to another kernel than a whole sequence's rows, which rounds
     # differently: a decoded token's query gets a second row of zeros, so that decoding and training agree bit
@@ -216,7 +223,8 @@ def _attend_with_written_mask(
     # group's query heads are the rows of its products already (and the second row cost bench_grpo.py's
     # rollout 1 of 8 ms).
     single = (
-        query_slots is not None
+        not invariant
+        and query_slots is not None
         and query.shape[1] == 1
         and query.shape[2] == key.shape[2]
         and target_platform() == "cpu"
@@ -227,5 +235,6 @@ def _attend_with_written_mask(
     written = causal_mask(slots, key.shape[1], window, decoded_chunk)[None, None]
     if segment_ids is not None:
         written = written & segment_mask(segment_ids)
-    attended = masked_attention(query, key, value, scale=scale, mask=written, softcap=softcap, sinks=sinks)
+    attention = invariant_attention if invariant else masked_attention
+    attended = attention(query, key, value, scale=scale, mask=written, softcap=softcap, sinks=sinks)
     return attended[:, :1] if single else attended

@@ -32,6 +32,7 @@ CAPABILITIES = (
     "generation_cache",
     "hf_conversion",
     "torch_twin",
+    "batch_invariant",
 )
 
 
@@ -57,8 +58,11 @@ class Family:
     ``generation_cache`` (it decodes with :mod:`functrain.models.kv_cache`: ``generate``, ``eval``,
     ``eval.samples``).
 
-    Optional: ``hf_model_types`` with ``hf_mapping`` (``"package.module:NAME"`` of the
-    ``torch_bridge.hf.mappings.TensorMapping`` that converts them; the first type is the one exports write), and
+    Optional: ``batch_invariant`` (``model.batch_invariant`` makes its forward batch-invariant,
+    :mod:`functrain.models.batch_invariant`: every product and attention of its forward goes through the built-in
+    dense products and :func:`~functrain.models.attention.attend`); ``hf_model_types`` with ``hf_mapping``
+    (``"package.module:NAME"`` of the ``torch_bridge.hf.mappings.TensorMapping`` that converts them; the first
+    type is the one exports write), and
     ``torch_twin`` (``"package.module:NAME"`` of a ``torch_bridge.twins.TorchTwin``, for ``backend: torch``).
     Expert parallelism is read from the config class: a config with the mixture-of-experts options
     (:class:`~functrain.models.configs.moe.MoeOptions`) has the experts ``mesh.expert`` splits.
@@ -72,6 +76,7 @@ class Family:
     context_parallel: bool = _UNDECLARED
     pipeline: bool = _UNDECLARED
     generation_cache: bool = _UNDECLARED
+    batch_invariant: bool = False
     hf_model_types: tuple[str, ...] = ()
     hf_mapping: str | None = None
     torch_twin: str | None = None
@@ -137,7 +142,7 @@ def _problem(family: Family) -> str | None:
         )
     if family.kind not in KINDS:
         return f"{label} declares kind {family.kind!r}; choose one of {', '.join(KINDS)}"
-    flags = ("scans_layers", "context_parallel", "pipeline", "generation_cache")
+    flags = ("scans_layers", "context_parallel", "pipeline", "generation_cache", "batch_invariant")
     not_bool = [flag for flag in flags if not isinstance(getattr(family, flag), bool)]
     if not_bool:
         return f"{label} declares {', '.join(not_bool)} as something else than True or False; declare a bool"

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from functrain.core.unembedding import LogitsChunk
 from functrain.models.attention import attend, attention_kernel
+from functrain.models.batch_invariant import traced_as_configured
 from functrain.models.configs.gpt import GPTConfig
 from functrain.models.head import untied_head
 from functrain.models.kv_cache import decoding, extend_cache, next_positions
@@ -114,6 +115,7 @@ class GPT(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
+    @traced_as_configured
     def __call__(
         self,
         tokens: jnp.ndarray,

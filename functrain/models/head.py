@@ -12,10 +12,22 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from functrain.core.unembedding import LogitsChunk, Unembedding, head_logits
+from functrain.models.batch_invariant import batch_invariance, batch_invariant
 from functrain.models.matmul import unquantized_dot_general
 
 # Names of the untied head modules of functrain's LMs: LoRA on one of them runs the head whole.
 HEAD_MODULES = ("head", "lm_head")
+
+
+def _invariant_product(lhs: Any, rhs: Any, dimension_numbers: Any, precision: Any = None, preferred: Any = None) -> Any:
+    """The head's product batch-invariant, wherever the loss traces it (outside the model's call)."""
+    with batch_invariance():
+        return unquantized_dot_general(lhs, rhs, dimension_numbers, precision, preferred)
+
+
+def _head_product() -> Callable[..., Any]:
+    """The product an unapplied head is formed with: batch-invariant when the model is traced so."""
+    return _invariant_product if batch_invariant() else unquantized_dot_general
 
 
 def untied_head(
@@ -33,7 +45,7 @@ def untied_head(
     assert dense.name is not None, "the head is named (its params are read by name)"
     kernel = parent.variables["params"][dense.name]["kernel"]
     hidden = jnp.asarray(x, dense.dtype or kernel.dtype)
-    return Unembedding(hidden, kernel, logits_chunk, finish, unquantized_dot_general)
+    return Unembedding(hidden, kernel, logits_chunk, finish, _head_product())
 
 
 def tied_head(
@@ -44,5 +56,5 @@ def tied_head(
     weight = embedding.embedding.T
     hidden = jnp.asarray(x, embedding.dtype or weight.dtype)
     if logits_chunk is None:
-        return head_logits(hidden, weight, finish, unquantized_dot_general)
-    return Unembedding(hidden, weight, logits_chunk, finish, unquantized_dot_general)
+        return head_logits(hidden, weight, finish, _head_product())
+    return Unembedding(hidden, weight, logits_chunk, finish, _head_product())

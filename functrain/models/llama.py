@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from functrain.errors import ConfigError
 from functrain.models.attention import attend, attention_kernel
+from functrain.models.batch_invariant import traced_as_configured
 from functrain.models.configs.llama import LlamaConfig
 from functrain.models.hf_common import RMSNorm, activation, dense, embed, hf_config_dict, lm_head, token_positions
 from functrain.models.kv_cache import decoding, extend_cache, next_positions
@@ -185,6 +186,7 @@ class LlamaForCausalLM(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
+    @traced_as_configured
     def __call__(self, input_ids, deterministic: bool = True, *, segment_ids=None, positions=None, logits_chunk=None):
         """Logits for ``input_ids``; ``deterministic`` is accepted for the task interface (no dropout here);
         ``segment_ids`` / ``positions``: see the module docstring; with ``logits_chunk`` the head unapplied

@@ -24,6 +24,7 @@ import jax
 from jax import lax
 
 from functrain.core.fp8 import fp8_enabled, gradient_to_fp8, to_fp8
+from functrain.models.batch_invariant import batch_invariant, invariant_dense
 from functrain.parallel.target import target_platform
 
 Array = jax.Array
@@ -46,7 +47,8 @@ def unquantized_dot_general(
     """``lax.dot_general`` for a dense layer's product (the inputs' trailing axes against the kernel's leading
     ones, no batch axes) whose gradient for the kernel is a product XLA:CPU hands to YNNPACK, when the program is
     compiled for one CPU device; other products, and every product of a program over several devices (the barrier
-    would keep the partitioner from splitting the copy), are ``lax.dot_general`` itself."""
+    would keep the partitioner from splitting the copy), are ``lax.dot_general`` itself. In a batch-invariant
+    model (:mod:`functrain.models.batch_invariant`) a dense product runs in tiles of one shape."""
     (lhs_contracting, rhs_contracting), batch = dimension_numbers
     contracted = len(lhs_contracting)
     dense = (
@@ -55,6 +57,8 @@ def unquantized_dot_general(
         and tuple(rhs_contracting) == tuple(range(contracted))
         and lhs.ndim > contracted
     )
+    if dense and batch_invariant():
+        return invariant_dense(lhs, rhs, contracted, precision, preferred_element_type)
     if not dense or preferred_element_type is not None or not _one_cpu_device():
         return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
     return _dense_vjp(lhs, rhs, contracted, precision)

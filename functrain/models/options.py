@@ -1,6 +1,8 @@
 """Model options that change how a built-in model computes, never what: ``model.attention`` (the attention
-kernel, :mod:`functrain.models.attention`), ``model.remat`` (:mod:`functrain.models.remat`) and
-``model.scan_layers`` (:mod:`functrain.models.scan`: the layers as one scan over stacked parameters).
+kernel, :mod:`functrain.models.attention`), ``model.remat`` (:mod:`functrain.models.remat`),
+``model.scan_layers`` (:mod:`functrain.models.scan`: the layers as one scan over stacked parameters) and
+``model.batch_invariant`` (:mod:`functrain.models.batch_invariant`: each row's result independent of the batch and
+of decoding with a cache, so that GRPO's sampler and train step compute the same log-probs; off by default).
 
 They are config keys of every built-in model but no part of an HF config.json (see ``RUNTIME_KEYS``).
 """
@@ -15,7 +17,7 @@ from functrain.models.configs.base import FamilyConfig
 AttentionChoice = Literal["auto", "xla", "cudnn", "splash"]
 RematPolicy = Literal["none", "full", "dots_saveable", "offload"]
 
-RUNTIME_KEYS = frozenset({"attention", "remat", "scan_layers"})
+RUNTIME_KEYS = frozenset({"attention", "remat", "scan_layers", "batch_invariant"})
 
 
 def scan_refusal(model_name: str) -> str:
@@ -27,12 +29,22 @@ def scan_refusal(model_name: str) -> str:
 
 
 class RuntimeOptions(FamilyConfig):
-    """``model.attention: auto|xla|cudnn|splash``, ``model.remat: none|full|dots_saveable|offload`` and
-    ``model.scan_layers: bool``."""
+    """``model.attention: auto|xla|cudnn|splash``, ``model.remat: none|full|dots_saveable|offload``,
+    ``model.scan_layers: bool`` and ``model.batch_invariant: bool``."""
 
     attention: AttentionChoice = "auto"
     remat: RematPolicy = "none"
     scan_layers: bool = False
+    batch_invariant: bool = False
+
+    @pydantic.model_validator(mode="after")
+    def _batch_invariance_supported(self):
+        if self.batch_invariant and not family_named(self.name).batch_invariant:
+            raise ValueError(
+                f"model.batch_invariant is not supported by model {self.name} (only by "
+                f"{', '.join(family_names('batch_invariant'))}); remove model.batch_invariant or set it to false"
+            )
+        return self
 
     @pydantic.model_validator(mode="after")
     def _scan_supported(self):

@@ -163,5 +163,5 @@ def backend_of(
         optimizer=parts.optimizer,
         devices=devices,
         experience=experience,
-        compiler_options=parts.task.step_compiler_options(),
+        compiler_options=parts.task.step_compiler_options(parts.context),
     ), pieces

@@ -140,7 +140,7 @@ class Task:
     # Whether a user ``loss_fn`` may replace the task's loss.
     takes_loss_fn: ClassVar[bool] = False
 
-    def step_compiler_options(self) -> dict[str, str] | None:
+    def step_compiler_options(self, context: TaskContext) -> dict[str, str] | None:
         """XLA options the JAX train step is compiled with (default: None, XLA's own)."""
         return None
 

@@ -39,9 +39,23 @@ CONSISTENT_OPTIONS: dict[str, str | bool] = {
     "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT",
     "xla_cpu_enable_platform_dependent_math": False,
 }
+# A batch-invariant model's (model.batch_invariant, functrain.models.batch_invariant): YNNPACK runs each product
+# alone. Fused into a product of many rows, an activation (GPT's tanh GELU) or a softmax's exp was YNNPACK's to
+# compute, and XLA's for a decoded token's few rows, which rounded otherwise.
+INVARIANT_OPTIONS: dict[str, str | bool] = {
+    **CONSISTENT_OPTIONS,
+    "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT",
+}
 # XLA:CPU splits a decoded token's small kernels over its threads for less than the split costs: on one thread the
 # sampler takes about half the CPU time (bench_grpo: 14 -> 7.5 ms a rollout).
-DECODER_OPTIONS: dict[str, str | bool] = {**CONSISTENT_OPTIONS, "xla_cpu_multi_thread_eigen": False}
+ONE_THREAD: dict[str, str | bool] = {"xla_cpu_multi_thread_eigen": False}
+DECODER_OPTIONS: dict[str, str | bool] = {**CONSISTENT_OPTIONS, **ONE_THREAD}
+
+
+def consistent_options(model_config: Any) -> dict[str, str | bool]:
+    """The XLA:CPU options under which a train step computes its model's log-probs as the sampler does:
+    :data:`INVARIANT_OPTIONS` for a batch-invariant model, else :data:`CONSISTENT_OPTIONS`."""
+    return INVARIANT_OPTIONS if getattr(model_config, "batch_invariant", False) else CONSISTENT_OPTIONS
 
 
 def on_cpu(options: dict[str, Any]) -> dict[str, Any] | None:
@@ -123,7 +137,8 @@ class Sampler:
         self._functions = (at_precision(sample, products), at_precision(forward, products))
         # A GPU's deterministic ops too (train.deterministic), as the step's: a resumed run recompiles the sampler, and
         # its draws must be the uninterrupted run's.
-        self.compiler_options = step_compiler_options(target_platform(), deterministic, on_cpu(DECODER_OPTIONS))
+        decoder_options = {**consistent_options(model_config), **ONE_THREAD}
+        self.compiler_options = step_compiler_options(target_platform(), deterministic, on_cpu(decoder_options))
         self._programs: dict[Mesh, tuple[Any, Any]] = {}
 
     def programs(self, mesh: Mesh) -> tuple[Any, Any]:

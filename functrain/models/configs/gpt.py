@@ -66,5 +66,6 @@ FAMILY = Family(
     context_parallel=True,
     pipeline=True,
     generation_cache=True,
+    batch_invariant=True,
     torch_twin="torch_bridge.twins:GPT_TWIN",
 )

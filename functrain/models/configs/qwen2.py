@@ -53,6 +53,7 @@ FAMILY = Family(
     context_parallel=True,
     pipeline=True,
     generation_cache=True,
+    batch_invariant=True,
     hf_model_types=("qwen2",),
     hf_mapping="torch_bridge.hf.mappings:LLAMA",
 )

@@ -42,13 +42,14 @@ class GRPO(Task):
 
     name = "grpo"
 
-    def step_compiler_options(self) -> dict[str, str] | None:
+    def step_compiler_options(self, context: TaskContext) -> dict[str, str] | None:
         """On CPU, the sampler's consistent options: YNNPACK fuses dots only (its elementwise and reduction fusions
         also made XLA:CPU's backward of a Llama about twice as slow, bench/README.md: a GRPO step 118 -> 69 ms), in
-        consistent arithmetic, so that the step's log-probs are the sampler's (docs/grpo.md)."""
-        from functrain.tasks.sampling import CONSISTENT_OPTIONS, on_cpu
+        consistent arithmetic, so that the step's log-probs are the sampler's (docs/grpo.md); a batch-invariant
+        model's products each alone (:func:`functrain.tasks.sampling.consistent_options`)."""
+        from functrain.tasks.sampling import consistent_options, on_cpu
 
-        return on_cpu(CONSISTENT_OPTIONS)
+        return on_cpu(consistent_options(context.config.model))
 
     def check(self, context: TaskContext) -> None:
         """Backend jax, no user loss, a built-in causal LM (the sampler decodes it with a KV cache) and batches
