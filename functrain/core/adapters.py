@@ -64,7 +64,7 @@ _INIT_SHAPES: weakref.WeakKeyDictionary[Init, Any] = weakref.WeakKeyDictionary()
 
 def init_shapes(init: Init) -> tuple[Any, Any]:
     """``jax.eval_shape(init, key)``: the ``jax.ShapeDtypeStruct`` trees of ``init``'s params and model state (they
-    do not depend on the key), traced once per init function."""
+    do not depend on the key), traced once per init function; shared by every caller, so never modified."""
     shapes = _INIT_SHAPES.get(init)
     if shapes is None:
         shapes = jax.eval_shape(init, jax.random.PRNGKey(0))

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import jax
+import functrain
 import numpy as np
 import pytest
 
@@ -156,3 +157,25 @@ def test_named_optimizers_follow_the_schedule(name):
     assert float(schedule(0)) == pytest.approx(0.1)
     assert all(float(np.max(np.abs(u))) > 0 for u in jax.tree.leaves(updates))
     assert float(optax.tree.norm(updates)) < 10.0
+
+
+def test_a_fresh_run_traces_the_models_init_twice_once_for_shapes_and_once_compiled(tmp_path):
+    # Every shape a build needs (the loss's checks, the train state, its shardings and logical axes) comes from one
+    # abstract trace of init; the second trace is the compiled init of the fresh state. A large model's init takes
+    # seconds to trace: a build once traced it four times.
+    import flax.linen as nn
+
+    traced = []
+
+    class Counted(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            if self.is_initializing():
+                traced.append(1)
+            return nn.Dense(3)(x)
+
+    data = {"x": np.ones((8, 4), np.float32), "label": np.zeros(8, np.int32)}
+    functrain.fit({"run": {"dir": str(tmp_path / "run")}, "data": {"global_batch_size": 4}, "train": {"max_steps": 1},
+                   "eval": {"every_steps": 0}, "log": {"progress": False, "tensorboard": False, "plot": False}},
+                  model=Counted(), train_data=data, inputs="x", labels="label")
+    assert len(traced) == 2
