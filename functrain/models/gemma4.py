@@ -66,9 +66,9 @@ def rope_frequencies(cfg: Gemma4TextConfig, layer: int, slots: Array) -> tuple[A
     """``(inverse frequencies [head_dim / 2], cos/sin scale)`` of ``layer``'s type: proportional rope turns the first
     ``partial_rotary_factor`` of them (transformers' exponents over the whole head) and zeroes the others."""
     rope, settings = cfg.rope_of(layer)
+    inv_freq, scale = frequencies(settings, slots)  # a proportional rope has no other scaling
     if not rope.proportional:
-        return frequencies(settings, slots)
-    inv_freq, _ = frequencies(settings.__class__(rope.rope_theta, None, settings.attn_head_dim, 0), slots)
+        return inv_freq, scale
     turning = int(rope.partial_rotary_factor * settings.attn_head_dim // 2)
     return jnp.where(jnp.arange(inv_freq.shape[0]) < turning, inv_freq, 0.0) / rope.factor, 1.0
 

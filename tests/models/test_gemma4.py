@@ -42,7 +42,8 @@ def highest_precision():
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """(transformers model, its directory, functrain params, config) of the every-feature case."""
-    hf_model = build_family_model("gemma4_every_feature")
+    hf_model = build_family_model("gemma4_every_feature", num_hidden_layers=2,
+                                  layer_types=["sliding_attention", "full_attention"])  # the cheaper compile
     directory = tmp_path_factory.mktemp("gemma4")
     hf_model.save_pretrained(directory)
     _, params, config = load_pretrained(directory)
@@ -64,8 +65,7 @@ def test_lora_adapters_export_merged_and_as_a_peft_adapter(converted, tmp_path, 
     hf_model, directory, params, config = converted
     settings = LoraConfig(rank=2, alpha=4.0, targets=("q_proj", "v_proj", "per_layer_input_gate"))
     paths = target_paths(params, settings.targets)
-    assert [path for path in paths if path[-1] == "v_proj"] == [("layers_0", "self_attn", "v_proj"),
-                                                                ("layers_2", "self_attn", "v_proj")]  # keys as values
+    assert [path for path in paths if path[-1] == "v_proj"] == [("layers_0", "self_attn", "v_proj")]  # keys as values
     adapted = dict(flatten_dict(add_adapters(params, paths, settings.rank, jax.random.PRNGKey(0))))
     for index, path in enumerate(path for path in adapted if path[-1] == "lora_b"):  # trained adapters
         adapted[path] = 0.2 * jax.random.normal(jax.random.PRNGKey(index), adapted[path].shape)

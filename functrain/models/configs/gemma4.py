@@ -163,7 +163,8 @@ class Gemma4TextConfig(MoeOptions, HFModelConfig):
         return self.max_position_embeddings
 
     def vocabulary_size(self) -> int:
-        """``vocab_size`` (the per-layer embeddings must hold every id too: checked by the model's validator)."""
+        """The ids both tables embed: ``vocab_size``, or ``vocab_size_per_layer_input`` with per-layer inputs when
+        it is smaller (transformers looks every id up in both)."""
         return min(self.vocab_size, self.vocab_size_per_layer_input) if self.per_layer_inputs else self.vocab_size
 
     def layer_kinds(self) -> list[Hashable]:
