@@ -45,12 +45,16 @@ class _Group(nn.Module):
     period: int
     leading_args: tuple = ()  # Python values (e.g. GPT's ``deterministic``) passed before the scanned inputs
     collect: bool = False  # blocks return (x, per-layer output): stacked [period, ...]
+    layer_inputs: bool = False  # the last argument is the group's layers' own inputs, [period, ...]
 
     @nn.compact
     def __call__(self, x: jax.Array, *args: Any) -> tuple[jax.Array, Any]:
         outputs = []
         for j in range(self.period):
-            x, output = _split(self.make_block(j, f"{SLOT_PREFIX}{j}")(x, *self.leading_args, *args), self.collect)
+            own = (args[-1][j],) if self.layer_inputs else ()
+            shared = args[:-1] if self.layer_inputs else args
+            block = self.make_block(j, f"{SLOT_PREFIX}{j}")
+            x, output = _split(block(x, *self.leading_args, *shared, *own), self.collect)
             outputs.append(output)
         return x, _stack(outputs) if self.collect else None
 
@@ -76,6 +80,7 @@ def apply_layers(
     args: tuple = (),
     collect: bool = False,
     pipelined: bool = True,
+    layer_inputs: jax.Array | None = None,
 ) -> Any:
     """``x`` through ``len(kinds)`` blocks, inside a compact ``__call__``: unrolled as ``{prefix}{i}``, or with
     ``scan`` by groups of the layers' period (module docstring). ``make_block(i, name)`` builds layer ``i``
@@ -84,7 +89,9 @@ def apply_layers(
     the same shapes on every layer, sums over the batch's rows: a mixture of experts' router statistics) and the
     result is ``(x, outputs)``, the outputs stacked ``[layers, ...]`` in layer order. A scanned stack is split
     over the mesh's pipeline stages unless ``pipelined`` is False (then every stage runs it whole, its weights
-    replicated over the stages: a few layers unlike the rest, DeepSeek-V3's dense first layers)."""
+    replicated over the stages: a few layers unlike the rest, DeepSeek-V3's dense first layers). ``layer_inputs``
+    ``[layers, ...]``: each layer's own input (Gemma 4's per-layer embeddings), passed to block ``i`` after ``args`` as
+    ``layer_inputs[i]`` (scanned along with the layers; not with pipeline stages, which do not split it)."""
     count = len(kinds)
     first_unrolled = 0
     outputs = []
@@ -92,24 +99,29 @@ def apply_layers(
         period = layer_period(kinds)
         groups = count // period
         first_unrolled = groups * period
+        own: tuple = ()
+        if layer_inputs is not None:  # [layers, ...] -> the scanned groups' [groups, period, ...]
+            own = (layer_inputs[:first_unrolled].reshape(groups, period, *layer_inputs.shape[1:]),)
         stack = nn.scan(
             _Group,
             variable_axes={True: 0},  # every collection a block holds is per layer (params, router counts)
             split_rngs={"params": True, "dropout": True},
-            in_axes=nn.broadcast,
+            in_axes=(nn.broadcast,) * len(args) + (0,) * len(own),
             length=groups,
             metadata_params={nn.PARTITION_NAME: LAYERS_AXIS if pipelined else None},
         )
-        scanned = stack(make_block, period, tuple(leading_args), collect, name=f"{prefix}{STACK_SUFFIX}")
+        scanned = stack(make_block, period, tuple(leading_args), collect, bool(own), name=f"{prefix}{STACK_SUFFIX}")
         stages = stage_count() if pipelined else 1
         if stages > 1 and not scanned.is_initializing():  # the stack over the mesh's pipeline stages
+            assert not own, "pipeline stages do not split per-layer inputs (the family declares pipeline=False)"
             x, grouped = _pipelined(scanned, make_block, period, tuple(leading_args), collect, x, args, stages)
         else:
-            x, grouped = scanned(x, *args)
+            x, grouped = scanned(x, *args, *own)
         if collect:  # [groups, period, ...] -> [groups * period, ...]: layer g * period + j at that index
             outputs = [jax.tree.map(lambda leaf: leaf.reshape(-1, *leaf.shape[2:]), grouped)]
     for i in range(first_unrolled, count):
-        x, output = _split(make_block(i, f"{prefix}{i}")(x, *leading_args, *args), collect)
+        own_input = () if layer_inputs is None else (layer_inputs[i],)
+        x, output = _split(make_block(i, f"{prefix}{i}")(x, *leading_args, *args, *own_input), collect)
         outputs.append(jax.tree.map(lambda leaf: leaf[None], output))
     if not collect:
         return x

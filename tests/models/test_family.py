@@ -143,13 +143,14 @@ def test_the_lists_of_families_are_read_off_the_declarations():
         assert family_names(capability) == [name for name, family in families().items() if family.can(capability)]
     assert family_names("torch_twin") == ["gpt", "mlp"]  # what backend: torch trains (torch_bridge/twins.py)
     assert family_names("hf_conversion") == sorted(set(family_names()) - {"gpt", "mlp"})
-    assert set(family_names("expert_parallel")) == {"deepseek_v3", "glm4_moe", "gpt_oss", "llama4", "mixtral",
+    assert set(family_names("expert_parallel")) == {"deepseek_v3", "gemma4", "glm4_moe", "gpt_oss", "llama4", "mixtral",
                                                 "qwen2_moe", "qwen3_moe", "qwen3_5_moe_text", "qwen3_next"}
     hybrids = {"qwen3_5_moe_text", "qwen3_5_text", "qwen3_next"}  # Gated DeltaNet's state spans the whole sequence
     # Llama 4's chunks are segments of the sequence in its order, not the context split's.
-    assert set(family_names()) - set(family_names("context_parallel")) == {"gemma2", "gemma3_text", "gpt2", "mlp",
-                                                                           "llama4", *hybrids}
-    assert set(family_names("scans_layers")) - set(family_names("pipeline")) == {"llama4", *hybrids}
+    assert set(family_names()) - set(family_names("context_parallel")) == {"gemma2", "gemma3_text", "gemma4", "gpt2",
+                                                                           "mlp", "llama4", *hybrids}
+    # Gemma 4's per-layer inputs ride beside the scan, which pipeline stages do not split.
+    assert set(family_names("scans_layers")) - set(family_names("pipeline")) == {"gemma4", "llama4", *hybrids}
     assert family_names("generation_cache") == family_names("language_model") == sorted(set(family_names()) - {"mlp"})
     for name in family_names("hf_conversion"):  # the code writes the model_type its family declares first
         family = family_named(name)

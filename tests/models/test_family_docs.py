@@ -43,7 +43,7 @@ def test_a_list_that_leaves_the_registry_is_found_stale():
     assert family_docs.rendered(text) == (
         f"MoE: <!-- families: expert_parallel -->{', '.join(f'`{name}`' for name in moe)}<!-- /families -->.")
     assert family_docs.family_list("language_model !context_parallel") == (
-        "`gemma2`, `gemma3_text`, `gpt2`, `llama4`, `qwen3_5_moe_text`, `qwen3_5_text`, `qwen3_next`")
+        "`gemma2`, `gemma3_text`, `gemma4`, `gpt2`, `llama4`, `qwen3_5_moe_text`, `qwen3_5_text`, `qwen3_next`")
 
 
 def test_the_moe_table_has_a_row_per_mixture_of_experts():

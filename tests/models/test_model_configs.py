@@ -56,6 +56,8 @@ SECTIONS: dict[str, dict[str, Any]] = {
                      first_k_dense_replace=2),
     "llama4": dict(LLAMA, head_dim=16, intermediate_size=16, intermediate_size_mlp=40, num_local_experts=4,
                    interleave_moe_layer_step=2, attention_chunk_size=8),
+    "gemma4": dict(LLAMA, head_dim=16, global_head_dim=32, sliding_window=8, hidden_size_per_layer_input=8,
+                   enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=24),
     "qwen3_5_text": HYBRID,
     "qwen3_5_moe_text": dict({key: value for key, value in HYBRID.items() if key != "intermediate_size"},
                              num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),  # experts on every layer
@@ -80,7 +82,12 @@ ACTIVE = {
                + (c.num_hidden_layers - c.num_hidden_layers // c.interleave_moe_layer_step) * c.intermediate_size_mlp)
               / c.num_hidden_layers),
         round((c.num_hidden_layers // c.interleave_moe_layer_step) * c.num_local_experts / c.num_hidden_layers)),
+    # With enable_moe_block the experts run beside the dense MLP on every layer.
+    "gemma4": lambda c: (c.intermediate_size + c.experts_per_token() * (c.moe_intermediate_size or 0),
+                         c.expert_count()),
 }
+# Families whose layers differ in head width: the shape's is the layers' mean (Gemma 4's global layers).
+MEAN_HEAD_DIM = {"gemma4": lambda c: round(sum(map(c.head_dim_of, range(c.num_hidden_layers))) / c.num_hidden_layers)}
 
 
 DATA = {"name": "synthetic", "seq_len": 8}  # token ids below any vocabulary
@@ -136,6 +143,8 @@ def test_each_family_answers_as_the_guesses_did(name, defaults):
     if name in ACTIVE:
         width, router = ACTIVE[name](config)
         shape = dataclasses.replace(shape, mlp_width=width, router_width=router)
+    if name in MEAN_HEAD_DIM:
+        shape = dataclasses.replace(shape, head_dim=MEAN_HEAD_DIM[name](config))
     assert config.decoder_shape() == shape
     assert config.vocabulary_size() == getattr(config, "vocab_size", None)
     assert config.class_count() == getattr(config, "num_classes", None)

@@ -120,6 +120,11 @@ SCANNED = {
                      use_qk_norm=True, moe_dispatch="dense"),
     "llama4": dict(TINY, num_hidden_layers=4, intermediate_size=16, intermediate_size_mlp=40, num_local_experts=4,
                    no_rope_layer_interval=2, interleave_moe_layer_step=2, attention_chunk_size=3, floor_scale=2),
+    # Gemma 4's global and sliding layers (one group, the last global layer unrolled), each with its per-layer input,
+    # the global ones wider with one key/value head that is the values too (its experts: test_gemma4's resumed run).
+    "gemma4": dict(TINY, num_hidden_layers=3, global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=True,
+                   sliding_window=3, layer_types=["full_attention", "sliding_attention", "full_attention"],
+                   vocab_size_per_layer_input=64, hidden_size_per_layer_input=8),
 }
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 10)), jnp.int32)
 

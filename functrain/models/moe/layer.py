@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from functrain.models.hf_common import dense
 from functrain.models.moe.dispatch import ExpertWeights, Glu, run_experts
-from functrain.models.moe.routing import Router
+from functrain.models.moe.routing import Router, Routing
 
 Array = jax.Array
 
@@ -44,6 +44,22 @@ class RouterStats(NamedTuple):
         """The statistics of a layer without experts (a dense MLP layer of a mixed stack)."""
         zero = jnp.zeros((), jnp.float32)
         return cls(jnp.zeros((num_experts,), jnp.float32), jnp.zeros((num_experts,), jnp.float32), zero, zero, zero)
+
+
+def router_stats(routing: Routing, logits: Array, real: Array, dropped: Array) -> RouterStats:
+    """One layer's :class:`RouterStats` from its ``routing`` of ``T`` tokens, the router's ``logits`` [T, E], the real
+    tokens ``real`` (any shape of ``T`` elements: 1 on real tokens) and the selections ``dropped`` by a capacity."""
+    real = real.reshape(-1)
+    num_experts, top_k = logits.shape[-1], routing.experts.shape[-1]
+    return RouterStats(
+        counts=jnp.bincount(routing.experts.reshape(-1), weights=jnp.repeat(real, top_k), length=num_experts).astype(
+            jnp.float32
+        ),
+        prob_sums=jnp.sum(routing.probs * real[:, None], axis=0),
+        z_sums=jnp.sum(real * jnp.square(jax.nn.logsumexp(logits, axis=-1))),
+        tokens=jnp.sum(real),
+        dropped=jnp.sum(dropped),
+    )
 
 
 class Experts(nn.Module):
@@ -171,14 +187,4 @@ class MoeBlock(nn.Module):
                 )
                 always = jax.nn.sigmoid(gate(x)) * always
             out = out + always.astype(out.dtype)
-        real = real.reshape(-1)
-        stats = RouterStats(
-            counts=jnp.bincount(
-                routing.experts.reshape(-1), weights=jnp.repeat(real, top_k), length=self.num_experts
-            ).astype(jnp.float32),
-            prob_sums=jnp.sum(routing.probs * real[:, None], axis=0),
-            z_sums=jnp.sum(real * jnp.square(jax.nn.logsumexp(logits, axis=-1))),
-            tokens=jnp.sum(real),
-            dropped=jnp.sum(dropped),
-        )
-        return out.astype(x.dtype), stats
+        return out.astype(x.dtype), router_stats(routing, logits, real, dropped)

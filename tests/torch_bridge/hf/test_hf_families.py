@@ -20,7 +20,7 @@ import transformers
 
 from functrain.errors import ConfigError
 from tests.torch_bridge.hf import test_hf_gpt_oss, test_hf_moe, test_hf_qwen3_next
-from tests.torch_bridge.hf.test_hf_convert import GPT2_CONFIG, IDS, LLAMA_CONFIG, hf_logits, hf_tensors, write_layout
+from tests.torch_bridge.hf.test_hf_convert import GPT2_CONFIG, IDS, LLAMA_CONFIG, VOCAB, hf_logits, hf_tensors, write_layout
 from tests.torch_bridge.hf.test_hf_deepseek_v3 import CASES as DEEPSEEK_CASES, TINY as DEEPSEEK
 from torch_bridge.hf import hf_to_run_dir, load_pretrained, read_params, save_pretrained
 from torch_bridge.hf.architectures import architecture_for, architectures
@@ -47,6 +47,9 @@ FAMILIES = {
     "llama4_text": (transformers.Llama4TextConfig, transformers.Llama4ForCausalLM, dict(
         LLAMA_CONFIG, num_hidden_layers=4, head_dim=12, intermediate_size=16, intermediate_size_mlp=40,
         num_local_experts=4)),
+    "gemma4_text": (transformers.Gemma4TextConfig, transformers.Gemma4ForCausalLM, dict(
+        LLAMA_CONFIG, num_hidden_layers=4, head_dim=8, global_head_dim=16, sliding_window=4, vocab_size_per_layer_input=VOCAB,
+        hidden_size_per_layer_input=8, max_position_embeddings=64)),
     # The Gated DeltaNet hybrids: their own module's tiny configs (every feature on; more cases there).
     **{family: (config, model, {**test_hf_qwen3_next.HYBRID, **test_hf_qwen3_next.CASES[family]})
        for family, (config, model) in test_hf_qwen3_next.FAMILIES.items()},
@@ -122,6 +125,23 @@ CASES = {
         num_experts_per_tok=2, moe_layers=[0, 3], no_rope_layers=[1, 1, 0, 1], attention_chunk_size=5,
         layer_types=["chunked_attention", "full_attention", "chunked_attention", "full_attention"], use_qk_norm=False,
         floor_scale=2, tie_word_embeddings=True)),
+    # Windows of 4; global layers with their own head width, one key/value head that is the values too and
+    # proportional rope (half turning, scaled); per-layer inputs; experts beside every MLP; biases; an untied,
+    # soft-capped head; layer scalars off 1.
+    "gemma4_every_feature": ("gemma4_text", dict(
+        attention_k_eq_v=True, num_global_key_value_heads=1, attention_bias=True, enable_moe_block=True, num_experts=4,
+        top_k_experts=2, moe_intermediate_size=16, final_logit_softcapping=2.0, tie_word_embeddings=False,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=100.0),
+                         "full_attention": dict(rope_type="proportional", rope_theta=1e4, partial_rotary_factor=0.5,
+                                                factor=2.0)})),
+    # transformers' derived layers (a global first layer, the last forced global) with scaled ropes of other types,
+    # separate values, no per-layer inputs, tied.
+    "gemma4_derived_layers_scaled_ropes_tied": ("gemma4_text", dict(
+        hidden_size_per_layer_input=0, layer_types=["full_attention"] + ["sliding_attention"] * 3,
+        rope_parameters={"sliding_attention": dict(rope_type="linear", rope_theta=100.0, factor=2.0),
+                         "full_attention": dict(rope_type="yarn", rope_theta=1e4, factor=4.0,
+                                                original_max_position_embeddings=8)})),
 }
 # The case each model type's round trip (and its first layout) uses.
 ROUND_TRIP = {model_type: next(case for case, (of, _) in CASES.items() if of == model_type) for model_type in FAMILIES}
@@ -129,7 +149,7 @@ ROUND_TRIP = {model_type: next(case for case, (of, _) in CASES.items() if of == 
 
 # The hybrids' weights perturbed by less: at 0.1 transformers' own float32 logits stray 1e-5 from its float64 ones
 # (test_hf_qwen3_next.build_hybrid).
-PERTURBATION = {family: 0.05 for family in test_hf_qwen3_next.FAMILIES}
+PERTURBATION = {family: 0.05 for family in test_hf_qwen3_next.FAMILIES} | {"gemma4_text": 0.05}  # Gemma 4's too
 
 
 def build_family_model(case: str, dtype=torch.float32, **change) -> transformers.PreTrainedModel:
@@ -143,7 +163,7 @@ def build_family_model(case: str, dtype=torch.float32, **change) -> transformers
         for param in model.parameters():
             param.add_(PERTURBATION.get(family, 0.1) * torch.randn_like(param))
         for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
+            if name.endswith(("e_score_correction_bias", "layer_scalar")):  # DeepSeek's, Gemma 4's
                 buffer.add_(0.3 * torch.randn_like(buffer))
     return model.to(dtype).eval()
 
@@ -254,6 +274,13 @@ def test_bf16_sharded_round_trip_is_bit_exact_and_transformers_reads_the_config(
     ("glm4_moe", dict(attention_dropout=0.5), "attention_dropout 0.5 is not supported for glm4_moe"),
     ("llama4_text", dict(attention_dropout=0.1), "attention_dropout 0.1 is not supported for llama4_text"),
     ("llama4_text", dict(attention_chunk_size=None), "chunked_attention layers but attention_chunk_size is unset"),
+    ("gemma4_text", dict(num_kv_shared_layers=2), r"num_kv_shared_layers 2 is not supported for gemma4_text \(layers "
+                                                  r"reusing earlier layers' keys and values are not implemented\)"),
+    ("gemma4_text", dict(use_bidirectional_attention="all"), "use_bidirectional_attention 'all' is not supported"),
+    ("gemma4_text", dict(per_layer_config={"1": {"intermediate_size": 8}}),
+     r"per_layer_config\['1'\] sets intermediate_size, which functrain does not vary by layer"),
+    ("gemma4_text", dict(rope_parameters={"full_attention": dict(rope_type="proportional", rope_theta=1e4,
+                                                                 beta_fast=2.0)}), "proportional rope does not implement beta_fast"),
 ])
 def test_unimplemented_config_features_are_named(tmp_path, family, change, named):
     config_cls, model_cls, base = FAMILIES[family]

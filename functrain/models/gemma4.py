@@ -1,0 +1,234 @@
+"""Gemma 4's language model as a Flax module with the maths of transformers' ``Gemma4ForCausalLM``
+(``gemma4_text``).
+
+What sets it apart from Gemma 3: RMS norms multiply by their weight (not ``1 + weight``); queries and keys are
+RMS-normalised per head with weights, values without, and attention is unscaled (scale 1, no soft-cap); sliding
+and global layers (the last always global) have their own head width and key/value heads, and their own rope (the
+global one by default transformers' *proportional* rope, a quarter of each head's frequencies turning); on global
+layers with ``attention_k_eq_v`` the key projection is the values too (before the key norm and rope). Each layer
+ends scaled by its ``layer_scalar``. With ``hidden_size_per_layer_input`` every layer adds its own input: a
+per-layer token embedding (``embed_tokens_per_layer``) mixed with a projection of the input embeddings, gated by
+the hidden state. With ``enable_moe_block`` experts run beside every MLP on the layer's residual, routed by a
+normalised, scaled router whose chosen weights are renormalised and scaled per expert. The head may be tied, its
+logits soft-capped (``final_logit_softcapping``).
+
+Layers that share other layers' keys and values (``num_kv_shared_layers``, Gemma 4 E2B/E4B) are refused in one
+line (:mod:`functrain.models.gemma4_config`).
+"""
+
+from functools import partial
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax.traverse_util import flatten_dict, unflatten_dict
+
+from functrain.core.model_output import ModelOutput
+from functrain.models.attention import attend, attention_kernel
+from functrain.models.configs.gemma4 import Gemma4TextConfig
+from functrain.models.gemma2 import soft_cap
+from functrain.models.gemma4_config import from_hf_config, to_hf_config
+from functrain.models.gemma4_experts import experts_beside_mlp
+from functrain.models.head import tied_head, untied_head
+from functrain.models.hf_common import activation, dense, embed, rms_normalized, token_positions
+from functrain.models.kv_cache import decoding, extend_cache, next_positions
+from functrain.models.llama import LlamaMLP
+from functrain.models.moe.balance import moe_output
+from functrain.models.moe.decoder import balancing
+from functrain.models.remat import check_remat, remat_block
+from functrain.models.rope import apply_rope, frequencies
+from functrain.models.scan import apply_layers
+from functrain.parallel.sharding import constrain_batch
+
+Array = jax.Array
+__all__ = ["Gemma4ForCausalLM", "build", "from_hf_config", "to_hf_config"]
+
+
+class Gemma4Norm(nn.Module):
+    """transformers' Gemma4RMSNorm: normalised in float32, times the float32 weight (initially one) unless
+    ``with_scale`` is False, then cast."""
+
+    epsilon: float
+    dtype: Any = jnp.float32
+    with_scale: bool = True
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        normed = rms_normalized(x, self.epsilon)
+        if self.with_scale:
+            ones = nn.with_logical_partitioning(nn.initializers.ones, ("norm",))
+            normed = normed * jnp.asarray(self.param("scale", ones, (x.shape[-1],), jnp.float32), jnp.float32)
+        return normed.astype(self.dtype)
+
+
+def rope_frequencies(cfg: Gemma4TextConfig, layer: int, slots: Array) -> tuple[Any, float]:
+    """``(inverse frequencies [head_dim / 2], cos/sin scale)`` of ``layer``'s type: proportional rope turns the first
+    ``partial_rotary_factor`` of them (transformers' exponents over the whole head) and zeroes the others."""
+    rope, settings = cfg.rope_of(layer)
+    inv_freq, scale = frequencies(settings, slots)  # a proportional rope has no other scaling
+    if not rope.proportional:
+        return inv_freq, scale
+    turning = int(rope.partial_rotary_factor * settings.attn_head_dim // 2)
+    return jnp.where(jnp.arange(inv_freq.shape[0]) < turning, inv_freq, 0.0) / rope.factor, 1.0
+
+
+class Gemma4Attention(nn.Module):
+    """Grouped-query attention with per-head q/k/v norms and this layer's head width, rope and window."""
+
+    config: Gemma4TextConfig
+    layer: int
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x, segment_ids=None, positions=None):
+        cfg, layer = self.config, self.layer
+        heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.kv_heads_of(layer), cfg.head_dim_of(layer)
+        batch, length, _ = x.shape
+        std, bias = cfg.initializer_range, cfg.attention_bias
+
+        def project(count: int, axes: tuple[str, str], name: str) -> Array:
+            out = dense(count * head_dim, axes, use_bias=bias, dtype=self.dtype, init_std=std, name=name)(x)
+            return out.reshape(batch, length, count, head_dim)
+
+        def norm(name: str, with_scale: bool = True) -> Gemma4Norm:
+            return Gemma4Norm(cfg.rms_norm_eps, self.dtype, with_scale, name=name)
+
+        q = norm("q_norm")(project(heads, ("embed", "heads"), "q_proj"))
+        k = project(kv_heads, ("embed", "kv_heads"), "k_proj")
+        v = k if cfg.values_are_keys(layer) else project(kv_heads, ("embed", "kv_heads"), "v_proj")
+        slots = next_positions(self, length)
+        rope_positions = token_positions(slots, positions, batch)
+        inv_freq, rope_scale = rope_frequencies(cfg, layer, slots)
+        q, k = (apply_rope(t, inv_freq, rope_positions, rope_scale) for t in (q, norm("k_norm")(k)))
+        k, v = extend_cache(self, k, norm("v_norm", with_scale=False)(v), slots)
+        out = attend(
+            q,
+            k,
+            v,
+            scale=1.0,
+            kernel=attention_kernel(cfg.attention, self.dtype, head_dim),
+            segment_ids=segment_ids,
+            query_slots=slots if decoding(self) else None,
+            window=cfg.attention_window(layer),
+        )
+        return dense(cfg.hidden_size, ("heads", "embed"), use_bias=bias, dtype=self.dtype, init_std=std, name="o_proj")(
+            out.reshape(batch, length, heads * head_dim)
+        )
+
+
+class Gemma4Block(nn.Module):
+    """One decoder layer: Gemma's norms around the attention and the feed-forward (the MLP, plus the experts on the
+    residual with ``enable_moe_block``), then the per-layer input, then ``layer_scalar``."""
+
+    config: Gemma4TextConfig
+    layer: int
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x, segment_ids=None, positions=None, token_mask=None, layer_input=None):
+        cfg = self.config
+
+        def norm(name: str) -> Gemma4Norm:
+            return Gemma4Norm(cfg.rms_norm_eps, self.dtype, name=name)
+
+        attn = Gemma4Attention(cfg, self.layer, self.dtype, name="self_attn")(
+            norm("input_layernorm")(x), segment_ids, positions
+        )
+        residual = x + norm("post_attention_layernorm")(attn)
+        h = LlamaMLP(cfg, self.dtype, name="mlp")(norm("pre_feedforward_layernorm")(residual))  # GeGLU
+        stats = None
+        if cfg.enable_moe_block:
+            experts, stats = experts_beside_mlp(
+                cfg, self.dtype, residual, norm("pre_feedforward_layernorm_2")(residual), token_mask
+            )
+            h = norm("post_feedforward_layernorm_1")(h) + norm("post_feedforward_layernorm_2")(experts)
+        x = residual + norm("post_feedforward_layernorm")(h)
+        if cfg.per_layer_inputs:
+            width, std = cfg.hidden_size_per_layer_input, cfg.initializer_range
+            gate = dense(width, ("embed", "mlp"), use_bias=False, dtype=self.dtype, init_std=std,
+                         name="per_layer_input_gate")(x)  # fmt: skip
+            mixed = activation(cfg.hidden_activation)(gate) * layer_input.astype(gate.dtype)
+            projected = dense(cfg.hidden_size, ("mlp", "embed"), use_bias=False, dtype=self.dtype, init_std=std,
+                              name="per_layer_projection")(mixed)  # fmt: skip
+            x = x + norm("post_per_layer_input_norm")(projected)
+        scalar = self.param("layer_scalar", nn.with_logical_partitioning(nn.initializers.ones, (None,)), (1,))
+        x = x * jnp.asarray(scalar, x.dtype)
+        return x if stats is None else (x, stats)
+
+
+class Gemma4ForCausalLM(nn.Module):
+    """``apply({"params": p}, input_ids[B, T]) -> ModelOutput`` (float32 ``.logits`` [B, T, vocab]; with the MoE
+    block also the experts' statistics)."""
+
+    config: Gemma4TextConfig
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(
+        self, input_ids, deterministic: bool = True, *, segment_ids=None, positions=None, token_mask=None,
+        logits_chunk=None,
+    ) -> ModelOutput:  # fmt: skip
+        """Logits for ``input_ids``; ``deterministic`` is accepted for the task interface (no dropout here);
+        ``segment_ids`` / ``positions`` [B, T]: packed sequences, as for Llama; ``token_mask`` [B, T]: the tokens
+        the experts' statistics count; with ``logits_chunk`` the head unapplied (:mod:`functrain.models.head`)."""
+        cfg = self.config
+        tokens = embed(cfg.vocab_size, cfg.hidden_size, ("vocab", "embed"), dtype=self.dtype,
+                       init_std=cfg.initializer_range, name="embed_tokens")  # fmt: skip
+        # transformers multiplies by sqrt(hidden) rounded to the weights' dtype.
+        x = constrain_batch(tokens(input_ids) * jnp.asarray(cfg.hidden_size**0.5, self.dtype))
+        layer_inputs = self.per_layer_inputs(input_ids, x) if cfg.per_layer_inputs else None
+        block = remat_block(Gemma4Block, cfg.remat, prevent_cse=not cfg.scan_layers)
+        x = apply_layers(
+            x,
+            kinds=cfg.layer_kinds(),
+            make_block=lambda i, name: block(cfg, i, self.dtype, name=name),
+            prefix="layers_",
+            scan=cfg.scan_layers,
+            args=(segment_ids, positions, token_mask),
+            layer_inputs=layer_inputs,
+            collect=cfg.enable_moe_block,
+            pipelined=False,
+        )
+        x, stats = x if cfg.enable_moe_block else (x, None)
+        x = Gemma4Norm(cfg.rms_norm_eps, self.dtype, name="norm")(x)
+        cap = cfg.final_logit_softcapping
+        finish = None if cap is None else partial(soft_cap, cap=cap)
+        if cfg.tie_word_embeddings:
+            logits = tied_head(tokens, x, logits_chunk, finish)
+        else:
+            head = dense(cfg.vocab_size, ("embed", "vocab"), use_bias=False, dtype=self.dtype,
+                         init_std=cfg.initializer_range, name="lm_head", fp8=False)  # fmt: skip
+            logits = untied_head(self, x, head, logits_chunk, finish)
+        return ModelOutput(logits) if stats is None else moe_output(logits, stats, balancing(cfg))
+
+    @nn.nowrap
+    def trainable_mask(self, params: Any) -> Any:
+        """False at the layers' ``layer_scalar`` (a buffer transformers never trains), True elsewhere."""
+        return unflatten_dict({path: path[-1] != "layer_scalar" for path in flatten_dict(params)})
+
+    def per_layer_inputs(self, input_ids: Array, x: Array) -> Array:
+        """``[L, B, T, hidden_size_per_layer_input]``: each layer's token embedding (``embed_tokens_per_layer``,
+        scaled by ``sqrt(width)``) and its slice of the normalised projection of the input embeddings ``x``, summed
+        and scaled by ``1 / sqrt(2)``."""
+        cfg = self.config
+        layers, width, std = cfg.num_hidden_layers, cfg.hidden_size_per_layer_input, cfg.initializer_range
+        table = embed(cfg.vocab_size_per_layer_input, layers * width, ("vocab", "embed"), dtype=self.dtype,
+                      init_std=std, name="embed_tokens_per_layer")  # fmt: skip
+        by_token = table(input_ids) * jnp.asarray(width**0.5, self.dtype)
+        projection = dense(layers * width, ("embed", "mlp"), use_bias=False, dtype=self.dtype, init_std=std,
+                           name="per_layer_model_projection")(x)  # fmt: skip
+        projection = projection * jnp.asarray(cfg.hidden_size**-0.5, self.dtype)
+        shape = (*input_ids.shape, layers, width)
+        normed = Gemma4Norm(cfg.rms_norm_eps, self.dtype, name="per_layer_projection_norm")(projection.reshape(shape))
+        mixed = (normed + by_token.reshape(shape)) * jnp.asarray(2.0**-0.5, self.dtype)
+        return jnp.moveaxis(mixed, 2, 0)
+
+
+def build(config: Gemma4TextConfig, dtype: Any = jnp.float32) -> Gemma4ForCausalLM:
+    """The Flax module for ``config`` computing in ``dtype`` (params stay float32); a ConfigError if its attention
+    kernel or remat policy cannot run here."""
+    for head_dim in {config.head_dim_of(i) for i in range(config.num_hidden_layers)}:
+        attention_kernel(config.attention, dtype, head_dim)
+    check_remat(config.remat)
+    return Gemma4ForCausalLM(config, dtype=dtype)

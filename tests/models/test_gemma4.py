@@ -1,0 +1,121 @@
+"""Gemma 4 in functrain's own paths, beside its conversion cases (tests/torch_bridge/hf/test_hf_families.py) and the
+checks it shares with the other recent families (tests/models/test_recent_families.py: cached generation against
+transformers', scanned layers): decoding with the cache computes the full forward past the window (each layer type's
+cache its own width); LoRA adapters on its projections export merged and as a PEFT adapter that transformers runs;
+a run with per-layer inputs cut after a checkpoint resumes bitwise; its config reads as transformers derives it."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import peft
+import pytest
+import transformers
+from flax.traverse_util import flatten_dict, unflatten_dict
+
+import functrain
+from functrain.checkpoint import load_params
+from functrain.checkpoint.digest import params_digest
+from functrain.core.model_output import logits_of
+from functrain.models import build_model
+from functrain.models.configs.lora import LoraConfig
+from functrain.models.gemma4 import from_hf_config
+from functrain.models.lora import adapter_interceptor, add_adapters, merged_params, target_paths
+from tests.models.test_deepseek_v3 import cache_shapes, decoded_and_full_logits
+from tests.models.test_recent_families import SCANNED
+from tests.models.test_scan_layers import RUN, _halfway, _losses
+from tests.torch_bridge.hf.test_hf_convert import hf_logits
+from tests.torch_bridge.hf.test_hf_families import build_family_model
+from torch_bridge.hf import load_pretrained, save_pretrained
+from torch_bridge.hf.architectures import architecture_for
+from torch_bridge.hf.peft_adapter import write_adapter_dir
+
+TOKENS = jnp.asarray(np.random.default_rng(1).integers(0, 96, (2, 10)))
+
+
+@pytest.fixture(scope="module")
+def highest_precision():
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """(transformers model, its directory, functrain params, config) of the every-feature case."""
+    hf_model = build_family_model("gemma4_every_feature", num_hidden_layers=2,
+                                  layer_types=["sliding_attention", "full_attention"])  # the cheaper compile
+    directory = tmp_path_factory.mktemp("gemma4")
+    hf_model.save_pretrained(directory)
+    _, params, config = load_pretrained(directory)
+    return hf_model, directory, params, config.model_copy(update={"moe_dispatch": "dense"})  # the cheaper compile
+
+
+def test_decoding_with_the_cache_computes_the_full_forward(converted, highest_precision):
+    _, _, params, config = converted
+    model = build_model(config)
+    shapes = cache_shapes(model, params, TOKENS)
+    keys = [shapes[f"layers_{i}"]["self_attn"]["cached_key"].shape for i in range(2)]
+    assert keys == [(2, 2, 8, 10), (2, 1, 16, 10)]  # [B, KV, D, S]: a sliding layer's, a global one's
+    spans = ((0, 5), (5, 6), (6, 7), (7, 8), (8, 9), (9, 10))  # a prompt, then one token at a time past the window 4
+    decoded, full = decoded_and_full_logits(model, params, TOKENS, spans)
+    np.testing.assert_allclose(decoded, full, atol=1e-5, rtol=0)
+
+
+def test_lora_adapters_export_merged_and_as_a_peft_adapter(converted, tmp_path, highest_precision):
+    hf_model, directory, params, config = converted
+    settings = LoraConfig(rank=2, alpha=4.0, targets=("q_proj", "v_proj", "per_layer_input_gate"))
+    paths = target_paths(params, settings.targets)
+    assert [path for path in paths if path[-1] == "v_proj"] == [("layers_0", "self_attn", "v_proj")]  # keys as values
+    adapted = dict(flatten_dict(add_adapters(params, paths, settings.rank, jax.random.PRNGKey(0))))
+    for index, path in enumerate(path for path in adapted if path[-1] == "lora_b"):  # trained adapters
+        adapted[path] = 0.2 * jax.random.normal(jax.random.PRNGKey(index), adapted[path].shape)
+    adapted = unflatten_dict(adapted)
+    with nn.intercept_methods(adapter_interceptor(settings, False, jax.random.PRNGKey(0))):
+        expected = np.asarray(logits_of(build_model(config).apply({"params": adapted}, TOKENS)))
+    assert np.abs(expected - hf_logits(hf_model, np.asarray(TOKENS))).max() > 1e-3  # the adapters count
+    save_pretrained(merged_params(adapted, settings.scale), config, tmp_path / "merged")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    np.testing.assert_allclose(hf_logits(merged, np.asarray(TOKENS)), expected, atol=1e-5, rtol=0)
+
+    hf = hf_model.config.to_dict()
+    write_adapter_dir(adapted, config.model_copy(update={"lora": settings}), architecture_for(hf), tmp_path / "peft")
+    base = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+    with_adapter = peft.PeftModel.from_pretrained(base, tmp_path / "peft").eval()
+    np.testing.assert_allclose(hf_logits(with_adapter, np.asarray(TOKENS)), expected, atol=1e-5, rtol=0)
+
+
+def test_a_run_with_per_layer_inputs_cut_after_a_checkpoint_resumes_bitwise(tmp_path, compilation_cache):
+    """A scanned run of a global and a sliding layer with per-layer inputs and experts, cut at its step-2 checkpoint
+    and resumed in process (a fresh fit reads the checkpoint: the kill tests' SIGKILL costs a subprocess), ends
+    bit-identical."""
+    model = {"name": "gemma4", **SCANNED["gemma4"], "vocab_size": 256, "vocab_size_per_layer_input": 256,
+             "num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"], "enable_moe_block": True,
+             "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 16, "moe_dispatch": "dense",
+             "scan_layers": True}
+    run = {**RUN, "model": model}
+    whole = tmp_path / "whole"
+    functrain.fit(run, **{"run.dir": str(whole)})
+    saved = load_params(whole, 4)
+    assert saved["layers_stack"]["slot_0"]["per_layer_input_gate"]["kernel"].shape == (1, 32, 8)
+    resumed = _halfway(whole, tmp_path / "resumed")
+    functrain.fit(run, **{"run.dir": str(resumed)})
+    assert params_digest(load_params(resumed, 4)) == params_digest(saved)
+    assert _losses(resumed) == _losses(whole)
+    np.testing.assert_array_equal(saved["layers_stack"]["slot_0"]["layer_scalar"], [[1.0]])  # a frozen buffer
+
+
+def test_gemma4_reads_its_config_as_transformers_derives_it():
+    hf = dict(model_type="gemma4_text", num_hidden_layers=7, head_dim=8, global_head_dim=24, num_key_value_heads=2,
+              num_global_key_value_heads=1, num_attention_heads=4, layer_types=["sliding_attention"] * 7)
+    for keys_are_values in (False, True):
+        theirs = transformers.Gemma4TextConfig(**hf, attention_k_eq_v=keys_are_values)
+        ours = from_hf_config({**hf, "attention_k_eq_v": keys_are_values})
+        assert list(ours.resolved_layer_types()) == theirs.layer_types  # the last layer forced global
+        layers = theirs.per_layer_config
+        assert [ours.head_dim_of(i) for i in range(7)] == [layers[i].head_dim for i in range(7)] == [8] * 6 + [24]
+        assert [ours.kv_heads_of(i) for i in range(7)] == [layers[i].num_key_value_heads for i in range(7)]
+        assert ours.kv_heads_of(6) == (1 if keys_are_values else 2)
+    derived = from_hf_config(dict(model_type="gemma4_text", num_hidden_layers=12))
+    assert [derived.attention_window(i) for i in range(12)] == ([512] * 5 + [None]) * 2
+    assert derived.full_rope.proportional and derived.full_rope.partial_rotary_factor == 0.25
+
