@@ -164,29 +164,9 @@ class JaxBackend:
             lambda params, model_state: fresh_state(params, model_state, jax.random.PRNGKey(0)),
             *init_shapes(program.init),
         )
-        self.param_shardings = sharding.param_shardings(
-            program.logical_specs(),
-            self.abstract_state.params,
-            self.mesh,
-            rules,
-            allow_replicated_fallback=allow_replicated_fallback,
-            param_rules=param_rules,
+        self.param_shardings, self.state_shardings = self._shardings(
+            program, rules, param_rules, allow_replicated_fallback
         )
-        self.state_shardings = sharding.state_shardings(self.abstract_state, self.param_shardings, self.mesh)
-        if program.state_logical_specs is not None:  # model-state entries with logical axes of their own (a teacher)
-            entries = {
-                name: sharding.param_shardings(
-                    specs,
-                    self.abstract_state.model_state[name],
-                    self.mesh,
-                    rules,
-                    allow_replicated_fallback=allow_replicated_fallback,
-                )
-                for name, specs in program.state_logical_specs().items()
-            }
-            self.state_shardings = self.state_shardings.replace(
-                model_state={**self.state_shardings.model_state, **entries}
-            )
         if step.offload_optimizer:
             train_step = streaming_optimizer(train_step, self.state_shardings.opt_state)
             self.state_shardings = offload_opt_state(self.state_shardings)
@@ -208,6 +188,34 @@ class JaxBackend:
         )
         self._compute_dtype = compute_dtype
         self._weight_sums = jax.jit(weight_sums, out_shardings=replicated)
+
+    def _shardings(
+        self, program: Program, rules: Any, param_rules: Any, allow_replicated_fallback: bool
+    ) -> tuple[Any, Any]:
+        """The params' shardings, from their logical axes and the rules, and the state's, from them (model-state
+        entries with logical axes of their own, a teacher's, from theirs)."""
+        params = sharding.param_shardings(
+            program.logical_specs(),
+            self.abstract_state.params,
+            self.mesh,
+            rules,
+            allow_replicated_fallback=allow_replicated_fallback,
+            param_rules=param_rules,
+        )
+        state = sharding.state_shardings(self.abstract_state, params, self.mesh)
+        if program.state_logical_specs is not None:  # model-state entries with logical axes of their own (a teacher)
+            entries = {
+                name: sharding.param_shardings(
+                    specs,
+                    self.abstract_state.model_state[name],
+                    self.mesh,
+                    rules,
+                    allow_replicated_fallback=allow_replicated_fallback,
+                )
+                for name, specs in program.state_logical_specs().items()
+            }
+            state = state.replace(model_state={**state.model_state, **entries})
+        return params, state
 
     @contextlib.contextmanager
     def _traced(self) -> Any:
