@@ -130,17 +130,16 @@ def _carried_depth(cfg: deepseek_v3.DeepseekMoeConfig, names: set[str]) -> deeps
     return cfg.model_copy(update={"num_nextn_predict_layers": 0})
 
 
-DEEPSEEK_V3 = TensorMapping(
-    functools.partial(_deepseek_moe_rules, attention=_latent_attention),
-    _llama_ignorable,
-    fused_rules=functools.partial(_deepseek_moe_rules, attention=_latent_attention, fused=True),
-    left_out=_multi_token_prediction,
-    fit_config=_carried_depth,
-)
-GLM4_MOE = TensorMapping(
-    functools.partial(_deepseek_moe_rules, attention=_grouped_query_attention),
-    _llama_ignorable,
-    fused_rules=functools.partial(_deepseek_moe_rules, attention=_grouped_query_attention, fused=True),
-    left_out=_multi_token_prediction,
-    fit_config=_carried_depth,
-)
+def _decoder_mapping(attention: AttentionRules) -> TensorMapping:
+    """DeepSeek-V3's decoder tables (MoE layers, multi-token prediction) around ``attention``'s tensors."""
+    return TensorMapping(
+        functools.partial(_deepseek_moe_rules, attention=attention),
+        _llama_ignorable,
+        fused_rules=functools.partial(_deepseek_moe_rules, attention=attention, fused=True),
+        left_out=_multi_token_prediction,
+        fit_config=_carried_depth,
+    )
+
+
+DEEPSEEK_V3 = _decoder_mapping(_latent_attention)
+GLM4_MOE = _decoder_mapping(_grouped_query_attention)
