@@ -10,6 +10,11 @@ optimizer holds no state for the base weights and XLA never computes their gradi
 
 QLoRA: ``model.lora.base_dtype: nf4 | int8`` stores every Dense layer's kernel but the LM head's quantized
 (:mod:`functrain.models.quantized`), dequantized where the layer multiplies by it.
+
+Scanned layers (``model.scan_layers``): a stacked kernel ``[layers, in, out]`` gets stacked adapters
+``[layers, in, rank]`` and ``[layers, rank, out]`` (and a quantized base stacked codes), which the scan slices per
+layer as it does the kernel; targets match each layer's unrolled path, each layer's ``lora_a`` is the one the
+unrolled model draws, and restored params of either layout are put in the model's.
 """
 
 import fnmatch
@@ -37,15 +42,19 @@ from functrain.models.quantized import (
     quantized_dense,
     quantized_specs,
 )
+from functrain.models.stacking import in_stack, layer_paths, layer_shape, relayout_layers
 
 ADAPTER_A, ADAPTER_B = "lora_a", "lora_b"
 Path = tuple[str, ...]
 
 
 def projection_paths(params: Any) -> list[Path]:
-    """Paths of the modules holding a 2-D ``kernel`` (Dense projections), in tree order."""
+    """Paths of the modules holding a 2-D ``kernel`` (Dense projections; stacked ``[layers, in, out]`` in a scan),
+    in tree order."""
     return [
-        path[:-1] for path, leaf in flatten_dict(params).items() if path[-1] == "kernel" and len(jnp.shape(leaf)) == 2
+        path[:-1]
+        for path, leaf in flatten_dict(params).items()
+        if path[-1] == "kernel" and len(layer_shape(path, jnp.shape(leaf))) == 2
     ]
 
 
@@ -53,11 +62,44 @@ def _matches(path: Path, pattern: str) -> bool:
     return fnmatch.fnmatchcase(path[-1], pattern) or fnmatch.fnmatchcase("/".join(path), pattern)
 
 
+def _layers(paths: list[Path], params: Any) -> dict[Path, list[Path]]:
+    """Each module of ``paths`` as the modules of its layers: itself when unrolled, the unrolled path of each of
+    its stack's layers when scanned (in the order of the stack's leading axis)."""
+    kernels = {
+        "/".join(path + ("kernel",)): jax.ShapeDtypeStruct(kernel_shape(kernel_leaf(params, path)), jnp.float32)
+        for path in paths
+    }
+    stacked = layer_paths(kernels)
+    return {
+        path: [tuple(name.split("/")[:-1]) for name in stacked.get("/".join(path + ("kernel",)), [])] or [path]
+        for path in paths
+    }
+
+
+def _matched(path: Path, layers: list[Path], pattern: str) -> bool:
+    """Whether ``pattern`` targets the module ``path`` (``layers``: its layers' own paths); a pattern matching some
+    layers of a scanned stack only is a ConfigError (a stack's adapters are every layer's)."""
+    count = sum(_matches(layer, pattern) for layer in layers)
+    if 0 < count < len(layers):
+        raise ConfigError(
+            f"model.lora.targets: {pattern!r} matches {count} of the {len(layers)} scanned layers of "
+            f"{'/'.join(path)} (scanned layers carry adapters on all of them or none); target every layer or set "
+            f"model.scan_layers=false"
+        )
+    return count > 0
+
+
 def target_paths(params: Any, targets: tuple[str, ...]) -> list[Path]:
-    """The projections matching any pattern; a pattern matching none, or a mixture of experts' stacked expert
-    weights (which carry no adapters), is a ConfigError naming it."""
+    """The projections matching any pattern (a scanned stack's layers matched by their unrolled paths,
+    ``layers_3/mlp/up_proj``); a pattern matching none, or a mixture of experts' stacked expert weights (which
+    carry no adapters), is a ConfigError naming it."""
     projections = projection_paths(params)
-    experts = [path for path, leaf in flatten_dict(params).items() if "experts" in path and len(jnp.shape(leaf)) == 3]
+    layers = _layers(projections, params)
+    experts = [
+        path
+        for path, leaf in flatten_dict(params).items()
+        if "experts" in path and len(layer_shape(path, jnp.shape(leaf))) == 3
+    ]
     chosen: set[Path] = set()
     for pattern in targets:
         stacked = next((path for path in experts if _matches(path, pattern)), None)
@@ -67,7 +109,7 @@ def target_paths(params: Any, targets: tuple[str, ...]) -> list[Path]:
                 f"not adapt; target the attention projections (q_proj, k_proj, v_proj, o_proj) or a path that "
                 f"leaves the experts out"
             )
-        matched = {p for p in projections if _matches(p, pattern)}
+        matched = {p for p in projections if _matched(p, layers[p], pattern)}
         if not matched:
             names = sorted({p[-1] for p in projections})
             raise ConfigError(
@@ -79,17 +121,30 @@ def target_paths(params: Any, targets: tuple[str, ...]) -> list[Path]:
     return [p for p in projections if p in chosen]
 
 
+def kernel_leaf(params: Any, path: Path) -> Any:
+    """The ``kernel`` of the module at ``path`` (a float array, or a quantized weight's dict)."""
+    node = params
+    for name in path + ("kernel",):
+        node = node[name]
+    return node
+
+
 def add_adapters(params: Any, paths: list[Path], rank: int, rng: jax.Array) -> Any:
     """``params`` with fresh adapters at ``paths``: ``lora_a`` uniform in ±1/sqrt(in) (PEFT's Kaiming init),
-    ``lora_b`` zero."""
+    ``lora_b`` zero. Each layer's ``lora_a`` is drawn from the key of its rank among the adapted layers' unrolled
+    paths, so a scanned stack gets the adapters the unrolled model does."""
     flat = dict(flatten_dict(params, is_leaf=lambda _, node: is_quantized(node)))
-    for index, path in enumerate(paths):
-        fan_in, fan_out = kernel_shape(flat[path + ("kernel",)])
+    layers = _layers(paths, params)
+    index = {layer: position for position, layer in enumerate(sorted(p for each in layers.values() for p in each))}
+    for path in paths:
+        *lead, fan_in, fan_out = kernel_shape(flat[path + ("kernel",)])
         bound = fan_in**-0.5
-        flat[path + (ADAPTER_A,)] = jax.random.uniform(
-            jax.random.fold_in(rng, index), (fan_in, rank), jnp.float32, -bound, bound
-        )
-        flat[path + (ADAPTER_B,)] = jnp.zeros((rank, fan_out), jnp.float32)
+        drawn = [
+            jax.random.uniform(jax.random.fold_in(rng, index[layer]), (fan_in, rank), jnp.float32, -bound, bound)
+            for layer in layers[path]
+        ]
+        flat[path + (ADAPTER_A,)] = jnp.stack(drawn) if lead else drawn[0]
+        flat[path + (ADAPTER_B,)] = jnp.zeros((*lead, rank, fan_out), jnp.float32)
     return unflatten_dict(flat)
 
 
@@ -146,7 +201,11 @@ def adapter_interceptor(settings: LoraConfig, train: bool, rng: jax.Array) -> Ca
             return output
         x = args[0]
         if train and settings.dropout > 0:
-            key = jax.random.fold_in(rng, zlib.crc32("/".join(module.path).encode()))
+            # A scanned layer's path is its whole stack's: its key is the scan's own for the layer.
+            if in_stack(module.path):
+                key = module.make_rng("dropout")
+            else:
+                key = jax.random.fold_in(rng, zlib.crc32("/".join(module.path).encode()))
             keep = jax.random.bernoulli(key, 1.0 - settings.dropout, x.shape)
             x = jnp.where(keep, x / (1.0 - settings.dropout), 0).astype(x.dtype)
         a: jax.Array = module.get_variable("params", ADAPTER_A).astype(x.dtype)
@@ -179,12 +238,13 @@ def without_adapters(params: Any) -> Any:
 
 
 def adapter_specs(specs: Any, paths: list[Path]) -> Any:
-    """Logical specs with the adapters': ``lora_a`` shares the kernel's input axis, ``lora_b`` its output axis."""
+    """Logical specs with the adapters': ``lora_a`` shares the kernel's input axis, ``lora_b`` its output axis (and
+    both a scanned stack's ``layers`` axis)."""
     flat = dict(flatten_dict(specs, is_leaf=lambda _, leaf: isinstance(leaf, PartitionSpec)))
     for path in paths:
-        kernel = tuple(flat[path + ("kernel",)]) or (None, None)
-        flat[path + (ADAPTER_A,)] = PartitionSpec(kernel[0], None)
-        flat[path + (ADAPTER_B,)] = PartitionSpec(None, kernel[1])
+        *lead, kernel_in, kernel_out = tuple(flat[path + ("kernel",)]) or (None,) * (3 if in_stack(path) else 2)
+        flat[path + (ADAPTER_A,)] = PartitionSpec(*lead, kernel_in, None)
+        flat[path + (ADAPTER_B,)] = PartitionSpec(*lead, None, kernel_out)
     return unflatten_dict(flat)
 
 
@@ -215,9 +275,10 @@ def lora_transform(pieces: Any, settings: LoraConfig) -> Any:
         return quantize_params(params, frozen, settings), model_state
 
     def complete_params(params: Any, rng: jax.Array) -> Any:
-        # A converted (base-only) checkpoint gets fresh adapters; a LoRA checkpoint has its own. A float base is
-        # quantized as it comes in (a converted QLoRA base already is).
-        params = quantize_params(params, frozen, settings)
+        # Saved with the layers scanned or not, the params come in the model's layout. A converted (base-only)
+        # checkpoint gets fresh adapters; a LoRA checkpoint has its own. A float base is quantized as it comes in
+        # (a converted QLoRA base already is).
+        params = quantize_params(relayout_layers(params, abstract), frozen, settings)
         if adapter_paths(params):
             return params
         return add_adapters(params, paths, settings.rank, jax.random.fold_in(rng, _ADAPTER_KEY))

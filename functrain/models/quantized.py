@@ -33,6 +33,7 @@ no gradient; dequantized weights kept for the backward pass would hold the whole
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Any
 
 import flax.linen as nn
@@ -45,6 +46,7 @@ from jax.sharding import PartitionSpec
 from functrain.core.fp8 import fp8_enabled, gradient_rounded, to_fp8
 from functrain.core.precision import is_quantized
 from functrain.errors import ConfigError
+from functrain.models.stacking import in_stack, layer_shape
 
 Array = jax.Array
 Path = tuple[str, ...]
@@ -170,25 +172,32 @@ def quantize_kernel(kernel: Array, base_dtype: str, block_size: int, double_quan
     return quantize_nf4(weight, block_size, double_quant) if base_dtype == "nf4" else quantize_int8(weight)
 
 
-def kernel_shape(node: Any) -> tuple[int, int]:
-    """The ``[in, out]`` shape of a Dense kernel, float or quantized."""
+def kernel_shape(node: Any) -> tuple[int, ...]:
+    """The shape of a Dense kernel, float or quantized: ``[in, out]``, after a scanned stack's ``layers`` axis."""
     if not is_quantized(node):
-        in_features, out_features = np.shape(node)
-        return in_features, out_features
-    if "int8" in node:
-        out_features, in_features = np.shape(node["int8"])
-    else:
-        out_features, half = np.shape(node["nf4"])
-        in_features = 2 * half
-    return in_features, out_features
+        return tuple(np.shape(node))
+    *lead, out_features, in_features = np.shape(node["int8"] if "int8" in node else node["nf4"])
+    return (*lead, in_features if "int8" in node else 2 * in_features, out_features)
+
+
+def _layerwise(function: Any, tree: Any, stacked: bool) -> Any:
+    """``function`` of ``tree``, or of each layer of a scanned stack's ``tree`` (leading axis), stacked again: a layer
+    computes what it would unrolled."""
+    if not stacked:
+        return function(tree)
+    count = jax.tree.leaves(tree)[0].shape[0]
+    layers = [function(jax.tree.map(operator.itemgetter(index), tree)) for index in range(count)]
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *layers)
 
 
 def dequantized_params(params: Any) -> Any:
-    """``params`` with every quantized weight replaced by its float32 kernel [in, out] (the plain model's params:
-    for export, sampling and merging adapters)."""
+    """``params`` with every quantized weight replaced by its float32 kernel [in, out] (stacked ``[layers, in, out]``
+    in a scan): the plain model's params, for export, sampling and merging adapters."""
 
     def restore(node: Any) -> Any:
-        return dequantize(node).T if is_quantized(node) else node
+        if not is_quantized(node):
+            return node
+        return _layerwise(lambda state: dequantize(state).T, node, len(kernel_shape(node)) == 3)
 
     return jax.tree.map(restore, params, is_leaf=is_quantized)
 
@@ -281,7 +290,7 @@ def frozen_kernel_paths(params: Any, dense: set[Path], heads: tuple[str, ...], s
     mixture of experts' stacked weights) or, in NF4, one whose input features ``block_size`` does not divide."""
     chosen = []
     for path, leaf in flatten_dict(params).items():
-        module, name, shape = path[:-1], path[-1], tuple(np.shape(leaf))
+        module, name, shape = path[:-1], path[-1], layer_shape(path, np.shape(leaf))
         if any(part in heads for part in module):
             continue
         experts = "experts" in path and len(shape) == 3
@@ -304,16 +313,18 @@ def frozen_kernel_paths(params: Any, dense: set[Path], heads: tuple[str, ...], s
 
 def quantized_specs(specs: Any, paths: list[Path], settings: Any) -> Any:
     """Logical specs with each quantized kernel's: its ``[out, in]`` arrays take the kernel's axes swapped, the
-    double quantization's blocks of 256 and offset are replicated (a few bytes per million weights)."""
+    double quantization's blocks of 256 and offset are replicated (a few bytes per million weights); a scanned
+    stack's arrays keep its ``layers`` axis first."""
     flat = dict(flatten_dict(specs, is_leaf=lambda _, leaf: isinstance(leaf, PartitionSpec)))
     for path in paths:
-        kernel_in, kernel_out = tuple(flat.pop(path + ("kernel",))) or (None, None)
-        swapped = PartitionSpec(kernel_out, kernel_in)
+        stack = 1 if in_stack(path) else 0
+        *lead, kernel_in, kernel_out = tuple(flat.pop(path + ("kernel",))) or (None,) * (2 + stack)
+        swapped = PartitionSpec(*lead, kernel_out, kernel_in)
         if settings.base_dtype == "int8":
-            state = {"int8": swapped, "scale": PartitionSpec(kernel_out, None)}
+            state = {"int8": swapped, "scale": PartitionSpec(*lead, kernel_out, None)}
         elif settings.double_quant:
-            state = {"nf4": swapped, "absmax_codes": swapped, "absmax_scale": PartitionSpec(None),
-                     "absmax_offset": PartitionSpec()}  # fmt: skip
+            state = {"nf4": swapped, "absmax_codes": swapped, "absmax_scale": PartitionSpec(*lead, None),
+                     "absmax_offset": PartitionSpec(*lead)}  # fmt: skip
         else:
             state = {"nf4": swapped, "absmax": swapped}
         flat.update({path + ("kernel", key): spec for key, spec in state.items()})
@@ -325,10 +336,11 @@ def quantize_params(params: Any, paths: list[Path], settings: Any) -> Any:
     ``model.lora`` section) says; kernels already quantized stay as they are."""
     if not paths:
         return params
+    options = (settings.base_dtype, settings.block_size, settings.double_quant)
     quantize = jax.jit(quantize_kernel, static_argnums=(1, 2, 3))
     flat = dict(flatten_dict(params, is_leaf=lambda _, node: is_quantized(node)))
     for path in paths:
         kernel = flat[path + ("kernel",)]
         if not is_quantized(kernel):
-            flat[path + ("kernel",)] = quantize(kernel, settings.base_dtype, settings.block_size, settings.double_quant)
+            flat[path + ("kernel",)] = _layerwise(lambda layer: quantize(layer, *options), kernel, in_stack(path))
     return unflatten_dict(flat)

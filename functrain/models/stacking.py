@@ -7,7 +7,7 @@ conversion and sampling read either layout. Leaves may be numpy or JAX arrays or
 """
 
 import re
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -68,20 +68,45 @@ def is_stacked(tree: Any) -> bool:
     return bool(_periods(flat_paths(tree)))
 
 
-def unstack_flat(flat: Mapping[str, Any]) -> dict[str, Any]:
-    """``flat`` (``{path: leaf}``) with every stack split into its unrolled layers."""
+def in_stack(path: Sequence[str]) -> bool:
+    """Whether the params path ``path`` (its names) lies in a stack of scanned layers: its leaf's leading axis is
+    the layers'."""
+    return _stack_position(list(path)) is not None
+
+
+def layer_shape(path: Sequence[str], shape: Sequence[int]) -> tuple[int, ...]:
+    """The shape a params leaf at ``path`` has in one layer: a scanned stack's leading axis left out."""
+    return tuple(shape[1:]) if in_stack(path) else tuple(shape)
+
+
+def layer_paths(flat: Mapping[str, Any]) -> dict[str, list[str]]:
+    """``{path: the unrolled paths of its layers, in the order of its leading axis}`` for each stacked leaf of
+    ``flat`` (``{path: leaf}``; the leaf's leading axis gives the groups)."""
     periods = _periods(flat)
-    out: dict[str, Any] = {}
+    layers: dict[str, list[str]] = {}
     for path, leaf in flat.items():
         parts = path.split("/")
         k = _stack_position(parts)
         if k is None:
-            out[path] = leaf
             continue
         prefix, period = _captured(_STACKED, parts[k]), periods["/".join(parts[: k + 1])]
         slot = int(_captured(_SLOT, parts[k + 1]))
-        for group in range(leaf.shape[0]):
-            out["/".join([*parts[:k], f"{prefix}{group * period + slot}", *parts[k + 2 :]])] = _take(leaf, group)
+        layers[path] = [
+            "/".join([*parts[:k], f"{prefix}{group * period + slot}", *parts[k + 2 :]])
+            for group in range(np.shape(leaf)[0])
+        ]
+    return layers
+
+
+def unstack_flat(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """``flat`` (``{path: leaf}``) with every stack split into its unrolled layers."""
+    layers = layer_paths(flat)
+    out: dict[str, Any] = {}
+    for path, leaf in flat.items():
+        if path not in layers:
+            out[path] = leaf
+            continue
+        out.update({unrolled: _take(leaf, group) for group, unrolled in enumerate(layers[path])})
     return out
 
 
@@ -136,3 +161,48 @@ def relayout_like(tree: Any, like: Any) -> Any:
     flat = relayout_flat(flat_paths(tree), flat_paths(like))
     paths, treedef = jax.tree_util.tree_flatten_with_path(like)
     return jax.tree_util.tree_unflatten(treedef, [flat[path_string(path)] for path, _ in paths])
+
+
+def _stack_sizes(flat: Mapping[str, Any]) -> dict[tuple[str, str], tuple[int, int]]:
+    """``{(parent path, layer prefix): (period, groups)}`` for each stack of ``flat`` (``{path: leaf}``)."""
+    periods = _periods(flat)
+    sizes: dict[tuple[str, str], tuple[int, int]] = {}
+    for path, leaf in flat.items():
+        parts = path.split("/")
+        k = _stack_position(parts)
+        if k is not None:
+            location = "/".join(parts[: k + 1])
+            sizes["/".join(parts[:k]), _captured(_STACKED, parts[k])] = (periods[location], np.shape(leaf)[0])
+    return sizes
+
+
+def _stacked_place(path: str, sizes: Mapping[tuple[str, str], tuple[int, int]]) -> tuple[str, int] | None:
+    """Where the unrolled ``path`` goes in the stacks ``sizes`` describes: ``(stacked path, group)``, or None."""
+    for (parent, prefix), (period, groups) in sizes.items():
+        head = f"{parent}/" if parent else ""
+        match = re.match(rf"^{re.escape(head + prefix)}(\d+)/(.+)$", path)
+        if match and int(match.group(1)) < period * groups:
+            layer = int(match.group(1))
+            stacked = f"{head}{prefix}{STACK_SUFFIX}/{SLOT_PREFIX}{layer % period}/{match.group(2)}"
+            return stacked, layer // period
+    return None
+
+
+def relayout_layers(tree: Mapping[str, Any], like: Any) -> dict[str, Any]:
+    """``tree`` (a nested dict of params) in the layer layout of ``like`` (params of the same model, scanned or
+    not), whatever leaves ``tree`` holds beside ``like``'s (a LoRA run's adapters, a quantized base's codes): each
+    of its leaves under one of ``like``'s stacked layers is stacked there, the others are unrolled."""
+    sizes, flat = _stack_sizes(flat_paths(like)), flat_paths(tree)
+    stacks = _stack_sizes(flat)
+    if all(stacks[key] == sizes.get(key) for key in stacks) and not any(_stacked_place(p, sizes) for p in flat):
+        return dict(tree)  # already in that layout: nothing copied
+    out: dict[str, Any] = {}
+    grouped: dict[str, dict[int, Any]] = {}
+    for path, leaf in unstack_flat(flat).items():
+        place = _stacked_place(path, sizes)
+        if place is None:
+            out[path] = leaf
+        else:
+            grouped.setdefault(place[0], {})[place[1]] = leaf
+    out.update({path: _stack([layers[group] for group in sorted(layers)]) for path, layers in grouped.items()})
+    return _nested(out)

@@ -16,6 +16,7 @@ import pytest
 import torch
 import transformers
 from flax.traverse_util import flatten_dict
+from safetensors.numpy import load_file
 
 import functrain
 from functrain.checkpoint import load_params_and_meta
@@ -25,6 +26,7 @@ from functrain.commands.cli import main
 from functrain.errors import CheckpointError, ConfigError
 from functrain.models.lora import LoraConfig, adapter_interceptor, lora_program
 from functrain.models import llama
+from functrain.models.stacking import unstack_layers
 from functrain.core.step import trainable_only
 from tests.conftest import REPO_ROOT, cli_env
 from tests.torch_bridge.hf.test_hf_finetune import IDS, QUIET, tiny_llama_dir
@@ -182,6 +184,77 @@ def test_lora_run_killed_and_resumed_is_bitwise_identical(lora_run):
     straight = dict(_train_losses(runs["straight"]))
     assert sorted(straight) == [1, 2, 3, 4]
     assert all(loss == straight[step] for step, loss in _train_losses(runs["killed"]))
+
+
+SCANNED = {"rank": 4, "alpha": 8.0, "targets": ["q_proj", "v_proj", "*/mlp/*"]}
+
+
+def fit_layers(lora_run, name, scan):
+    """3 steps of ``SCANNED`` adapters in ``lora_run / name`` (from the step 0 it holds), layers scanned or not."""
+    return functrain.fit(str(lora_run / "run" / "config.yaml"), **QUIET, **{
+        "run.dir": str(lora_run / name), "train.max_steps": 3, "checkpoint.every_steps": 1,
+        "optimizer.learning_rate": 3e-2, "model.lora": SCANNED, "model.scan_layers": scan})
+
+
+@pytest.fixture(scope="module")
+def scan_pair(lora_run):
+    """From the converted base, the same adapters trained 3 steps with the layers unrolled and scanned."""
+    for name, scan in (("unrolled", False), ("scanned", True)):
+        shutil.copytree(lora_run / "run" / "checkpoints" / "0", lora_run / name / "checkpoints" / "0")
+        fit_layers(lora_run, name, scan)
+    return lora_run
+
+
+def test_scanned_lora_trains_as_unrolled_lora_with_its_adapters_stacked(scan_pair):
+    """The same losses and weights (the fresh adapters too: drawn per layer as unrolled); the scanned run saves its
+    adapters stacked [layers, ...] onto the unrolled converted base."""
+    unrolled, scanned = (dict(_train_losses(scan_pair / name)) for name in ("unrolled", "scanned"))
+    assert sorted(scanned) == [1, 2, 3] and scanned[3] < scanned[1] - 0.1
+    np.testing.assert_allclose([scanned[step] for step in (1, 2, 3)], [unrolled[step] for step in (1, 2, 3)],
+                               atol=1e-5, rtol=0)
+    saved = flatten_dict(saved_tree_metadata(scan_pair / "scanned" / "checkpoints" / "3", "params"))
+    assert {path[:2] for path in saved} == {("layers_stack", "slot_0")} and len(saved) == 2 * 5
+    assert saved[("layers_stack", "slot_0", "mlp", "up_proj", "lora_a")].shape == (2, 32, 4)
+    expected = flatten_dict(load_params_and_meta(scan_pair / "unrolled", 3)[0])
+    got = flatten_dict(unstack_layers(load_params_and_meta(scan_pair / "scanned", 3)[0]))
+    assert sorted(got) == sorted(expected)
+    for path, leaf in expected.items():
+        np.testing.assert_allclose(got[path], leaf, atol=1e-5, rtol=0, err_msg=str(path))
+
+
+def test_a_scanned_lora_run_resumes_bitwise_and_in_the_unrolled_layout(scan_pair):
+    """From the scanned run's step 2: resumed scanned, bitwise its step 3; resumed unrolled (the stacked adapters
+    and their AdamW moments unstacked on load), its step 3 within float tolerance."""
+    for name in ("scanned_resumed", "to_unrolled"):
+        shutil.copytree(scan_pair / "scanned" / "checkpoints", scan_pair / name / "checkpoints")
+        shutil.rmtree(scan_pair / name / "checkpoints" / "3")
+    fit_layers(scan_pair, "scanned_resumed", True)
+    assert _digest(scan_pair / "scanned_resumed") == _digest(scan_pair / "scanned")
+    straight = dict(_train_losses(scan_pair / "scanned"))
+    assert _train_losses(scan_pair / "scanned_resumed") == [(3, straight[3])]
+    fit_layers(scan_pair, "to_unrolled", False)
+    [(step, loss)] = _train_losses(scan_pair / "to_unrolled")
+    assert step == 3 and abs(loss - straight[3]) < 1e-5
+    expected = flatten_dict(unstack_layers(load_params_and_meta(scan_pair / "scanned", 3)[0]))
+    for path, leaf in flatten_dict(load_params_and_meta(scan_pair / "to_unrolled", 3)[0]).items():
+        np.testing.assert_allclose(leaf, expected[path], atol=1e-5, rtol=0, err_msg=str(path))
+
+
+def test_a_scanned_run_exports_the_unrolled_run_s_peft_directory_and_merged_model(scan_pair):
+    """Unstacked: the PEFT directory has the same config and tensors, the merged model the same logits."""
+    exported = {}
+    for name in ("unrolled", "scanned"):
+        out = scan_pair / f"{name}_export"
+        assert main(["convert", "functrain-to-hf", str(scan_pair / name), str(out / "adapter")]) == 0
+        assert main(["convert", "functrain-to-hf", str(scan_pair / name), str(out / "merged"), "--merge-lora"]) == 0
+        exported[name] = (json.loads((out / "adapter" / "adapter_config.json").read_text()),
+                          load_file(out / "adapter" / "adapter_model.safetensors"),
+                          hf_logits(transformers.AutoModelForCausalLM.from_pretrained(out / "merged").eval()))
+    (config, tensors, logits), (scanned_config, scanned_tensors, scanned_logits) = exported.values()
+    assert scanned_config == config and sorted(scanned_tensors) == sorted(tensors) and len(tensors) == 2 * 10
+    for name, tensor in tensors.items():
+        np.testing.assert_allclose(scanned_tensors[name], tensor, atol=1e-5, rtol=0, err_msg=name)
+    np.testing.assert_allclose(scanned_logits, logits, atol=1e-5, rtol=0)
 
 
 def test_a_target_matching_nothing_is_one_line_exit_2(lora_run, capsys):

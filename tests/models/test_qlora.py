@@ -256,6 +256,23 @@ def test_peft_loads_the_adapters_on_the_hf_base_and_the_merged_export_is_the_mod
     np.testing.assert_allclose(hf_logits(merged), ours, atol=1e-5, rtol=0)
 
 
+def test_a_scanned_run_stacks_the_quantized_base_and_trains_as_the_unrolled_one(qlora):
+    """From the same step 0 (the unrolled NF4 base and adapters), ``model.scan_layers``: the quantized kernels and
+    the adapters stacked [layers, ...] on restore, the losses of the unrolled run."""
+    tmp, _ = qlora
+    shutil.copytree(tmp / "start", tmp / "scanned")
+    result = functrain.fit(str(tmp / "converted" / "config.yaml"), **{
+        **run_overrides(tmp, tmp / "scanned", steps=3, save_every=3), "model.scan_layers": True})
+    up_proj = result.state.params["layers_stack"]["slot_0"]["mlp"]["up_proj"]
+    assert {key: (value.shape, str(value.dtype)) for key, value in up_proj["kernel"].items()} == {
+        "nf4": ((1, 128, 32), "uint8"), "absmax_codes": ((1, 128, 1), "uint8"), "absmax_scale": ((1, 1), "float32"),
+        "absmax_offset": ((1,), "float32")}
+    assert up_proj["lora_a"].shape == (1, 64, 8)
+    scanned, unrolled = dict(_train_losses(tmp / "scanned")), dict(_train_losses(tmp / "run"))
+    np.testing.assert_allclose([scanned[step] for step in (1, 2, 3)], [unrolled[step] for step in (1, 2, 3)],
+                               atol=1e-5, rtol=0)
+
+
 def test_plan_reports_the_quantized_base_and_the_state_the_run_holds(qlora):
     """``functrain plan`` of the module's run: its params are the bytes the trained run holds, the quantized base's
     share of them named (in the printed lines too); AdamW's moments are the adapters' alone; a quantized weight

@@ -163,7 +163,8 @@ def test_a_scanned_run_resumes_bitwise_restores_unrolled_and_samples(tmp_path, c
     ({"name": "mlp"}, "jax", "not supported by model mlp"),
     ({"name": "gpt2"}, "jax", "not supported by model gpt2"),
     ({"target": "mypackage.models:make"}, "jax", "not supported by model target"),
-    ({"name": "llama", "lora": {"rank": 2}}, "jax", "model.lora does not combine with model.scan_layers"),
+    ({"name": "llama", "num_hidden_layers": 2, "lora": {"targets": ["layers_1/*"]}}, "jax",
+     "'layers_1/*' matches 1 of the 2 scanned layers of layers_stack/slot_0/mlp/down_proj"),
     ({"name": "gpt"}, "torch", "not implemented by the torch gpt twin"),
 ])
 def test_models_that_do_not_scan_are_refused_in_one_line(tmp_path, capsys, model, backend, named):

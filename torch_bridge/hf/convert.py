@@ -30,6 +30,7 @@ from functrain.models.quantized import (
     has_quantized,
     quantize_kernel,
 )
+from functrain.models.stacking import unstack_layers
 from torch_bridge.hf import run_store
 from torch_bridge.hf.architectures import exported_architecture
 from torch_bridge.hf.peft_adapter import write_adapter_dir
@@ -142,6 +143,7 @@ def run_dir_to_hf(run_dir: str, out_dir: str, step: int | None, merge_lora: bool
     original HF base (quantized by bitsandbytes or not) as any LoRA adapter does.
     """
     params, meta = load_params_and_meta(Path(run_dir).resolve(), step)
+    params = dict(unstack_layers(params))  # model.scan_layers: one adapter, one HF tensor per layer
     model = dict(meta.get("model") or {})
     name = model.get("name")
     arch = exported_architecture(name, f"{run_dir}: model {name!r} cannot be exported to HF")

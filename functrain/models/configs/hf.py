@@ -60,16 +60,6 @@ class HFModelConfig(RuntimeOptions):
     # Fine-tuning with low-rank adapters (functrain.models.lora); not part of the HF config.
     lora: LoraConfig | None = None
 
-    @pydantic.model_validator(mode="after")
-    def _lora_unrolled(self):
-        # Adapters are matched and saved per layer (PEFT's keys); they are not stacked for a scan.
-        if self.lora is not None and self.scan_layers:
-            raise ValueError(
-                "model.lora does not combine with model.scan_layers (adapters are per layer); "
-                "set model.scan_layers=false for LoRA fine-tuning"
-            )
-        return self
-
     def lora_settings(self) -> LoraConfig | None:
         """``model.lora``."""
         return self.lora
