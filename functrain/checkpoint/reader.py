@@ -25,7 +25,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from functrain.checkpoint import checksum, compat, layout
 from functrain.checkpoint.meta import LORA_BASE_FINGERPRINT, LORA_BASE_STEP, check_format_version, saved_items
 from functrain.errors import CheckpointError
-from functrain.models.stacking import relayout_like
+from functrain.models.stacking import relayout_layers, relayout_like
 from functrain.parallel.distributed import every_process
 
 log = logging.getLogger("functrain.checkpoint")
@@ -195,7 +195,8 @@ def base_fingerprint(step_path: Path) -> str | None:
 
 
 def _with_base_params(step_path: Path, meta: dict, adapters: Any) -> Any:
-    """The full params of an adapters-only LoRA step: its base step's params with its adapters added.
+    """The full params of an adapters-only LoRA step: its base step's params with its adapters added, in the
+    adapters' layer layout (a base step saved with the layers scanned or not: ``model.scan_layers`` changed).
 
     A base step that is damaged makes this step damaged (restores fall back); ``check_whole`` has checked that
     it is the one recorded.
@@ -208,7 +209,7 @@ def _with_base_params(step_path: Path, meta: dict, adapters: Any) -> Any:
         raise DamagedCheckpoint(step_path, f"its LoRA base step {base_step} is damaged ({damaged.reason})") from damaged
     params = dict(flatten_dict(base_items[layout.PARAMS]))
     params.update(flatten_dict(adapters))
-    return unflatten_dict(params)
+    return relayout_layers(unflatten_dict(params), adapters)
 
 
 def restore_step(step_path: Path, targets: Targets) -> tuple[dict, dict]:

@@ -42,6 +42,8 @@ def pipeline_problem(config: Any) -> str | None:
     from functrain.models.scan import layer_period  # flax: a config without a pipeline validates without it
 
     model = config.model
+    if model.lora_settings() is not None:  # the stacked adapters are not run through the stages' schedule yet
+        return f"{where} splits the scanned layers and model.lora's adapters are not pipelined; set mesh.pipeline=1"
     name = model.registry_name() or "given to this run"
     kinds = model.pipelined_layer_kinds()
     if kinds is None:

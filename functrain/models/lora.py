@@ -66,7 +66,7 @@ def _layers(paths: list[Path], params: Any) -> dict[Path, list[Path]]:
     """Each module of ``paths`` as the modules of its layers: itself when unrolled, the unrolled path of each of
     its stack's layers when scanned (in the order of the stack's leading axis)."""
     kernels = {
-        "/".join(path + ("kernel",)): jax.ShapeDtypeStruct(kernel_shape(kernel_leaf(params, path)), jnp.float32)
+        "/".join(path + ("kernel",)): jax.ShapeDtypeStruct(kernel_shape(_kernel_leaf(params, path)), jnp.float32)
         for path in paths
     }
     stacked = layer_paths(kernels)
@@ -121,7 +121,7 @@ def target_paths(params: Any, targets: tuple[str, ...]) -> list[Path]:
     return [p for p in projections if p in chosen]
 
 
-def kernel_leaf(params: Any, path: Path) -> Any:
+def _kernel_leaf(params: Any, path: Path) -> Any:
     """The ``kernel`` of the module at ``path`` (a float array, or a quantized weight's dict)."""
     node = params
     for name in path + ("kernel",):

@@ -35,6 +35,8 @@ REFUSALS = {
     # A dense layer amid the sparse ones: the stack's one group of 4 layers cannot split.
     "mixed_moe_stack": ("configs/moe_char.yaml", [f"model={{{MIXED_QWEN}}}", "mesh.pipeline=2"],
                         "does not divide the model's 1 groups of 4 layers"),
+    "lora": ("configs/llama3_8b_qlora.yaml", ["mesh.pipeline=2"],
+             "(2 stages) splits the scanned layers and model.lora's adapters are not pipelined; set mesh.pipeline=1"),
     "torch_backend": ("configs/char_gpt_torch.yaml", ["mesh.pipeline=3"],
                       "pipelines the JAX backend's scanned layers; set backend=jax or mesh.pipeline=1"),
 }

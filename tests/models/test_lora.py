@@ -207,7 +207,7 @@ def scan_pair(lora_run):
 
 def test_scanned_lora_trains_as_unrolled_lora_with_its_adapters_stacked(scan_pair):
     """The same losses and weights (the fresh adapters too: drawn per layer as unrolled); the scanned run saves its
-    adapters stacked [layers, ...] onto the unrolled converted base."""
+    adapters stacked [layers, ...] onto the unrolled converted base, and its steps read back scanned."""
     unrolled, scanned = (dict(_train_losses(scan_pair / name)) for name in ("unrolled", "scanned"))
     assert sorted(scanned) == [1, 2, 3] and scanned[3] < scanned[1] - 0.1
     np.testing.assert_allclose([scanned[step] for step in (1, 2, 3)], [unrolled[step] for step in (1, 2, 3)],
@@ -216,7 +216,9 @@ def test_scanned_lora_trains_as_unrolled_lora_with_its_adapters_stacked(scan_pai
     assert {path[:2] for path in saved} == {("layers_stack", "slot_0")} and len(saved) == 2 * 5
     assert saved[("layers_stack", "slot_0", "mlp", "up_proj", "lora_a")].shape == (2, 32, 4)
     expected = flatten_dict(load_params_and_meta(scan_pair / "unrolled", 3)[0])
-    got = flatten_dict(unstack_layers(load_params_and_meta(scan_pair / "scanned", 3)[0]))
+    scanned_params = load_params_and_meta(scan_pair / "scanned", 3)[0]
+    assert sorted(scanned_params) == ["embed_tokens", "layers_stack", "lm_head", "norm"]  # read in its own layout
+    got = flatten_dict(unstack_layers(scanned_params))
     assert sorted(got) == sorted(expected)
     for path, leaf in expected.items():
         np.testing.assert_allclose(got[path], leaf, atol=1e-5, rtol=0, err_msg=str(path))
