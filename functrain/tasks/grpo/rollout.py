@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -220,7 +220,7 @@ class Rollouts:
         self.num_tokens += taken[1]
         return taken[0]
 
-    def make_ahead(self, params: Any, batch: dict[str, Any], key_of: Any, step: int) -> None:
+    def make_ahead(self, params: Any, batch: dict[str, Any], key_of: Callable[[int], jax.Array], step: int) -> None:
         """Sample with ``params`` (the weights of the step of index ``step``) from the loader's prompts of that step
         the batches of the steps up to ``step + k`` not made yet, each with its own step's key (``key_of(step)``)."""
         indices = np.asarray(batch["prompt_index"])
