@@ -12,9 +12,13 @@ time, each process's CPU time a step (all its threads) is compared: on a machine
 than the wall-clock time, and for a trainer on one thread it is what the step would take on an idle core (a trainer
 whose threads spin while they wait, as torch's OpenMP threads do, is counted for its spinning too).
 
+With ``--async-steps K`` (default 1; 0: not measured) each repeat also runs functrain's asynchronous GRPO
+(``grpo.async_steps: K``: the next K steps' batches sampled and scored while a step trains) in a process of its
+own, and prints its step time against the synchronous run's of the same repeat (the median of the paired ratios).
+
     python bench/bench_grpo.py [--layers 2] [--hidden 64] [--prompts 4] [--generations 8] [--prompt-len 16]
                                [--completion-len 32] [--warmup 2] [--steps 6] [--repeats 3] [--trl-threads 0]
-                               [--no-share-prompt] [--batch-invariant]
+                               [--no-share-prompt] [--batch-invariant] [--async-steps 1]
 """
 
 import argparse
@@ -150,7 +154,7 @@ def trl_step(root: Path, tokenizer, args) -> tuple[float, float, float]:
     return clock.report(args.warmup, lengths)
 
 
-def functrain_step(root: Path, args) -> tuple[float, float, float]:
+def functrain_step(root: Path, args, async_steps: int = 0) -> tuple[float, float, float]:
     import functrain
     from functrain.callbacks.base import Callback
     from functrain.tasks.grpo import rollout
@@ -190,6 +194,7 @@ def functrain_step(root: Path, args) -> tuple[float, float, float]:
         "checkpoint.async_save": False,
         "grpo.share_prompt": not args.no_share_prompt,
         "model.batch_invariant": args.batch_invariant,
+        "grpo.async_steps": async_steps,
     }
     clock.start()
     functrain.fit(str(run / "config.yaml"), callbacks=[Clock()], **overrides)
@@ -238,6 +243,8 @@ def worker(which: str, root: Path, args) -> None:
 
     if which == "functrain":
         result = functrain_step(root, args)
+    elif which == "functrain_async":
+        result = functrain_step(root, args, args.async_steps)
     else:
         result = trl_step(root, transformers.AutoTokenizer.from_pretrained(root / "tok"), args)
     print("RESULT " + json.dumps(dict(zip(("step", "share", "length", "cpu"), result))))
@@ -265,7 +272,8 @@ def main() -> None:
     parser.add_argument("--trl-threads", type=int, default=0, help="torch threads of TRL's process (0: torch's)")
     parser.add_argument("--no-share-prompt", action="store_true", help="functrain: grpo.share_prompt=false")
     parser.add_argument("--batch-invariant", action="store_true", help="functrain: model.batch_invariant=true")
-    parser.add_argument("--worker", choices=("functrain", "trl"), help=argparse.SUPPRESS)
+    parser.add_argument("--async-steps", type=int, default=1, help="functrain: also grpo.async_steps=K (0: not run)")
+    parser.add_argument("--worker", choices=("functrain", "functrain_async", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--root", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -276,27 +284,35 @@ def main() -> None:
         root = Path(tmp)
         prepare(root, args)
         runs = []
+        trainers = ("functrain", "trl", *(("functrain_async",) if args.async_steps else ()))
         for _ in range(args.repeats):  # interleaved, each trainer in a fresh process
-            runs.append({which: measured(which, root, argv) for which in ("functrain", "trl")})
+            runs.append({which: measured(which, root, argv) for which in trainers})
     rows = args.prompts * args.generations
     print(
         f"GRPO step, Llama {args.layers} layers x {args.hidden}, {args.prompts} prompts x {args.generations} "
         f"completions ({rows} rows), prompt {args.prompt_len} + completion {args.completion_len} tokens, CPU fp32, "
         f"median of {args.repeats} interleaved runs of {args.steps} steps"
     )
-    for which, name in (("functrain", "functrain"), ("trl", "TRL 1.16")):
+    names = [("functrain", "functrain"), ("trl", "TRL 1.16")]
+    names += [("functrain_async", f"functrain async_steps={args.async_steps}")] if args.async_steps else []
+    for which, name in names:
         step = statistics.median(run[which]["step"] for run in runs)
         share = statistics.median(run[which]["share"] for run in runs)
         length = statistics.mean(run[which]["length"] for run in runs)
         cpu = statistics.median(run[which]["cpu"] for run in runs)
         print(
-            f"  {name:10} {step * 1000:8.1f} ms/step, sampling {share:.0%} of it, completions {length:.1f} tokens; "
+            f"  {name:24} {step * 1000:8.1f} ms/step, sampling {share:.0%} of it, completions {length:.1f} tokens; "
             f"CPU {cpu * 1000:.1f} ms/step"
         )
     for measure, what in (("step", "wall-clock"), ("cpu", "CPU time")):
         ratios = [run["trl"][measure] / run["functrain"][measure] for run in runs]
         runs_text = ", ".join(f"{ratio:.2f}" for ratio in ratios)
         print(f"  {what}: functrain is {statistics.median(ratios):.2f}x faster (runs: {runs_text})")
+    if args.async_steps:  # the same repeat's synchronous run: steps per second, asynchronous over synchronous
+        for measure, what in (("step", "wall-clock"), ("cpu", "CPU time")):
+            ratios = [run["functrain"][measure] / run["functrain_async"][measure] for run in runs]
+            runs_text = ", ".join(f"{ratio:.2f}" for ratio in ratios)
+            print(f"  {what}: async/sync throughput {statistics.median(ratios):.2f}x (runs: {runs_text})")
 
 
 if __name__ == "__main__":

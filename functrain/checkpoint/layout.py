@@ -1,4 +1,5 @@
-"""Where checkpoints live on disk: RUN_DIR/checkpoints/<step>/{params,state,meta}.
+"""Where checkpoints live on disk: RUN_DIR/checkpoints/<step>/{params,state,meta}, and ``experience`` where a task's
+experience stage made batches ahead (asynchronous GRPO's).
 
 Only committed steps are listed. Orbax writes a step into ``<step>.orbax-checkpoint-tmp*`` and
 renames it on commit, so a half-written step never has a plain integer name.
@@ -16,6 +17,7 @@ from functrain.errors import CheckpointError
 
 CHECKPOINTS_SUBDIR = "checkpoints"
 PARAMS, STATE, META = "params", "state", "meta"
+EXPERIENCE = "experience"  # the batches an experience stage made ahead of the checkpoint's step
 _STEP_NAME = re.compile(r"^(0|[1-9]\d*)$")
 
 

@@ -169,7 +169,7 @@ class Checkpointer:
         # A blocking save cannot race its caller, so it skips Orbax's defensive copy of numpy leaves.
         handler_options = {} if self._async else {"type_handler_registry": _registry_without_host_copies()}
         handler_cls = _ChecksummedPyTreeHandler if self._checksums else ocp.PyTreeCheckpointHandler
-        for item in (layout.PARAMS, layout.STATE):
+        for item in (layout.PARAMS, layout.STATE, layout.EXPERIENCE):
             registry.add(item, ocp.args.PyTreeSave, handler_cls(use_compression=False, **handler_options))
         registry.add(layout.META, ocp.args.JsonSave, ocp.JsonCheckpointHandler())
         try:
@@ -196,7 +196,8 @@ class Checkpointer:
 
     # ----------------------------------------------------------------------------------- saving
     def save(self, step: int, items: Mapping[str, Any], meta: Mapping[str, Any] | None = None) -> bool:
-        """Start saving ``items`` ("params", optional "state": pytrees of arrays) and ``meta`` as ``step``.
+        """Start saving ``items`` ("params", optional "state" and "experience": pytrees of arrays) and ``meta`` as
+        ``step``.
 
         Returns after the device->host copy; the write and the atomic commit happen in the
         background. A failure of the previous background save is surfaced here first. Returns
@@ -205,9 +206,11 @@ class Checkpointer:
         """
         self._check_open()
         step = int(step)
-        unknown = set(items) - {layout.PARAMS, layout.STATE}
+        unknown = set(items) - {layout.PARAMS, layout.STATE, layout.EXPERIENCE}
         if layout.PARAMS not in items or unknown:
-            raise ValueError(f"checkpoint items must be 'params' and optionally 'state', got {sorted(items)}")
+            raise ValueError(
+                f"checkpoint items must be 'params' and optionally 'state' and 'experience', got {sorted(items)}"
+            )
         self._settle()
         if primary_view(step in self.steps()):
             if step in self._protected or step == self._line_head:

@@ -8,6 +8,7 @@ import contextlib
 import hashlib
 import json
 import logging
+from functools import partial
 from typing import Any, Callable
 
 import jax
@@ -16,6 +17,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from functrain.checkpoint.layout import EXPERIENCE
 from functrain.core.adapters import init_shapes
 from functrain.core.fp8 import hardware_note, with_fp8
 from functrain.core.precision import (
@@ -30,6 +32,7 @@ from functrain.core.program import Program
 from functrain.core.state import TrainState
 from functrain.core.step import StepSettings, make_eval_step, make_train_call, make_train_step, trainable_only
 from functrain.data import batch_sharding, to_global
+from functrain.data.global_array import to_local
 from functrain.parallel import distributed, sharding
 from functrain.parallel.offload import check_offload, offload_opt_state, streaming_optimizer
 from functrain.parallel.pipeline import PipelineSchedule, scheduled
@@ -188,6 +191,10 @@ class JaxBackend:
         )
         self._compute_dtype = compute_dtype
         self._weight_sums = jax.jit(weight_sums, out_shardings=replicated)
+        # A stage that samples ahead (asynchronous GRPO) samples on a copy of the step's weights: the step donates
+        # them, and would wait for the sampler to finish reading them.
+        self.ahead = int(getattr(experience, "ahead", 0))
+        self._sampler_weights = jax.jit(partial(jax.tree.map, jnp.copy), out_shardings=self.param_shardings)
 
     def _shardings(
         self, program: Program, rules: Any, param_rules: Any, allow_replicated_fallback: bool
@@ -233,11 +240,24 @@ class JaxBackend:
         targets = _with_shardings(self.abstract_state, self.state_shardings)
         # A program that completes restored params (LoRA on a converted base model) reads them as saved.
         params = None if self.program.complete_params is not None else targets.params
-        return {"params": params, "state": {name: getattr(targets, name) for name in STATE_FIELDS}}
+        items = {"params": params, "state": {name: getattr(targets, name) for name in STATE_FIELDS}}
+        if self.ahead:  # the batches an experience stage made ahead (a checkpoint without them starts it afresh)
+            example = self.experience.ahead_example()  # type: ignore[union-attr]
+            batch = {
+                name: jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=self.batch_sharding)
+                for name, value in example.items()
+            }
+            items[EXPERIENCE] = {str(offset): batch for offset in range(self.ahead)}
+        return items
 
     def state_to_items(self, state: TrainState) -> dict[str, Any]:
-        """The checkpoint items of ``state``."""
-        return {"params": state.params, "state": {name: getattr(state, name) for name in STATE_FIELDS}}
+        """The checkpoint items of ``state`` (and the batches the experience stage made ahead, if it did)."""
+        items = {"params": state.params, "state": {name: getattr(state, name) for name in STATE_FIELDS}}
+        made = self.experience.saved_ahead() if self.ahead else []  # type: ignore[union-attr]
+        if made:
+            batches = to_global(made, self.batch_sharding, batch_axis=0)
+            items[EXPERIENCE] = {str(offset): batch for offset, batch in enumerate(batches)}
+        return items
 
     def state_from_items(self, items: dict[str, Any]) -> TrainState:
         """Rebuild a state from restored items (no initial state is built beside it, so a resume needs no
@@ -251,6 +271,10 @@ class JaxBackend:
                 return self._state_for_params(params, self.seed)
         saved = dict(items["state"])
         saved.setdefault("model_state", {})  # an empty collection is not stored
+        if self.ahead and items.get(EXPERIENCE) is not None:
+            made = [items[EXPERIENCE][str(offset)] for offset in range(len(items[EXPERIENCE]))]
+            local = [{name: to_local(value) for name, value in batch.items()} for batch in made]
+            self.experience.restore_ahead(int(jax.device_get(saved["step"])), local)  # type: ignore[union-attr]
         return TrainState(params=params, **{name: saved[name] for name in STATE_FIELDS})
 
     def place(self, host_batches: dict[str, np.ndarray]) -> dict[str, jax.Array] | dict[str, np.ndarray]:
@@ -284,24 +308,31 @@ class JaxBackend:
     ) -> tuple[TrainState, dict]:
         """``K`` steps one at a time, each on the batch the experience stage made with the weights of that step:
         a rollout needs the newest weights, so it waits for the step before it. The stage's key is a function of
-        the seed and the step, so the batches (and a resumed run) are the same however the run was cut."""
+        the seed and the step, so the batches (and a resumed run) are the same however the run was cut.
+
+        A stage that samples ahead (``ahead`` k > 0: asynchronous GRPO, :mod:`functrain.tasks.grpo.ahead`) hands
+        over the batch it made k steps earlier (``take``; None where its pipeline starts: made now), and once the
+        step is dispatched makes the next ones with a copy of the step's weights (``make_ahead``): the host samples
+        and scores while the devices train."""
         step = int(jax.device_get(state.step))
         stream = self.experience_stream
         assert stream is not None, "made with the experience stage"
         logged = getattr(experience, "logged", None)  # optional: values logged as they are (a running total)
         per_step, host_values = [], []
         for k in range(len(next(iter(batches.values())))):
-            batch = experience(
-                state.params,
-                {name: value[k] for name, value in batches.items()},
-                jax.random.fold_in(stream, step + k),
-                step + k,
-            )
+            prompts = {name: value[k] for name, value in batches.items()}
+            params = self._sampler_weights(state.params) if self.ahead else state.params
+            batch = experience.take(step + k) if self.ahead else None  # type: ignore[attr-defined]
+            if batch is None:
+                batch = experience(params, prompts, jax.random.fold_in(stream, step + k), step + k)
             if logged is not None:
                 host_values.append(logged(step + k))
             # This process's rows, a call of one step, placed as the loader's batches are.
             rows = self._global_calls({name: np.asarray(value)[None] for name, value in batch.items()})
             state, metrics = self._train_call(state, rows)
+            if self.ahead:  # dispatched: sampled and scored while the step trains
+                keys = partial(jax.random.fold_in, stream)
+                experience.make_ahead(params, prompts, keys, step + k)  # type: ignore[attr-defined]
             per_step.append(metrics)
         # One step's metrics are [1] already: no concatenation to dispatch per metric.
         metrics = per_step[0] if len(per_step) == 1 else jax.tree.map(lambda *v: jnp.concatenate(v), *per_step)

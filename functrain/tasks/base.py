@@ -123,7 +123,14 @@ class ExperienceStage(Protocol):
     A stage that keeps a running total (GRPO's ``num_tokens``) may also have ``logged(step) -> {name: value}``, the
     values of the step just made that are logged as they are, beside the step's metrics (exact: they never pass
     through the device, whose float32 rounds a count above 2**24), and ``resume(meta)``, called when a run resumes
-    with the meta of the restored checkpoint (whose train metrics hold those values at its step)."""
+    with the meta of the restored checkpoint (whose train metrics hold those values at its step).
+
+    A stage that samples ahead (asynchronous GRPO, :mod:`functrain.tasks.grpo.ahead`) sets ``ahead`` to k > 0 and
+    has ``take(step) -> batch | None`` (the batch made earlier for ``step``; None: none, the stage's ``__call__``
+    makes it), ``make_ahead(params, batch, key_of, step)`` (called once the step is dispatched: the batches of the
+    steps up to ``step + k`` from the loader's ``batch``, the key of step ``t`` being ``key_of(t)``), and for the
+    checkpoint's ``experience`` item ``saved_ahead() -> [batch]``, ``ahead_example() -> batch`` (a whole batch's
+    shapes) and ``restore_ahead(step, [batch])``."""
 
     across_processes: bool
 

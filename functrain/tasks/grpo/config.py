@@ -30,7 +30,10 @@ class GRPOConfig(TaskSection):
     environment per completion, whose ``reset`` and ``step`` answer the model's turns
     (:mod:`functrain.tasks.grpo.episodes`) for at most ``max_turns`` turns of at most ``max_turn_length`` tokens
     each (None: ``max_completion_length``), within ``max_completion_length`` tokens of model and environment
-    together (both keys are read only with an environment)."""
+    together (both keys are read only with an environment). Asynchronous GRPO (functrain's): ``async_steps`` (k)
+    samples the batches of the next k steps while a step trains (0: synchronous), their token losses weighted by the
+    importance-sampling ratio of the trained policy to the sampling one, truncated at ``async_is_cap``
+    (:mod:`functrain.tasks.grpo.ahead`)."""
 
     num_generations: int = Field(8, ge=2)
     max_completion_length: int = Field(512, ge=1)
@@ -53,6 +56,8 @@ class GRPOConfig(TaskSection):
     environment_factory: str | None = None
     max_turns: int = Field(8, ge=1)
     max_turn_length: int | None = Field(None, ge=1)
+    async_steps: int = Field(0, ge=0)
+    async_is_cap: float = Field(3.0, gt=0.0)  # TRL's vllm_importance_sampling_cap
 
     @pydantic.field_validator("scale_rewards", mode="before")
     @classmethod

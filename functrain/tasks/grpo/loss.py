@@ -33,6 +33,12 @@ Metrics, TRL's names: ``kl`` (beta > 0) and ``entropy`` as means over completion
 ``rollout/logprob_gap``: the largest absolute difference between the sampler's log-probs and the training
 forward's (this step's own at ``num_iterations: 1``, else the old policy's), so that no second forward scores the
 drawn tokens; with ``train.micro_batches`` above 1, the sum of the micro-batches' largest (a bound on the largest).
+
+Asynchronous GRPO (``grpo.async_steps``, :mod:`functrain.tasks.grpo.ahead`) samples a batch with weights up to k
+steps old: each token's policy loss (not the KL) is then weighted by the importance-sampling ratio of the trained
+policy to the sampler, ``min(exp(logp - sampler_logp), async_is_cap)`` outside the gradient (TRL's truncated
+importance sampling, ``vllm_importance_sampling_mode: token_truncate``); ``rollout/is_ratio_mean`` is the truncated
+ratio's mean over completion tokens and ``rollout/is_clipped_frac`` the share of those the cap truncated.
 """
 
 from __future__ import annotations
@@ -67,6 +73,7 @@ class LossSettings:
     num_iterations: int = 1
     max_completion_length: int = 512
     use_bias_correction_kl: bool = True
+    is_cap: float | None = None  # asynchronous GRPO's truncation of the importance-sampling ratio (None: no ratio)
 
 
 def grpo_sums(
@@ -76,9 +83,11 @@ def grpo_sums(
     old_logps: jax.Array,
     ref_logps: jax.Array | None,
     batch: dict[str, jax.Array],
+    importance: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
     """``(loss_sum, weight, metric sums)`` of a (micro-)batch from per-token log-probs ``[B, L-1]`` (see the module
-    docstring); the step divides them once by the whole batch's weight."""
+    docstring), each token's policy loss weighted by asynchronous GRPO's truncated importance-sampling ratio when
+    ``importance`` (:func:`truncated_is_ratio`) is given; the step divides them once by the whole batch's weight."""
     mask = batch["completion_mask"][:, 1:].astype(jnp.float32)
     advantages = batch["advantages"].astype(jnp.float32)[:, None]
     tokens_per_row = mask.sum(-1)
@@ -90,6 +99,8 @@ def grpo_sums(
     ratio = jnp.exp(log_weights)
     clipped = jnp.clip(ratio, 1 - settings.epsilon, 1 + settings.epsilon_high)
     per_token = -jnp.minimum(ratio * advantages, clipped * advantages)
+    if importance is not None:  # before the KL, as TRL weighs a vLLM sampler's tokens
+        per_token = per_token * importance[0]
     if ref_logps is not None:
         gap = ref_logps - logps
         kl = jnp.exp(gap) - gap - 1
@@ -140,7 +151,20 @@ def grpo_sums(
     }
     if ref_logps is not None:
         metrics["kl"] = token_mean(kl)
+    if importance is not None:
+        metrics["rollout/is_ratio_mean"] = token_mean(importance[0])
+        metrics["rollout/is_clipped_frac"] = token_mean(importance[1])
     return loss_sum, weight, metrics
+
+
+def truncated_is_ratio(batch: dict[str, jax.Array], logps: jax.Array, cap: float) -> tuple[jax.Array, jax.Array]:
+    """``(ratio, truncated)`` ``[B, L-1]``: the importance-sampling ratio of ``logps`` (the trained policy's) to the
+    sampler's log-probs of the tokens it drew, at most ``cap``, outside the gradient (1 where it drew none), and 1
+    where the cap truncated it."""
+    drawn = batch["sampler_logps"].astype(jnp.float32)
+    log_ratio = jnp.where(jnp.isnan(drawn), 0.0, jax.lax.stop_gradient(logps) - drawn)
+    ratio = jnp.exp(log_ratio)
+    return jnp.minimum(ratio, cap), (ratio > cap).astype(jnp.float32)
 
 
 def whole_batch_weight(batch: dict[str, jax.Array], settings: LossSettings) -> jax.Array:
@@ -210,7 +234,8 @@ def grpo_task_loss(
         else:
             old_logps = batch["old_logps"].astype(jnp.float32)
         ref_logps = None if reference is None else reference_logps(context, batch)
-        loss_sum, weight, metrics = grpo_sums(settings, logps, entropies, old_logps, ref_logps, batch)
+        importance = None if settings.is_cap is None else truncated_is_ratio(batch, logps, settings.is_cap)
+        loss_sum, weight, metrics = grpo_sums(settings, logps, entropies, old_logps, ref_logps, batch, importance)
         metrics["rollout/logprob_gap"] = logprob_gap_sum(batch, old_logps, settings)
         return loss_sum, weight, {**metrics, **host_metric_sums(batch, host_metrics, settings)}
 

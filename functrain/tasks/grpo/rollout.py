@@ -22,6 +22,9 @@ and a run that resumes inside a generation samples anew.
 (each row's prompt counted, as TRL counts them), a Python int on the host, logged as it is (:meth:`Rollouts.logged`).
 It is history, not a function of the step: a checkpoint's meta records it with the step's train metrics and a
 resumed run continues from there (:meth:`Rollouts.resume`), so the resumed run logs what an uninterrupted one does.
+
+With ``grpo.async_steps`` the stage also makes the batches of the next steps while a step trains
+(:meth:`Rollouts.make_ahead`, :mod:`functrain.tasks.grpo.ahead`); a batch's tokens count once it trains.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -38,6 +41,7 @@ from functrain.checkpoint.meta import metric_value
 from functrain.data.global_array import to_local
 from functrain.parallel.distributed import all_rows
 from functrain.tasks.grpo.advantages import group_advantages, reward_metrics
+from functrain.tasks.grpo.ahead import TOKENS, InFlight
 from functrain.tasks.grpo.config import GRPOConfig
 from functrain.tasks.grpo.environment import EnvironmentFactory, make_environments
 from functrain.tasks.grpo.episodes import play
@@ -52,9 +56,10 @@ def reward_names(functions: list[RewardFunction], environment: EnvironmentFactor
     return ([environment.name] if environment else []) + [f.name for f in functions]
 
 
-def host_metric_names(rewards: list[str], episodes: bool = False) -> tuple[str, ...]:
+def host_metric_names(rewards: list[str], episodes: bool = False, asynchronous: bool = False) -> tuple[str, ...]:
     """The metrics the stage computes on the host, in the order of the batch's ``host_metrics`` columns: of the
-    ``rewards`` (:func:`reward_names`), the completions, and with an environment the ``episodes``' turns."""
+    ``rewards`` (:func:`reward_names`), the completions, with an environment the ``episodes``' turns, and when it
+    samples ahead (``asynchronous``) the age of the weights that sampled the batch, in steps."""
     per_function = [f"rewards/{name}/{stat}" for name in rewards for stat in ("mean", "std")]
     return (
         "reward",
@@ -69,6 +74,7 @@ def host_metric_names(rewards: list[str], episodes: bool = False) -> tuple[str, 
         "completions/min_terminated_length",
         "completions/max_terminated_length",
         *(("turns/mean", "turns/min", "turns/max") if episodes else ()),
+        *(("rollout/staleness",) if asynchronous else ()),
     )
 
 
@@ -168,7 +174,9 @@ def sample_records(
 class Rollouts:
     """The experience stage (:class:`functrain.tasks.base.ExperienceStage`) of a GRPO run; ``samples``: the file
     to append samples to and every how many steps (None: none written); ``environment``: the factory of the
-    environments that multi-turn episodes talk to (None: one completion per row)."""
+    environments that multi-turn episodes talk to (None: one completion per row). With ``grpo.async_steps`` (k) it
+    samples ahead: :attr:`ahead` is k and the backend calls :meth:`take` and :meth:`make_ahead` around each step;
+    ``batch_rows``: the whole batch's rows (the shapes of the batches made ahead in a checkpoint)."""
 
     across_processes = True  # each process samples and scores its prompts; the batch's statistics gathered
 
@@ -180,22 +188,58 @@ class Rollouts:
         section: GRPOConfig,
         samples: tuple[Path, int] | None = None,
         environment: EnvironmentFactory | None = None,
+        batch_rows: int = 0,
     ) -> None:
         self.sampler, self.prompts, self.rewards, self.section = sampler, prompts, rewards, section
+        self.batch_rows = batch_rows  # the whole batch's, over every process (a checkpointed batch's shapes)
         self.samples, self.environment = samples, environment
         weights = [1.0] * bool(environment) + list(section.reward_weights or [1.0] * len(rewards))
         self.weights = np.asarray(weights, np.float32)  # the environment's reward weighs 1 (TRL's)
         self.reward_names = reward_names(rewards, environment)
-        self.metric_names = host_metric_names(self.reward_names, environment is not None)
+        self.ahead = section.async_steps
+        self.metric_names = host_metric_names(self.reward_names, environment is not None, self.ahead > 0)
         self._generation: tuple[int, dict[str, np.ndarray]] | None = None  # (generation index, its batch)
         self._environments: list[Any] | None = None  # one per row of this process, made at the first generation
-        self.num_tokens = 0  # prompt and completion tokens of the generations so far (TRL's num_tokens)
+        self.num_tokens = 0  # prompt and completion tokens of the generations trained on so far (TRL's num_tokens)
+        self.made_tokens = 0  # ... of the generation just made
+        self.in_flight = InFlight(self.ahead)
 
     def __call__(self, params: Any, batch: dict[str, Any], key: jax.Array, step: int) -> dict[str, np.ndarray]:
         generation = step // self.section.num_iterations
         if self._generation is None or self._generation[0] != generation:
-            self._generation = (generation, self.generate(params, np.asarray(batch["prompt_index"]), key, step))
+            made = self.generate(params, np.asarray(batch["prompt_index"]), key, step)
+            self._generation, self.num_tokens = (generation, made), self.num_tokens + self.made_tokens
         return self._generation[1]
+
+    def take(self, step: int) -> dict[str, np.ndarray] | None:
+        """The batch made ahead for the step of index ``step``, its tokens counted (None: none was made, the
+        pipeline starts: the backend samples it with :meth:`__call__`)."""
+        taken = self.in_flight.take(step)
+        if taken is None:
+            return None
+        self.num_tokens += taken[1]
+        return taken[0]
+
+    def make_ahead(self, params: Any, batch: dict[str, Any], key_of: Callable[[int], jax.Array], step: int) -> None:
+        """Sample with ``params`` (the weights of the step of index ``step``) from the loader's prompts of that step
+        the batches of the steps up to ``step + k`` not made yet, each with its own step's key (``key_of(step)``)."""
+        indices = np.asarray(batch["prompt_index"])
+        for target in self.in_flight.missing(step):
+            made = self.generate(params, indices, key_of(target), target, made_at=step)
+            self.in_flight.put(target, made, self.made_tokens)
+
+    def saved_ahead(self) -> list[dict[str, np.ndarray]]:
+        """The batches made ahead, as the checkpoint holds them (:meth:`.ahead.InFlight.saved`)."""
+        return self.in_flight.saved()
+
+    def ahead_example(self) -> dict[str, np.ndarray]:
+        """A batch made ahead as the checkpoint holds it, of the whole batch's rows (zeros: its shapes)."""
+        example = example_batch(self.prompts, self.section, self.batch_rows, len(self.metric_names))
+        return {**example, TOKENS: np.zeros(self.batch_rows, np.int32)}
+
+    def restore_ahead(self, step: int, saved: list[dict[str, np.ndarray]]) -> None:
+        """Hold the batches made ahead that a checkpoint of step ``step`` holds (:meth:`.ahead.InFlight.restore`)."""
+        self.in_flight.restore(step, saved)
 
     def logged(self, step: int) -> dict[str, float]:
         """Logged as it is beside step ``step``'s metrics: the running token count through its generation."""
@@ -229,10 +273,13 @@ class Rollouts:
         keywords = {**prompts.columns(completions.prompt_index), ENVIRONMENTS: environments}
         return completions, keywords, np.column_stack([episodes.rewards, episodes.turns]).astype(np.float32)
 
-    def generate(self, params: Any, indices: np.ndarray, key: jax.Array, step: int) -> dict[str, np.ndarray]:
-        """The training batch of this process's prompts ``indices`` (the loader's slice): sampled (every process
-        its own rows, on the devices that train them), scored on this process, laid out for the loss; advantages,
-        normalisers and metrics from the whole batch's rewards and lengths; its tokens added to ``num_tokens``."""
+    def generate(
+        self, params: Any, indices: np.ndarray, key: jax.Array, step: int, made_at: int | None = None
+    ) -> dict[str, np.ndarray]:
+        """The training batch of the step of index ``step`` of this process's prompts ``indices`` (the loader's
+        slice): sampled (every process its own rows, on the devices that train them), scored on this process, laid
+        out for the loss; advantages, normalisers and metrics from the whole batch's rewards and lengths; its tokens
+        in ``made_tokens``. ``made_at``: the step whose weights ``params`` are (None: ``step``'s)."""
         section, prompts = self.section, self.prompts
         length = section.max_completion_length
         completions, keywords, episodes = self.completions_of(params, indices, key, step)
@@ -263,7 +310,7 @@ class Rollouts:
         functions = table.shape[1]
         whole_table, whole_lengths = whole[:, :functions], whole[:, functions]
         whole_truncated, whole_tokens = whole[:, functions + 1], whole[:, functions + 2]
-        self.num_tokens += int(whole[:, functions + 3].astype(np.int64).sum() + whole_lengths.astype(np.int64).sum())
+        self.made_tokens = int(whole[:, functions + 3].astype(np.int64).sum() + whole_lengths.astype(np.int64).sum())
         advantages, is_std_zero = group_advantages(
             whole_table, self.weights, section.num_generations, section.scale_rewards
         )
@@ -276,6 +323,7 @@ class Rollouts:
             "frac_reward_zero_std": float(is_std_zero.mean()),
             **length_metrics(whole_lengths, whole_truncated),
             **(turn_metrics(whole[:, functions + 4]) if episodes is not None else {}),
+            **({"rollout/staleness": float(step - (step if made_at is None else made_at))} if self.ahead else {}),
         }
         training = {
             "tokens": tokens,

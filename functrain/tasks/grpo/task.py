@@ -34,6 +34,7 @@ def loss_settings(section: GRPOConfig) -> LossSettings:
         num_iterations=section.num_iterations,
         max_completion_length=section.max_completion_length,
         use_bias_correction_kl=section.use_bias_correction_kl,
+        is_cap=section.async_is_cap if section.async_steps else None,
     )
 
 
@@ -82,6 +83,11 @@ class GRPO(Task):
                 f"grpo.num_iterations={section.num_iterations}: a call (and a checkpoint) must end where a "
                 f"generation does; set train.steps_per_call to a multiple of {section.num_iterations}"
             )
+        if section.async_steps and section.num_iterations > 1:
+            raise ConfigError(
+                f"grpo.async_steps={section.async_steps} samples ahead with one update per generation, and "
+                f"grpo.num_iterations={section.num_iterations}; set grpo.num_iterations=1 or grpo.async_steps=0"
+            )
         if context.data_given:
             raise ConfigError("task grpo reads its prompts from data.path; remove train_data= or use another task")
         if config.data.last_batch != "drop":
@@ -117,8 +123,9 @@ class GRPO(Task):
         """The metrics the experience stage computes on the host (:func:`.rollout.host_metric_names`)."""
         from functrain.tasks.grpo.rollout import host_metric_names, reward_names
 
-        environment = self.environment(context)
-        return host_metric_names(reward_names(self.rewards(context, prompts), environment), environment is not None)
+        environment, section = self.environment(context), context.config.section(self.name)
+        names = reward_names(self.rewards(context, prompts), environment)
+        return host_metric_names(names, environment is not None, section.async_steps > 0)
 
     def data(self, context: TaskContext) -> TaskData:
         """The prompts' indices as the loader's records (a step reads ``global_batch_size / num_generations``);
@@ -201,7 +208,8 @@ class GRPO(Task):
         )
         every = config.log.every_steps
         samples = (context.run_dir / SAMPLES_FILE, every) if every else None
-        return Rollouts(sampler, prompts, self.rewards(context, prompts), section, samples, environment)
+        rewards, rows = self.rewards(context, prompts), config.data.global_batch_size
+        return Rollouts(sampler, prompts, rewards, section, samples, environment, batch_rows=rows)
 
 
 def shared_prefix_forward(

@@ -2,7 +2,8 @@
 two devices computes: each process samples, scores and trains the completions of its own prompts (the loader's
 slice) on its own device, and the batch's advantages, normalisers and metrics come from every process's rewards.
 So the completions, the metrics and the final weights are equal bit for bit, and only process 0 writes. Also with
-multi-turn episodes, where every process samples a turn while any process has an episode open."""
+multi-turn episodes, where every process samples a turn while any process has an episode open, here sampled a step
+ahead (grpo.async_steps)."""
 
 import json
 
@@ -18,8 +19,11 @@ RUNS = {
     # one prompt per process.
     "single_turn": ["configs/grpo_char_gpt.yaml", "train.init_from=null", "model.n_layers=1", "model.d_model=64",
                     "model.d_ff=128", "data.global_batch_size=16", "grpo.max_completion_length=8"],
-    # The guessing game's episodes (examples/guess_digit_env.py): one game per process, up to four turns.
-    "episodes": ["configs/grpo_guess_digit.yaml", "model.n_layers=1", "data.global_batch_size=16"],
+    # The guessing game's episodes (examples/guess_digit_env.py): one game per process, up to four turns; sampled one
+    # step ahead (asynchronous GRPO: the second step's games played with the first step's weights while it trains,
+    # the third's held by the final checkpoint, one array over both processes).
+    "episodes": ["configs/grpo_guess_digit.yaml", "model.n_layers=1", "data.global_batch_size=16",
+                 "grpo.async_steps=1"],
 }
 
 

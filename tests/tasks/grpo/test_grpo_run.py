@@ -308,6 +308,10 @@ ONE_WEIGHT = {"grpo.reward_weights": None}  # one function: the weights of two d
      "task grpo samples completions from a built-in causal LM"),
     ({"train.steps_per_call": 2, "grpo.num_iterations": 4, "log.every_steps": 4, "checkpoint.every_steps": 4},
      "train.steps_per_call=2 is not a multiple of grpo.num_iterations=4"),
+    ({"grpo.async_steps": -1}, "config key 'grpo.async_steps': Input should be greater than or equal to 0"),
+    ({"grpo.async_is_cap": 0}, "config key 'grpo.async_is_cap': Input should be greater than 0"),
+    ({"grpo.async_steps": 1, "grpo.num_iterations": 2}, "grpo.async_steps=1 samples ahead with one update per "
+                                                        "generation, and grpo.num_iterations=2; set"),
     ({"grpo.environment_factory": "grpo_test_rewards:Missing"},
      "grpo.environment_factory='grpo_test_rewards:Missing' does not resolve"),
     ({"grpo.environment_factory": "no_envs.py:Game"},
