@@ -1,7 +1,7 @@
 """Gemma 4 in functrain's own paths, beside its conversion cases (tests/torch_bridge/hf/test_hf_families.py) and the
 checks it shares with the other recent families (tests/models/test_recent_families.py: cached generation against
 transformers', scanned layers): decoding with the cache computes the full forward past the window (each layer type's
-cache its own width); LoRA adapters on its projections export merged and as a PEFT adapter that transformers runs;
+cache its own width), also with layers sharing keys and values, whose scan computes the unrolled layers' logits; LoRA adapters on its projections export merged and as a PEFT adapter that transformers runs;
 a run with per-layer inputs cut after a checkpoint resumes bitwise; its config reads as transformers derives it."""
 
 import flax.linen as nn
