@@ -144,4 +144,12 @@ def test_gemma4_reads_its_config_as_transformers_derives_it():
     derived = from_hf_config(dict(model_type="gemma4_text", num_hidden_layers=12))
     assert [derived.attention_window(i) for i in range(12)] == ([512] * 5 + [None]) * 2
     assert derived.full_rope.proportional and derived.full_rope.partial_rotary_factor == 0.25
+    # Gemma 4 E2B's sharing: 35 layers, four sliding to one global, the last 20 reusing keys and values.
+    e2b = dict(model_type="gemma4_text", num_hidden_layers=35, num_kv_shared_layers=20,
+               layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 7)
+    modes = transformers.Gemma4TextConfig(**e2b).kv_sharing_modes
+    shared = from_hf_config(e2b)
+    assert [i for i in range(35) if shared.kv_stored(i)] == [i for i, mode in enumerate(modes) if mode == "store"]
+    assert [i for i in range(35) if shared.kv_shared(i)] == [i for i, mode in enumerate(modes) if mode == "reuse"]
+    assert {shared.kv_source(i) for i in range(15, 35)} == {13, 14}
 
