@@ -12,8 +12,11 @@ the hidden state. With ``enable_moe_block`` experts run beside every MLP on the 
 normalised, scaled router whose chosen weights are renormalised and scaled per expert. The head may be tied, its
 logits soft-capped (``final_logit_softcapping``).
 
-Layers that share other layers' keys and values (``num_kv_shared_layers``, Gemma 4 E2B/E4B) are refused in one
-line (:mod:`functrain.models.gemma4_config`).
+The last ``num_kv_shared_layers`` layers (Gemma 4 E2B/E4B) have no key/value projections: each attends with its own
+queries to the keys and values (normalised, rotated and, when decoding, the whole cache) of the last earlier layer
+of its type, and keeps no cache of its own; with ``use_double_wide_mlp`` their MLPs are twice as wide. They form a
+run of layers of their own (``kv_shared_layers_{j}``, scanned apart from the others), the keys and values passed to
+it by layer type.
 """
 
 from functools import partial
@@ -26,7 +29,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 
 from functrain.core.model_output import ModelOutput
 from functrain.models.attention import attend, attention_kernel
-from functrain.models.configs.gemma4 import Gemma4TextConfig
+from functrain.models.configs.gemma4 import KV_SHARED_PREFIX, LAYER_PREFIX, Gemma4TextConfig
 from functrain.models.gemma2 import soft_cap
 from functrain.models.gemma4_config import from_hf_config, to_hf_config
 from functrain.models.gemma4_experts import experts_beside_mlp
@@ -38,7 +41,7 @@ from functrain.models.moe.balance import moe_output
 from functrain.models.moe.decoder import balancing
 from functrain.models.remat import check_remat, remat_block
 from functrain.models.rope import apply_rope, frequencies
-from functrain.models.scan import apply_layers
+from functrain.models.scan import apply_layers, layer_period
 from functrain.parallel.sharding import constrain_batch
 
 Array = jax.Array
@@ -81,7 +84,9 @@ class Gemma4Attention(nn.Module):
     dtype: Any
 
     @nn.compact
-    def __call__(self, x, segment_ids=None, positions=None):
+    def __call__(self, x, segment_ids=None, positions=None, shared_kv=None):
+        """The attention's output, and with it ``(keys, values)`` on a layer whose keys and values later layers
+        reuse; a layer reusing them attends to ``shared_kv``."""
         cfg, layer = self.config, self.layer
         heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.kv_heads_of(layer), cfg.head_dim_of(layer)
         batch, length, _ = x.shape
@@ -95,13 +100,18 @@ class Gemma4Attention(nn.Module):
             return Gemma4Norm(cfg.rms_norm_eps, self.dtype, with_scale, name=name)
 
         q = norm("q_norm")(project(heads, ("embed", "heads"), "q_proj"))
-        k = project(kv_heads, ("embed", "kv_heads"), "k_proj")
-        v = k if cfg.values_are_keys(layer) else project(kv_heads, ("embed", "kv_heads"), "v_proj")
+        shared = cfg.kv_shared(layer)
+        if not shared:
+            k = project(kv_heads, ("embed", "kv_heads"), "k_proj")
+            v = k if cfg.values_are_keys(layer) else project(kv_heads, ("embed", "kv_heads"), "v_proj")
         slots = next_positions(self, length)
         rope_positions = token_positions(slots, positions, batch)
         inv_freq, rope_scale = rope_frequencies(cfg, layer, slots)
-        q, k = (apply_rope(t, inv_freq, rope_positions, rope_scale) for t in (q, norm("k_norm")(k)))
-        k, v = extend_cache(self, k, norm("v_norm", with_scale=False)(v), slots)
+        if shared:
+            q, (k, v) = apply_rope(q, inv_freq, rope_positions, rope_scale), shared_kv
+        else:
+            q, k = (apply_rope(t, inv_freq, rope_positions, rope_scale) for t in (q, norm("k_norm")(k)))
+            k, v = extend_cache(self, k, norm("v_norm", with_scale=False)(v), slots)
         out = attend(
             q,
             k,
@@ -112,31 +122,36 @@ class Gemma4Attention(nn.Module):
             query_slots=slots if decoding(self) else None,
             window=cfg.attention_window(layer),
         )
-        return dense(cfg.hidden_size, ("heads", "embed"), use_bias=bias, dtype=self.dtype, init_std=std, name="o_proj")(
+        out = dense(cfg.hidden_size, ("heads", "embed"), use_bias=bias, dtype=self.dtype, init_std=std, name="o_proj")(
             out.reshape(batch, length, heads * head_dim)
         )
+        return (out, (k, v)) if cfg.kv_stored(layer) else out
 
 
 class Gemma4Block(nn.Module):
     """One decoder layer: Gemma's norms around the attention and the feed-forward (the MLP, plus the experts on the
-    residual with ``enable_moe_block``), then the per-layer input, then ``layer_scalar``."""
+    residual with ``enable_moe_block``), then the per-layer input, then ``layer_scalar``. Returns the hidden states
+    (with the experts' statistics: ``(x, stats)``), and after them its ``(keys, values)`` where later layers reuse
+    them; ``shared_kv`` maps a layer type to the keys and values a layer of that type reuses."""
 
     config: Gemma4TextConfig
     layer: int
     dtype: Any
 
     @nn.compact
-    def __call__(self, x, segment_ids=None, positions=None, token_mask=None, layer_input=None):
-        cfg = self.config
+    def __call__(self, x, segment_ids=None, positions=None, token_mask=None, shared_kv=None, layer_input=None):
+        cfg, layer = self.config, self.layer
 
         def norm(name: str) -> Gemma4Norm:
             return Gemma4Norm(cfg.rms_norm_eps, self.dtype, name=name)
 
-        attn = Gemma4Attention(cfg, self.layer, self.dtype, name="self_attn")(
-            norm("input_layernorm")(x), segment_ids, positions
+        reused = shared_kv[cfg.resolved_layer_types()[layer]] if cfg.kv_shared(layer) else None
+        attn = Gemma4Attention(cfg, layer, self.dtype, name="self_attn")(
+            norm("input_layernorm")(x), segment_ids, positions, reused
         )
+        attn, stored = attn if cfg.kv_stored(layer) else (attn, None)
         residual = x + norm("post_attention_layernorm")(attn)
-        h = LlamaMLP(cfg, self.dtype, name="mlp")(norm("pre_feedforward_layernorm")(residual))  # GeGLU
+        h = LlamaMLP(cfg, self.dtype, cfg.mlp_width_of(layer), name="mlp")(norm("pre_feedforward_layernorm")(residual))
         stats = None
         if cfg.enable_moe_block:
             experts, stats = experts_beside_mlp(
@@ -154,7 +169,8 @@ class Gemma4Block(nn.Module):
             x = x + norm("post_per_layer_input_norm")(projected)
         scalar = self.param("layer_scalar", nn.with_logical_partitioning(nn.initializers.ones, (None,)), (1,))
         x = x * jnp.asarray(scalar, x.dtype)
-        return x if stats is None else (x, stats)
+        out = x if stats is None else (x, stats)
+        return out if stored is None else (out, stored)
 
 
 class Gemma4ForCausalLM(nn.Module):
@@ -178,19 +194,7 @@ class Gemma4ForCausalLM(nn.Module):
         # transformers multiplies by sqrt(hidden) rounded to the weights' dtype.
         x = constrain_batch(tokens(input_ids) * jnp.asarray(cfg.hidden_size**0.5, self.dtype))
         layer_inputs = self.per_layer_inputs(input_ids, x) if cfg.per_layer_inputs else None
-        block = remat_block(Gemma4Block, cfg.remat, prevent_cse=not cfg.scan_layers)
-        x = apply_layers(
-            x,
-            kinds=cfg.layer_kinds(),
-            make_block=lambda i, name: block(cfg, i, self.dtype, name=name),
-            prefix="layers_",
-            scan=cfg.scan_layers,
-            args=(segment_ids, positions, token_mask),
-            layer_inputs=layer_inputs,
-            collect=cfg.enable_moe_block,
-            pipelined=False,
-        )
-        x, stats = x if cfg.enable_moe_block else (x, None)
+        x, stats = self.layers(x, (segment_ids, positions, token_mask), layer_inputs)
         x = Gemma4Norm(cfg.rms_norm_eps, self.dtype, name="norm")(x)
         cap = cfg.final_logit_softcapping
         finish = None if cap is None else partial(soft_cap, cap=cap)
@@ -201,6 +205,50 @@ class Gemma4ForCausalLM(nn.Module):
                          init_std=cfg.initializer_range, name="lm_head", fp8=False)  # fmt: skip
             logits = untied_head(self, x, head, logits_chunk, finish)
         return ModelOutput(logits) if stats is None else moe_output(logits, stats, balancing(cfg))
+
+    def layers(self, x: Array, args: tuple, layer_inputs: Array | None) -> tuple[Array, Any]:
+        """``(hidden states, the experts' statistics [L, ...] or None)`` after every layer: those computing their
+        own keys and values (scanned, but for the group of the last ones whose keys and values later layers reuse,
+        run one by one to hand them on), then those reusing them (scanned as a run of their own)."""
+        cfg = self.config
+        block = remat_block(Gemma4Block, cfg.remat, prevent_cse=not cfg.scan_layers)
+        kinds, first_shared, layers = cfg.layer_kinds(), cfg.first_kv_shared_layer, cfg.num_hidden_layers
+        sources = [i for i in range(first_shared) if cfg.kv_stored(i)]
+        period = layer_period(kinds[:first_shared])
+        handing_on = sources[0] // period * period if sources else first_shared  # the first layer run alone
+        stats: list[Any] = []
+
+        def run(x: Array, start: int, stop: int, prefix: str, shared_kv: Any = None) -> Array:
+            out = apply_layers(
+                x,
+                kinds=kinds[start:stop],
+                make_block=lambda j, name: block(cfg, start + j, self.dtype, name=name),
+                prefix=prefix,
+                scan=cfg.scan_layers,
+                args=(*args, shared_kv),
+                layer_inputs=None if layer_inputs is None else layer_inputs[start:stop],
+                collect=cfg.enable_moe_block,
+                pipelined=False,
+            )
+            out, run_stats = out if cfg.enable_moe_block else (out, None)
+            stats.append(run_stats)
+            return out
+
+        if handing_on:
+            x = run(x, 0, handing_on, LAYER_PREFIX)
+        shared_kv = {}
+        for i in range(handing_on, first_shared):
+            own = () if layer_inputs is None else (layer_inputs[i],)
+            out = block(cfg, i, self.dtype, name=cfg.layer_name(i))(x, *args, None, *own)
+            if cfg.kv_stored(i):
+                out, shared_kv[cfg.resolved_layer_types()[i]] = out
+            x, layer_stats = out if cfg.enable_moe_block else (out, None)
+            stats.append(jax.tree.map(lambda leaf: leaf[None], layer_stats))
+        if first_shared < layers:
+            x = run(x, first_shared, layers, KV_SHARED_PREFIX, shared_kv)
+        if not cfg.enable_moe_block:
+            return x, None
+        return x, jax.tree.map(lambda *runs: jnp.concatenate(runs), *stats)
 
     @nn.nowrap
     def trainable_mask(self, params: Any) -> Any:

@@ -16,7 +16,6 @@ from functrain.models.rope import hf_rope_parameters, parse_hf_rope
 MODEL_TYPE = "gemma4_text"
 UNIMPLEMENTED = {
     **NO_DROPOUT,
-    "num_kv_shared_layers": (0, "layers reusing earlier layers' keys and values are not implemented"),
     "use_bidirectional_attention": (None, "functrain's Gemma 4 attends causally"),
 }
 PER_LAYER_KEYS = ("head_dim", "num_key_value_heads")  # what functrain reads from per_layer_config
@@ -110,7 +109,6 @@ def to_hf_config(config: Gemma4TextConfig) -> dict[str, Any]:
         rope_parameters={layer_type: _hf_rope(getattr(config, field)) for layer_type, field in ROPE_KEYS.items()},
         per_layer_config=per_layer,
         attention_dropout=0.0,
-        num_kv_shared_layers=0,
     )
     return hf
 

@@ -140,21 +140,19 @@ class LlamaMLPConfig(Protocol):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU: down(act(gate(x)) * up(x))."""
+    """SwiGLU: down(act(gate(x)) * up(x)), ``width`` wide (None: the config's ``intermediate_size``)."""
 
     config: LlamaMLPConfig
     dtype: Any
+    width: int | None = None
 
     @nn.compact
     def __call__(self, x):
         cfg = self.config
         std, bias = cfg.initializer_range, cfg.mlp_bias
-        gate = dense(
-            cfg.intermediate_size, ("embed", "mlp"), use_bias=bias, dtype=self.dtype, init_std=std, name="gate_proj"
-        )(x)
-        up = dense(
-            cfg.intermediate_size, ("embed", "mlp"), use_bias=bias, dtype=self.dtype, init_std=std, name="up_proj"
-        )(x)
+        width = cfg.intermediate_size if self.width is None else self.width
+        gate = dense(width, ("embed", "mlp"), use_bias=bias, dtype=self.dtype, init_std=std, name="gate_proj")(x)
+        up = dense(width, ("embed", "mlp"), use_bias=bias, dtype=self.dtype, init_std=std, name="up_proj")(x)
         return dense(
             cfg.hidden_size, ("mlp", "embed"), use_bias=bias, dtype=self.dtype, init_std=std, name="down_proj"
         )(activation(cfg.hidden_act)(gate) * up)

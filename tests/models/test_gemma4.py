@@ -1,7 +1,7 @@
 """Gemma 4 in functrain's own paths, beside its conversion cases (tests/torch_bridge/hf/test_hf_families.py) and the
 checks it shares with the other recent families (tests/models/test_recent_families.py: cached generation against
 transformers', scanned layers): decoding with the cache computes the full forward past the window (each layer type's
-cache its own width); LoRA adapters on its projections export merged and as a PEFT adapter that transformers runs;
+cache its own width), also with layers sharing keys and values, whose scan computes the unrolled layers' logits; LoRA adapters on its projections export merged and as a PEFT adapter that transformers runs;
 a run with per-layer inputs cut after a checkpoint resumes bitwise; its config reads as transformers derives it."""
 
 import flax.linen as nn
@@ -18,9 +18,12 @@ from functrain.checkpoint import load_params
 from functrain.checkpoint.digest import params_digest
 from functrain.core.model_output import logits_of
 from functrain.models import build_model
+from functrain.models.configs.gemma4 import Gemma4TextConfig
 from functrain.models.configs.lora import LoraConfig
 from functrain.models.gemma4 import from_hf_config
 from functrain.models.lora import adapter_interceptor, add_adapters, merged_params, target_paths
+from functrain.models.stacking import relayout_like
+from tests.models.test_attention import random_params
 from tests.models.test_deepseek_v3 import cache_shapes, decoded_and_full_logits
 from tests.models.test_recent_families import SCANNED
 from tests.models.test_scan_layers import RUN, _halfway, _losses
@@ -59,6 +62,29 @@ def test_decoding_with_the_cache_computes_the_full_forward(converted, highest_pr
     spans = ((0, 5), (5, 6), (6, 7), (7, 8), (8, 9), (9, 10))  # a prompt, then one token at a time past the window 4
     decoded, full = decoded_and_full_logits(model, params, TOKENS, spans)
     np.testing.assert_allclose(decoded, full, atol=1e-5, rtol=0)
+
+
+def test_layers_sharing_keys_and_values_decode_and_scan_as_the_full_forward(highest_precision):
+    """6 layers, the last 2 reusing layer 2's (sliding) and layer 3's (global) keys and values: decoding with the
+    cache (the sharing layers keep none of their own) computes the full forward past the window, and the layers
+    scanned (the first pair as a group, layers 2-3 one by one to hand their keys and values on, the sharing pair as
+    a group of its own) compute the unrolled layers' logits."""
+    config = Gemma4TextConfig(**{**SCANNED["gemma4"], "num_hidden_layers": 6, "num_kv_shared_layers": 2,
+                                 "use_double_wide_mlp": True, "layer_types": ["sliding_attention", "full_attention"] * 3})
+    tokens = TOKENS % config.vocab_size
+    model = build_model(config)
+    params = random_params(model, tokens)
+    assert set(cache_shapes(model, params, tokens)["kv_shared_layers_0"]["self_attn"]) == {"cache_index"}
+    spans = ((0, 5), (5, 6), (6, 7), (7, 8), (8, 9), (9, 10))  # a prompt, then one token at a time past the window 3
+    decoded, full = decoded_and_full_logits(model, params, tokens, spans)
+    np.testing.assert_allclose(decoded, full, atol=1e-5, rtol=0)
+
+    scanned = build_model(config.model_copy(update={"scan_layers": True}))
+    boxed = nn.meta.unbox(jax.eval_shape(scanned.init, jax.random.PRNGKey(0), tokens)["params"])
+    assert {name for name in boxed if not name.startswith(("embed", "per_layer", "norm"))} == {
+        "layers_stack", "layers_2", "layers_3", "kv_shared_layers_stack"}
+    stacked = relayout_like(params, boxed)
+    np.testing.assert_allclose(logits_of(jax.jit(scanned.apply)({"params": stacked}, tokens)), full, atol=1e-5, rtol=0)
 
 
 def test_lora_adapters_export_merged_and_as_a_peft_adapter(converted, tmp_path, highest_precision):
@@ -118,4 +144,12 @@ def test_gemma4_reads_its_config_as_transformers_derives_it():
     derived = from_hf_config(dict(model_type="gemma4_text", num_hidden_layers=12))
     assert [derived.attention_window(i) for i in range(12)] == ([512] * 5 + [None]) * 2
     assert derived.full_rope.proportional and derived.full_rope.partial_rotary_factor == 0.25
+    # Gemma 4 E2B's sharing: 35 layers, four sliding to one global, the last 20 reusing keys and values.
+    e2b = dict(model_type="gemma4_text", num_hidden_layers=35, num_kv_shared_layers=20,
+               layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 7)
+    modes = transformers.Gemma4TextConfig(**e2b).kv_sharing_modes
+    shared = from_hf_config(e2b)
+    assert [i for i in range(35) if shared.kv_stored(i)] == [i for i, mode in enumerate(modes) if mode == "store"]
+    assert [i for i in range(35) if shared.kv_shared(i)] == [i for i, mode in enumerate(modes) if mode == "reuse"]
+    assert {shared.kv_source(i) for i in range(15, 35)} == {13, 14}
 

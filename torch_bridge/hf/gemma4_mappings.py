@@ -1,7 +1,8 @@
 """The HF ⇄ functrain tensor table of Gemma 4 (``gemma4_text``), in the terms of :mod:`torch_bridge.hf.mappings`.
 
 Each layer: the attention's q/k/o (and v, except on the global layers whose keys are the values) with their biases,
-``q_norm`` and ``k_norm`` (the value norm has no weight), Gemma's four norms, the MLP, the ``layer_scalar`` buffer
+``q_norm`` and ``k_norm`` (the value norm has no weight; the layers reusing earlier layers' keys and values, stored
+as ``kv_shared_layers_{j}``, have only q/o and ``q_norm``), Gemma's four norms, the MLP, the ``layer_scalar`` buffer
 (kept frozen in training); with per-layer inputs its ``per_layer_input_gate``, ``per_layer_projection`` and
 ``post_per_layer_input_norm``; with the MoE block its ``router`` (``proj``, ``scale``, ``per_expert_scale``), the
 stacked ``experts.gate_up_proj`` [E, 2 x inter, hidden] and ``experts.down_proj`` [E, hidden, inter] as
@@ -21,12 +22,21 @@ def _norm(hf: str, path: Path) -> Rule:
     return Rule(f"{hf}.weight", (path + ("scale",),))
 
 
+def _attention_weights(cfg: Gemma4TextConfig, i: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Layer ``i``'s attention projections and weighted norms (a layer reusing keys and values has neither keys' nor
+    values' in the checkpoint; keys that are the values, no ``v_proj``)."""
+    if cfg.kv_shared(i):
+        return ("q_proj", "o_proj"), ("q_norm",)
+    keys_values = ("k_proj",) if cfg.values_are_keys(i) else ("k_proj", "v_proj")
+    return ("q_proj", *keys_values, "o_proj"), ("q_norm", "k_norm")
+
+
 def _layer_rules(cfg: Gemma4TextConfig, i: int) -> list[Rule]:
-    hf, layer = f"model.layers.{i}", f"layers_{i}"
+    hf, layer = f"model.layers.{i}", cfg.layer_name(i)
     attn, hf_attn = (layer, "self_attn"), f"{hf}.self_attn"
-    projections = ("q_proj", "k_proj", "o_proj") if cfg.values_are_keys(i) else ("q_proj", "k_proj", "v_proj", "o_proj")
+    projections, norms = _attention_weights(cfg, i)
     rules = [rule for proj in projections for rule in _linear(f"{hf_attn}.{proj}", attn + (proj,), cfg.attention_bias)]
-    rules += [_norm(f"{hf_attn}.{norm}", attn + (norm,)) for norm in ("q_norm", "k_norm")]
+    rules += [_norm(f"{hf_attn}.{norm}", attn + (norm,)) for norm in norms]
     rules += _dense_mlp(f"{hf}.mlp", (layer, "mlp"), bias=False)
     rules += [_norm(f"{hf}.{norm}", (layer, norm)) for norm in _NORMS]
     rules.append(Rule(f"{hf}.layer_scalar", ((layer, "layer_scalar"),)))

@@ -1,6 +1,7 @@
 """``model.name: gemma4``: Gemma 4's language model (HF ``gemma4_text``): sliding and global layers, the global ones
 with their own head width and key/value heads, per-layer input embeddings, keys that double as values on the global
-layers (``attention_k_eq_v``), an optional mixture of experts beside every MLP, and a rope per layer type
+layers (``attention_k_eq_v``), an optional mixture of experts beside every MLP, a rope per layer type, and last layers
+that reuse the keys and values of an earlier layer of their type (``num_kv_shared_layers``, Gemma 4 E2B/E4B)
 (:mod:`functrain.models.gemma4`)."""
 
 from typing import ClassVar, Hashable, Literal
@@ -14,6 +15,7 @@ from functrain.models.configs.rope import RopeScaling, RopeSettings
 from functrain.models.family import Family
 
 SLIDING_PATTERN = 6  # transformers' default layer_types: five sliding layers, then a global one
+LAYER_PREFIX, KV_SHARED_PREFIX = "layers_", "kv_shared_layers_"  # the module names of the two runs of layers
 
 
 class Gemma4Rope(pydantic.BaseModel):
@@ -63,7 +65,8 @@ class Gemma4TextConfig(MoeOptions, HFModelConfig):
     vocab_size_per_layer_input: int = pydantic.Field(262144, gt=0)
     hidden_size_per_layer_input: int = pydantic.Field(256, ge=0)  # 0: no per-layer inputs
     attention_k_eq_v: bool = False
-    use_double_wide_mlp: bool = False  # widens the MLPs of layers sharing key/values, which functrain refuses
+    num_kv_shared_layers: int = pydantic.Field(0, ge=0)  # the last layers, which reuse earlier layers' keys/values
+    use_double_wide_mlp: bool = False  # the MLPs of the layers sharing keys/values twice intermediate_size wide
     enable_moe_block: bool = False
     num_experts: int | None = pydantic.Field(None, gt=0)
     top_k_experts: int | None = pydantic.Field(None, gt=0)
@@ -86,9 +89,58 @@ class Gemma4TextConfig(MoeOptions, HFModelConfig):
         if uneven:
             raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple of {uneven[0]} "
                              f"key/value heads")  # fmt: skip
+        self._check_shared_keys_and_values()
         if self.enable_moe_block and None in (self.num_experts, self.top_k_experts, self.moe_intermediate_size):
             raise ValueError("enable_moe_block needs num_experts, top_k_experts and moe_intermediate_size; set them")
         return self
+
+    def _check_shared_keys_and_values(self) -> None:
+        """Each layer sharing keys and values has an earlier layer of its type whose heads match its own."""
+        for layer in range(self.first_kv_shared_layer, self.num_hidden_layers):
+            source = self.kv_source(layer)
+            if source is None:
+                raise ValueError(f"num_kv_shared_layers {self.num_kv_shared_layers} leaves no earlier "
+                                 f"{self.resolved_layer_types()[layer]} layer to compute layer {layer}'s keys and "
+                                 f"values; lower num_kv_shared_layers")  # fmt: skip
+            mine = (self.head_dim_of(layer), self.kv_heads_of(layer))
+            theirs = (self.head_dim_of(source), self.kv_heads_of(source))
+            if mine != theirs:
+                raise ValueError(f"layer {layer} reuses layer {source}'s keys and values but its (head_dim, "
+                                 f"num_key_value_heads) {mine} differ from that layer's {theirs}; make them "
+                                 f"equal")  # fmt: skip
+
+    @property
+    def first_kv_shared_layer(self) -> int:
+        """The first layer that reuses an earlier layer's keys and values (``num_hidden_layers`` when none does)."""
+        return self.num_hidden_layers - self.num_kv_shared_layers
+
+    def kv_shared(self, layer: int) -> bool:
+        """Whether ``layer`` reuses an earlier layer's keys and values (it has no key/value projections)."""
+        return layer >= self.first_kv_shared_layer
+
+    def kv_source(self, layer: int) -> int | None:
+        """The layer whose keys and values ``layer`` attends to: the last layer of its type before the shared ones
+        (transformers' ``kv_sharing_modes``), ``layer`` itself when it computes its own, None when there is none."""
+        if not self.kv_shared(layer):
+            return layer
+        types = self.resolved_layer_types()
+        return next((i for i in reversed(range(self.first_kv_shared_layer)) if types[i] == types[layer]), None)
+
+    def kv_stored(self, layer: int) -> bool:
+        """Whether a later layer reuses ``layer``'s keys and values."""
+        return any(self.kv_source(i) == layer for i in range(self.first_kv_shared_layer, self.num_hidden_layers))
+
+    def mlp_width_of(self, layer: int) -> int:
+        """The MLP's width: ``intermediate_size``, twice it on the layers sharing keys and values with
+        ``use_double_wide_mlp``."""
+        return self.intermediate_size * (2 if self.use_double_wide_mlp and self.kv_shared(layer) else 1)
+
+    def layer_name(self, layer: int) -> str:
+        """The module of ``layer``: ``layers_{i}``, ``kv_shared_layers_{j}`` for the j-th layer sharing keys and
+        values (a run of layers of its own, which a scan stacks apart from the others)."""
+        if self.kv_shared(layer):
+            return f"{KV_SHARED_PREFIX}{layer - self.first_kv_shared_layer}"
+        return f"{LAYER_PREFIX}{layer}"
 
     @property
     def hidden_act(self) -> str:
@@ -168,13 +220,14 @@ class Gemma4TextConfig(MoeOptions, HFModelConfig):
         return min(self.vocab_size, self.vocab_size_per_layer_input) if self.per_layer_inputs else self.vocab_size
 
     def layer_kinds(self) -> list[Hashable]:
-        """Each layer's window, head width and key/value heads (its rope follows its window): what a scan groups."""
-        return [(self.attention_window(i), self.head_dim_of(i), self.kv_heads_of(i)) for i in range(
+        """Each layer's window, head width and key/value heads (its rope follows its window), and whether it shares
+        keys and values: what a scan groups."""
+        return [(self.attention_window(i), self.head_dim_of(i), self.kv_heads_of(i), self.kv_shared(i)) for i in range(
             self.num_hidden_layers)]  # fmt: skip
 
     def decoder_shape(self) -> DecoderShape:
-        """Grouped-query attention (the layers' mean head width), the GeGLU MLP plus, with the MoE block, the
-        active experts' width, and the router."""
+        """Grouped-query attention (the layers' mean head width), the GeGLU MLP (the layers' mean width) plus, with
+        the MoE block, the active experts' width, and the router."""
         layers = self.num_hidden_layers
         experts = self.experts_per_token() * (self.moe_intermediate_size or 0)
         return DecoderShape(
@@ -183,7 +236,7 @@ class Gemma4TextConfig(MoeOptions, HFModelConfig):
             heads=self.num_attention_heads,
             kv_heads=round(sum(map(self.kv_heads_of, range(layers))) / layers),
             head_dim=round(sum(map(self.head_dim_of, range(layers))) / layers),
-            mlp_width=self.intermediate_size + experts,
+            mlp_width=round(sum(map(self.mlp_width_of, range(layers))) / layers) + experts,
             mlp_matrices=3,
             vocab=self.vocab_size,
             router_width=self.expert_count(),

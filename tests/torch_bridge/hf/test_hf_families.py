@@ -135,6 +135,12 @@ CASES = {
         rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=100.0),
                          "full_attention": dict(rope_type="proportional", rope_theta=1e4, partial_rotary_factor=0.5,
                                                 factor=2.0)})),
+    # The last 2 layers reuse the keys and values of the last earlier layer of their type (layer 1's sliding ones,
+    # layer 2's global ones, whose keys are the values), their MLPs twice as wide; per-layer inputs, experts.
+    "gemma4_shared_kv_double_wide_mlp": ("gemma4_text", dict(
+        num_hidden_layers=5, num_kv_shared_layers=2, use_double_wide_mlp=True, attention_k_eq_v=True,
+        num_global_key_value_heads=1, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"])),
     # transformers' derived layers (a global first layer, the last forced global) with scaled ropes of other types,
     # separate values, no per-layer inputs, tied.
     "gemma4_derived_layers_scaled_ropes_tied": ("gemma4_text", dict(
@@ -274,8 +280,8 @@ def test_bf16_sharded_round_trip_is_bit_exact_and_transformers_reads_the_config(
     ("glm4_moe", dict(attention_dropout=0.5), "attention_dropout 0.5 is not supported for glm4_moe"),
     ("llama4_text", dict(attention_dropout=0.1), "attention_dropout 0.1 is not supported for llama4_text"),
     ("llama4_text", dict(attention_chunk_size=None), "chunked_attention layers but attention_chunk_size is unset"),
-    ("gemma4_text", dict(num_kv_shared_layers=2), r"num_kv_shared_layers 2 is not supported for gemma4_text \(layers "
-                                                  r"reusing earlier layers' keys and values are not implemented\)"),
+    ("gemma4_text", dict(num_kv_shared_layers=1), "num_kv_shared_layers 1 leaves no earlier full_attention layer to "
+                                                  "compute layer 3's keys and values; lower num_kv_shared_layers"),
     ("gemma4_text", dict(use_bidirectional_attention="all"), "use_bidirectional_attention 'all' is not supported"),
     ("gemma4_text", dict(per_layer_config={"1": {"intermediate_size": 8}}),
      r"per_layer_config\['1'\] sets intermediate_size, which functrain does not vary by layer"),
