@@ -30,7 +30,8 @@ class GRPOConfig(TaskSection):
     environment per completion, whose ``reset`` and ``step`` answer the model's turns
     (:mod:`functrain.tasks.grpo.episodes`) for at most ``max_turns`` turns of at most ``max_turn_length`` tokens
     each (None: ``max_completion_length``), within ``max_completion_length`` tokens of model and environment
-    together (both keys are read only with an environment)."""
+    together (both keys are read only with an environment). Sampler (functrain's): ``sampler: paged`` decodes in
+    pages of ``page_size`` positions with ``decode_slots`` rows at once (:mod:`functrain.text.paged_decode`)."""
 
     num_generations: int = Field(8, ge=2)
     max_completion_length: int = Field(512, ge=1)
@@ -50,6 +51,9 @@ class GRPOConfig(TaskSection):
     reward_weights: list[float] | None = None
     format_pattern: str = r"^<think>.*?</think>\s*<answer>.*?</answer>$"
     share_prompt: bool = True  # functrain's: a group's prompt prefix runs once in the step (tasks/shared_prefix.py)
+    sampler: Literal["dense", "paged"] = "dense"  # functrain's: paged, continuous batching (docs/grpo.md)
+    page_size: int | None = Field(None, ge=1)  # the paged sampler's positions a page (None: <= 16, dividing its cache)
+    decode_slots: int | None = Field(None, ge=1)  # the paged sampler's rows decoded at once (None: all)
     environment_factory: str | None = None
     max_turns: int = Field(8, ge=1)
     max_turn_length: int | None = Field(None, ge=1)
