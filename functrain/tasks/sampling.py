@@ -116,7 +116,9 @@ class Sampler:
         # The step's attention on a deterministic GPU run (XLA's: cuDNN's does not compile with deterministic ops).
         self.attention = attention_choice("auto", target_platform(), deterministic)
         sampling_model = build_model(for_sampling(model_config).model_copy(update={"attention": self.attention}), dtype)
-        decode = generate_ragged if paging is None else paged_decoder(sampling_model, paging)
+        decode = (
+            generate_ragged if paging is None else paged_decoder(sampling_model, paging, model_config.registry_name())
+        )
 
         def sample(params, prompts, lengths, key, prefill, repeats=1):
             weights = unstack_layers(merged_for_inference(cast_floating(params, dtype), model_config))
@@ -177,14 +179,14 @@ class Sampler:
         return self.programs(mesh)[1](params, *_global_rows(mesh, tokens))
 
 
-def paged_decoder(model: Any, paging: Paging) -> Any:
-    """:func:`~functrain.text.paged_decode.generate_paged` with ``paging``'s settings, for a ``model`` whose decoding
-    cache has a paged form (else a ConfigError)."""
+def paged_decoder(model: Any, paging: Paging, name: str | None) -> Any:
+    """:func:`~functrain.text.paged_decode.generate_paged` with ``paging``'s settings, for a ``model`` (``model.name``
+    ``name``) whose decoding cache has a paged form (else a ConfigError)."""
     unpageable = unpageable_leaves(model)
     if unpageable:
         raise ConfigError(
             f"grpo.sampler=paged needs a model whose decoding cache holds keys and values only, and "
-            f"model.name={model.config.registry_name()} caches {', '.join(unpageable)}; set grpo.sampler=dense"
+            f"model.name={name} caches {', '.join(unpageable)}; set grpo.sampler=dense"
         )
     return partial(generate_paged, page_size=paging.page_size, slots=paging.slots, stop_ids=paging.stop_ids)
 

@@ -12,14 +12,15 @@ decodes its prompt's remainder one position at a time, and a row that drew a sto
 - **Continuous batching with static shapes**: ``slots`` rows (default: all) decode at once, each at its own
   position, in a ``lax.while_loop``. A row takes a free slot from a queue (rows in order), pops its own pages off a
   stack of free pages, draws until a stop id or ``max_new_tokens``, then pushes its pages back and frees its slot
-  for the next waiting row. The loop ends when no row is left: with fewer slots than rows the batch decodes in
-  waves that overlap; with one slot per row, the rows whose completions ended early end the loop early. A freed
-  slot stays idle until the next position (its model row is computed on a page no row reads).
+  for the next waiting row. The loop ends when no row is left, so it runs as long as its longest chain of rows
+  needs: with fewer slots than rows, the waiting rows fill the slots that rows ending early free; with one slot
+  per row, a finished row's slot idles (shapes are static: its row of the model's batch is still computed, on a
+  page no row reads) and the loop ends with the last row, before ``max_new_tokens`` if every row stopped.
 
 A row's token at position ``p`` is drawn with the noise that ``generate_ragged`` gives that row at ``p`` (the
 Gumbel noise of ``fold_in(key, p)`` over the whole batch, drawn once for every position), so the draws are equal
 where the logits are: bitwise with ``model.batch_invariant``, and on the CPU under the sampler's XLA options
-(:data:`functrain.tasks.sampling.CONSISTENT_OPTIONS`) for float32 (tests/tasks/test_paged_sampling.py).
+(:data:`functrain.tasks.sampling.CONSISTENT_OPTIONS`) for float32 (tests/text/test_paged_decode.py).
 """
 
 from __future__ import annotations
