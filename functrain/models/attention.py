@@ -140,7 +140,8 @@ def attend(
       kernel: ``xla``, ``cudnn`` or ``splash`` (see :func:`attention_kernel`).
       segment_ids: optional ``[B, T]`` int: tokens attend only within their segment (whole sequences only).
       query_slots: when decoding with a cache, the queries' ``[T]`` slots among the S cached keys (keys at
-        later slots are masked); None for a whole sequence (S == T).
+        later slots are masked), ``[B, T]`` against a paged cache (each row its own); None for a whole sequence
+        (S == T).
       window: attend only to the keys of the last ``window`` positions (None: all earlier keys).
       softcap: scores become ``softcap * tanh(scores / softcap)`` before masking (Gemma 2).
       sinks: optional ``[H]`` logits, one per query head, each an extra column of that head's softmax whose
@@ -230,9 +231,10 @@ def _attend_with_written_mask(
         and target_platform() == "cpu"
     )
     if single:
-        query, slots = jnp.concatenate([query, jnp.zeros_like(query)], axis=1), jnp.concatenate([slots, slots])
+        query, slots = jnp.concatenate([query, jnp.zeros_like(query)], axis=1), jnp.concatenate([slots, slots], -1)
     decoded_chunk = None if query_slots is None else chunk  # a whole sequence's chunks are its segments already
-    written = causal_mask(slots, key.shape[1], window, decoded_chunk)[None, None]
+    written = causal_mask(slots, key.shape[1], window, decoded_chunk)
+    written = written[:, None] if slots.ndim == 2 else written[None, None]  # [B or 1, 1, T, S]
     if segment_ids is not None:
         written = written & segment_mask(segment_ids)
     attention = invariant_attention if invariant else masked_attention

@@ -129,5 +129,6 @@ def hf_config_dict(config: HFModelConfig, exclude: Iterable[str] = ()) -> dict[s
 
 def token_positions(slots: Array, positions: Array | None, batch: int) -> Array:
     """``[B, T]`` positions for position embeddings / RoPE: the given ``positions`` (packed documents restart
-    at 0), else the tokens' ``slots`` [T] (``0..T-1``, or their cache slots when decoding) for every row."""
-    return jnp.broadcast_to(slots if positions is None else positions, (batch, slots.shape[0]))
+    at 0), else the tokens' ``slots`` [T] (``0..T-1``, or their cache slots when decoding) for every row (a paged
+    cache's ``[B, T]``: each row's own)."""
+    return jnp.broadcast_to(slots if positions is None else positions, (batch, slots.shape[-1]))

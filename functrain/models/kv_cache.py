@@ -13,6 +13,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from functrain.models.paged_cache import paged, paged_extend, paged_positions
+
 Array = jax.Array
 
 
@@ -23,10 +25,13 @@ def decoding(module: nn.Module) -> bool:
 
 def next_positions(module: nn.Module, length: int) -> Array:
     """The positions of ``length`` new tokens: ``0..length-1``, or after those already cached when decoding
-    (the module keeps its own count, which advances by ``length``)."""
+    (the module keeps its own count, which advances by ``length``); ``[B, length]`` against a paged cache, each
+    row after its own count (:mod:`functrain.models.paged_cache`)."""
     positions = jnp.arange(length, dtype=jnp.int32)
     if not decoding(module):
         return positions
+    if paged(module):
+        return paged_positions(module, length)
     primed = module.has_variable("cache", "cache_index")
     index = module.variable("cache", "cache_index", lambda: jnp.zeros((), jnp.int32))
     if not primed:  # the shape-taking apply: the cache starts empty
@@ -40,9 +45,12 @@ def extend_cache(module: nn.Module, key: Array, value: Array, positions: Array) 
     """Keys and values ``[B, T, KV, D]`` of the new tokens at ``positions`` -> those of the whole cache
     ``[B, S, KV, D]`` (the new ones written in); unchanged when not decoding. The cache holds them as
     ``[B, KV, D, S]``, the order XLA:CPU's attention dots read them in: stored as ``[B, S, KV, D]``, both whole
-    caches were copied into it for every decoded token (bench_grpo's decoder: 7.1 -> 5.2 ms)."""
+    caches were copied into it for every decoded token (bench_grpo's decoder: 7.1 -> 5.2 ms). Against a paged cache
+    ``positions`` are ``[B, T]`` and each row's keys and values are gathered from its pages."""
     if not decoding(module):
         return key, value
+    if paged(module):
+        return paged_extend(module, key, value, positions)
     stored = lambda array: jnp.transpose(array, (0, 2, 3, 1))  # noqa: E731
     read = lambda array: jnp.transpose(array, (0, 3, 1, 2))  # noqa: E731
     return (
@@ -66,15 +74,17 @@ def cached(module: nn.Module, name: str, new: Array, positions: Array, axis: int
 
 
 def causal_mask(positions: Array, kv_length: int, window: int | None = None, chunk: int | None = None) -> Array:
-    """``[T, S]``: query at ``positions[t]`` sees keys at positions ``<= positions[t]`` (a lower triangle when
-    the queries are the whole sequence; later cache slots, still empty, are masked when decoding), with a
+    """``[T, S]`` (``[B, T, S]`` for a paged cache's ``[B, T]`` positions): query at ``positions[t]`` sees keys at
+    positions ``<= positions[t]`` (a lower triangle when the queries are the whole sequence; later cache slots,
+    still empty, are masked when decoding), with a
     ``window`` only those ``> positions[t] - window`` (HF's sliding-window overlay), and with a ``chunk`` only
     those of its own chunk of ``chunk`` positions (HF's chunked overlay, Llama 4)."""
-    keys = jnp.arange(kv_length, dtype=jnp.int32)[None, :]
-    mask = positions[:, None] >= keys
+    keys = jnp.arange(kv_length, dtype=jnp.int32)
+    queries = positions[..., None]
+    mask = queries >= keys
     if window is not None:
-        mask = mask & (keys > positions[:, None] - window)
-    return mask if chunk is None else mask & (keys // chunk == positions[:, None] // chunk)
+        mask = mask & (keys > queries - window)
+    return mask if chunk is None else mask & (keys // chunk == queries // chunk)
 
 
 def zeros_like_shapes(shapes: Any) -> Any:

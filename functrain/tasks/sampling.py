@@ -9,6 +9,7 @@ to keep in sync), and the training forward (the program's pieces) that scores to
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import jax
@@ -20,6 +21,7 @@ from functrain.core.adapters import ModelPieces
 from functrain.core.precision import COMPUTE_DTYPES, at_precision, cast_floating, matmul_precision
 from functrain.core.unembedding import chunk_positions, logits_array, over_chunks
 from functrain.data.global_array import batch_sharding, to_global, to_local
+from functrain.errors import ConfigError
 from functrain.models import build_model
 from functrain.models.lora import merged_for_inference
 from functrain.models.options import for_sampling
@@ -27,6 +29,7 @@ from functrain.models.stacking import unstack_layers
 from functrain.parallel.determinism import attention_choice, step_compiler_options
 from functrain.parallel.target import target_platform
 from functrain.text.decode import generate_ragged
+from functrain.text.paged_decode import Paging, generate_paged, unpageable_leaves
 
 # The XLA:CPU options under which the sampler's decoder and the train step compute a token's log-prob bit for bit
 # alike (GRPO's rollout/logprob_gap is 0): YNNPACK runs the products only (its fused element-wise and reduction
@@ -92,7 +95,8 @@ class Sampler:
     ``temperature``. ``forward(params, tokens) -> logps`` ``[B, L-1]``: the training forward's log-probs of
     ``tokens[:, 1:]`` at ``temperature``. Both trace their products at ``precision`` (``train.matmul_precision``) and
     compile with a GPU's deterministic ops when ``deterministic`` (``train.deterministic``), with XLA's attention
-    then, as the train step."""
+    then, as the train step. With ``paging`` the sampler decodes paged (:mod:`functrain.text.paged_decode`: the
+    same tokens, rows that drew a stop id stop costing; after it, token 0)."""
 
     def __init__(
         self,
@@ -106,15 +110,19 @@ class Sampler:
         top_p: float | None = None,
         precision: str = "auto",
         deterministic: bool = True,
+        paging: Paging | None = None,
     ) -> None:
         dtype = COMPUTE_DTYPES[compute_dtype]
         # The step's attention on a deterministic GPU run (XLA's: cuDNN's does not compile with deterministic ops).
         self.attention = attention_choice("auto", target_platform(), deterministic)
         sampling_model = build_model(for_sampling(model_config).model_copy(update={"attention": self.attention}), dtype)
+        decode = (
+            generate_ragged if paging is None else paged_decoder(sampling_model, paging, model_config.registry_name())
+        )
 
         def sample(params, prompts, lengths, key, prefill, repeats=1):
             weights = unstack_layers(merged_for_inference(cast_floating(params, dtype), model_config))
-            return generate_ragged(
+            return decode(
                 sampling_model,
                 weights,
                 prompts,
@@ -169,6 +177,18 @@ class Sampler:
         :func:`functrain.data.global_array.to_local` gives."""
         mesh = _mesh_of(params)
         return self.programs(mesh)[1](params, *_global_rows(mesh, tokens))
+
+
+def paged_decoder(model: Any, paging: Paging, name: str | None) -> Any:
+    """:func:`~functrain.text.paged_decode.generate_paged` with ``paging``'s settings, for a ``model`` (``model.name``
+    ``name``) whose decoding cache has a paged form (else a ConfigError)."""
+    unpageable = unpageable_leaves(model)
+    if unpageable:
+        raise ConfigError(
+            f"grpo.sampler=paged needs a model whose decoding cache holds keys and values only, and "
+            f"model.name={name} caches {', '.join(unpageable)}; set grpo.sampler=dense"
+        )
+    return partial(generate_paged, page_size=paging.page_size, slots=paging.slots, stop_ids=paging.stop_ids)
 
 
 def _mesh_of(params: Any) -> Mesh:

@@ -52,7 +52,7 @@ class Sampling:
             raise ConfigError(f"--temperature {self.temperature} must be 0 (greedy) or more")
 
 
-def _filtered(logits: jax.Array, temperature: float, top_k: int | None, top_p: float | None) -> jax.Array:
+def filtered_logits(logits: jax.Array, temperature: float, top_k: int | None, top_p: float | None) -> jax.Array:
     """The last position's logits [B, vocab] at ``temperature`` (> 0), outside the ``top_k`` most likely tokens and
     then outside the fewest most likely whose probabilities reach ``top_p`` set to -inf (HF's order of the warpers;
     None: no filter)."""
@@ -73,13 +73,13 @@ def _pick(
     logits: jax.Array, key: jax.Array, temperature: float, top_k: int | None, top_p: float | None = None
 ) -> jax.Array:
     """The next token ids [B] from the last position's logits [B, vocab]: greedy at temperature 0, else drawn at
-    ``temperature`` from the tokens :func:`_filtered` keeps."""
+    ``temperature`` from the tokens :func:`filtered_logits` keeps."""
     if temperature == 0.0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, _filtered(logits, temperature, top_k, top_p), axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, filtered_logits(logits, temperature, top_k, top_p), axis=-1).astype(jnp.int32)
 
 
-def _first_max_index(values: jax.Array) -> jax.Array:
+def first_max_index(values: jax.Array) -> jax.Array:
     """``jnp.argmax`` over the last axis (the first of equal maxima) as two plain reductions, int32: XLA:CPU runs
     argmax's two-operand reduction about 4x slower, and a decoded token pays it every position."""
     top = values.max(axis=-1, keepdims=True)
@@ -187,12 +187,12 @@ def generate_ragged(
 
     def pick(logits: jax.Array, position: jax.Array | int, noise: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         if temperature == 0.0:
-            picked = _first_max_index(logits)
+            picked = first_max_index(logits)
         else:
             offset = (position - prefill) % block
             noise = jax.lax.cond(offset == 0, noise_from, lambda _: noise, position)
-            filtered = _filtered(logits, temperature, top_k, top_p)
-            picked = _first_max_index(noise[offset] + filtered)
+            filtered = filtered_logits(logits, temperature, top_k, top_p)
+            picked = first_max_index(noise[offset] + filtered)
         token = jnp.where(position < lengths, forced[:, position], picked)
         log_probs = jax.nn.log_softmax(logits.astype(jnp.float32) / scale, axis=-1)
         return token, jnp.take_along_axis(log_probs, token[:, None], axis=-1)[:, 0], noise

@@ -33,7 +33,8 @@ class GRPOConfig(TaskSection):
     together (both keys are read only with an environment). Asynchronous GRPO (functrain's): ``async_steps`` (k)
     samples the batches of the next k steps while a step trains (0: synchronous), their token losses weighted by the
     importance-sampling ratio of the trained policy to the sampling one, truncated at ``async_is_cap``
-    (:mod:`functrain.tasks.grpo.ahead`)."""
+    (:mod:`functrain.tasks.grpo.ahead`). Sampler (functrain's): ``sampler: paged`` decodes in pages of ``page_size``
+    positions with ``decode_slots`` rows at once (:mod:`functrain.text.paged_decode`)."""
 
     num_generations: int = Field(8, ge=2)
     max_completion_length: int = Field(512, ge=1)
@@ -53,6 +54,9 @@ class GRPOConfig(TaskSection):
     reward_weights: list[float] | None = None
     format_pattern: str = r"^<think>.*?</think>\s*<answer>.*?</answer>$"
     share_prompt: bool = True  # functrain's: a group's prompt prefix runs once in the step (tasks/shared_prefix.py)
+    sampler: Literal["dense", "paged"] = "dense"  # functrain's: paged, continuous batching (docs/grpo.md)
+    page_size: int | None = Field(None, ge=1)  # the paged sampler's positions a page (None: <= 16, dividing its cache)
+    decode_slots: int | None = Field(None, ge=1)  # the paged sampler's rows decoded at once (None: all)
     environment_factory: str | None = None
     max_turns: int = Field(8, ge=1)
     max_turn_length: int | None = Field(None, ge=1)

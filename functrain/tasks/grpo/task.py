@@ -189,6 +189,7 @@ class GRPO(Task):
 
     def experience(self, context: TaskContext, data: TaskData, pieces: ModelPieces) -> ExperienceStage:
         """The rollouts: G completions per prompt with the current weights, scored on the host."""
+        from functrain.tasks.grpo.paging import paging_of
         from functrain.tasks.grpo.rollout import SAMPLES_FILE, Rollouts
         from functrain.tasks.sampling import Sampler
 
@@ -205,6 +206,7 @@ class GRPO(Task):
             top_p=section.top_p if section.top_p < 1.0 else None,
             precision=config.train.matmul_precision,
             deterministic=config.train.deterministic,
+            paging=paging_of(section, prompts, environment is not None),
         )
         every = config.log.every_steps
         samples = (context.run_dir / SAMPLES_FILE, every) if every else None

@@ -3,7 +3,9 @@ two devices computes: each process samples, scores and trains the completions of
 slice) on its own device, and the batch's advantages, normalisers and metrics come from every process's rewards.
 So the completions, the metrics and the final weights are equal bit for bit, and only process 0 writes. Also with
 multi-turn episodes, where every process samples a turn while any process has an episode open, here sampled a step
-ahead (grpo.async_steps)."""
+ahead (grpo.async_steps). The single-turn job of two processes samples with the paged sampler (``grpo.sampler:
+paged``, three decode slots refilled from the queue), the one-process job with the dense one: both draw the same
+tokens."""
 
 import json
 
@@ -25,6 +27,7 @@ RUNS = {
     "episodes": ["configs/grpo_guess_digit.yaml", "model.n_layers=1", "data.global_batch_size=16",
                  "grpo.async_steps=1"],
 }
+TWO_PROCESSES_ONLY = {"single_turn": ["grpo.sampler=paged", "grpo.decode_slots=3"], "episodes": []}
 
 
 def _lines(path) -> list[dict]:
@@ -35,7 +38,8 @@ def _lines(path) -> list[dict]:
 def test_two_processes_sample_score_and_train_as_one_process_with_two_devices(tmp_path, run):
     config, *overrides = RUNS[run]
     two, one = tmp_path / "two_processes", tmp_path / "one_process"
-    procs = [_cli(["train", config, f"run.dir={two}", *overrides, *COMMON, "--processes", "2"]),
+    paged = TWO_PROCESSES_ONLY[run]
+    procs = [_cli(["train", config, f"run.dir={two}", *overrides, *paged, *COMMON, "--processes", "2"]),
              _cli(["train", config, f"run.dir={one}", *overrides, *COMMON], devices=2)]
     for proc in procs:
         output, _ = proc.communicate(timeout=300)
