@@ -5,7 +5,8 @@ names of transformers' ``Qwen3NextGatedDeltaNet`` / ``Qwen3_5GatedDeltaNet``.
 and an output gate ``z`` (``linear_num_value_heads`` of ``linear_value_head_dim``), and per value head a write
 strength ``beta = sigmoid(b)`` and a decay ``g = -exp(A_log) * softplus(a + dt_bias)``. Queries, keys and values
 pass a short depthwise causal convolution (``linear_conv_kernel_dim`` taps) and the activation, then the gated
-delta rule (:mod:`functrain.models.delta_rule`: chunks of ``linear_chunk_size`` tokens); the result is
+delta rule (:mod:`functrain.models.delta_rule`: chunks of ``linear_chunk_size`` tokens, by XLA or, with
+``gdn_kernel: pallas``, by the TPU kernel of :mod:`functrain.models.delta_rule_pallas`); the result is
 RMS-normalised per head, gated by ``silu(z)`` and projected back by ``out_proj``.
 
 Parameters (transformers' names)::
@@ -30,7 +31,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from functrain.models.delta_rule import causal_conv, chunked_delta_rule, document_runs, recurrent_delta_rule
+from functrain.models.configs.qwen3_next import GdnKernel
+from functrain.models.delta_rule import causal_conv, document_runs, recurrent_delta_rule
+from functrain.models.delta_rule_pallas import delta_rule_kernel
 from functrain.models.hf_common import activation, dense, rms_normalized
 from functrain.models.kv_cache import decoding
 
@@ -38,7 +41,8 @@ Array = jax.Array
 
 
 class GatedDeltaNetConfig(Protocol):
-    """What :class:`GatedDeltaNet` reads from a config (HF's keys, and functrain's ``linear_chunk_size``)."""
+    """What :class:`GatedDeltaNet` reads from a config (HF's keys, and functrain's ``linear_chunk_size`` and
+    ``gdn_kernel``)."""
 
     @property
     def hidden_size(self) -> int: ...
@@ -62,6 +66,8 @@ class GatedDeltaNetConfig(Protocol):
     def linear_chunk_size(self) -> int: ...
     @property
     def fused_linear_projections(self) -> bool: ...
+    @property
+    def gdn_kernel(self) -> GdnKernel: ...
 
 
 def _uniform_log(low: float, high: float) -> Any:
@@ -199,7 +205,7 @@ class GatedDeltaNet(nn.Module):
         if initial is not None and length == 1:
             out, state = recurrent_delta_rule(q, k, v, decay, beta, initial_state=initial)
         else:
-            out, state = chunked_delta_rule(
+            out, state = delta_rule_kernel(cfg.gdn_kernel)(
                 q, k, v, decay, beta, chunk_size=cfg.linear_chunk_size, runs=runs, initial_state=initial
             )
         cache.update(conv_tail, state)

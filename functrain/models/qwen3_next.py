@@ -68,7 +68,8 @@ def config_from_hf(cls: type[_Config], hf: dict[str, Any], ignored: tuple[str, .
 
 def config_to_hf(config: HybridConfig, model_type: str, architecture: str, exclude: tuple[str, ...] = ()) -> dict:
     """An HF config.json dict (transformers 5 layout) for ``config``'s family (``exclude``: fields HF lacks)."""
-    fields = {"rope_theta", "rope_scaling", "linear_chunk_size", *_ROPE_FIELDS, *MOE_RUNTIME_KEYS, *exclude}
+    own = {"linear_chunk_size", "gdn_kernel"}  # functrain's keys of the delta rule
+    fields = {"rope_theta", "rope_scaling", *own, *_ROPE_FIELDS, *MOE_RUNTIME_KEYS, *exclude}
     hf = hf_config_dict(config, exclude=fields)
     rope = hf_rope_parameters(config)
     rope.update({key: getattr(config, key) for key in _ROPE_FIELDS if getattr(config, key) is not None})

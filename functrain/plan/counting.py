@@ -10,8 +10,10 @@ cost analysis (``HloCostAnalysis``, the analysis ``jax.stages.Lowered.cost_analy
 client: libtpu's compile-only client offers none), divided by ``steps_per_call``. Nothing is compiled again.
 
 XLA's analysis does not see into a cuBLAS call (GPU programs run their matmuls as ``__cublas$gemm`` custom
-calls): their FLOPs are added from their shapes (:func:`gemm_flops`). Nor into a Pallas kernel (splash
-attention): the planner adds its FLOPs (:func:`functrain.plan.planner.report`).
+calls): their FLOPs are added from their shapes (:func:`gemm_flops`). Nor into a Pallas kernel: the planner adds
+splash attention's FLOPs (:func:`functrain.plan.planner.report`), and the kernels of ``COSTED_KERNELS`` (the gated
+delta rule's, :mod:`functrain.models.delta_rule_pallas`) are counted by the cost estimate they carry in the HLO
+(:func:`kernel_flops`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ DCN_KEY = "dcn bytes"
 _GEMM = re.compile(r'custom_call_target="__cublas\$(?:gemm|lt\$matmul)')
 _DIMS = re.compile(r"\w+\[([\d,]*)\]")
 _CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
+# Pallas kernels whose FLOPs come from the cost estimate in their custom call (by the name they are called with).
+COSTED_KERNELS = ("gated_delta_rule",)
+_KERNEL_FLOPS = re.compile(r'"cost_estimate":\{"flops":"(\d+)"')
+_KERNEL_NAME = re.compile(r'op_name="[^"]*\b(' + "|".join(COSTED_KERNELS) + r')/pallas_call"')
 
 
 def step_cost(compiled: Any, steps_per_call: int, slices: int = 1) -> dict[str, float]:
@@ -45,8 +51,9 @@ def step_cost(compiled: Any, steps_per_call: int, slices: int = 1) -> dict[str, 
     program = parse_program(text)
     counted = hlo_cost(loops_unrolled(text, program))
     cublas = program.total(gemm_flops) if "__cublas$" in text else 0.0
+    kernels = program.total(kernel_flops) if any(name in text for name in COSTED_KERNELS) else 0.0
     cost = {
-        "flops": (float(counted.get("flops", 0.0)) + cublas) / steps_per_call,
+        "flops": (float(counted.get("flops", 0.0)) + cublas + kernels) / steps_per_call,
         "bytes accessed": float(counted.get("bytes accessed", 0.0)) / steps_per_call,
     }
     if slices > 1:
@@ -82,6 +89,16 @@ def gemm_flops(computation: Computation, instruction: Instruction) -> float:
     lhs_dims, output = _shape(lhs.line), _shape(line)
     axes = [int(axis) for axis in json.loads(f"[{contracting.group(1)}]")]
     return 2.0 * math.prod(output) * math.prod(lhs_dims[axis] for axis in axes if axis < len(lhs_dims))
+
+
+def kernel_flops(computation: Computation, instruction: Instruction) -> float:
+    """The FLOPs of a Pallas call of ``COSTED_KERNELS``, read from the cost estimate it was built with; 0 for any
+    other instruction."""
+    line = instruction.line
+    if "custom-call" not in line or not _KERNEL_NAME.search(line):
+        return 0.0
+    found = _KERNEL_FLOPS.search(line)
+    return float(found.group(1)) if found else 0.0
 
 
 def _shape(line: str) -> list[int]:

@@ -148,7 +148,7 @@ class LayerConfig:
 
     def __init__(self, hf_config, fused: bool, chunk: int) -> None:
         self.__dict__.update({key: getattr(hf_config, key) for key in (*LAYER, "hidden_act")})
-        self.fused_linear_projections, self.linear_chunk_size = fused, chunk
+        self.fused_linear_projections, self.linear_chunk_size, self.gdn_kernel = fused, chunk, "xla"
 
 
 def layer_pair(fused: bool, chunk: int = 4) -> tuple[torch.nn.Module, GatedDeltaNet, dict]:

@@ -13,6 +13,7 @@ from functrain.models.configs.rope import RopeScaling
 from functrain.models.family import Family
 
 HybridLayerType = Literal["linear_attention", "full_attention"]
+GdnKernel = Literal["xla", "pallas"]  # the chunked delta rule's kernel (functrain.models.delta_rule_pallas)
 FULL_ATTENTION_INTERVAL = 4  # transformers' default pattern: three Gated DeltaNet layers, then one full attention
 
 
@@ -29,8 +30,9 @@ def delta_rule_flops(chunk: int, key_dim: int, value_dim: int) -> float:
 
 class HybridConfig(HFModelConfig):
     """What Qwen3-Next and Qwen3.5 share, named as in HF's config.json (the rope's ``partial_rotary_factor`` and
-    M-RoPE settings as fields of their own), and ``linear_chunk_size``: functrain's tokens per chunk of the delta
-    rule (no part of an HF config.json)."""
+    M-RoPE settings as fields of their own), and functrain's keys of the delta rule (no part of an HF config.json):
+    ``linear_chunk_size``, its tokens per chunk, and ``gdn_kernel``, ``xla`` or ``pallas`` (the TPU kernel of
+    :mod:`functrain.models.delta_rule_pallas`; the same maths)."""
 
     vocab_size: int = pydantic.Field(151936, gt=0)
     hidden_size: int = pydantic.Field(2048, gt=0)
@@ -58,6 +60,7 @@ class HybridConfig(HFModelConfig):
     linear_num_value_heads: int = pydantic.Field(32, gt=0)
     layer_types: tuple[HybridLayerType, ...] | None = None  # None: every 4th layer full attention
     linear_chunk_size: int = pydantic.Field(64, gt=0)
+    gdn_kernel: GdnKernel = "xla"
 
     mlp_bias: ClassVar[bool] = False  # what Llama's MLP reads
     fused_linear_projections: ClassVar[bool] = False  # Qwen3-Next's in_proj_qkvz / in_proj_ba
