@@ -26,7 +26,7 @@ from functrain.models.stacking import relayout_like
 from tests.models.test_attention import random_params
 from tests.models.test_deepseek_v3 import cache_shapes, decoded_and_full_logits
 from tests.models.test_recent_families import SCANNED
-from tests.models.test_scan_layers import RUN, _halfway, _losses
+from tests.models.test_scan_layers import RUN, _losses, killed_after_a_save
 from tests.torch_bridge.hf.test_hf_convert import hf_logits
 from tests.torch_bridge.hf.test_hf_families import build_family_model
 from torch_bridge.hf import load_pretrained, save_pretrained
@@ -110,22 +110,21 @@ def test_lora_adapters_export_merged_and_as_a_peft_adapter(converted, tmp_path, 
     np.testing.assert_allclose(hf_logits(with_adapter, np.asarray(TOKENS)), expected, atol=1e-5, rtol=0)
 
 
-def test_a_run_with_per_layer_inputs_cut_after_a_checkpoint_resumes_bitwise(tmp_path, compilation_cache):
-    """A scanned run of a global and a sliding layer with per-layer inputs and experts, cut at its step-2 checkpoint
-    and resumed in process (a fresh fit reads the checkpoint: the kill tests' SIGKILL costs a subprocess), ends
-    bit-identical."""
+def test_a_run_with_per_layer_inputs_killed_after_a_checkpoint_resumes_bitwise(tmp_path, compilation_cache):
+    """A scanned run of a global and a sliding layer with per-layer inputs and experts, SIGKILLed after a checkpoint
+    and resumed, ends bit-identical."""
     model = {"name": "gemma4", **SCANNED["gemma4"], "vocab_size": 256, "vocab_size_per_layer_input": 256,
              "num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"], "enable_moe_block": True,
              "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 16, "moe_dispatch": "dense",
              "scan_layers": True}
-    run = {**RUN, "model": model}
+    run = {**RUN, "model": model, "train": {**RUN["train"], "max_steps": 6}}
     whole = tmp_path / "whole"
     functrain.fit(run, **{"run.dir": str(whole)})
-    saved = load_params(whole, 4)
+    saved = load_params(whole, 6)
     assert saved["layers_stack"]["slot_0"]["per_layer_input_gate"]["kernel"].shape == (1, 32, 8)
-    resumed = _halfway(whole, tmp_path / "resumed")
+    resumed = killed_after_a_save(run, tmp_path / "resumed", kill_step=3)
     functrain.fit(run, **{"run.dir": str(resumed)})
-    assert params_digest(load_params(resumed, 4)) == params_digest(saved)
+    assert params_digest(load_params(resumed, 6)) == params_digest(saved)
     assert _losses(resumed) == _losses(whole)
     np.testing.assert_array_equal(saved["layers_stack"]["slot_0"]["layer_scalar"], [[1.0]])  # a frozen buffer
 

@@ -30,7 +30,7 @@ from functrain.models.stacking import relayout_like, unstack_layers
 from functrain.text.decode import Generator, Sampling, load_language_model
 from tests.models.test_attention import random_params
 from tests.models.test_mtp import assert_round_trip, check_against_the_reference, with_mtp_layers
-from tests.models.test_scan_layers import RUN, _halfway, _losses
+from tests.models.test_scan_layers import RUN, _losses, killed_after_a_save
 from tests.torch_bridge.hf.test_hf_convert import hf_logits
 from tests.torch_bridge.hf.test_hf_families import build_family_model
 from tests.torch_bridge.hf.test_hf_finetune import QUIET
@@ -240,15 +240,15 @@ def test_llama4_packed_documents_are_chunked_from_their_own_starts(highest_preci
     np.testing.assert_allclose(packed[0, 5:], alone[1], atol=1e-5, rtol=0)
 
 
-def test_llama4_chunked_attention_run_cut_resumes_bitwise(tmp_path, compilation_cache):
+def test_llama4_chunked_attention_run_killed_resumes_bitwise(tmp_path, compilation_cache):
     """A scanned run of a chunked RoPE layer and a global NoPE layer, both with experts (16 tokens in chunks of 6),
-    cut at its step-2 checkpoint and resumed, ends bit-identical (the compilation cache compiles its call once)."""
+    SIGKILLed after a checkpoint and resumed, ends bit-identical (the compilation cache compiles its call once)."""
     model = {"name": "llama4", **SCANNED["llama4"], "vocab_size": 256, "num_hidden_layers": 2,
              "attention_chunk_size": 6, "interleave_moe_layer_step": 1, "scan_layers": True, "remat": "full"}
-    run = {**RUN, "model": model}
+    run = {**RUN, "model": model, "train": {**RUN["train"], "max_steps": 6}}
     whole = tmp_path / "whole"
     functrain.fit(run, **{"run.dir": str(whole)})
-    resumed = _halfway(whole, tmp_path / "resumed")
+    resumed = killed_after_a_save(run, tmp_path / "resumed", kill_step=3)
     functrain.fit(run, **{"run.dir": str(resumed)})
-    assert params_digest(load_params(resumed, 4)) == params_digest(load_params(whole, 4))
+    assert params_digest(load_params(resumed, 6)) == params_digest(load_params(whole, 6))
     assert _losses(resumed) == _losses(whole)
