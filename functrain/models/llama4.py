@@ -14,7 +14,6 @@ The decoder is :class:`functrain.models.moe.decoder.MoeForCausalLM` with this at
 a :class:`~functrain.core.model_output.ModelOutput` with the experts' statistics.
 """
 
-import dataclasses
 import functools
 from typing import Any
 
@@ -123,24 +122,10 @@ class Llama4Attention(nn.Module):
         )
 
 
-@dataclasses.dataclass(frozen=True)
-class DenseMlpShape:
-    """What Llama's MLP reads, for Llama 4's dense layers (``intermediate_size_mlp`` wide)."""
-
-    hidden_size: int
-    intermediate_size: int
-    hidden_act: str
-    initializer_range: float
-    mlp_bias: bool = False
-
-
 def feed_forward(config: Llama4TextConfig, dtype: Any, layer: int, name: str) -> nn.Module:
     """The layer's experts and shared expert, or Llama's MLP of ``intermediate_size_mlp`` on a dense layer."""
     if not config.moe_layer(layer):
-        shape = DenseMlpShape(
-            config.hidden_size, config.intermediate_size_mlp, config.hidden_act, config.initializer_range
-        )
-        return llama.LlamaMLP(shape, dtype, name=name)
+        return llama.LlamaMLP(config, dtype, config.intermediate_size_mlp, name=name)
     return MoeBlock(
         num_experts=config.num_local_experts,
         hidden_size=config.hidden_size,
