@@ -122,7 +122,9 @@ def _environment() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")]))
 
 
-def _logged(run_dir: Path) -> dict[int, dict]:
+def logged_training(run_dir: Path) -> dict[int, dict]:
+    """The training metrics ``run_dir``'s metrics file holds, by step (a step logged twice, before a kill and after
+    the resume: its last line)."""
     path = run_dir / "metrics.jsonl"
     lines = []
     if path.is_file():
@@ -155,10 +157,11 @@ def _kill_at(command: list[str], run_dir: Path) -> int:
         raise FunctrainError(
             f"the interrupted training run ended with exit {proc.returncode} instead of being killed: {last}"
         )
-    return max(_logged(run_dir), default=0)
+    return max(logged_training(run_dir), default=0)
 
 
-def _first_difference(reference: dict[int, dict], resumed: dict[int, dict]) -> str | None:
+def first_difference(reference: dict[int, dict], resumed: dict[int, dict]) -> str | None:
+    """The first step (and metric of :data:`COMPARED`) at which two runs' logged training differs; None if none."""
     for step in sorted(set(reference) | set(resumed)):
         if step not in reference or step not in resumed:
             return f"step {step} logged by only the {'uninterrupted' if step in reference else 'resumed'} run"
@@ -167,6 +170,31 @@ def _first_difference(reference: dict[int, dict], resumed: dict[int, dict]) -> s
             if a != b:
                 return f"step {step}: {name} {a!r} (uninterrupted) vs {b!r} (resumed)"
     return None
+
+
+def save_interval(steps: int, per_call: int) -> int:
+    """Steps between the checks' checkpoints: about four in ``steps``, each at a call boundary."""
+    return per_call * max(1, steps // (4 * per_call))
+
+
+def checked_settings(steps: int, per_call: int) -> list[str]:
+    """The overrides both runs of the check train under: ``steps`` steps, every call logged, a few checkpoints,
+    resume from the newest; no progress, plots, trackers or samples beside the metrics file."""
+    return [
+        f"train.max_steps={steps}",
+        f"log.every_steps={per_call}",
+        f"checkpoint.every_steps={save_interval(steps, per_call)}",
+        "checkpoint.resume=auto",
+        "log.progress=false",
+        "log.plot=false",
+        "log.trackers=[jsonl]",
+        "eval.samples.count=0",
+    ]
+
+
+def random_kill_step(steps: int, per_call: int) -> int:
+    """A random step to kill the run at: from its first checkpoint to its last call but one."""
+    return random.randint(save_interval(steps, per_call), steps - per_call)
 
 
 def verify_resume(
@@ -188,27 +216,17 @@ def verify_resume(
             f"--steps {steps} must be a multiple of train.steps_per_call={per_call} and at least "
             f"{2 * per_call} (a checkpoint, then steps to interrupt)"
         )
-    save_every = per_call * max(1, steps // (4 * per_call))
-    fixed = overrides + [
-        f"train.max_steps={steps}",
-        f"log.every_steps={per_call}",
-        f"checkpoint.every_steps={save_every}",
-        "checkpoint.resume=auto",
-        "log.progress=false",
-        "log.plot=false",
-        "log.trackers=[jsonl]",
-        "eval.samples.count=0",
-    ]
+    fixed = overrides + checked_settings(steps, per_call)
     load_config(config, fixed)  # bad config: one line before any training starts
-    kill_step = random.randint(save_every, steps - per_call)
+    kill_step = random_kill_step(steps, per_call)
     with tempfile.TemporaryDirectory(prefix="verify-resume-", dir=workdir) as tmp:
         uninterrupted, interrupted = Path(tmp) / "uninterrupted", Path(tmp) / "interrupted"
         _run(_train_command(str(config), uninterrupted, fixed, imports), "uninterrupted")
         killed_at = _kill_at(_train_command(str(config), interrupted, fixed, imports, kill_step), interrupted)
         resumed_from = max(_committed(interrupted))
-        reference = _logged(uninterrupted)
-        before_kill = {step: line for step, line in _logged(interrupted).items() if step <= resumed_from}
-        difference = _first_difference({s: reference[s] for s in before_kill if s in reference}, before_kill)
+        reference = logged_training(uninterrupted)
+        before_kill = {step: line for step, line in logged_training(interrupted).items() if step <= resumed_from}
+        difference = first_difference({s: reference[s] for s in before_kill if s in reference}, before_kill)
         if difference is not None:  # not even reproducible without a resume: no need to resume to know
             return Verdict(
                 False,
@@ -220,7 +238,7 @@ def verify_resume(
             )
         _run(_train_command(str(config), interrupted, fixed, imports), "resumed")
         digests = (params_digest(load_params(uninterrupted)), params_digest(load_params(interrupted)))
-        difference = _first_difference(reference, _logged(interrupted))
+        difference = first_difference(reference, logged_training(interrupted))
     if difference is None and digests[0] != digests[1]:
         difference = "the final params (every logged metric agrees: look at steps between logs)"
     return Verdict(difference is None, steps, killed_at, resumed_from, difference, digests)

@@ -3,13 +3,11 @@ experts sharded over mesh.expert) resumes bitwise after a kill, bad MoE settings
 names the expert kernel and exchange compiled for a TPU."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from functrain.commands.cli import main
-from tests.conftest import REPO_ROOT, cli_env
+from tests.conftest import run_python
 
 # moe_char shrunk to seconds; two micro-batches so the global-batch counting pass runs.
 TINY = ["train.steps_per_call=2", "eval.every_steps=0", "model.hidden_size=16", "model.intermediate_size=16",
@@ -17,13 +15,19 @@ TINY = ["train.steps_per_call=2", "eval.every_steps=0", "model.hidden_size=16", 
         "data.seq_len=16", "data.global_batch_size=8", "train.micro_batches=2", "log.plot=false"]
 
 
-def test_moe_char_resumes_bitwise_with_its_experts_sharded():
-    """On 4 simulated devices with mesh.expert=4: the experts split 4 ways, each device's rows sent to them."""
-    proc = subprocess.run([sys.executable, "-m", "functrain", "verify-resume", "configs/moe_char.yaml", "--steps", "8",
-                           *TINY, "mesh.expert=4"], capture_output=True, text=True, env=cli_env(4), cwd=REPO_ROOT,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.startswith("PASS") and "params sha256 equal" in proc.stdout
+def test_moe_char_resumes_bitwise_with_its_experts_sharded(tmp_path):
+    """On 4 simulated devices with mesh.expert=4: the experts split 4 ways, each device's rows sent to them.
+    verify-resume's check over 8 steps killed at a random call: the uninterrupted and resumed runs in one process
+    of 4 devices, the SIGKILLed run in another."""
+    overrides = [*TINY, "mesh.expert=4"]
+    run_python(f"""
+        from pathlib import Path
+        import jax
+        from tests.commands.test_verify_resume import assert_resumes_as_uninterrupted
+
+        assert jax.device_count() == 4
+        assert_resumes_as_uninterrupted("configs/moe_char.yaml", Path({str(tmp_path)!r}), 8, {overrides!r}, devices=4)
+    """, devices=4)
 
 
 @pytest.mark.parametrize("config, overrides, named", [

@@ -11,11 +11,9 @@ import numpy as np
 import optax
 import pytest
 import torch
-import yaml
 from flax.traverse_util import flatten_dict
 from jax.tree_util import tree_flatten_with_path
 
-from functrain.commands.cli import main
 from functrain.core.program import as_program
 from functrain.core.state import TrainState
 from functrain.core.step import make_train_step, trainable_only
@@ -23,6 +21,7 @@ from functrain.models import build_model, model_config_class
 from functrain.models.kv_cache import zeros_like_shapes
 from functrain.models.stacking import relayout_like
 from functrain.text.decode import Generator, Sampling
+from tests.commands.test_verify_resume import assert_resumes_as_uninterrupted
 from tests.torch_bridge.hf.test_hf_convert import highest_precision  # noqa: F401 (a fixture)
 from tests.torch_bridge.hf.test_hf_deepseek_v3 import TINY, VOCAB, build_deepseek
 from torch_bridge.hf import load_pretrained
@@ -151,18 +150,15 @@ def test_bias_update_moves_the_bias_alike_for_any_micro_batching():
     assert not any("e_score_correction_bias" in str(path) for path, _ in tree_flatten_with_path(whole.opt_state)[0])
 
 
-def test_killed_run_resumes_bitwise_with_the_bias_update_and_multi_token_prediction(tmp_path, capsys):
+def test_killed_run_resumes_bitwise_with_the_bias_update_and_multi_token_prediction(tmp_path):
+    """verify-resume's check (one subprocess: the SIGKILLed run) over 4 steps killed at a random one."""
     # A multi-token-prediction module (an MoE layer with its own correction bias) trained beside the model.
     model = {**BALANCED, "vocab_size": 256, "max_position_embeddings": 64, "num_nextn_predict_layers": 1}
-    # The final evaluation reads 2 batches, not the text's 729 (verify-resume compares the training metrics).
-    config = {"seed": 0, "run": {"dir": str(tmp_path / "run")}, "model": model,
-              "data": {"name": "char_text", "seq_len": 16, "global_batch_size": 4},
+    # The final evaluation reads 2 batches, not the text's 729 (the check compares the training metrics).
+    config = {"seed": 0, "model": model, "data": {"name": "char_text", "seq_len": 16, "global_batch_size": 4},
               "optimizer": {"name": "adamw", "learning_rate": 0.01}, "train": {"steps_per_call": 1},
               "eval": {"max_batches": 2}}  # fmt: skip
-    path = tmp_path / "deepseek.yaml"
-    path.write_text(yaml.safe_dump(config))
-    assert main(["verify-resume", str(path), "--steps", "4", "eval.every_steps=0"]) == 0
-    assert capsys.readouterr().out.startswith("PASS")
+    assert_resumes_as_uninterrupted(config, tmp_path, 4, ["eval.every_steps=0"])
 
 
 def _assert_end_of_step_updates_the_bias(program, batch):

@@ -23,10 +23,11 @@ from functrain.models.configs.lora import LoraConfig
 from functrain.models.gemma4 import from_hf_config
 from functrain.models.lora import adapter_interceptor, add_adapters, merged_params, target_paths
 from functrain.models.stacking import relayout_like
+from tests.commands.test_verify_resume import killed_after_a_save
 from tests.models.test_attention import random_params
 from tests.models.test_deepseek_v3 import cache_shapes, decoded_and_full_logits
 from tests.models.test_recent_families import SCANNED
-from tests.models.test_scan_layers import RUN, _losses, killed_after_a_save
+from tests.models.test_scan_layers import RUN, _losses
 from tests.torch_bridge.hf.test_hf_convert import hf_logits
 from tests.torch_bridge.hf.test_hf_families import build_family_model
 from torch_bridge.hf import load_pretrained, save_pretrained

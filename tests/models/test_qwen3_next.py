@@ -10,9 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-import yaml
 
-from functrain.commands.cli import main
 from functrain.config.load import load_config
 from functrain.core.model_output import logits_of
 from functrain.errors import ConfigError
@@ -21,6 +19,7 @@ from functrain.models.configs.qwen3_next import delta_rule_flops
 from functrain.models.stacking import relayout_like
 from functrain.plan.planner import plan
 from functrain.text.decode import Generator, Sampling
+from tests.commands.test_verify_resume import assert_resumes_as_uninterrupted
 from tests.models.test_deepseek_v3 import cache_shapes, decoded_and_full_logits
 from tests.torch_bridge.hf.test_hf_convert import highest_precision  # noqa: F401 (a fixture)
 from tests.torch_bridge.hf.test_hf_qwen3_next import VOCAB, build_hybrid
@@ -148,18 +147,15 @@ def test_the_plan_counts_the_delta_rule_s_flops():
     assert planned.model_flops_per_step <= planned.flops_per_step < 1.15 * planned.model_flops_per_step
 
 
-def test_a_killed_run_resumes_bitwise(tmp_path, capsys):
+def test_a_killed_run_resumes_bitwise(tmp_path):
+    """verify-resume's check (one subprocess: the SIGKILLed run) over 4 steps killed at a random one."""
     # One Gated DeltaNet layer and one attention layer; 16 tokens in two chunks.
     model = {**TINY, "vocab_size": 256, "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"],
              "linear_chunk_size": 8}  # fmt: skip
-    config = {"seed": 0, "run": {"dir": str(tmp_path / "run")}, "model": model,
-              "data": {"name": "char_text", "seq_len": 16, "global_batch_size": 4},
+    config = {"seed": 0, "model": model, "data": {"name": "char_text", "seq_len": 16, "global_batch_size": 4},
               "optimizer": {"name": "adamw", "learning_rate": 0.01}, "train": {"steps_per_call": 1},
               "eval": {"max_batches": 2}}  # fmt: skip
-    path = tmp_path / "qwen3_5.yaml"
-    path.write_text(yaml.safe_dump(config))
-    assert main(["verify-resume", str(path), "--steps", "4", "eval.every_steps=0"]) == 0
-    assert capsys.readouterr().out.startswith("PASS")
+    assert_resumes_as_uninterrupted(config, tmp_path, 4, ["eval.every_steps=0"])
 
 
 @pytest.mark.parametrize("mesh, named", [("context", "has none; set mesh.context=1"),

@@ -28,9 +28,10 @@ from functrain.models.olmo3 import from_hf_config as olmo3_config
 from functrain.models.smollm3 import from_hf_config as smollm3_config
 from functrain.models.stacking import relayout_like, unstack_layers
 from functrain.text.decode import Generator, Sampling, load_language_model
+from tests.commands.test_verify_resume import killed_after_a_save
 from tests.models.test_attention import random_params
 from tests.models.test_mtp import assert_round_trip, check_against_the_reference, with_mtp_layers
-from tests.models.test_scan_layers import RUN, _losses, killed_after_a_save
+from tests.models.test_scan_layers import RUN, _losses
 from tests.torch_bridge.hf.test_hf_convert import hf_logits
 from tests.torch_bridge.hf.test_hf_families import build_family_model
 from tests.torch_bridge.hf.test_hf_finetune import QUIET

@@ -5,9 +5,6 @@ scanned, sampling reads a scanned run, and models that do not scan are refused i
 
 import json
 import shutil
-import signal
-import subprocess
-import sys
 
 import flax.linen as nn
 import jax
@@ -24,7 +21,6 @@ from functrain.commands.cli import main
 from functrain.models import build_model, model_config_class
 from functrain.models.stacking import is_stacked, relayout_like, unstack_layers
 from functrain.text.decode import Generator, Sampling, load_language_model
-from tests.conftest import REPO_ROOT, cli_env
 from tests.torch_bridge.hf.test_hf_convert import IDS, hf_logits
 from tests.torch_bridge.hf.test_hf_families import build_family_model, highest_precision  # noqa: F401 (a fixture)
 from torch_bridge.hf import load_pretrained, save_pretrained
@@ -131,26 +127,6 @@ def _halfway(whole, to):
     shutil.copytree(whole, to)
     shutil.rmtree(to / "checkpoints" / "4")
     return to
-
-
-KILLED = """
-import json, sys
-import functrain
-from functrain.commands.verify_resume import KillAt
-
-run, run_dir, kill_step = json.loads(sys.argv[1])
-functrain.fit(run, callbacks=[KillAt(kill_step)], **{"run.dir": run_dir})
-"""
-
-
-def killed_after_a_save(run: dict, run_dir, kill_step: int):
-    """``run`` trained in a process of its own that SIGKILLs itself at its first call boundary at or after
-    ``kill_step`` once a checkpoint is committed (verify-resume's kill): what it left on disk, for a fresh fit to
-    resume. One subprocess; the uninterrupted run and the resumed one can stay in this process."""
-    proc = subprocess.run([sys.executable, "-c", KILLED, json.dumps([run, str(run_dir), kill_step])], cwd=REPO_ROOT,
-                          env=cli_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr
-    return run_dir
 
 
 def test_a_scanned_run_resumes_bitwise_restores_unrolled_and_samples(tmp_path, compilation_cache):

@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 import yaml
+from tests.commands.test_verify_resume import assert_resumes_as_uninterrupted
 from tests.conftest import run_python
 
 from functrain.checkpoint import Checkpointer
@@ -72,14 +73,12 @@ def assert_teacher_loaded(config, weights):
     return start.state
 
 
-def test_the_teacher_is_loaded_into_the_state_and_the_run_resumes_bitwise(tmp_path, teacher, capsys):
+def test_the_teacher_is_loaded_into_the_state_and_the_run_resumes_bitwise(tmp_path, teacher):
+    """The resume: verify-resume's check (one subprocess: the SIGKILLed run) over 6 steps killed at a random one."""
     directory, weights = teacher
     config = write_config(tmp_path, directory)
     assert_teacher_loaded(config, weights)
-    capsys.readouterr()
-    assert main(["verify-resume", str(config), "--steps", "6"]) == 0
-    out = capsys.readouterr().out
-    assert out.startswith("PASS") and "params sha256 equal" in out
+    assert_resumes_as_uninterrupted(config, tmp_path, 6)
 
 
 def test_a_student_started_from_another_run_gets_the_teacher_too(tmp_path, teacher):

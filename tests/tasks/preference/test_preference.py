@@ -27,6 +27,7 @@ from functrain.run.jax_backend import JaxBackend
 from functrain.run.parts import build_parts
 from functrain.tasks.preference.task import preference_pieces, preference_program_of
 from functrain.tasks.preference.pairs import ByteTokenizer, preference_arrays, tokenize_pair
+from tests.commands.test_verify_resume import assert_resumes_as_uninterrupted
 
 PAIRS = [{"prompt": "2+2=", "chosen": "4", "rejected": "five"},
          {"prompt": "The sky is ", "chosen": "blue", "rejected": "green"},
@@ -184,9 +185,10 @@ def test_bad_input_is_one_line_exit_2_and_nothing_is_lost(tmp_path, capsys, chan
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-def test_a_run_starts_from_another_runs_weights_and_resumes_bitwise(tmp_path, capsys):
+def test_a_run_starts_from_another_runs_weights_and_resumes_bitwise(tmp_path):
     """init_from: the policy and the frozen reference start from another run's newest checkpoint; a run so
-    started, killed and resumed equals one uninterrupted (verify-resume: it resumes from its own checkpoints)."""
+    started, killed and resumed equals one uninterrupted (verify-resume's check, one subprocess: the SIGKILLed
+    run; it resumes from its own checkpoints)."""
     model = build_model(gpt.GPTConfig(**{k: v for k, v in MODEL.items() if k != "name"}), jnp.float32)
     variables = model.init(jax.random.PRNGKey(7), np.zeros((1, 8), np.int32))
     trained = jax.tree.map(np.asarray, nn.meta.unbox(variables["params"]))
@@ -202,7 +204,4 @@ def test_a_run_starts_from_another_runs_weights_and_resumes_bitwise(tmp_path, ca
         for got, want in zip(jax.tree.leaves(tree), jax.tree.leaves(trained)):
             np.testing.assert_array_equal(np.asarray(got), want)
     assert int(start.state.step) == 0 and start.position == 0
-    capsys.readouterr()
-    assert main(["verify-resume", str(dpo), "--steps", "4"]) == 0
-    out = capsys.readouterr().out
-    assert out.startswith("PASS") and "params sha256 equal" in out
+    assert_resumes_as_uninterrupted(dpo, tmp_path, 4)
