@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Sequence
 from pathlib import Path
 
 import functrain
@@ -20,6 +21,7 @@ from functrain.commands.verify_resume import (
     save_interval,
 )
 from functrain.config.load import load_config
+from functrain.config.schema import Config
 from tests.conftest import REPO_ROOT, cli_env
 
 # A dataset whose records get noise from an unseeded generator: every process sees other data, the kind of
@@ -75,12 +77,12 @@ def _path_and_base(config: str | Path | dict) -> tuple[str | None, dict | None]:
     return (str(config), None) if isinstance(config, (str, Path)) else (None, config)
 
 
-def _loaded(config: str | Path | dict, overrides: list[str]):
+def _loaded(config: str | Path | dict, overrides: list[str]) -> Config:
     path, base = _path_and_base(config)
     return load_config(path, overrides, base)
 
 
-def killed_after_a_save(config: str | Path | dict, run_dir: Path, kill_step: int, overrides: list[str] = (),
+def killed_after_a_save(config: str | Path | dict, run_dir: Path, kill_step: int, overrides: Sequence[str] = (),
                         devices: int | None = None) -> Path:
     """``config`` (a YAML path or a dict) with ``overrides`` trained into ``run_dir`` in a process of its own (of
     ``devices`` simulated CPU devices) that SIGKILLs itself at its first call boundary at or after ``kill_step``
@@ -93,7 +95,7 @@ def killed_after_a_save(config: str | Path | dict, run_dir: Path, kill_step: int
     return run_dir
 
 
-def assert_resumes_as_uninterrupted(config: str | Path | dict, work: Path, steps: int, overrides: list[str] = (),
+def assert_resumes_as_uninterrupted(config: str | Path | dict, work: Path, steps: int, overrides: Sequence[str] = (),
                                     devices: int | None = None) -> None:
     """verify-resume's check with one subprocess in place of three: ``config`` trained ``steps`` steps under the
     command's settings uninterrupted in this process; killed (SIGKILL, in a process of its own) at a random call
