@@ -119,10 +119,12 @@ def test_relative_paths_work_from_the_working_directory(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
     """A finished 40-step run trained by the CLI from another working directory with run.dir=runs/x."""
+    from functrain.commands.cli import main
+
     cwd = tmp_path_factory.mktemp("relative")
-    proc = subprocess.run([sys.executable, "-m", "functrain", "train", CONFIG, "run.dir=runs/x", *TINY],
-                          capture_output=True, text=True, cwd=cwd, env=cli_env(), timeout=300)
-    assert proc.returncode == 0, proc.stderr
+    with pytest.MonkeyPatch.context() as patch:  # the CLI's entry point in this process, from that directory
+        patch.chdir(cwd)
+        assert main(["train", CONFIG, "run.dir=runs/x", *TINY]) == 0
     assert layout.committed_steps(cwd / "runs/x/checkpoints") == [20, 40]
     return cwd
 
