@@ -14,8 +14,8 @@ corrected values and ``S' = g S + (K w)^T U``, ``out = (Q r) S + (Q K^T * decays
     dA = -W^T dW W^T (strictly lower), dW = dU (V beta)^T - dU S^T (K beta r)^T
 
 and the rest is the chain rule through the elementwise products (``r``, ``w``, ``g``: the decays from the chunk's
-start, to its end, and over it). The caller turns the cumulative decays' gradient into the decays' (a reversed
-cumulative sum per chunk) and takes the normalisation's VJP.
+start, to its end, and over it). :func:`backward_call` turns the cumulative decays' gradient into the decays' (a
+reversed cumulative sum per chunk); its caller takes the queries' and keys' normalisation's VJP.
 """
 
 import jax
