@@ -4,16 +4,17 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-PIP := $(PY) -m pip
-# --no-compile: byte-compiling every module of every installed package (torch, transformers, libtpu, ...) was most
-# of the install's time (the three installs of a fresh `make test`: 153 s -> 54 s on the 2-core machine, under
-# load); Python compiles the modules a process imports, once.
-INSTALL := $(PIP) install --quiet --no-compile
+# Every install of the setup goes through tools/install.py: uv where it can be had (installed into the venv by
+# pip, once), else pip, with pip's own configuration either way. pip alone took about 50 s of a fresh `make test` on
+# the 2-core machine, uv about 20. Neither byte-compiles what it installs (pip is given --no-compile): byte-compiling
+# every module of every installed package (torch, transformers, libtpu, ...) was most of the install's time; Python
+# compiles the modules a process imports, once.
+INSTALL := $(PY) tools/install.py
 # ... which needs Python to write the bytecode it compiles: a PYTHONDONTWRITEBYTECODE in the caller's environment
 # made every process of the suite compile jax, flax and transformers again (a fresh `make test`: its subprocess
 # tests 35% slower, 10.2 minutes in all on the 2-core machine). The venv and the checkout ignore their __pycache__.
 unexport PYTHONDONTWRITEBYTECODE
-# The setup writes nothing outside .venv/ (and pip's cache) but Python's own __pycache__: the editable install
+# The setup writes nothing outside .venv/ (and pip's and uv's caches) but Python's own __pycache__: the editable install
 # builds without isolation, with the setuptools the venv gets first (an isolated build runs setuptools' egg_info in
 # the checkout, which left a functrain.egg-info there; tests/commands/test_setup.py); ruff's, mypy's and pytest's
 # caches are in .venv/ (pyproject.toml); the tests keep their files in a folder of the session, removed at its end

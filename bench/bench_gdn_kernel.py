@@ -8,10 +8,12 @@ bandwidth)`` at the chip's bf16 peak (the kernel's float32 matmuls at HIGHEST pr
 each grid step has its own cost, which the roofline leaves out: see docs/plan.md). Also shown: libtpu's own
 ``cost_analysis()`` (loop bodies counted once), temporaries, and the program's fusions, loops and kernels.
 
-Cases: the delta rule alone, forward and forward+backward, by XLA's chunked form and by the Pallas kernel
-(``model.gdn_kernel=pallas``: its backward is XLA's); then whole layers forward+backward in bfloat16: the Gated
-DeltaNet layer (XLA form) and the gated full-attention layer (splash, whose FLOPs are added from their formula,
-``6 T^2 H D``, as a plan adds them), for their arithmetic intensity (FLOPs per HBM byte).
+Cases: the delta rule alone, forward and forward+backward, by XLA's chunked form and by the Pallas kernels
+(``model.gdn_kernel=pallas``: the forward kernel and the backward kernel); with the gradient also the Pallas forward
+with XLA's backward (the XLA form recomputed and differentiated: what ``pallas`` ran before its backward kernel);
+then whole layers forward+backward in bfloat16: the Gated DeltaNet layer (XLA form) and the gated full-attention
+layer (splash, whose FLOPs are added from their formula, ``6 T^2 H D``, as a plan adds them), for their arithmetic
+intensity (FLOPs per HBM byte).
 
 Usage: python bench/bench_gdn_kernel.py [--tokens 4096] [--cases rule_fwd,rule_grad,layers]
 """
@@ -79,13 +81,34 @@ def rule_inputs(tokens: int, sharding: jax.sharding.Sharding) -> dict:
     return {name: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for name, (shape, dtype) in shapes.items()}
 
 
+def pallas_forward_xla_backward(*, chunk_size: int, **arrays: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The Pallas forward kernel, differentiated by XLA's chunked form (recomputed, and its VJP taken)."""
+    size = chunk_size
+
+    @jax.custom_vjp
+    def rule(arrays: dict) -> tuple[jax.Array, jax.Array]:
+        return pallas_delta_rule(**arrays, chunk_size=size)
+
+    def forward(arrays: dict) -> tuple[tuple[jax.Array, jax.Array], dict]:
+        return rule(arrays), arrays
+
+    def backward(arrays: dict, cotangents: tuple) -> tuple[dict]:
+        return jax.vjp(lambda a: chunked_delta_rule(**a, chunk_size=size), arrays)[1](cotangents)
+
+    rule.defvjp(forward, backward)
+    return rule(arrays)
+
+
 def rule_cases(tokens: int, sharding: jax.sharding.Sharding, backward: bool) -> dict:
     """The delta rule by each kernel, forward or forward+backward (a weighted sum's gradient of every input)."""
     inputs, rows = rule_inputs(tokens, sharding), {}
-    for kernel, rule in (("xla", chunked_delta_rule), ("pallas", pallas_delta_rule)):
+    kernels = [("xla", chunked_delta_rule), ("pallas", pallas_delta_rule)]
+    if backward:
+        kernels.insert(1, ("pallas, xla bwd", pallas_forward_xla_backward))
+    for kernel, rule in kernels:
         forward = lambda arrays, rule=rule: rule(**arrays, chunk_size=CONFIG.linear_chunk_size)  # noqa: E731
-        # The loss is returned, as a train step uses it: else the forward kernel, whose output only the loss
-        # reads (the backward recomputes XLA's form), would be dropped from the program.
+        # The loss is returned, as a train step uses it: else a forward kernel whose output only the loss reads
+        # (when XLA's form is recomputed for the backward) would be dropped from the program.
         trained = lambda arrays, f=forward: jax.value_and_grad(lambda a: jnp.sum(f(a)[0]))(arrays)  # noqa: E731
         step = trained if backward else forward
         start = time.process_time()
@@ -93,8 +116,8 @@ def rule_cases(tokens: int, sharding: jax.sharding.Sharding, backward: bool) -> 
         name = f"delta rule {kernel} {'fwd+bwd' if backward else 'fwd'}"
         rows[kernel] = figures(name, compiled)
         print(f"  ({time.process_time() - start:.0f} CPU-s to compile)", flush=True)
-    ratio = rows["pallas"]["roofline_ms"] / rows["xla"]["roofline_ms"]
-    print(f"  pallas / xla roofline time: {ratio:.2f}", flush=True)
+    for kernel in rows:
+        print(f"  {kernel} / xla roofline time: {rows[kernel]['roofline_ms'] / rows['xla']['roofline_ms']:.2f}")
     return rows
 
 

@@ -12,8 +12,8 @@ client: libtpu's compile-only client offers none), divided by ``steps_per_call``
 XLA's analysis does not see into a cuBLAS call (GPU programs run their matmuls as ``__cublas$gemm`` custom
 calls): their FLOPs are added from their shapes (:func:`gemm_flops`). Nor into a Pallas kernel: the planner adds
 splash attention's FLOPs (:func:`functrain.plan.planner.report`), and the kernels of ``COSTED_KERNELS`` (the gated
-delta rule's, :mod:`functrain.models.delta_rule_pallas`) are counted by the cost estimate they carry in the HLO
-(:func:`kernel_flops`).
+delta rule's forward and backward, :mod:`functrain.models.delta_rule_pallas`) are counted by the cost estimate they
+carry in the HLO (:func:`kernel_flops`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ _GEMM = re.compile(r'custom_call_target="__cublas\$(?:gemm|lt\$matmul)')
 _DIMS = re.compile(r"\w+\[([\d,]*)\]")
 _CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
 # Pallas kernels whose FLOPs come from the cost estimate in their custom call (by the name they are called with).
-COSTED_KERNELS = ("gated_delta_rule",)
+COSTED_KERNELS = ("gated_delta_rule", "gated_delta_rule_backward")
 _KERNEL_FLOPS = re.compile(r'"cost_estimate":\{"flops":"(\d+)"')
 _KERNEL_NAME = re.compile(r'op_name="[^"]*\b(' + "|".join(COSTED_KERNELS) + r')/pallas_call"')
 

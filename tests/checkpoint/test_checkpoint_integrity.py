@@ -119,10 +119,12 @@ def test_relative_paths_work_from_the_working_directory(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
     """A finished 40-step run trained by the CLI from another working directory with run.dir=runs/x."""
+    from functrain.commands.cli import main
+
     cwd = tmp_path_factory.mktemp("relative")
-    proc = subprocess.run([sys.executable, "-m", "functrain", "train", CONFIG, "run.dir=runs/x", *TINY],
-                          capture_output=True, text=True, cwd=cwd, env=cli_env(), timeout=300)
-    assert proc.returncode == 0, proc.stderr
+    with pytest.MonkeyPatch.context() as patch:  # the CLI's entry point in this process, from that directory
+        patch.chdir(cwd)
+        assert main(["train", CONFIG, "run.dir=runs/x", *TINY]) == 0
     assert layout.committed_steps(cwd / "runs/x/checkpoints") == [20, 40]
     return cwd
 
@@ -215,23 +217,55 @@ def test_a_full_disk_during_an_async_save_is_one_line_and_keeps_the_checkpoints(
     assert snapshot(run_dir / "checkpoints") == before
 
 
-@pytest.mark.parametrize("read_only", ["run_dir", "checkpoints"])
-def test_a_read_only_run_directory_is_one_line_and_left_untouched(trained, read_only):
-    run_dir = _copy(trained, f"read_only_{read_only}")
-    target = run_dir if read_only == "run_dir" else run_dir / "checkpoints"
-    before = snapshot(run_dir)
-    command = [sys.executable, "-m", "functrain", "train", CONFIG, f"run.dir={run_dir}", *TINY, "train.max_steps=60"]
-    if os.geteuid() == 0:  # root writes through permissions: a read-only bind mount in a private namespace
-        command = ["unshare", "--mount", "sh", "-c", f'mount --bind -o ro "{target}" "{target}" && exec "$@"',
-                   "sh", *command]
+READ_ONLY = ("run_dir", "checkpoints")
+# The runs against a read-only run directory and a read-only checkpoints directory, one interpreter for both: the
+# first as `python -m functrain train` runs it (its stderr is all the process printed before), the second through
+# the CLI's entry point. Each command's stderr ends at a line "@@" of its own.
+_READ_ONLY_CLI = """
+import runpy, sys
+from functrain.commands.cli import main
+first, second = sys.argv[1:]
+sys.argv = ["functrain", "train", CONFIG, f"run.dir={first}", *TINY, "train.max_steps=60"]
+try:
+    runpy.run_module("functrain", run_name="__main__")
+except SystemExit as exit:
+    codes = [exit.code]
+print("@@", file=sys.stderr, flush=True)
+codes.append(main(["train", CONFIG, f"run.dir={second}", *TINY, "train.max_steps=60"]))
+print("@@", file=sys.stderr, flush=True)
+print(codes)
+"""
+
+
+@pytest.fixture(scope="module")
+def read_only_runs(trained) -> dict:
+    """For each kind of read-only directory: its run directory, its snapshot before, the exit status and stderr."""
+    runs = {kind: _copy(trained, f"read_only_{kind}") for kind in READ_ONLY}
+    targets = [runs["run_dir"], runs["checkpoints"] / "checkpoints"]
+    before = {kind: snapshot(run_dir) for kind, run_dir in runs.items()}
+    command = [sys.executable, "-c", f"CONFIG = {CONFIG!r}\nTINY = {TINY!r}\n{_READ_ONLY_CLI}",
+               *(str(runs[kind]) for kind in READ_ONLY)]
+    if os.geteuid() == 0:  # root writes through permissions: read-only bind mounts in a private namespace
+        mounts = " && ".join(f'mount --bind -o ro "{target}" "{target}"' for target in targets)
+        command = ["unshare", "--mount", "sh", "-c", f'{mounts} && exec "$@"', "sh", *command]
     else:
-        subprocess.run(["chmod", "-R", "a-w", str(target)], check=True)
+        subprocess.run(["chmod", "-R", "a-w", *map(str, targets)], check=True)
     try:
-        proc = subprocess.run(command, capture_output=True, text=True, env=cli_env(), timeout=300)
+        proc = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT, env=cli_env(), timeout=300)
     finally:
-        subprocess.run(["chmod", "-R", "u+w", str(target)], check=True)
-    assert proc.returncode == 2, proc.stderr
-    [line] = proc.stderr.splitlines()
+        subprocess.run(["chmod", "-R", "u+w", *map(str, targets)], check=True)
+    *errors, at_exit = proc.stderr.split("@@\n")
+    assert len(errors) == 2 and at_exit == "", proc.stderr
+    codes = json.loads(proc.stdout.splitlines()[-1])
+    return {kind: (runs[kind], target, before[kind], code, error)
+            for kind, target, code, error in zip(READ_ONLY, targets, codes, errors)}
+
+
+@pytest.mark.parametrize("read_only", READ_ONLY)
+def test_a_read_only_run_directory_is_one_line_and_left_untouched(read_only_runs, read_only):
+    run_dir, target, before, returncode, stderr = read_only_runs[read_only]
+    assert returncode == 2, stderr
+    [line] = stderr.splitlines()
     assert line.startswith("functrain: error: ") and str(target) in line, line
     assert ("read-only" in line or "Read-only" in line) and "choose another run.dir" in line
     assert snapshot(run_dir) == before

@@ -6,6 +6,7 @@ as it was. The test session's files (temporary files, the caches and settings of
 under the session's folder, which tests/conftest.py removes at the end.
 """
 
+import importlib.util
 import os
 import re
 import shutil
@@ -45,3 +46,30 @@ def test_the_session_keeps_its_files_in_its_own_folder():
     for name in ("TMPDIR", "XDG_CACHE_HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME", "WANDB_CACHE_DIR"):
         assert Path(os.environ[name]).is_relative_to(SESSION_DIR), name
     assert Path(tempfile.gettempdir()).is_relative_to(SESSION_DIR)
+
+
+def test_the_installer_passes_pip_s_options_on_to_uv(tmp_path, monkeypatch):
+    """tools/install.py: uv reads no pip configuration, so the options pip would install with (its files and PIP_*
+    variables, a variable winning over a file, as pip merges them) are passed on; a file:// index or find-links
+    folder that does not exist is dropped (pip skips it; uv would stop), pip's certificate bundle goes to uv."""
+    spec = importlib.util.spec_from_file_location("install", REPO_ROOT / "tools" / "install.py")
+    install = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(install)
+    config = tmp_path / "pip.conf"
+    config.write_text("[global]\nfind-links = /from/the/file\ncert = /etc/ca.pem\n")
+    index = tmp_path / "simple"
+    index.mkdir()
+    monkeypatch.setenv("PIP_CONFIG_FILE", str(config))
+    monkeypatch.setenv("PIP_FIND_LINKS", f"{tmp_path} {tmp_path}/absent")
+    monkeypatch.setenv("PIP_EXTRA_INDEX_URL", f"file://{tmp_path}/absent file://{index}")
+    monkeypatch.setenv("PIP_CONSTRAINT", str(tmp_path / "constraints.txt"))
+    for name in ("SSL_CERT_FILE", "PIP_CERT", "PIP_INDEX_URL", "PIP_NO_INDEX"):
+        monkeypatch.delenv(name, raising=False)
+    command, env = install.uv_command(["--editable", "."])
+    passed = " ".join(command[command.index("unsafe-best-match") + 1:])
+    assert f"--find-links {tmp_path} " in passed and "/from/the/file" not in passed
+    assert f"--extra-index-url file://{index}" in passed and "absent" not in passed
+    assert f"--constraint {tmp_path / 'constraints.txt'}" in passed and passed.endswith("--editable .")
+    assert env["SSL_CERT_FILE"] == "/etc/ca.pem"
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    assert "--no-index" in install.uv_command([])[0]

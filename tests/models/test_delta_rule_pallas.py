@@ -1,7 +1,8 @@
-"""The Pallas kernel of the gated delta rule (functrain.models.delta_rule_pallas), run by the Pallas interpreter on
-CPU: its output, final state and gradients equal the XLA chunked form's on packed documents with grouped heads and
-an initial state; ``model.gdn_kernel=pallas`` is refused off TPU in one line, from the layer too; the kernel
-compiles for TPU v5p ahead of time (Mosaic, on this CPU) and a plan counts its FLOPs."""
+"""The Pallas kernels of the gated delta rule (functrain.models.delta_rule_pallas and its backward,
+functrain.models.delta_rule_pallas_backward), run by the Pallas interpreter on CPU: the output, final state and
+gradients (by the backward kernel) equal the XLA chunked form's on packed documents with grouped heads and an
+initial state; ``model.gdn_kernel=pallas`` is refused off TPU in one line, from the layer too; both kernels compile
+for TPU v5p ahead of time (Mosaic, on this CPU) and a plan counts their FLOPs."""
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,7 @@ import pytest
 from functrain.errors import ConfigError
 from functrain.models.delta_rule import chunked_delta_rule, document_runs
 from functrain.models.delta_rule_pallas import chunk_flops, delta_rule_kernel, pallas_delta_rule
+from functrain.models.delta_rule_pallas_backward import backward_chunk_flops
 from functrain.models.gated_deltanet import GatedDeltaNet
 from functrain.models.splash import interpreted
 from functrain.plan.counting import step_cost
@@ -83,14 +85,19 @@ def test_pallas_is_refused_off_tpu_in_one_line_naming_the_fix():
         jax.eval_shape(layer.init, jax.random.PRNGKey(0), jnp.zeros((1, 4, 16)))
 
 
-def test_the_kernel_compiles_for_tpu_ahead_of_time_and_a_plan_counts_its_flops():
+def test_the_kernels_compile_for_tpu_ahead_of_time_and_a_plan_counts_their_flops():
     mesh = jax.sharding.Mesh(np.array(topology_devices("v5p:2x2x1")[:1]), ("data",))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     shapes = dict(query=(1, 128, 1, 128), key=(1, 128, 1, 128), value=(1, 128, 2, 128), decay=(1, 128, 2),
                   beta=(1, 128, 2))  # fmt: skip
     inputs = {name: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=replicated) for name, shape in shapes.items()}
+    forward = lambda arrays: pallas_delta_rule(**arrays, chunk_size=64)  # noqa: E731
+    trained = jax.value_and_grad(lambda arrays: jnp.sum(forward(arrays)[0]))
     with jax.set_mesh(mesh):  # Mosaic lowers for the mesh's chip
-        compiled = jax.jit(lambda arrays: pallas_delta_rule(**arrays, chunk_size=64)).lower(inputs).compile()
-    assert "tpu_custom_call" in compiled.as_text()
+        compiled, compiled_grad = (jax.jit(f).lower(inputs).compile() for f in (forward, trained))
+    assert compiled.as_text().count("tpu_custom_call") == 1
     in_kernel = 2 * chunk_flops(64, 128, 128, groups=2)  # 2 chunks of a key head serving 2 value heads
     assert in_kernel <= step_cost(compiled, steps_per_call=1)["flops"] < 1.1 * in_kernel
+    assert compiled_grad.as_text().count("tpu_custom_call") == 2  # the forward kernel and the backward kernel
+    in_kernels = in_kernel + 2 * backward_chunk_flops(64, 128, 128, groups=2)
+    assert in_kernels <= step_cost(compiled_grad, steps_per_call=1)["flops"] < 1.1 * in_kernels

@@ -5,29 +5,24 @@ import functools
 import importlib.util
 import json
 import subprocess
-import sys
 from types import SimpleNamespace
 
 import jax
 import numpy as np
 import pytest
 
+from functrain.commands.cli import main
 from functrain.config.load import load_config
 from functrain.plan.counting import step_cost
 from functrain.plan.planner import per_chip_bytes, plan
 from functrain.run.build import build_run
-from tests.conftest import REPO_ROOT, cli_env, run_python
+from tests.conftest import run_python
 
 TINY = ["data.name=synthetic", "model.n_layers=1", "model.d_model=32", "model.d_ff=64", "data.seq_len=16",
         "data.global_batch_size=8", "train.steps_per_call=2", "eval.samples.count=0"]
 THREE_LAYERS = TINY + ["model.n_layers=3"]
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                   reason="the tpu extra (libtpu) is not installed")
-
-
-def functrain(*args: str, devices: int | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "functrain", *args], capture_output=True, text=True,
-                          env=cli_env(devices), cwd=REPO_ROOT, timeout=300)
 
 
 def test_plan_on_local_devices_reports_the_memory_the_real_run_compiles(tmp_path, compilation_cache):
@@ -116,30 +111,46 @@ def test_the_loops_counted_match_xla_s_count_of_the_run_with_every_loop_unrolled
     assert abs(planned.flops_per_step / flops - 1) < 0.01
 
 
-def test_a_pipelined_plan_counts_every_iteration_of_its_schedule():
+# The two plans of 4 simulated devices, in one interpreter (XLA_FLAGS set before jax): a pipelined run's schedule
+# against the same run unpipelined, and the state bytes of an FSDP run.
+FOUR_DEVICES = """
+import json
+from functrain.config.load import load_config
+from functrain.plan.hlo_loops import parse_program
+from functrain.plan.planned import plan_run
+from functrain.plan.planner import _compile, plan
+tiny = ["data.name=synthetic", "model.n_layers=4", "model.d_model=32", "model.d_ff=64", "data.seq_len=16",
+        "data.global_batch_size=16", "eval.samples.count=0", "model.scan_layers=true", "model.remat=full",
+        "train.micro_batches=2", "mesh.data=2"]
+pipelined = load_config("configs/char_gpt.yaml", tiny + ["mesh.pipeline=2"])
+program = parse_program(_compile(plan_run(pipelined)).as_text())
+loops = program.loops()
+fsdp = load_config("configs/char_gpt.yaml", ["data.name=synthetic", "mesh.fsdp=4", "mesh.data=1", "model.d_model=128",
+                                             "model.n_layers=2", "data.seq_len=32"])
+print("RESULT", json.dumps({
+    "annotated": [program.trip_count(parent, loop) for parent, loop in loops],
+    "read": [program.induction_trip_count(parent, loop) for parent, loop in loops],
+    "pipelined": plan(pipelined).to_json(),
+    "unpipelined": plan(load_config("configs/char_gpt.yaml", tiny + ["mesh.data=4"])).to_json(),
+    "fsdp": plan(fsdp).to_json()}))
+"""
+
+
+def _result(proc: subprocess.CompletedProcess) -> dict:
+    return json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT"))[7:])
+
+
+@pytest.fixture(scope="module")
+def four_devices() -> dict:
+    return _result(run_python(FOUR_DEVICES, devices=4))
+
+
+def test_a_pipelined_plan_counts_every_iteration_of_its_schedule(four_devices):
     # 2 stages x 2 pipeline micro-batches: 3 iterations, on each of which both stages compute their 2 of the 4
     # layers, busy or idle (bubble 1/3), and the backward pass 3 more. Against the same run unpipelined on the same 4
     # chips, a pipelined chip has twice the rows and half the layers: its layers cost 1 / (1 - bubble) = 1.5 times
     # theirs (more with the forward its checkpointed iterations run again), the rest (embedding, head, loss) 2 times.
-    result = run_python("""
-        import json
-        from functrain.config.load import load_config
-        from functrain.plan.hlo_loops import parse_program
-        from functrain.plan.planned import plan_run
-        from functrain.plan.planner import _compile, plan
-        tiny = ["data.name=synthetic", "model.n_layers=4", "model.d_model=32", "model.d_ff=64", "data.seq_len=16",
-                "data.global_batch_size=16", "eval.samples.count=0", "model.scan_layers=true", "model.remat=full",
-                "train.micro_batches=2", "mesh.data=2"]
-        pipelined = load_config("configs/char_gpt.yaml", tiny + ["mesh.pipeline=2"])
-        program = parse_program(_compile(plan_run(pipelined)).as_text())
-        loops = program.loops()
-        print("RESULT", json.dumps({
-            "annotated": [program.trip_count(parent, loop) for parent, loop in loops],
-            "read": [program.induction_trip_count(parent, loop) for parent, loop in loops],
-            "pipelined": plan(pipelined).to_json(),
-            "unpipelined": plan(load_config("configs/char_gpt.yaml", tiny + ["mesh.data=4"])).to_json()}))
-    """, devices=4)
-    found = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("RESULT"))[7:])
+    found = four_devices
     assert found["read"] == found["annotated"] and found["annotated"].count(3) == 2
     pipelined, unpipelined = found["pipelined"], found["unpipelined"]
     assert pipelined["pipeline_bubble"] == pytest.approx(1 / 3) and pipelined["mesh"]["pipeline"] == 2
@@ -155,65 +166,99 @@ def test_a_chunked_cross_entropy_is_planned_with_every_chunk_counted(compilation
     assert 0.9 * recompute < chunked.flops_per_step - whole.flops_per_step < 1.5 * recompute
 
 
-def test_state_bytes_per_chip_are_parameters_times_bytes_over_fsdp_shards():
+def test_state_bytes_per_chip_are_parameters_times_bytes_over_fsdp_shards(four_devices):
     # AdamW in float32: 4 bytes of weight and 8 of moments per parameter, split over 4 FSDP shards.
-    result = run_python("""
-        import json
-        from functrain.config.load import load_config
-        from functrain.plan.planner import plan
-        config = load_config("configs/char_gpt.yaml", ["data.name=synthetic", "mesh.fsdp=4", "mesh.data=1",
-                                                       "model.d_model=128", "model.n_layers=2", "data.seq_len=32"])
-        print("RESULT", json.dumps(plan(config).to_json()))
-    """, devices=4)
-    report = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("RESULT"))[7:])
+    report = four_devices["fsdp"]
     state = report["per_chip_bytes"]["params"] + report["per_chip_bytes"]["optimizer"]
     assert report["chips"] == 4 and report["mesh"]["fsdp"] == 4
     assert abs(state / (12 * report["parameters"] / 4) - 1) < 0.10
 
 
+BAD_PLANS = [
+    (["--topology", "v9z:2x2"], ["unknown TPU topology 'v9z:2x2'", "v5p:4x4x8"]),
+    (["--topology", "v5e:2x2", "mesh.fsdp=3"], ["mesh.fsdp=3", "4 devices"]),
+    (["--topology", "v5e:2x2", "data.global_batch_size=6"], ["data.global_batch_size", "6"]),
+]
+# Every plan through libtpu in one interpreter (each process loads libtpu anew: seconds of CPU). First, as its start,
+# `functrain plan` for a v5e topology run as the command line runs it (python -m functrain: libtpu's start-up lines
+# would show on its stderr); then the plans of a small Llama on v5p; then the bad plans, each through the CLI's entry
+# point. Each part's stdout and stderr end at a line "@@" of their own.
+TPU_PLANS = """
+import json, runpy, sys
+sys.argv = ["functrain", "plan", "configs/char_gpt.yaml", *TINY, "--topology", "v5e:2x2", "--json"]
+try:
+    runpy.run_module("functrain", run_name="__main__")
+except SystemExit as exit:
+    codes = [exit.code]
+
+
+def part_ends():
+    print("@@", flush=True)
+    print("@@", file=sys.stderr, flush=True)
+
+
+part_ends()
+from functrain.commands.cli import main
+from functrain.config.load import load_config
+from functrain.report.mfu import train_flops_per_token
+from functrain.plan.planner import plan
+small = ["model.vocab_size=1024", "model.hidden_size=256", "model.intermediate_size=512",
+         "model.num_attention_heads=4", "model.num_key_value_heads=4",
+         "data.seq_len=1024", "data.global_batch_size=8", "train.micro_batches=1", "model.remat=full"]
+plans = []
+# One layer each (one compile a plan); counting a scan's groups and the other loops is checked on CPU (above).
+for scan, attention, layers in (("true", "auto", 1), ("false", "xla", 1)):
+    config = load_config("configs/llama3_8b.yaml", small + [f"model.scan_layers={scan}",
+                         f"model.attention={attention}", f"model.num_hidden_layers={layers}"])
+    planned = plan(config, "v5p:2x2x2")
+    shape = config.model.decoder_shape()
+    per_token = train_flops_per_token(shape, 1024)
+    # remat: full runs each block's forward again (a third of its training FLOPs; the head is in none),
+    # but for the block's last matmul, whose output the backward pass does not need.
+    down_proj = 2 * shape.width * shape.mlp_width * shape.layers
+    recomputed = (per_token - 6 * shape.width * shape.vocab) / 3 - down_proj
+    plans.append({"flops": planned.flops_per_step * planned.chips, "mfu": planned.mfu,
+                  "attention": planned.attention, "scanned": planned.layers_scanned,
+                  "floor": (per_token + recomputed) * 8 * 1024})
+print(json.dumps(plans))
+part_ends()
+for args in BAD_PLANS:
+    codes.append(main(["plan", "configs/char_gpt.yaml", *TINY, *args]))
+    part_ends()
+print(json.dumps(codes))
+"""
+
+
+@pytest.fixture(scope="module")
+def tpu_plans() -> dict:
+    code = f"TINY = {TINY!r}\nBAD_PLANS = {[args for args, _ in BAD_PLANS]!r}\n{TPU_PLANS}"
+    proc = run_python(code, timeout=900)
+    v5e_out, plans, *bad_out, codes = proc.stdout.split("@@\n")
+    v5e_err, _, *bad_err, after = proc.stderr.split("@@\n")
+    v5e_code, *bad_codes = json.loads(codes)
+    return {"v5e": (v5e_code, v5e_out, v5e_err, after), "plans": json.loads(plans),
+            "bad": list(zip(bad_codes, bad_err))}
+
+
 @needs_libtpu
-def test_planned_flops_hold_the_model_flops_and_the_recompute_so_mfu_stays_below_one():
+def test_planned_flops_hold_the_model_flops_and_the_recompute_so_mfu_stays_below_one(tpu_plans):
     # libtpu splits a matmul fed by an FSDP all-gather into a loop over the shards (a windowed einsum) whose body
     # cost_analysis counted once: Llama 3 8B on v5p:2x2x2 was planned at half its FLOPs and an MFU of 113%. This
     # small Llama's 8 x 1024 tokens are enough for libtpu to split its matmuls so (into 16 loops of 2; at 8 x 512
     # tokens it splits none, whatever the width). Scanned with splash, and unrolled with XLA's attention.
-    result = run_python("""
-        import json
-        from functrain.config.load import load_config
-        from functrain.report.mfu import train_flops_per_token
-        from functrain.plan.planner import plan
-        small = ["model.vocab_size=1024", "model.hidden_size=256", "model.intermediate_size=512",
-                 "model.num_attention_heads=4", "model.num_key_value_heads=4",
-                 "data.seq_len=1024", "data.global_batch_size=8", "train.micro_batches=1", "model.remat=full"]
-        plans = []
-        # One layer each (one compile a plan); counting a scan's groups and the other loops is checked on CPU (above).
-        for scan, attention, layers in (("true", "auto", 1), ("false", "xla", 1)):
-            config = load_config("configs/llama3_8b.yaml", small + [f"model.scan_layers={scan}",
-                                 f"model.attention={attention}", f"model.num_hidden_layers={layers}"])
-            planned = plan(config, "v5p:2x2x2")
-            shape = config.model.decoder_shape()
-            per_token = train_flops_per_token(shape, 1024)
-            # remat: full runs each block's forward again (a third of its training FLOPs; the head is in none),
-            # but for the block's last matmul, whose output the backward pass does not need.
-            down_proj = 2 * shape.width * shape.mlp_width * shape.layers
-            recomputed = (per_token - 6 * shape.width * shape.vocab) / 3 - down_proj
-            plans.append({"flops": planned.flops_per_step * planned.chips, "mfu": planned.mfu,
-                          "attention": planned.attention, "scanned": planned.layers_scanned,
-                          "floor": (per_token + recomputed) * 8 * 1024})
-        print("RESULT", json.dumps(plans))
-    """, timeout=600)
-    plans = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("RESULT"))[7:])
+    plans = tpu_plans["plans"]
     assert [(p["scanned"], p["attention"]) for p in plans] == [(True, "splash"), (False, "xla")]
     for planned in plans:
         assert planned["flops"] >= planned["floor"], planned
         assert 0 < planned["mfu"] <= 1, planned
 
 
-def test_a_small_config_compiles_for_a_v5e_topology_and_fits():
-    proc = functrain("plan", "configs/char_gpt.yaml", *TINY, "--topology", "v5e:2x2", "--json")
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stderr == ""  # libtpu told what this host is: none of its start-up warnings
-    report = json.loads(proc.stdout)
+def test_a_small_config_compiles_for_a_v5e_topology_and_fits(tpu_plans):
+    returncode, stdout, stderr, at_exit = tpu_plans["v5e"]
+    assert returncode == 0, stderr
+    # libtpu told what this host is: none of its start-up warnings (nor any at the interpreter's exit)
+    assert stderr == "" and at_exit == ""
+    report = json.loads(stdout)
     assert report["device_kind"] == "TPU v5e" and report["chips"] == 4  # as the topology names it ("TPU v5 lite")
     assert report["attention"] == "splash"  # model.attention=auto, decided for the TPU, not this CPU process
     assert report["hbm_bytes"] == 16 * 2 ** 30 and report["fits"] is True
@@ -223,24 +268,21 @@ def test_a_small_config_compiles_for_a_v5e_topology_and_fits():
     assert set(report["per_chip_bytes"]) >= {"params", "optimizer", "activations", "total"}
 
 
-def test_plan_prints_a_readable_table_for_local_devices():
-    proc = functrain("plan", "configs/char_gpt.yaml", *TINY)
-    assert proc.returncode == 0, proc.stderr
-    assert "per chip:" in proc.stdout and "activations" in proc.stdout and "fits: unknown" in proc.stdout
-    assert "; xla attention" in proc.stdout.splitlines()[0]
+def test_plan_prints_a_readable_table_for_local_devices(capsys):
+    # Through the CLI's entry point in this process: the same TINY plan as the chunked cross-entropy test's.
+    assert main(["plan", "configs/char_gpt.yaml", *TINY]) == 0
+    stdout = capsys.readouterr().out
+    assert "per chip:" in stdout and "activations" in stdout and "fits: unknown" in stdout
+    assert "; xla attention" in stdout.splitlines()[0]
 
 
 @needs_libtpu
-@pytest.mark.parametrize("args, words", [
-    (["--topology", "v9z:2x2"], ["unknown TPU topology 'v9z:2x2'", "v5p:4x4x8"]),
-    (["--topology", "v5e:2x2", "mesh.fsdp=3"], ["mesh.fsdp=3", "4 devices"]),
-    (["--topology", "v5e:2x2", "data.global_batch_size=6"], ["data.global_batch_size", "6"]),
-])
-def test_bad_plans_are_one_line_exit_2(args, words):
-    proc = functrain("plan", "configs/char_gpt.yaml", *TINY, *args)
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("functrain: error:")]
-    assert proc.returncode == 2 and len(errors) == 1, proc.stderr
-    for word in words:
+@pytest.mark.parametrize("case", range(len(BAD_PLANS)))
+def test_bad_plans_are_one_line_exit_2(case, tpu_plans):
+    returncode, stderr = tpu_plans["bad"][case]
+    errors = [line for line in stderr.splitlines() if line.startswith("functrain: error:")]
+    assert returncode == 2 and len(errors) == 1, stderr
+    for word in BAD_PLANS[case][1]:
         assert word in errors[0]
 
 

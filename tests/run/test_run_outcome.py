@@ -19,14 +19,14 @@ from tests.conftest import REPO_ROOT, cli_env
 from functrain.commands.cli import main
 from functrain.errors import ConfigError, DataError
 from functrain.guards.lock import LOCK_NAME, RunLock
-from tests.commands.test_cli import TINY, functrain, snapshot
+from tests.commands.test_cli import TINY, snapshot
 
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory) -> Path:
+    # Trained in this process too (the CLI's entry point): the real-process runs are the signal tests below.
     run_dir = tmp_path_factory.mktemp("outcome") / "run"
-    proc = functrain("train", "configs/mlp_digits.yaml", f"run.dir={run_dir}", *TINY)
-    assert proc.returncode == 0, proc.stderr
+    assert main(["train", "configs/mlp_digits.yaml", f"run.dir={run_dir}", *TINY]) == 0
     return run_dir
 
 
@@ -105,15 +105,16 @@ def test_a_run_that_barely_trained_exits_4_and_says_how_many_steps_were_skipped(
     assert "steps (" in err and "were skipped: the model barely trained" in err
 
 
-def test_a_non_finite_stop_exits_3_naming_the_first_bad_step(tmp_path):
+def test_a_non_finite_stop_exits_3_naming_the_first_bad_step(tmp_path, capsys):
     x = np.random.default_rng(0).random((320, 64), np.float32)
     x[9 * 32] = np.finfo(np.float32).max  # finite, but it overflows the forward pass of step 10 (batch 32)
     np.savez(tmp_path / "d.npz", x=x, y=np.zeros(320, np.int32))
-    proc = functrain("train", "configs/mlp_digits.yaml", f"run.dir={tmp_path / 'r'}", *TINY, "train.max_steps=40",
-                     "train.nonfinite=stop", "data.name=array_file", f"data.path={tmp_path / 'd.npz'}",
-                     "data.shuffle=false", "data.global_batch_size=32", "data.eval_fraction=0")
-    assert proc.returncode == 3, proc.stderr
-    assert "non-finite loss or gradients at step 10 " in proc.stdout
+    status = main(["train", "configs/mlp_digits.yaml", f"run.dir={tmp_path / 'r'}", *TINY, "train.max_steps=40",
+                   "train.nonfinite=stop", "data.name=array_file", f"data.path={tmp_path / 'd.npz'}",
+                   "data.shuffle=false", "data.global_batch_size=32", "data.eval_fraction=0"])
+    out, err = capsys.readouterr()
+    assert status == 3, err
+    assert "non-finite loss or gradients at step 10 " in out
 
 
 def test_a_bad_record_deep_in_the_data_stops_before_its_step_with_nothing_saved_from_it(tmp_path):
@@ -138,7 +139,7 @@ def test_a_bad_record_deep_in_the_data_stops_before_its_step_with_nothing_saved_
     assert len(batches) == 15  # every batch before the bad one, none from it
 
 
-def test_two_jobs_on_one_run_directory_one_runs_the_other_exits_2_naming_it(tmp_path):
+def test_two_jobs_on_one_run_directory_one_runs_the_other_exits_2_naming_it(tmp_path, capsys):
     run_dir = tmp_path / "r"
     first = subprocess.Popen([sys.executable, "-m", "functrain", "train", "configs/mlp_digits.yaml", f"run.dir={run_dir}",
                               *TINY, "train.max_steps=100000", "checkpoint.every_steps=0"],
@@ -148,9 +149,12 @@ def test_two_jobs_on_one_run_directory_one_runs_the_other_exits_2_naming_it(tmp_
         while not (run_dir / "metrics.jsonl").exists():
             assert first.poll() is None and time.monotonic() < deadline, first.communicate()
             time.sleep(0.2)
-        second = functrain("train", "configs/mlp_digits.yaml", f"run.dir={run_dir}", *TINY)
-        lines = [line for line in second.stderr.splitlines() if line.strip()]
-        assert second.returncode == 2 and len(lines) == 1, second.stderr
+        # The second job in this process (the lock is a file and a pid: no interpreter start-up needed), so the
+        # first trains only as long as the refusal takes.
+        status = main(["train", "configs/mlp_digits.yaml", f"run.dir={run_dir}", *TINY])
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert status == 2 and len(lines) == 1, err
         assert f"is in use by another job (pid {first.pid} on host {socket.gethostname()}" in lines[0]
         assert first.poll() is None  # the owner is untouched
     finally:

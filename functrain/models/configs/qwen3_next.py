@@ -31,8 +31,8 @@ def delta_rule_flops(chunk: int, key_dim: int, value_dim: int) -> float:
 class HybridConfig(HFModelConfig):
     """What Qwen3-Next and Qwen3.5 share, named as in HF's config.json (the rope's ``partial_rotary_factor`` and
     M-RoPE settings as fields of their own), and functrain's keys of the delta rule (no part of an HF config.json):
-    ``linear_chunk_size``, its tokens per chunk, and ``gdn_kernel``, ``xla`` or ``pallas`` (the TPU kernel of
-    :mod:`functrain.models.delta_rule_pallas`; the same maths)."""
+    ``linear_chunk_size``, its tokens per chunk, and ``gdn_kernel``, ``xla`` or ``pallas`` (the TPU kernels,
+    forward and backward, of :mod:`functrain.models.delta_rule_pallas`; the same maths)."""
 
     vocab_size: int = pydantic.Field(151936, gt=0)
     hidden_size: int = pydantic.Field(2048, gt=0)

@@ -8,9 +8,13 @@ paged``, three decode slots refilled from the queue), the one-process job with t
 tokens."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
+from tests.conftest import REPO_ROOT, cli_env
 from tests.run.test_multiprocess import _cli
 from functrain.checkpoint import load_params, params_digest
 
@@ -30,20 +34,51 @@ RUNS = {
 TWO_PROCESSES_ONLY = {"single_turn": ["grpo.sampler=paged", "grpo.decode_slots=3"], "episodes": []}
 
 
+# Both one-process runs in one interpreter of two devices (one start-up less), each through the CLI's entry point.
+ONE_PROCESS = """
+import json, sys
+from functrain.commands.cli import main
+for argv in json.loads(sys.argv[1]):
+    assert main(argv) == 0, argv
+"""
+
+
 def _lines(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The run directories of every run with one process of two devices: started at once, each test waits for them
+    beside its own two-process job."""
+    root = tmp_path_factory.mktemp("one_process")
+    jobs = [["train", config, f"run.dir={root / run}", *overrides, *COMMON]
+            for run, (config, *overrides) in RUNS.items()]
+    proc = subprocess.Popen([sys.executable, "-c", ONE_PROCESS, json.dumps(jobs)], cwd=REPO_ROOT, env=cli_env(2),
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+    def run_dir(run: str) -> Path:
+        if proc.returncode is None:
+            output, _ = proc.communicate(timeout=600)
+            assert proc.returncode == 0, output
+        assert proc.returncode == 0, "the one-process runs failed (see the first test that waited for them)"
+        return root / run
+
+    yield run_dir
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.mark.parametrize("run", list(RUNS))
-def test_two_processes_sample_score_and_train_as_one_process_with_two_devices(tmp_path, run):
+def test_two_processes_sample_score_and_train_as_one_process_with_two_devices(tmp_path, run, one_process):
     config, *overrides = RUNS[run]
-    two, one = tmp_path / "two_processes", tmp_path / "one_process"
+    two = tmp_path / "two_processes"
     paged = TWO_PROCESSES_ONLY[run]
-    procs = [_cli(["train", config, f"run.dir={two}", *overrides, *paged, *COMMON, "--processes", "2"]),
-             _cli(["train", config, f"run.dir={one}", *overrides, *COMMON], devices=2)]
-    for proc in procs:
-        output, _ = proc.communicate(timeout=300)
-        assert proc.returncode == 0, output
+    proc = _cli(["train", config, f"run.dir={two}", *overrides, *paged, *COMMON, "--processes", "2"])
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output
+    one = one_process(run)
     assert params_digest(load_params(two)) == params_digest(load_params(one))
     timings = {"samples_per_sec", "steps_per_sec"}
     metrics = [[{key: value for key, value in line.items() if key not in timings}
