@@ -14,6 +14,7 @@ directory outside Orbax (renaming a stale step aside, removing a failed save's t
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import shutil
@@ -57,24 +58,31 @@ def _save_failure_reason(error: BaseException) -> str:
     return reader.short_reason(error)
 
 
-def _registry_without_host_copies() -> Any:
-    """Orbax's type handlers, except that numpy leaves are written without being copied first.
+# A replicated array whose share per replica is smaller than this is written whole by one replica. Orbax's
+# replica-parallel save splits every replicated array over its replicas by slicing it on each device: a program
+# compiled for each shape on each device, which costs far more than writing a norm's or a bias's kilobytes once (a
+# data-parallel save of a small model over 8 CPU devices compiled 336 of them, a sixth of its process's CPU time).
+# Large arrays are still written by all their replicas in parallel.
+REPLICA_PARALLEL_MIN_BYTES = 1 << 20
+
+
+def _type_handlers(copy_host_arrays: bool) -> Any:
+    """Orbax's type handlers, with replica-parallel saving for large arrays only (REPLICA_PARALLEL_MIN_BYTES) and,
+    without ``copy_host_arrays``, numpy leaves written without being copied first.
 
     Orbax deep-copies host arrays when a save starts, in case the caller changes them during a background
     write; for a blocking save that copy only doubles peak memory (converting a 1.07 GB model peaked at
     2.57 GB instead of 1.57 GB).
     """
     handlers = ocp.type_handlers
+    # Orbax's own handler, copied (its constructor takes no argument for the metadata store this one holds).
+    arrays: Any = copy.copy(handlers.get_type_handler(jax.Array))
+    arrays._min_slice_bytes_for_replica_parallel = REPLICA_PARALLEL_MIN_BYTES
+    own = {jax.Array: arrays}
+    if not copy_host_arrays:
+        own[np.ndarray] = handlers.NumpyHandler(deepcopy_host_arrays=False)
     return handlers.create_type_handler_registry(
-        *[
-            (
-                kind,
-                handlers.NumpyHandler(deepcopy_host_arrays=False)
-                if kind is np.ndarray
-                else handlers.get_type_handler(kind),
-            )
-            for kind in handlers.supported_types()
-        ]
+        *[(kind, own.get(kind) or handlers.get_type_handler(kind)) for kind in handlers.supported_types()]
     )
 
 
@@ -167,7 +175,7 @@ class Checkpointer:
         # should leave to training, so items are written uncompressed; readers handle either.
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
         # A blocking save cannot race its caller, so it skips Orbax's defensive copy of numpy leaves.
-        handler_options = {} if self._async else {"type_handler_registry": _registry_without_host_copies()}
+        handler_options = {"type_handler_registry": _type_handlers(copy_host_arrays=self._async)}
         handler_cls = _ChecksummedPyTreeHandler if self._checksums else ocp.PyTreeCheckpointHandler
         for item in (layout.PARAMS, layout.STATE, layout.EXPERIENCE):
             registry.add(item, ocp.args.PyTreeSave, handler_cls(use_compression=False, **handler_options))

@@ -7,6 +7,8 @@ configs transformers derives (SmolLM3's NoPE layers, OLMo 3's old rope layout, G
 layer lists) read as transformers reads them. Logits and round trips against transformers:
 tests/torch_bridge/hf/test_hf_families.py."""
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -130,12 +132,20 @@ SCANNED = {
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 10)), jnp.int32)
 
 
+@functools.cache
+def unrolled_model(family):
+    """(config, model, random params as numpy arrays) of ``family``'s SCANNED layers unrolled; built once for the
+    tests below (tracing the init for the shapes costs as much as some of their checks). Numpy leaves: relaid out
+    by numpy, where JAX would compile each stacking op for each shape."""
+    config = model_config_class(family).model_validate({"name": family, **SCANNED[family]})
+    model = build_model(config)
+    return config, model, jax.tree.map(np.asarray, random_params(model, TOKENS))
+
+
 @pytest.mark.parametrize("family", sorted(SCANNED))
 def test_scanned_rematerialised_layers_train_as_the_unrolled_ones(family):
-    config = model_config_class(family).model_validate({"name": family, **SCANNED[family]})
-    unrolled = build_model(config)
+    config, unrolled, params = unrolled_model(family)
     scanned = build_model(config.model_copy(update={"scan_layers": True, "remat": "full"}))
-    params = random_params(unrolled, TOKENS)
     boxed = nn.meta.unbox(jax.eval_shape(scanned.init, jax.random.PRNGKey(0), TOKENS)["params"])
     stacked = relayout_like(params, boxed)
     stacks = {name for name in boxed if name.endswith("_stack")}
@@ -153,7 +163,7 @@ def test_scanned_rematerialised_layers_train_as_the_unrolled_ones(family):
 
     (value, grads), (scanned_value, scanned_grads) = loss_and_grads(params, stacked)
     np.testing.assert_allclose(scanned_value, value, rtol=1e-6)
-    flat = dict(jax.tree_util.tree_flatten_with_path(unstack_layers(scanned_grads))[0])
+    flat = dict(jax.tree_util.tree_flatten_with_path(unstack_layers(jax.tree.map(np.asarray, scanned_grads)))[0])
     for path, leaf in jax.tree_util.tree_flatten_with_path(grads)[0]:
         np.testing.assert_allclose(flat[path], leaf, rtol=1e-5, atol=1e-7, err_msg=jax.tree_util.keystr(path))
 
@@ -205,9 +215,7 @@ def test_glm4_moe_keeps_its_multi_token_prediction_layer(tmp_path, highest_preci
 
 
 def test_glm4_moe_correction_biases_stay_out_of_the_optimizer():
-    config = model_config_class("glm4_moe").model_validate({"name": "glm4_moe", **SCANNED["glm4_moe"]})
-    model = build_model(config)
-    params = random_params(model, TOKENS)
+    _, model, params = unrolled_model("glm4_moe")
     frozen = [path for path, trainable in jax.tree_util.tree_flatten_with_path(model.trainable_mask(params))[0]
               if not trainable]
     assert [jax.tree_util.keystr(path) for path in frozen] == [
@@ -228,15 +236,14 @@ def test_llama4_reads_its_layer_lists_as_transformers_does():
 
 
 def test_llama4_packed_documents_are_chunked_from_their_own_starts(highest_precision):
-    config = model_config_class("llama4").model_validate({"name": "llama4", **SCANNED["llama4"]})
-    model = build_model(config)
+    _, model, params = unrolled_model("llama4")
     rng = np.random.default_rng(3)
     first, second = rng.integers(0, 64, (1, 5)), rng.integers(0, 64, (1, 7))  # the second starts inside a chunk
-    params = random_params(model, jnp.asarray(first))
     apply = jax.jit(lambda tokens, **keywords: logits_of(model.apply({"params": params}, tokens, **keywords)))
     packed = apply(jnp.asarray(np.concatenate([first, second], axis=1)), segment_ids=jnp.asarray([[1] * 5 + [2] * 7]),
                    positions=jnp.asarray([list(range(5)) + list(range(7))]))  # fmt: skip
     alone = apply(jnp.asarray(np.concatenate([np.pad(first, ((0, 0), (0, 2))), second])))  # causal: padding after
+    packed, alone = np.asarray(packed), np.asarray(alone)  # sliced by numpy (JAX compiles each slice)
     np.testing.assert_allclose(packed[0, :5], alone[0, :5], atol=1e-5, rtol=0)
     np.testing.assert_allclose(packed[0, 5:], alone[1], atol=1e-5, rtol=0)
 

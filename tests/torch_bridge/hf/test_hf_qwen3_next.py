@@ -115,8 +115,12 @@ def test_bf16_round_trip_through_shards_is_bit_exact(tmp_path, family):
 
 
 def test_a_bf16_sharded_checkpoint_converts_trains_scanned_and_exports_for_transformers(tmp_path, capsys):
-    # Qwen3.5-MoE with a byte vocabulary (the bundled char_text data), saved by transformers in bf16 shards.
-    model = build_hybrid("qwen3_5_moe_text", dtype=torch.bfloat16, vocab_size=256)
+    # Qwen3.5-MoE with a byte vocabulary (the bundled char_text data), saved by transformers in bf16 shards. Its layers
+    # alternate, so the scan runs two groups of a Gated DeltaNet layer and an attention layer (the default pattern,
+    # three linear layers to one, is one group: the train step compiled all four layers' bodies, three of them
+    # chunked loops, in twice the time).
+    model = build_hybrid("qwen3_5_moe_text", dtype=torch.bfloat16, vocab_size=256,
+                         layer_types=["linear_attention", "full_attention"] * 2)
     model.save_pretrained(tmp_path / "hf", max_shard_size=20000)
     assert main(["convert", "hf-to-functrain", str(tmp_path / "hf"), str(tmp_path / "run")]) == 0
     result = functrain.fit(str(tmp_path / "run" / "config.yaml"), **{
