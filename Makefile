@@ -6,9 +6,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # Every install of the setup goes through tools/install.py: uv where it can be had (installed into the venv by
 # pip, once), else pip, with pip's own configuration either way. pip alone took about 50 s of a fresh `make test` on
-# the 2-core machine, uv about 20. Neither byte-compiles what it installs (pip is given --no-compile): byte-compiling
-# every module of every installed package (torch, transformers, libtpu, ...) was most of the install's time; Python
-# compiles the modules a process imports, once.
+# the 2-core machine, uv 12 (idle; 28-38 under load). Neither byte-compiles what it installs (pip is given
+# --no-compile): byte-compiling every module of every installed package (torch, transformers, libtpu, ...) was most
+# of the install's time; Python compiles the modules a process imports, once.
 INSTALL := $(PY) tools/install.py
 # ... which needs Python to write the bytecode it compiles: a PYTHONDONTWRITEBYTECODE in the caller's environment
 # made every process of the suite compile jax, flax and transformers again (a fresh `make test`: its subprocess

@@ -3,7 +3,7 @@
 Usage: PYTHON tools/install.py PIP-INSTALL-ARGS...  (the setup's installs: Makefile, tools/install_torch.sh)
 
 Why uv: pip took about 50 s of a fresh ``make test`` on the 2-core machine (unpacking torch, libtpu and a hundred
-other wheels, one at a time); uv about 20 s. uv reads no pip configuration, so the options pip would install with
+other wheels, one at a time); uv 12 s on the idle machine. uv reads no pip configuration, so the options pip would install with
 (its config files and PIP_* variables, merged by pip itself: indexes, find-links, constraints, certificate,
 timeout) are passed on, and uv looks for the best version over every index, as pip does: both install from the
 same places under the same constraints (their resolvers may settle on other versions within the same ranges). uv itself is installed with pip into the environment (one small wheel), once. Where it
