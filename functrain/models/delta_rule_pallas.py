@@ -37,9 +37,9 @@ from functrain.models.delta_rule_pallas_backward import backward_call
 from functrain.models.delta_rule_tiles import (
     chunk_blocks,
     chunk_operands,
+    chunk_system,
     dot,
     inverse_flops,
-    unit_lower_inverse_by_squaring,
 )
 from functrain.models.splash import is_interpreted, shard_specs
 from functrain.parallel.target import target_name, target_platform
@@ -70,10 +70,9 @@ def _chunk_kernel(
     key_products, query_key = dot(key, key, (1, 1)), dot(query, key, (1, 1))
     for head in range(value_ref.shape[0]):
         cumulative, beta = cumulative_ref[head], beta_ref[head]  # [C, 1] each
-        # exp of the decay between key j and query i (j <= i, one run), 0 elsewhere; masked before exp: no overflow.
-        pairwise = jnp.exp(jnp.where(one_run, cumulative - cumulative_row_ref[head], -jnp.inf))
-        inverse = unit_lower_inverse_by_squaring(jnp.where(rows > columns, beta * key_products * pairwise, 0.0))
-        read_decay = jnp.exp(cumulative) * carried  # zero once a new document starts in the chunk
+        pairwise, inverse, read_decay = chunk_system(
+            one_run, cumulative, cumulative_row_ref[head], beta, key_products, carried
+        )
         state = state_ref[head]
         if chunk_states_ref:
             chunk_states_ref[0][head] = state

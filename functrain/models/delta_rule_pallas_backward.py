@@ -26,9 +26,9 @@ from jax.experimental.pallas import tpu as pltpu
 from functrain.models.delta_rule_tiles import (
     chunk_blocks,
     chunk_operands,
+    chunk_system,
     dot,
     inverse_flops,
-    unit_lower_inverse_by_squaring,
 )
 from functrain.models.splash import is_interpreted
 
@@ -65,9 +65,9 @@ def _backward_kernel(
         cumulative, beta, value = cumulative_ref[head], beta_ref[head], value_ref[head]  # [C, 1], [C, 1], [C, Dv]
         state, state_grad, out_grad = chunk_states_ref[head], grad_ref[head], out_grad_ref[head]
         # The forward's chunk, recomputed from the state it started from.
-        pairwise = jnp.exp(jnp.where(one_run, cumulative - cumulative_row_ref[head], -jnp.inf))
-        inverse = unit_lower_inverse_by_squaring(jnp.where(rows > columns, beta * key_products * pairwise, 0.0))
-        read_decay = jnp.exp(cumulative) * carried
+        pairwise, inverse, read_decay = chunk_system(
+            one_run, cumulative, cumulative_row_ref[head], beta, key_products, carried
+        )
         last = cumulative[size - 1 :, :]
         kept = jnp.exp(last) * carried[size - 1 :, :]  # [1, 1]
         write_decay = jnp.exp(last - cumulative) * to_end

@@ -1,7 +1,8 @@
 """What the gated delta rule's Pallas kernels share (:mod:`functrain.models.delta_rule_pallas`, forward, and
-:mod:`functrain.models.delta_rule_pallas_backward`): float32 matmuls, the unit lower-triangular inverse by
-squaring, the per-chunk operands (decays, write strengths, document runs) laid out as the kernels read them, and
-the blocks a grid step (row, key head, chunk) takes of each."""
+:mod:`functrain.models.delta_rule_pallas_backward`): float32 matmuls, the unit lower-triangular inverse by squaring,
+a chunk's decays and system (which the backward recomputes as the forward computed them), the per-chunk operands
+(decays, write strengths, document runs) laid out as the kernels read them, and the blocks a grid step (row, key
+head, chunk) takes of each."""
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +32,24 @@ def unit_lower_inverse_by_squaring(strictly_lower: Array) -> Array:
         inverse = inverse + dot(inverse, power)
         reach *= 2
     return inverse
+
+
+def chunk_system(
+    one_run: Array, cumulative: Array, cumulative_row: Array, beta: Array, key_products: Array, carried: Array
+) -> tuple[Array, Array, Array]:
+    """A value head's chunk as both kernels compute it (the backward recomputes the forward's): ``(pairwise,
+    inverse, read_decay)``. ``pairwise`` [C, C]: the decay between key j and query i (j <= i in one document run,
+    ``one_run``), 0 elsewhere (masked before exp: no overflow); ``inverse``: ``(I + A)^-1`` with ``A = beta K K^T *
+    pairwise`` strictly lower; ``read_decay`` [C, 1]: each token's decay from the chunk's start, 0 once a new
+    document starts in the chunk (``carried``). ``cumulative`` [C, 1] and ``cumulative_row`` [1, C]: the cumulative
+    decays; ``beta`` [C, 1]; ``key_products``: ``K K^T``."""
+    size = key_products.shape[0]
+    strictly_lower = jax.lax.broadcasted_iota(jnp.int32, (size, size), 0) > jax.lax.broadcasted_iota(
+        jnp.int32, (size, size), 1
+    )
+    pairwise = jnp.exp(jnp.where(one_run, cumulative - cumulative_row, -jnp.inf))
+    inverse = unit_lower_inverse_by_squaring(jnp.where(strictly_lower, beta * key_products * pairwise, 0.0))
+    return pairwise, inverse, jnp.exp(cumulative) * carried
 
 
 def inverse_flops(size: int) -> int:
