@@ -90,7 +90,7 @@ def _chunk_kernel(
 
 def chunk_flops(size: int, key_dim: int, value_dim: int, groups: int) -> int:
     """Matmul FLOPs of one kernel step: a chunk of ``size`` tokens of one key head and its ``groups`` value heads
-    (the kernel's cost estimate, which a plan counts: :func:`functrain.plan.counting.kernel_flops`)."""
+    (the kernel's cost estimate, which a plan counts: :func:`functrain.plan.counting.kernel_cost`)."""
     inverse = inverse_flops(size)
     shared = 2 * 2 * size * size * key_dim
     per_value_head = 2 * size * size * (key_dim + 2 * value_dim) + 3 * 2 * size * key_dim * value_dim

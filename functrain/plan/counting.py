@@ -9,11 +9,14 @@ unrolled (:func:`functrain.plan.hlo_loops.loops_unrolled`: each body called once
 cost analysis (``HloCostAnalysis``, the analysis ``jax.stages.Lowered.cost_analysis`` runs, here on the host's CPU
 client: libtpu's compile-only client offers none), divided by ``steps_per_call``. Nothing is compiled again.
 
-XLA's analysis does not see into a cuBLAS call (GPU programs run their matmuls as ``__cublas$gemm`` custom
-calls): their FLOPs are added from their shapes (:func:`gemm_flops`). Nor into a Pallas kernel: the planner adds
-splash attention's FLOPs (:func:`functrain.plan.planner.report`), and the kernels of ``COSTED_KERNELS`` (the gated
-delta rule's forward and backward, :mod:`functrain.models.delta_rule_pallas`) are counted by the cost estimate they
-carry in the HLO (:func:`kernel_flops`).
+XLA's analysis counts a custom call as unknown (-1 FLOPs, -1 bytes); a kernel's is counted here instead
+(:func:`kernel_cost`). A cuBLAS matmul (GPU programs run theirs as ``__cublas$gemm`` custom calls) by its shapes. A
+TPU kernel by the cost estimate it carries in the HLO: libtpu's own grouped matmul for ``jax.lax.ragged_dot`` (a
+mixture of experts' expert matmuls) and the Pallas kernels built with one (the gated delta rule's forward and
+backward, :mod:`functrain.models.delta_rule_pallas`). A kernel without an estimate (cuDNN's attention, splash
+attention's in this JAX) reads its operands and writes its result once; its FLOPs are the planner's, from the model's
+shape (:func:`functrain.plan.planner.attention_kernel_flops`), so an estimate on an attention kernel (a later JAX) is
+left out rather than counted twice. Other custom calls (buffer allocations, index assumptions) cost nothing.
 """
 
 from __future__ import annotations
@@ -34,13 +37,18 @@ COST_KEYS = ("flops", "bytes accessed")
 # The cost entry of the bytes a chip sends over DCN in a step (step_cost).
 DCN_KEY = "dcn bytes"
 
+# The custom calls that run a kernel: a TPU kernel (Mosaic), a cuBLAS matmul, a cuDNN one.
+_KERNEL = re.compile(r'custom_call_target="(tpu_custom_call|__cublas\$[^"]*|__cudnn\$[^"]*)"')
 _GEMM = re.compile(r'custom_call_target="__cublas\$(?:gemm|lt\$matmul)')
 _DIMS = re.compile(r"\w+\[([\d,]*)\]")
 _CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
-# Pallas kernels whose FLOPs come from the cost estimate in their custom call (by the name they are called with).
-COSTED_KERNELS = ("gated_delta_rule", "gated_delta_rule_backward")
-_KERNEL_FLOPS = re.compile(r'"cost_estimate":\{"flops":"(\d+)"')
-_KERNEL_NAME = re.compile(r'op_name="[^"]*\b(' + "|".join(COSTED_KERNELS) + r')/pallas_call"')
+# The cost estimate a TPU kernel's custom call carries (Mosaic's ``custom_call_config``).
+_ESTIMATE = re.compile(r'"cost_estimate":\{"flops":"(\d+)","transcendentals":"\d+","bytes_accessed":"(\d+)"')
+# Attention kernels, whose FLOPs the planner counts from the model's shape (by the start of their custom call's name:
+# ``%splash_mha_fwd_residuals.2 = ... custom-call(...)``) or by their target (cuDNN's fused attention).
+_ATTENTION_KERNELS = ("splash_",)
+_ATTENTION_TARGET = '"__cudnn$fmha'
+_UNKNOWN = -1.0  # XLA's count of a custom call's FLOPs and bytes
 
 
 def step_cost(compiled: Any, steps_per_call: int, slices: int = 1) -> dict[str, float]:
@@ -50,12 +58,9 @@ def step_cost(compiled: Any, steps_per_call: int, slices: int = 1) -> dict[str, 
     text = compiled.as_text() or ""
     program = parse_program(text)
     counted = hlo_cost(loops_unrolled(text, program))
-    cublas = program.total(gemm_flops) if "__cublas$" in text else 0.0
-    kernels = program.total(kernel_flops) if any(name in text for name in COSTED_KERNELS) else 0.0
-    cost = {
-        "flops": (float(counted.get("flops", 0.0)) + cublas + kernels) / steps_per_call,
-        "bytes accessed": float(counted.get("bytes accessed", 0.0)) / steps_per_call,
-    }
+    kernels = (program.total(lambda computation, call: kernel_cost(computation, call)[0]),
+               program.total(lambda computation, call: kernel_cost(computation, call)[1]))  # fmt: skip
+    cost = {key: (float(counted.get(key, 0.0)) + kernel) / steps_per_call for key, kernel in zip(COST_KEYS, kernels)}
     if slices > 1:
         cost[DCN_KEY] = dcn_bytes(program, slices) / steps_per_call
     return cost
@@ -76,9 +81,31 @@ def _cpu_client() -> Any:
         return xla_client.make_cpu_client()
 
 
+def kernel_cost(computation: Computation, instruction: Instruction) -> tuple[float, float]:
+    """What a custom call adds to XLA's count of it (``_UNKNOWN``) to count its (FLOPs, bytes): a kernel's by its
+    estimate, else its matmul's FLOPs (:func:`gemm_flops`) and its operands' and result's bytes; an attention
+    kernel's FLOPs are the planner's (see the module). (0, 0) for any other instruction."""
+    line = instruction.line
+    if " custom-call(" not in line:
+        return 0.0, 0.0
+    target = _KERNEL.search(line)
+    if target is None:
+        return -_UNKNOWN, -_UNKNOWN
+    attention = instruction.name.startswith(_ATTENTION_KERNELS) or _ATTENTION_TARGET in line
+    estimate = None if attention else _ESTIMATE.search(line)
+    if estimate is not None:
+        flops, moved = float(estimate.group(1)), float(estimate.group(2))
+    else:
+        flops = 0.0 if attention else gemm_flops(computation, instruction)
+        read = sum(operand.result_bytes() for operand in map(computation.instructions.get, instruction.operands)
+                   if operand is not None)  # fmt: skip
+        moved = float(read + instruction.result_bytes(first_only=target.group(1).startswith("__cublas$")))
+    return flops - _UNKNOWN, moved - _UNKNOWN
+
+
 def gemm_flops(computation: Computation, instruction: Instruction) -> float:
-    """The FLOPs of a cuBLAS matmul custom call (2 x its output's elements x the contracted size), 0 for any other
-    instruction."""
+    """The FLOPs of a cuBLAS matmul custom call (2 x its output's elements x the contracted size; its result's
+    first array, the second is cuBLAS's workspace), 0 for any other instruction."""
     line = instruction.line
     if "__cublas$" not in line or not _GEMM.search(line) or not instruction.operands:
         return 0.0
@@ -89,16 +116,6 @@ def gemm_flops(computation: Computation, instruction: Instruction) -> float:
     lhs_dims, output = _shape(lhs.line), _shape(line)
     axes = [int(axis) for axis in json.loads(f"[{contracting.group(1)}]")]
     return 2.0 * math.prod(output) * math.prod(lhs_dims[axis] for axis in axes if axis < len(lhs_dims))
-
-
-def kernel_flops(computation: Computation, instruction: Instruction) -> float:
-    """The FLOPs of a Pallas call of ``COSTED_KERNELS``, read from the cost estimate it was built with; 0 for any
-    other instruction."""
-    line = instruction.line
-    if "custom-call" not in line or not _KERNEL_NAME.search(line):
-        return 0.0
-    found = _KERNEL_FLOPS.search(line)
-    return float(found.group(1)) if found else 0.0
 
 
 def _shape(line: str) -> list[int]:

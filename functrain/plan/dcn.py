@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from functrain.plan.hlo_loops import Computation, Instruction, Program, parse_program
+from functrain.plan.hlo_loops import DTYPE_BYTES, Computation, Instruction, Program, elements, parse_program
 
 # Bytes a ring sends per byte of a chip's buffer, for a transfer over ``k`` slices.
 RING_FACTORS: dict[str, Callable[[int], float]] = {
@@ -24,8 +24,6 @@ RING_FACTORS: dict[str, Callable[[int], float]] = {
     "REDUCE_SCATTER": lambda k: (k - 1) / k,
     "ALL_TO_ALL": lambda k: (k - 1) / k,
 }
-DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4}
-DTYPE_BYTES |= {"f64": 8, "s64": 8, "u64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
 
 _SEND = re.compile(r"= \((\w+)\[([\d,]*)\].*?\) send\(.*_xla_megascale_transfer_type=\"(\w+)\"")
 # The slices a transfer spans: ``_xla_megascale_target="{1,2}x{0:7}"`` (slices 1 and 2, chips 0 to 7 of each).
@@ -46,13 +44,6 @@ def dcn_bytes(program: Program | str, slices: int) -> float:
         dtype, dims, kind = send.groups()
         target = _TARGET.search(line)
         spanned = len(target.group(1).split(",")) if target else slices
-        return DTYPE_BYTES.get(dtype, 4) * _product(dims) * RING_FACTORS.get(kind, lambda k: 1.0)(spanned)
+        return DTYPE_BYTES.get(dtype, 4) * elements(dims) * RING_FACTORS.get(kind, lambda k: 1.0)(spanned)
 
     return program.total(sent)
-
-
-def _product(dims: str) -> int:
-    count = 1
-    for dim in filter(None, dims.split(",")):
-        count *= int(dim)
-    return count

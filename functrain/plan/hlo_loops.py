@@ -38,6 +38,10 @@ _WHILE = re.compile(
 _PASS_THROUGH = ("copy", "convert", "bitcast")
 # A comparison with its operands swapped.
 _SWAPPED = {"LT": "GT", "GT": "LT", "LE": "GE", "GE": "LE"}
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4}
+DTYPE_BYTES |= {"f64": 8, "s64": 8, "u64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
+# An array shape in a result: ``bf16[32768,768]{1,0:T(8,128)(2,1)}`` -> (bf16, 32768,768).
+_ARRAY = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,13 @@ class Instruction:
         """The value of attribute ``key`` (``index=3`` -> ``"3"``; a computation's name without its ``%``)."""
         found = re.search(rf"\b{key}=%?([\w.\-]+)", self.line)
         return None if found is None else found.group(1)
+
+    def result_bytes(self, first_only: bool = False) -> int:
+        """The bytes of its result: every array of a tuple, or its first (``first_only``)."""
+        start = self.line.index(" = ") + 2
+        opcode = _OPCODE.search(self.line, start)
+        arrays = _ARRAY.findall(self.line[start : opcode.start() if opcode else None])[: 1 if first_only else None]
+        return sum(DTYPE_BYTES.get(dtype, 4) * elements(dims) for dtype, dims in arrays)
 
     def constant(self) -> int | None:
         """The value of an integer scalar constant; None for any other instruction."""
@@ -218,6 +229,14 @@ def _start(parent: Computation, loop: Instruction, index: int) -> int | None:
         return None
     value = parent.through(init.operands[index])
     return None if value is None else value.constant()
+
+
+def elements(dims: str) -> int:
+    """The elements of an array of dimensions ``dims`` as HLO writes them (``"32768,768"``; ``""``: a scalar)."""
+    count = 1
+    for dim in filter(None, dims.split(",")):
+        count *= int(dim)
+    return count
 
 
 def _iterations(direction: str, start: int, limit: int, step: int) -> int:

@@ -8,8 +8,9 @@ HBM, FLOPs and HBM bytes of a step (``cost_analysis``), a roofline step time and
 
 FLOPs and bytes are XLA's cost analysis of that one compiled program with every loop counted once per iteration
 (steps, micro-batches, scanned layers, cross-entropy chunks, pipeline iterations, collective matmuls:
-:mod:`functrain.plan.counting`); a Pallas kernel's FLOPs (splash attention), which the analysis does not see, are
-added from the model's shape. One compile per plan: nothing is compiled again to count.
+:mod:`functrain.plan.counting`, which counts a kernel by its cost estimate); an attention kernel's FLOPs (splash,
+cuDNN), which neither the analysis nor an estimate gives, are added from the model's shape. One compile per plan:
+nothing is compiled again to count.
 
 A pipelined run (``mesh.pipeline`` stages, :mod:`functrain.parallel.pipeline`) is counted as it runs: each chip
 computes its stage's share of the layers on every iteration of the schedule, busy or idle; the bubble is reported.
@@ -46,6 +47,8 @@ from functrain.report.mfu import train_flops_per_token
 TOPOLOGY_EXAMPLES = ("v4:2x2x2", "v5e:4x4", "v5p:4x4x8", "v6e:16x16")
 # Part of HBM a plan may fill: the runtime, the compiled program and fragmentation take the rest.
 HBM_USABLE = 0.95
+# The attention kernels (attention_kernel_of) whose FLOPs a plan adds from the model's shape (attention_kernel_flops).
+ATTENTION_KERNELS = ("splash", "cudnn")
 # DCN bandwidth per chip, Gbit/s: Cloud TPU v5p's data sheet ("Data center network (DCN) bandwidth per chip").
 DEFAULT_DCN_GBPS = 50.0
 
@@ -314,7 +317,8 @@ def report(
     shape = planned.model_config.decoder_shape() if tokens else None
     model_flops = train_flops_per_token(shape, planned.seq_len) * tokens if shape and tokens else None
     attention = None if compiled is None else attention_kernel_of(compiled, tokens is not None)
-    flops = cost.get("flops", 0.0) + (splash_flops(planned) / chips if attention == "splash" else 0.0)
+    kernel = attention in ATTENTION_KERNELS
+    flops = cost.get("flops", 0.0) + (attention_kernel_flops(planned) / chips if kernel else 0.0)
     bytes_accessed = cost.get("bytes accessed", 0.0)
     step_time = mfu = tokens_per_chip = fits = hbm = None
     if chip:
@@ -362,11 +366,12 @@ def report(
     )
 
 
-def splash_flops(planned: Planned) -> float:
-    """The attention FLOPs of a step that splash's Pallas kernels compute, on all chips (0 for a run that trains
-    no decoder on tokens): the cost analysis does not see into a kernel, else the roofline would leave attention
-    out. Causal: half the score matrix, forward and backward, and the forward again where the blocks are
-    rematerialised (no remat policy saves a kernel's output)."""
+def attention_kernel_flops(planned: Planned) -> float:
+    """The attention FLOPs of a step that an attention kernel computes (splash's Pallas kernels, cuDNN's fused
+    attention: ``ATTENTION_KERNELS``), on all chips (0 for a run that trains no decoder on tokens): the cost analysis
+    does not see into a kernel, else the roofline would leave attention out. Causal: half the score matrix, forward
+    and backward, and the forward again where the blocks are rematerialised (no remat policy saves a kernel's
+    output)."""
     tokens = planned.tokens_per_step
     shape = planned.model_config.decoder_shape() if tokens else None
     if not shape or not tokens:
