@@ -56,6 +56,7 @@ def panels() -> list[tuple]:
 
 
 HARNESS = "harness"  # the split of lm-eval scores: a panel each
+PANEL_INCHES = (5.2, 3.6)  # width, height of one panel's share of the figure
 
 
 @dataclass
@@ -195,10 +196,12 @@ def plot_runs(run_dirs: list[str | os.PathLike], out: str | os.PathLike) -> Path
     """Write the PNG of the runs' curves to ``out`` (a directory: ``plot.png`` in it) and return its path. Runs
     are read before anything is written and a failed write removes its temporary file, so an error leaves no
     file behind."""
+    # A figure of its own on Agg's canvas, not pyplot's: nothing global (a notebook's backend) changes, and pyplot's
+    # import (a quarter of a second) is skipped at the end of every run.
     import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
 
     out = Path(out)
     if out.is_dir():  # `-o DIR`: the PNG goes inside it, as `cp FILE DIR` puts a file there
@@ -217,8 +220,10 @@ def plot_runs(run_dirs: list[str | os.PathLike], out: str | os.PathLike) -> Path
     ]
     columns = 3
     rows = -(-len(drawn) // columns)
-    colours = [plt.get_cmap("tab10")(i % 10) for i in range(len(runs))]
-    fig, axes = plt.subplots(rows, columns, figsize=(5.2 * columns, 3.6 * rows), squeeze=False)
+    colours = [matplotlib.colormaps["tab10"](i % 10) for i in range(len(runs))]
+    fig = Figure(figsize=(PANEL_INCHES[0] * columns, PANEL_INCHES[1] * rows))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(rows, columns, squeeze=False)
     for ax, (title, ylabel, metric, with_eval, noisy, split) in zip(axes.flat, drawn):
         _draw_panel(ax, runs, colours, metric, with_eval, noisy, split)
         ax.set_title(title)
@@ -229,10 +234,10 @@ def plot_runs(run_dirs: list[str | os.PathLike], out: str | os.PathLike) -> Path
         ax.axis("off")
     handles, labels = axes.flat[0].get_legend_handles_labels()
     if any(run.resume_steps for run in runs):
-        handles.append(matplotlib.lines.Line2D([], [], color="grey", linestyle=":"))
+        handles.append(Line2D([], [], color="grey", linestyle=":"))
         labels.append("resume")
     fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 4), fontsize="small", frameon=False)
-    fig.tight_layout(rect=(0, 0.06 + 0.02 * (len(labels) // 4), 1, 1))
+    fig.subplots_adjust(**margins(rows, columns, legend_rows=-(-len(labels) // 4)))
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}.png")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -245,9 +250,20 @@ def plot_runs(run_dirs: list[str | os.PathLike], out: str | os.PathLike) -> Path
         raise FunctrainError(
             f"cannot write the plot to {out} ({exc.strerror or exc}{where}); choose another -o path"
         ) from None
-    finally:
-        plt.close(fig)
     return out
+
+
+def margins(rows: int, columns: int, legend_rows: int) -> dict[str, float]:
+    """``subplots_adjust``'s fractions for a grid of ``PANEL_INCHES`` panels with fixed margins in inches (room for
+    the tick labels, axis labels and titles, the legend's rows below): a fixed layout costs nothing to compute,
+    where ``tight_layout`` drew every text once more to measure it (40% of a plot's time)."""
+    width, height = PANEL_INCHES[0] * columns, PANEL_INCHES[1] * rows
+    left, right, top, gap_x, gap_y = 1.1, 0.25, 0.4, 1.2, 0.85
+    bottom = 0.6 + 0.25 * legend_rows
+    panel_width = (width - left - right - gap_x * (columns - 1)) / columns
+    panel_height = (height - top - bottom - gap_y * (rows - 1)) / rows
+    return dict(left=left / width, right=1 - right / width, bottom=bottom / height, top=1 - top / height,
+                wspace=gap_x / panel_width, hspace=gap_y / panel_height)  # fmt: skip
 
 
 def default_output(run_dirs: list[str | os.PathLike]) -> Path:
