@@ -27,7 +27,7 @@ STUDENT = {**TEACHER_MODEL, "d_model": 16, "n_layers": 1, "d_ff": 32}
 def write_teacher(directory, model=TEACHER_MODEL):
     """A run directory holding one checkpoint of a random teacher and its config.yaml; returns its params."""
     module = build_model(GPTConfig(**{key: value for key, value in model.items() if key != "name"}))
-    variables = module.init(jax.random.PRNGKey(5), np.zeros((1, 8), np.int32))
+    variables = jax.jit(module.init)(jax.random.PRNGKey(5), np.zeros((1, 8), np.int32))  # whole, not op by op
     params = jax.tree.map(np.asarray, nn.meta.unbox(variables["params"]))
     saver = Checkpointer(directory, keep=None, async_save=False)
     saver.save(7, {"params": params}, {"model": model})
@@ -112,7 +112,7 @@ def test_an_hf_teacher_directory(tmp_path):
     model = {"name": "gpt2", "vocab_size": 256, "n_positions": 16, "n_embd": 16, "n_layer": 1, "n_head": 2}
     hf_module = build_model(GPT2Config(**model))
     params = jax.tree.map(np.asarray, nn.meta.unbox(
-        hf_module.init(jax.random.PRNGKey(2), np.zeros((1, 8), np.int32))["params"]))
+        jax.jit(hf_module.init)(jax.random.PRNGKey(2), np.zeros((1, 8), np.int32))["params"]))
     save_pretrained(params, GPT2Config(**model), tmp_path / "hf")
     assert_teacher_loaded(write_config(tmp_path, tmp_path / "hf"), params)
 
