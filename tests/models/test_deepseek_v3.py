@@ -55,9 +55,11 @@ def decoded_and_full_logits(model, params, tokens, spans):
     sequence at once."""
     full = _logits(jax.jit(model.apply)({"params": params}, tokens))
     feed = jax.jit(lambda cache, new: model.apply({"params": params, "cache": cache}, new, mutable=["cache"]))
-    cache, pieces = zeros_like_shapes(cache_shapes(model, params, tokens)), []
+    # The cache's zeros made by one program and the spans cut on the host: op by op, each compiles one of its own.
+    shapes = cache_shapes(model, params, tokens)
+    cache, pieces, rows = jax.jit(lambda: zeros_like_shapes(shapes))(), [], np.asarray(tokens)
     for start, stop in spans:
-        output, updated = feed(cache, tokens[:, start:stop])
+        output, updated = feed(cache, rows[:, start:stop])
         cache = updated["cache"]
         pieces.append(_logits(output))
     return np.concatenate(pieces, axis=1), full
@@ -103,7 +105,9 @@ def test_scanned_layers_with_remat_train_as_the_unrolled_ones(converted, highest
     value, grads = jax.jit(jax.value_and_grad(lambda p: loss(unrolled, p)))(params)
     scanned_value, scanned_grads = jax.jit(jax.value_and_grad(lambda p: loss(scanned, p)))(stacked)
     np.testing.assert_allclose(scanned_value, value, rtol=1e-6)
-    for got, want in zip(jax.tree.leaves(relayout_like(scanned_grads, grads)), jax.tree.leaves(grads)):
+    # Unstacked on the host: each slice of a device array compiles a program of its own.
+    unstacked = relayout_like(jax.device_get(scanned_grads), grads)
+    for got, want in zip(jax.tree.leaves(unstacked), jax.tree.leaves(grads)):
         np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-5)
 
 
