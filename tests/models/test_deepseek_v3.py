@@ -55,9 +55,11 @@ def decoded_and_full_logits(model, params, tokens, spans):
     sequence at once."""
     full = _logits(jax.jit(model.apply)({"params": params}, tokens))
     feed = jax.jit(lambda cache, new: model.apply({"params": params, "cache": cache}, new, mutable=["cache"]))
-    cache, pieces = zeros_like_shapes(cache_shapes(model, params, tokens)), []
+    # The cache's zeros made by one program and the spans cut on the host: op by op, each compiles one of its own.
+    shapes = cache_shapes(model, params, tokens)
+    cache, pieces, rows = jax.jit(lambda: zeros_like_shapes(shapes))(), [], np.asarray(tokens)
     for start, stop in spans:
-        output, updated = feed(cache, tokens[:, start:stop])
+        output, updated = feed(cache, rows[:, start:stop])
         cache = updated["cache"]
         pieces.append(_logits(output))
     return np.concatenate(pieces, axis=1), full
@@ -103,7 +105,9 @@ def test_scanned_layers_with_remat_train_as_the_unrolled_ones(converted, highest
     value, grads = jax.jit(jax.value_and_grad(lambda p: loss(unrolled, p)))(params)
     scanned_value, scanned_grads = jax.jit(jax.value_and_grad(lambda p: loss(scanned, p)))(stacked)
     np.testing.assert_allclose(scanned_value, value, rtol=1e-6)
-    for got, want in zip(jax.tree.leaves(relayout_like(scanned_grads, grads)), jax.tree.leaves(grads)):
+    # Unstacked on the host: each slice of a device array compiles a program of its own.
+    unstacked = relayout_like(jax.device_get(scanned_grads), grads)
+    for got, want in zip(jax.tree.leaves(unstacked), jax.tree.leaves(grads)):
         np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-5)
 
 
@@ -114,20 +118,26 @@ BALANCED = dict(TINY, name="deepseek_v3", vocab_size=VOCAB, num_hidden_layers=2,
                 initializer_range=0.2)
 
 
-def _two_steps(micro_batches: int, tokens: np.ndarray):
-    """Two AdamW steps (weight decay on) of a DeepSeek-V3 with the bias update on; the final TrainState."""
+def _two_steps_each(micro_batchings: tuple[int, ...], tokens: np.ndarray) -> list[TrainState]:
+    """Two AdamW steps (weight decay on) of a DeepSeek-V3 with the bias update on, from one initial state, for each
+    number of micro-batches; the final TrainStates."""
     config = model_config_class("deepseek_v3").model_validate(BALANCED)
     batch = {"tokens": tokens, "weight": np.ones(len(tokens), np.float32)}
     program = as_program(build_model(config), batch)
-    params, model_state = program.init(jax.random.PRNGKey(0))
+    # Initialised once, compiled whole: run op by op, the init compiles a small program for each op.
+    params, model_state = jax.jit(program.init)(jax.random.PRNGKey(0))
     trainable = program.trainable(params)
     tx = trainable_only(optax.adamw(1e-2, weight_decay=0.1), trainable)
-    step = jax.jit(make_train_step(program.loss_fn, tx, micro_batches=micro_batches, stateful=True,
-                                   trainable=trainable, end_of_step=program.end_of_step))  # fmt: skip
-    state = TrainState.create(params, tx, jax.random.PRNGKey(1), model_state)
-    for _ in range(2):
-        state, _ = step(state, batch)
-    return state
+    initial = jax.jit(lambda: TrainState.create(params, tx, jax.random.PRNGKey(1), model_state))()
+    states = []
+    for micro_batches in micro_batchings:
+        step = jax.jit(make_train_step(program.loss_fn, tx, micro_batches=micro_batches, stateful=True,
+                                       trainable=trainable, end_of_step=program.end_of_step))  # fmt: skip
+        state = initial
+        for _ in range(2):
+            state, _ = step(state, batch)
+        states.append(state)
+    return states
 
 
 def _biases(params):
@@ -136,7 +146,7 @@ def _biases(params):
 
 def test_bias_update_moves_the_bias_alike_for_any_micro_batching():
     tokens = np.random.default_rng(3).integers(0, VOCAB, (8, 9))
-    whole, split = _two_steps(1, tokens), _two_steps(4, tokens)
+    whole, split = _two_steps_each((1, 4), tokens)
     biases = _biases(whole.params)
     assert len(biases) == 1  # the MoE layer
     for path, bias in biases.items():
@@ -152,12 +162,14 @@ def test_bias_update_moves_the_bias_alike_for_any_micro_batching():
 
 def test_killed_run_resumes_bitwise_with_the_bias_update_and_multi_token_prediction(tmp_path):
     """verify-resume's check (one subprocess: the SIGKILLed run) over 4 steps killed at a random one."""
-    # A multi-token-prediction module (an MoE layer with its own correction bias) trained beside the model.
-    model = {**BALANCED, "vocab_size": 256, "max_position_embeddings": 64, "num_nextn_predict_layers": 1}
-    # The final evaluation reads 2 batches, not the text's 729 (the check compares the training metrics).
-    config = {"seed": 0, "model": model, "data": {"name": "char_text", "seq_len": 16, "global_batch_size": 4},
-              "optimizer": {"name": "adamw", "learning_rate": 0.01}, "train": {"steps_per_call": 1},
-              "eval": {"max_batches": 2}}  # fmt: skip
+    # A multi-token-prediction module (an MoE layer with its own correction bias) trained beside the model, whose one
+    # layer is an MoE layer (a dense layer before it, compiled and traced in all three runs, adds nothing to resuming).
+    model = {**BALANCED, "vocab_size": 256, "max_position_embeddings": 64, "num_nextn_predict_layers": 1,
+             "num_hidden_layers": 1, "first_k_dense_replace": 0}  # fmt: skip
+    # No evaluation split: the check compares the training metrics, and an evaluation would compile a program more.
+    config = {"seed": 0, "model": model,
+              "data": {"name": "char_text", "seq_len": 16, "global_batch_size": 4, "eval_fraction": 0.0},
+              "optimizer": {"name": "adamw", "learning_rate": 0.01}, "train": {"steps_per_call": 1}}  # fmt: skip
     assert_resumes_as_uninterrupted(config, tmp_path, 4, ["eval.every_steps=0"])
 
 

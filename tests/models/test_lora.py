@@ -40,22 +40,14 @@ def test_trainable_parameter_count_is_exact():
                                num_attention_heads=4, num_key_value_heads=2)
     rank, batch = 3, {"tokens": np.zeros((2, 9), np.int32), "weight": np.ones(2, np.float32)}
     program = lora_program(llama.build(config), batch, "causal_lm", LoraConfig(rank=rank, targets=("q_proj", "v_proj")))
-    params, _ = program.init(jax.random.PRNGKey(0))
+    # Shapes only: init and the optimizer's init traced, not run op by op (each eager op compiled a program).
+    params, _ = jax.eval_shape(program.init, jax.random.PRNGKey(0))
     mask = program.trainable(params)
     trainable = sum(leaf.size for leaf, m in zip(jax.tree.leaves(params), jax.tree.leaves(mask)) if m)
     per_layer = (32 * rank + rank * 4 * 8) + (32 * rank + rank * 2 * 8)  # q: 4 heads x 8, v: 2 kv heads x 8
     assert trainable == 2 * per_layer
-    opt_state = trainable_only(optax.adamw(1e-3), mask).init(params)
+    opt_state = jax.eval_shape(trainable_only(optax.adamw(1e-3), mask).init, params)
     assert sum(leaf.size for leaf in jax.tree.leaves(opt_state)) == 2 * trainable + 1  # mu, nu and the count
-
-
-def adapter_logits(run_dir, step):
-    """Logits of the functrain model with its adapters, from the run's checkpoint."""
-    params, meta = load_params_and_meta(run_dir, step)
-    config = llama.LlamaConfig(**meta["model"])
-    with jax.default_matmul_precision("highest"), nn.intercept_methods(
-            adapter_interceptor(config.lora, False, jax.random.PRNGKey(0))):
-        return np.asarray(llama.build(config).apply({"params": params}, IDS))
 
 
 def hf_logits(model):
@@ -73,6 +65,17 @@ def lora_run(tmp_path_factory):
         "train.max_steps": 3, "optimizer.learning_rate": 3e-2, "model.lora": LORA})
     assert result.step == 3
     return tmp
+
+
+@pytest.fixture(scope="module")
+def lora_run_logits(lora_run):
+    """Logits of the functrain model with its adapters, from lora_run's step 3 (the tests only read them)."""
+    params, meta = load_params_and_meta(lora_run / "run", 3)
+    config = llama.LlamaConfig(**meta["model"])
+    with jax.default_matmul_precision("highest"), nn.intercept_methods(
+            adapter_interceptor(config.lora, False, jax.random.PRNGKey(0))):
+        # Compiled whole: applied op by op, each op compiled a program of its own.
+        return np.asarray(jax.jit(llama.build(config).apply)({"params": params}, IDS))
 
 
 def test_base_weights_stay_bit_identical_and_adapters_train(lora_run):
@@ -138,8 +141,8 @@ def test_an_adapters_only_step_with_a_replaced_or_damaged_base_names_its_base_st
         load_params_and_meta(run, 3)
 
 
-def test_merged_export_and_peft_adapter_give_the_adapter_models_logits(lora_run, capsys):
-    expected = adapter_logits(lora_run / "run", 3)
+def test_merged_export_and_peft_adapter_give_the_adapter_models_logits(lora_run, lora_run_logits, capsys):
+    expected = lora_run_logits
     assert main(["convert", "functrain-to-hf", str(lora_run / "run"), str(lora_run / "merged"), "--merge-lora"]) == 0
     merged = transformers.AutoModelForCausalLM.from_pretrained(lora_run / "merged").eval()
     np.testing.assert_allclose(hf_logits(merged), expected, atol=1e-5, rtol=0)
@@ -153,21 +156,23 @@ def test_merged_export_and_peft_adapter_give_the_adapter_models_logits(lora_run,
     assert np.abs(expected - hf_logits(transformers.AutoModelForCausalLM.from_pretrained(lora_run / "hf"))).max() > 1e-3
 
 
-def test_generate_decodes_with_the_adapters(lora_run):
+def test_generate_decodes_with_the_adapters(lora_run, lora_run_logits):
     from functrain.text.decode import load_language_model
     model, params, step = load_language_model(lora_run / "run")
     assert step == 3 and "lora_a" not in str(jax.tree_util.tree_structure(params))
     with jax.default_matmul_precision("highest"):
-        np.testing.assert_allclose(np.asarray(model.apply({"params": params}, IDS)), adapter_logits(lora_run / "run", 3),
+        np.testing.assert_allclose(np.asarray(jax.jit(model.apply)({"params": params}, IDS)), lora_run_logits,
                                    atol=1e-5, rtol=0)
 
 
 def test_lora_run_killed_and_resumed_is_bitwise_identical(lora_run):
     """From the converted base (fresh adapters), one run straight through, one SIGKILLed after dispatching its
     3rd step and resumed: same params digest and losses (the killed attempt runs in a subprocess)."""
+    # lora_run's shapes and adapters (dropout on): its compiled train step is this run's (a compilation cache hit).
     overrides = ["train.max_steps=4", "train.steps_per_call=1", "checkpoint.every_steps=2", "log.every_steps=1",
-                 "log.progress=false", "data.seq_len=16", "data.global_batch_size=4", "data.eval_fraction=0",
-                 "model.lora={rank: 2, alpha: 4, dropout: 0.1, targets: [q_proj, down_proj]}"]
+                 "log.progress=false", f"data.seq_len={QUIET['data.seq_len']}",
+                 f"data.global_batch_size={QUIET['data.global_batch_size']}", "data.eval_fraction=0",
+                 f"model.lora={json.dumps(LORA)}"]
     runs = {}
     for name in ("straight", "killed"):
         runs[name] = lora_run / name

@@ -27,7 +27,7 @@ STUDENT = {**TEACHER_MODEL, "d_model": 16, "n_layers": 1, "d_ff": 32}
 def write_teacher(directory, model=TEACHER_MODEL):
     """A run directory holding one checkpoint of a random teacher and its config.yaml; returns its params."""
     module = build_model(GPTConfig(**{key: value for key, value in model.items() if key != "name"}))
-    variables = module.init(jax.random.PRNGKey(5), np.zeros((1, 8), np.int32))
+    variables = jax.jit(module.init)(jax.random.PRNGKey(5), np.zeros((1, 8), np.int32))  # whole, not op by op
     params = jax.tree.map(np.asarray, nn.meta.unbox(variables["params"]))
     saver = Checkpointer(directory, keep=None, async_save=False)
     saver.save(7, {"params": params}, {"model": model})
@@ -91,17 +91,33 @@ def test_a_student_started_from_another_run_gets_the_teacher_too(tmp_path, teach
         np.testing.assert_array_equal(np.asarray(got), want)
 
 
-def test_a_distillation_run_trains_and_logs_its_terms(tmp_path, teacher):
-    config = write_config(tmp_path, teacher[0], train={"max_steps": 8}, optimizer={"learning_rate": 3e-3})
+# The trained run's learning rate (constant): the sharded run's 3 steps are also its first 3.
+TRAINED_RATE = 3e-3
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, teacher):
+    """The run directory of 8 steps of distillation on one device (eval every 4 steps, a checkpoint every 2)."""
+    tmp_path = tmp_path_factory.mktemp("trained")
+    config = write_config(tmp_path, teacher[0], train={"max_steps": 8}, optimizer={"learning_rate": TRAINED_RATE})
     assert main(["train", str(config)]) == 0
-    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    return tmp_path / "run"
+
+
+def metrics(run_dir) -> list[dict]:
+    """The lines of a run's metrics.jsonl."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_distillation_run_trains_and_logs_its_terms(trained, teacher):
+    lines = metrics(trained)
     train = [line for line in lines if line["split"] == "train"]
     evaluation = [line for line in lines if line["split"] == "eval"]
     assert train[-1]["loss"] < train[0]["loss"]
     for line in train:
         np.testing.assert_allclose(line["loss"], 0.5 * line["distill"] + 0.5 * line["cross_entropy"], rtol=1e-5)
     assert evaluation and evaluation[-1]["loss"] == evaluation[-1]["cross_entropy"] and evaluation[-1]["distill"] > 0
-    recorded = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    recorded = yaml.safe_load((trained / "config.yaml").read_text())
     assert recorded["task"] == "distill" and recorded["distill"]["teacher"] == str(teacher[0])
 
 
@@ -112,7 +128,7 @@ def test_an_hf_teacher_directory(tmp_path):
     model = {"name": "gpt2", "vocab_size": 256, "n_positions": 16, "n_embd": 16, "n_layer": 1, "n_head": 2}
     hf_module = build_model(GPT2Config(**model))
     params = jax.tree.map(np.asarray, nn.meta.unbox(
-        hf_module.init(jax.random.PRNGKey(2), np.zeros((1, 8), np.int32))["params"]))
+        jax.jit(hf_module.init)(jax.random.PRNGKey(2), np.zeros((1, 8), np.int32))["params"]))
     save_pretrained(params, GPT2Config(**model), tmp_path / "hf")
     assert_teacher_loaded(write_config(tmp_path, tmp_path / "hf"), params)
 
@@ -152,11 +168,12 @@ def test_bad_input_is_one_line_exit_2_and_nothing_is_written(tmp_path, capsys, t
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == "{}\n"
 
 
-def test_the_teacher_is_sharded_by_its_logical_axes(tmp_path, teacher):
+def test_the_teacher_is_sharded_by_its_logical_axes(tmp_path, teacher, trained):
     """On 4 devices (fsdp 2 x tensor 2) the teacher's weights are sharded by their own logical axes (no student
-    weight has their shapes) and the run's losses are those of one device."""
+    weight has their shapes) and the run's losses are those of one device (the trained run's first 3 steps)."""
     config = write_config(tmp_path, teacher[0], train={"max_steps": 3, "steps_per_call": 1},
-                          eval={"every_steps": 0}, checkpoint={"every_steps": 0})
+                          optimizer={"learning_rate": TRAINED_RATE}, eval={"every_steps": 0},
+                          checkpoint={"every_steps": 0})
     code = f"""
         import json
         from functrain.commands.cli import main
@@ -170,10 +187,8 @@ def test_the_teacher_is_sharded_by_its_logical_axes(tmp_path, teacher):
     """
     sharded = run_python(code, devices=4)
     assert json.dumps([["tensor", "fsdp"], ["fsdp", "tensor"]]) in sharded.stdout.splitlines()
-    assert main(["train", str(config)]) == 0
 
-    def losses(run):
-        lines = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
-        return [(line["loss"], line["distill"]) for line in lines if line["split"] == "train"]
-    assert len(losses("run")) == 3
-    np.testing.assert_allclose(losses("sharded"), losses("run"), atol=1e-5, rtol=0)
+    def losses(run_dir):
+        return [(line["loss"], line["distill"]) for line in metrics(run_dir) if line["split"] == "train"]
+    assert len(losses(tmp_path / "sharded")) == 3
+    np.testing.assert_allclose(losses(tmp_path / "sharded"), losses(trained)[:3], atol=1e-5, rtol=0)

@@ -2,6 +2,7 @@
 bitwise resume (also with num_iterations 2), and reward functions that fail stopping the run in one line."""
 
 import json
+import shutil
 import textwrap
 from pathlib import Path
 
@@ -154,8 +155,16 @@ def _same_training(run_dir, other):
         [{k: v for k, v in line.items() if k not in drop} for line in train_lines(other)]
 
 
-def test_a_cut_run_resumes_bitwise(workspace, whole_run, tmp_path):
-    fit({}, **config(workspace, tmp_path / "cut", **{"train.max_steps": 2}))
+@pytest.fixture(scope="module")
+def cut_run(workspace):
+    """The first two of whole_run's steps, run alone (a run cut at step 2): a test that resumes it takes a copy."""
+    run_dir = workspace / "cut"
+    fit({}, **config(workspace, run_dir, **{"train.max_steps": 2}))
+    return run_dir
+
+
+def test_a_cut_run_resumes_bitwise(workspace, whole_run, cut_run, tmp_path):
+    shutil.copytree(cut_run, tmp_path / "cut")
     fit({}, **config(workspace, tmp_path / "cut"))  # resumes from its checkpoint at step 2
     _same_training(tmp_path / "cut", whole_run)
 
@@ -236,11 +245,11 @@ def test_an_environment_that_raises_stops_the_run_in_one_line(workspace, episode
 
 
 def test_a_failing_reward_function_stops_the_run_in_one_line_and_the_checkpoint_stays_whole(
-        workspace, tmp_path, capsys, monkeypatch):
+        workspace, cut_run, tmp_path, capsys, monkeypatch):
     run_dir = tmp_path / "run"
     path = tmp_path / "config.yaml"
     path.write_text("{}")
-    fit({}, **config(workspace, run_dir, **{"train.max_steps": 2}))
+    shutil.copytree(cut_run, run_dir)
     overrides = [f"{key}={json.dumps(value)}" for key, value in config(workspace, run_dir).items()]
     # The function is swapped after the first checkpoint: at step 2 it raises.
     rewards = __import__("grpo_test_rewards")
