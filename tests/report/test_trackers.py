@@ -8,8 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from mlflow.tracking import MlflowClient
-from wandb.proto import wandb_internal_pb2
 
 from functrain.commands.cli import main
 from tests.conftest import run_python
@@ -22,6 +20,8 @@ TINY = {"train.steps_per_call": 1, "log.every_steps": 2, "checkpoint.every_steps
 def wandb_records(path: Path):
     """The protobuf records of an offline ``.wandb`` file (W&B's LevelDB-style log: 32 KiB blocks of chunks
     with a 7-byte header: crc32, length, type 1=full 2=first 3=middle 4=last)."""
+    from wandb.proto import wandb_internal_pb2  # here: wandb and mlflow cost a worker that runs none of this 2 s
+
     data = path.read_bytes()
     assert data[:4] == b":W&B"
     block, position, pending = 32768, 7, b""
@@ -74,6 +74,8 @@ def test_wandb_offline_and_mlflow_file_store_follow_a_resumed_run(tmp_path, monk
     wandb_loss = {row["_step"]: row["train/loss"] for _, row in history if "train/loss" in row}
     assert wandb_loss == pytest.approx(train_loss)
     assert [row["checkpoint/step"] for _, row in history if "checkpoint/step" in row] == [4, 8, 12, 16]
+
+    from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=(run_dir / "mlruns").as_uri())
     run = client.get_run(first_ids["mlflow"])
