@@ -40,7 +40,6 @@ DCN_KEY = "dcn bytes"
 # The custom calls that run a kernel: a TPU kernel (Mosaic), a cuBLAS matmul, a cuDNN one.
 _KERNEL = re.compile(r'custom_call_target="(tpu_custom_call|__cublas\$[^"]*|__cudnn\$[^"]*)"')
 _GEMM = re.compile(r'custom_call_target="__cublas\$(?:gemm|lt\$matmul)')
-_DIMS = re.compile(r"\w+\[([\d,]*)\]")
 _CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
 # The cost estimate a TPU kernel's custom call carries (Mosaic's ``custom_call_config``).
 _ESTIMATE = re.compile(r'"cost_estimate":\{"flops":"(\d+)","transcendentals":"\d+","bytes_accessed":"(\d+)"')
@@ -111,14 +110,8 @@ def gemm_flops(computation: Computation, instruction: Instruction) -> float:
         return 0.0
     lhs = computation.instructions.get(instruction.operands[0])
     contracting = _CONTRACTING.search(line)
-    if lhs is None or contracting is None:
+    if lhs is None or contracting is None or not lhs.result_arrays() or not instruction.result_arrays():
         return 0.0
-    lhs_dims, output = _shape(lhs.line), _shape(line)
+    (_, lhs_dims), (_, output) = lhs.result_arrays()[0], instruction.result_arrays()[0]
     axes = [int(axis) for axis in json.loads(f"[{contracting.group(1)}]")]
     return 2.0 * math.prod(output) * math.prod(lhs_dims[axis] for axis in axes if axis < len(lhs_dims))
-
-
-def _shape(line: str) -> list[int]:
-    """The dimensions of an instruction's result (of its first element, for a tuple)."""
-    found = _DIMS.search(line, line.index(" = ") + 3)
-    return [int(dim) for dim in found.group(1).split(",") if dim] if found else []

@@ -13,6 +13,7 @@ another form counts once.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -80,12 +81,17 @@ class Instruction:
         found = re.search(rf"\b{key}=%?([\w.\-]+)", self.line)
         return None if found is None else found.group(1)
 
-    def result_bytes(self, first_only: bool = False) -> int:
-        """The bytes of its result: every array of a tuple, or its first (``first_only``)."""
+    def result_arrays(self) -> list[tuple[str, list[int]]]:
+        """The element type and dimensions of each array of its result (one, or a tuple's)."""
         start = self.line.index(" = ") + 2
         opcode = _OPCODE.search(self.line, start)
-        arrays = _ARRAY.findall(self.line[start : opcode.start() if opcode else None])[: 1 if first_only else None]
-        return sum(DTYPE_BYTES.get(dtype, 4) * elements(dims) for dtype, dims in arrays)
+        found = _ARRAY.findall(self.line[start : opcode.start() if opcode else None])
+        return [(dtype, [int(dim) for dim in dims.split(",") if dim]) for dtype, dims in found]
+
+    def result_bytes(self, first_only: bool = False) -> int:
+        """The bytes of its result: every array of a tuple, or its first (``first_only``)."""
+        arrays = self.result_arrays()[: 1 if first_only else None]
+        return sum(DTYPE_BYTES.get(dtype, 4) * math.prod(dims) for dtype, dims in arrays)
 
     def constant(self) -> int | None:
         """The value of an integer scalar constant; None for any other instruction."""
